@@ -1,0 +1,5 @@
+import sys
+
+from psserver.cli import main
+
+sys.exit(main())

@@ -1,0 +1,107 @@
+"""``psserver serve``: the long-running parameter server."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from psserver.cli.base import SubCommand, add_optimizer_arguments, env_int, optimizer_from_args
+
+
+def add_control_arguments(parser: argparse.ArgumentParser) -> None:
+    """Control-plane and metrics flags, shared by ``serve`` and collective ``train``."""
+    g = parser.add_argument_group("control plane (gRPC)")
+    g.add_argument("--control-host", default="127.0.0.1", help="control plane address (default 127.0.0.1)")
+    g.add_argument("--control-port", type=int, default=50051, help="control plane port (default 50051; 0 picks one)")
+    g.add_argument("--no-control", action="store_true", help="do not serve the control plane")
+    g.add_argument("--auth-token-file", type=Path, default=None,
+                   help="bearer token required on every call but health (else $PSSERVER_AUTH_TOKEN)")
+    g.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate: serve TLS")
+    g.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
+    g.add_argument("--allow-unauthenticated-admin", action="store_true",
+                   help="allow Checkpoint/Shutdown without a token when no token is configured")
+    g.add_argument("--reflection", action="store_true", help="serve gRPC server reflection")
+    m = parser.add_argument_group("metrics")
+    m.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    m.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
+    m.add_argument("--tensorboard-dir", type=Path, default=None, help="write TensorBoard event files here")
+
+
+def control_from_args(args: argparse.Namespace):
+    from psserver.config import ControlConfig, ObservabilityConfig
+
+    control = ControlConfig(
+        host=args.control_host,
+        port=args.control_port,
+        enabled=not args.no_control,
+        auth_token_file=args.auth_token_file,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        allow_unauthenticated_admin=args.allow_unauthenticated_admin,
+        reflection=args.reflection,
+    )
+    obs = ObservabilityConfig(
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host, tensorboard_dir=args.tensorboard_dir
+    )
+    return control, obs
+
+
+class ServeCommand(SubCommand):
+    name = "serve"
+    help = "run the parameter server (RPC rank 0) until SIGINT/SIGTERM"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+        parser.add_argument("--port", type=int, default=env_int("MASTER_PORT", 29500),
+                            help="rendezvous port trainers connect to (default $MASTER_PORT or 29500)")
+        parser.add_argument("--model", default="mnist_cnn", help="model name (mnist_cnn, mlp, resnet18, ...)")
+        parser.add_argument("--devices", default=None,
+                            help="comma-separated devices, one model stage each (default: all GPUs, else cpu)")
+        parser.add_argument("--update", choices=["async", "sync"], default="async",
+                            help="async: apply updates as they arrive; sync: one step per K gradients")
+        parser.add_argument("--sync-trainers", type=int, default=2, help="K of --update sync (default 2)")
+        add_optimizer_arguments(parser, defaults_from_server=False)
+        parser.add_argument("--trainer-timeout", type=float, default=5.0,
+                            help="seconds without heartbeat before a trainer is evicted (default 5)")
+        parser.add_argument("--rpc-timeout", type=float, default=60.0, help="RPC timeout in seconds")
+        parser.add_argument("--rpc-threads", type=int, default=16, help="RPC worker threads (default 16)")
+        parser.add_argument("--compute-threads", type=int, default=0, help="torch threads (default: all cores)")
+        parser.add_argument("--seed", type=int, default=0, help="seed of the initial parameters")
+        c = parser.add_argument_group("checkpoints")
+        c.add_argument("--checkpoint-dir", type=Path, default=None, help="directory of checkpoints")
+        c.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N global steps")
+        c.add_argument("--checkpoint-interval", type=float, default=0.0, help="checkpoint every N seconds")
+        c.add_argument("--keep-checkpoints", type=int, default=3, help="keep the newest N (default 3)")
+        c.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
+                       help="resume from the newest valid checkpoint in --checkpoint-dir, or from PATH")
+        add_control_arguments(parser)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from psserver.config import CheckpointConfig, ServerConfig
+        from psserver.ps.server import run_server
+
+        control, obs = control_from_args(args)
+        config = ServerConfig(
+            host=args.host,
+            port=args.port,
+            model=args.model,
+            devices=[d.strip() for d in args.devices.split(",")] if args.devices else None,
+            update=args.update,
+            sync_trainers=args.sync_trainers,
+            optimizer=optimizer_from_args(args),
+            trainer_timeout=args.trainer_timeout,
+            rpc_timeout=args.rpc_timeout,
+            rpc_threads=args.rpc_threads,
+            compute_threads=args.compute_threads,
+            seed=args.seed,
+            checkpoint=CheckpointConfig(
+                directory=args.checkpoint_dir,
+                every_steps=args.checkpoint_every,
+                interval_s=args.checkpoint_interval,
+                keep=args.keep_checkpoints,
+                resume=args.resume,
+            ),
+            control=control,
+            observability=obs,
+        )
+        return run_server(config)

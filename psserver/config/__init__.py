@@ -1,0 +1,20 @@
+"""Configuration as dataclasses: the CLI builds them, the rest of the code only reads them.
+
+Each field has a docstring; validation lives in ``__post_init__`` and raises ``ValueError``,
+which the CLI reports as one line with exit code 2.
+"""
+
+from psserver.config.common import DataConfig, parse_host_port
+from psserver.config.control import ControlConfig, ObservabilityConfig
+from psserver.config.ps import CheckpointConfig, OptimizerConfig, ServerConfig, TrainerConfig
+
+__all__ = [
+    "CheckpointConfig",
+    "ControlConfig",
+    "DataConfig",
+    "ObservabilityConfig",
+    "OptimizerConfig",
+    "ServerConfig",
+    "TrainerConfig",
+    "parse_host_port",
+]

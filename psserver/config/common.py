@@ -1,0 +1,76 @@
+"""Pieces of configuration shared by the parameter-server and collective modes."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def parse_host_port(value: str, default_port: int | None = None) -> tuple[str, int]:
+    """Split ``HOST:PORT`` (or ``[v6]:PORT``); ``ValueError`` with a readable message."""
+    value = value.strip()
+    host, sep, port = value.rpartition(":")
+    if not sep:
+        if default_port is None:
+            raise ValueError(f"address {value!r} must be HOST:PORT")
+        host, port = value, str(default_port)
+    host = host.strip("[]")
+    if not host:
+        raise ValueError(f"address {value!r} has no host")
+    try:
+        port_num = int(port)
+    except ValueError:
+        raise ValueError(f"address {value!r}: port {port!r} is not a number") from None
+    check_port(port_num, "port")
+    return host, port_num
+
+
+def check_port(port: int, what: str, allow_zero: bool = False) -> None:
+    low = 0 if allow_zero else 1
+    if not low <= port <= 65535:
+        raise ValueError(f"{what} {port} is out of range {low}..65535")
+
+
+def default_data_dir() -> Path:
+    """``../shared/data/mnist`` beside the checkout when present, else ``./data``."""
+    env = os.environ.get("PSSERVER_DATA_DIR")
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve().parents[2]
+    shared = here.parent / "shared" / "data" / "mnist"
+    return shared if shared.is_dir() else Path("data")
+
+
+@dataclass
+class DataConfig:
+    """Which data a trainer reads and how it is split."""
+
+    dataset: str = "synthetic"
+    """``synthetic`` (generated, learnable, no download) or ``mnist`` (IDX files)."""
+    data_dir: Path = field(default_factory=default_data_dir)
+    """Directory holding ``*-idx3-ubyte[.gz]`` files (``mnist`` only)."""
+    train_split: int | None = None
+    """Use the first N images of the only split present for training and the rest for
+    evaluation (for directories that hold just the 10,000-image test split)."""
+    download: bool = False
+    """Fetch MNIST with torchvision when it is missing (needs a network)."""
+    synthetic_train: int = 4096
+    """Number of generated training samples (``synthetic`` only)."""
+    synthetic_eval: int = 1024
+    """Number of generated evaluation samples (``synthetic`` only)."""
+    seed: int = 0
+    """Seed of the generated data and of the samplers' shuffling."""
+
+    def __post_init__(self) -> None:
+        from psserver.data import DATASETS
+
+        if self.dataset not in DATASETS:
+            raise ValueError(
+                f"unknown dataset {self.dataset!r}; known: {', '.join(sorted(DATASETS))}"
+            )
+        self.data_dir = Path(self.data_dir)
+        if self.train_split is not None and self.train_split <= 0:
+            raise ValueError(f"--train-split must be positive, got {self.train_split}")
+        if self.synthetic_train <= 0 or self.synthetic_eval <= 0:
+            raise ValueError("synthetic dataset sizes must be positive")

@@ -1,0 +1,66 @@
+"""Configuration of the gRPC control plane and of metrics export."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from psserver.config.common import check_port
+
+TOKEN_ENV = "PSSERVER_AUTH_TOKEN"
+
+
+@dataclass
+class ControlConfig:
+    """The gRPC control plane served by ``psserver serve`` (and collective rank 0)."""
+
+    host: str = "127.0.0.1"
+    """Address the control plane binds to."""
+    port: int = 50051
+    """Port of the control plane (0: pick a free one, logged at start)."""
+    enabled: bool = True
+    """Serve the control plane at all."""
+    auth_token_file: Path | None = None
+    """File holding the bearer token; else ``$PSSERVER_AUTH_TOKEN``; else no token."""
+    tls_cert: Path | None = None
+    """PEM certificate chain: serve TLS instead of plaintext."""
+    tls_key: Path | None = None
+    """PEM private key matching ``tls_cert``."""
+    allow_unauthenticated_admin: bool = False
+    """Allow Checkpoint and Shutdown without a token when no token is configured."""
+    reflection: bool = False
+    """Serve gRPC server reflection."""
+
+    def __post_init__(self) -> None:
+        check_port(self.port, "--control-port", allow_zero=True)
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        for path in (self.auth_token_file, self.tls_cert, self.tls_key):
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"file not found: {path}")
+
+    def token(self) -> str | None:
+        """The configured bearer token, read once at start."""
+        if self.auth_token_file is not None:
+            token = Path(self.auth_token_file).read_text().strip()
+            if not token:
+                raise ValueError(f"token file {self.auth_token_file} is empty")
+            return token
+        return os.environ.get(TOKEN_ENV) or None
+
+
+@dataclass
+class ObservabilityConfig:
+    """Prometheus metrics and TensorBoard event files."""
+
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on this port (None: off)."""
+    metrics_host: str = "127.0.0.1"
+    """Address of the metrics endpoint."""
+    tensorboard_dir: Path | None = None
+    """Write loss, accuracy and throughput with torch's SummaryWriter here."""
+
+    def __post_init__(self) -> None:
+        if self.metrics_port is not None:
+            check_port(self.metrics_port, "--metrics-port", allow_zero=True)

@@ -1,0 +1,176 @@
+"""Configuration of ``psserver serve`` and ``psserver train`` (parameter-server mode)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from psserver.config.common import DataConfig, check_port
+from psserver.config.control import ControlConfig, ObservabilityConfig
+
+OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "rmsprop")
+UPDATE_MODES = ("async", "sync")
+
+
+@dataclass
+class OptimizerConfig:
+    """The server-side optimizer, one instance per shard, shared by every trainer."""
+
+    name: str = "adam"
+    """One of sgd, adam, adamw, adagrad, rmsprop."""
+    lr: float = 1e-3
+    """Learning rate."""
+    momentum: float = 0.0
+    """Momentum (sgd, rmsprop)."""
+    weight_decay: float = 0.0
+    """L2 penalty."""
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.name!r}; known: {', '.join(OPTIMIZERS)}")
+        if not self.lr > 0:
+            raise ValueError(f"learning rate must be positive, got {self.lr}")
+        if self.momentum < 0 or self.weight_decay < 0:
+            raise ValueError("momentum and weight decay must be >= 0")
+
+    def describe(self) -> str:
+        return f"{self.name}(lr={self.lr:g}, momentum={self.momentum:g}, weight_decay={self.weight_decay:g})"
+
+
+@dataclass
+class CheckpointConfig:
+    """Where and when the server writes checkpoints."""
+
+    directory: Path | None = None
+    """Directory of checkpoints; None disables periodic and SIGTERM checkpoints."""
+    every_steps: int = 0
+    """Write one every N global steps (0: never by step count)."""
+    interval_s: float = 0.0
+    """Write one every N seconds while training (0: never by time)."""
+    keep: int = 3
+    """Keep the newest N checkpoints, delete older ones."""
+    resume: str | None = None
+    """``latest`` (newest valid checkpoint in ``directory``) or a checkpoint path."""
+
+    def __post_init__(self) -> None:
+        if self.directory is not None:
+            self.directory = Path(self.directory)
+        if self.every_steps < 0 or self.interval_s < 0:
+            raise ValueError("checkpoint frequency must be >= 0")
+        if self.keep < 1:
+            raise ValueError(f"--keep-checkpoints must be >= 1, got {self.keep}")
+        if self.resume == "latest" and self.directory is None:
+            raise ValueError("--resume without a path needs --checkpoint-dir")
+
+
+@dataclass
+class ServerConfig:
+    """``psserver serve``: the long-running parameter server (RPC rank 0)."""
+
+    host: str = "127.0.0.1"
+    """Address the RPC rendezvous store and the RPC transport bind to (only this one)."""
+    port: int = 29500
+    """Port of the RPC rendezvous store; trainers use ``--server HOST:PORT``."""
+    model: str = "mnist_cnn"
+    """Model name from the registry (``psserver.models``)."""
+    devices: list[str] | None = None
+    """One model stage per device, in order; None: every visible GPU, else ``cpu``."""
+    update: str = "async"
+    """``async``: apply each trainer's update as it arrives; ``sync``: one step per K."""
+    sync_trainers: int = 2
+    """K in sync mode: gradients averaged per optimizer step (capped by live trainers)."""
+    optimizer: OptimizerConfig | None = None
+    """Server optimizer; None: taken from the first trainer (default adam, lr 1e-3)."""
+    trainer_timeout: float = 5.0
+    """Seconds without a heartbeat after which a trainer is declared lost and evicted."""
+    rpc_timeout: float = 60.0
+    """Default timeout of one RPC, seconds."""
+    rpc_threads: int = 16
+    """Threads serving RPC requests (sync mode parks one per waiting trainer)."""
+    compute_threads: int = 0
+    """torch intra-op threads of the server (0: number of cores)."""
+    seed: int = 0
+    """Seed of the model's initial parameters."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint policy."""
+    control: ControlConfig = field(default_factory=ControlConfig)
+    """gRPC control plane."""
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    """Prometheus and TensorBoard."""
+
+    def __post_init__(self) -> None:
+        from psserver.models import check_model_name
+
+        check_model_name(self.model)
+        check_port(self.port, "--port")
+        if self.update not in UPDATE_MODES:
+            raise ValueError(f"--update must be one of {', '.join(UPDATE_MODES)}, got {self.update!r}")
+        if self.sync_trainers < 1:
+            raise ValueError(f"--sync-trainers must be >= 1, got {self.sync_trainers}")
+        if self.devices is not None:
+            if not self.devices:
+                raise ValueError("--devices needs at least one device")
+            for dev in self.devices:
+                if dev != "cpu" and not dev.startswith("cuda"):
+                    raise ValueError(f"unsupported device {dev!r}: use cpu or cuda:N")
+        if not self.trainer_timeout > 0:
+            raise ValueError("--trainer-timeout must be positive")
+        if not self.rpc_timeout > 0:
+            raise ValueError("--rpc-timeout must be positive")
+        if self.rpc_threads < 4:
+            raise ValueError("--rpc-threads must be >= 4")
+        if self.compute_threads < 0:
+            raise ValueError("--compute-threads must be >= 0")
+
+
+@dataclass
+class TrainerConfig:
+    """``psserver train --rank N`` in parameter-server mode."""
+
+    rank: int = 0
+    """Trainer rank (0-based): picks the data shard; unique among live trainers."""
+    server_host: str = "127.0.0.1"
+    """Host of the server's rendezvous store."""
+    server_port: int = 29500
+    """Port of the server's rendezvous store."""
+    num_trainers: int | None = None
+    """Number of data shards; None: learnt from the server (its sync K, else WORLD_SIZE)."""
+    epochs: int = 1
+    """Passes over this trainer's shard."""
+    batch_size: int = 64
+    """Samples per step."""
+    optimizer: OptimizerConfig | None = None
+    """Requested server optimizer; must match the server's if it already has one."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Dataset and split."""
+    connect_timeout: float = 60.0
+    """Seconds to keep trying to reach a server that is not up yet."""
+    reconnect: bool = False
+    """On losing the server, retry with backoff until it is back and continue the epoch."""
+    rpc_timeout: float = 60.0
+    """Timeout of one RPC, seconds."""
+    compute_threads: int = 1
+    """torch intra-op threads of the trainer (the server does the model's compute)."""
+    eval_batch_size: int = 1000
+    """Batch size of the final evaluation."""
+    max_steps: int = 0
+    """Stop after this many steps in total (0: run all epochs); for smoke tests and benchmarks."""
+    progress: bool | None = None
+    """Show a tqdm bar (None: only when stderr is a terminal)."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ValueError(f"--rank must be >= 0, got {self.rank}")
+        check_port(self.server_port, "server port")
+        if self.num_trainers is not None and self.num_trainers < 1:
+            raise ValueError(f"--num-trainers must be >= 1, got {self.num_trainers}")
+        if self.num_trainers is not None and self.rank >= self.num_trainers:
+            raise ValueError(f"--rank {self.rank} must be < --num-trainers {self.num_trainers}")
+        if self.epochs < 1:
+            raise ValueError(f"--epochs must be >= 1, got {self.epochs}")
+        if self.batch_size < 1 or self.eval_batch_size < 1:
+            raise ValueError("batch sizes must be >= 1")
+        if self.connect_timeout <= 0 or self.rpc_timeout <= 0:
+            raise ValueError("timeouts must be positive")
+        if self.max_steps < 0:
+            raise ValueError("--max-steps must be >= 0")

@@ -1,0 +1,62 @@
+"""The models psserver ships: the classic MNIST CNN, a small MLP, ResNet-18 for 32x32."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from psserver.models import MODELS, ModelSpec, register
+
+
+def mnist_cnn() -> nn.Sequential:
+    """The network of PyTorch's MNIST example (conv 32, conv 64, dropout, fc 9216x128, fc 10)."""
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 3, 1),
+        nn.ReLU(),
+        nn.Conv2d(32, 64, 3, 1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Dropout(0.25),
+        nn.Flatten(1),
+        nn.Linear(9216, 128),
+        nn.ReLU(),
+        nn.Dropout(0.5),
+        nn.Linear(128, 10),
+    )
+
+
+def mlp() -> nn.Sequential:
+    """A small MLP for 28x28 input: fast enough for smoke tests and demos."""
+    return nn.Sequential(
+        nn.Flatten(1),
+        nn.Linear(784, 256),
+        nn.ReLU(),
+        nn.Linear(256, 128),
+        nn.ReLU(),
+        nn.Linear(128, 10),
+    )
+
+
+def resnet18() -> nn.Sequential:
+    """torchvision's ResNet-18 adapted to 3x32x32 (3x3 stem, no max-pool), as a Sequential."""
+    from torchvision.models import resnet18 as tv_resnet18
+
+    net = tv_resnet18(num_classes=10)
+    net.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    return nn.Sequential(
+        net.conv1,
+        net.bn1,
+        net.relu,
+        net.layer1,
+        net.layer2,
+        net.layer3,
+        net.layer4,
+        net.avgpool,
+        nn.Flatten(1),
+        net.fc,
+    )
+
+
+if "mnist_cnn" not in MODELS:
+    register(ModelSpec("mnist_cnn", mnist_cnn, (1, 28, 28), 10, "classic MNIST CNN (1.2M parameters)"))
+    register(ModelSpec("mlp", mlp, (1, 28, 28), 10, "784-256-128-10 MLP (0.2M parameters)"))
+    register(ModelSpec("resnet18", resnet18, (3, 32, 32), 10, "torchvision ResNet-18 for 3x32x32 (11M parameters)"))

@@ -1,0 +1,223 @@
+"""Who is in the group, who is alive, and cleaning up after those who are not.
+
+PyTorch's dynamic RPC groups leave failures to the user (DESIGN.md): a dead worker stays a
+member forever, a join that dies holding the group's membership token blocks every later
+join, leave and the server's own shutdown. The server fixes both here: heartbeats find dead
+or hung trainers, eviction removes them from the agent and the store, and a janitor frees a
+membership token whose holder is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+
+from psserver.ps.rendezvous import KEY_LIVE
+from psserver.telemetry import TrainerStatus
+
+log = logging.getLogger(__name__)
+
+TOKEN_KEY = "RpcGroupManagementToken"
+ALL_WORKERS_KEY = "names/_ALL_WORKER_INFOS"
+
+
+@dataclass
+class Member:
+    status: TrainerStatus
+    rpc_id: int
+    contexts: set[int] = field(default_factory=set)
+    """Autograd context ids this trainer opened on the server and has not released."""
+    last_seen_mono: float = field(default_factory=time.monotonic)
+
+
+class Membership:
+    def __init__(
+        self,
+        store,
+        timeout: float,
+        on_gone: Callable[[str, str], None],
+    ) -> None:
+        self.store = store
+        self.timeout = timeout
+        self.on_gone = on_gone
+        self.lock = threading.Lock()
+        self.members: dict[str, Member] = {}
+        self.history: list[TrainerStatus] = []  # trainers that left or were lost (bounded)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._token_seen: tuple[bytes, float] | None = None
+        self._strangers: dict[str, float] = {}  # RPC workers that never called join()
+
+    # ---- joins, leaves, heartbeats -------------------------------------------------------
+
+    def live_name(self, rank: int) -> str | None:
+        with self.lock:
+            for name, m in self.members.items():
+                if m.status.rank == rank:
+                    return name
+        return None
+
+    def join(self, rank: int, name: str, host: str) -> None:
+        info = rpc.get_worker_info(name)
+        now = time.time()
+        with self.lock:
+            old = self.live_name_locked(rank)
+            if old is not None and old != name:
+                raise ValueError(f"rank {rank} is already taken by live trainer {old}")
+            self.members[name] = Member(TrainerStatus(rank, name, host, now, now), info.id)
+        self.store.set(KEY_LIVE.format(rank=rank), name)
+        log.info("trainer %s (rank %d) joined from %s", name, rank, host)
+
+    def live_name_locked(self, rank: int) -> str | None:
+        for name, m in self.members.items():
+            if m.status.rank == rank:
+                return name
+        return None
+
+    def seen(self, name: str) -> Member:
+        """Record a sign of life; ``KeyError`` for a trainer that is not a member."""
+        with self.lock:
+            m = self.members[name]
+            m.last_seen_mono = time.monotonic()
+            m.status.last_seen = time.time()
+            return m
+
+    def leave(self, name: str) -> None:
+        self._remove(name, "LEFT", evict=False)
+
+    def snapshot(self) -> list[TrainerStatus]:
+        with self.lock:
+            current = [m.status for m in self.members.values()]
+            return [*self.history, *current]
+
+    def active_count(self) -> int:
+        with self.lock:
+            return len(self.members)
+
+    # ---- failure handling ----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._monitor, name="psserver-membership", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _monitor(self) -> None:
+        period = max(0.05, min(0.5, self.timeout / 5))
+        while not self._stop.wait(period):
+            try:
+                now = time.monotonic()
+                with self.lock:
+                    stale = [n for n, m in self.members.items() if now - m.last_seen_mono > self.timeout]
+                for name in stale:
+                    log.warning("trainer %s missed heartbeats for %.1fs: marking it LOST", name, self.timeout)
+                    self._remove(name, "LOST", evict=True)
+                self._janitor()
+            except Exception:  # noqa: BLE001 - the monitor must outlive any one failure
+                log.exception("membership monitor error")
+
+    def _remove(self, name: str, state: str, *, evict: bool) -> None:
+        with self.lock:
+            m = self.members.pop(name, None)
+            if m is None:
+                return
+            m.status.state = state
+            self.history.append(m.status)
+            del self.history[:-256]
+            contexts = set(m.contexts)
+        rank = m.status.rank
+        try:
+            if self.store.check([KEY_LIVE.format(rank=rank)]) and self.store.get(KEY_LIVE.format(rank=rank)) == name.encode():
+                self.store.delete_key(KEY_LIVE.format(rank=rank))
+        except Exception:  # noqa: BLE001
+            log.debug("cannot clear live key of %s", name, exc_info=True)
+        if evict:
+            self._evict(name, m.rpc_id, contexts)
+        self.on_gone(name, state)
+        if state == "LEFT":
+            log.info("trainer %s (rank %d) left after %d steps", name, rank, m.status.steps)
+
+    def _evict(self, name: str, rpc_id: int, contexts: set[int]) -> None:
+        """Remove a dead worker from the RPC group so later joins do not try to reach it."""
+        for ctx in contexts:
+            try:
+                dist_autograd._release_context(ctx)
+            except Exception:  # noqa: BLE001 - already released
+                pass
+        agent = rpc.api._get_current_rpc_agent()
+        try:
+            info = agent.get_worker_info(name)
+            agent._update_group_membership(info, [], {}, False)
+        except Exception:  # noqa: BLE001 - it may have left on its own meanwhile
+            log.debug("agent eviction of %s", name, exc_info=True)
+        rpc_store = agent.store
+        try:
+            if rpc_store.check([ALL_WORKERS_KEY]):
+                workers = rpc_store.get(ALL_WORKERS_KEY).decode()
+                rpc_store.set(ALL_WORKERS_KEY, workers.replace(f"{name}-{rpc_id},", ""))
+            rpc_store.delete_key(f"names/{rpc_id}")
+        except Exception:  # noqa: BLE001
+            log.warning("could not remove %s from the RPC store", name, exc_info=True)
+        log.info("evicted %s from the RPC group", name)
+
+    def _janitor(self) -> None:
+        """Free the group's membership token when its holder died holding it, and evict RPC
+        workers that finished ``init_rpc`` but never joined psserver (killed in between)."""
+        agent = rpc.api._get_current_rpc_agent()
+        now = time.monotonic()
+        with self.lock:
+            known = set(self.members)
+        for info in agent.get_worker_infos():
+            if info.name == "psserver" or info.name in known:
+                self._strangers.pop(info.name, None)
+                continue
+            first = self._strangers.setdefault(info.name, now)
+            if now - first > max(self.timeout, 5.0):
+                log.warning("RPC worker %s never joined psserver: evicting it", info.name)
+                self._strangers.pop(info.name, None)
+                self._evict(info.name, info.id, set())
+        rpc_store = agent.store
+        if not rpc_store.check([TOKEN_KEY]):
+            return
+        token = rpc_store.get(TOKEN_KEY)
+        if not token:
+            self._token_seen = None
+            return
+        if self._token_seen is None or self._token_seen[0] != token:
+            self._token_seen = (token, now)
+            return
+        if now - self._token_seen[1] < max(self.timeout, 10.0):
+            return
+        holder = token.decode()
+        log.warning("membership token held by %s for %.1fs: releasing it", holder, now - self._token_seen[1])
+        rpc_store.compare_set(TOKEN_KEY, token, b"")
+        rpc_store.set(holder, "Done")  # wakes joiners waiting on the holder's key
+        self._token_seen = None
+        # A join that died after registering its id leaves it behind: drop ids with no live member.
+        for worker, wid in _registered_workers(rpc_store):
+            if worker == "psserver":
+                continue
+            with self.lock:
+                known = worker in self.members
+            if not known and f"Token_for_{worker}_join" == holder:
+                self._evict(worker, wid, set())
+
+
+def _registered_workers(rpc_store) -> list[tuple[str, int]]:
+    if not rpc_store.check([ALL_WORKERS_KEY]):
+        return []
+    out = []
+    for item in rpc_store.get(ALL_WORKERS_KEY).decode().split(","):
+        if item:
+            name, _, wid = item.rpartition("-")
+            out.append((name, int(wid)))
+    return out

@@ -1,0 +1,136 @@
+"""One model stage on one device, with the optimizer that every trainer shares.
+
+Concurrency: a trainer's backward runs long after its forward, and meanwhile another
+trainer's optimizer step updates the weights in place. Autograd would then refuse the first
+backward ("modified by an inplace operation"). When more than one trainer is active the
+forward therefore runs on clones of the weights taken under the shard's lock; gradients still
+reach the leaf parameters through the clone. With one trainer the steps are strictly
+sequential and the clone is skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from psserver.config import OptimizerConfig
+
+log = logging.getLogger(__name__)
+
+
+def make_optimizer(params: list[nn.Parameter], config: OptimizerConfig) -> torch.optim.Optimizer:
+    kw: dict = {"lr": config.lr, "weight_decay": config.weight_decay}
+    if config.name == "sgd":
+        return torch.optim.SGD(params, momentum=config.momentum, **kw)
+    if config.name == "adam":
+        return torch.optim.Adam(params, **kw)
+    if config.name == "adamw":
+        return torch.optim.AdamW(params, **kw)
+    if config.name == "adagrad":
+        return torch.optim.Adagrad(params, **kw)
+    if config.name == "rmsprop":
+        return torch.optim.RMSprop(params, momentum=config.momentum, **kw)
+    raise ValueError(f"unknown optimizer {config.name!r}")
+
+
+class Shard:
+    """A consecutive slice of the model placed on ``device``."""
+
+    def __init__(self, index: int, module: nn.Module, device: torch.device) -> None:
+        self.index = index
+        self.device = device
+        self.module = module.to(device)
+        self.lock = threading.RLock()
+        self.params: list[nn.Parameter] = list(self.module.parameters())
+        self.names: list[str] = [n for n, _ in self.module.named_parameters()]
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.params)
+
+    def device_memory(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self.device))
+        return 0
+
+    def init_optimizer(self, config: OptimizerConfig) -> None:
+        with self.lock:
+            if self.optimizer is None and self.params:
+                self.optimizer = make_optimizer(self.params, config)
+
+    def forward(self, x: torch.Tensor, *, clone: bool, train: bool = True) -> torch.Tensor:
+        """Run this stage; ``x`` may be on any device (autograd records the copy)."""
+        if self._stream is not None:
+            # Our own stream per shard: the default stream is shared with other threads.
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                out = self._forward(x, clone=clone, train=train)
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+            out.record_stream(torch.cuda.current_stream(self.device))
+            return out
+        return self._forward(x, clone=clone, train=train)
+
+    def _forward(self, x: torch.Tensor, *, clone: bool, train: bool) -> torch.Tensor:
+        x = x.to(self.device, non_blocking=True)
+        with self.lock:
+            self.module.train(train)
+            if not train:
+                with torch.no_grad():
+                    return self.module(x)
+            if not clone:
+                return self.module(x)
+            weights = {name: p.clone() for name, p in zip(self.names, self.params)}
+            return functional_call(self.module, weights, (x,), strict=False)
+
+    def apply(self, grads: dict[nn.Parameter, torch.Tensor], scale: float = 1.0) -> None:
+        """One optimizer step with ``grads`` (missing ones count as zero, as in torch)."""
+        if self.optimizer is None:
+            return
+        with self.lock:
+            for p in self.params:
+                g = grads.get(p)
+                if g is None:
+                    p.grad = None
+                    continue
+                p.grad = g if scale == 1.0 else g * scale
+            self.optimizer.step()
+            for p in self.params:
+                p.grad = None
+
+    def state_dict(self) -> dict:
+        """A CPU copy of the parameters, buffers and optimizer state (taken under the lock)."""
+        with self.lock:
+            return {
+                "module": {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()},
+                "optimizer": _to_cpu(self.optimizer.state_dict()) if self.optimizer is not None else None,
+            }
+
+    def load_state_dict(self, state: dict, optimizer_config: OptimizerConfig | None) -> None:
+        with self.lock:
+            self.module.load_state_dict(state["module"])
+            if state.get("optimizer") is not None:
+                if optimizer_config is None:
+                    raise ValueError("checkpoint holds optimizer state but no optimizer config")
+                self.init_optimizer(optimizer_config)
+                assert self.optimizer is not None
+                self.optimizer.load_state_dict(state["optimizer"])
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj

@@ -1,0 +1,276 @@
+"""``psserver train --rank N``: join the server, train through RRefs, evaluate, leave.
+
+One step: ``rpc_sync(forward)`` inside a ``dist_autograd.context()`` (the server runs the
+model; only the batch and the logits cross), the loss on the trainer, ``dist_autograd
+.backward`` (the logits' gradient crosses back), and ``DistributedOptimizer.step`` (the
+server applies the gradient it already holds). Progress and liveness ride on the forward call;
+a low-rate heartbeat covers the time between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import asdict
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+import torch.nn.functional as F
+from torch.distributed.optim import DistributedOptimizer
+from torch.utils.data import DistributedSampler
+
+from psserver.config import TrainerConfig
+from psserver.data import load_dataset
+from psserver.errors import ServerLost, UsageError
+from psserver.models import get_model_spec
+from psserver.ps import remote, rendezvous
+from psserver.ps.optimizer import SharedOptimizer
+from psserver.utils.progress import Progress
+
+log = logging.getLogger(__name__)
+
+
+class Session:
+    """One membership of the RPC group (a trainer may hold several with ``--reconnect``)."""
+
+    def __init__(self, config: TrainerConfig) -> None:
+        self.config = config
+        self.store, self.url = rendezvous.connect_store(
+            config.server_host, config.server_port, config.connect_timeout, config.rpc_timeout
+        )
+        live_key = rendezvous.KEY_LIVE.format(rank=config.rank)
+        if self.store.check([live_key]):
+            holder = self.store.get(live_key).decode()
+            raise UsageError(f"rank {config.rank} is already taken by live trainer {holder}")
+        incarnation = self.store.add(rendezvous.KEY_INCARNATION.format(rank=config.rank), 1)
+        self.name = rendezvous.trainer_name(config.rank, incarnation)
+        rendezvous.set_transport_interface(config.server_host, local=False)
+        # A reconnecting trainer re-initialises RPC in the same process; RPC prefixes its store
+        # keys with a per-process counter, which must match the server's (0).
+        rpc._init_counter = 0  # type: ignore[attr-defined]
+        try:
+            rpc.init_rpc(
+                self.name,
+                rank=rendezvous.rpc_rank(config.rank),
+                world_size=None,
+                rpc_backend_options=rendezvous.backend_options(self.url, config.rpc_timeout, 4),
+            )
+        except RuntimeError as e:
+            msg = str(e).splitlines()[0]
+            if "is not unique" in msg:
+                raise UsageError(f"rank {config.rank} is already taken by a live trainer") from None
+            raise UsageError(f"cannot join the RPC group of {config.server_host}:{config.server_port}: {msg}") from None
+        self.joined = False
+        try:
+            optimizer = asdict(config.optimizer) if config.optimizer else None
+            self.info = rpc.rpc_sync(
+                rendezvous.SERVER_NAME,
+                remote.join,
+                args=(config.rank, self.name, socket.gethostname(), os.getpid(), optimizer),
+            )
+        except Exception as e:  # noqa: BLE001 - the server's refusal is the user's answer
+            self._shutdown(graceful=False)
+            raise UsageError(f"server refused the join: {_remote_message(e)}") from None
+        self.joined = True
+        self.optimizer = DistributedOptimizer(SharedOptimizer, self.info["param_rrefs"], trainer=self.name)
+        self.report: tuple | None = None
+        self._stop = threading.Event()
+        self._hb = threading.Thread(target=self._heartbeat, name="psserver-heartbeat", daemon=True)
+        self._hb.start()
+        log.info("joined psserver %s:%d as %s (model %s, update %s, optimizer %s)", config.server_host,
+                 config.server_port, self.name, self.info["model"], self.info["update"], self.info["optimizer"]["name"])
+
+    def _heartbeat(self) -> None:
+        interval = float(self.info["heartbeat_interval"])
+        while not self._stop.wait(interval):
+            try:
+                rpc.rpc_async(rendezvous.SERVER_NAME, remote.heartbeat, args=(self.name, self.report),
+                              timeout=max(1.0, interval * 4))
+            except Exception:  # noqa: BLE001 - the training loop reports a lost server
+                pass
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        with dist_autograd.context() as ctx:
+            out = rpc.rpc_sync(rendezvous.SERVER_NAME, remote.forward, args=(self.name, x, self.report))
+            loss = F.cross_entropy(out, y)
+            dist_autograd.backward(ctx, [loss])
+            self.optimizer.step(ctx)
+        return float(loss.detach())
+
+    def evaluate(self, dataset, batch_size: int) -> float:
+        x, y = dataset.tensors
+        correct = 0
+        for i in range(0, len(x), batch_size):
+            out = rpc.rpc_sync(rendezvous.SERVER_NAME, remote.evaluate, args=(self.name, x[i:i + batch_size]))
+            correct += int((out.argmax(1) == y[i:i + batch_size]).sum())
+        return correct / max(1, len(x))
+
+    def leave(self) -> None:
+        self._stop.set()
+        try:
+            rpc.rpc_sync(rendezvous.SERVER_NAME, remote.leave, args=(self.name, self.report), timeout=10)
+            self._shutdown(graceful=True)
+        except Exception:  # noqa: BLE001 - server already gone: leave locally
+            self._shutdown(graceful=False)
+        rendezvous.forget_store(self.url)
+
+    def abandon(self) -> None:
+        """Drop a session whose server is gone, without talking to it."""
+        self._stop.set()
+        self._shutdown(graceful=False)
+        rendezvous.forget_store(self.url)
+
+    def _shutdown(self, graceful: bool) -> None:
+        self.optimizer = None  # type: ignore[assignment]
+        self.info = {}
+        if not rpc.api._is_current_rpc_agent_set():
+            return
+        if graceful:
+            done = threading.Event()
+
+            def graceful_leave() -> None:
+                try:
+                    rpc.shutdown(graceful=True, timeout=10)
+                except Exception:  # noqa: BLE001
+                    log.debug("graceful RPC shutdown failed", exc_info=True)
+                finally:
+                    done.set()
+
+            threading.Thread(target=graceful_leave, daemon=True).start()
+            if done.wait(20):
+                return
+            log.warning("leaving the RPC group timed out; shutting down locally")
+        try:
+            rpc.shutdown(graceful=False)
+        except Exception:  # noqa: BLE001
+            log.debug("local RPC shutdown failed", exc_info=True)
+
+    def server_alive(self) -> bool:
+        try:
+            return self.store.get(rendezvous.KEY_SERVER_STATE) == b"SERVING"
+        except Exception:  # noqa: BLE001
+            return False
+
+
+def _remote_message(e: BaseException) -> str:
+    text = str(e).strip()
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line and not line.startswith(("File ", "Traceback", "^")):
+            return line.split(": ", 1)[-1] if line.startswith(("ValueError", "RuntimeError")) else line
+    return text or type(e).__name__
+
+
+def _shard_count(config: TrainerConfig, info: dict) -> int:
+    if config.num_trainers is not None:
+        return config.num_trainers
+    if info["update"] == "sync":
+        n = int(info["sync_trainers"])
+        if config.rank < n:
+            return n
+    if config.rank == 0:
+        return 1
+    raise UsageError(f"rank {config.rank}: pass --num-trainers (or set WORLD_SIZE) so the data can be sharded")
+
+
+def run_trainer(config: TrainerConfig) -> int:
+    torch.set_num_threads(config.compute_threads)
+    session = Session(config)
+    try:
+        spec = get_model_spec(session.info["model"])
+        num_shards = _shard_count(config, session.info)
+        if config.rank >= num_shards:
+            raise UsageError(f"--rank {config.rank} must be < number of trainers {num_shards}")
+        train_set, eval_set = load_dataset(config.data, spec.input_shape, spec.num_classes, spec.input_dtype)
+    except BaseException:
+        session.leave()
+        raise
+    sampler = DistributedSampler(train_set, num_replicas=num_shards, rank=config.rank, shuffle=True,
+                                 seed=config.data.seed, drop_last=False)
+    x_all, y_all = train_set.tensors
+    steps_per_epoch = (len(sampler) + config.batch_size - 1) // config.batch_size
+    total = steps_per_epoch * config.epochs
+    if config.max_steps:
+        total = min(total, config.max_steps)
+    log.info("rank %d/%d: %d training samples, %d steps", config.rank, num_shards, len(sampler), total)
+    progress = Progress(total, desc=f"trainer {config.rank}", enabled=config.progress)
+    steps = samples = 0
+    loss = float("nan")
+    t_start = time.monotonic()
+    epoch, batch_idx = 0, 0
+    try:
+        while epoch < config.epochs and steps < total:
+            sampler.set_epoch(epoch)
+            indices = torch.tensor(list(iter(sampler)))
+            while batch_idx < steps_per_epoch and steps < total:
+                idx = indices[batch_idx * config.batch_size:(batch_idx + 1) * config.batch_size]
+                xb, yb = x_all[idx], y_all[idx]
+                try:
+                    loss = session.step(xb, yb)
+                except (RuntimeError, TimeoutError) as e:
+                    session = _recover(session, config, e)
+                    continue  # same batch again: its update was not applied
+                steps += 1
+                samples += len(idx)
+                batch_idx += 1
+                rate = samples / max(1e-6, time.monotonic() - t_start)
+                session.report = (steps, samples, loss, rate)
+                progress.update(loss=loss, rate=rate)
+            epoch += 1
+            batch_idx = 0
+        progress.close()
+        while True:
+            try:
+                accuracy = session.evaluate(eval_set, config.eval_batch_size)
+                break
+            except (RuntimeError, TimeoutError) as e:
+                session = _recover(session, config, e)
+    except BaseException:
+        progress.close()
+        session.leave()
+        raise
+    session.leave()
+    elapsed = time.monotonic() - t_start
+    log.info("rank %d: %d steps, %d samples in %.1fs (%.1f samples/s), final loss %.4f, accuracy %.4f",
+             config.rank, steps, samples, elapsed, samples / max(elapsed, 1e-6), loss, accuracy)
+    print(f"rank {config.rank} accuracy {accuracy:.4f}", flush=True)
+    return 0
+
+
+def _recover(session: Session, config: TrainerConfig, error: BaseException) -> Session:
+    """After a failed step: give up with a clear error, or rejoin with ``--reconnect``."""
+    alive = session.server_alive()
+    reason = _remote_message(error)
+    if alive and "not a member" not in reason:
+        session.leave()
+        raise RuntimeError(f"training step failed on the server: {reason}")
+    if not config.reconnect:
+        session.abandon()
+        raise ServerLost(
+            f"lost the server at {config.server_host}:{config.server_port} ({reason}); "
+            "use --reconnect to wait for it"
+        )
+    session.abandon()
+    delay = 0.5
+    while True:
+        log.warning("server at %s:%d lost (%s): reconnecting in %.1fs", config.server_host, config.server_port,
+                    reason, delay)
+        time.sleep(delay)
+        delay = min(delay * 2, 10.0)
+        try:
+            new = Session(config)
+        except (UsageError, RuntimeError) as e:
+            reason = str(e)
+            continue
+        new.report = session.report
+        log.info("reconnected as %s at global step %d", new.name, new.info["global_step"])
+        return new
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("use: psserver train")

@@ -1,0 +1,127 @@
+"""What a running server knows about itself, as plain snapshots.
+
+The parameter server and collective rank 0 both produce these; the gRPC control plane,
+Prometheus metrics and ``psserver status`` only consume them, so none of them reaches into
+training internals.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+SERVER_STATES = ("STARTING", "SERVING", "DRAINING", "STOPPED")
+TRAINER_STATES = ("ACTIVE", "LEFT", "LOST")
+
+
+@dataclass
+class ShardStatus:
+    index: int
+    device: str
+    num_params: int
+    bytes: int
+    device_memory_bytes: int
+    """Memory allocated on the shard's device (CUDA allocator), or the process RSS on CPU."""
+
+
+@dataclass
+class TrainerStatus:
+    rank: int
+    name: str
+    """RPC worker name (``trainer_<rank>_<incarnation>``) or ``rank<N>`` in collective mode."""
+    host: str
+    joined_at: float
+    last_seen: float
+    steps: int = 0
+    samples: int = 0
+    last_loss: float = float("nan")
+    samples_per_s: float = 0.0
+    state: str = "ACTIVE"
+
+
+@dataclass
+class CheckpointInfo:
+    path: str
+    step: int
+    time: float
+
+
+@dataclass
+class ServerStatus:
+    version: str
+    state: str
+    mode: str
+    """``ps``, ``ddp`` or ``fsdp``."""
+    started_at: float
+    model: str
+    num_params: int
+    update_mode: str
+    """``async``, ``sync`` or ``collective``."""
+    sync_trainers: int
+    global_step: int
+    samples_seen: int
+    updates_per_s: float
+    samples_per_s: float
+    mean_loss: float
+    shards: list[ShardStatus] = field(default_factory=list)
+    last_checkpoint: CheckpointInfo | None = None
+
+    @property
+    def uptime_s(self) -> float:
+        return time.time() - self.started_at
+
+
+class ControlTarget(Protocol):
+    """What the control plane needs from the process it serves."""
+
+    ready: threading.Event
+    """Set once the model is placed on its devices (health turns SERVING)."""
+
+    def get_status(self) -> ServerStatus: ...
+
+    def list_trainers(self) -> list[TrainerStatus]: ...
+
+    def checkpoint_now(self) -> CheckpointInfo:
+        """Write a checkpoint now; ``RuntimeError`` when checkpoints are not configured."""
+        ...
+
+    def request_shutdown(self) -> None:
+        """Drain: stop accepting joins, let in-flight steps finish, checkpoint, exit."""
+        ...
+
+
+class RateMeter:
+    """Counts over a sliding time window: updates/s and samples/s of the last ``window`` s."""
+
+    def __init__(self, window: float = 10.0) -> None:
+        self.window = window
+        self._events: deque[tuple[float, int, float]] = deque()
+        self._lock = threading.Lock()
+
+    def add(self, samples: int, loss: float | None = None) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._events.append((now, samples, float("nan") if loss is None else loss))
+            self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._events and now - self._events[0][0] > self.window:
+            self._events.popleft()
+
+    def rates(self) -> tuple[float, float, float]:
+        """(events/s, samples/s, mean loss) over the window; zeros when idle."""
+        now = time.monotonic()
+        with self._lock:
+            self._trim(now)
+            if not self._events:
+                return 0.0, 0.0, float("nan")
+            span = max(now - self._events[0][0], 1e-3) if len(self._events) > 1 else self.window
+            span = min(max(span, 1e-3), self.window)
+            n = len(self._events)
+            samples = sum(e[1] for e in self._events)
+            losses = [e[2] for e in self._events if e[2] == e[2]]
+            mean = sum(losses) / len(losses) if losses else float("nan")
+            return n / span, samples / span, mean
