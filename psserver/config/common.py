@@ -72,5 +72,7 @@ class DataConfig:
         self.data_dir = Path(self.data_dir)
         if self.train_split is not None and self.train_split <= 0:
             raise ValueError(f"--train-split must be positive, got {self.train_split}")
+        if self.dataset == "mnist" and not self.download and not self.data_dir.is_dir():
+            raise ValueError(f"data directory {self.data_dir} does not exist (use --download where a network exists)")
         if self.synthetic_train <= 0 or self.synthetic_eval <= 0:
             raise ValueError("synthetic dataset sizes must be positive")

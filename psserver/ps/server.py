@@ -192,6 +192,15 @@ class ParameterServer:
     # ---- RPC entry points (see psserver.ps.remote) -----------------------------------------
 
     def join(self, rank: int, name: str, host: str, pid: int, optimizer: dict | None) -> dict:
+        """Admit a trainer; a refusal is returned as ``{"error": ...}`` (a user error, not a
+        server fault, so no traceback in the server's log)."""
+        try:
+            return self._join(rank, name, host, optimizer)
+        except (ValueError, RuntimeError) as e:
+            log.warning("refused %s (rank %d from %s): %s", name, rank, host, e)
+            return {"error": str(e)}
+
+    def _join(self, rank: int, name: str, host: str, optimizer: dict | None) -> dict:
         if self.state != "SERVING":
             raise RuntimeError(f"psserver is {self.state.lower()}: not accepting trainers")
         assert self.membership is not None

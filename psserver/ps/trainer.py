@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -76,6 +77,10 @@ class Session:
         except Exception as e:  # noqa: BLE001 - the server's refusal is the user's answer
             self._shutdown(graceful=False)
             raise UsageError(f"server refused the join: {_remote_message(e)}") from None
+        if "error" in self.info:
+            refusal = self.info["error"]
+            self._shutdown(graceful=True)
+            raise UsageError(refusal)
         self.joined = True
         self.optimizer = DistributedOptimizer(SharedOptimizer, self.info["param_rrefs"], trainer=self.name)
         self.report: tuple | None = None
@@ -158,12 +163,15 @@ class Session:
 
 
 def _remote_message(e: BaseException) -> str:
-    text = str(e).strip()
-    for line in reversed(text.splitlines()):
-        line = line.strip()
-        if line and not line.startswith(("File ", "Traceback", "^")):
-            return line.split(": ", 1)[-1] if line.startswith(("ValueError", "RuntimeError")) else line
-    return text or type(e).__name__
+    """The useful line of an RPC error: the remote exception's message, not its traceback.
+
+    Remote exceptions arrive as ``On WorkerInfo(...):\nValueError('...')\nTraceback ...``.
+    """
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    if lines and re.match(r"^(\w+: )?On WorkerInfo", lines[0]) and len(lines) >= 2:
+        m = re.match(r"^\w+\((['\"])(.*)\1\)$", lines[1])
+        return m.group(2) if m else lines[1]
+    return lines[0] if lines else type(e).__name__
 
 
 def _shard_count(config: TrainerConfig, info: dict) -> int:

@@ -1,0 +1,203 @@
+"""Server interceptors: bearer-token authentication and one log line per call.
+
+Doing both here keeps every method of every service (ours, reflection) under the same rules
+without each method remembering to check.
+
+Status codes, by design:
+
+* token configured, ``authorization`` metadata missing or not ``Bearer <token>``
+  -> ``UNAUTHENTICATED`` ("missing bearer token");
+* token configured, a well-formed but wrong token -> ``UNAUTHENTICATED`` ("invalid bearer
+  token"): the caller has not proven who it is, which is what UNAUTHENTICATED means;
+  ``PERMISSION_DENIED`` is kept for "we know the call is not allowed";
+* no token configured, ``Checkpoint``/``Shutdown`` -> ``PERMISSION_DENIED`` unless
+  ``--allow-unauthenticated-admin``: nobody can be authenticated, and mutating the server
+  anonymously is refused by policy.
+
+``grpc.health.v1.Health`` is always open (load balancers and kubelets probe it without
+credentials) and is not logged (probes would flood the log).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import time
+from typing import Any, Callable, Iterable, Iterator
+
+import grpc
+
+from psserver.control import SERVICE_NAME
+
+log = logging.getLogger(__name__)
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+ADMIN_METHODS = frozenset({f"/{SERVICE_NAME}/Checkpoint", f"/{SERVICE_NAME}/Shutdown"})
+# Successful reads are polled (scripts, ``status --watch``): log them at DEBUG only.
+QUIET_METHODS = frozenset({f"/{SERVICE_NAME}/GetStatus", f"/{SERVICE_NAME}/ListTrainers"})
+
+
+def _digest(token: str) -> bytes:
+    # Hash first so that compare_digest does not even leak the token's length.
+    return hashlib.sha256(token.encode("utf-8")).digest()
+
+
+def bearer_token(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
+    """The token of the first ``authorization: Bearer <token>`` entry, else None."""
+    for key, value in metadata or ():
+        if key.lower() != "authorization":
+            continue
+        if isinstance(value, bytes):
+            value = value.decode("utf-8", "replace")
+        scheme, _, token = str(value).strip().partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return token.strip()
+        return None
+    return None
+
+
+def _handler_kind(handler: grpc.RpcMethodHandler) -> str:
+    if handler.request_streaming:
+        return "stream_stream" if handler.response_streaming else "stream_unary"
+    return "unary_stream" if handler.response_streaming else "unary_unary"
+
+
+def _rebuild(handler: grpc.RpcMethodHandler, behavior: Callable, *, raw_request: bool = False) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` whose behavior is ``behavior``."""
+    kind = _handler_kind(handler)
+    factory = getattr(grpc, f"{kind}_rpc_method_handler")
+    return factory(
+        behavior,
+        request_deserializer=None if raw_request else handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+def _denied(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
+    """A handler that refuses the call; the request is never parsed (raw bytes)."""
+
+    def abort(request_or_iterator: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(code, details)
+
+    return _rebuild(handler, abort, raw_request=True)
+
+
+class AuthInterceptor(grpc.ServerInterceptor):
+    """Checks ``authorization: Bearer <token>`` on every call but health (see module doc)."""
+
+    def __init__(self, token: str | None, *, allow_unauthenticated_admin: bool = False) -> None:
+        self._digest = _digest(token) if token else None
+        self._allow_admin = allow_unauthenticated_admin
+
+    def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
+        method = handler_call_details.method
+        handler = continuation(handler_call_details)
+        if handler is None or method.startswith(HEALTH_PREFIX):
+            return handler  # unknown method: UNIMPLEMENTED from gRPC itself
+        if self._digest is not None:
+            presented = bearer_token(handler_call_details.invocation_metadata)
+            if presented is None:
+                return _denied(
+                    handler,
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "missing bearer token: send metadata 'authorization: Bearer <token>' "
+                    "(psserver: --auth-token-file or $PSSERVER_AUTH_TOKEN)",
+                )
+            if not hmac.compare_digest(_digest(presented), self._digest):
+                return _denied(handler, grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token")
+        elif method in ADMIN_METHODS and not self._allow_admin:
+            return _denied(
+                handler,
+                grpc.StatusCode.PERMISSION_DENIED,
+                "Checkpoint and Shutdown need authentication: start the server with --auth-token-file "
+                "(or $PSSERVER_AUTH_TOKEN), or with --allow-unauthenticated-admin",
+            )
+        return handler
+
+
+class CallLogInterceptor(grpc.ServerInterceptor):
+    """Logs method, peer, status code and duration of every call when it ends.
+
+    Put it first in the interceptor list so that it also sees calls refused by
+    :class:`AuthInterceptor`.
+    """
+
+    def __init__(self, logger: logging.Logger = log) -> None:
+        self._log = logger
+
+    def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
+        method = handler_call_details.method
+        handler = continuation(handler_call_details)
+        if handler is None:
+            self._log.info("grpc %s -> UNIMPLEMENTED (unknown method)", method)
+            return None
+        if method.startswith(HEALTH_PREFIX):
+            # Left untouched: health's Watch relies on attributes of its own behavior
+            # (experimental_non_blocking) that a wrapper would hide.
+            return handler
+        kind = _handler_kind(handler)
+        behavior = getattr(handler, kind)
+        if handler.response_streaming:
+            wrapped = self._wrap_stream(method, behavior)
+        else:
+            wrapped = self._wrap_unary(method, behavior)
+        return _rebuild(handler, wrapped)
+
+    def _done(self, method: str, context: grpc.ServicerContext, t0: float, error: BaseException | None) -> None:
+        code = _code_of(context, error)
+        level = logging.INFO
+        if code == grpc.StatusCode.OK and method in QUIET_METHODS:
+            level = logging.DEBUG
+        elif code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            level = logging.WARNING
+        elif code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL):
+            level = logging.ERROR
+        if self._log.isEnabledFor(level):
+            self._log.log(
+                level, "grpc %s from %s -> %s in %.1f ms", method, context.peer(), code.name, (time.monotonic() - t0) * 1e3
+            )
+
+    def _wrap_unary(self, method: str, behavior: Callable) -> Callable:
+        def call(request: Any, context: grpc.ServicerContext) -> Any:
+            t0 = time.monotonic()
+            error: BaseException | None = None
+            try:
+                return behavior(request, context)
+            except BaseException as e:
+                error = e
+                raise
+            finally:
+                self._done(method, context, t0, error)
+
+        return call
+
+    def _wrap_stream(self, method: str, behavior: Callable) -> Callable:
+        def call(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            t0 = time.monotonic()
+            error: BaseException | None = None
+            try:
+                yield from behavior(request, context)
+            except BaseException as e:
+                error = e
+                raise
+            finally:
+                self._done(method, context, t0, error)
+
+        return call
+
+
+def _code_of(context: grpc.ServicerContext, error: BaseException | None) -> grpc.StatusCode:
+    """The status the call ends with, as far as the server can tell from inside."""
+    code = None
+    try:
+        code = context.code()  # set by abort() / set_code()
+    except Exception:  # noqa: BLE001 - older grpc or a foreign context
+        pass
+    if isinstance(code, grpc.StatusCode):
+        return code
+    if isinstance(error, GeneratorExit) or (error is None and not context.is_active()):
+        return grpc.StatusCode.CANCELLED
+    if error is not None:
+        return grpc.StatusCode.UNKNOWN
+    return grpc.StatusCode.OK

@@ -1,0 +1,158 @@
+"""``ControlClient``: the Python client of the control plane.
+
+Used by ``psserver status|checkpoint|stop`` and by tests. Every gRPC failure becomes a
+:class:`ControlError` (a :class:`~psserver.errors.UsageError`, so the CLI prints one line and
+exits 2); an unreachable server is :class:`ControlUnavailable`
+(a :class:`~psserver.errors.ServerUnavailable`). Methods return the protobuf messages of
+``psserver.control.v1.control_pb2``; :mod:`psserver.control.convert` turns them into dicts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterator, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from psserver.config.control import TOKEN_ENV
+from psserver.control import ADDRESS_ENV, DEFAULT_ADDRESS
+from psserver.control.v1 import control_pb2 as pb
+from psserver.control.v1 import control_pb2_grpc as pb_grpc
+from psserver.errors import ServerUnavailable, UsageError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class ControlError(UsageError):
+    """A control-plane call failed; ``code`` is the gRPC status code."""
+
+    def __init__(self, message: str, code: grpc.StatusCode) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ControlUnavailable(ControlError, ServerUnavailable):
+    """The control plane cannot be reached (or did not answer in time)."""
+
+
+def default_address() -> str:
+    return os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS
+
+
+def read_token(token_file: Path | str | None) -> str | None:
+    """The token from ``token_file``, else ``$PSSERVER_AUTH_TOKEN``, else None."""
+    if token_file is not None:
+        try:
+            token = Path(token_file).read_text().strip()
+        except OSError as e:
+            raise UsageError(f"cannot read token file {token_file}: {e.strerror or e}") from e
+        if not token:
+            raise UsageError(f"token file {token_file} is empty")
+        return token
+    return os.environ.get(TOKEN_ENV) or None
+
+
+class ControlClient:
+    """A channel to one control plane. Close it (or use ``with``) when done."""
+
+    def __init__(
+        self,
+        address: str | None = None,
+        token: str | None = None,
+        tls_ca: Path | str | bytes | None = None,
+        timeout: float = 10.0,
+    ) -> None:
+        self.address = address or default_address()
+        self.timeout = timeout
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        if tls_ca is not None:
+            if isinstance(tls_ca, bytes):
+                ca = tls_ca
+            else:
+                try:
+                    ca = Path(tls_ca).read_bytes()
+                except OSError as e:
+                    raise UsageError(f"cannot read --tls-ca {tls_ca}: {e.strerror or e}") from e
+            self._channel = grpc.secure_channel(self.address, grpc.ssl_channel_credentials(root_certificates=ca))
+        else:
+            self._channel = grpc.insecure_channel(self.address)
+        self._stub = pb_grpc.ControlServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    # ---- plumbing -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "ControlClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _error(self, e: grpc.RpcError, what: str) -> ControlError:
+        code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+        details = (e.details() if hasattr(e, "details") else None) or str(code)
+        if code in _UNREACHABLE:
+            return ControlUnavailable(
+                f"control plane at {self.address} unreachable ({code.name}: {_first_line(details)})", code
+            )
+        return ControlError(f"{what} failed: {code.name}: {_first_line(details)}", code)
+
+    def _unary(self, what: str, method: Callable[..., T], request: Any, timeout: float | None) -> T:
+        try:
+            return method(request, timeout=self.timeout if timeout is None else timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise self._error(e, what) from None
+
+    # ---- API ----------------------------------------------------------------------------
+
+    def get_status(self, timeout: float | None = None) -> pb.ServerStatus:
+        return self._unary("GetStatus", self._stub.GetStatus, pb.GetStatusRequest(), timeout)
+
+    def list_trainers(self, timeout: float | None = None) -> list[pb.Trainer]:
+        return list(self._unary("ListTrainers", self._stub.ListTrainers, pb.ListTrainersRequest(), timeout).trainers)
+
+    def checkpoint(self, timeout: float | None = None) -> pb.CheckpointInfo:
+        return self._unary("Checkpoint", self._stub.Checkpoint, pb.CheckpointRequest(), timeout).checkpoint
+
+    def shutdown(self, reason: str = "", timeout: float | None = None) -> int:
+        """Ask the server to drain and exit; returns its state (a ``pb.ServerState`` value)."""
+        return self._unary("Shutdown", self._stub.Shutdown, pb.ShutdownRequest(reason=reason), timeout).state
+
+    def health(self, service: str = "", timeout: float | None = None) -> str:
+        """``SERVING``, ``NOT_SERVING`` or ``SERVICE_UNKNOWN``; needs no token."""
+        try:
+            resp = self._health.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=self.timeout if timeout is None else timeout
+            )
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                return "SERVICE_UNKNOWN"
+            raise self._error(e, "Health.Check") from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def watch(self, interval: float = 1.0) -> Iterator[pb.ServerStatus]:
+        """Status every ``interval`` s until the server ends the stream; ``close()`` the
+        generator (or break out of the loop) to cancel. No deadline: it runs until then."""
+        call = self._stub.WatchStatus(pb.WatchStatusRequest(interval_seconds=interval), metadata=self._metadata)
+        try:
+            for status in call:
+                yield status
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.CANCELLED and call.cancelled():
+                return  # we cancelled it
+            raise self._error(e, "WatchStatus") from None
+        finally:
+            call.cancel()
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text and text.strip() else ""

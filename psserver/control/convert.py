@@ -1,0 +1,167 @@
+"""Telemetry snapshots -> protobuf messages, and messages -> JSON-ready dicts.
+
+Kept apart from the service so the mapping (enum names, absent values, NaN) is written once
+and tested once; ``psserver status --json`` prints exactly what :func:`status_to_dict` and
+:func:`trainer_to_dict` return.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+from psserver.control.v1 import control_pb2 as pb
+from psserver.telemetry import CheckpointInfo, ServerStatus, ShardStatus, TrainerStatus
+
+log = logging.getLogger(__name__)
+
+_MODE_NAMES = {"ps": "MODE_PS", "ddp": "MODE_DDP", "fsdp": "MODE_FSDP"}
+_UPDATE_NAMES = {"async": "UPDATE_MODE_ASYNC", "sync": "UPDATE_MODE_SYNC", "collective": "UPDATE_MODE_COLLECTIVE"}
+
+
+def _enum(enum: Any, name: str) -> int:
+    """Enum value by full name, UNSPECIFIED (0) for anything the proto does not know."""
+    try:
+        return enum.Value(name)
+    except ValueError:
+        log.debug("unknown %s value %r", enum.DESCRIPTOR.name, name)
+        return 0
+
+
+def enum_name(enum: Any, value: int) -> str:
+    """``SERVER_STATE_SERVING`` -> ``SERVING``; an unknown number -> ``UNKNOWN(7)``."""
+    try:
+        full = enum.Name(value)
+    except ValueError:
+        return f"UNKNOWN({value})"
+    prefix = _prefix(enum)
+    return full[len(prefix):] if full.startswith(prefix) else full
+
+
+def _prefix(enum: Any) -> str:
+    """Common prefix of an enum's value names (``SERVER_STATE_``), from its UNSPECIFIED value."""
+    return enum.Name(0)[: -len("UNSPECIFIED")]
+
+
+def _finite(x: float) -> bool:
+    return x is not None and math.isfinite(x)
+
+
+def checkpoint_to_proto(info: CheckpointInfo) -> pb.CheckpointInfo:
+    return pb.CheckpointInfo(path=str(info.path), step=int(info.step), time=float(info.time))
+
+
+def shard_to_proto(shard: ShardStatus) -> pb.Shard:
+    return pb.Shard(
+        index=int(shard.index),
+        device=str(shard.device),
+        num_params=int(shard.num_params),
+        bytes=int(shard.bytes),
+        device_memory_bytes=int(shard.device_memory_bytes),
+    )
+
+
+def status_to_proto(status: ServerStatus, now: float | None = None) -> pb.ServerStatus:
+    now = time.time() if now is None else now
+    msg = pb.ServerStatus(
+        version=status.version,
+        state=_enum(pb.ServerState, f"SERVER_STATE_{status.state.upper()}"),
+        mode=_enum(pb.Mode, _MODE_NAMES.get(status.mode.lower(), "")),
+        started_at=float(status.started_at),
+        uptime_seconds=max(0.0, now - float(status.started_at)),
+        model=status.model,
+        num_params=int(status.num_params),
+        update_mode=_enum(pb.UpdateMode, _UPDATE_NAMES.get(status.update_mode.lower(), "")),
+        sync_trainers=int(status.sync_trainers),
+        global_step=int(status.global_step),
+        samples_seen=int(status.samples_seen),
+        updates_per_second=float(status.updates_per_s) if _finite(status.updates_per_s) else 0.0,
+        samples_per_second=float(status.samples_per_s) if _finite(status.samples_per_s) else 0.0,
+        shards=[shard_to_proto(s) for s in status.shards],
+        server_time=now,
+    )
+    if _finite(status.mean_loss):
+        msg.mean_loss = float(status.mean_loss)
+    if status.last_checkpoint is not None:
+        msg.last_checkpoint.CopyFrom(checkpoint_to_proto(status.last_checkpoint))
+    return msg
+
+
+def trainer_to_proto(t: TrainerStatus) -> pb.Trainer:
+    msg = pb.Trainer(
+        rank=int(t.rank),
+        name=t.name,
+        host=t.host,
+        joined_at=float(t.joined_at),
+        last_seen=float(t.last_seen),
+        steps=int(t.steps),
+        samples=int(t.samples),
+        samples_per_second=float(t.samples_per_s) if _finite(t.samples_per_s) else 0.0,
+        state=_enum(pb.TrainerState, f"TRAINER_STATE_{t.state.upper()}"),
+    )
+    if _finite(t.last_loss):
+        msg.last_loss = float(t.last_loss)
+    return msg
+
+
+def trainers_to_proto(trainers: list[TrainerStatus], now: float | None = None) -> pb.ListTrainersResponse:
+    ordered = sorted(trainers, key=lambda t: (t.rank, t.joined_at))
+    return pb.ListTrainersResponse(
+        trainers=[trainer_to_proto(t) for t in ordered], server_time=time.time() if now is None else now
+    )
+
+
+# ---- messages -> plain dicts (``--json``) ------------------------------------------------
+
+
+def checkpoint_to_dict(info: pb.CheckpointInfo) -> dict[str, Any]:
+    return {"path": info.path, "step": info.step, "time": info.time}
+
+
+def status_to_dict(msg: pb.ServerStatus) -> dict[str, Any]:
+    """Every field, enums by short name (``SERVING``), absent values as ``None``: valid JSON."""
+    return {
+        "version": msg.version,
+        "state": enum_name(pb.ServerState, msg.state),
+        "mode": enum_name(pb.Mode, msg.mode).lower(),
+        "started_at": msg.started_at,
+        "uptime_seconds": msg.uptime_seconds,
+        "model": msg.model,
+        "num_params": msg.num_params,
+        "update_mode": enum_name(pb.UpdateMode, msg.update_mode).lower(),
+        "sync_trainers": msg.sync_trainers,
+        "global_step": msg.global_step,
+        "samples_seen": msg.samples_seen,
+        "updates_per_second": msg.updates_per_second,
+        "samples_per_second": msg.samples_per_second,
+        "mean_loss": msg.mean_loss if msg.HasField("mean_loss") else None,
+        "shards": [
+            {
+                "index": s.index,
+                "device": s.device,
+                "num_params": s.num_params,
+                "bytes": s.bytes,
+                "device_memory_bytes": s.device_memory_bytes,
+            }
+            for s in msg.shards
+        ],
+        "last_checkpoint": checkpoint_to_dict(msg.last_checkpoint) if msg.HasField("last_checkpoint") else None,
+        "server_time": msg.server_time,
+    }
+
+
+def trainer_to_dict(t: pb.Trainer) -> dict[str, Any]:
+    return {
+        "rank": t.rank,
+        "name": t.name,
+        "host": t.host,
+        "joined_at": t.joined_at,
+        "last_seen": t.last_seen,
+        "steps": t.steps,
+        "samples": t.samples,
+        "last_loss": t.last_loss if t.HasField("last_loss") else None,
+        "samples_per_second": t.samples_per_second,
+        "state": enum_name(pb.TrainerState, t.state),
+    }

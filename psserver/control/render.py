@@ -1,0 +1,121 @@
+"""The human-readable ``psserver status`` table, from control-plane messages.
+
+Plain text, fixed columns, no colour: it must read the same in a terminal, a CI log and
+``watch -n1``. Ages are computed against the server's clock (``server_time``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Sequence
+
+from psserver.control.convert import enum_name
+from psserver.control.v1 import control_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def human_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "-"
+    seconds = max(0.0, seconds)
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    s = int(seconds)
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    if d:
+        return f"{d}d {h:02d}h"
+    if h:
+        return f"{h}h {m:02d}m"
+    if m:
+        return f"{m}m {s:02d}s"
+    return f"{s}s"
+
+
+def _ago(t: float, now: float) -> str:
+    return f"{human_duration(now - t)} ago" if t > 0 else "-"
+
+
+def _loss(msg: pb.ServerStatus | pb.Trainer, field: str) -> str:
+    return f"{getattr(msg, field):.4g}" if msg.HasField(field) else "-"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric: Sequence[int] = ()) -> list[str]:
+    """Left-aligned text columns, right-aligned numeric ones, two spaces apart."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        out = [c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        return "  ".join(out).rstrip()
+
+    return [line(headers), *(line(r) for r in rows)]
+
+
+def render_status(status: pb.ServerStatus, trainers: Sequence[pb.Trainer] | None = None, address: str = "") -> str:
+    now = status.server_time or status.started_at + status.uptime_seconds
+    update = enum_name(pb.UpdateMode, status.update_mode).lower()
+    if status.update_mode == pb.UPDATE_MODE_SYNC:
+        update += f" (one step per {status.sync_trainers} gradients)"
+    where = f" at {address}" if address else ""
+    lines = [
+        f"psserver {status.version}{where}  {enum_name(pb.ServerState, status.state)}"
+        f"  (mode {enum_name(pb.Mode, status.mode).lower()}, up {human_duration(status.uptime_seconds)})",
+        f"model       {status.model}, {status.num_params:,} parameters",
+        f"updates     {update}",
+        f"progress    step {status.global_step:,}, {status.samples_seen:,} samples, "
+        f"{status.updates_per_second:.1f} updates/s, {status.samples_per_second:.1f} samples/s, "
+        f"loss {_loss(status, 'mean_loss')}",
+    ]
+    if status.HasField("last_checkpoint"):
+        ck = status.last_checkpoint
+        lines.append(f"checkpoint  {ck.path} (step {ck.step:,}, {_ago(ck.time, now)})")
+    else:
+        lines.append("checkpoint  none")
+    lines.append("")
+    rows = [
+        [str(s.index), s.device, f"{s.num_params:,}", human_bytes(s.bytes), human_bytes(s.device_memory_bytes)]
+        for s in status.shards
+    ]
+    lines += table(["SHARD", "DEVICE", "PARAMS", "SIZE", "DEVICE MEM"], rows, numeric=(0, 2, 3, 4))
+    if trainers is not None:
+        lines.append("")
+        lines += render_trainers(trainers, now).splitlines()
+    return "\n".join(lines)
+
+
+def render_trainers(trainers: Sequence[pb.Trainer], now: float) -> str:
+    counts = {name: 0 for name in ("ACTIVE", "LEFT", "LOST")}
+    for t in trainers:
+        name = enum_name(pb.TrainerState, t.state)
+        counts[name] = counts.get(name, 0) + 1
+    summary = ", ".join(f"{n} {k.lower()}" for k, n in counts.items())
+    if not trainers:
+        return f"TRAINERS    none joined yet"
+    rows = [
+        [
+            str(t.rank),
+            t.name,
+            t.host,
+            enum_name(pb.TrainerState, t.state),
+            f"{t.steps:,}",
+            f"{t.samples:,}",
+            _loss(t, "last_loss"),
+            f"{t.samples_per_second:.1f}",
+            _ago(t.joined_at, now),
+            _ago(t.last_seen, now),
+        ]
+        for t in trainers
+    ]
+    head = ["RANK", "NAME", "HOST", "STATE", "STEPS", "SAMPLES", "LOSS", "SAMPLES/S", "JOINED", "LAST SEEN"]
+    return "\n".join([f"TRAINERS    {summary}", *table(head, rows, numeric=(0, 4, 5, 6, 7))])

@@ -1,0 +1,180 @@
+"""``ControlServer``: the gRPC server of the control plane, as a context manager.
+
+It binds ``config.host:config.port`` (port 0 picks a free one, see :attr:`ControlServer.port`),
+serves ``psserver.v1.ControlService``, the standard ``grpc.health.v1.Health`` (NOT_SERVING
+until ``target.ready`` is set, NOT_SERVING again once it is cleared or the server stops) and,
+with ``config.reflection``, server reflection. Plaintext unless ``tls_cert``/``tls_key``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+from types import TracebackType
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from psserver.config.control import ControlConfig
+from psserver.control import SERVICE_NAME
+from psserver.control.auth import AuthInterceptor, CallLogInterceptor
+from psserver.control.service import ControlService, add_to_server
+from psserver.errors import UsageError
+from psserver.telemetry import ControlTarget
+
+log = logging.getLogger(__name__)
+
+HEALTH_SERVICES = ("", SERVICE_NAME)
+_LOOPBACK = {"127.0.0.1", "::1", "localhost", "[::1]"}
+
+
+def format_address(host: str, port: int) -> str:
+    """``host:port``, with IPv6 literals in brackets."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+class ControlServer:
+    """Serves the control plane of ``target`` while in the ``with`` block.
+
+    Health follows ``target.ready`` by itself (polled every ``poll_interval`` s, a cheap
+    ``Event.is_set``); :meth:`set_serving` overrides it at once, e.g. right after ``ready`` is
+    set, to avoid the poll delay.
+    """
+
+    def __init__(
+        self,
+        target: ControlTarget,
+        config: ControlConfig | None = None,
+        *,
+        max_workers: int = 16,
+        max_watchers: int = 8,
+        grace: float = 2.0,
+        poll_interval: float = 0.1,
+    ) -> None:
+        self.target = target
+        self.config = config or ControlConfig()
+        self.grace = grace
+        self.poll_interval = poll_interval
+        self._max_workers = max_workers
+        # Keep workers free for unary calls however many streams are open.
+        self.service = ControlService(target, max_watchers=min(max_watchers, max(1, max_workers - 4)))
+        self.health = health.HealthServicer()
+        self._set_health(False)
+        self._serving: bool | None = False
+        self._server: grpc.Server | None = None
+        self._stop = threading.Event()
+        self._poller: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.port: int = 0
+        self.tls = self.config.tls_cert is not None
+
+    @property
+    def address(self) -> str:
+        return format_address(self.config.host, self.port)
+
+    # ---- life cycle ---------------------------------------------------------------------
+
+    def start(self) -> "ControlServer":
+        cfg = self.config
+        token = cfg.token()
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="psserver-control"),
+            interceptors=[
+                CallLogInterceptor(),
+                AuthInterceptor(token, allow_unauthenticated_admin=cfg.allow_unauthenticated_admin),
+            ],
+            # Without this gRPC sets SO_REUSEPORT and a second server would silently share the
+            # port (and half the calls) instead of failing to bind.
+            options=[("grpc.so_reuseport", 0)],
+        )
+        add_to_server(self.service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        if cfg.reflection:
+            from grpc_reflection.v1alpha import reflection
+
+            names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+            reflection.enable_server_reflection(names, server)
+        bind = format_address(cfg.host, cfg.port)
+        try:
+            if cfg.tls_cert is not None:
+                creds = grpc.ssl_server_credentials([(cfg.tls_key.read_bytes(), cfg.tls_cert.read_bytes())])
+                port = server.add_secure_port(bind, creds)
+            else:
+                port = server.add_insecure_port(bind)
+        except RuntimeError as e:
+            raise UsageError(f"control plane cannot listen on {bind}: {e} (port in use? try --control-port 0)") from e
+        if not port:
+            raise UsageError(f"control plane cannot listen on {bind} (port in use? try --control-port 0)")
+        self.port = port
+        server.start()
+        self._server = server
+        self._stop.clear()
+        self._poller = threading.Thread(target=self._poll_ready, name="psserver-control-health", daemon=True)
+        self._poller.start()
+        log.info(
+            "control plane listening on %s (%s, %s%s)",
+            self.address,
+            "TLS" if self.tls else "plaintext",
+            "token required" if token else "no token",
+            ", reflection" if cfg.reflection else "",
+        )
+        if cfg.host not in _LOOPBACK and not (token and self.tls):
+            log.warning(
+                "control plane on %s without %s: anyone who can reach it can read%s the server",
+                cfg.host,
+                " and ".join(x for x, ok in (("TLS", self.tls), ("a token", bool(token))) if not ok),
+                " and stop" if cfg.allow_unauthenticated_admin or token else "",
+            )
+        return self
+
+    def stop(self, grace: float | None = None) -> None:
+        """Health NOT_SERVING, WatchStatus streams end, then the gRPC server stops."""
+        with self._lock:
+            server, self._server = self._server, None
+        if server is None:
+            return
+        try:
+            self._stop.set()
+            self._set_health(False)
+            self.health.enter_graceful_shutdown()
+            self.service.close()
+        finally:
+            server.stop(self.grace if grace is None else grace).wait()
+            if self._poller is not None:
+                self._poller.join(timeout=1.0)
+            log.info("control plane on %s stopped", self.address)
+
+    def __enter__(self) -> "ControlServer":
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+    # ---- health -------------------------------------------------------------------------
+
+    def set_serving(self, serving: bool) -> None:
+        """Set health now (the ``ready`` poll would do the same within ``poll_interval``)."""
+        with self._lock:
+            if self._serving == serving:
+                return
+            self._serving = serving
+        self._set_health(serving)
+        log.info("control plane health: %s", "SERVING" if serving else "NOT_SERVING")
+
+    def _set_health(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in HEALTH_SERVICES:
+            self.health.set(name, status)
+
+    def _poll_ready(self) -> None:
+        ready = getattr(self.target, "ready", None)
+        while not self._stop.wait(self.poll_interval):
+            try:
+                serving = bool(ready is not None and ready.is_set())
+            except Exception:  # noqa: BLE001
+                serving = False
+            if serving != self._serving:
+                self.set_serving(serving)

@@ -1,0 +1,184 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ServerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SERVER_STATE_UNSPECIFIED: _ClassVar[ServerState]
+    SERVER_STATE_STARTING: _ClassVar[ServerState]
+    SERVER_STATE_SERVING: _ClassVar[ServerState]
+    SERVER_STATE_DRAINING: _ClassVar[ServerState]
+    SERVER_STATE_STOPPED: _ClassVar[ServerState]
+
+class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODE_UNSPECIFIED: _ClassVar[Mode]
+    MODE_PS: _ClassVar[Mode]
+    MODE_DDP: _ClassVar[Mode]
+    MODE_FSDP: _ClassVar[Mode]
+
+class UpdateMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    UPDATE_MODE_UNSPECIFIED: _ClassVar[UpdateMode]
+    UPDATE_MODE_ASYNC: _ClassVar[UpdateMode]
+    UPDATE_MODE_SYNC: _ClassVar[UpdateMode]
+    UPDATE_MODE_COLLECTIVE: _ClassVar[UpdateMode]
+
+class TrainerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRAINER_STATE_UNSPECIFIED: _ClassVar[TrainerState]
+    TRAINER_STATE_ACTIVE: _ClassVar[TrainerState]
+    TRAINER_STATE_LEFT: _ClassVar[TrainerState]
+    TRAINER_STATE_LOST: _ClassVar[TrainerState]
+SERVER_STATE_UNSPECIFIED: ServerState
+SERVER_STATE_STARTING: ServerState
+SERVER_STATE_SERVING: ServerState
+SERVER_STATE_DRAINING: ServerState
+SERVER_STATE_STOPPED: ServerState
+MODE_UNSPECIFIED: Mode
+MODE_PS: Mode
+MODE_DDP: Mode
+MODE_FSDP: Mode
+UPDATE_MODE_UNSPECIFIED: UpdateMode
+UPDATE_MODE_ASYNC: UpdateMode
+UPDATE_MODE_SYNC: UpdateMode
+UPDATE_MODE_COLLECTIVE: UpdateMode
+TRAINER_STATE_UNSPECIFIED: TrainerState
+TRAINER_STATE_ACTIVE: TrainerState
+TRAINER_STATE_LEFT: TrainerState
+TRAINER_STATE_LOST: TrainerState
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchStatusRequest(_message.Message):
+    __slots__ = ("interval_seconds",)
+    INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    interval_seconds: float
+    def __init__(self, interval_seconds: _Optional[float] = ...) -> None: ...
+
+class ListTrainersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShutdownRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class Shard(_message.Message):
+    __slots__ = ("index", "device", "num_params", "bytes", "device_memory_bytes")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    device: str
+    num_params: int
+    bytes: int
+    device_memory_bytes: int
+    def __init__(self, index: _Optional[int] = ..., device: _Optional[str] = ..., num_params: _Optional[int] = ..., bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ...) -> None: ...
+
+class CheckpointInfo(_message.Message):
+    __slots__ = ("path", "step", "time")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    step: int
+    time: float
+    def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ..., time: _Optional[float] = ...) -> None: ...
+
+class ServerStatus(_message.Message):
+    __slots__ = ("version", "state", "mode", "started_at", "uptime_seconds", "model", "num_params", "update_mode", "sync_trainers", "global_step", "samples_seen", "updates_per_second", "samples_per_second", "mean_loss", "shards", "last_checkpoint", "server_time")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_MODE_FIELD_NUMBER: _ClassVar[int]
+    SYNC_TRAINERS_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_SEEN_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    MEAN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    state: ServerState
+    mode: Mode
+    started_at: float
+    uptime_seconds: float
+    model: str
+    num_params: int
+    update_mode: UpdateMode
+    sync_trainers: int
+    global_step: int
+    samples_seen: int
+    updates_per_second: float
+    samples_per_second: float
+    mean_loss: float
+    shards: _containers.RepeatedCompositeFieldContainer[Shard]
+    last_checkpoint: CheckpointInfo
+    server_time: float
+    def __init__(self, version: _Optional[str] = ..., state: _Optional[_Union[ServerState, str]] = ..., mode: _Optional[_Union[Mode, str]] = ..., started_at: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., model: _Optional[str] = ..., num_params: _Optional[int] = ..., update_mode: _Optional[_Union[UpdateMode, str]] = ..., sync_trainers: _Optional[int] = ..., global_step: _Optional[int] = ..., samples_seen: _Optional[int] = ..., updates_per_second: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., mean_loss: _Optional[float] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., server_time: _Optional[float] = ...) -> None: ...
+
+class Trainer(_message.Message):
+    __slots__ = ("rank", "name", "host", "joined_at", "last_seen", "steps", "samples", "last_loss", "samples_per_second", "state")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    JOINED_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LAST_LOSS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    name: str
+    host: str
+    joined_at: float
+    last_seen: float
+    steps: int
+    samples: int
+    last_loss: float
+    samples_per_second: float
+    state: TrainerState
+    def __init__(self, rank: _Optional[int] = ..., name: _Optional[str] = ..., host: _Optional[str] = ..., joined_at: _Optional[float] = ..., last_seen: _Optional[float] = ..., steps: _Optional[int] = ..., samples: _Optional[int] = ..., last_loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., state: _Optional[_Union[TrainerState, str]] = ...) -> None: ...
+
+class ListTrainersResponse(_message.Message):
+    __slots__ = ("trainers", "server_time")
+    TRAINERS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
+    trainers: _containers.RepeatedCompositeFieldContainer[Trainer]
+    server_time: float
+    def __init__(self, trainers: _Optional[_Iterable[_Union[Trainer, _Mapping]]] = ..., server_time: _Optional[float] = ...) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ("checkpoint",)
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: CheckpointInfo
+    def __init__(self, checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ...) -> None: ...
+
+class ShutdownResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: ServerState
+    def __init__(self, state: _Optional[_Union[ServerState, str]] = ...) -> None: ...

@@ -1,0 +1,362 @@
+"""Prometheus metrics and TensorBoard event files of a running server.
+
+``start_exporters(target, obs)`` starts what ``ObservabilityConfig`` asks for and returns an
+:class:`Exporters` whose ``close()`` stops it all. Both exporters only read the
+:class:`psserver.telemetry.ControlTarget` snapshots (``get_status()``, ``list_trainers()``),
+so the parameter server and collective rank 0 share them:
+
+- Prometheus: a private :class:`CollectorRegistry` (several servers can run in one process,
+  as tests do) served over HTTP; a custom collector reads the snapshots at scrape time, so no
+  polling thread is needed. The only pushed metric is the RPC handling-time histogram, fed by
+  :func:`observe_rpc` or the :func:`rpc_timed` decorator.
+- TensorBoard: a background thread writes scalars from the snapshot every few seconds with
+  torch's ``SummaryWriter`` (global step on the x axis); the ``tensorboard`` package is
+  imported only when ``--tensorboard-dir`` is given.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, TypeVar
+
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from psserver.config import ObservabilityConfig
+from psserver.errors import UsageError
+from psserver.telemetry import ControlTarget, ServerStatus, TrainerStatus
+
+log = logging.getLogger(__name__)
+
+PREFIX = "psserver"
+RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+"""Buckets of the RPC histogram: a loopback round trip is ~0.5 ms, a sync barrier seconds."""
+TENSORBOARD_INTERVAL_S = 5.0
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_active: list["Exporters"] = []
+_active_lock = threading.Lock()
+
+
+# ---- RPC latency -----------------------------------------------------------------------
+
+
+def observe_rpc(method: str, seconds: float) -> None:
+    """Record that the server spent ``seconds`` handling one ``method`` RPC (no-op when no
+    exporter runs in this process)."""
+    for exporters in _active:  # copy-on-write list: no lock on the hot path
+        exporters.observe_rpc(method, seconds)
+
+
+def rpc_timed(method: str) -> Callable[[F], F]:
+    """Decorator: time every call of an RPC handler into ``psserver_rpc_duration_seconds``."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not _active:
+                return fn(*args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                observe_rpc(method, time.perf_counter() - t0)
+
+        return timed  # type: ignore[return-value]
+
+    return wrap
+
+
+# ---- Prometheus ------------------------------------------------------------------------
+
+
+def _finite(value: float) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _trainers_by_name(trainers: Iterable[TrainerStatus]) -> list[TrainerStatus]:
+    """One entry per (rank, name): later entries (current members) win over history."""
+    latest: dict[tuple[int, str], TrainerStatus] = {}
+    for t in trainers:
+        latest[(t.rank, t.name)] = t
+    return list(latest.values())
+
+
+class StatusCollector(Collector):
+    """Turns the target's snapshots into Prometheus metrics at scrape time."""
+
+    def __init__(self, target: ControlTarget) -> None:
+        self.target = target
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # dynamic: do not call collect() at registration time
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            status = self.target.get_status()
+            trainers = _trainers_by_name(self.target.list_trainers())
+        except Exception:  # noqa: BLE001 - a scrape must not take the server down
+            log.exception("metrics: cannot read the server status")
+            err = GaugeMetricFamily(f"{PREFIX}_scrape_error", "1 when the last scrape could not read the status")
+            err.add_metric([], 1)
+            yield err
+            return
+        yield from self._server_metrics(status)
+        yield from self._trainer_metrics(trainers)
+        yield from self._checkpoint_metrics(status)
+
+    def _server_metrics(self, s: ServerStatus) -> Iterator[Metric]:
+        info = GaugeMetricFamily(f"{PREFIX}_info", "Static facts about this server (value is always 1)",
+                                 labels=["version", "mode", "model", "update_mode"])
+        info.add_metric([s.version, s.mode, s.model, s.update_mode], 1)
+        yield info
+        state = GaugeMetricFamily(f"{PREFIX}_state", "1 for the server's current state", labels=["state"])
+        for name in ("STARTING", "SERVING", "DRAINING", "STOPPED"):
+            state.add_metric([name], 1 if s.state == name else 0)
+        yield state
+        yield _gauge("up", "1 while the server is SERVING", 1 if s.state == "SERVING" else 0)
+        yield _gauge("start_time_seconds", "Unix time the server started", s.started_at)
+        yield _gauge("uptime_seconds", "Seconds since the server started", s.uptime_s)
+        yield _gauge("parameters", "Number of model parameters", s.num_params)
+        yield _gauge("sync_trainers", "K of --update sync (0 in async mode)", s.sync_trainers)
+        yield _counter("steps", "Optimizer steps applied (global step)", s.global_step)
+        yield _counter("samples", "Training samples whose gradients were applied", s.samples_seen)
+        yield _gauge("updates_per_second", "Optimizer steps per second over the last window", s.updates_per_s)
+        yield _gauge("samples_per_second", "Samples per second over the last window", s.samples_per_s)
+        yield _gauge("loss", "Mean training loss reported over the last window (NaN when idle)", s.mean_loss)
+        accuracy = getattr(s, "accuracy", None)
+        if accuracy is not None and _finite(accuracy):
+            yield _gauge("accuracy", "Last evaluation accuracy", accuracy)
+        shard_bytes = GaugeMetricFamily(f"{PREFIX}_shard_bytes", "Bytes of parameters per model shard",
+                                        labels=["shard", "device"])
+        shard_mem = GaugeMetricFamily(f"{PREFIX}_shard_device_memory_bytes",
+                                      "Device memory allocated per shard (process RSS on CPU)",
+                                      labels=["shard", "device"])
+        for sh in s.shards:
+            shard_bytes.add_metric([str(sh.index), sh.device], sh.bytes)
+            shard_mem.add_metric([str(sh.index), sh.device], sh.device_memory_bytes)
+        yield shard_bytes
+        yield shard_mem
+
+    def _trainer_metrics(self, trainers: list[TrainerStatus]) -> Iterator[Metric]:
+        now = time.time()
+        labels = ["rank", "name"]
+        up = GaugeMetricFamily(f"{PREFIX}_trainer_up", "1 while the trainer is active, 0 once it left or was lost",
+                               labels=labels)
+        state = GaugeMetricFamily(f"{PREFIX}_trainer_state", "1 for each trainer's current state",
+                                  labels=[*labels, "state"])
+        steps = CounterMetricFamily(f"{PREFIX}_trainer_steps", "Steps the trainer reported", labels=labels)
+        samples = CounterMetricFamily(f"{PREFIX}_trainer_samples", "Samples the trainer reported", labels=labels)
+        loss = GaugeMetricFamily(f"{PREFIX}_trainer_loss", "Last loss the trainer reported", labels=labels)
+        rate = GaugeMetricFamily(f"{PREFIX}_trainer_samples_per_second", "Trainer's own throughput",
+                                 labels=labels)
+        seen = GaugeMetricFamily(f"{PREFIX}_trainer_last_seen_age_seconds",
+                                 "Seconds since the trainer's last heartbeat or step", labels=labels)
+        counts = {"ACTIVE": 0, "LEFT": 0, "LOST": 0}
+        for t in trainers:
+            lv = [str(t.rank), t.name]
+            up.add_metric(lv, 1 if t.state == "ACTIVE" else 0)
+            for st in counts:
+                state.add_metric([*lv, st], 1 if t.state == st else 0)
+            counts[t.state] = counts.get(t.state, 0) + 1
+            steps.add_metric(lv, t.steps)
+            samples.add_metric(lv, t.samples)
+            loss.add_metric(lv, t.last_loss)
+            rate.add_metric(lv, t.samples_per_s)
+            seen.add_metric(lv, max(0.0, now - t.last_seen))
+        total = GaugeMetricFamily(f"{PREFIX}_trainers", "Trainers by state (LEFT/LOST: recent history)",
+                                  labels=["state"])
+        for st, n in counts.items():
+            total.add_metric([st], n)
+        yield from (total, up, state, steps, samples, loss, rate, seen)
+
+    def _checkpoint_metrics(self, s: ServerStatus) -> Iterator[Metric]:
+        ck = s.last_checkpoint
+        if ck is None:
+            return
+        yield _gauge("checkpoint_last_timestamp_seconds", "Unix time of the newest checkpoint", ck.time)
+        yield _gauge("checkpoint_age_seconds", "Seconds since the newest checkpoint was written",
+                     max(0.0, time.time() - ck.time))
+        yield _gauge("checkpoint_last_step", "Global step of the newest checkpoint", ck.step)
+        checkpointer = getattr(self.target, "checkpointer", None)
+        duration = getattr(checkpointer, "last_duration_s", None)
+        if duration is not None and _finite(duration):
+            yield _gauge("checkpoint_duration_seconds", "Seconds the newest checkpoint took to write", duration)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=float(value))
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(f"{PREFIX}_{name}", doc, value=float(value))
+
+
+def build_registry(target: ControlTarget) -> tuple[CollectorRegistry, Histogram]:
+    """A private registry with the status collector, process metrics and the RPC histogram."""
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(StatusCollector(target))
+    ProcessCollector(registry=registry)
+    histogram = Histogram(
+        f"{PREFIX}_rpc_duration_seconds",
+        "Seconds the server spent handling one RPC from a trainer",
+        labelnames=["method"],
+        buckets=RPC_BUCKETS,
+        registry=registry,
+    )
+    return registry, histogram
+
+
+# ---- TensorBoard -----------------------------------------------------------------------
+
+
+class TensorBoardWriter:
+    """Writes loss, accuracy and throughput every ``interval_s`` seconds (x axis: global step)."""
+
+    def __init__(self, target: ControlTarget, log_dir: Path, interval_s: float = TENSORBOARD_INTERVAL_S) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise UsageError("install tensorboard for --tensorboard-dir (pip install tensorboard)") from None
+        self.target = target
+        self.interval_s = interval_s
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=max(1, int(interval_s)))
+        self._last_step: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="psserver-tensorboard", daemon=True)
+        self._thread.start()
+        log.info("writing TensorBoard event files to %s", self.log_dir)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.write_once()
+
+    def write_once(self) -> bool:
+        """Write one point of every scalar; skipped when the global step has not moved."""
+        try:
+            status = self.target.get_status()
+            trainers = self.target.list_trainers()
+        except Exception:  # noqa: BLE001
+            log.debug("tensorboard: cannot read the status", exc_info=True)
+            return False
+        step = status.global_step
+        if step == self._last_step:
+            return False  # one point per global step
+        self._last_step = step
+        w = self.writer
+        if _finite(status.mean_loss):
+            w.add_scalar("loss/train", status.mean_loss, step)
+        accuracy = getattr(status, "accuracy", None)
+        if accuracy is not None and _finite(accuracy):
+            w.add_scalar("accuracy/eval", accuracy, step)
+        w.add_scalar("throughput/samples_per_s", status.samples_per_s, step)
+        w.add_scalar("throughput/updates_per_s", status.updates_per_s, step)
+        w.add_scalar("progress/samples_seen", status.samples_seen, step)
+        w.add_scalar("trainers/active", sum(1 for t in trainers if t.state == "ACTIVE"), step)
+        for t in trainers:
+            t_acc = getattr(t, "accuracy", None)
+            if t_acc is not None and _finite(t_acc):
+                w.add_scalar(f"accuracy/rank{t.rank}", t_acc, step)
+        w.flush()
+        return True
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.write_once()
+        self.writer.close()
+
+
+# ---- both ------------------------------------------------------------------------------
+
+
+class Exporters:
+    """What :func:`start_exporters` started; ``close()`` stops all of it (idempotent)."""
+
+    def __init__(self, target: ControlTarget) -> None:
+        self.target = target
+        self.registry, self._rpc_histogram = build_registry(target)
+        self.metrics_address: tuple[str, int] | None = None
+        self._httpd: Any = None
+        self._http_thread: threading.Thread | None = None
+        self.tensorboard: TensorBoardWriter | None = None
+        self._closed = False
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port actually bound (useful with ``--metrics-port 0``)."""
+        return self.metrics_address[1] if self.metrics_address else None
+
+    def observe_rpc(self, method: str, seconds: float) -> None:
+        self._rpc_histogram.labels(method=method).observe(seconds)
+
+    def start_http(self, host: str, port: int) -> None:
+        try:
+            self._httpd, self._http_thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:
+            raise UsageError(f"cannot serve metrics on {host}:{port}: {e.strerror or e}") from None
+        self.metrics_address = (host, int(self._httpd.server_address[1]))
+        log.info("Prometheus metrics on http://%s:%d/metrics", host, self.metrics_address[1])
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        _unregister(self)
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            if self._http_thread is not None:
+                self._http_thread.join(timeout=5)
+        if self.tensorboard is not None:
+            try:
+                self.tensorboard.close()
+            except Exception:  # noqa: BLE001 - closing must not mask the server's own exit
+                log.exception("closing the TensorBoard writer failed")
+
+    def __enter__(self) -> "Exporters":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def start_exporters(
+    target: ControlTarget,
+    obs: ObservabilityConfig,
+    *,
+    tensorboard_interval_s: float = TENSORBOARD_INTERVAL_S,
+) -> Exporters:
+    """Start the Prometheus endpoint and/or the TensorBoard writer that ``obs`` asks for."""
+    exporters = Exporters(target)
+    try:
+        if obs.metrics_port is not None:
+            exporters.start_http(obs.metrics_host, obs.metrics_port)
+        if obs.tensorboard_dir is not None:
+            exporters.tensorboard = TensorBoardWriter(target, Path(obs.tensorboard_dir), tensorboard_interval_s)
+    except BaseException:
+        exporters.close()
+        raise
+    _register(exporters)
+    return exporters
+
+
+def _register(exporters: Exporters) -> None:
+    global _active
+    with _active_lock:
+        _active = [*_active, exporters]  # copy on write: observe_rpc iterates without a lock
+
+
+def _unregister(exporters: Exporters) -> None:
+    global _active
+    with _active_lock:
+        _active = [e for e in _active if e is not exporters]

@@ -1,0 +1,124 @@
+"""``llama_tiny``: a small Llama-style decoder that fits the registry's classification interface.
+
+``Sequential(TokenEmbedding, DecoderBlock x N, ClassifierHead)``: every block takes and
+returns one tensor, so the parameter server can split it into stages like any other model.
+Blocks are pre-norm (RMSNorm), causal self-attention with rotary position embeddings (RoPE)
+and a SwiGLU MLP; the head pools the sequence (mean over tokens) and classifies.
+
+Tensor parallelism (``psserver.collective.fsdp``) shards ``wq/wk/wv`` and ``w1/w3`` by
+columns and ``wo/w2`` by rows, Megatron style. Attention reshapes with ``-1`` heads so it
+runs unchanged on the local slice of the heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from psserver.models import MODELS, ModelSpec, register
+
+VOCAB = 256
+SEQ_LEN = 32
+DIM = 64
+HEADS = 4
+LAYERS = 2
+HIDDEN = 128
+NUM_CLASSES = 10
+
+
+def rope(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotate pairs of channels of ``x`` (batch, heads, seq, head_dim) by position-dependent angles."""
+    _, _, seq, head_dim = x.shape
+    half = head_dim // 2
+    freqs = base ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    angles = torch.arange(seq, device=x.device, dtype=torch.float32)[:, None] * freqs[None, :]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class TokenEmbedding(nn.Module):
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok(tokens)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, dim, bias=False)
+        self.wv = nn.Linear(dim, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, hidden: int) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(dim)
+        self.attention = Attention(dim, heads)
+        self.ffn_norm = nn.RMSNorm(dim)
+        self.feed_forward = SwiGLU(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class ClassifierHead(nn.Module):
+    """Final RMSNorm, mean over the sequence, linear classifier."""
+
+    def __init__(self, dim: int, num_classes: int) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(dim)
+        self.out = nn.Linear(dim, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x).mean(dim=1))
+
+
+def llama_tiny(
+    vocab: int = VOCAB, dim: int = DIM, heads: int = HEADS, layers: int = LAYERS, hidden: int = HIDDEN,
+    num_classes: int = NUM_CLASSES,
+) -> nn.Sequential:
+    """Embedding, ``layers`` decoder blocks, classifier head (~0.1M parameters by default)."""
+    if dim % heads or (dim // heads) % 2:
+        raise ValueError(f"dim {dim} must split into {heads} heads of even size")
+    return nn.Sequential(
+        TokenEmbedding(vocab, dim),
+        *[DecoderBlock(dim, heads, hidden) for _ in range(layers)],
+        ClassifierHead(dim, num_classes),
+    )
+
+
+if "llama_tiny" not in MODELS:
+    register(ModelSpec(
+        "llama_tiny", llama_tiny, (SEQ_LEN,), NUM_CLASSES,
+        f"Llama-style decoder ({LAYERS} blocks, dim {DIM}, RoPE, SwiGLU) over {SEQ_LEN} tokens",
+        input_dtype=torch.long,
+    ))

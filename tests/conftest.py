@@ -1,0 +1,31 @@
+"""Shared fixtures: free ports, real server/trainer processes that are always cleaned up."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.procs import MNIST_DIR, free_port  # noqa: F401  (re-exported for tests)
+
+
+@pytest.fixture
+def port() -> int:
+    return free_port()
+
+
+@pytest.fixture
+def mnist_dir():
+    if not (MNIST_DIR / "t10k-images-idx3-ubyte.gz").is_file():
+        pytest.skip(f"real MNIST split not found at {MNIST_DIR}")
+    return MNIST_DIR
+
+
+@pytest.fixture
+def procs():
+    """Processes started through this fixture are killed (whole group) after the test."""
+    from tests.procs import ProcessGroup
+
+    group = ProcessGroup()
+    try:
+        yield group
+    finally:
+        group.kill_all()

@@ -1,0 +1,69 @@
+"""A real server and real trainers, through the CLI, on the real MNIST split."""
+
+from __future__ import annotations
+
+import pytest
+
+from psserver.checkpoint import list_checkpoints, read_checkpoint
+from tests.procs import MNIST_ARGS, accuracy
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+BAR = 0.96
+
+
+def _train_two(procs, port, *extra):
+    trainers = [procs.trainer(port, r, "--num-trainers", "2", "--epochs", "3", *MNIST_ARGS, *extra) for r in (0, 1)]
+    for t in trainers:
+        assert t.wait(240) == 0, t.tail()
+    return trainers
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("update", ["async", "sync"])
+def test_two_trainers_reach_accuracy_and_server_keeps_serving(procs, port, mnist_dir, update):
+    extra = ["--update", update] + (["--sync-trainers", "2"] if update == "sync" else [])
+    server = procs.server(port, *extra)
+    for t in _train_two(procs, port):
+        assert accuracy(t) >= BAR, t.tail()
+    assert server.running()
+    # The server outlives its trainers: a third one joins (rank 0 again, a new incarnation).
+    third = procs.trainer(port, 0, "--num-trainers", "2", "--max-steps", "10", *MNIST_ARGS)
+    assert third.wait(120) == 0, third.tail()
+    assert "as trainer_0_2" in third.output()
+    assert server.running()
+    assert procs.stop(server) == 0
+    out = server.output()
+    assert "trainer trainer_0_1 (rank 0) joined" in out and "trainer trainer_0_1 (rank 0) left" in out
+
+
+@pytest.mark.timeout(420)
+def test_adam_has_one_optimizer_state_per_shard(procs, port, mnist_dir, tmp_path):
+    server = procs.server(port, "--optimizer", "adam", "--checkpoint-dir", str(tmp_path), "--devices", "cpu,cpu")
+    trainers = [
+        procs.trainer(port, r, "--num-trainers", "2", "--max-steps", "40", *MNIST_ARGS) for r in (0, 1)
+    ]
+    for t in trainers:
+        assert t.wait(180) == 0, t.tail()
+    assert procs.stop(server) == 0  # SIGTERM writes a final checkpoint
+    state = read_checkpoint(list_checkpoints(tmp_path)[0])
+    assert state["global_step"] == 80  # async: every trainer step is one optimizer step
+    assert len(state["shards"]) == 2
+    for shard in state["shards"]:
+        opt = shard["optimizer"]
+        n_params = len(shard["module"]) - 0
+        assert len(opt["param_groups"]) == 1
+        # One Adam state per parameter of the shard, advanced by BOTH trainers' steps: two
+        # per-trainer optimizers would each count 40.
+        assert len(opt["state"]) == len(opt["param_groups"][0]["params"]) <= n_params
+        for st in opt["state"].values():
+            assert int(st["step"]) == 80
+            assert set(st) >= {"exp_avg", "exp_avg_sq"}
+
+
+@pytest.mark.timeout(420)
+def test_two_stages_train_to_the_same_bar(procs, port, mnist_dir):
+    server = procs.server(port, "--devices", "cpu,cpu")
+    assert "in 2 stage(s) on cpu, cpu" in server.output()
+    for t in _train_two(procs, port):
+        assert accuracy(t) >= BAR, t.tail()

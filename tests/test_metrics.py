@@ -1,0 +1,331 @@
+"""Prometheus and TensorBoard exporters (psserver/metrics.py).
+
+Unit tests drive a fake ControlTarget in-process; the multiprocess test scrapes a real
+``psserver serve --metrics-port`` while a real trainer trains, then SIGKILLs the trainer and
+waits for the eviction to show in the liveness gauge.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from psserver.config import ObservabilityConfig
+from psserver.errors import UsageError
+from psserver.telemetry import CheckpointInfo, ServerStatus, ShardStatus, TrainerStatus
+
+
+# ---- helpers ---------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """{(sample name, sorted labels): value} from a /metrics endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(samples: dict, metric: str, /, **labels: str) -> float:
+    key = (metric, tuple(sorted(labels.items())))
+    assert key in samples, f"{metric}{labels} not scraped; have {sorted(k[0] for k in samples)}"
+    return samples[key]
+
+
+def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+class FakeTarget:
+    """A ControlTarget whose snapshot the test edits."""
+
+    def __init__(self) -> None:
+        self.ready = threading.Event()
+        self.ready.set()
+        self.step = 0
+        self.loss = 1.0
+        self.trainers = [TrainerStatus(0, "trainer_0_1", "h", time.time(), time.time(), steps=3, samples=192,
+                                       last_loss=0.5, samples_per_s=100.0)]
+        self.last_checkpoint: CheckpointInfo | None = None
+
+        class _Ck:
+            last_duration_s = 0.25
+
+        self.checkpointer = _Ck()
+
+    def get_status(self) -> ServerStatus:
+        return ServerStatus(
+            version="0.0.test", state="SERVING", mode="ps", started_at=time.time() - 10, model="mlp",
+            num_params=1234, update_mode="async", sync_trainers=0, global_step=self.step,
+            samples_seen=64 * self.step, updates_per_s=5.0, samples_per_s=320.0, mean_loss=self.loss,
+            shards=[ShardStatus(0, "cpu", 1234, 4936, 1 << 20)], last_checkpoint=self.last_checkpoint,
+        )
+
+    def list_trainers(self) -> list[TrainerStatus]:
+        return list(self.trainers)
+
+    def checkpoint_now(self) -> CheckpointInfo:
+        raise RuntimeError("no checkpoints")
+
+    def request_shutdown(self) -> None:
+        pass
+
+
+# ---- unit tests ------------------------------------------------------------------------
+
+
+def test_prometheus_endpoint_reads_status_at_scrape_time():
+    from psserver.metrics import start_exporters
+
+    target = FakeTarget()
+    ex = start_exporters(target, ObservabilityConfig(metrics_port=0))
+    try:
+        port = ex.metrics_port
+        assert port
+        s1 = scrape(port)
+        assert value(s1, "psserver_up") == 1
+        assert value(s1, "psserver_steps_total") == 0
+        assert value(s1, "psserver_info", version="0.0.test", mode="ps", model="mlp", update_mode="async") == 1
+        assert value(s1, "psserver_trainer_up", rank="0", name="trainer_0_1") == 1
+        assert value(s1, "psserver_trainers", state="ACTIVE") == 1
+        assert value(s1, "psserver_loss") == 1.0
+        assert value(s1, "psserver_updates_per_second") == 5.0
+        assert ("psserver_checkpoint_age_seconds", ()) not in s1  # no checkpoint yet
+        assert any(k[0] == "process_resident_memory_bytes" for k in s1)
+
+        target.step, target.loss = 7, float("nan")
+        target.trainers[0].state = "LOST"
+        target.trainers.append(TrainerStatus(1, "trainer_1_1", "h", time.time(), time.time()))
+        target.last_checkpoint = CheckpointInfo("/x/ckpt.pt", 5, time.time() - 30)
+        s2 = scrape(port)
+        assert value(s2, "psserver_steps_total") == 7
+        assert math.isnan(value(s2, "psserver_loss"))
+        assert value(s2, "psserver_trainer_up", rank="0", name="trainer_0_1") == 0
+        assert value(s2, "psserver_trainer_state", rank="0", name="trainer_0_1", state="LOST") == 1
+        assert value(s2, "psserver_trainer_up", rank="1", name="trainer_1_1") == 1
+        assert 29 < value(s2, "psserver_checkpoint_age_seconds") < 60
+        assert value(s2, "psserver_checkpoint_last_step") == 5
+        assert value(s2, "psserver_checkpoint_duration_seconds") == 0.25
+    finally:
+        ex.close()
+        ex.close()  # idempotent
+    with pytest.raises(OSError):
+        scrape(port)
+
+
+def test_two_exporters_in_one_process_and_rpc_histogram():
+    from psserver.metrics import observe_rpc, rpc_timed, start_exporters
+
+    a = start_exporters(FakeTarget(), ObservabilityConfig(metrics_port=0))
+    b = start_exporters(FakeTarget(), ObservabilityConfig(metrics_port=0))
+    try:
+        assert a.metrics_port != b.metrics_port
+
+        @rpc_timed("forward")
+        def handler(x: int) -> int:
+            time.sleep(0.003)
+            return x + 1
+
+        assert handler(1) == 2
+        observe_rpc("heartbeat", 0.0004)
+        for ex in (a, b):
+            s = scrape(ex.metrics_port)
+            assert value(s, "psserver_rpc_duration_seconds_count", method="forward") == 1
+            assert value(s, "psserver_rpc_duration_seconds_sum", method="forward") >= 0.003
+            assert value(s, "psserver_rpc_duration_seconds_bucket", method="heartbeat", le="0.0005") == 1
+    finally:
+        a.close()
+        b.close()
+    observe_rpc("forward", 0.1)  # no exporter left: a no-op
+
+
+def test_metrics_port_in_use_is_a_usage_error():
+    from psserver.metrics import start_exporters
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(UsageError, match="cannot serve metrics"):
+            start_exporters(FakeTarget(), ObservabilityConfig(metrics_port=s.getsockname()[1]))
+
+
+def test_scrape_survives_a_broken_target():
+    from psserver.metrics import start_exporters
+
+    target = FakeTarget()
+    target.get_status = lambda: (_ for _ in ()).throw(RuntimeError("boom"))  # type: ignore[method-assign]
+    with start_exporters(target, ObservabilityConfig(metrics_port=0)) as ex:
+        assert value(scrape(ex.metrics_port), "psserver_scrape_error") == 1
+
+
+def test_tensorboard_scalars_by_global_step(tmp_path):
+    pytest.importorskip("tensorboard")
+    from psserver.metrics import start_exporters
+
+    target = FakeTarget()
+    ex = start_exporters(target, ObservabilityConfig(tensorboard_dir=tmp_path / "tb"), tensorboard_interval_s=0.1)
+    try:
+        for step in (10, 20, 30):
+            target.step, target.loss = step, 1.0 / step
+            time.sleep(0.35)
+    finally:
+        ex.close()
+    scalars = read_scalars(tmp_path / "tb")
+    loss = scalars["loss/train"]
+    assert [s for s, _ in loss][:3] == [10, 20, 30]
+    assert loss[0][1] == pytest.approx(0.1)
+    assert {"throughput/samples_per_s", "throughput/updates_per_s", "trainers/active"} <= set(scalars)
+    assert scalars["throughput/samples_per_s"][0][1] == pytest.approx(320.0)
+
+
+def test_tensorboard_missing_is_one_line(monkeypatch, tmp_path):
+    import builtins
+
+    from psserver.metrics import start_exporters
+
+    real_import = builtins.__import__
+
+    def fake_import(name, *args, **kwargs):
+        if name.startswith("torch.utils.tensorboard") or name.startswith("tensorboard"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    with pytest.raises(UsageError, match="install tensorboard for --tensorboard-dir"):
+        start_exporters(FakeTarget(), ObservabilityConfig(tensorboard_dir=tmp_path / "tb"))
+
+
+# ---- a real server and trainer ---------------------------------------------------------
+
+
+def _psserver(*args: str, log: Path) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    f = open(log, "w")
+    return subprocess.Popen([sys.executable, "-m", "psserver", *args], stdout=f, stderr=subprocess.STDOUT,
+                            env=env, start_new_session=True)
+
+
+def _wait(predicate, timeout: float, what: str, procs=()):
+    deadline = time.monotonic() + timeout
+    last_exc = None
+    while time.monotonic() < deadline:
+        for p in procs:
+            assert p.poll() is None, f"process exited with {p.returncode} while waiting for {what}"
+        try:
+            result = predicate()
+            if result:
+                return result
+        except (OSError, AssertionError) as e:
+            last_exc = e
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what} ({last_exc})")
+
+
+def _kill_group(p: subprocess.Popen | None, sig: int = signal.SIGKILL) -> None:
+    if p is None or p.poll() is not None:
+        return
+    try:
+        os.killpg(p.pid, sig)
+    except ProcessLookupError:
+        pass
+    try:
+        p.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_real_server_metrics_during_training(tmp_path):
+    port, metrics_port = free_port(), free_port()
+    tb = tmp_path / "tb"
+    server = trainer = None
+    try:
+        server = _psserver(
+            "serve", "--port", str(port), "--model", "mlp", "--no-control", "--compute-threads", "1",
+            "--metrics-port", str(metrics_port), "--tensorboard-dir", str(tb), "--trainer-timeout", "2",
+            "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "100",
+            log=tmp_path / "server.log",
+        )
+        _wait(lambda: value(scrape(metrics_port), "psserver_up") == 1, 60, "server up", [server])
+        trainer = _psserver(
+            "train", "--server", f"127.0.0.1:{port}", "--rank", "0", "--epochs", "1000", "--max-steps", "100000",
+            "--no-progress", log=tmp_path / "trainer.log",
+        )
+
+        def training_trainer() -> dict[str, str] | None:
+            s = scrape(metrics_port)
+            if value(s, "psserver_steps_total") == 0:
+                return None
+            up = [dict(k[1]) for k, v in s.items() if k[0] == "psserver_trainer_up" and v == 1]
+            return up[0] if up else None
+
+        name_labels = _wait(training_trainer, 90, "the trainer to train", [server, trainer])
+        assert name_labels["rank"] == "0"
+        s1 = scrape(metrics_port)
+        time.sleep(1.5)
+        s2 = scrape(metrics_port)
+        assert trainer.poll() is None, "the trainer should still be training"
+        assert value(s2, "psserver_steps_total") > value(s1, "psserver_steps_total") > 0
+        assert value(s2, "psserver_samples_total") > value(s1, "psserver_samples_total")
+        assert value(s2, "psserver_updates_per_second") > 0
+        assert math.isfinite(value(s2, "psserver_loss")) and value(s2, "psserver_loss") >= 0
+        assert value(s2, "psserver_trainer_up", **name_labels) == 1
+        assert value(s2, "psserver_trainer_steps_total", **name_labels) > 0
+        assert value(s2, "psserver_trainers", state="ACTIVE") == 1
+        _wait(lambda: ("psserver_checkpoint_age_seconds", ()) in scrape(metrics_port), 30, "a checkpoint", [server])
+        s3 = scrape(metrics_port)
+        assert 0 <= value(s3, "psserver_checkpoint_age_seconds") < 60
+        assert value(s3, "psserver_checkpoint_duration_seconds") > 0
+        assert value(s3, "psserver_checkpoint_last_step") >= 100
+
+        from psserver.ps.server import ParameterServer
+
+        if hasattr(ParameterServer.forward, "__wrapped__"):  # the RPC timer is wired
+            assert value(s3, "psserver_rpc_duration_seconds_count", method="forward") > 0
+
+        os.killpg(trainer.pid, signal.SIGKILL)
+        trainer.wait(timeout=10)
+        _wait(lambda: value(scrape(metrics_port), "psserver_trainer_up", **name_labels) == 0,
+              30, "the killed trainer to show as down", [server])
+        s4 = scrape(metrics_port)
+        assert value(s4, "psserver_trainer_state", state="LOST", **name_labels) == 1
+        assert value(s4, "psserver_trainers", state="ACTIVE") == 0
+        assert value(s4, "psserver_up") == 1
+
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=60) == 0
+    finally:
+        _kill_group(trainer)
+        _kill_group(server)
+    scalars = read_scalars(tb)
+    assert {"loss/train", "throughput/samples_per_s", "throughput/updates_per_s"} <= set(scalars)
+    steps = [s for s, _ in scalars["throughput/samples_per_s"]]
+    assert steps == sorted(steps) and steps[-1] > 0
+    assert all(v >= 0 for _, v in scalars["loss/train"])
