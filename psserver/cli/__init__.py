@@ -77,6 +77,9 @@ def setup_logging(level: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # TensorPipe logs a C++ warning for every peer that leaves (EOF on its pipe): routine for
+    # a parameter server whose trainers come and go. Keep C++ errors; the user may override.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     parser, commands = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -54,6 +54,8 @@ class CollectiveStatus:
         self.global_step = 0
         self.samples_seen = 0
         self.last_checkpoint: CheckpointInfo | None = None
+        self.last_loss = float("nan")
+        """Loss of the latest step rank 0 has turned into a float."""
         self._lock = threading.Lock()
         self._host = socket.gethostname()
         now = time.time()
@@ -103,6 +105,8 @@ class CollectiveStatus:
     # -- ControlTarget -----------------------------------------------------------------------
     def get_status(self) -> ServerStatus:
         updates, samples, loss = self.meter.rates()
+        if loss != loss:  # the meter gets no losses (they are read in batches): use the latest
+            loss = self.last_loss
         rss = _rss_bytes()
         with self._lock:
             shards = [ShardStatus(index=i, device=dev, num_params=self.num_params // max(1, len(self.devices)),

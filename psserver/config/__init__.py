@@ -4,12 +4,14 @@ Each field has a docstring; validation lives in ``__post_init__`` and raises ``V
 which the CLI reports as one line with exit code 2.
 """
 
+from psserver.config.collective import CollectiveConfig
 from psserver.config.common import DataConfig, parse_host_port
 from psserver.config.control import ControlConfig, ObservabilityConfig
 from psserver.config.ps import CheckpointConfig, OptimizerConfig, ServerConfig, TrainerConfig
 
 __all__ = [
     "CheckpointConfig",
+    "CollectiveConfig",
     "ControlConfig",
     "DataConfig",
     "ObservabilityConfig",

@@ -73,6 +73,13 @@ def generate() -> dict[str, str]:
     return out
 
 
+def _display(path: Path) -> str:
+    try:
+        return str(path.relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m psserver.control.codegen", description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 on any difference")
@@ -80,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     wanted = generate()
     if args.check:
         differ = [
-            str((OUT_DIR / name).relative_to(REPO))
+            _display(OUT_DIR / name)
             for name, text in sorted(wanted.items())
             if not (OUT_DIR / name).is_file() or (OUT_DIR / name).read_text() != text
         ]
@@ -97,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         path = OUT_DIR / name
         if not path.is_file() or path.read_text() != text:
             path.write_text(text)
-            print(f"wrote {path.relative_to(REPO)}")
+            print(f"wrote {_display(path)}")
     return 0
 
 

@@ -95,7 +95,7 @@ class ControlServer:
         if cfg.reflection:
             from grpc_reflection.v1alpha import reflection
 
-            names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+            names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
             reflection.enable_server_reflection(names, server)
         bind = format_address(cfg.host, cfg.port)
         try:
@@ -112,8 +112,6 @@ class ControlServer:
         server.start()
         self._server = server
         self._stop.clear()
-        self._poller = threading.Thread(target=self._poll_ready, name="psserver-control-health", daemon=True)
-        self._poller.start()
         log.info(
             "control plane listening on %s (%s, %s%s)",
             self.address,
@@ -121,13 +119,17 @@ class ControlServer:
             "token required" if token else "no token",
             ", reflection" if cfg.reflection else "",
         )
-        if cfg.host not in _LOOPBACK and not (token and self.tls):
-            log.warning(
-                "control plane on %s without %s: anyone who can reach it can read%s the server",
-                cfg.host,
-                " and ".join(x for x, ok in (("TLS", self.tls), ("a token", bool(token))) if not ok),
-                " and stop" if cfg.allow_unauthenticated_admin or token else "",
-            )
+        if cfg.host not in _LOOPBACK:
+            if not token:
+                log.warning(
+                    "control plane on %s has no token: anyone who can reach it can read its status%s",
+                    cfg.host, " and stop it" if cfg.allow_unauthenticated_admin else "",
+                )
+            elif not self.tls:
+                log.warning("control plane on %s without TLS: the token travels in clear text", cfg.host)
+        self._check_ready()  # right from the first call, not one poll later
+        self._poller = threading.Thread(target=self._poll_ready, name="psserver-control-health", daemon=True)
+        self._poller.start()
         return self
 
     def stop(self, grace: float | None = None) -> None:
@@ -169,12 +171,15 @@ class ControlServer:
         for name in HEALTH_SERVICES:
             self.health.set(name, status)
 
-    def _poll_ready(self) -> None:
+    def _check_ready(self) -> None:
         ready = getattr(self.target, "ready", None)
+        try:
+            serving = bool(ready is not None and ready.is_set())
+        except Exception:  # noqa: BLE001 - a broken target is not serving
+            serving = False
+        if serving != self._serving:
+            self.set_serving(serving)
+
+    def _poll_ready(self) -> None:
         while not self._stop.wait(self.poll_interval):
-            try:
-                serving = bool(ready is not None and ready.is_set())
-            except Exception:  # noqa: BLE001
-                serving = False
-            if serving != self._serving:
-                self.set_serving(serving)
+            self._check_ready()

@@ -72,7 +72,7 @@ class Membership:
                 raise ValueError(f"rank {rank} is already taken by live trainer {old}")
             self.members[name] = Member(TrainerStatus(rank, name, host, now, now), info.id)
         self.store.set(KEY_LIVE.format(rank=rank), name)
-        log.info("trainer %s (rank %d) joined from %s", name, rank, host)
+        log.info("trainer %s (rank %d) joined from %s; RPC members: %s", name, rank, host, rpc_members())
 
     def live_name_locked(self, rank: int) -> str | None:
         for name, m in self.members.items():
@@ -142,6 +142,13 @@ class Membership:
             log.debug("cannot clear live key of %s", name, exc_info=True)
         if evict:
             self._evict(name, m.rpc_id, contexts)
+        else:
+            # A clean leave unregisters the name but not the RPC id: free it so the rank can
+            # come back (the agent's "worker id is not unique" check).
+            try:
+                rpc.api._get_current_rpc_agent().store.delete_key(f"names/{m.rpc_id}")
+            except Exception:  # noqa: BLE001
+                log.debug("cannot free RPC id of %s", name, exc_info=True)
         self.on_gone(name, state)
         if state == "LEFT":
             log.info("trainer %s (rank %d) left after %d steps", name, rank, m.status.steps)
@@ -167,7 +174,7 @@ class Membership:
             rpc_store.delete_key(f"names/{rpc_id}")
         except Exception:  # noqa: BLE001
             log.warning("could not remove %s from the RPC store", name, exc_info=True)
-        log.info("evicted %s from the RPC group", name)
+        log.info("evicted %s from the RPC group; RPC members: %s", name, rpc_members())
 
     def _janitor(self) -> None:
         """Free the group's membership token when its holder died holding it, and evict RPC
@@ -210,6 +217,11 @@ class Membership:
                 known = worker in self.members
             if not known and f"Token_for_{worker}_join" == holder:
                 self._evict(worker, wid, set())
+
+
+def rpc_members() -> str:
+    agent = rpc.api._get_current_rpc_agent()
+    return ",".join(sorted(w.name for w in agent.get_worker_infos()))
 
 
 def _registered_workers(rpc_store) -> list[tuple[str, int]]:

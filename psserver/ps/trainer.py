@@ -54,6 +54,7 @@ class Session:
         # A reconnecting trainer re-initialises RPC in the same process; RPC prefixes its store
         # keys with a per-process counter, which must match the server's (0).
         rpc._init_counter = 0  # type: ignore[attr-defined]
+        _maybe_inject_join_fault()
         try:
             rpc.init_rpc(
                 self.name,
@@ -160,6 +161,20 @@ class Session:
             return self.store.get(rendezvous.KEY_SERVER_STATE) == b"SERVING"
         except Exception:  # noqa: BLE001
             return False
+
+
+def _maybe_inject_join_fault() -> None:
+    """Tests only: ``PSSERVER_FAULT_INJECT=die-in-join`` kills this process inside
+    ``init_rpc`` while it holds the group's membership token, as a crash there would."""
+    if os.environ.get("PSSERVER_FAULT_INJECT") != "die-in-join":
+        return
+    from torch.distributed.rpc import backend_registry
+
+    def die(agent) -> None:  # noqa: ARG001
+        log.error("injected fault: dying inside init_rpc")
+        os._exit(9)
+
+    backend_registry._set_devices_and_reverse_device_map = die
 
 
 def _remote_message(e: BaseException) -> str:

@@ -1,88 +1,16 @@
-"""A small, real ControlTarget and a control server on a free loopback port."""
+"""Fixtures of the control-plane tests: a fake target and servers on free loopback ports."""
 
 from __future__ import annotations
 
-import threading
-import time
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-from psserver.config.control import TOKEN_ENV, ControlConfig
+from psserver.config.control import TOKEN_ENV
 from psserver.control.server import ControlServer
-from psserver.telemetry import CheckpointInfo, RateMeter, ServerStatus, ShardStatus, TrainerStatus
 
-TOKEN = "s3cret-token"
-
-
-class FakeTarget:
-    """Implements psserver.telemetry.ControlTarget with a background "training" thread."""
-
-    def __init__(self, checkpoint_dir: Path | None = None, ready: bool = True) -> None:
-        self.ready = threading.Event()
-        if ready:
-            self.ready.set()
-        self.state = "SERVING" if ready else "STARTING"
-        self.started_at = time.time() - 125.0
-        self.checkpoint_dir = checkpoint_dir
-        self.global_step = 0
-        self.samples = 0
-        self.meter = RateMeter(window=5.0)
-        self.shutdown_requested = threading.Event()
-        self.checkpoints: list[CheckpointInfo] = []
-        self._lock = threading.Lock()
-        now = time.time()
-        self.trainers = [
-            TrainerStatus(rank=0, name="trainer_0_0", host="hostA", joined_at=now - 60, last_seen=now,
-                          steps=10, samples=640, last_loss=0.5, samples_per_s=100.0),
-            TrainerStatus(rank=1, name="trainer_1_0", host="hostB", joined_at=now - 50, last_seen=now - 20,
-                          steps=3, samples=192, state="LOST"),
-        ]
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._train, daemon=True)
-        self._thread.start()
-
-    def _train(self) -> None:
-        while not self._stop.wait(0.02):
-            with self._lock:
-                self.global_step += 1
-                self.samples += 64
-            self.meter.add(64, loss=1.0 / (1 + self.global_step))
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)
-
-    def get_status(self) -> ServerStatus:
-        ups, sps, loss = self.meter.rates()
-        with self._lock:
-            step, samples = self.global_step, self.samples
-        return ServerStatus(
-            version="0.1.0", state=self.state, mode="ps", started_at=self.started_at, model="mlp",
-            num_params=1234, update_mode="sync", sync_trainers=2, global_step=step, samples_seen=samples,
-            updates_per_s=ups, samples_per_s=sps, mean_loss=loss,
-            shards=[ShardStatus(0, "cpu", 1000, 4000, 50 << 20), ShardStatus(1, "cpu", 234, 936, 50 << 20)],
-            last_checkpoint=self.checkpoints[-1] if self.checkpoints else None,
-        )
-
-    def list_trainers(self) -> list[TrainerStatus]:
-        return list(self.trainers)
-
-    def checkpoint_now(self) -> CheckpointInfo:
-        if self.checkpoint_dir is None:
-            raise RuntimeError("checkpoints are not configured (--checkpoint-dir)")
-        with self._lock:
-            step = self.global_step
-        path = self.checkpoint_dir / f"ckpt-{step:08d}.pt"
-        path.write_bytes(b"fake")
-        info = CheckpointInfo(str(path), step, time.time())
-        self.checkpoints.append(info)
-        return info
-
-    def request_shutdown(self) -> None:
-        self.shutdown_requested.set()
-        self.state = "DRAINING"
+from .fakes import TOKEN, FakeTarget, serve
 
 
 @pytest.fixture(autouse=True)
@@ -103,11 +31,6 @@ def token_file(tmp_path: Path) -> Path:
     p = tmp_path / "token"
     p.write_text(TOKEN + "\n")
     return p
-
-
-def serve(target: FakeTarget, **config) -> ControlServer:
-    """A started ControlServer on a free port (use as a context manager)."""
-    return ControlServer(target, ControlConfig(port=0, **config), grace=0.5).start()
 
 
 @pytest.fixture

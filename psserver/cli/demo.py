@@ -1,0 +1,115 @@
+"""``psserver demo``: a server and two trainers on generated data, in one command.
+
+The processes are the real ones (``psserver serve`` and ``psserver train``), started as
+children on a free loopback port, their logs interleaved with a prefix; the demo ends with
+each trainer's accuracy and stops the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from psserver.cli.base import SubCommand
+
+log = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pump(proc: subprocess.Popen, prefix: str, lines: list[str]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        sys.stderr.write(f"{prefix:>10} | {line}")
+
+
+class DemoCommand(SubCommand):
+    name = "demo"
+    help = "run a server and two trainers on generated data (no download) and print their accuracy"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--model", default="mnist_cnn", help="model (default mnist_cnn)")
+        parser.add_argument("--trainers", type=int, default=2, help="number of trainers (default 2)")
+        parser.add_argument("--epochs", type=int, default=2, help="epochs per trainer (default 2)")
+        parser.add_argument("--update", choices=["async", "sync"], default="async", help="update mode")
+        parser.add_argument("--dataset", default="synthetic", help="synthetic (default) or mnist")
+        parser.add_argument("--data-dir", default=None, help="MNIST directory (with --dataset mnist)")
+        parser.add_argument("--train-split", type=int, default=None, help="see psserver train --train-split")
+
+    def run(self, args: argparse.Namespace) -> int:
+        if args.trainers < 1:
+            raise ValueError("--trainers must be >= 1")
+        port = _free_port()
+        exe = [sys.executable, "-m", "psserver"]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(var, None)
+        serve = [*exe, "serve", "--port", str(port), "--model", args.model, "--no-control", "--update", args.update,
+                 "--sync-trainers", str(args.trainers)]
+        data = ["--dataset", args.dataset]
+        if args.data_dir:
+            data += ["--data-dir", args.data_dir]
+        if args.train_split:
+            data += ["--train-split", str(args.train_split)]
+        procs: list[subprocess.Popen] = []
+        outputs: list[list[str]] = []
+        pumps: list[threading.Thread] = []
+
+        def start(cmd: list[str], prefix: str) -> subprocess.Popen:
+            p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                 stdin=subprocess.DEVNULL)
+            lines: list[str] = []
+            t = threading.Thread(target=_pump, args=(p, prefix, lines), daemon=True)
+            t.start()
+            procs.append(p)
+            outputs.append(lines)
+            pumps.append(t)
+            return p
+
+        log.info("demo: server on 127.0.0.1:%d, %d trainers, model %s, %s data", port, args.trainers, args.model,
+                 args.dataset)
+        server = start(serve, "server")
+        try:
+            deadline = time.monotonic() + 120
+            while not any("serving" in line for line in outputs[0]):
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the demo server did not start; see its log above")
+                time.sleep(0.1)
+            trainers = [
+                start([*exe, "train", "--server", f"127.0.0.1:{port}", "--rank", str(r), "--num-trainers",
+                       str(args.trainers), "--epochs", str(args.epochs), "--no-progress", *data], f"trainer {r}")
+                for r in range(args.trainers)
+            ]
+            codes = [t.wait() for t in trainers]
+        finally:
+            if server.poll() is None:
+                server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            for t in pumps:
+                t.join(5)
+        results = []
+        for r, lines in enumerate(outputs[1:]):
+            m = next((re.search(r"accuracy ([0-9.]+)", line) for line in lines if line.startswith(f"rank {r} accuracy")),
+                     None)
+            results.append(m.group(1) if m else "failed")
+        print("demo finished: " + ", ".join(f"trainer {r} accuracy {a}" for r, a in enumerate(results)))
+        return 0 if all(c == 0 for c in codes) else 1

@@ -1,0 +1,186 @@
+"""Flags of ``psserver train --mode ddp|fsdp`` and the entry point the train command calls.
+
+Shared flags (--model, --epochs, --batch-size, --optimizer, --lr, data, --max-steps,
+--no-progress) come from ``psserver.cli.train``; the ones here are collective-only. Every
+combination that can be checked without a process group is checked (by
+``CollectiveConfig``) before any worker starts: one line, exit code 2.
+
+Control plane: rank 0 serves the same gRPC control plane as ``psserver serve``, by default on
+127.0.0.1:50051 like the server, so ``psserver status`` works unchanged for both modes. A
+training run does not fail for its control plane: when the port is taken (a parameter
+server on the same host, say) it logs a warning and trains on. ``--control-port 0`` picks a
+free port (logged), ``--no-control`` turns it off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+from pathlib import Path
+
+from psserver.config.collective import (
+    BACKENDS,
+    COMM_HOOKS,
+    MIXED_PRECISION,
+    CollectiveCheckpointConfig,
+    CollectiveConfig,
+    DDPOptions,
+    FSDPOptions,
+    LaunchConfig,
+)
+from psserver.errors import UsageError
+
+log = logging.getLogger(__name__)
+
+
+def add_collective_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the collective-mode flags to ``psserver train``."""
+    from psserver.cli.serve import add_control_arguments
+
+    g = parser.add_argument_group("collective (--mode ddp|fsdp): launch")
+    g.add_argument("--nproc-per-node", type=int, default=None,
+                   help="standalone: spawn N workers on this host (not under torchrun, which has its own)")
+    g.add_argument("--master-addr", default="127.0.0.1",
+                   help="standalone: rendezvous address (default 127.0.0.1; torchrun: $MASTER_ADDR)")
+    g.add_argument("--master-port", type=int, default=0,
+                   help="standalone: rendezvous port (default 0: a free one; torchrun: $MASTER_PORT)")
+    g.add_argument("--backend", default="auto",
+                   help=f"process-group backend: {', '.join(BACKENDS)} (default auto: nccl on GPU, else gloo)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the initial parameters (default 0)")
+    g.add_argument("--eval-batch-size", type=int, default=1000, help="batch size of the final evaluation")
+    g.add_argument("--compute-threads", type=int, default=0,
+                   help="torch threads per worker (default: cores / workers on this host)")
+    g.add_argument("--result-file", default=None,
+                   help="write a JSON summary per rank ({rank} in the name is replaced); for scripts and tests")
+    n = parser.add_argument_group("NCCL tunables (exported before the process group starts; GPU only)")
+    n.add_argument("--nccl-nsocks-perthread", type=int, default=None,
+                   help="NCCL_NSOCKS_PERTHREAD: sockets per helper thread (TCP transport)")
+    n.add_argument("--nccl-socket-nthreads", type=int, default=None,
+                   help="NCCL_SOCKET_NTHREADS: CPU helper threads per connection (TCP transport)")
+    n.add_argument("--nccl-min-nchannels", type=int, default=None,
+                   help="NCCL_MIN_NCHANNELS: minimum number of channels (rings/trees)")
+    d = parser.add_argument_group("DDP (--mode ddp)")
+    d.add_argument("--static-graph", action="store_true", help="the graph is the same every step")
+    d.add_argument("--gradient-as-bucket-view", action="store_true",
+                   help="gradients are views into the all-reduce buckets (less memory, one copy fewer)")
+    d.add_argument("--bucket-cap-mb", type=float, default=DDPOptions.bucket_cap_mb,
+                   help="all-reduce bucket size in MiB (default 25)")
+    d.add_argument("--find-unused-parameters", action="store_true",
+                   help="look for parameters without gradients every step (slower)")
+    d.add_argument("--comm-hook", default="none", help=f"communication hook: {', '.join(COMM_HOOKS)}")
+    d.add_argument("--powersgd-rank", type=int, default=DDPOptions.powersgd_rank,
+                   help="PowerSGD matrix approximation rank (default 1)")
+    d.add_argument("--powersgd-start-iter", type=int, default=DDPOptions.powersgd_start_iter,
+                   help="plain all-reduce before this step, PowerSGD after (default 2, minimum 2)")
+    d.add_argument("--localsgd-start-iter", type=int, default=DDPOptions.localsgd_start_iter,
+                   help="post-local-SGD: global all-reduce before this step (default 8)")
+    d.add_argument("--model-averaging-period", type=int, default=DDPOptions.model_averaging_period,
+                   help="post-local-SGD: average parameters every N steps (default 4)")
+    d.add_argument("--localsgd-group-size", type=int, default=None,
+                   help="post-local-SGD: ranks per gradient subgroup after warm-up (default: per node; 1: none)")
+    f = parser.add_argument_group("FSDP2 (--mode fsdp)")
+    f.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+                   help="free gathered parameters after forward (default: yes; --no-... keeps them, ZeRO-2)")
+    f.add_argument("--mixed-precision", default="none", help=f"{', '.join(MIXED_PRECISION)} (default none)")
+    f.add_argument("--tp-size", type=int, default=1,
+                   help="tensor-parallel degree: 2-D mesh, TP inside groups of T ranks, FSDP across (llama_tiny)")
+    c = parser.add_argument_group("collective checkpoints (torch.distributed.checkpoint, sharded)")
+    c.add_argument("--checkpoint-dir", type=Path, default=None, help="directory of step-N/ checkpoints")
+    c.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (default: at the end)")
+    c.add_argument("--keep-checkpoints", type=int, default=3, help="keep the newest N (default 3)")
+    c.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
+                   help="resume from the newest complete checkpoint in --checkpoint-dir, or from PATH")
+    if not any(a.dest == "control_port" for a in parser._actions):
+        add_control_arguments(parser)
+
+
+def config_from_args(args: argparse.Namespace) -> CollectiveConfig:
+    """Build and validate the configuration (``ValueError``/``UsageError`` on bad input)."""
+    from psserver.cli.base import optimizer_from_args
+    from psserver.cli.serve import control_from_args
+    from psserver.cli.train import data_from_args
+    from psserver.collective.launcher import under_torchrun
+    from psserver.config import OptimizerConfig
+
+    torchrun = under_torchrun()
+    if torchrun:
+        world = int(os.environ["WORLD_SIZE"])
+        if args.rank is not None and args.rank != int(os.environ["RANK"]):
+            raise UsageError(f"--rank {args.rank} contradicts RANK={os.environ['RANK']} set by the launcher")
+    else:
+        world = args.nproc_per_node or 1
+        if args.rank not in (None, 0):
+            raise UsageError("--rank is set by the launcher in collective mode (use --nproc-per-node or torchrun)")
+    if args.num_trainers is not None and args.num_trainers != world:
+        raise UsageError(f"--num-trainers {args.num_trainers} does not match the world size {world} "
+                         f"({'WORLD_SIZE' if torchrun else '--nproc-per-node'})")
+    control, obs = control_from_args(args)
+    return CollectiveConfig(
+        mode=args.mode,
+        model=args.model or "mnist_cnn",
+        seed=args.seed,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        eval_batch_size=args.eval_batch_size,
+        max_steps=args.max_steps,
+        optimizer=optimizer_from_args(args) or OptimizerConfig(),
+        data=data_from_args(args),
+        compute_threads=args.compute_threads,
+        progress=False if args.no_progress else None,
+        result_file=args.result_file,
+        launch=LaunchConfig(
+            nproc_per_node=args.nproc_per_node,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
+            backend=args.backend,
+            world_size=world,
+            under_torchrun=torchrun,
+            nccl_nsocks_perthread=args.nccl_nsocks_perthread,
+            nccl_socket_nthreads=args.nccl_socket_nthreads,
+            nccl_min_nchannels=args.nccl_min_nchannels,
+        ),
+        ddp=DDPOptions(
+            static_graph=args.static_graph,
+            gradient_as_bucket_view=args.gradient_as_bucket_view,
+            bucket_cap_mb=args.bucket_cap_mb,
+            find_unused_parameters=args.find_unused_parameters,
+            comm_hook=args.comm_hook,
+            powersgd_rank=args.powersgd_rank,
+            powersgd_start_iter=args.powersgd_start_iter,
+            localsgd_start_iter=args.localsgd_start_iter,
+            model_averaging_period=args.model_averaging_period,
+            localsgd_group_size=args.localsgd_group_size,
+        ),
+        fsdp=FSDPOptions(
+            reshard_after_forward=args.reshard_after_forward,
+            mixed_precision=args.mixed_precision,
+            tp_size=args.tp_size,
+        ),
+        checkpoint=CollectiveCheckpointConfig(
+            directory=args.checkpoint_dir,
+            every_steps=args.checkpoint_every,
+            keep=args.keep_checkpoints,
+            resume=args.resume,
+        ),
+        control=control,
+        observability=obs,
+    )
+
+
+def run_collective(args: argparse.Namespace) -> int:
+    """``psserver train --mode ddp|fsdp``: validate, then run (or spawn) the workers."""
+    from psserver.collective.launcher import launch
+    from psserver.collective.loop import train_worker
+
+    config = config_from_args(args)
+    if config.launch.nccl_env() and config.launch.resolved_backend(_cuda()) != "nccl":
+        log.warning("NCCL tunables have no effect on backend %s", config.launch.resolved_backend(_cuda()))
+    return launch(config, functools.partial(train_worker, config))
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,302 @@
+"""The collective training loop: the same models, data and metrics as the parameter server.
+
+Every rank runs :func:`train_worker`. Each reads its data-parallel shard through a
+``DistributedSampler`` (``set_epoch`` each epoch), steps its local optimizer on gradients the
+strategy synchronises, and every ``SYNC_EVERY`` steps all ranks exchange one small row
+(progress and rank 0's control requests) so a checkpoint or drain asked for over gRPC runs
+on all ranks at the same step. At the end all ranks evaluate a shard of the held-out split
+and rank 0 prints the accuracy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DistributedSampler
+
+from psserver.collective.base import Strategy, create_strategy, local_tensor
+from psserver.collective.checkpoint import CheckpointManager
+from psserver.collective.launcher import DistEnv
+from psserver.collective.status import ROW, SYNC_EVERY, CollectiveStatus, control_server, metrics_endpoint
+from psserver.config.collective import CollectiveConfig
+from psserver.config.ps import OptimizerConfig
+from psserver.data import load_dataset
+from psserver.models import build_model, get_model_spec
+from psserver.utils.progress import Progress
+
+log = logging.getLogger(__name__)
+
+
+def build_optimizer(params, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """The local optimizer of each rank (same choices as the parameter server's)."""
+    if cfg.name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if cfg.name == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.name == "adagrad":
+        return torch.optim.Adagrad(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.name == "rmsprop":
+        return torch.optim.RMSprop(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    raise ValueError(f"unknown optimizer {cfg.name!r}")
+
+
+def parameter_hash(module: torch.nn.Module) -> str:
+    """SHA-256 of every parameter's full value, in name order (gathers DTensors: call on all ranks)."""
+    h = hashlib.sha256()
+    for name, p in sorted(module.named_parameters()):
+        h.update(name.encode())
+        h.update(local_tensor(p.detach()).float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def tensor_layouts(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    """For each DTensor parameter: its mesh dimension names and placements."""
+    out = {}
+    for name, p in module.named_parameters():
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None:
+            out[name] = {"mesh": list(mesh.mesh_dim_names or ()), "placements": [str(x) for x in p.placements],
+                         "local_shape": list(p.to_local().shape), "shape": list(p.shape)}
+    return out
+
+
+class CollectiveTrainer:
+    """Model, optimizer, data and loop of one rank."""
+
+    def __init__(self, config: CollectiveConfig, env: DistEnv, strategy: Strategy | None = None) -> None:
+        self.config = config
+        self.env = env
+        self.spec = get_model_spec(config.model)
+        model = build_model(config.model, config.seed)
+        self.num_params = sum(p.numel() for p in model.parameters())
+        torch.manual_seed(config.seed + 1000 + env.rank)  # dropout differs by rank, the weights do not
+        self.strategy = strategy or create_strategy(config, env)
+        self.module = self.strategy.setup(model)
+        self.optimizer = build_optimizer(self.module.parameters(), config.optimizer)
+        self.global_step = 0
+
+    # -- one step (also what benchmarks/collective_overhead.py times) -------------------------
+    def train_step(self, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        """Forward, backward (gradients synchronised by the strategy), optimizer step."""
+        device = self.env.device
+        xb = xb.to(device, non_blocking=True)
+        yb = yb.to(device, non_blocking=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(self.module(xb).float(), yb)
+        loss.backward()
+        self.optimizer.step()
+        self.global_step += 1
+        self.strategy.after_optimizer_step(self.global_step)
+        return loss.detach()
+
+    def evaluate(self, eval_set) -> float:
+        """Accuracy over the whole held-out split; every rank evaluates a contiguous shard."""
+        x, y = eval_set.tensors
+        dp, rank = self.strategy.dp_size, self.strategy.dp_rank
+        per_rank = -(-len(x) // dp)
+        lo, hi = min(rank * per_rank, len(x)), min((rank + 1) * per_rank, len(x))
+        bs = self.config.eval_batch_size
+        module = self.strategy.eval_module
+        module.eval()
+        correct = torch.zeros(2, dtype=torch.float64, device=self.env.device)
+        with torch.no_grad():
+            for start in range(0, per_rank, bs):  # same number of forwards on every rank (FSDP needs it)
+                a, b = lo + start, min(lo + start + bs, hi)
+                real = b > a
+                xb = x[a:b] if real else x[:1]
+                pred = module(xb.to(self.env.device)).argmax(dim=1)
+                if real and self.strategy.counts_for_eval:
+                    correct[0] += (pred.cpu() == y[a:b]).sum().item()
+                    correct[1] += b - a
+        module.train()
+        dist.all_reduce(correct)
+        return float(correct[0] / correct[1]) if correct[1] > 0 else float("nan")
+
+
+def train_worker(config: CollectiveConfig, env: DistEnv) -> int:
+    """Body of every rank (see ``psserver.collective.launcher.launch``)."""
+    trainer = CollectiveTrainer(config, env)
+    return Fit(trainer).run()
+
+
+class Fit:
+    """The loop around :class:`CollectiveTrainer`: epochs, sync points, checkpoints, results."""
+
+    def __init__(self, trainer: CollectiveTrainer) -> None:
+        self.t = trainer
+        config, env = trainer.config, trainer.env
+        self.config, self.env, self.strategy = config, env, trainer.strategy
+        self.train_set, self.eval_set = load_dataset(
+            config.data, self.t.spec.input_shape, self.t.spec.num_classes, self.t.spec.input_dtype)
+        self.sampler = DistributedSampler(self.train_set, num_replicas=self.strategy.dp_size,
+                                          rank=self.strategy.dp_rank, shuffle=True, seed=config.data.seed)
+        self.steps_per_epoch = -(-len(self.sampler) // config.batch_size)
+        self.total = self.steps_per_epoch * config.epochs
+        if config.max_steps:
+            self.total = min(self.total, config.max_steps)
+        self.ckpt = CheckpointManager(config.checkpoint, env.rank, env.world_size)
+        self.status = CollectiveStatus(config.mode, config.model, trainer.num_params, env.world_size,
+                                       self.strategy.devices(), self.ckpt.enabled)
+        self.losses: list[float] = []
+        self.hash_history: list[str] = []
+        self.samples = 0
+        self.stop = False
+
+    def run(self) -> int:
+        with ExitStack() as stack:
+            if self.env.rank == 0:
+                stack.enter_context(control_server(self.status, self.config.control))
+                stack.enter_context(metrics_endpoint(self.status, self.config.observability))
+            try:
+                return self._run()
+            finally:
+                self.status.set_state("STOPPED")
+
+    def _run(self) -> int:
+        config, env = self.config, self.env
+        epoch, batch = 0, 0
+        path = self.ckpt.resume_path() if self.ckpt.enabled else None
+        if path is not None:
+            saved = self.ckpt.load(path, self.t.module, self.t.optimizer)
+            self.t.global_step = saved["step"]
+            epoch, batch = saved["epoch"], saved["batch"]
+            if saved.get("world_size", env.world_size) != env.world_size:
+                log.warning("checkpoint saved by %d ranks, resuming with %d: epoch %d restarts from its first batch",
+                            saved["world_size"], env.world_size, epoch)
+                batch = 0
+        log.info("%s: %d ranks, %s (%d parameters), %d training samples per rank, %d steps per epoch, "
+                 "%d steps to go", self.strategy.describe(), env.world_size, config.model, self.t.num_params,
+                 len(self.sampler), self.steps_per_epoch, max(0, self.total - self.t.global_step))
+        self.status.global_step = self.t.global_step
+        self.status.ready.set()
+        self.status.set_state("SERVING")
+        t0 = time.monotonic()
+        progress = Progress(max(0, self.total - self.t.global_step), desc=f"{config.mode} rank 0",
+                            enabled=config.progress if env.rank == 0 else False)
+        try:
+            self._epochs(epoch, batch, progress)
+        finally:
+            progress.close()
+        elapsed = time.monotonic() - t0
+        self.status.set_state("DRAINING")
+        if self.ckpt.enabled and (self.ckpt.last is None or self.ckpt.last.step != self.t.global_step):
+            self._save(self._position())
+        if self.stop:
+            log.warning("stopped on request at step %d", self.t.global_step)
+            self._write_result(float("nan"), elapsed)
+            return 0
+        accuracy = self.t.evaluate(self.eval_set)
+        self._write_result(accuracy, elapsed)
+        if env.rank == 0:
+            rate = self.samples * self.strategy.dp_size / max(elapsed, 1e-6)
+            log.info("%d steps in %.1fs (%.0f samples/s over %d ranks), final loss %.4f",
+                     self.t.global_step, elapsed, rate, env.world_size, self.losses[-1] if self.losses else float("nan"))
+            log.info("accuracy: %.4f", accuracy)
+            print(f"rank 0 accuracy {accuracy:.4f}", flush=True)
+        return 0
+
+    def _epochs(self, epoch: int, batch: int, progress: Progress) -> None:
+        config = self.config
+        x_all, y_all = self.train_set.tensors
+        bs = config.batch_size
+        pending: list[torch.Tensor] = []
+        self._epoch = epoch
+        while epoch < config.epochs and self.t.global_step < self.total and not self.stop:
+            self.sampler.set_epoch(epoch)
+            indices = torch.tensor(list(iter(self.sampler)))
+            while batch < self.steps_per_epoch and self.t.global_step < self.total:
+                idx = indices[batch * bs:(batch + 1) * bs]
+                pending.append(self.t.train_step(x_all[idx], y_all[idx]))
+                batch += 1
+                self._epoch, self._batch = epoch, batch
+                self.samples += len(idx)
+                self.status.on_step(self.t.global_step, len(idx) * self.strategy.dp_size, None)
+                if self.config.result_file and self.config.mode == "ddp":
+                    self.hash_history.append(parameter_hash(self.strategy.unwrapped))
+                step = self.t.global_step
+                last = step == self.total or batch == self.steps_per_epoch
+                if step % SYNC_EVERY == 0 or last:
+                    self._flush(pending, progress)
+                    pending = []
+                if step % SYNC_EVERY == 0 and self._sync():
+                    break
+                if config.checkpoint.every_steps and step % config.checkpoint.every_steps == 0 and self.ckpt.enabled:
+                    self._save(self._position())
+            if self.stop:
+                break
+            epoch += 1
+            batch = 0
+            self._epoch, self._batch = epoch, 0
+
+    def _flush(self, pending: list[torch.Tensor], progress: Progress) -> None:
+        """Turn the step losses into floats (one device sync per ``SYNC_EVERY`` steps)."""
+        if not pending:
+            return
+        values = torch.stack(pending).tolist()
+        self.losses.extend(values)
+        self.status.last_loss = values[-1]
+        progress.update(len(values), loss=values[-1])
+
+    def _sync(self) -> bool:
+        """Exchange progress rows; act on rank 0's control requests. True: stop now."""
+        want_ckpt, want_stop = self.status.requests() if self.env.rank == 0 else (False, False)
+        rate = self.samples / max(1e-6, time.monotonic() - self.status.started_at)
+        row = torch.tensor([self.t.global_step, self.samples, self.losses[-1] if self.losses else float("nan"),
+                            rate, float(want_ckpt), float(want_stop)], dtype=torch.float64, device=self.env.device)
+        rows = [torch.empty_like(row) for _ in range(self.env.world_size)]
+        dist.all_gather(rows, row)
+        table = torch.stack(rows).cpu()
+        assert table.shape[1] == len(ROW)
+        if self.env.rank == 0:
+            self.status.on_sync(table)
+        if table[0, 4] > 0 and self.ckpt.enabled:
+            self._save(self._position())
+        if table[0, 5] > 0:
+            self.stop = True
+        return self.stop
+
+    def _position(self) -> dict[str, int]:
+        epoch, batch = getattr(self, "_epoch", 0), getattr(self, "_batch", 0)
+        if batch >= self.steps_per_epoch:
+            epoch, batch = epoch + 1, 0
+        return {"step": self.t.global_step, "epoch": epoch, "batch": batch, "world_size": self.env.world_size}
+
+    def _save(self, position: dict[str, int]) -> None:
+        if self.ckpt.last is not None and self.ckpt.last.step == position["step"]:
+            return  # already saved (or loaded) at this step
+        info = self.ckpt.save(self.t.module, self.t.optimizer, position)
+        if self.env.rank == 0:
+            self.status.on_checkpoint(info)
+
+    def _write_result(self, accuracy: float, elapsed: float) -> None:
+        if not self.config.result_file:
+            return
+        result = {
+            "rank": self.env.rank,
+            "world_size": self.env.world_size,
+            "mode": self.config.mode,
+            "backend": self.env.backend,
+            "steps": self.t.global_step,
+            "losses": self.losses,
+            "accuracy": accuracy,
+            "param_hash": parameter_hash(self.strategy.unwrapped),  # collective for DTensors
+            "hash_history": self.hash_history,
+            "averaged_steps": self.strategy.averaged_steps,
+            "layouts": tensor_layouts(self.strategy.unwrapped),
+            "elapsed_s": elapsed,
+            "samples": self.samples,
+        }
+        path = Path(self.config.result_file.format(rank=self.env.rank))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result))

@@ -1,0 +1,211 @@
+"""``psserver status|checkpoint|stop`` in-process against a real control server."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+
+import pytest
+
+from psserver.cli import main
+
+from .fakes import TOKEN, serve
+from .test_security import make_certificate
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    """main() points the root logger at the (captured) stderr: undo it after each test."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(["--log-level", "ERROR", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.strip()]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_status_table(server, capsys):
+    rc, out, err = run(capsys, "status", "--address", server.address)
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith(f"psserver 0.1.0 at {server.address}  SERVING  (mode ps, up 2m")
+    assert "model       mlp, 1,234 parameters" in out
+    assert "updates     sync (one step per 2 gradients)" in out
+    assert "checkpoint  none" in out
+    shard_head = next(i for i, l in enumerate(lines) if l.startswith("SHARD"))
+    assert lines[shard_head].split() == ["SHARD", "DEVICE", "PARAMS", "SIZE", "DEVICE", "MEM"]
+    assert lines[shard_head + 1].split()[:3] == ["0", "cpu", "1,000"] and "50.0 MiB" in lines[shard_head + 1]
+    assert "TRAINERS    1 active, 0 left, 1 lost" in out
+    rows = [l.split() for l in lines if l.lstrip().startswith(("0  trainer", "1  trainer"))]
+    assert rows[0][:6] == ["0", "trainer_0_0", "hostA", "ACTIVE", "10", "640"]
+    assert rows[1][:4] == ["1", "trainer_1_0", "hostB", "LOST"] and rows[1][6] == "-"
+
+
+def test_status_json(server, target, capsys):
+    target.checkpoint_now()
+    rc, out, err = run(capsys, "status", "--address", server.address, "--json")
+    assert rc == 0, err
+    data = json.loads(out)
+    st = data["status"]
+    assert st["state"] == "SERVING" and st["mode"] == "ps" and st["update_mode"] == "sync"
+    assert st["model"] == "mlp" and st["num_params"] == 1234 and st["sync_trainers"] == 2
+    assert st["global_step"] >= 0 and isinstance(st["samples_per_second"], float)
+    assert [s["device"] for s in st["shards"]] == ["cpu", "cpu"]
+    assert st["last_checkpoint"]["path"] == target.checkpoints[-1].path
+    assert [(t["rank"], t["state"]) for t in data["trainers"]] == [(0, "ACTIVE"), (1, "LOST")]
+    assert data["trainers"][1]["last_loss"] is None  # JSON null, not NaN
+
+
+def test_status_address_from_the_environment(server, capsys, monkeypatch):
+    monkeypatch.setenv("PSSERVER_CONTROL_ADDRESS", server.address)
+    rc, out, _ = run(capsys, "status", "--json")
+    assert rc == 0 and json.loads(out)["status"]["model"] == "mlp"
+
+
+def test_status_watch_json_lines_until_the_server_stops(server, target, capsys):
+    threading.Timer(0.5, setattr, (target, "state", "STOPPED")).start()
+    rc, out, err = run(capsys, "status", "--address", server.address, "--watch", "--json", "--interval", "0.1")
+    assert rc == 0, err
+    updates = [json.loads(line) for line in out.splitlines()]
+    assert len(updates) >= 3
+    assert updates[-1]["status"]["state"] == "STOPPED"
+    steps = [u["status"]["global_step"] for u in updates]
+    assert steps == sorted(steps)
+    assert "ended the stream" in err
+
+
+def test_status_watch_table(server, target, capsys):
+    threading.Timer(0.35, setattr, (target, "state", "STOPPED")).start()
+    rc, out, _ = run(capsys, "status", "--address", server.address, "--watch", "--interval", "0.1")
+    assert rc == 0
+    assert out.count("SHARD  DEVICE") >= 3 and "STOPPED" in out
+
+
+def test_status_watch_rejects_a_bad_interval(server, capsys):
+    rc, _, err = run(capsys, "status", "--address", server.address, "--watch", "--interval", "0")
+    assert rc == 2 and _error_lines(err) == ["psserver status: error: --interval must be between 0.1 and 3600 seconds"]
+
+
+def test_unreachable_server_is_one_line_and_exit_2(capsys):
+    rc, out, err = run(capsys, "status", "--address", f"127.0.0.1:{_free_port()}", "--timeout", "3")
+    assert rc == 2 and out == ""
+    lines = _error_lines(err)
+    assert len(lines) == 1 and lines[0].startswith("psserver status: error: control plane at 127.0.0.1:")
+    assert "unreachable" in lines[0]
+
+
+@pytest.mark.parametrize("address", ["nonsense", ""])
+def test_bad_address_is_a_usage_error(capsys, address):
+    rc, _, err = run(capsys, "status", "--address", address)
+    assert rc == 2 and len(_error_lines(err)) == 1 and "--address must be HOST:PORT" in err
+
+
+def test_wrong_token_is_one_line_and_exit_2(auth_server, capsys, monkeypatch, tmp_path):
+    rc, _, err = run(capsys, "status", "--address", auth_server.address)
+    assert rc == 2 and _error_lines(err) == [
+        "psserver status: error: GetStatus failed: UNAUTHENTICATED: missing bearer token: send metadata "
+        "'authorization: Bearer <token>' (psserver: --auth-token-file or $PSSERVER_AUTH_TOKEN)"
+    ]
+    monkeypatch.setenv("PSSERVER_AUTH_TOKEN", "wrong")
+    rc, _, err = run(capsys, "status", "--address", auth_server.address)
+    assert rc == 2 and _error_lines(err) == ["psserver status: error: GetStatus failed: UNAUTHENTICATED: invalid bearer token"]
+    monkeypatch.setenv("PSSERVER_AUTH_TOKEN", TOKEN)
+    rc, out, err = run(capsys, "status", "--address", auth_server.address, "--json")
+    assert rc == 0 and json.loads(out)["status"]["state"] == "SERVING"
+
+
+def test_token_file_wins_over_the_environment(auth_server, token_file, capsys, monkeypatch):
+    monkeypatch.setenv("PSSERVER_AUTH_TOKEN", "wrong")
+    rc, out, err = run(capsys, "status", "--address", auth_server.address, "--auth-token-file", str(token_file))
+    assert rc == 0, err
+
+
+def test_missing_token_file(server, capsys, tmp_path):
+    rc, _, err = run(capsys, "status", "--address", server.address, "--auth-token-file", str(tmp_path / "nope"))
+    assert rc == 2 and len(_error_lines(err)) == 1 and "cannot read token file" in err
+
+
+def test_status_over_tls(target, tmp_path, capsys):
+    cert, key = make_certificate(tmp_path)
+    with serve(target, tls_cert=cert, tls_key=key) as control:
+        rc, out, err = run(capsys, "status", "--address", control.address, "--tls-ca", str(cert), "--json")
+        assert rc == 0, err
+        assert json.loads(out)["status"]["model"] == "mlp"
+        rc, _, err = run(capsys, "status", "--address", control.address, "--timeout", "3")  # plaintext to TLS
+        assert rc == 2 and len(_error_lines(err)) == 1
+
+
+def test_checkpoint_verb(target, token_file, capsys):
+    with serve(target, auth_token_file=token_file) as control:
+        args = ("--address", control.address, "--auth-token-file", str(token_file))
+        rc, out, err = run(capsys, "checkpoint", *args)
+        assert rc == 0, err
+        assert out.startswith(f"checkpoint written: {target.checkpoints[-1].path} (step ")
+        rc, out, _ = run(capsys, "checkpoint", *args, "--json")
+        assert rc == 0 and json.loads(out)["path"] == target.checkpoints[-1].path
+        rc, _, err = run(capsys, "checkpoint", "--address", control.address)
+        assert rc == 2 and "UNAUTHENTICATED" in err and len(_error_lines(err)) == 1
+
+
+def test_checkpoint_verb_without_checkpoint_dir(target, capsys):
+    target.checkpoint_dir = None
+    with serve(target, allow_unauthenticated_admin=True) as control:
+        rc, _, err = run(capsys, "checkpoint", "--address", control.address)
+    assert rc == 2
+    assert _error_lines(err) == [
+        "psserver checkpoint: error: Checkpoint failed: FAILED_PRECONDITION: cannot checkpoint: "
+        "checkpoints are not configured (--checkpoint-dir)"
+    ]
+
+
+def test_stop_verb(target, token_file, capsys):
+    with serve(target, auth_token_file=token_file) as control:
+        rc, _, err = run(capsys, "stop", "--address", control.address)
+        assert rc == 2 and "UNAUTHENTICATED" in err and not target.shutdown_requested.is_set()
+        rc, out, err = run(capsys, "stop", "--address", control.address, "--auth-token-file", str(token_file))
+        assert rc == 0, err
+        assert out.strip() == f"server at {control.address} is draining"
+        assert target.shutdown_requested.is_set()
+
+
+def test_stop_verb_refused_without_a_token_configured(server, target, capsys):
+    rc, _, err = run(capsys, "stop", "--address", server.address)
+    assert rc == 2 and "PERMISSION_DENIED" in err and len(_error_lines(err)) == 1
+    assert not target.shutdown_requested.is_set()
+
+
+def test_stop_wait_returns_once_the_server_is_gone(target, capsys):
+    control = serve(target, allow_unauthenticated_admin=True)
+
+    def stop_when_asked():
+        target.shutdown_requested.wait(10)
+        control.stop()
+
+    stopper = threading.Thread(target=stop_when_asked)
+    stopper.start()
+    try:
+        rc, out, err = run(capsys, "stop", "--address", control.address, "--wait", "--reason", "test")
+    finally:
+        stopper.join(10)
+        control.stop()
+    assert rc == 0, err
+    assert out.splitlines() == [f"server at {control.address} is draining", f"server at {control.address} has stopped"]

@@ -1,0 +1,472 @@
+"""The deploy files: they parse, their psserver command lines are accepted by the real CLI,
+and the ports and names they share agree across files."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.deploy.commands import (
+    DEPLOY,
+    ROOT,
+    Command,
+    all_commands,
+    argv_of,
+    commands_in_shell,
+    load_yaml,
+    option,
+    parse,
+)
+
+K8S = DEPLOY / "kubernetes"
+SCRIPTS = sorted((DEPLOY / "slurm").glob("*.sbatch")) + sorted(DEPLOY.rglob("*.sh"))
+COMMANDS = all_commands()
+
+
+def _docs(path: Path) -> list[dict]:
+    return load_yaml(path)
+
+
+def _k8s(kind: str, name: str | None = None) -> dict:
+    for path in sorted((K8S / "base").glob("*.yaml")):
+        for doc in _docs(path):
+            if doc.get("kind") == kind and (name is None or doc["metadata"]["name"] == name):
+                return doc
+    raise AssertionError(f"no {kind} {name or ''} in {K8S / 'base'}")
+
+
+def _k8s_all(kind: str) -> list[dict]:
+    return [d for p in sorted((K8S / "base").glob("*.yaml")) for d in _docs(p) if d.get("kind") == kind]
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def _port(container: dict, name: str) -> int:
+    for p in container["ports"]:
+        if p["name"] == name:
+            return p["containerPort"]
+    raise AssertionError(f"container {container['name']} has no port {name}")
+
+
+# ---- every file parses, every command line is accepted ----------------------------------
+
+
+@pytest.mark.parametrize("path", sorted(DEPLOY.rglob("*.yaml")) + sorted(DEPLOY.rglob("*.yml")),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_yaml_parses(path):
+    docs = load_yaml(path)
+    assert docs, f"{path} is empty"
+    for doc in docs:
+        assert isinstance(doc, dict)
+
+
+def test_commands_found_everywhere():
+    sources = {c.source.split(":")[0].split("@")[0] for c in COMMANDS}
+    for expected in ("deploy/docker/compose.yaml", "deploy/kubernetes/base/server-statefulset.yaml",
+                     "deploy/kubernetes/base/trainers-job.yaml", "deploy/kubernetes/collective/pytorchjob.yaml",
+                     "deploy/slurm/ps.sbatch", "deploy/slurm/ddp.sbatch", "deploy/slurm/fsdp.sbatch",
+                     "deploy/slurm/fsdp-tp.sbatch", "deploy/README.md"):
+        assert expected in sources, f"no psserver command line found in {expected}"
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c.source)
+def test_command_line_accepted_by_the_cli(command: Command):
+    args = parse(command.argv)
+    assert args.command in ("serve", "train", "status", "checkpoint", "stop", "demo", "bench")
+
+
+def test_extraction_handles_wrappers_and_variables():
+    text = (
+        'PORT=${PSSERVER_PORT:-29511}\n'
+        '# psserver serve --not-a-flag   (a comment)\n'
+        'srun --nodes=1 --ntasks=1 \\\n'
+        '    psserver serve --host "$HOST" --port "$PORT" &\n'
+        'kubectl -n psserver get pods\n'
+        'torchrun --nnodes="$N" -m psserver train --mode ddp | tee log\n'
+    )
+    cmds = commands_in_shell(text, "t")
+    assert [c.argv for c in cmds] == [
+        ["serve", "--host", "1", "--port", "29511"],
+        ["train", "--mode", "ddp"],
+    ]
+    with pytest.raises(AssertionError, match="rejected"):
+        parse(["serve", "--no-such-flag"])
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_scripts_pass_bash_n(script):
+    r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert script.read_text().startswith("#!/bin/bash")
+    assert os.access(script, os.X_OK), f"{script} is not executable"
+
+
+def test_healthcheck_script_compiles():
+    subprocess.run([sys.executable, "-m", "py_compile", str(DEPLOY / "docker" / "healthcheck.py")],
+                   check=True, timeout=30)
+
+
+# ---- Docker ------------------------------------------------------------------------------
+
+
+def _dockerfile() -> str:
+    return (DEPLOY / "docker" / "Dockerfile").read_text()
+
+
+def _torch_pin() -> str:
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    pins = [d.split("==", 1)[1].strip() for d in deps if re.match(r"^torch\s*==", d)]
+    assert len(pins) == 1, deps
+    return pins[0]
+
+
+def test_dockerfile_base_image_names_the_pinned_torch():
+    text = _dockerfile()
+    args = dict(re.findall(r"^ARG\s+(\w+)=(\S+)", text, re.M))
+    froms = re.findall(r"^FROM\s+(\S+)", text, re.M)
+    assert len(froms) == 1
+    image = re.sub(r"\$\{?(\w+)\}?", lambda m: args[m.group(1)], froms[0])
+    m = re.fullmatch(r"pytorch/pytorch:(\d+\.\d+\.\d+)-cuda[\d.]+-cudnn\d+-runtime", image)
+    assert m, f"base image {image} is not an official pytorch/pytorch runtime tag"
+    assert m.group(1) == _torch_pin(), f"base image has torch {m.group(1)}, pyproject pins {_torch_pin()}"
+
+
+def test_dockerfile_user_entrypoint_healthcheck():
+    text = _dockerfile()
+    users = re.findall(r"^USER\s+(\S+)", text, re.M)
+    assert users and users[-1] not in ("root", "0"), "the image must run as a non-root user"
+    assert re.search(r'^ENTRYPOINT\s+\["psserver"\]', text, re.M)
+    assert re.search(r"^RUN\s+python -m pip install /opt/psserver-src", text, re.M)
+    hc = re.search(r"^HEALTHCHECK\s.*?CMD\s+(.*)$", text, re.M | re.S)
+    assert hc and "psserver-healthcheck" in hc.group(1)
+    assert "COPY deploy/docker/healthcheck.py /usr/local/bin/psserver-healthcheck" in text
+    exposed = {int(p) for line in re.findall(r"^EXPOSE\s+(.*)$", text, re.M) for p in line.split()}
+    compose = _compose()
+    server = _argv(compose["services"]["server"])
+    assert {int(option(server, "--port")), int(option(server, "--control-port")),
+            int(option(server, "--metrics-port"))} <= exposed
+    # the health check's default address is the control plane's default port
+    health = (DEPLOY / "docker" / "healthcheck.py").read_text()
+    assert f'"127.0.0.1:{option(server, "--control-port")}"' in health
+
+
+def test_dockerignore_keeps_what_pip_needs():
+    ignored = (DEPLOY / "docker" / "Dockerfile.dockerignore").read_text().split()
+    for needed in ("psserver", "pyproject.toml", "README.md", "deploy", "protos"):
+        assert needed not in ignored
+
+
+def test_healthcheck_script_against_a_grpc_health_server():
+    import grpc
+    from concurrent import futures
+
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    script = str(DEPLOY / "docker" / "healthcheck.py")
+
+    def check(address: str) -> subprocess.CompletedProcess:
+        env = dict(os.environ, PSSERVER_HEALTH_ADDRESS=address)
+        return subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=30)
+
+    try:
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        r = check(f"127.0.0.1:{port}")
+        assert r.returncode == 1 and "NOT_SERVING" in r.stderr
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert check(f"127.0.0.1:{port}").returncode == 0
+    finally:
+        server.stop(None)
+    assert check(f"127.0.0.1:{port}").returncode == 1  # nobody listening
+
+
+# ---- Compose -----------------------------------------------------------------------------
+
+
+def _compose() -> dict:
+    (doc,) = _docs(DEPLOY / "docker" / "compose.yaml")
+    return doc
+
+
+def _argv(service_or_container: dict) -> list[str]:
+    argv = argv_of(service_or_container, entrypoint_is_psserver=True)
+    assert argv is not None
+    return argv
+
+
+def test_compose_names_and_ports_agree():
+    compose = _compose()
+    services = compose["services"]
+    server = services["server"]
+    sargv = _argv(server)
+    assert sargv[0] == "serve"
+    host, port = option(sargv, "--host"), int(option(sargv, "--port"))
+    assert host == "server" and server.get("hostname", "server") == "server"
+    assert (DEPLOY / "docker" / server["build"]["context"] / server["build"]["dockerfile"]).resolve() == (
+        DEPLOY / "docker" / "Dockerfile").resolve()
+    published = server["ports"]
+    for p in published:
+        assert str(p).startswith("127.0.0.1:"), f"{p} is published beyond the host's loopback"
+    container_ports = {int(str(p).rsplit(":", 1)[1]) for p in published}
+    assert int(option(sargv, "--control-port")) in container_ports
+    assert int(option(sargv, "--metrics-port")) in container_ports
+    assert port not in container_ports, "the RPC port must not be published"
+    assert option(sargv, "--control-host") == "0.0.0.0"  # reachable through the published port
+    # token: a compose secret mounted at /run/secrets/<name>
+    token = option(sargv, "--auth-token-file")
+    name = token.removeprefix("/run/secrets/")
+    assert name in server["secrets"] and name in compose["secrets"]
+    # checkpoints on the volume, resumed on start
+    assert "--resume" in sargv
+    mounts = [v.split(":")[1] for v in server["volumes"]]
+    assert any(option(sargv, "--checkpoint-dir").startswith(m) for m in mounts)
+    assert "psserver-healthcheck" in " ".join(server["healthcheck"]["test"])
+
+    trainers = {k: v for k, v in services.items() if k != "server"}
+    assert len(trainers) == 2
+    ranks = []
+    for name, svc in trainers.items():
+        argv = _argv(svc)
+        assert argv[0] == "train"
+        assert option(argv, "--server") == f"{host}:{port}"
+        assert int(option(argv, "--num-trainers")) == len(trainers)
+        ranks.append(int(option(argv, "--rank")))
+        assert svc["depends_on"]["server"]["condition"] == "service_healthy"
+        assert svc["healthcheck"] == {"disable": True}
+        assert set(svc["networks"]) == set(server["networks"])
+        assert "ports" not in svc
+    assert sorted(ranks) == list(range(len(trainers)))
+
+
+# ---- Kubernetes --------------------------------------------------------------------------
+
+
+def _server_container() -> dict:
+    (c,) = _k8s("StatefulSet", "psserver")["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def _trainer_container() -> dict:
+    (c,) = _k8s("Job", "psserver-trainers")["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def test_kustomization_resources_exist():
+    for kdir in (K8S, K8S / "base", K8S / "gpu"):
+        (k,) = _docs(kdir / "kustomization.yaml")
+        for res in k.get("resources", []):
+            assert (kdir / res).exists(), f"{kdir}/kustomization.yaml: {res} missing"
+    listed = set(_docs(K8S / "base" / "kustomization.yaml")[0]["resources"])
+    on_disk = {p.name for p in (K8S / "base").glob("*.yaml")} - {"kustomization.yaml", "secret.example.yaml"}
+    assert listed == on_disk
+    assert "secret.example.yaml" not in listed, "no token may be applied from the repository"
+
+
+def test_statefulset_and_services_agree():
+    sts = _k8s("StatefulSet", "psserver")
+    c = _server_container()
+    argv = _argv(c)
+    assert argv[0] == "serve" and "--resume" in argv
+    pod_labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert _selects(sts["spec"]["selector"]["matchLabels"], pod_labels)
+
+    headless = _k8s("Service", sts["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None"
+    assert _selects(headless["spec"]["selector"], pod_labels)
+    rpc_port = int(option(argv, "--port"))
+    assert {p["port"] for p in headless["spec"]["ports"]} == {rpc_port}
+    assert _port(c, "rpc") == rpc_port
+
+    # --host is the pod IP from the downward API
+    assert option(c["args"], "--host") == "$(POD_IP)"
+    env = {e["name"]: e for e in c["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+
+    control = _k8s("Service", "psserver")
+    assert control["spec"].get("type", "ClusterIP") == "ClusterIP"
+    assert _selects(control["spec"]["selector"], pod_labels)
+    ports = {p["name"]: p for p in control["spec"]["ports"]}
+    control_port, metrics_port = int(option(argv, "--control-port")), int(option(argv, "--metrics-port"))
+    assert ports["control"]["port"] == control_port == _port(c, ports["control"]["targetPort"])
+    assert ports["metrics"]["port"] == metrics_port == _port(c, ports["metrics"]["targetPort"])
+    annotations = sts["spec"]["template"]["metadata"]["annotations"]
+    assert int(annotations["prometheus.io/port"]) == metrics_port
+
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[probe]["grpc"]["port"] == control_port, probe
+    assert option(argv, "--control-host") == "0.0.0.0"  # kubelet probes the pod IP
+
+
+def test_statefulset_checkpoints_and_secret():
+    sts = _k8s("StatefulSet", "psserver")
+    c = _server_container()
+    argv = _argv(c)
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert option(argv, "--checkpoint-dir").startswith(mounts[claim["metadata"]["name"]] + "/")
+
+    (secret,) = _docs(K8S / "base" / "secret.example.yaml")
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    secret_volumes = [n for n, v in volumes.items() if "secret" in v]
+    assert len(secret_volumes) == 1
+    vol = volumes[secret_volumes[0]]
+    assert vol["secret"]["secretName"] == secret["metadata"]["name"]
+    (key,) = secret["stringData"]
+    assert option(argv, "--auth-token-file") == f"{mounts[secret_volumes[0]]}/{key}"
+    assert "kubectl -n psserver create secret generic " + secret["metadata"]["name"] in (
+        (K8S / "kustomization.yaml").read_text())
+
+
+def test_trainers_are_an_indexed_job():
+    job = _k8s("Job", "psserver-trainers")
+    sts = _k8s("StatefulSet", "psserver")
+    c = _trainer_container()
+    argv = _argv(c)
+    assert argv[0] == "train"
+    assert job["spec"]["completionMode"] == "Indexed"
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == int(option(argv, "--num-trainers"))
+    assert option(c["args"], "--rank") == "$(RANK)"
+    env = {e["name"]: e for e in c["env"]}
+    assert env["RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']")
+    host, port = option(argv, "--server").rsplit(":", 1)
+    assert host == f"{sts['metadata']['name']}-0.{sts['spec']['serviceName']}"
+    assert int(port) == int(option(_argv(_server_container()), "--port"))
+
+
+def test_network_policy_admits_only_trainers_to_rpc():
+    server_labels = _k8s("StatefulSet", "psserver")["spec"]["template"]["metadata"]["labels"]
+    trainer_labels = _k8s("Job", "psserver-trainers")["spec"]["template"]["metadata"]["labels"]
+    rpc_port = int(option(_argv(_server_container()), "--port"))
+    policies = _k8s_all("NetworkPolicy")
+    server_policies = [p for p in policies if _selects(p["spec"]["podSelector"]["matchLabels"], server_labels)]
+    trainer_policies = [p for p in policies if _selects(p["spec"]["podSelector"]["matchLabels"], trainer_labels)]
+    assert len(server_policies) == 1 and len(trainer_policies) == 1
+
+    def rules_covering(policy: dict, port: int) -> list[dict]:
+        out = []
+        for rule in policy["spec"]["ingress"]:
+            for p in rule.get("ports", [{}]):
+                lo = p.get("port")
+                if lo is None or lo <= port <= p.get("endPort", lo):
+                    out.append(rule)
+                    break
+        return out
+
+    def only_from(rule: dict, labels: dict) -> bool:
+        peers = rule.get("from")
+        return bool(peers) and all(set(peer) == {"podSelector"} and _selects(peer["podSelector"]["matchLabels"], labels)
+                                   for peer in peers)
+
+    sp = server_policies[0]
+    assert "Ingress" in sp["spec"]["policyTypes"]
+    for port in (rpc_port, 40000):  # the store and a TensorPipe (ephemeral) port
+        rules = rules_covering(sp, port)
+        assert rules, f"trainers cannot reach the server's port {port}"
+        assert all(only_from(r, trainer_labels) for r in rules), f"port {port} is open to more than trainers"
+    control_port = int(option(_argv(_server_container()), "--control-port"))
+    assert rules_covering(sp, control_port), "the control plane must stay reachable"
+    tp = trainer_policies[0]
+    rules = rules_covering(tp, 40000)
+    assert rules and all(only_from(r, server_labels) for r in rules)
+
+
+def test_gpu_overlay_adds_a_gpu_to_the_server():
+    (k,) = _docs(K8S / "gpu" / "kustomization.yaml")
+    (patch,) = k["patches"]
+    assert patch["target"] == {"kind": "StatefulSet", "name": "psserver"}
+    ops = yaml.safe_load(patch["patch"])
+    paths = {op["path"]: op.get("value") for op in ops}
+    assert paths["/spec/template/spec/containers/0/resources/limits/nvidia.com~1gpu"] == 1
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+def test_kustomize_builds():
+    def build(path: Path) -> list[dict]:
+        r = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return [d for d in yaml.safe_load_all(r.stdout) if d]
+
+    cpu, gpu = build(K8S), build(K8S / "gpu")
+    kinds = sorted(d["kind"] for d in cpu)
+    assert kinds == ["Job", "NetworkPolicy", "NetworkPolicy", "Service", "Service", "StatefulSet"]
+    assert all(d["metadata"]["namespace"] == "psserver" for d in cpu)
+    (sts,) = [d for d in gpu if d["kind"] == "StatefulSet"]
+    assert sts["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    (cpu_sts,) = [d for d in cpu if d["kind"] == "StatefulSet"]
+    assert "nvidia.com/gpu" not in cpu_sts["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+
+
+def test_kubeflow_examples():
+    (job,) = _docs(K8S / "collective" / "pytorchjob.yaml")
+    assert job["kind"] == "PyTorchJob" and job["apiVersion"] == "kubeflow.org/v1"
+    for role in ("Master", "Worker"):
+        (c,) = job["spec"]["pytorchReplicaSpecs"][role]["template"]["spec"]["containers"]
+        assert c["name"] == "pytorch"  # the operator requires this name
+        assert c["command"][:3] == ["torchrun", "-m", "psserver"]
+        assert option(c["command"], "--mode") in ("ddp", "fsdp")
+    (tj,) = _docs(K8S / "collective" / "trainjob.yaml")
+    assert tj["kind"] == "TrainJob"
+    cmd = tj["spec"]["trainer"]["command"]
+    assert option(cmd, "--mode") == "fsdp"
+    assert int(option(cmd, "--tp-size")) == tj["spec"]["trainer"]["numProcPerNode"]  # TP inside a node
+
+
+# ---- Slurm -------------------------------------------------------------------------------
+
+
+def test_slurm_scripts_resolve_nodes_and_use_torchrun():
+    ps = (DEPLOY / "slurm" / "ps.sbatch").read_text()
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in ps
+    for name in ("ddp.sbatch", "fsdp.sbatch", "fsdp-tp.sbatch"):
+        text = (DEPLOY / "slurm" / name).read_text()
+        assert 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in text
+        for flag in ("srun ", "torchrun ", "--nnodes=", "--nproc-per-node=", "--rdzv-backend=c10d",
+                     "--rdzv-endpoint=", "-m psserver train --mode"):
+            assert flag in text, f"{name}: {flag}"
+    tp = [c for c in COMMANDS if c.source.startswith("deploy/slurm/fsdp-tp.sbatch")]
+    assert tp and option(tp[0].argv, "--tp-size") is not None and option(tp[0].argv, "--mode") == "fsdp"
+
+
+def test_slurm_ps_ports_match_the_defaults_elsewhere():
+    compose_server = _argv(_compose()["services"]["server"])
+    (serve,) = [c for c in COMMANDS if c.source.startswith("deploy/slurm/ps.sbatch") and c.argv[0] == "serve"]
+    (train,) = [c for c in COMMANDS if c.source.startswith("deploy/slurm/ps.sbatch") and c.argv[0] == "train"]
+    for flag in ("--port", "--control-port", "--metrics-port"):
+        assert option(serve.argv, flag) == option(compose_server, flag), flag
+    assert option(train.argv, "--server").endswith(":" + option(serve.argv, "--port"))
+    assert option(train.argv, "--server").rsplit(":", 1)[0] == option(serve.argv, "--host")
+
+
+# ---- README ------------------------------------------------------------------------------
+
+
+def test_readme_documents_ports_and_security():
+    text = (DEPLOY / "README.md").read_text()
+    server = _argv(_compose()["services"]["server"])
+    for port in (option(server, "--port"), option(server, "--control-port"), option(server, "--metrics-port")):
+        assert port in text
+    for word in ("TP_SOCKET_IFNAME", "unpickle", "bearer token", "TLS", "NetworkPolicy", "ephemeral",
+                 "--host 0.0.0.0", "scontrol show hostnames"):
+        assert word in text, word
+
+
+def test_readme_links_exist():
+    text = (DEPLOY / "README.md").read_text()
+    for target in re.findall(r"\]\(([^)#]+)\)", text):
+        if "://" not in target:
+            assert (DEPLOY / target).exists(), f"deploy/README.md links to missing {target}"

@@ -1,0 +1,155 @@
+"""deploy/slurm/ps.sbatch for real on one machine, with fake ``srun``, ``scontrol`` and
+``hostname`` on PATH: a real server and two real trainers that train, then the server stops."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.deploy.commands import DEPLOY
+from tests.procs import env as clean_env
+from tests.procs import free_port
+
+SRUN = '''\
+#!{python}
+"""Fake srun: runs the step's tasks here, with SLURM_PROCID/NODEID/LOCALID, forwarding signals."""
+import os, signal, subprocess, sys, time
+
+VALUE_OPTS = {{"-N": "nodes", "-n": "ntasks", "-w": "nodelist", "-c": "cpus-per-task",
+               "--nodes": "nodes", "--ntasks": "ntasks", "--nodelist": "nodelist",
+               "--ntasks-per-node": "ntasks-per-node", "--cpus-per-task": "cpus-per-task"}}
+args, opts, i = sys.argv[1:], {{}}, 0
+while i < len(args) and args[i].startswith("-"):
+    a = args[i]
+    if a.startswith("--") and "=" in a:
+        k, v = a[2:].split("=", 1)
+        opts[k] = v
+    elif a in VALUE_OPTS:
+        opts[VALUE_OPTS[a]] = args[i + 1]
+        i += 1
+    else:
+        opts[a.lstrip("-")] = "1"
+    i += 1
+cmd = args[i:]
+nodes = int(opts.get("nodes", 1))
+ntasks = int(opts.get("ntasks", nodes * int(opts.get("ntasks-per-node", 1))))
+per_node = max(1, ntasks // nodes)
+with open(os.environ["FAKE_SRUN_LOG"], "a") as log:
+    log.write(repr((opts, cmd)) + "\\n")
+procs = []
+for rank in range(ntasks):
+    env = dict(os.environ, SLURM_PROCID=str(rank), SLURM_NODEID=str(rank // per_node),
+               SLURM_LOCALID=str(rank % per_node), SLURM_NTASKS=str(ntasks), SLURM_NNODES=str(nodes),
+               SLURM_STEP_NUM_TASKS=str(ntasks))
+    procs.append(subprocess.Popen(cmd, env=env))
+
+def forward(signum, frame):
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signum)
+
+signal.signal(signal.SIGTERM, forward)
+signal.signal(signal.SIGINT, forward)
+while any(p.poll() is None for p in procs):
+    if opts.get("kill-on-bad-exit") == "1" and any(p.returncode not in (None, 0) for p in procs):
+        forward(signal.SIGKILL, None)
+    time.sleep(0.2)
+codes = [p.returncode for p in procs]
+sys.exit(next((c if c > 0 else 128 - c for c in codes if c != 0), 0))
+'''
+
+SCONTROL = '''\
+#!/bin/bash
+# Fake scontrol: `show hostnames LIST` prints one name per node of the fake allocation.
+if [[ "$1" == show && "$2" == hostnames ]]; then
+    for ((i = 0; i < ${FAKE_NNODES:-3}; i++)); do echo localhost; done
+    exit 0
+fi
+echo "fake scontrol: unsupported: $*" >&2
+exit 1
+'''
+
+HOSTNAME = '''\
+#!/bin/bash
+echo localhost
+'''
+
+
+def _shims(bindir: Path) -> None:
+    bindir.mkdir()
+    for name, text in (("srun", SRUN.format(python=sys.executable)), ("scontrol", SCONTROL),
+                       ("hostname", HOSTNAME)):
+        path = bindir / name
+        path.write_text(text)
+        path.chmod(0o755)
+
+
+def _port_closed(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ps_sbatch_runs_server_and_two_trainers(tmp_path):
+    bindir = tmp_path / "bin"
+    _shims(bindir)
+    port, control_port, metrics_port = free_port(), free_port(), free_port()
+    env = clean_env()
+    env.update(
+        PATH=f"{bindir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{env['PATH']}",
+        FAKE_SRUN_LOG=str(tmp_path / "srun.log"),
+        FAKE_NNODES="3",
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NODELIST="node[0-2]",
+        SLURM_SUBMIT_DIR=str(tmp_path),
+        PSSERVER_PORT=str(port),
+        PSSERVER_CONTROL_PORT=str(control_port),
+        PSSERVER_METRICS_PORT=str(metrics_port),
+        PSSERVER_MODEL="mlp",
+        PSSERVER_EPOCHS="1",
+        PSSERVER_MAX_STEPS="20",
+        PSSERVER_CONNECT_TIMEOUT="120",
+        OMP_NUM_THREADS="1",
+    )
+    for var in ("SLURM_PROCID", "SLURM_NTASKS", "PSSERVER_AUTH_TOKEN"):
+        env.pop(var, None)
+    proc = subprocess.Popen(
+        ["bash", str(DEPLOY / "slurm" / "ps.sbatch")],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"ps.sbatch did not finish:\n{out[-6000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # anything the script left behind
+        except ProcessLookupError:
+            pass
+    tail = textwrap.indent(out[-6000:], "  ")
+    assert proc.returncode == 0, f"ps.sbatch exited with {proc.returncode}:\n{tail}"
+    for rank in (0, 1):
+        assert re.search(rf"^rank {rank} accuracy [0-9.]+$", out, re.M), f"no accuracy from rank {rank}:\n{tail}"
+    assert "server on localhost (localhost:" in out and "2 trainer(s)" in out
+    # The server drained on SIGTERM, wrote a final checkpoint and is gone.
+    assert re.search(r"psserver stopped at global step [1-9]", out), tail
+    assert list((tmp_path / "checkpoints").glob("*.pt")), "no final checkpoint"
+    assert _port_closed(port) and _port_closed(control_port) and _port_closed(metrics_port)
+    steps = (tmp_path / "srun.log").read_text().splitlines()
+    assert len(steps) == 2
+    assert "'nodes': '1'" in steps[0] and "'serve'" in steps[0]
+    assert "'ntasks': '2'" in steps[1] and "'train'" in steps[1]

@@ -1,0 +1,183 @@
+"""Trainers that crash, hang, die mid-join; a server that is killed and resumes."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import psutil
+import pytest
+import torch
+
+from psserver.checkpoint import list_checkpoints, read_checkpoint
+from tests.procs import MNIST_ARGS, accuracy
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+
+def wait_lost(server, name: str, timeout: float) -> float:
+    t0 = time.monotonic()
+    server.wait_for(rf"trainer {name} missed heartbeats .* marking it LOST", timeout=timeout)
+    return time.monotonic() - t0
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(
+    "sig,update", [(signal.SIGKILL, "async"), (signal.SIGSTOP, "async"), (signal.SIGSTOP, "sync")],
+    ids=["kill-async", "hang-async", "hang-sync"],
+)
+def test_lost_trainer_is_evicted_and_the_other_finishes(procs, port, mnist_dir, sig, update):
+    server = procs.server(port, "--trainer-timeout", "2", "--update", update, "--sync-trainers", "2")
+    t0, t1 = (procs.trainer(port, r, "--num-trainers", "2", "--epochs", "3", *MNIST_ARGS) for r in (0, 1))
+    for t in (t0, t1):
+        t.wait_for("joined psserver", timeout=90)
+    time.sleep(3)  # mid-epoch
+    t1.signal(sig)
+    assert wait_lost(server, "trainer_1_1", timeout=15) < 15
+    server.wait_for(r"evicted trainer_1_1 from the RPC group; RPC members: psserver,trainer_0_1\n", timeout=10)
+    assert t0.wait(300) == 0, t0.tail()
+    assert accuracy(t0) >= 0.96
+    # The rank comes back as a new incarnation and trains.
+    again = procs.trainer(port, 1, "--num-trainers", "2", "--max-steps", "20", *MNIST_ARGS)
+    assert again.wait(120) == 0, again.tail()
+    assert "as trainer_1_2" in again.output()
+    if sig == signal.SIGSTOP:
+        t1.signal(signal.SIGKILL)
+    assert server.running()
+    assert procs.stop(server) == 0
+
+
+@pytest.mark.timeout(400)
+def test_ten_kill_rejoin_cycles(procs, port):
+    server = procs.server(port, "--model", "mlp", "--trainer-timeout", "1.5")
+    rss = []
+    for i in range(1, 11):
+        t = procs.trainer(port, 0, "--epochs", "1000")
+        t.wait_for("joined psserver", timeout=60)
+        server.wait_for(rf"trainer trainer_0_{i} \(rank 0\) joined", timeout=10)
+        time.sleep(0.5)
+        t.signal(signal.SIGKILL)
+        t.wait(10)
+        server.wait_for(rf"evicted trainer_0_{i} from the RPC group; RPC members: psserver\n", timeout=15)
+        rss.append(psutil.Process(server.pid).memory_info().rss)
+    assert server.running()
+    # Every join succeeded with a fresh name, and nothing accumulates per cycle.
+    assert len(re.findall(r"trainer trainer_0_\d+ \(rank 0\) joined", server.output())) == 10
+    growth = rss[-1] - rss[1]
+    assert growth < 64 * 2**20, [r // 2**20 for r in rss]
+    assert procs.stop(server) == 0
+
+
+@pytest.mark.timeout(300)
+def test_join_that_dies_holding_the_token_blocks_nothing(procs, port):
+    server = procs.server(port, "--model", "mlp", "--trainer-timeout", "2")
+    os.environ["PSSERVER_FAULT_INJECT"] = "die-in-join"
+    try:
+        dying = procs.trainer(port, 0, "--max-steps", "5")
+    finally:
+        del os.environ["PSSERVER_FAULT_INJECT"]
+    assert dying.wait(60) == 9, dying.tail()
+    ok = procs.trainer(port, 0, "--max-steps", "20")
+    assert ok.wait(120) == 0, ok.tail()
+    assert "membership token held by Token_for_trainer_0_1_join" in server.output()
+    t0 = time.monotonic()
+    assert procs.stop(server, timeout=60) == 0
+    assert time.monotonic() - t0 < 30
+
+
+def _params(state):
+    return {f"{i}.{k}": v for i, s in enumerate(state["shards"]) for k, v in s["module"].items()}
+
+
+def _assert_same_state(a, b):
+    pa, pb = _params(a), _params(b)
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        assert torch.equal(pa[k], pb[k]), k
+    for sa, sb in zip(a["shards"], b["shards"]):
+        for (ia, ta), (ib, tb) in zip(sa["optimizer"]["state"].items(), sb["optimizer"]["state"].items()):
+            assert ia == ib
+            for key in ta:
+                assert torch.equal(torch.as_tensor(ta[key]), torch.as_tensor(tb[key])), key
+
+
+@pytest.mark.timeout(300)
+def test_killed_server_resumes_from_its_last_checkpoint(procs, port, tmp_path):
+    ckdir, second = tmp_path / "ck", tmp_path / "ck2"
+    common = ["--model", "mlp", "--checkpoint-dir"]
+    server = procs.server(port, *common, str(ckdir), "--checkpoint-every", "20", "--optimizer", "adam")
+    t = procs.trainer(port, 0, "--max-steps", "50")
+    assert t.wait(120) == 0, t.tail()
+    server.wait_for(r"checkpoint step 40 written", timeout=30)
+    server.signal(signal.SIGKILL)
+    server.wait(10)
+    latest = list_checkpoints(ckdir)[0]
+    assert latest.name == "ckpt-000000000040.pt"
+    saved = read_checkpoint(latest)
+    # Resume, then stop at once: the final checkpoint it writes must equal what it loaded.
+    again = procs.server(port, *common, str(second), "--resume", str(latest))
+    again.wait_for(r"resumed from .* global step 40", timeout=10)
+    assert procs.stop(again) == 0
+    _assert_same_state(saved, read_checkpoint(list_checkpoints(second)[0]))
+    # And training continues from step 40.
+    third = procs.server(port, *common, str(ckdir), "--resume")
+    t = procs.trainer(port, 0, "--max-steps", "10")
+    assert t.wait(120) == 0, t.tail()
+    assert procs.stop(third) == 0
+    final = read_checkpoint(list_checkpoints(ckdir)[0])
+    assert final["global_step"] == 50
+    assert final["samples_seen"] == saved["samples_seen"] + 10 * 64
+
+
+@pytest.mark.timeout(300)
+def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(procs, port, tmp_path):
+    server = procs.server(port, "--model", "mlp", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "20")
+    t = procs.trainer(port, 0, "--max-steps", "20")
+    assert t.wait(120) == 0, t.tail()
+    server.wait_for("checkpoint step 20 written", timeout=30)
+    server.signal(signal.SIGKILL)
+    server.wait(10)
+    good = read_checkpoint(tmp_path / "ckpt-000000000020.pt")
+    os.environ["PSSERVER_CKPT_FAULT_AFTER"] = "4096"
+    try:
+        dying = procs.server(port, "--model", "mlp", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "10",
+                             "--resume")
+    finally:
+        del os.environ["PSSERVER_CKPT_FAULT_AFTER"]
+    t = procs.trainer(port, 0, "--max-steps", "30")
+    assert dying.wait(120) == 17, dying.tail()  # died mid-write of step 30
+    t.wait(60)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-000000000020.pt"]
+    _assert_same_state(good, read_checkpoint(tmp_path / "ckpt-000000000020.pt"))
+    assert any(p.name.startswith(".ckpt-000000000030.pt.tmp") for p in tmp_path.iterdir())
+    # A corrupt newer checkpoint is reported and skipped on --resume.
+    corrupt = tmp_path / "ckpt-000000000099.pt"
+    data = bytearray((tmp_path / "ckpt-000000000020.pt").read_bytes())
+    data[-100] ^= 0xFF
+    corrupt.write_bytes(bytes(data))
+    again = procs.server(port, "--model", "mlp", "--checkpoint-dir", str(tmp_path), "--resume")
+    out = again.wait_for(r"resumed from \S+ckpt-000000000020.pt", timeout=10)
+    assert out and "ckpt-000000000099.pt is corrupt (checksum mismatch)" in again.output()
+    assert procs.stop(again) == 0
+
+
+@pytest.mark.timeout(300)
+def test_trainer_reconnects_to_a_restarted_server(procs, port, tmp_path):
+    server = procs.server(port, "--model", "mlp", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "5")
+    t = procs.trainer(port, 0, "--epochs", "6", "--reconnect", "--rpc-timeout", "10")
+    plain = procs.trainer(port, 1, "--num-trainers", "2", "--epochs", "50")
+    t.wait_for("joined psserver", timeout=60)
+    plain.wait_for("joined psserver", timeout=60)
+    time.sleep(1)
+    server.signal(signal.SIGKILL)
+    server.wait(10)
+    # Without --reconnect: a clear error and a non-zero exit.
+    assert plain.wait(60) == 3
+    assert "lost the server at 127.0.0.1" in plain.output() and "Traceback" not in plain.output()
+    t.wait_for("reconnecting", timeout=60)
+    procs.server(port, "--model", "mlp", "--checkpoint-dir", str(tmp_path), "--resume")
+    assert t.wait(180) == 0, t.tail()
+    assert "reconnected as trainer_0_2" in t.output()
+    assert accuracy(t) > 0.5
