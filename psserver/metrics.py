@@ -350,6 +350,11 @@ def start_exporters(
     return exporters
 
 
+def serve_metrics(target: ControlTarget, obs: ObservabilityConfig) -> Exporters:
+    """``start_exporters`` under the name collective rank 0 looks for (a context manager)."""
+    return start_exporters(target, obs)
+
+
 def _register(exporters: Exporters) -> None:
     global _active
     with _active_lock:

@@ -40,6 +40,8 @@ class TrainerStatus:
     last_loss: float = float("nan")
     samples_per_s: float = 0.0
     state: str = "ACTIVE"
+    accuracy: float = float("nan")
+    """Held-out accuracy the trainer measured at its end (NaN until then)."""
 
 
 @dataclass
@@ -68,6 +70,8 @@ class ServerStatus:
     mean_loss: float
     shards: list[ShardStatus] = field(default_factory=list)
     last_checkpoint: CheckpointInfo | None = None
+    accuracy: float = float("nan")
+    """Latest held-out accuracy reported by a trainer (NaN until one finishes)."""
 
     @property
     def uptime_s(self) -> float:

@@ -329,3 +329,13 @@ def test_real_server_metrics_during_training(tmp_path):
     steps = [s for s, _ in scalars["throughput/samples_per_s"]]
     assert steps == sorted(steps) and steps[-1] > 0
     assert all(v >= 0 for _, v in scalars["loss/train"])
+
+
+def test_serve_metrics_is_a_context_manager_for_collective_rank0():
+    from psserver.metrics import serve_metrics
+
+    with serve_metrics(FakeTarget(), ObservabilityConfig(metrics_port=0)) as ex:
+        port = ex.metrics_port
+        assert value(scrape(port), "psserver_up") == 1
+    with pytest.raises(OSError):
+        scrape(port)

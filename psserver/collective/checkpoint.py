@@ -2,8 +2,9 @@
 
 Layout: ``<dir>/step-00000120/`` holds DCP's files (each rank writes its own shards, plus
 ``.metadata``) and a ``COMPLETE`` marker. A save goes into ``step-N.tmp/``; after every rank
-has written, rank 0 renames it to ``step-N/`` and writes the marker last (fsynced), so a
-crash mid-save never leaves something that looks like the latest checkpoint. Loading goes
+has written, rank 0 writes the marker last (fsynced) and renames the directory to
+``step-N/``, so a crash mid-save never leaves something that looks like the latest
+checkpoint (only ``step-N/`` directories holding the marker count). Loading goes
 through ``get_state_dict``/``set_state_dict``, so a checkpoint saved by W ranks loads on any
 other number of ranks (DCP reshards on load), and DDP and FSDP checkpoints hold the same
 fully qualified names.
@@ -116,22 +117,26 @@ class CheckpointManager:
         t0 = time.monotonic()
         if self.rank == 0:
             self.config.directory.mkdir(parents=True, exist_ok=True)
-            for stale in (tmp, final):
-                if stale.exists():
-                    shutil.rmtree(stale)
+            if tmp.exists():  # left by a save that died
+                shutil.rmtree(tmp)
         dist.barrier()
         state = {"app": AppState(model, optimizer),
                  "progress": {k: torch.tensor(int(v)) for k, v in progress.items()}}
         dcp.save(state, checkpoint_id=str(tmp))
         dist.barrier()  # every rank's shards are on disk
         if self.rank == 0:
-            os.replace(tmp, final)
-            _fsync_dir(self.config.directory)
-            marker = final / MARKER
+            marker = tmp / MARKER  # written last, inside the temporary directory
             marker.write_text(json.dumps({**{k: int(v) for k, v in progress.items()}, "time": time.time()}) + "\n")
             with open(marker, "rb+") as f:
                 os.fsync(f.fileno())
-            _fsync_dir(final)
+            _fsync_dir(tmp)
+            old = final.with_name(final.name + ".old")
+            if final.exists():  # the same step saved again (a resumed run)
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+            os.replace(tmp, final)  # the commit: step-N/ appears complete or not at all
+            _fsync_dir(self.config.directory)
+            shutil.rmtree(old, ignore_errors=True)
             self._prune()
         dist.barrier()
         self.last = CheckpointInfo(path=str(final), step=step, time=time.time())

@@ -54,6 +54,8 @@ def build_optimizer(params, cfg: OptimizerConfig) -> torch.optim.Optimizer:
 def parameter_hash(module: torch.nn.Module) -> str:
     """SHA-256 of every parameter's full value, in name order (gathers DTensors: call on all ranks)."""
     h = hashlib.sha256()
+    # Gathering a 2-D (dp, tp) DTensor warns about sequential all-gathers: expected here.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     for name, p in sorted(module.named_parameters()):
         h.update(name.encode())
         h.update(local_tensor(p.detach()).float().cpu().contiguous().numpy().tobytes())
@@ -233,8 +235,8 @@ class Fit:
                     break
                 if config.checkpoint.every_steps and step % config.checkpoint.every_steps == 0 and self.ckpt.enabled:
                     self._save(self._position())
-            if self.stop:
-                break
+            if self.stop or batch < self.steps_per_epoch:
+                break  # stopped mid-epoch (request or --max-steps): the position stays in it
             epoch += 1
             batch = 0
             self._epoch, self._batch = epoch, 0

@@ -143,6 +143,9 @@ class CollectiveStatus:
     def request_shutdown(self) -> None:
         log.warning("shutdown requested over the control plane: draining at the next sync point")
         self._stop_wanted.set()
+        with self._lock:
+            if self.state in ("STARTING", "SERVING"):
+                self.state = "DRAINING"
 
 
 def _device_memory(device: str, rss: int) -> int:

@@ -104,6 +104,8 @@ class ControlClient:
             return ControlUnavailable(
                 f"control plane at {self.address} unreachable ({code.name}: {_first_line(details)})", code
             )
+        if code == grpc.StatusCode.CANCELLED:  # not by us: the server cancels calls as it stops
+            return ControlUnavailable(f"control plane at {self.address} is stopping ({what} cancelled)", code)
         return ControlError(f"{what} failed: {code.name}: {_first_line(details)}", code)
 
     def _unary(self, what: str, method: Callable[..., T], request: Any, timeout: float | None) -> T:

@@ -101,7 +101,7 @@ def render_trainers(trainers: Sequence[pb.Trainer], now: float) -> str:
         counts[name] = counts.get(name, 0) + 1
     summary = ", ".join(f"{n} {k.lower()}" for k, n in counts.items())
     if not trainers:
-        return f"TRAINERS    none joined yet"
+        return "TRAINERS    none joined yet"
     rows = [
         [
             str(t.rank),

@@ -140,8 +140,8 @@ class ControlServer:
             return
         try:
             self._stop.set()
-            self._set_health(False)
-            self.health.enter_graceful_shutdown()
+            self.set_serving(False)
+            self.health.enter_graceful_shutdown()  # NOT_SERVING everywhere, and no way back
             self.service.close()
         finally:
             server.stop(self.grace if grace is None else grace).wait()

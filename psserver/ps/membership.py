@@ -18,7 +18,7 @@ from typing import Callable
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
-from psserver.ps.rendezvous import KEY_LIVE
+from psserver.ps.rendezvous import KEY_LIVE, SERVER_NAME
 from psserver.telemetry import TrainerStatus
 
 log = logging.getLogger(__name__)
@@ -166,6 +166,14 @@ class Membership:
             agent._update_group_membership(info, [], {}, False)
         except Exception:  # noqa: BLE001 - it may have left on its own meanwhile
             log.debug("agent eviction of %s", name, exc_info=True)
+        else:
+            # Live trainers still list the dead one; their own leave would try to reach it.
+            # Tell them, exactly as a worker leaving cleanly would have.
+            from torch.distributed.rpc._utils import _update_group_membership
+
+            for other in agent.get_worker_infos():
+                if other.name != SERVER_NAME:
+                    rpc.rpc_async(other, _update_group_membership, args=(info, [], {}, False), timeout=5)
         rpc_store = agent.store
         try:
             if rpc_store.check([ALL_WORKERS_KEY]):
@@ -183,16 +191,20 @@ class Membership:
         now = time.monotonic()
         with self.lock:
             known = set(self.members)
-        for info in agent.get_worker_infos():
-            if info.name == "psserver" or info.name in known:
-                self._strangers.pop(info.name, None)
-                continue
-            first = self._strangers.setdefault(info.name, now)
-            if now - first > max(self.timeout, 5.0):
-                log.warning("RPC worker %s never joined psserver: evicting it", info.name)
-                self._strangers.pop(info.name, None)
-                self._evict(info.name, info.id, set())
         rpc_store = agent.store
+        workers = {w.name: w.id for w in agent.get_worker_infos()}
+        workers.update(dict(_registered_workers(rpc_store)))
+        for name, wid in workers.items():
+            if name == SERVER_NAME or name in known:
+                self._strangers.pop(name, None)
+                continue
+            # Registered with RPC but not a psserver member: a join killed before it called
+            # join(), or a leave that failed half-way. Give it time to finish, then clean up.
+            first = self._strangers.setdefault(name, now)
+            if now - first > max(self.timeout, 5.0):
+                log.warning("RPC worker %s is not a live psserver member: evicting it", name)
+                self._strangers.pop(name, None)
+                self._evict(name, wid, set())
         if not rpc_store.check([TOKEN_KEY]):
             return
         token = rpc_store.get(TOKEN_KEY)
@@ -209,14 +221,6 @@ class Membership:
         rpc_store.compare_set(TOKEN_KEY, token, b"")
         rpc_store.set(holder, "Done")  # wakes joiners waiting on the holder's key
         self._token_seen = None
-        # A join that died after registering its id leaves it behind: drop ids with no live member.
-        for worker, wid in _registered_workers(rpc_store):
-            if worker == "psserver":
-                continue
-            with self.lock:
-                known = worker in self.members
-            if not known and f"Token_for_{worker}_join" == holder:
-                self._evict(worker, wid, set())
 
 
 def rpc_members() -> str:

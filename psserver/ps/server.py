@@ -19,6 +19,7 @@ from psserver import __version__
 from psserver.checkpoint import CheckpointError, Checkpointer, load_latest, read_checkpoint
 from psserver.config import OptimizerConfig, ServerConfig
 from psserver.errors import UsageError
+from psserver.metrics import rpc_timed
 from psserver.models import build_model, get_model_spec, split_stages
 from psserver.ps import rendezvous
 from psserver.ps.membership import Membership
@@ -66,6 +67,7 @@ class ParameterServer:
         self.state = "STARTING"
         self.started_at = time.time()
         self.samples_seen = 0
+        self.accuracy = float("nan")
         self.meter = RateMeter(window=10.0)
         self._shutdown = threading.Event()
         self._shutdown_reason = ""
@@ -236,11 +238,14 @@ class ParameterServer:
         except KeyError:
             raise RuntimeError(f"{name} is not a member of this psserver (evicted or never joined)") from None
         if report is not None:
-            steps, samples, loss, rate = report
+            steps, samples, loss, rate, *rest = report
             st = member.status
             st.steps, st.samples, st.last_loss, st.samples_per_s = int(steps), int(samples), float(loss), float(rate)
+            if rest:
+                st.accuracy = self.accuracy = float(rest[0])
         return member
 
+    @rpc_timed("forward")
     def forward(self, name: str, x: torch.Tensor, report: tuple | None) -> torch.Tensor:
         if self.state == "DRAINING":
             raise RuntimeError("psserver is shutting down")
@@ -259,6 +264,7 @@ class ParameterServer:
             self._pending_loss[name] = float(report[2])
         return out.to("cpu")
 
+    @rpc_timed("evaluate")
     def evaluate(self, name: str, x: torch.Tensor) -> torch.Tensor:
         self._member(name, None)
         self.updater.wait_turn(name, timeout=self.config.rpc_timeout)
@@ -279,6 +285,7 @@ class ParameterServer:
         assert self.membership is not None
         self.membership.leave(name)
 
+    @rpc_timed("step")
     def submit(self, name: str, grads: dict) -> None:
         """A trainer's whole gradient from ``SharedOptimizer.step``."""
         samples = self._pending_samples.pop(name, 0)
@@ -360,6 +367,7 @@ class ParameterServer:
                 for s in self.shards
             ],
             last_checkpoint=self.checkpointer.last if self.checkpointer else None,
+            accuracy=self.accuracy,
         )
 
     def list_trainers(self) -> list[TrainerStatus]:

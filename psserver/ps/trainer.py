@@ -257,6 +257,8 @@ def run_trainer(config: TrainerConfig) -> int:
         progress.close()
         session.leave()
         raise
+    if session.report is not None:
+        session.report = (*session.report[:4], accuracy)
     session.leave()
     elapsed = time.monotonic() - t_start
     log.info("rank %d: %d steps, %d samples in %.1fs (%.1f samples/s), final loss %.4f, accuracy %.4f",

@@ -1,0 +1,88 @@
+"""Bad flags and combinations: one line on stderr, exit code 2, no traceback, no process group."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from psserver.cli import main
+
+from .helpers import run_cli, worker_env
+
+CASES = [
+    ("--mode fsdp --model llama_tiny --nproc-per-node 2 --tp-size 3", "not divisible by --tp-size 3"),
+    ("--mode ddp --comm-hook nope", "unknown --comm-hook 'nope'"),
+    ("--mode ddp --comm-hook powersgd --powersgd-rank 0", "--powersgd-rank must be >= 1"),
+    ("--mode ddp --comm-hook powersgd --powersgd-start-iter 1", "--powersgd-start-iter must be >= 2"),
+    ("--mode ddp --comm-hook post-localsgd --model-averaging-period 0", "--model-averaging-period must be >= 1"),
+    ("--mode ddp --localsgd-group-size 1", "--localsgd-group-size needs --comm-hook post-localsgd"),
+    ("--mode fsdp --nproc-per-node 2 --tp-size 2", "tensor-parallel plan"),
+    ("--mode ddp --tp-size 2", "need --mode fsdp"),
+    ("--mode fsdp --comm-hook fp16", "need --mode ddp"),
+    ("--mode fsdp --mixed-precision fp8", "unknown --mixed-precision"),
+    ("--mode ddp --backend mpi", "unknown --backend"),
+    ("--mode ddp --bucket-cap-mb 0", "--bucket-cap-mb must be positive"),
+    ("--mode ddp --nccl-min-nchannels 0", "NCCL_MIN_NCHANNELS"),
+    ("--mode ddp --rank 1", "--rank is set by the launcher"),
+    ("--mode ddp --nproc-per-node 2 --num-trainers 3", "does not match the world size 2"),
+    ("--mode ddp --model nosuchmodel", "unknown model"),
+    ("--mode ddp --resume", "--resume without a path needs --checkpoint-dir"),
+    ("--mode ddp --resume /nonexistent/step-1", "no such checkpoint directory"),
+    ("--mode ddp --nproc-per-node 0", "--nproc-per-node must be >= 1"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher_env(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flags,message", CASES, ids=[c[0] for c in CASES])
+def test_rejected_in_process(flags, message, capsys):
+    assert main(["train", *flags.split(), "--no-control"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("psserver train: error: ") and message in err[0], err[0]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error when no GPU is present")
+def test_nccl_without_gpu_in_process(capsys):
+    assert main(["train", "--mode", "ddp", "--backend", "nccl", "--nproc-per-node", "2", "--no-control"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["psserver train: error: --backend nccl needs CUDA GPUs and none is available (use gloo on CPU)"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error when no GPU is present")
+def test_nccl_without_gpu_subprocess():
+    proc = run_cli(["--mode", "ddp", "--backend", "nccl", "--nproc-per-node", "2", "--no-control"], timeout=100)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith("needs CUDA GPUs and none is available (use gloo on CPU)")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_tp_size_against_torchrun_world_size():
+    """Under a launcher, WORLD_SIZE decides: rejected in the worker before it joins any group."""
+    env = worker_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", MASTER_PORT="1")
+    proc = run_cli(["--mode", "fsdp", "--model", "llama_tiny", "--tp-size", "4", "--no-control"], timeout=100, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "psserver train: error: world size 2 is not divisible by --tp-size 4")
+
+
+@pytest.mark.timeout(60)
+def test_unknown_hook_message_is_one_line_via_python_m():
+    # The same through the console entry point (python -m psserver): exit code 2, one line.
+    proc = run_cli(["--mode", "ddp", "--comm-hook", "bogus"], timeout=50)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "psserver train: error: unknown --comm-hook 'bogus'; known: none, fp16, bf16, powersgd, powersgd+fp16, "
+        "post-localsgd"]

@@ -1,0 +1,197 @@
+"""The control plane of a real ``psserver serve`` with a real trainer, through the real CLI."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import psserver
+from psserver.checkpoint import list_checkpoints, read_checkpoint
+from psserver.control.client import ControlClient, ControlError, ControlUnavailable
+from psserver.control.v1 import control_pb2 as pb
+
+from .fakes import TOKEN
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+ROOT = Path(psserver.__file__).resolve().parents[1]
+LISTENING = re.compile(r"control plane listening on (\S+):(\d+)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A ``python -m psserver ...`` child with its output in a file (no pipe to fill up)."""
+
+    def __init__(self, log: Path, *argv: str, env: dict[str, str] | None = None) -> None:
+        self.log = log
+        self._out = open(log, "wb")
+        full_env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        full_env.pop("PSSERVER_AUTH_TOKEN", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "psserver", *argv], stdout=self._out, stderr=subprocess.STDOUT, env=full_env,
+            cwd=ROOT, start_new_session=True,
+        )
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.output().splitlines()[-n:])
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # our own child's session only
+            self.proc.wait(10)
+        self._out.close()
+
+
+@pytest.fixture
+def procs():
+    started: list[Proc] = []
+
+    def start(log: Path, *argv: str) -> Proc:
+        p = Proc(log, *argv)
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        p.close()
+
+
+def _wait_for(predicate, timeout: float, what: str, proc: Proc | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.proc.poll() is not None:
+            pytest.fail(f"{what}: the process exited with {proc.proc.returncode}\n{proc.tail()}")
+        time.sleep(0.1)
+    pytest.fail(f"timed out waiting for {what}" + (f"\n{proc.tail()}" if proc else ""))
+
+
+def _cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("PSSERVER_AUTH_TOKEN", None)
+    return subprocess.run(
+        [sys.executable, "-m", "psserver", "--log-level", "ERROR", *argv], capture_output=True, text=True,
+        env=env, cwd=ROOT, timeout=timeout,
+    )
+
+
+@pytest.mark.timeout(300)
+def test_status_during_training_then_stop_drains_and_checkpoints(procs, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    ckpt_dir = tmp_path / "ckpt"
+    rpc_port = _free_port()
+    server = procs(
+        tmp_path / "server.log", "serve", "--port", str(rpc_port), "--model", "mlp", "--control-port", "0",
+        "--checkpoint-dir", str(ckpt_dir), "--auth-token-file", str(token_file),
+    )
+    host, port = _wait_for(lambda: (m := LISTENING.search(server.output())) and m.groups(), 90, "control plane", server)
+    address = f"{host}:{port}"
+    client = ControlClient(address, token=TOKEN, timeout=10)
+    try:
+        _wait_for(lambda: client.health() == "SERVING", 60, "health SERVING", server)
+        assert client.get_status().state == pb.SERVER_STATE_SERVING
+
+        trainer = procs(
+            tmp_path / "trainer.log", "train", "--server", f"127.0.0.1:{rpc_port}", "--rank", "0", "--num-trainers",
+            "1", "--epochs", "1000", "--max-steps", "100000", "--no-progress",
+        )
+        active = _wait_for(
+            lambda: [t for t in client.list_trainers() if t.state == pb.TRAINER_STATE_ACTIVE and t.steps > 0],
+            90, "an active trainer with steps", trainer,
+        )
+        assert active[0].rank == 0 and active[0].name.startswith("trainer_0_") and active[0].samples > 0
+        assert active[0].host and active[0].joined_at <= active[0].last_seen
+        st = client.get_status()
+        assert st.state == pb.SERVER_STATE_SERVING and st.mode == pb.MODE_PS and st.update_mode == pb.UPDATE_MODE_ASYNC
+        assert st.model == "mlp" and st.num_params > 0 and st.global_step > 0 and st.samples_seen > 0
+        assert [s.device for s in st.shards] == ["cpu"] and st.shards[0].num_params == st.num_params
+        assert st.shards[0].device_memory_bytes > 0
+        _wait_for(lambda: client.get_status().samples_per_second > 0, 30, "a throughput", server)
+
+        # The CLI, as an operator would run it.
+        done = _cli("status", "--address", address, "--auth-token-file", str(token_file))
+        assert done.returncode == 0, done.stderr
+        assert "SERVING" in done.stdout and "trainer_0_" in done.stdout and "ACTIVE" in done.stdout
+        assert _cli("status", "--address", address).returncode == 2  # no token
+
+        info = client.checkpoint()
+        assert Path(info.path).is_file() and info.step > 0
+        assert client.get_status().last_checkpoint.path == info.path
+
+        # Follow the server while it drains: the stream must end cleanly when it stops.
+        watched: list[int] = []
+        watch_error: list[BaseException] = []
+
+        def follow() -> None:
+            try:
+                with ControlClient(address, token=TOKEN) as watcher:
+                    for s in watcher.watch(interval=0.2):
+                        watched.append(s.state)
+            except ControlError as e:  # the process may go before the stream's last frame
+                watch_error.append(e)
+
+        follower = threading.Thread(target=follow)
+        follower.start()
+        _wait_for(lambda: watched, 30, "the first WatchStatus update", server)
+        step_before_stop = client.get_status().global_step
+
+        done = _cli("stop", "--address", address, "--auth-token-file", str(token_file), "--wait", "--reason", "e2e")
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines()[-1] == f"server at {address} has stopped"
+        assert server.wait(60) == 0, server.tail()
+        follower.join(30)
+        assert not follower.is_alive()
+        assert not watch_error or isinstance(watch_error[0], ControlUnavailable), watch_error
+        assert watched[0] == pb.SERVER_STATE_SERVING
+
+        out = server.output()
+        assert "shutdown requested by" in out and "(e2e)" in out
+        # The final checkpoint holds every step applied before the drain.
+        final = read_checkpoint(list_checkpoints(ckpt_dir)[0])
+        assert final["global_step"] >= max(step_before_stop, info.step)
+        # A trainer whose server drains away stops (exit 3: server lost, unless --reconnect).
+        assert trainer.wait(60) in (0, 3), trainer.tail()
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(180)
+def test_shutdown_without_admin_rights_is_refused_and_sigterm_still_works(procs, tmp_path):
+    rpc_port = _free_port()
+    server = procs(tmp_path / "server.log", "serve", "--port", str(rpc_port), "--model", "mlp", "--control-port", "0")
+    host, port = _wait_for(lambda: (m := LISTENING.search(server.output())) and m.groups(), 90, "control plane", server)
+    address = f"{host}:{port}"
+    done = _cli("stop", "--address", address)
+    assert done.returncode == 2 and "PERMISSION_DENIED" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    with ControlClient(address) as client:
+        assert client.get_status().state == pb.SERVER_STATE_SERVING
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.wait(60) == 0, server.tail()
+    assert _cli("status", "--address", address, "--timeout", "3").returncode == 2  # gone: one line, exit 2
