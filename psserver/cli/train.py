@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 from psserver.cli.base import (
@@ -66,6 +65,8 @@ class TrainCommand(SubCommand):
         parser.add_argument("--rpc-timeout", type=float, default=60.0, help="RPC timeout in seconds")
         parser.add_argument("--max-steps", type=int, default=0, help="stop after N steps (0: all epochs)")
         parser.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
+        parser.add_argument("--stats-out", type=Path, default=None,
+                            help="write per-step timings as JSON (for benchmarks)")
         try:
             from psserver.collective.cli_args import add_collective_arguments
         except ImportError:  # collective mode not installed in this build
@@ -97,5 +98,6 @@ class TrainCommand(SubCommand):
             rpc_timeout=args.rpc_timeout,
             max_steps=args.max_steps,
             progress=False if args.no_progress else None,
+            stats_out=args.stats_out,
         )
         return run_trainer(config)

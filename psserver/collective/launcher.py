@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
@@ -111,11 +113,25 @@ def run_in_process_group(config: CollectiveConfig, body: Callable[[DistEnv], int
         torch.set_num_threads(config.compute_threads)
     elif not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world_size)))
+    previous = _exit_on_sigterm()
     try:
         env = init_distributed(config, rank, world_size, local_rank, local_world_size, store)
         return body(env)
     finally:
         destroy_distributed()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm():
+    """SIGTERM (torchrun or our spawner stopping the job) raises SystemExit so ``finally`` runs."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame):  # noqa: ARG001
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, handler)
 
 
 def _spawned_worker(local_rank: int, config: CollectiveConfig, body: Callable[[DistEnv], int],

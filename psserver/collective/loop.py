@@ -154,6 +154,7 @@ class Fit:
         self.hash_history: list[str] = []
         self.samples = 0
         self.stop = False
+        self._pending: list[torch.Tensor] = []
 
     def run(self) -> int:
         with ExitStack() as stack:
@@ -212,43 +213,50 @@ class Fit:
         config = self.config
         x_all, y_all = self.train_set.tensors
         bs = config.batch_size
-        pending: list[torch.Tensor] = []
         self._epoch = epoch
         while epoch < config.epochs and self.t.global_step < self.total and not self.stop:
             self.sampler.set_epoch(epoch)
             indices = torch.tensor(list(iter(self.sampler)))
             while batch < self.steps_per_epoch and self.t.global_step < self.total:
                 idx = indices[batch * bs:(batch + 1) * bs]
-                pending.append(self.t.train_step(x_all[idx], y_all[idx]))
                 batch += 1
                 self._epoch, self._batch = epoch, batch
-                self.samples += len(idx)
-                self.status.on_step(self.t.global_step, len(idx) * self.strategy.dp_size, None)
-                if self.config.result_file and self.config.mode == "ddp":
-                    self.hash_history.append(parameter_hash(self.strategy.unwrapped))
-                step = self.t.global_step
-                last = step == self.total or batch == self.steps_per_epoch
-                if step % SYNC_EVERY == 0 or last:
-                    self._flush(pending, progress)
-                    pending = []
-                if step % SYNC_EVERY == 0 and self._sync():
+                if self.step(x_all[idx], y_all[idx], progress, boundary=batch == self.steps_per_epoch):
                     break
-                if config.checkpoint.every_steps and step % config.checkpoint.every_steps == 0 and self.ckpt.enabled:
-                    self._save(self._position())
             if self.stop or batch < self.steps_per_epoch:
                 break  # stopped mid-epoch (request or --max-steps): the position stays in it
             epoch += 1
             batch = 0
             self._epoch, self._batch = epoch, 0
 
-    def _flush(self, pending: list[torch.Tensor], progress: Progress) -> None:
+    def step(self, xb: torch.Tensor, yb: torch.Tensor, progress: Progress | None = None,
+             boundary: bool = False) -> bool:
+        """One training step with its bookkeeping (what the benchmark times); True: stop now."""
+        self._pending.append(self.t.train_step(xb, yb))
+        self.samples += len(xb)
+        self.status.on_step(self.t.global_step, len(xb) * self.strategy.dp_size, None)
+        if self.config.result_file and self.config.mode == "ddp":
+            self.hash_history.append(parameter_hash(self.strategy.unwrapped))
+        step = self.t.global_step
+        if step % SYNC_EVERY == 0 or step == self.total or boundary:
+            self._flush(self._pending, progress)
+            self._pending = []
+        if step % SYNC_EVERY == 0 and self._sync():
+            return True
+        every = self.config.checkpoint.every_steps
+        if every and step % every == 0 and self.ckpt.enabled:
+            self._save(self._position())
+        return False
+
+    def _flush(self, pending: list[torch.Tensor], progress: Progress | None) -> None:
         """Turn the step losses into floats (one device sync per ``SYNC_EVERY`` steps)."""
         if not pending:
             return
         values = torch.stack(pending).tolist()
         self.losses.extend(values)
         self.status.last_loss = values[-1]
-        progress.update(len(values), loss=values[-1])
+        if progress is not None:
+            progress.update(len(values), loss=values[-1])
 
     def _sync(self) -> bool:
         """Exchange progress rows; act on rank 0's control requests. True: stop now."""

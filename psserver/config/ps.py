@@ -157,6 +157,8 @@ class TrainerConfig:
     """Stop after this many steps in total (0: run all epochs); for smoke tests and benchmarks."""
     progress: bool | None = None
     """Show a tqdm bar (None: only when stderr is a terminal)."""
+    stats_out: Path | None = None
+    """Write per-step timings (monotonic end time of each step, samples) as JSON here."""
 
     def __post_init__(self) -> None:
         if self.rank < 0:

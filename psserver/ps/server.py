@@ -255,7 +255,7 @@ class ParameterServer:
         member.contexts.add(ctx)
         if len(member.contexts) > 4:
             member.contexts = set(sorted(member.contexts)[-4:])
-        clone = self.membership.active_count() > 1 if self.membership else True
+        clone = self._needs_clone()
         out = x
         for shard in self.shards:
             out = shard.forward(out, clone=clone)
@@ -263,6 +263,18 @@ class ParameterServer:
         if report is not None:
             self._pending_loss[name] = float(report[2])
         return out.to("cpu")
+
+    def _needs_clone(self) -> bool:
+        """Whether another trainer's step can land between this forward and its backward.
+
+        Async: whenever more than one trainer is active. Sync: only when live trainers
+        outnumber K, since a round needs every live trainer's gradient (each sent after its
+        backward) before the weights change.
+        """
+        active = self.membership.active_count() if self.membership else 2
+        if self.config.update == "sync":
+            return active > self.config.sync_trainers
+        return active > 1
 
     @rpc_timed("evaluate")
     def evaluate(self, name: str, x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ a low-rate heartbeat covers the time between steps.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -223,6 +224,7 @@ def run_trainer(config: TrainerConfig) -> int:
     log.info("rank %d/%d: %d training samples, %d steps", config.rank, num_shards, len(sampler), total)
     progress = Progress(total, desc=f"trainer {config.rank}", enabled=config.progress)
     steps = samples = 0
+    step_ends: list[float] = []
     loss = float("nan")
     t_start = time.monotonic()
     epoch, batch_idx = 0, 0
@@ -240,6 +242,8 @@ def run_trainer(config: TrainerConfig) -> int:
                     continue  # same batch again: its update was not applied
                 steps += 1
                 samples += len(idx)
+                if config.stats_out is not None:
+                    step_ends.append(time.monotonic())
                 batch_idx += 1
                 rate = samples / max(1e-6, time.monotonic() - t_start)
                 session.report = (steps, samples, loss, rate)
@@ -263,6 +267,10 @@ def run_trainer(config: TrainerConfig) -> int:
     elapsed = time.monotonic() - t_start
     log.info("rank %d: %d steps, %d samples in %.1fs (%.1f samples/s), final loss %.4f, accuracy %.4f",
              config.rank, steps, samples, elapsed, samples / max(elapsed, 1e-6), loss, accuracy)
+    if config.stats_out is not None:
+        config.stats_out.write_text(json.dumps(
+            {"rank": config.rank, "batch_size": config.batch_size, "start": t_start, "step_ends": step_ends,
+             "samples": samples, "accuracy": accuracy}))
     print(f"rank {config.rank} accuracy {accuracy:.4f}", flush=True)
     return 0
 

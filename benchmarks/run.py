@@ -1,0 +1,477 @@
+"""The benchmark harness: local loop, PS (async/sync, 1/2/4 trainers), DDP and FSDP in one run.
+
+    python -m benchmarks.run --quick                       # < 2 minutes on 2 cores
+    python -m benchmarks.run --model mnist_cnn --batch-size 64       # ~6 minutes on 2 cores
+    python -m benchmarks.run --model resnet18 --batch-size 32 --setups local,ps-async-1
+    psserver bench ...                                     # the same, as a CLI verb
+
+Every setup runs real processes (``psserver serve`` + N ``psserver train``; the collective
+loop through ``benchmarks.collective_overhead``), one setup at a time, and reports samples/s
+(median of windows after warm-up; PS: the total over trainers), step latency p50/p95, bytes
+on the wire per step (``ss`` on the setup's TCP sockets), the server's CPU while idle (N
+trainers joined and waiting) and while training, and the peak RSS of every process. The
+local loop, the ceiling every ratio divides by, runs in bursts spread over the run (start,
+middle, end) and its windows are pooled, so load that drifts during the run hits both sides.
+
+Writes ``<results>/bench-<model>-b<batch>-<time>.{json,md,png}`` and ``latest.{json,md,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from benchmarks import measure, report
+
+DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
+FULL_SETUPS = "local,local-1t,ps-async-1,ps-async-2,ps-async-4,ps-sync-1,ps-sync-2,ps-sync-4,ddp-2,fsdp-2"
+QUICK_SETUPS = "local,ps-async-1,ps-async-2,ddp-2"
+WARMUP_STEPS = 5  # collective runs: steps before their windows
+# Issue 6 targets: (model, batch) -> minimum of PS 1 trainer / local.
+ONE_TRAINER_TARGETS = {("mnist_cnn", 64): 0.90, ("resnet18", 32): 0.85}
+
+
+def parse_setup(name: str) -> dict:
+    if name == "local":  # torch threads = cores, as the issue defines the ceiling
+        return {"name": name, "kind": "local", "trainers": 1, "update": None, "threads": 0}
+    m = re.fullmatch(r"local-(\d+)t", name)
+    if m:  # fewer threads: on a loaded machine one thread can beat all cores (OpenMP barriers)
+        return {"name": name, "kind": "local", "trainers": 1, "update": None, "threads": int(m.group(1))}
+    m = re.fullmatch(r"ps-(async|sync)-(\d+)", name)
+    if m:
+        return {"name": name, "kind": "ps", "trainers": int(m.group(2)), "update": m.group(1)}
+    m = re.fullmatch(r"(ddp|fsdp)-(\d+)", name)
+    if m:
+        return {"name": name, "kind": m.group(1), "trainers": int(m.group(2)), "update": None}
+    raise ValueError(f"unknown setup {name!r}: use local, local-Nt, ps-async-N, ps-sync-N, ddp-N, fsdp-N")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="mnist_cnn", help="model name (mnist_cnn, mlp, resnet18, ...)")
+    p.add_argument("--batch-size", type=int, default=64, help="samples per step and trainer (default 64)")
+    p.add_argument("--seconds", type=float, default=None,
+                   help="measured seconds per setup, after warm-up (default 10; --quick 6)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"fewer setups ({QUICK_SETUPS}) and short windows: under 2 minutes on 2 cores")
+    p.add_argument("--setups", default=None, help=f"comma-separated (default {FULL_SETUPS})")
+    p.add_argument("--warmup", type=float, default=None, help="seconds discarded per process (default 3; quick 1.5)")
+    p.add_argument("--window", type=float, default=None, help="window length in seconds (default seconds/6)")
+    p.add_argument("--idle-seconds", type=float, default=None,
+                   help="seconds of server CPU measured with trainers joined and idle, async setups (default 4; quick 3; 0: skip)")
+    p.add_argument("--tp-channels", default="basic",
+                   help="TensorPipe channels of the PS server (default basic: tensors cross the socket as "
+                        "between hosts, so ss counts them; 'default': TensorPipe's own choice, which on one "
+                        "host moves tensors with cma outside any socket)")
+    p.add_argument("--devices", default=None, help="server --devices (default: its own choice: GPUs, else cpu)")
+    p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS, help=f"output directory (default {DEFAULT_RESULTS})")
+    p.add_argument("--keep-logs", action="store_true", help="keep every child's log under the results directory")
+
+
+class Run:
+    def __init__(self, args: argparse.Namespace, log_dir: Path) -> None:
+        self.args = args
+        self.log_dir = log_dir
+        self.quick = args.quick
+        self.seconds = args.seconds or (6.0 if args.quick else 10.0)
+        self.warmup = args.warmup if args.warmup is not None else (1.5 if args.quick else 3.0)
+        self.window = args.window or max(1.0, self.seconds / 6)
+        self.idle_s = args.idle_seconds if args.idle_seconds is not None else (3.0 if args.quick else 4.0)
+        self.local: dict[str, dict] = {}  # variant -> bursts, device, threads, peak RSS
+        self.counter = 0
+
+    def _name(self, base: str) -> str:
+        self.counter += 1
+        return f"{self.counter:02d}-{base}"
+
+    # ---- local -------------------------------------------------------------------------
+
+    def local_burst(self, setup: dict, seconds: float) -> None:
+        """One burst of a local-loop variant; its windows join the variant's pool."""
+        stats = self.log_dir / f"{self._name(setup['name'])}.json"
+        children = measure.Children(self.log_dir)
+        sampler = measure.Sampler()
+        try:
+            c = children.start(measure.worker_argv(
+                "local", "--model", self.args.model, "--batch-size", str(self.args.batch_size), "--seconds",
+                str(seconds + self.warmup), "--threads", str(setup["threads"]), "--stats-out", str(stats)), stats.stem)
+            sampler.track("local", c.pid, wire=True)  # ss on its (absent) sockets: same sampling cost as PS
+            sampler.start()
+            if c.wait(seconds + self.warmup + 120) != 0:
+                raise RuntimeError(f"local loop failed ({c.popen.returncode}):\n{c.tail()}")
+        finally:
+            sampler.stop()
+            children.stop_all()
+        data = json.loads(stats.read_text())
+        a = measure.analyze_steps([data["step_ends"]], self.args.batch_size, warmup_s=self.warmup,
+                                  window_s=self.window)
+        pool = self.local.setdefault(setup["name"], {"bursts": [], "rss": 0.0})
+        pool["bursts"].append({**a.to_dict(), "latencies": a.latencies_s})
+        pool["device"], pool["threads"] = data.get("device"), data.get("threads")
+        pool["rss"] = max([pool["rss"], *(v / 2**20 for v in sampler.peak_rss.values())])
+        print(f"  {setup['name']} ({data.get('threads')} threads): {a.samples_per_s:.0f} samples/s", flush=True)
+
+    def local_result(self, name: str) -> dict:
+        pool = self.local[name]
+        bursts = pool["bursts"]
+        windows = [w for b in bursts for w in b["samples_per_s_windows"]]
+        lat = [x for b in bursts for x in b["latencies"]]
+        return {
+            "samples_per_s": statistics.median(windows),
+            "samples_per_s_windows": windows,
+            "samples_per_s_bursts": [b["samples_per_s"] for b in bursts],
+            "steps_measured": sum(b["steps_measured"] for b in bursts),
+            "step_p50_ms": 1e3 * measure.percentile(lat, 0.5),
+            "step_p95_ms": 1e3 * measure.percentile(lat, 0.95),
+            "bytes_per_step": 0,
+            "bytes_method": "none: one process",
+            "peak_rss_mb": {"local": pool["rss"]},
+            "devices": [pool["device"]],
+            "torch_threads": pool["threads"],
+        }
+
+    def local_steps_per_s(self) -> float:
+        """The best local variant so far, in steps/s (sizes the PS runs)."""
+        best = max(statistics.median(b["samples_per_s"] for b in p["bursts"]) for p in self.local.values())
+        return best / self.args.batch_size
+
+    # ---- parameter server --------------------------------------------------------------
+
+    def ps(self, setup: dict) -> dict:
+        n, update, bs = setup["trainers"], setup["update"], self.args.batch_size
+        name = self._name(setup["name"])
+        port = measure.free_port()
+        children = measure.Children(self.log_dir)
+        sampler = measure.Sampler(ss_every=1 if self.quick else 2)
+        out: dict = {}
+        try:
+            argv = ["serve", "--host", "127.0.0.1", "--port", str(port), "--model", self.args.model,
+                    "--update", update, "--sync-trainers", str(n), "--no-control"]
+            if self.args.devices:
+                argv += ["--devices", self.args.devices]
+            if self.args.tp_channels != "default":
+                server = children.start(measure.worker_argv("psserver", "--channels", self.args.tp_channels, "--",
+                                                            *argv), f"{name}-server")
+            else:
+                server = children.start(measure.psserver_argv(*argv), f"{name}-server")
+            server.wait_for(r"serving \S+ on", 180)
+            m = re.search(r"stage\(s\) on (.+?)(?:, resumed.*)?$", server.output(), re.M)
+            out["devices"] = [d.strip() for d in m.group(1).split(",")] if m else []
+            sampler.track("server", server.pid, wire=True)
+            sampler.start()
+            # Idle is idle whatever the update mode: async setups only (--quick: 2 trainers, the target).
+            if self.idle_s > 0 and update == "async" and (not self.quick or n == 2):
+                out.update(self._idle(server, port, n, name, children, sampler))
+            steps = self._planned_steps(n)
+            stats = [self.log_dir / f"{name}-trainer{r}.json" for r in range(n)]
+            trainers = []
+            for r in range(n):
+                t = children.start(measure.psserver_argv(
+                    "train", "--server", f"127.0.0.1:{port}", "--rank", str(r), "--num-trainers", str(n),
+                    "--epochs", "1000000", "--batch-size", str(bs), "--max-steps", str(steps),
+                    "--dataset", "synthetic", "--no-progress", "--stats-out", str(stats[r])), f"{name}-trainer{r}")
+                sampler.track(f"trainer{r}", t.pid, wire=True)
+                trainers.append(t)
+            expected = steps * n / max(1e-6, self.local_steps_per_s())
+            deadline = time.monotonic() + 4 * expected + 120
+            for t in trainers:
+                code = t.wait(max(1.0, deadline - time.monotonic()))
+                if code is None:
+                    raise RuntimeError(f"{t.name} still running after {4 * expected + 120:.0f}s:\n{t.tail()}")
+                if code != 0:
+                    raise RuntimeError(f"{t.name} exited with {code}:\n{t.tail()}")
+            sampler.stop()
+        finally:
+            sampler.stop()
+            children.stop_all()
+        ends = [json.loads(p.read_text())["step_ends"] for p in stats]
+        a = measure.analyze_steps(ends, bs, warmup_s=self.warmup, window_s=self.window)
+        samples = sampler.snapshot()
+        out.update(a.to_dict())
+        wire = measure.wire_bytes_per_step(samples, ends, a.start, a.end)
+        out["bytes_per_step"] = wire["bytes_per_step"] if wire else None
+        out["bytes_method"] = "measured: ss bytes_sent of the server's and trainers' sockets / trainer steps"
+        out["bytes_window"] = wire
+        out["server_train_cpu_pct"] = measure.cpu_percent(samples, "server", a.start, a.end)
+        out["trainer_train_cpu_pct"] = [measure.cpu_percent(samples, f"trainer{r}", a.start, a.end) for r in range(n)]
+        out["peak_rss_mb"] = {k: v / 2**20 for k, v in sampler.peak_rss.items() if "/" not in k}
+        out["max_steps_per_trainer"] = steps
+        return out
+
+    def _planned_steps(self, n: int) -> int:
+        """Steps per trainer so that all N overlap for about warm-up + seconds (plus start-up skew)."""
+        rate = self.local_steps_per_s() * 1.15  # PS totals rarely beat the local loop
+        return int(math.ceil(rate * (self.seconds + self.warmup + 2.0) / n)) + 5
+
+    def _idle(self, server: measure.Child, port: int, n: int, name: str, children: measure.Children,
+              sampler: measure.Sampler) -> dict:
+        """Server CPU alone, then with N real trainers joined and waiting (they leave afterwards)."""
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        time.sleep(self.idle_s)
+        alone = measure.cpu_percent(sampler.snapshot(), "server", t0, time.monotonic())
+        idle = []
+        for r in range(n):
+            c = children.start(measure.worker_argv("idle", "--server", f"127.0.0.1:{port}", "--rank", str(r),
+                                                   "--num-trainers", str(n)), f"{name}-idle{r}")
+            sampler.track(f"idle{r}", c.pid)
+            idle.append(c)
+        for c in idle:
+            c.wait_for(r"idle trainer \d+ joined", 120)
+        time.sleep(1.5)  # past the joins' own work
+        t0 = time.monotonic()
+        time.sleep(self.idle_s)
+        t1 = time.monotonic()
+        samples = sampler.snapshot()
+        with_trainers = measure.cpu_percent(samples, "server", t0, t1)
+        trainers_cpu = [measure.cpu_percent(samples, f"idle{r}", t0, t1) for r in range(n)]
+        for r, c in enumerate(idle):
+            c.stop(timeout=30)
+            sampler.untrack(f"idle{r}")
+        return {"server_idle_alone_cpu_pct": alone, "server_idle_cpu_pct": with_trainers,
+                "idle_trainer_cpu_pct": trainers_cpu, "idle_seconds": self.idle_s}
+
+    # ---- collectives -------------------------------------------------------------------
+
+    def collective(self, setup: dict) -> dict:
+        name = self._name(setup["name"])
+        result_path = self.log_dir / f"{name}.json"
+        children = measure.Children(self.log_dir)
+        sampler = measure.Sampler(interval=0.25, ss_every=2)  # bytes are totals: sample often
+        seconds = self.seconds
+        try:
+            c = children.start(measure.worker_argv(
+                "collective", "--mode", setup["kind"], "--model", self.args.model, "--batch-size",
+                str(self.args.batch_size), "--nproc", str(setup["trainers"]), "--seconds", str(seconds),
+                "--window", str(self.window), "--warmup-steps", str(WARMUP_STEPS), "--out", str(result_path)), name)
+            sampler.track("launcher", c.pid, wire=True)
+            sampler.start()
+            code = c.wait(6 * seconds + 180)
+            if code != 0:
+                raise RuntimeError(f"{setup['kind']} run failed ({code}):\n{c.tail()}")
+        finally:
+            sampler.stop()
+            children.stop_all()
+        r = json.loads(result_path.read_text())
+        v = r["variants"]["psserver"]
+        samples = sampler.snapshot()
+        # Every rank step of the run: warm-up, 5 timing steps, the windows (no baseline variant).
+        rank_steps = r["nproc"] * (WARMUP_STEPS + 5 + r["windows"] * r["window_steps"])
+        total = measure.wire_total_bytes(samples)
+        busy = [s.t for s in samples if s.sockets]
+        return {
+            "samples_per_s": v["samples_per_s"],
+            "samples_per_s_windows": v.get("samples_per_s_windows"),
+            "step_p50_ms": v["step_latency_p50_ms"],
+            "step_p95_ms": v["step_latency_p95_ms"],
+            "bytes_per_step": total / rank_steps if total else r["bytes_per_step_estimate"],
+            "bytes_method": ("measured: ss bytes_sent of all ranks over the whole run (set-up included, "
+                             "last <0.5 s missed) / rank steps" if total else
+                             "estimate: benchmarks.collective_overhead (per rank sent)"),
+            "bytes_per_step_estimate": r["bytes_per_step_estimate"],
+            "bytes_total": total,
+            "rank_steps": rank_steps,
+            "cpu_total_pct": measure.cpu_percent(samples, "launcher", busy[0], busy[-1]) if len(busy) > 1 else None,
+            "peak_rss_mb": {f"rank{i}": mb for i, mb in enumerate(r["peak_rss_mb_per_process"])},
+            "peak_rss_mb_sampled": {k: val / 2**20 for k, val in sampler.peak_rss.items()},
+            "devices": [r.get("device", "cpu")],
+            "backend": r.get("backend"),
+            "windows": r.get("windows"),
+            "window_steps": r.get("window_steps"),
+        }
+
+
+def lower_bound(model: str, batch_size: int) -> dict:
+    """Bytes a PS step must move: the input batch, the output, the output's gradient."""
+    import torch
+
+    from psserver.models import get_model_spec
+
+    spec = get_model_spec(model)
+    elem = torch.empty((), dtype=spec.input_dtype).element_size()
+    inp = batch_size * math.prod(spec.input_shape) * elem
+    outb = batch_size * spec.num_classes * 4
+    return {"input": inp, "output": outb, "grad_output": outb, "total": inp + 2 * outb}
+
+
+def machine_info() -> dict:
+    import psutil
+    import torch
+
+    cpu_model = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    return {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cores_logical": os.cpu_count(),
+        "cores_physical": psutil.cpu_count(logical=False),
+        "cpu_model": cpu_model,
+        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "gpus": gpus,
+        "load_avg_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
+
+
+def ratios(result: dict) -> list[dict]:
+    by = {s["name"]: s for s in result["setups"] if not s.get("error")}
+    c = result["config"]
+    key = (c["model"], c["batch_size"])
+
+    def ratio(name):
+        return by.get(name, {}).get("ratio_to_local")
+
+    out = []
+    target1 = ONE_TRAINER_TARGETS.get(key, 0.90)
+    out.append({"name": f"PS 1 trainer async / local ({c['model']} b{c['batch_size']})", "value": ratio("ps-async-1"),
+                "op": ">=", "target": target1, "issue_config": key in ONE_TRAINER_TARGETS})
+    out.append({"name": "PS 2 trainers async (total) / local", "value": ratio("ps-async-2"), "op": ">=",
+                "target": 0.95, "issue_config": key == ("mnist_cnn", 64)})
+    idle = by.get("ps-async-2", {}).get("server_idle_cpu_pct")
+    out.append({"name": "server idle CPU, 2 trainers joined and waiting (% of one core)", "value": idle,
+                "op": "<", "target": 2.0, "issue_config": True})
+    ps = [s for s in by.values() if s["kind"] == "ps" and s.get("bytes_vs_lower_bound") is not None]
+    one = by.get("ps-async-1", {}).get("bytes_vs_lower_bound")
+    out.append({"name": "PS bytes per step / lower bound (1 trainer async)", "value": one, "op": "<=",
+                "target": 1.2, "issue_config": True})
+    if ps:
+        worst = max(ps, key=lambda s: s["bytes_vs_lower_bound"])
+        out.append({"name": f"PS bytes per step / lower bound (worst: {worst['name']})",
+                    "value": worst["bytes_vs_lower_bound"], "op": "<=", "target": 1.2, "issue_config": True})
+    for r in out:
+        v = r["value"]
+        r["met"] = None if v is None else (v >= r["target"] if r["op"] == ">=" else
+                                           v < r["target"] if r["op"] == "<" else v <= r["target"])
+    return out
+
+
+def run(argv: list[str] | None = None, prog: str = "python -m benchmarks.run") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    return run_args(args, command=" ".join([prog, *map(shlex.quote, sys.argv[1:] if argv is None else argv)]))
+
+
+def run_args(args: argparse.Namespace, command: str) -> int:
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    names = [s.strip() for s in (args.setups or (QUICK_SETUPS if args.quick else FULL_SETUPS)).split(",") if s.strip()]
+    setups = [parse_setup(n) for n in names]
+    from psserver.models import check_model_name
+
+    check_model_name(args.model)
+    results_dir = args.results_dir
+    results_dir.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = f"bench-{args.model}-b{args.batch_size}-{stamp}"
+    log_ctx = tempfile.TemporaryDirectory(prefix="psserver-bench-") if not args.keep_logs else None
+    log_dir = Path(log_ctx.name) if log_ctx else results_dir / f"{base}-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    bench = Run(args, log_dir)
+    t_start = time.monotonic()
+    machine = machine_info()
+    locals_ = [s for s in setups if s["kind"] == "local"] or [parse_setup("local")]  # the ceiling is always measured
+    others = [s for s in setups if s["kind"] != "local"]
+    bursts = 2 if args.quick or len(others) < 3 else 3
+    burst_s = max(bench.window * 3, bench.seconds * (1.0 if args.quick else 1.5) / bursts)
+    burst_at = {0, len(others)} | ({len(others) // 2} if bursts == 3 else set())
+    results: dict[str, dict] = {}
+    try:
+        for i in range(len(others) + 1):
+            if i in burst_at:
+                order = locals_ if i % 2 == 0 else locals_[::-1]
+                for loc in order:
+                    print(f"[{time.monotonic() - t_start:5.0f}s] {loc['name']} burst ({burst_s:.0f}s)", flush=True)
+                    bench.local_burst(loc, burst_s)
+            if i == len(others):
+                break
+            s = others[i]
+            print(f"[{time.monotonic() - t_start:5.0f}s] {s['name']}", flush=True)
+            try:
+                res = bench.ps(s) if s["kind"] == "ps" else bench.collective(s)
+                print(f"  {res['samples_per_s']:.0f} samples/s", flush=True)
+            except Exception as e:  # noqa: BLE001 - one failed setup must not lose the others
+                traceback.print_exc()
+                res = {"error": f"{type(e).__name__}: {e}"}
+            results[s["name"]] = res
+    finally:
+        if log_ctx is not None:
+            log_ctx.cleanup()
+    for loc in locals_:
+        results[loc["name"]] = bench.local_result(loc["name"])
+    # The ceiling: the best plain local loop measured (threads = cores unless fewer did better).
+    ceiling_name = max((loc["name"] for loc in locals_), key=lambda n: results[n]["samples_per_s"])
+    local = results[ceiling_name]
+    if not any(s["kind"] == "local" for s in setups):
+        setups = [*locals_, *setups]
+    lb = lower_bound(args.model, args.batch_size)
+    rows = []
+    for s in setups:
+        r = {**s, **results.get(s["name"], {"error": "not run"})}
+        if not r.get("error"):
+            r["ratio_to_local"] = r["samples_per_s"] / local["samples_per_s"]
+            if r["kind"] == "ps" and r.get("bytes_per_step") is not None:
+                r["bytes_vs_lower_bound"] = r["bytes_per_step"] / lb["total"]
+        rows.append(r)
+    devices_used = {}
+    for r in rows:
+        if r.get("devices"):
+            devices_used[r["name"]] = ",".join(map(str, r["devices"]))
+    machine["load_avg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    result = {
+        "schema": 1,
+        "time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": command,
+        "argv": sys.argv,
+        "cwd": os.getcwd(),
+        "machine": machine,
+        "devices_used": devices_used,
+        "config": {"model": args.model, "batch_size": args.batch_size, "seconds": bench.seconds, "quick": args.quick,
+                   "warmup_s": bench.warmup, "window_s": bench.window, "idle_seconds": bench.idle_s,
+                   "local_bursts": bursts, "ceiling": ceiling_name, "setups": [s["name"] for s in setups],
+                   "server_devices": args.devices, "tp_channels": args.tp_channels},
+        "lower_bound": lb,
+        "setups": rows,
+        "wall_s": time.monotonic() - t_start,
+    }
+    result["ratios"] = ratios(result)
+    md = report.markdown(result)
+    files = {}
+    (results_dir / f"{base}.json").write_text(json.dumps(result, indent=2, default=str))
+    (results_dir / f"{base}.md").write_text(md)
+    files["json"], files["md"] = results_dir / f"{base}.json", results_dir / f"{base}.md"
+    if report.chart(result, results_dir / f"{base}.png"):
+        files["png"] = results_dir / f"{base}.png"
+    else:
+        print("matplotlib is missing: no chart (pip install matplotlib)", file=sys.stderr)
+    for kind, path in files.items():
+        (results_dir / f"latest.{kind}").write_bytes(path.read_bytes())
+    print(md)
+    print(f"wrote {', '.join(str(p) for p in files.values())} (and latest.*) in {result['wall_s']:.0f}s")
+    return 1 if any(r.get("error") for r in rows) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

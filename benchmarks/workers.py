@@ -1,0 +1,169 @@
+"""Child processes of the harness (``python -m benchmarks.workers KIND ...``).
+
+- ``local``: the plain local training loop, the physical ceiling: one process, the same model
+  and batch, Adam, synthetic data in memory, torch threads = cores (or ``cuda:0``). Writes the
+  same ``--stats-out`` JSON as ``psserver train`` (``step_ends``: monotonic end of each step).
+- ``idle``: a real PS trainer that joins (``psserver.ps.trainer.Session``: RPC group,
+  ``DistributedOptimizer``, heartbeats) and then waits without stepping until SIGTERM, when
+  it leaves cleanly. It is how the harness measures a server with trainers connected and idle.
+- ``psserver --channels basic ARGS``: ``psserver ARGS`` with TensorPipe's channels restricted,
+  so tensor payloads cross the socket as they do between hosts (see ``run_psserver``).
+- ``collective``: ``benchmarks.collective_overhead.measure_ddp`` / ``measure_fsdp`` (psserver's
+  own collective loop, no hand-written baseline) in a process the harness can sample and kill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def run_local(args: argparse.Namespace) -> int:
+    import torch
+    import torch.nn.functional as F
+
+    from psserver.config import DataConfig
+    from psserver.data import load_dataset
+    from psserver.models import build_model, get_model_spec
+
+    device = torch.device(args.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    spec = get_model_spec(args.model)
+    model = build_model(args.model, seed=0).to(device)
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    train, _ = load_dataset(DataConfig(dataset="synthetic"), spec.input_shape, spec.num_classes, spec.input_dtype)
+    x_all, y_all = train.tensors
+    gen = torch.Generator().manual_seed(0)
+    bs = args.batch_size
+    order = torch.randperm(len(x_all), generator=gen)
+    pos = 0
+    step_ends: list[float] = []
+    t_start = time.monotonic()
+    deadline = t_start + args.seconds
+    samples = 0
+    while time.monotonic() < deadline:
+        if pos + bs > len(order):
+            order, pos = torch.randperm(len(x_all), generator=gen), 0
+        idx = order[pos:pos + bs]
+        pos += bs
+        xb, yb = x_all[idx].to(device), y_all[idx].to(device)
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(xb), yb)
+        loss.backward()
+        opt.step()
+        float(loss.detach())  # the PS trainer reads its loss every step too (and it syncs a GPU)
+        step_ends.append(time.monotonic())
+        samples += len(idx)
+    Path(args.stats_out).write_text(json.dumps({
+        "rank": 0, "batch_size": bs, "start": t_start, "step_ends": step_ends, "samples": samples,
+        "device": str(device), "threads": torch.get_num_threads()}))
+    return 0
+
+
+def run_idle(args: argparse.Namespace) -> int:
+    import torch
+
+    from psserver.config import TrainerConfig
+    from psserver.ps.trainer import Session
+
+    torch.set_num_threads(1)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    host, port = args.server.rsplit(":", 1)
+    session = Session(TrainerConfig(rank=args.rank, server_host=host, server_port=int(port),
+                                    num_trainers=args.num_trainers, connect_timeout=60.0))
+    print(f"idle trainer {args.rank} joined", flush=True)
+    try:
+        stop.wait(args.max_seconds)
+    finally:
+        session.leave()
+    print(f"idle trainer {args.rank} left", flush=True)
+    return 0
+
+
+def run_collective(args: argparse.Namespace) -> int:
+    from benchmarks.collective_overhead import measure_ddp, measure_fsdp
+
+    fn = {"ddp": measure_ddp, "fsdp": measure_fsdp}[args.mode]
+    t0 = time.monotonic()
+    result = fn(args.model, args.batch_size, args.seconds, args.nproc, baseline=False, window_s=args.window,
+                warmup_steps=args.warmup_steps)
+    result["started_monotonic"] = t0
+    result["ended_monotonic"] = time.monotonic()
+    Path(args.out).write_text(json.dumps(result))
+    return 0
+
+
+def run_psserver(argv: list[str]) -> int:
+    """``psserver ARGS`` with TensorPipe's channels restricted (``--channels basic,...`` first).
+
+    On one host TensorPipe moves tensor payloads with the ``cma`` channel
+    (``process_vm_readv``), outside any socket; ``basic`` sends them through the uv
+    connection as it must between hosts, so ``ss`` sees every byte. Only the server needs
+    it: a pair uses the channels both sides offer.
+    """
+    if len(argv) < 2 or argv[0] != "--channels":
+        sys.exit("usage: python -m benchmarks.workers psserver --channels basic[,...] PSSERVER-ARGS...")
+    channels, rest = [c for c in argv[1].split(",") if c], argv[2:]
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    import torch.distributed.rpc as rpc
+
+    base = rpc.TensorPipeRpcBackendOptions
+
+    class ChannelOptions(base):  # whatever else psserver passes is kept
+        def __init__(self, *a, **kw):
+            kw.setdefault("_channels", channels)
+            super().__init__(*a, **kw)
+
+    rpc.TensorPipeRpcBackendOptions = ChannelOptions
+    from psserver.cli import main as psserver_main
+
+    return psserver_main(rest)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "psserver":
+        return run_psserver(argv[1:])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.workers")
+    sub = p.add_subparsers(dest="kind", required=True)
+    lo = sub.add_parser("local", help="plain local training loop")
+    lo.add_argument("--model", default="mnist_cnn")
+    lo.add_argument("--batch-size", type=int, default=64)
+    lo.add_argument("--seconds", type=float, required=True)
+    lo.add_argument("--threads", type=int, default=0, help="torch threads (default: cores)")
+    lo.add_argument("--device", default=None, help="default: cuda:0 when present, else cpu")
+    lo.add_argument("--stats-out", required=True)
+    idle = sub.add_parser("idle", help="a PS trainer that joins and waits")
+    idle.add_argument("--server", required=True, help="HOST:PORT")
+    idle.add_argument("--rank", type=int, required=True)
+    idle.add_argument("--num-trainers", type=int, default=None)
+    idle.add_argument("--max-seconds", type=float, default=600.0)
+    co = sub.add_parser("collective", help="DDP / FSDP through benchmarks.collective_overhead")
+    co.add_argument("--mode", choices=["ddp", "fsdp"], required=True)
+    co.add_argument("--model", default="mnist_cnn")
+    co.add_argument("--batch-size", type=int, default=64)
+    co.add_argument("--nproc", type=int, default=2)
+    co.add_argument("--seconds", type=float, required=True)
+    co.add_argument("--window", type=float, default=2.0)
+    co.add_argument("--warmup-steps", type=int, default=5)
+    co.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    return {"local": run_local, "idle": run_idle, "collective": run_collective}[args.kind](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

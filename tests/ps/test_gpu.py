@@ -1,0 +1,54 @@
+"""GPU placement of the server's stages. Skipped on machines without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from psserver.cli import main
+from tests.procs import accuracy
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")
+needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a host without CUDA")
+def test_cuda_device_without_cuda_is_a_clear_error(capsys):
+    assert main(["serve", "--devices", "cuda:0", "--no-control"]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
+@needs_gpu
+def test_shard_runs_on_its_device():
+    from psserver.config import OptimizerConfig
+    from psserver.ps.shard import Shard
+
+    shard = Shard(0, torch.nn.Sequential(torch.nn.Linear(8, 4)), torch.device("cuda:0"))
+    shard.init_optimizer(OptimizerConfig())
+    out = shard.forward(torch.randn(3, 8), clone=True)
+    assert out.device.type == "cuda"
+    out.sum().backward()
+    shard.apply({p: p.grad for p in shard.params})
+    assert all(p.device.type == "cuda" for p in shard.params)
+
+
+@needs_gpu
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_server_on_gpu_trains(procs, port):
+    server = procs.server(port, "--model", "mlp", "--devices", "cuda:0")
+    assert "on cuda:0" in server.output()
+    t = procs.trainer(port, 0, "--epochs", "2")
+    assert t.wait(200) == 0, t.tail()
+    assert accuracy(t) > 0.8
+
+
+@needs_two
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_two_gpu_stages(procs, port):
+    server = procs.server(port, "--model", "mnist_cnn", "--devices", "cuda:0,cuda:1")
+    assert "in 2 stage(s) on cuda:0, cuda:1" in server.output()
+    t = procs.trainer(port, 0, "--epochs", "2")
+    assert t.wait(200) == 0, t.tail()
+    assert accuracy(t) > 0.8
