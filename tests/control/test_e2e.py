@@ -195,3 +195,42 @@ def test_shutdown_without_admin_rights_is_refused_and_sigterm_still_works(procs,
     server.proc.send_signal(signal.SIGTERM)
     assert server.wait(60) == 0, server.tail()
     assert _cli("status", "--address", address, "--timeout", "3").returncode == 2  # gone: one line, exit 2
+
+
+@pytest.mark.timeout(300)
+def test_two_trainers_active_then_one_left_and_global_step_counts_updates(tmp_path):
+    from tests.procs import ProcessGroup
+
+    group = ProcessGroup()
+    try:
+        rpc_port = _free_port()
+        server = group.server(rpc_port, "--model", "mnist_cnn", control_port=0)
+        host, port = LISTENING.search(server.output()).groups()
+        client = ControlClient(f"{host}:{port}", timeout=10)
+        short = group.trainer(rpc_port, 0, "--num-trainers", "2", "--epochs", "5", "--max-steps", "60")
+        long = group.trainer(rpc_port, 1, "--num-trainers", "2", "--epochs", "1000")
+
+        def active():
+            return {t.rank: t for t in client.list_trainers() if t.state == pb.TRAINER_STATE_ACTIVE and t.steps > 0}
+
+        first = _wait_for(lambda: len(active()) == 2 and active(), 120, "two active trainers")
+        time.sleep(2)
+        second = _wait_for(lambda: (a := active()) and len(a) == 2 and a, 30, "two active trainers again")
+        assert all(second[r].steps > first[r].steps for r in (0, 1)), (first, second)
+        assert short.wait(120) == 0, short.tail()
+        trainers = {t.rank: t for t in client.list_trainers()}
+        assert trainers[0].state == pb.TRAINER_STATE_LEFT and trainers[0].steps == 60
+        assert trainers[1].state == pb.TRAINER_STATE_ACTIVE
+        steps_after_leave = trainers[1].steps
+        _wait_for(lambda: active().get(1) and active()[1].steps > steps_after_leave + 5, 60, "rank 1 going on")
+        long.signal(signal.SIGINT)  # interrupted: it still leaves the group cleanly
+        long.wait(60)
+        _wait_for(lambda: all(t.state != pb.TRAINER_STATE_ACTIVE for t in client.list_trainers()), 30,
+                  "no active trainer")
+        # async: every trainer step is one optimizer step, so the global step is their sum.
+        total = sum(t.steps for t in client.list_trainers())
+        st = client.get_status()
+        assert abs(st.global_step - total) <= 1, (st.global_step, total)  # the last report may trail a step
+        client.close()
+    finally:
+        group.kill_all()
