@@ -146,19 +146,21 @@ def _worker(env, config, spec: dict[str, Any]) -> int:
 
     rates: dict[str, list[float]] = {k: [] for k in runners}
     lat: dict[str, list[float]] = {k: [] for k in runners}
+    cpu: dict[str, list[float]] = {k: [] for k in runners}  # rank 0's CPU seconds per step
     names = list(runners)
     for rep in range(reps):
         order = names if rep % 2 == 0 else names[::-1]
         for name in order:
             run = runners[name]
             sync()
-            start = time.perf_counter()
+            start, cpu0 = time.perf_counter(), time.process_time()
             for _ in range(window_steps):
                 t = time.perf_counter()
                 run(*next_batch())
                 lat[name].append(time.perf_counter() - t)
             sync()
             rates[name].append(window_steps * bs * fit.strategy.dp_size / (time.perf_counter() - start))
+            cpu[name].append((time.process_time() - cpu0) / window_steps)
     rss_kb = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss], dtype=torch.float64,
                           device=env.device)
     all_rss = [torch.zeros_like(rss_kb) for _ in range(env.world_size)]
@@ -171,6 +173,7 @@ def _worker(env, config, spec: dict[str, Any]) -> int:
                 "samples_per_s_windows": rates[name],
                 "step_latency_p50_ms": 1e3 * _percentile(lat[name], 0.50),
                 "step_latency_p95_ms": 1e3 * _percentile(lat[name], 0.95),
+                "cpu_ms_per_step": 1e3 * statistics.median(cpu[name]),
             }
         result = {
             "mode": config.mode,
@@ -247,12 +250,13 @@ def measure_fsdp(model: str = "mnist_cnn", batch_size: int = 64, seconds: float 
 
 
 def _table(results: list[dict]) -> str:
-    rows = [("mode", "variant", "samples/s", "p50 ms", "p95 ms", "MB/step sent", "peak RSS MB",
+    rows = [("mode", "variant", "samples/s", "p50 ms", "p95 ms", "CPU ms/step", "MB/step sent", "peak RSS MB",
              "overhead (paired / medians / best)")]
     for r in results:
         for name, v in r["variants"].items():
             rows.append((r["mode"], name, f"{v['samples_per_s']:.0f}", f"{v['step_latency_p50_ms']:.1f}",
-                         f"{v['step_latency_p95_ms']:.1f}", f"{r['bytes_per_step_estimate'] / 1e6:.2f}",
+                         f"{v['step_latency_p95_ms']:.1f}", f"{v['cpu_ms_per_step']:.1f}",
+                         f"{r['bytes_per_step_estimate'] / 1e6:.2f}",
                          "/".join(f"{m:.0f}" for m in r["peak_rss_mb_per_process"]),
                          f"{r['overhead_pct']:+.1f}% / {r['overhead_pct_of_medians']:+.1f}% / "
                          f"{r['overhead_pct_best_windows']:+.1f}%" if name == "psserver" and "overhead_pct" in r else ""))

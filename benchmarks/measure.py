@@ -60,8 +60,18 @@ class Child:
     def pid(self) -> int:
         return self.popen.pid
 
+    def _exited(self) -> bool:
+        """Whether the leader has exited, without reaping it: while it is an unreaped zombie
+        its process-group id cannot be reused, so signalling the group stays safe."""
+        if self.popen.returncode is not None:
+            return True
+        try:
+            return os.waitid(os.P_PID, self.popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:
+            return True
+
     def running(self) -> bool:
-        return self.popen.poll() is None
+        return not self._exited()
 
     def output(self) -> str:
         try:
@@ -80,16 +90,23 @@ class Child:
             if m:
                 return m
             if not self.running():
-                raise RuntimeError(f"{self.name} exited with {self.popen.returncode} before /{pattern}/:\n{self.tail()}")
+                code = self.wait(5)
+                raise RuntimeError(f"{self.name} exited with {code} before /{pattern}/:\n{self.tail()}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self.name}: no /{pattern}/ within {timeout:.0f}s:\n{self.tail()}")
             time.sleep(0.05)
 
     def wait(self, timeout: float) -> int | None:
-        try:
-            return self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
+        """Exit code once the leader exits (None on timeout); leftovers of its group are killed
+        before the leader is reaped."""
+        deadline = time.monotonic() + timeout
+        while not self._exited():
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+        if self.popen.returncode is None:
+            self._signal_group(signal.SIGKILL)
+        return self.popen.wait()
 
     def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM the group, wait, then SIGKILL it. Safe to call twice."""
@@ -98,13 +115,13 @@ class Child:
             self.wait(timeout)
         if self.running():
             self._signal_group(signal.SIGKILL)
-            self.wait(10)
-        else:
-            self._signal_group(signal.SIGKILL)  # stragglers of the group (spawned workers)
+        code = self.wait(10)
         self._log.close()
-        return self.popen.returncode
+        return code
 
     def _signal_group(self, sig: int) -> None:
+        if self.popen.returncode is not None:
+            return  # reaped: the group id may belong to someone else now
         try:
             os.killpg(self.popen.pid, sig)
         except (ProcessLookupError, PermissionError):

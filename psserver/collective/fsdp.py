@@ -24,7 +24,7 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Tensor-parallel plans by model: (block class name, {submodule: "colwise" | "rowwise"}).
 TP_PLANS: dict[str, tuple[str, dict[str, str]]] = {
     "llama_tiny": (
-        "DecoderBlock",
+        "DecoderBlock",  # the degree must divide its attention heads: see TP_MAX_DEGREE
         {
             "attention.wq": "colwise",
             "attention.wk": "colwise",
@@ -36,6 +36,10 @@ TP_PLANS: dict[str, tuple[str, dict[str, str]]] = {
         },
     ),
 }
+
+
+# Largest tensor-parallel degree (which it must divide): the number of attention heads.
+TP_MAX_DEGREE: dict[str, int] = {"llama_tiny": 8}
 
 
 def tp_plan_for(model_name: str) -> tuple[str, dict[str, str]] | None:

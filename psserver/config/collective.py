@@ -239,10 +239,13 @@ class CollectiveConfig:
                 raise ValueError(
                     f"world size {launch.world_size} is not divisible by --tp-size {fsdp.tp_size}"
                 )
-            from psserver.collective.fsdp import tp_plan_for
+            from psserver.collective.fsdp import TP_MAX_DEGREE, tp_plan_for
 
             if tp_plan_for(spec.name) is None:
                 raise ValueError(f"--tp-size needs a model with a tensor-parallel plan (llama_tiny), not {spec.name!r}")
+            heads = TP_MAX_DEGREE.get(spec.name)
+            if heads is not None and heads % fsdp.tp_size:
+                raise ValueError(f"--tp-size {fsdp.tp_size} must divide the {heads} attention heads of {spec.name}")
         import torch
 
         backend = launch.resolved_backend(torch.cuda.is_available())

@@ -7,7 +7,8 @@ and a SwiGLU MLP; the head pools the sequence (mean over tokens) and classifies.
 
 Tensor parallelism (``psserver.collective.fsdp``) shards ``wq/wk/wv`` and ``w1/w3`` by
 columns and ``wo/w2`` by rows, Megatron style. Attention reshapes with ``-1`` heads so it
-runs unchanged on the local slice of the heads.
+runs unchanged on the local slice of the heads; the tensor-parallel degree must divide the
+number of heads (8), so up to 8 GPUs of a node can share each block.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from psserver.models import MODELS, ModelSpec, register
 VOCAB = 256
 SEQ_LEN = 32
 DIM = 64
-HEADS = 4
+HEADS = 8
 LAYERS = 2
 HIDDEN = 128
 NUM_CLASSES = 10

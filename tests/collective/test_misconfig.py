@@ -12,6 +12,7 @@ from .helpers import run_cli, worker_env
 
 CASES = [
     ("--mode fsdp --model llama_tiny --nproc-per-node 2 --tp-size 3", "not divisible by --tp-size 3"),
+    ("--mode fsdp --model llama_tiny --nproc-per-node 16 --tp-size 16", "must divide the 8 attention heads"),
     ("--mode ddp --comm-hook nope", "unknown --comm-hook 'nope'"),
     ("--mode ddp --comm-hook powersgd --powersgd-rank 0", "--powersgd-rank must be >= 1"),
     ("--mode ddp --comm-hook powersgd --powersgd-start-iter 1", "--powersgd-start-iter must be >= 2"),
