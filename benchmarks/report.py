@@ -78,7 +78,7 @@ def markdown(result: dict) -> str:
         "",
         f"{result['time']} on {m['cores_logical']} cores ({m.get('cpu_model') or 'unknown CPU'}), "
         f"torch {m['torch']}, GPUs: {len(m['gpus'])}; devices: {devices}. "
-        f"{c['seconds']:g} s per setup, windows of {c['window_s']:g} s after {c['warmup_s']:g} s warm-up, "
+        f"{c['seconds']:g} s per setup, windows of {c['window_s']:.1f} s after {c['warmup_s']:g} s warm-up, "
         f"median window; load average at start/end: {m['load_avg_start']} / {m['load_avg_end']}. "
         f"`x local` divides by the best local loop (`{c['ceiling']}`); PS server TensorPipe channels: "
         f"{c['tp_channels']}.",

@@ -26,6 +26,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -411,6 +412,12 @@ def run_args(args: argparse.Namespace, command: str) -> int:
             except Exception as e:  # noqa: BLE001 - one failed setup must not lose the others
                 traceback.print_exc()
                 res = {"error": f"{type(e).__name__}: {e}"}
+                if log_ctx is not None:  # keep the failed setup's logs
+                    kept = results_dir / f"{base}-logs"
+                    kept.mkdir(exist_ok=True)
+                    for f in log_dir.glob(f"{bench.counter:02d}-*"):
+                        shutil.copy(f, kept / f.name)
+                    res["logs"] = str(kept)
             results[s["name"]] = res
     finally:
         if log_ctx is not None:

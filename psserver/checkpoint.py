@@ -39,7 +39,8 @@ def checkpoint_path(directory: Path, step: int) -> Path:
     return Path(directory) / f"ckpt-{step:012d}.pt"
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
@@ -79,7 +80,7 @@ def write_checkpoint(path: Path, state: dict[str, Any], *, fault_after_bytes: in
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return len(header) + len(payload)
 
 

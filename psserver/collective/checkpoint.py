@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from psserver.config.collective import CollectiveCheckpointConfig
 from psserver.errors import UsageError
 from psserver.telemetry import CheckpointInfo
+from psserver.checkpoint import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -54,17 +55,6 @@ class AppState(Stateful):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
                        optim_state_dict=state_dict["optim"])
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def complete_checkpoints(directory: Path) -> list[tuple[int, Path]]:
@@ -129,13 +119,13 @@ class CheckpointManager:
             marker.write_text(json.dumps({**{k: int(v) for k, v in progress.items()}, "time": time.time()}) + "\n")
             with open(marker, "rb+") as f:
                 os.fsync(f.fileno())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             old = final.with_name(final.name + ".old")
             if final.exists():  # the same step saved again (a resumed run)
                 shutil.rmtree(old, ignore_errors=True)
                 os.replace(final, old)
             os.replace(tmp, final)  # the commit: step-N/ appears complete or not at all
-            _fsync_dir(self.config.directory)
+            fsync_dir(self.config.directory)
             shutil.rmtree(old, ignore_errors=True)
             self._prune()
         dist.barrier()

@@ -194,17 +194,10 @@ class _Tolerant(AbstractContextManager):
 
 
 def metrics_endpoint(target: CollectiveStatus, observability: ObservabilityConfig) -> AbstractContextManager:
-    """HOOK POINT for issue 7 (Prometheus on collective rank 0): not implemented here.
+    """Prometheus (``--metrics-port``) and TensorBoard (``--tensorboard-dir``) on rank 0,
+    read from the same status snapshots the control plane serves."""
+    if observability.metrics_port is None and observability.tensorboard_dir is None:
+        return nullcontext()
+    from psserver.metrics import serve_metrics
 
-    ``psserver.metrics`` (another issue) is expected to turn a ``ControlTarget`` into a
-    metrics endpoint; when it offers ``serve_metrics(target, observability)`` returning a
-    context manager, rank 0 uses it; otherwise ``--metrics-port`` is only logged.
-    """
-    if observability.metrics_port is None:
-        return nullcontext()
-    try:
-        from psserver.metrics import serve_metrics  # type: ignore[attr-defined]
-    except ImportError:
-        log.warning("--metrics-port: the metrics endpoint is not part of this build yet")
-        return nullcontext()
     return serve_metrics(target, observability)
