@@ -37,7 +37,8 @@ from pathlib import Path
 from benchmarks import measure, report
 
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
-FULL_SETUPS = "local,local-1t,ps-async-1,ps-async-2,ps-async-4,ps-sync-1,ps-sync-2,ps-sync-4,ddp-2,fsdp-2"
+FULL_SETUPS = ("local,local-1t,ps-async-1,ps-async-2,ps-async-4,ps-sync-1,ps-sync-2,ps-sync-4,"
+               "ps-fused-async-1,ps-fused-async-2,ddp-2,fsdp-2")
 QUICK_SETUPS = "local,ps-async-1,ps-async-2,ddp-2"
 WARMUP_STEPS = 5  # collective runs: steps before their windows
 # Issue 6 targets: (model, batch) -> minimum of PS 1 trainer / local.
@@ -50,13 +51,14 @@ def parse_setup(name: str) -> dict:
     m = re.fullmatch(r"local-(\d+)t", name)
     if m:  # fewer threads: on a loaded machine one thread can beat all cores (OpenMP barriers)
         return {"name": name, "kind": "local", "trainers": 1, "update": None, "threads": int(m.group(1))}
-    m = re.fullmatch(r"ps-(async|sync)-(\d+)", name)
-    if m:
-        return {"name": name, "kind": "ps", "trainers": int(m.group(2)), "update": m.group(1)}
+    m = re.fullmatch(r"ps-(fused-)?(async|sync)-(\d+)", name)
+    if m:  # fused: psserver train --fused-step (one RPC per step)
+        return {"name": name, "kind": "ps", "trainers": int(m.group(3)), "update": m.group(2),
+                "fused": bool(m.group(1))}
     m = re.fullmatch(r"(ddp|fsdp)-(\d+)", name)
     if m:
         return {"name": name, "kind": m.group(1), "trainers": int(m.group(2)), "update": None}
-    raise ValueError(f"unknown setup {name!r}: use local, local-Nt, ps-async-N, ps-sync-N, ddp-N, fsdp-N")
+    raise ValueError(f"unknown setup {name!r}: use local, local-Nt, ps-[fused-]async-N, ps-[fused-]sync-N, ddp-N, fsdp-N")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -181,7 +183,8 @@ class Run:
                 t = children.start(measure.psserver_argv(
                     "train", "--server", f"127.0.0.1:{port}", "--rank", str(r), "--num-trainers", str(n),
                     "--epochs", "1000000", "--batch-size", str(bs), "--max-steps", str(steps),
-                    "--dataset", "synthetic", "--no-progress", "--stats-out", str(stats[r])), f"{name}-trainer{r}")
+                    "--dataset", "synthetic", "--no-progress", "--stats-out", str(stats[r]),
+                    *(["--fused-step"] if setup.get("fused") else [])), f"{name}-trainer{r}")
                 sampler.track(f"trainer{r}", t.pid, wire=True)
                 trainers.append(t)
             expected = steps * n / max(1e-6, self.local_steps_per_s())

@@ -65,6 +65,9 @@ class TrainCommand(SubCommand):
         parser.add_argument("--rpc-timeout", type=float, default=60.0, help="RPC timeout in seconds")
         parser.add_argument("--max-steps", type=int, default=0, help="stop after N steps (0: all epochs)")
         parser.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
+        parser.add_argument("--fused-step", action="store_true",
+                            help="ps mode: one RPC per step, loss and update on the server (fastest; "
+                                 "cross-entropy only) instead of dist_autograd + DistributedOptimizer")
         parser.add_argument("--stats-out", type=Path, default=None,
                             help="write per-step timings as JSON (for benchmarks)")
         try:
@@ -99,5 +102,6 @@ class TrainCommand(SubCommand):
             max_steps=args.max_steps,
             progress=False if args.no_progress else None,
             stats_out=args.stats_out,
+            fused_step=args.fused_step,
         )
         return run_trainer(config)

@@ -157,6 +157,9 @@ class TrainerConfig:
     """Stop after this many steps in total (0: run all epochs); for smoke tests and benchmarks."""
     progress: bool | None = None
     """Show a tqdm bar (None: only when stderr is a terminal)."""
+    fused_step: bool = False
+    """One RPC per step (the server computes the cross-entropy loss and applies the update)
+    instead of forward RPC + dist_autograd backward + DistributedOptimizer step."""
     stats_out: Path | None = None
     """Write per-step timings (monotonic end time of each step, samples) as JSON here."""
 

@@ -136,8 +136,7 @@ class Membership:
             contexts = set(m.contexts)
         rank = m.status.rank
         try:
-            if self.store.check([KEY_LIVE.format(rank=rank)]) and self.store.get(KEY_LIVE.format(rank=rank)) == name.encode():
-                self.store.delete_key(KEY_LIVE.format(rank=rank))
+            _delete_if(self.store, KEY_LIVE.format(rank=rank), name)
         except Exception:  # noqa: BLE001
             log.debug("cannot clear live key of %s", name, exc_info=True)
         if evict:
@@ -146,7 +145,7 @@ class Membership:
             # A clean leave unregisters the name but not the RPC id: free it so the rank can
             # come back (the agent's "worker id is not unique" check).
             try:
-                rpc.api._get_current_rpc_agent().store.delete_key(f"names/{m.rpc_id}")
+                _delete_if(rpc.api._get_current_rpc_agent().store, f"names/{m.rpc_id}", name)
             except Exception:  # noqa: BLE001
                 log.debug("cannot free RPC id of %s", name, exc_info=True)
         self.on_gone(name, state)
@@ -163,10 +162,10 @@ class Membership:
         agent = rpc.api._get_current_rpc_agent()
         try:
             info = agent.get_worker_info(name)
+        except Exception:  # noqa: BLE001 - it left the agent on its own meanwhile
+            info = None
+        if info is not None and info.id == rpc_id:
             agent._update_group_membership(info, [], {}, False)
-        except Exception:  # noqa: BLE001 - it may have left on its own meanwhile
-            log.debug("agent eviction of %s", name, exc_info=True)
-        else:
             # Live trainers still list the dead one; their own leave would try to reach it.
             # Tell them, exactly as a worker leaving cleanly would have.
             from torch.distributed.rpc._utils import _update_group_membership
@@ -179,7 +178,7 @@ class Membership:
             if rpc_store.check([ALL_WORKERS_KEY]):
                 workers = rpc_store.get(ALL_WORKERS_KEY).decode()
                 rpc_store.set(ALL_WORKERS_KEY, workers.replace(f"{name}-{rpc_id},", ""))
-            rpc_store.delete_key(f"names/{rpc_id}")
+            _delete_if(rpc_store, f"names/{rpc_id}", name)
         except Exception:  # noqa: BLE001
             log.warning("could not remove %s from the RPC store", name, exc_info=True)
         log.info("evicted %s from the RPC group; RPC members: %s", name, rpc_members())
@@ -221,6 +220,12 @@ class Membership:
         rpc_store.compare_set(TOKEN_KEY, token, b"")
         rpc_store.set(holder, "Done")  # wakes joiners waiting on the holder's key
         self._token_seen = None
+
+
+def _delete_if(store, key: str, value: str) -> None:
+    """Delete ``key`` only while it still holds ``value`` (never another worker's entry)."""
+    if store.check([key]) and store.get(key) == value.encode():
+        store.delete_key(key)
 
 
 def rpc_members() -> str:

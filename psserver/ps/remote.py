@@ -37,3 +37,9 @@ def leave(name: str, report: tuple | None) -> None:
     from psserver.ps.server import current_server
 
     current_server().leave(name, report)
+
+
+def train_step(name: str, x: torch.Tensor, y: torch.Tensor, report: tuple | None) -> float:
+    from psserver.ps.server import current_server
+
+    return current_server().train_step(name, x, y, report)

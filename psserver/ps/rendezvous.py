@@ -33,7 +33,7 @@ SERVER_NAME = "psserver"
 KEY_LIVE = "psserver/live/{rank}"
 KEY_INCARNATION = "psserver/incarnation/{rank}"
 KEY_SERVER_STATE = "psserver/state"
-KEY_INFO = "psserver/info"
+KEY_NEXT_RPC_ID = "psserver/next_rpc_id"
 
 _stores: dict[str, dist.Store] = {}
 
@@ -52,9 +52,17 @@ def trainer_name(rank: int, incarnation: int) -> str:
     return f"trainer_{rank}_{incarnation}"
 
 
-def rpc_rank(trainer_rank: int) -> int:
-    """RPC ranks: 0 is the server, trainer N is N + 1."""
-    return trainer_rank + 1
+def next_rpc_id(store) -> int:
+    """A fresh RPC worker id for every join (the server is 0).
+
+    Reusing ids (say rank + 1) is unsafe in a group whose members die: the agent, the store
+    and distributed autograd (context ids carry the worker id in their top 16 bits) all key
+    state by id, so a new incarnation would meet what the old one left behind.
+    """
+    rpc_id = int(store.add(KEY_NEXT_RPC_ID, 1))
+    if rpc_id >= 2**16:
+        raise UsageError("this server has seen 65535 joins: restart it (with --resume) to reset RPC ids")
+    return rpc_id
 
 
 def interface_for(host: str) -> str | None:

@@ -264,6 +264,29 @@ class ParameterServer:
             self._pending_loss[name] = float(report[2])
         return out.to("cpu")
 
+    @rpc_timed("train_step")
+    def train_step(self, name: str, x: torch.Tensor, y: torch.Tensor, report: tuple | None) -> float:
+        """``--fused-step``: forward, loss, backward and update in one RPC.
+
+        The same work as the dist_autograd path (same clones, same updater, same shared
+        optimizer) without its extra round trips; the loss (cross-entropy) runs here.
+        """
+        if self.state == "DRAINING":
+            raise RuntimeError("psserver is shutting down")
+        self._member(name, report)
+        self.updater.wait_turn(name, timeout=self.config.rpc_timeout)
+        clone = self._needs_clone()
+        out = x
+        for shard in self.shards:
+            out = shard.forward(out, clone=clone)
+        loss = torch.nn.functional.cross_entropy(out, y.to(out.device))
+        params = [p for s in self.shards for p in s.params]
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        value = float(loss.detach())
+        self._pending_loss[name] = value
+        self.updater.submit(name, {p: g for p, g in zip(params, grads) if g is not None}, int(x.shape[0]))
+        return value
+
     def _needs_clone(self) -> bool:
         """Whether another trainer's step can land between this forward and its backward.
 

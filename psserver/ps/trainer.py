@@ -59,7 +59,7 @@ class Session:
         try:
             rpc.init_rpc(
                 self.name,
-                rank=rendezvous.rpc_rank(config.rank),
+                rank=rendezvous.next_rpc_id(self.store),
                 world_size=None,
                 rpc_backend_options=rendezvous.backend_options(self.url, config.rpc_timeout, 4),
             )
@@ -102,6 +102,8 @@ class Session:
                 pass
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        if self.config.fused_step:
+            return rpc.rpc_sync(rendezvous.SERVER_NAME, remote.train_step, args=(self.name, x, y, self.report))
         with dist_autograd.context() as ctx:
             out = rpc.rpc_sync(rendezvous.SERVER_NAME, remote.forward, args=(self.name, x, self.report))
             loss = F.cross_entropy(out, y)

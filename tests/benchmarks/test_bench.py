@@ -54,7 +54,9 @@ def test_wire_bytes_per_step_uses_snapshots_inside_the_window():
 
 
 def test_setup_names_and_lower_bound():
-    assert run.parse_setup("ps-sync-4") == {"name": "ps-sync-4", "kind": "ps", "trainers": 4, "update": "sync"}
+    assert run.parse_setup("ps-sync-4") == {"name": "ps-sync-4", "kind": "ps", "trainers": 4, "update": "sync",
+                                            "fused": False}
+    assert run.parse_setup("ps-fused-async-2")["fused"] is True
     assert run.parse_setup("local-1t")["threads"] == 1
     assert run.parse_setup("fsdp-2")["kind"] == "fsdp"
     with pytest.raises(ValueError):

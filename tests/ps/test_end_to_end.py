@@ -67,3 +67,13 @@ def test_two_stages_train_to_the_same_bar(procs, port, mnist_dir):
     assert "in 2 stage(s) on cpu, cpu" in server.output()
     for t in _train_two(procs, port):
         assert accuracy(t) >= BAR, t.tail()
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("update", ["async", "sync"])
+def test_fused_step_reaches_the_same_bar(procs, port, mnist_dir, update):
+    server = procs.server(port, "--update", update, "--sync-trainers", "2")
+    for t in _train_two(procs, port, "--fused-step"):
+        assert accuracy(t) >= BAR, t.tail()
+    assert procs.stop(server) == 0
+    assert "global step 378" in server.output() if update == "async" else "global step 189" in server.output()
