@@ -126,10 +126,13 @@ def chart(result: dict, path: Path) -> bool:
     ax1.tick_params(axis="x", rotation=35)
     for label in ax1.get_xticklabels():
         label.set_ha("right")
-    for update, color in (("async", "tab:blue"), ("sync", "tab:orange")):
-        pts = sorted((s["trainers"], s["samples_per_s"]) for s in ok if s["kind"] == "ps" and s["update"] == update)
+    for update, fused, color in (("async", False, "tab:blue"), ("sync", False, "tab:orange"),
+                                 ("async", True, "tab:purple"), ("sync", True, "tab:brown")):
+        pts = sorted((s["trainers"], s["samples_per_s"]) for s in ok if s["kind"] == "ps" and s["update"] == update
+                     and s["name"].startswith("ps-fused") == fused)
         if pts:
-            ax2.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=f"PS {update}")
+            label = f"PS {update}" + (", fused step" if fused else "")
+            ax2.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=label)
     for kind, color in (("ddp", "tab:green"), ("fsdp", "tab:olive")):
         pts = [(s["trainers"], s["samples_per_s"]) for s in ok if s["kind"] == kind]
         if pts:
