@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from tests.procs import MNIST_DIR, free_port  # noqa: F401  (re-exported for tests)
@@ -29,3 +31,13 @@ def procs():
         yield group
     finally:
         group.kill_all()
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    """``psserver.cli.main`` configures the root logger; in-process calls must not leak it."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
