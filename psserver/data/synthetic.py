@@ -16,7 +16,7 @@ def make_synthetic(
     n_train: int = 4096,
     n_eval: int = 1024,
     seed: int = 0,
-    noise: float = 4.0,
+    noise: float = 3.0,
     input_dtype: torch.dtype | None = None,
 ) -> tuple[TensorDataset, TensorDataset]:
     gen = torch.Generator().manual_seed(seed)
