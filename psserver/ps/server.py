@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 from dataclasses import asdict
@@ -137,8 +135,10 @@ class ParameterServer:
                 f"checkpoint {path} is for model {state.get('model')!r}, this server runs {self.config.model!r}"
             )
         if len(state["shards"]) != len(self.shards):
-            # Re-split the saved parameters across our stages: the flat name order is the same.
-            state = _reshard(state, self.shards)
+            raise CheckpointError(
+                f"checkpoint {path} has {len(state['shards'])} stage(s), this server has {len(self.shards)}: "
+                "resume with the same number of --devices"
+            )
         if [list(map(tuple, x)) for x in state.get("param_shapes", [])] != [
             list(x) for x in self._param_shapes()
         ]:
@@ -457,18 +457,6 @@ class ParameterServer:
         log.info("psserver stopped at global step %d", self.updater.global_step)
 
 
-def _reshard(state: dict, shards: list[Shard]) -> dict:
-    """Map a checkpoint saved with another number of stages onto ``shards``.
-
-    Stage modules are consecutive slices of one Sequential, so the flat list of parameters and
-    optimizer states is the same whatever the split; only the per-stage grouping changes.
-    """
-    raise CheckpointError(
-        f"checkpoint has {len(state['shards'])} stage(s), this server has {len(shards)}: "
-        "resume with the same number of --devices"
-    )
-
-
 def _rss() -> int:
     try:
         import psutil
@@ -525,7 +513,3 @@ def _metrics(server: ParameterServer, config: ServerConfig):
     from psserver.metrics import start_exporters
 
     return start_exporters(server, obs)
-
-
-def hostname() -> str:
-    return socket.gethostname()

@@ -32,23 +32,19 @@ def test_shard_runs_on_its_device():
     assert all(p.device.type == "cuda" for p in shard.params)
 
 
-@needs_gpu
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_server_on_gpu_trains(procs, port):
-    server = procs.server(port, "--model", "mlp", "--devices", "cuda:0")
-    assert "on cuda:0" in server.output()
-    t = procs.trainer(port, 0, "--epochs", "2")
-    assert t.wait(200) == 0, t.tail()
-    assert accuracy(t) > 0.8
-
-
-@needs_two
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_two_gpu_stages(procs, port):
-    server = procs.server(port, "--model", "mnist_cnn", "--devices", "cuda:0,cuda:1")
-    assert "in 2 stage(s) on cuda:0, cuda:1" in server.output()
+@pytest.mark.parametrize(
+    "model,devices",
+    [
+        pytest.param("mlp", "cuda:0", marks=needs_gpu),
+        pytest.param("mnist_cnn", "cuda:0,cuda:1", marks=needs_two),
+    ],
+)
+def test_server_on_gpus_trains(procs, port, model, devices):
+    server = procs.server(port, "--model", model, "--devices", devices)
+    n = len(devices.split(","))
+    assert f"in {n} stage(s) on {devices.replace(',', ', ')}" in server.output()
     t = procs.trainer(port, 0, "--epochs", "2")
     assert t.wait(200) == 0, t.tail()
     assert accuracy(t) > 0.8
