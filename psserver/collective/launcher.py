@@ -146,9 +146,20 @@ def _spawned_worker(local_rank: int, config: CollectiveConfig, body: Callable[[D
                                     local_world_size=nproc, store=store)
     except (UsageError, ValueError) as e:
         print(f"psserver train: error: rank {local_rank}: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    if code:
-        sys.exit(code)
+        _exit_now(2)
+    _exit_now(code or 0)
+
+
+def _exit_now(code: int) -> None:
+    """Leave without interpreter teardown: the process group is already destroyed, and C++
+    threads of gloo/the store racing their destructors at exit occasionally abort a worker
+    that finished cleanly ("terminate called without an active exception")."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def spawn(config: CollectiveConfig, body: Callable[[DistEnv], int]) -> int:
