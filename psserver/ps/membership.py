@@ -56,25 +56,18 @@ class Membership:
 
     # ---- joins, leaves, heartbeats -------------------------------------------------------
 
-    def live_name(self, rank: int) -> str | None:
-        with self.lock:
-            for name, m in self.members.items():
-                if m.status.rank == rank:
-                    return name
-        return None
-
     def join(self, rank: int, name: str, host: str) -> None:
         info = rpc.get_worker_info(name)
         now = time.time()
         with self.lock:
-            old = self.live_name_locked(rank)
+            old = self._live_name(rank)
             if old is not None and old != name:
                 raise ValueError(f"rank {rank} is already taken by live trainer {old}")
             self.members[name] = Member(TrainerStatus(rank, name, host, now, now), info.id)
         self.store.set(KEY_LIVE.format(rank=rank), name)
         log.info("trainer %s (rank %d) joined from %s; RPC members: %s", name, rank, host, rpc_members())
 
-    def live_name_locked(self, rank: int) -> str | None:
+    def _live_name(self, rank: int) -> str | None:
         for name, m in self.members.items():
             if m.status.rank == rank:
                 return name
@@ -142,8 +135,8 @@ class Membership:
         if evict:
             self._evict(name, m.rpc_id, contexts)
         else:
-            # A clean leave unregisters the name but not the RPC id: free it so the rank can
-            # come back (the agent's "worker id is not unique" check).
+            # A clean leave unregisters the name but leaves names/<id> behind: drop it so the
+            # store holds live workers only.
             try:
                 _delete_if(rpc.api._get_current_rpc_agent().store, f"names/{m.rpc_id}", name)
             except Exception:  # noqa: BLE001

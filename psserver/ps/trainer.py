@@ -65,10 +65,7 @@ class Session:
             )
         except RuntimeError as e:
             msg = str(e).splitlines()[0]
-            if "is not unique" in msg:
-                raise UsageError(f"rank {config.rank} is already taken by a live trainer") from None
             raise UsageError(f"cannot join the RPC group of {config.server_host}:{config.server_port}: {msg}") from None
-        self.joined = False
         try:
             optimizer = asdict(config.optimizer) if config.optimizer else None
             self.info = rpc.rpc_sync(
@@ -83,7 +80,6 @@ class Session:
             refusal = self.info["error"]
             self._shutdown(graceful=True)
             raise UsageError(refusal)
-        self.joined = True
         self.optimizer = DistributedOptimizer(SharedOptimizer, self.info["param_rrefs"], trainer=self.name)
         self.report: tuple | None = None
         self._stop = threading.Event()
