@@ -1,7 +1,8 @@
 """Child processes of the harness (``python -m benchmarks.workers KIND ...``).
 
 - ``local``: the plain local training loop, the physical ceiling: one process, the same model
-  and batch, Adam, synthetic data in memory, torch threads = cores (or ``cuda:0``). Writes the
+  and batch, Adam, synthetic data in memory, torch threads = cores (or ``cuda:0``), the C
+  library's allocator unless ``--allocator cached`` (the server's policy). Writes the
   same ``--stats-out`` JSON as ``psserver train`` (``step_ends``: monotonic end of each step).
 - ``idle``: a real PS trainer that joins (``psserver.ps.trainer.Session``: RPC group,
   ``DistributedOptimizer``, heartbeats) and then waits without stepping until SIGTERM, when
@@ -33,6 +34,9 @@ def run_local(args: argparse.Namespace) -> int:
     from psserver.data import load_dataset
     from psserver.models import build_model, get_model_spec
 
+    from psserver.utils.memory import configure_host_allocator
+
+    configure_host_allocator(args.allocator)
     device = torch.device(args.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     spec = get_model_spec(args.model)
@@ -142,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     lo.add_argument("--batch-size", type=int, default=64)
     lo.add_argument("--seconds", type=float, required=True)
     lo.add_argument("--threads", type=int, default=0, help="torch threads (default: cores)")
+    lo.add_argument("--allocator", choices=["system", "cached"], default="system",
+                    help="host allocator policy (psserver.utils.memory; default: the C library's)")
     lo.add_argument("--device", default=None, help="default: cuda:0 when present, else cpu")
     lo.add_argument("--stats-out", required=True)
     idle = sub.add_parser("idle", help="a PS trainer that joins and waits")

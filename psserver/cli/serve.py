@@ -66,6 +66,9 @@ class ServeCommand(SubCommand):
         parser.add_argument("--rpc-timeout", type=float, default=60.0, help="RPC timeout in seconds")
         parser.add_argument("--rpc-threads", type=int, default=16, help="RPC worker threads (default 16)")
         parser.add_argument("--compute-threads", type=int, default=0, help="torch threads (default: all cores)")
+        parser.add_argument("--allocator", choices=["cached", "system"], default="cached",
+                            help="host memory: cached keeps freed buffers for the next step (default); "
+                                 "system returns them to the kernel at once")
         parser.add_argument("--seed", type=int, default=0, help="seed of the initial parameters")
         c = parser.add_argument_group("checkpoints")
         c.add_argument("--checkpoint-dir", type=Path, default=None, help="directory of checkpoints")
@@ -93,6 +96,7 @@ class ServeCommand(SubCommand):
             rpc_timeout=args.rpc_timeout,
             rpc_threads=args.rpc_threads,
             compute_threads=args.compute_threads,
+            allocator=args.allocator,
             seed=args.seed,
             checkpoint=CheckpointConfig(
                 directory=args.checkpoint_dir,

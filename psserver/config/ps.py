@@ -89,6 +89,9 @@ class ServerConfig:
     """Threads serving RPC requests (sync mode parks one per waiting trainer)."""
     compute_threads: int = 0
     """torch intra-op threads of the server (0: number of cores)."""
+    allocator: str = "cached"
+    """Host memory policy: ``cached`` keeps freed memory for the next step (glibc), ``system``
+    returns it to the kernel at once (each step page-faults its buffers in again)."""
     seed: int = 0
     """Seed of the model's initial parameters."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -121,6 +124,8 @@ class ServerConfig:
             raise ValueError("--rpc-threads must be >= 4")
         if self.compute_threads < 0:
             raise ValueError("--compute-threads must be >= 0")
+        if self.allocator not in ("cached", "system"):
+            raise ValueError(f"--allocator must be cached or system, got {self.allocator!r}")
 
 
 @dataclass

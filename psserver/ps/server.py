@@ -24,6 +24,7 @@ from psserver.ps.membership import Membership
 from psserver.ps.shard import Shard
 from psserver.ps.updates import AsyncUpdater, SyncUpdater, Updater
 from psserver.telemetry import CheckpointInfo, RateMeter, ServerStatus, ShardStatus, TrainerStatus
+from psserver.utils.memory import configure_host_allocator, freeze_long_lived
 
 log = logging.getLogger(__name__)
 
@@ -470,6 +471,7 @@ def run_server(config: ServerConfig) -> int:
     """``psserver serve``: returns the exit code."""
     threads = config.compute_threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
+    configure_host_allocator(config.allocator)  # before the RPC agent's threads exist
     server = ParameterServer(config)
     control_cm = _control_plane(server, config)
     metrics = _metrics(server, config)
@@ -483,6 +485,7 @@ def run_server(config: ServerConfig) -> int:
     try:
         with control_cm:
             server.start()
+            freeze_long_lived()  # torch, the model, the RPC layer: out of every later full collection
             server.serve_forever()
             server.stop()
     finally:

@@ -32,6 +32,7 @@ from psserver.errors import ServerLost, UsageError
 from psserver.models import get_model_spec
 from psserver.ps import remote, rendezvous
 from psserver.ps.optimizer import SharedOptimizer
+from psserver.utils.memory import freeze_long_lived
 from psserver.utils.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -212,6 +213,7 @@ def run_trainer(config: TrainerConfig) -> int:
     except BaseException:
         session.leave()
         raise
+    freeze_long_lived()  # the data set and the RPC layer: no full collection rescans them mid-step
     sampler = DistributedSampler(train_set, num_replicas=num_shards, rank=config.rank, shuffle=True,
                                  seed=config.data.seed, drop_last=False)
     x_all, y_all = train_set.tensors

@@ -58,6 +58,8 @@ def test_setup_names_and_lower_bound():
                                             "fused": False}
     assert run.parse_setup("ps-fused-async-2")["fused"] is True
     assert run.parse_setup("local-1t")["threads"] == 1
+    assert run.parse_setup("local-1t")["allocator"] == run.parse_setup("local")["allocator"] == "system"
+    assert run.parse_setup("local-cached")["allocator"] == "cached"  # the server's policy, in the ceiling
     assert run.parse_setup("fsdp-2")["kind"] == "fsdp"
     with pytest.raises(ValueError):
         run.parse_setup("ps-2")
