@@ -7,6 +7,7 @@ bugs only (and then exit 1).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import sys
@@ -95,6 +96,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     setup_logging(args.log_level)
+    if not faulthandler.is_enabled() and sys.__stderr__ is not None:
+        # A crash inside the C++ runtime (RPC, autograd) then leaves the Python stacks of
+        # every thread in the log instead of a bare exit status.
+        try:
+            faulthandler.enable(file=sys.__stderr__)
+        except (ValueError, OSError):  # no usable file descriptor 2
+            pass
     cmd = commands[args.command]
     try:
         return int(cmd.run(args) or 0)

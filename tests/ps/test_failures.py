@@ -46,7 +46,7 @@ def test_lost_trainer_is_evicted_and_the_other_finishes(procs, port, mnist_dir, 
     if sig == signal.SIGSTOP:
         t1.signal(signal.SIGKILL)
     assert server.running()
-    assert procs.stop(server) == 0
+    assert procs.stop(server) == 0, server.tail()
 
 
 @pytest.mark.timeout(400)
