@@ -126,12 +126,13 @@ def chart(result: dict, path: Path) -> bool:
     ax1.tick_params(axis="x", rotation=35)
     for label in ax1.get_xticklabels():
         label.set_ha("right")
-    for update, fused, color in (("async", False, "tab:blue"), ("sync", False, "tab:orange"),
-                                 ("async", True, "tab:purple"), ("sync", True, "tab:brown")):
+    for update, step, color in (("async", "", "tab:blue"), ("sync", "", "tab:orange"),
+                                ("async", "fused", "tab:purple"), ("sync", "fused", "tab:brown"),
+                                ("async", "fold", "tab:cyan"), ("sync", "fold", "tab:pink")):
         pts = sorted((s["trainers"], s["samples_per_s"]) for s in ok if s["kind"] == "ps" and s["update"] == update
-                     and s["name"].startswith("ps-fused") == fused)
+                     and _step_variant(s["name"]) == step)
         if pts:
-            label = f"PS {update}" + (", fused step" if fused else "")
+            label = f"PS {update}" + (f", {step} step" if step else "")
             ax2.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=label)
     for kind, color in (("ddp", "tab:green"), ("fsdp", "tab:olive")):
         pts = [(s["trainers"], s["samples_per_s"]) for s in ok if s["kind"] == kind]
@@ -151,3 +152,9 @@ def chart(result: dict, path: Path) -> bool:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
+
+
+def _step_variant(name: str) -> str:
+    """``fused`` or ``fold`` for ``ps-fused-*`` / ``ps-fold-*`` setups, else ``""``."""
+    parts = name.split("-")
+    return parts[1] if len(parts) > 3 else ""

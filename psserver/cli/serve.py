@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from psserver.cli.base import SubCommand, add_optimizer_arguments, env_int, optimizer_from_args
+from psserver.utils.memory import ALLOCATORS
 
 
 def add_control_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +67,7 @@ class ServeCommand(SubCommand):
         parser.add_argument("--rpc-timeout", type=float, default=60.0, help="RPC timeout in seconds")
         parser.add_argument("--rpc-threads", type=int, default=16, help="RPC worker threads (default 16)")
         parser.add_argument("--compute-threads", type=int, default=0, help="torch threads (default: all cores)")
-        parser.add_argument("--allocator", choices=["cached", "system"], default="cached",
+        parser.add_argument("--allocator", choices=ALLOCATORS, default="cached",
                             help="host memory: cached keeps freed buffers for the next step (default); "
                                  "system returns them to the kernel at once")
         parser.add_argument("--seed", type=int, default=0, help="seed of the initial parameters")

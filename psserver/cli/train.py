@@ -68,6 +68,9 @@ class TrainCommand(SubCommand):
         parser.add_argument("--fused-step", action="store_true",
                             help="ps mode: one RPC per step, loss and update on the server (fastest; "
                                  "cross-entropy only) instead of dist_autograd + DistributedOptimizer")
+        parser.add_argument("--fold-step", action="store_true",
+                            help="ps mode: dist_autograd backward, with the optimizer step applied on the server "
+                                 "as the backward ends (one round trip less than DistributedOptimizer.step)")
         parser.add_argument("--stats-out", type=Path, default=None,
                             help="write per-step timings as JSON (for benchmarks)")
         try:
@@ -103,5 +106,6 @@ class TrainCommand(SubCommand):
             progress=False if args.no_progress else None,
             stats_out=args.stats_out,
             fused_step=args.fused_step,
+            fold_step=args.fold_step,
         )
         return run_trainer(config)

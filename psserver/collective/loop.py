@@ -62,6 +62,20 @@ def parameter_hash(module: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def parameter_digest(module: torch.nn.Module) -> list[list[float]]:
+    """Per parameter, in name order: [sum, L2 norm] in float64 (gathers DTensors: call on all ranks).
+
+    For comparing replicas with a tolerance where bit equality is not promised: PowerSGD
+    recomputes each rank's gradient from all-reduced factors with local matmuls, and MKL's
+    results can differ in the last bit with the operands' memory alignment.
+    """
+    out = []
+    for _, p in sorted(module.named_parameters()):
+        t = local_tensor(p.detach()).double().cpu()
+        out.append([float(t.sum()), float(t.norm())])
+    return out
+
+
 def tensor_layouts(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
     """For each DTensor parameter: its mesh dimension names and placements."""
     out = {}
@@ -301,6 +315,7 @@ class Fit:
             "losses": self.losses,
             "accuracy": accuracy,
             "param_hash": parameter_hash(self.strategy.unwrapped),  # collective for DTensors
+            "param_digest": parameter_digest(self.strategy.unwrapped),
             "hash_history": self.hash_history,
             "averaged_steps": self.strategy.averaged_steps,
             "layouts": tensor_layouts(self.strategy.unwrapped),

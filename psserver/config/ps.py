@@ -7,6 +7,7 @@ from pathlib import Path
 
 from psserver.config.common import DataConfig, check_port
 from psserver.config.control import ControlConfig, ObservabilityConfig
+from psserver.utils.memory import ALLOCATORS
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "rmsprop")
 UPDATE_MODES = ("async", "sync")
@@ -124,8 +125,8 @@ class ServerConfig:
             raise ValueError("--rpc-threads must be >= 4")
         if self.compute_threads < 0:
             raise ValueError("--compute-threads must be >= 0")
-        if self.allocator not in ("cached", "system"):
-            raise ValueError(f"--allocator must be cached or system, got {self.allocator!r}")
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"--allocator must be one of {', '.join(ALLOCATORS)}, got {self.allocator!r}")
 
 
 @dataclass
@@ -165,6 +166,9 @@ class TrainerConfig:
     fused_step: bool = False
     """One RPC per step (the server computes the cross-entropy loss and applies the update)
     instead of forward RPC + dist_autograd backward + DistributedOptimizer step."""
+    fold_step: bool = False
+    """dist_autograd path with the optimizer step applied by the server at the end of the
+    backward RPC (two round trips per step instead of three; any loss)."""
     stats_out: Path | None = None
     """Write per-step timings (monotonic end time of each step, samples) as JSON here."""
 
@@ -184,3 +188,5 @@ class TrainerConfig:
             raise ValueError("timeouts must be positive")
         if self.max_steps < 0:
             raise ValueError("--max-steps must be >= 0")
+        if self.fused_step and self.fold_step:
+            raise ValueError("--fused-step and --fold-step exclude each other")

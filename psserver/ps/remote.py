@@ -15,10 +15,10 @@ def join(rank: int, name: str, host: str, pid: int, optimizer: dict | None) -> d
     return current_server().join(rank, name, host, pid, optimizer)
 
 
-def forward(name: str, x: torch.Tensor, report: tuple | None) -> torch.Tensor:
+def forward(name: str, x: torch.Tensor, report: tuple | None, fold: bool = False) -> torch.Tensor:
     from psserver.ps.server import current_server
 
-    return current_server().forward(name, x, report)
+    return current_server().forward(name, x, report, fold)
 
 
 def evaluate(name: str, x: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from psserver.errors import UsageError
 from psserver.metrics import rpc_timed
 from psserver.models import build_model, get_model_spec, split_stages
 from psserver.ps import rendezvous
+from psserver.ps.fold import FoldedStep
 from psserver.ps.membership import Membership
 from psserver.ps.shard import Shard
 from psserver.ps.updates import AsyncUpdater, SyncUpdater, Updater
@@ -72,6 +73,8 @@ class ParameterServer:
         self._shutdown_reason = ""
         self._pending_samples: dict[str, int] = {}
         self._pending_loss: dict[str, float] = {}
+        self._folds: dict[str, FoldedStep] = {}
+        self._fold_partial_warned = False
         self._steps_at_checkpoint = 0
         self._last_ckpt_time = time.monotonic()
         self.checkpointer = (
@@ -82,6 +85,7 @@ class ParameterServer:
         model = build_model(config.model, seed=config.seed)
         stages = split_stages(model, len(self.devices))
         self.shards = [Shard(i, m, d) for i, (m, d) in enumerate(zip(stages, self.devices))]
+        self._trainable = sum(p.requires_grad for s in self.shards for p in s.params)
         self.optimizer_config: OptimizerConfig | None = config.optimizer
         self.updater: Updater = self._make_updater()
         resume_step = self._maybe_resume()
@@ -247,20 +251,27 @@ class ParameterServer:
         return member
 
     @rpc_timed("forward")
-    def forward(self, name: str, x: torch.Tensor, report: tuple | None) -> torch.Tensor:
+    def forward(self, name: str, x: torch.Tensor, report: tuple | None, fold: bool = False) -> torch.Tensor:
+        """``fold``: the update is applied when this step's backward ends (``--fold-step``)."""
         if self.state == "DRAINING":
             raise RuntimeError("psserver is shutting down")
         member = self._member(name, report)
+        self._flush_fold(name)
         self.updater.wait_turn(name, timeout=self.config.rpc_timeout)
         ctx = dist_autograd._current_context()._context_id()
         member.contexts.add(ctx)
         if len(member.contexts) > 4:
             member.contexts = set(sorted(member.contexts)[-4:])
         clone = self._needs_clone()
+        step = None
+        if fold:
+            step = self._folds[name] = FoldedStep(
+                self._trainable, int(x.shape[0]), lambda grads, n: self.updater.submit(name, grads, n))
+        else:
+            self._pending_samples[name] = int(x.shape[0])
         out = x
         for shard in self.shards:
-            out = shard.forward(out, clone=clone)
-        self._pending_samples[name] = int(x.shape[0])
+            out = shard.forward(out, clone=clone, fold=step)
         if report is not None:
             self._pending_loss[name] = float(report[2])
         return out.to("cpu")
@@ -318,6 +329,7 @@ class ParameterServer:
             self._member(name, report)
         except RuntimeError:
             return
+        self._flush_fold(name)
         assert self.membership is not None
         self.membership.leave(name)
 
@@ -327,7 +339,16 @@ class ParameterServer:
         samples = self._pending_samples.pop(name, 0)
         self.updater.submit(name, grads, samples)
 
+    def _flush_fold(self, name: str) -> None:
+        """Submit a folded step that a parameter without a gradient left incomplete."""
+        step = self._folds.pop(name, None)
+        if step is not None and step.flush() and not self._fold_partial_warned:
+            self._fold_partial_warned = True
+            log.warning("--fold-step: a step of %s left parameters without a gradient; its update is "
+                        "applied at the trainer's next call, with those gradients as zero", name)
+
     def _trainer_gone(self, name: str, state: str) -> None:
+        self._folds.pop(name, None)  # a lost trainer's unfinished step contributes nothing
         self._pending_samples.pop(name, None)
         self._pending_loss.pop(name, None)
         self.updater.trainer_gone(name)

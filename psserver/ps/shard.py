@@ -18,6 +18,7 @@ from torch import nn
 from torch.func import functional_call
 
 from psserver.config import OptimizerConfig
+from psserver.ps.fold import FoldedStep, tap
 
 log = logging.getLogger(__name__)
 
@@ -68,28 +69,35 @@ class Shard:
             if self.optimizer is None and self.params:
                 self.optimizer = make_optimizer(self.params, config)
 
-    def forward(self, x: torch.Tensor, *, clone: bool, train: bool = True) -> torch.Tensor:
-        """Run this stage; ``x`` may be on any device (autograd records the copy)."""
+    def forward(self, x: torch.Tensor, *, clone: bool, train: bool = True,
+                fold: FoldedStep | None = None) -> torch.Tensor:
+        """Run this stage; ``x`` may be on any device (autograd records the copy).
+
+        ``fold``: parameters' gradients go to that step (``--fold-step``), not to the leaves.
+        """
         if self._stream is not None:
             # Our own stream per shard: the default stream is shared with other threads.
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
-                out = self._forward(x, clone=clone, train=train)
+                out = self._forward(x, clone=clone, train=train, fold=fold)
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
             out.record_stream(torch.cuda.current_stream(self.device))
             return out
-        return self._forward(x, clone=clone, train=train)
+        return self._forward(x, clone=clone, train=train, fold=fold)
 
-    def _forward(self, x: torch.Tensor, *, clone: bool, train: bool) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, *, clone: bool, train: bool, fold: FoldedStep | None) -> torch.Tensor:
         x = x.to(self.device, non_blocking=True)
         with self.lock:
             self.module.train(train)
             if not train:
                 with torch.no_grad():
                     return self.module(x)
-            if not clone:
+            if fold is not None:
+                weights = {name: tap(p, fold, clone) for name, p in zip(self.names, self.params)}
+            elif clone:
+                weights = {name: p.clone() for name, p in zip(self.names, self.params)}
+            else:
                 return self.module(x)
-            weights = {name: p.clone() for name, p in zip(self.names, self.params)}
             return functional_call(self.module, weights, (x,), strict=False)
 
     def apply(self, grads: dict[nn.Parameter, torch.Tensor], scale: float = 1.0) -> None:
@@ -97,15 +105,24 @@ class Shard:
         if self.optimizer is None:
             return
         with self.lock:
-            for p in self.params:
-                g = grads.get(p)
-                if g is None:
-                    p.grad = None
-                    continue
-                p.grad = g if scale == 1.0 else g * scale
-            self.optimizer.step()
-            for p in self.params:
-                p.grad = None
+            if self._stream is None:
+                self._step(grads, scale)
+                return
+            # The gradients were made on this stage's stream (backward runs on the stream of
+            # its forward); step there too, so the update is ordered after them and before
+            # the next forward, whatever thread (RPC or backward) applies it.
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                self._step(grads, scale)
+
+    def _step(self, grads: dict[nn.Parameter, torch.Tensor], scale: float) -> None:
+        assert self.optimizer is not None
+        for p in self.params:
+            g = grads.get(p)
+            p.grad = None if g is None else (g if scale == 1.0 else g * scale)
+        self.optimizer.step()
+        for p in self.params:
+            p.grad = None
 
     def state_dict(self) -> dict:
         """A CPU copy of the parameters, buffers and optimizer state (taken under the lock)."""

@@ -3,7 +3,8 @@
 One step: ``rpc_sync(forward)`` inside a ``dist_autograd.context()`` (the server runs the
 model; only the batch and the logits cross), the loss on the trainer, ``dist_autograd
 .backward`` (the logits' gradient crosses back), and ``DistributedOptimizer.step`` (the
-server applies the gradient it already holds). Progress and liveness ride on the forward call;
+server applies the gradient it already holds; with ``--fold-step`` it does so at the end of
+the backward, and this third round trip is skipped). Progress and liveness ride on the forward call;
 a low-rate heartbeat covers the time between steps.
 """
 
@@ -101,11 +102,13 @@ class Session:
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         if self.config.fused_step:
             return rpc.rpc_sync(rendezvous.SERVER_NAME, remote.train_step, args=(self.name, x, y, self.report))
+        fold = self.config.fold_step
         with dist_autograd.context() as ctx:
-            out = rpc.rpc_sync(rendezvous.SERVER_NAME, remote.forward, args=(self.name, x, self.report))
+            out = rpc.rpc_sync(rendezvous.SERVER_NAME, remote.forward, args=(self.name, x, self.report, fold))
             loss = F.cross_entropy(out, y)
             dist_autograd.backward(ctx, [loss])
-            self.optimizer.step(ctx)
+            if not fold:  # folded: the server applied the update before backward returned
+                self.optimizer.step(ctx)
         return float(loss.detach())
 
     def evaluate(self, dataset, batch_size: int) -> float:

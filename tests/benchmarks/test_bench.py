@@ -55,8 +55,12 @@ def test_wire_bytes_per_step_uses_snapshots_inside_the_window():
 
 def test_setup_names_and_lower_bound():
     assert run.parse_setup("ps-sync-4") == {"name": "ps-sync-4", "kind": "ps", "trainers": 4, "update": "sync",
-                                            "fused": False}
+                                            "fused": False, "fold": False}
     assert run.parse_setup("ps-fused-async-2")["fused"] is True
+    fold = run.parse_setup("ps-fold-async-1")
+    assert fold["fold"] is True and fold["fused"] is False and fold["trainers"] == 1
+    with pytest.raises(ValueError, match="unknown setup"):
+        run.parse_setup("ps-folded-async-1")
     assert run.parse_setup("local-1t")["threads"] == 1
     assert run.parse_setup("local-1t")["allocator"] == run.parse_setup("local")["allocator"] == "system"
     assert run.parse_setup("local-cached")["allocator"] == "cached"  # the server's policy, in the ceiling
@@ -109,3 +113,34 @@ def test_quick_run_writes_json_table_and_chart(tmp_path):
     assert {p.suffix for p in stamped} == {".json", ".md", ".png"}
     assert result["config"]["quick"] is True
     assert "| local |" in report.markdown(result)
+
+
+def test_step_variants_arguments_are_checked(capsys):
+    from benchmarks import step_variants
+
+    for argv in (["--variants", "fold"], ["--variants", "plain,turbo"], ["--steps", "10", "--skip", "10"]):
+        with pytest.raises(SystemExit) as e:
+            step_variants.parse_args(argv)
+        assert e.value.code == 2
+    assert "--variants" in capsys.readouterr().err
+    assert step_variants.parse_args(["--variants", "plain, fold"]).variants == ["plain", "fold"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_step_variants_interleaves_against_one_server(tmp_path):
+    from benchmarks import step_variants
+
+    argv = ["--rounds", "2", "--steps", "12", "--skip", "3", "--variants", "plain,fold,local",
+            "--results-dir", str(tmp_path)]
+    assert step_variants.main(argv) == 0
+    result = json.loads((tmp_path / "step_variants-mnist_cnn-b64.json").read_text())
+    assert set(result["step_ms"]) == {"plain", "fold", "local"}
+    assert all(len(v) == 2 and all(ms > 0 for ms in v) for v in result["step_ms"].values())
+    assert result["variants"]["plain"]["ratio_to_plain_per_round"] == [1.0, 1.0]
+    assert result["variants"]["local"]["x_local_per_round"] == [1.0, 1.0]  # the only local: the ceiling
+    fold = result["variants"]["fold"]
+    assert fold["median_ratio_to_plain"] > 0 and len(fold["ratio_to_plain_per_round"]) == 2
+    assert 0 < fold["median_x_local"] and len(fold["x_local_per_round"]) == 2
+    assert "| fold |" in (tmp_path / "step_variants-mnist_cnn-b64.md").read_text()

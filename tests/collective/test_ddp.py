@@ -42,8 +42,15 @@ def test_comm_hook_trains(hook, result_pattern):
     r0, r1 = _run_small(result_pattern, "--comm-hook", hook, "--powersgd-rank", "2")
     assert len(r0["losses"]) == 30
     assert loss_falls(r0["losses"]), r0["losses"]
-    # The hooks all-reduce (compressed) gradients: replicas stay identical.
-    assert r0["param_hash"] == r1["param_hash"]
+    # The hooks all-reduce (compressed) gradients: replicas stay identical. fp16/bf16 cast the
+    # all-reduced bucket back, bit for bit; PowerSGD rebuilds each rank's gradient from the
+    # all-reduced factors with local matmuls (MKL: last-bit differences with memory alignment),
+    # so there the replicas agree to float32 rounding, not bitwise.
+    if hook.startswith("powersgd"):
+        d0, d1 = (sum(r["param_digest"], []) for r in (r0, r1))
+        assert len(d0) == len(d1) > 0 and d0 == pytest.approx(d1, rel=1e-5, abs=1e-6)
+    else:
+        assert r0["param_hash"] == r1["param_hash"]
 
 
 @pytest.mark.slow

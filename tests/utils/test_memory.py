@@ -65,7 +65,7 @@ def test_system_policy_changes_nothing_and_bad_names_are_refused():
     assert configure_host_allocator("system") is False
     with pytest.raises(ValueError, match="allocator must be one of"):
         configure_host_allocator("jemalloc")
-    with pytest.raises(ValueError, match="--allocator must be cached or system"):
+    with pytest.raises(ValueError, match="--allocator must be one of cached, system"):
         ServerConfig(allocator="tcmalloc")
 
 
