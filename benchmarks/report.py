@@ -128,7 +128,8 @@ def chart(result: dict, path: Path) -> bool:
         label.set_ha("right")
     for update, step, color in (("async", "", "tab:blue"), ("sync", "", "tab:orange"),
                                 ("async", "fused", "tab:purple"), ("sync", "fused", "tab:brown"),
-                                ("async", "fold", "tab:cyan"), ("sync", "fold", "tab:pink")):
+                                ("async", "fold", "tab:cyan"), ("sync", "fold", "tab:pink"),
+                                ("async", "chained", "tab:red"), ("sync", "chained", "tab:gray")):
         pts = sorted((s["trainers"], s["samples_per_s"]) for s in ok if s["kind"] == "ps" and s["update"] == update
                      and _step_variant(s["name"]) == step)
         if pts:
@@ -155,6 +156,6 @@ def chart(result: dict, path: Path) -> bool:
 
 
 def _step_variant(name: str) -> str:
-    """``fused`` or ``fold`` for ``ps-fused-*`` / ``ps-fold-*`` setups, else ``""``."""
+    """``fold``, ``chained`` or ``fused`` for ``ps-<step>-*`` setups, else ``""``."""
     parts = name.split("-")
     return parts[1] if len(parts) > 3 else ""

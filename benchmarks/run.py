@@ -38,7 +38,8 @@ from benchmarks import measure, report
 
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
 FULL_SETUPS = ("local,local-1t,local-cached,ps-async-1,ps-async-2,ps-async-4,ps-sync-1,ps-sync-2,ps-sync-4,"
-               "ps-fold-async-1,ps-fold-async-2,ps-fused-async-1,ps-fused-async-2,ddp-2,fsdp-2")
+               "ps-fold-async-1,ps-fold-async-2,ps-chained-async-1,ps-chained-async-2,ps-chained-sync-2,"
+               "ps-fused-async-1,ps-fused-async-2,ddp-2,fsdp-2")
 QUICK_SETUPS = "local,ps-async-1,ps-async-2,ddp-2"
 WARMUP_STEPS = 5  # collective runs: steps before their windows
 # Issue 6 targets: (model, batch) -> minimum of PS 1 trainer / local.
@@ -54,14 +55,14 @@ def parse_setup(name: str) -> dict:
     if m:  # fewer threads: on a loaded machine one thread can beat all cores (OpenMP barriers)
         return {"name": name, "kind": "local", "trainers": 1, "update": None, "threads": int(m.group(1)),
                 "allocator": "system"}
-    m = re.fullmatch(r"ps-(?:(fused|fold)-)?(async|sync)-(\d+)", name)
-    if m:  # fused: --fused-step (one RPC per step); fold: --fold-step (optimizer step in the backward RPC)
+    m = re.fullmatch(r"ps-(?:(fold|chained|fused)-)?(async|sync)-(\d+)", name)
+    if m:  # the trainer's --step (psserver.config.ps.STEP_MODES); plain when not named
         return {"name": name, "kind": "ps", "trainers": int(m.group(3)), "update": m.group(2),
-                "fused": m.group(1) == "fused", "fold": m.group(1) == "fold"}
+                "step": m.group(1) or "plain"}
     m = re.fullmatch(r"(ddp|fsdp)-(\d+)", name)
     if m:
         return {"name": name, "kind": m.group(1), "trainers": int(m.group(2)), "update": None}
-    raise ValueError(f"unknown setup {name!r}: use local, local-Nt, local-cached, ps-[fused-|fold-]async-N, ps-[fused-|fold-]sync-N, ddp-N, fsdp-N")
+    raise ValueError(f"unknown setup {name!r}: use local, local-Nt, local-cached, ps-[fold-|chained-|fused-]async-N, ps-[fold-|chained-|fused-]sync-N, ddp-N, fsdp-N")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -188,8 +189,7 @@ class Run:
                     "train", "--server", f"127.0.0.1:{port}", "--rank", str(r), "--num-trainers", str(n),
                     "--epochs", "1000000", "--batch-size", str(bs), "--max-steps", str(steps),
                     "--dataset", "synthetic", "--no-progress", "--stats-out", str(stats[r]),
-                    *(["--fused-step"] if setup.get("fused") else []),
-                    *(["--fold-step"] if setup.get("fold") else [])), f"{name}-trainer{r}")
+                    "--step", setup["step"]), f"{name}-trainer{r}")
                 sampler.track(f"trainer{r}", t.pid, wire=True)
                 trainers.append(t)
             expected = steps * n / max(1e-6, self.local_steps_per_s())
@@ -353,9 +353,10 @@ def ratios(result: dict) -> list[dict]:
     target1 = ONE_TRAINER_TARGETS.get(key, 0.90)
     out.append({"name": f"PS 1 trainer async / local ({c['model']} b{c['batch_size']})", "value": ratio("ps-async-1"),
                 "op": ">=", "target": target1, "issue_config": key in ONE_TRAINER_TARGETS})
-    if "ps-fold-async-1" in by:
-        out.append({"name": "PS 1 trainer async, --fold-step / local", "value": ratio("ps-fold-async-1"),
-                    "op": ">=", "target": target1, "issue_config": key in ONE_TRAINER_TARGETS})
+    for step in ("fold", "chained", "fused"):
+        if f"ps-{step}-async-1" in by:
+            out.append({"name": f"PS 1 trainer async, --step {step} / local", "value": ratio(f"ps-{step}-async-1"),
+                        "op": ">=", "target": target1, "issue_config": key in ONE_TRAINER_TARGETS})
     out.append({"name": "PS 2 trainers async (total) / local", "value": ratio("ps-async-2"), "op": ">=",
                 "target": 0.95, "issue_config": key == ("mnist_cnn", 64)})
     idle = by.get("ps-async-2", {}).get("server_idle_cpu_pct")

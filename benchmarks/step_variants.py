@@ -1,7 +1,7 @@
 """Step variants of one PS trainer, interleaved against one server and the local loop.
 
     python -m benchmarks.step_variants --rounds 6                 # ~6 minutes on 2 cores
-    python -m benchmarks.step_variants --variants plain,fold,local-cached --rounds 10
+    python -m benchmarks.step_variants --variants plain,chained,local-cached --rounds 10
     python -m benchmarks.step_variants --model resnet18 --batch-size 32 --steps 30 --rounds 4
 
 Why a second harness: the variants differ by a round trip or two (2-3 ms of a ~90 ms step),
@@ -30,7 +30,7 @@ from benchmarks import measure
 
 log = logging.getLogger(__name__)
 
-VARIANTS = {"plain": [], "fold": ["--fold-step"], "fused": ["--fused-step"]}
+VARIANTS = {v: ["--step", v] for v in ("plain", "fold", "chained", "fused")}
 LOCAL = {"local": "system", "local-cached": "cached"}  # local loop -> its host allocator policy
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -42,14 +42,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=6, help="rounds of every variant (default 6)")
     p.add_argument("--steps", type=int, default=80, help="steps per trainer run (default 80)")
     p.add_argument("--skip", type=int, default=20, help="warm-up steps left out of each run (default 20)")
-    p.add_argument("--variants", default="plain,fold,fused,local,local-cached",
-                   help="comma-separated: plain, fold, fused, local, local-cached (default all)")
+    p.add_argument("--variants", default="plain,fold,chained,fused,local,local-cached",
+                   help="comma-separated: plain, fold, chained, fused, local, local-cached (default all)")
     p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS, help="where the JSON and Markdown go")
     args = p.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [v for v in args.variants if v not in VARIANTS and v not in LOCAL]
     if bad or "plain" not in args.variants:
-        p.error(f"--variants: use plain plus any of fold, fused, local, local-cached (got {','.join(args.variants)})")
+        p.error(f"--variants: use plain plus any of fold, chained, fused, local, local-cached (got {','.join(args.variants)})")
     if args.rounds < 1 or args.steps <= args.skip + 5 or args.skip < 0 or args.batch_size < 1:
         p.error("need --rounds >= 1, --batch-size >= 1 and --steps > --skip + 5")
     return args
@@ -58,6 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def step_ms(stats_path: Path, skip: int) -> float:
     ends = json.loads(stats_path.read_text())["step_ends"]
     ends = [e[0] if isinstance(e, (list, tuple)) else e for e in ends][skip:]
+    if len(ends) < 5:
+        raise RuntimeError(f"{stats_path.name}: {len(ends)} steps after the {skip} skipped, too few to time")
     return 1000 * statistics.median(b - a for a, b in zip(ends, ends[1:]))
 
 
@@ -75,7 +77,8 @@ def measure_variants(args: argparse.Namespace, work: Path) -> dict:
                 stats = work / f"{v}-{r}.json"
                 if v in LOCAL:
                     # As many steps as a trainer run, at the speed of the last plain run.
-                    seconds = args.steps * (times["plain"][-1] if times["plain"] else 100.0) / 1000
+                    # (20% more: the speed drifts, and extra steps only sharpen the median).
+                    seconds = 1.2 * args.steps * (times["plain"][-1] if times["plain"] else 100.0) / 1000
                     t = children.start(measure.worker_argv(
                         "local", "--model", args.model, "--batch-size", str(args.batch_size),
                         "--seconds", f"{seconds:.2f}", "--threads", "0", "--allocator", LOCAL[v],

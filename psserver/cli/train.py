@@ -14,6 +14,7 @@ from psserver.cli.base import (
     default_world_size,
     optimizer_from_args,
 )
+from psserver.config.ps import STEP_MODES
 
 
 def add_data_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,12 +66,11 @@ class TrainCommand(SubCommand):
         parser.add_argument("--rpc-timeout", type=float, default=60.0, help="RPC timeout in seconds")
         parser.add_argument("--max-steps", type=int, default=0, help="stop after N steps (0: all epochs)")
         parser.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
-        parser.add_argument("--fused-step", action="store_true",
-                            help="ps mode: one RPC per step, loss and update on the server (fastest; "
-                                 "cross-entropy only) instead of dist_autograd + DistributedOptimizer")
-        parser.add_argument("--fold-step", action="store_true",
-                            help="ps mode: dist_autograd backward, with the optimizer step applied on the server "
-                                 "as the backward ends (one round trip less than DistributedOptimizer.step)")
+        parser.add_argument("--step", choices=STEP_MODES, default="plain",
+                            help="ps mode, round trips per step: plain = forward RPC + dist_autograd.backward + "
+                                 "DistributedOptimizer.step (3, default); fold = update applied as the server's "
+                                 "backward ends (2); chained = the last step's output gradient and the next batch "
+                                 "in one RPC (1, loss on the trainer); fused = one RPC, cross-entropy on the server")
         parser.add_argument("--stats-out", type=Path, default=None,
                             help="write per-step timings as JSON (for benchmarks)")
         try:
@@ -105,7 +105,6 @@ class TrainCommand(SubCommand):
             max_steps=args.max_steps,
             progress=False if args.no_progress else None,
             stats_out=args.stats_out,
-            fused_step=args.fused_step,
-            fold_step=args.fold_step,
+            step=args.step,
         )
         return run_trainer(config)

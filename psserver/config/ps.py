@@ -11,6 +11,7 @@ from psserver.utils.memory import ALLOCATORS
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "rmsprop")
 UPDATE_MODES = ("async", "sync")
+STEP_MODES = ("plain", "fold", "chained", "fused")
 
 
 @dataclass
@@ -163,12 +164,13 @@ class TrainerConfig:
     """Stop after this many steps in total (0: run all epochs); for smoke tests and benchmarks."""
     progress: bool | None = None
     """Show a tqdm bar (None: only when stderr is a terminal)."""
-    fused_step: bool = False
-    """One RPC per step (the server computes the cross-entropy loss and applies the update)
-    instead of forward RPC + dist_autograd backward + DistributedOptimizer step."""
-    fold_step: bool = False
-    """dist_autograd path with the optimizer step applied by the server at the end of the
-    backward RPC (two round trips per step instead of three; any loss)."""
+    step: str = "plain"
+    """How a step reaches the server. ``plain``: forward RPC, ``dist_autograd.backward`` and
+    ``DistributedOptimizer.step`` (three round trips). ``fold``: the same, with the update
+    applied by the server as its backward ends (two). ``chained``: one RPC carries the last
+    step's output gradient and the next batch; the server runs that backward, the update and
+    the next forward (one round trip, loss still on the trainer). ``fused``: one RPC, the
+    server computes the cross-entropy loss itself."""
     stats_out: Path | None = None
     """Write per-step timings (monotonic end time of each step, samples) as JSON here."""
 
@@ -188,5 +190,5 @@ class TrainerConfig:
             raise ValueError("timeouts must be positive")
         if self.max_steps < 0:
             raise ValueError("--max-steps must be >= 0")
-        if self.fused_step and self.fold_step:
-            raise ValueError("--fused-step and --fold-step exclude each other")
+        if self.step not in STEP_MODES:
+            raise ValueError(f"--step must be one of {', '.join(STEP_MODES)}, got {self.step!r}")

@@ -43,3 +43,10 @@ def train_step(name: str, x: torch.Tensor, y: torch.Tensor, report: tuple | None
     from psserver.ps.server import current_server
 
     return current_server().train_step(name, x, y, report)
+
+
+def chained_step(name: str, grad_out: torch.Tensor | None, x: torch.Tensor | None,
+                 report: tuple | None) -> torch.Tensor | None:
+    from psserver.ps.server import current_server
+
+    return current_server().chained_step(name, grad_out, x, report)

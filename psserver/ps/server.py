@@ -20,6 +20,7 @@ from psserver.errors import UsageError
 from psserver.metrics import rpc_timed
 from psserver.models import build_model, get_model_spec, split_stages
 from psserver.ps import rendezvous
+from psserver.ps.chain import Chains
 from psserver.ps.fold import FoldedStep
 from psserver.ps.membership import Membership
 from psserver.ps.shard import Shard
@@ -88,6 +89,7 @@ class ParameterServer:
         self._trainable = sum(p.requires_grad for s in self.shards for p in s.params)
         self.optimizer_config: OptimizerConfig | None = config.optimizer
         self.updater: Updater = self._make_updater()
+        self.chains = Chains([p for s in self.shards for p in s.params], self.updater.submit)
         resume_step = self._maybe_resume()
         if self.optimizer_config is not None:
             for s in self.shards:
@@ -299,6 +301,27 @@ class ParameterServer:
         self.updater.submit(name, {p: g for p, g in zip(params, grads) if g is not None}, int(x.shape[0]))
         return value
 
+    @rpc_timed("chained_step")
+    def chained_step(self, name: str, grad_out: torch.Tensor | None, x: torch.Tensor | None,
+                     report: tuple | None) -> torch.Tensor | None:
+        """``--step chained``: the backward and update of the trainer's last step, then the
+        forward of its next batch ``x`` (None: only hand in the last gradient)."""
+        if self.state == "DRAINING":
+            raise RuntimeError("psserver is shutting down")
+        self._member(name, report)
+        if report is not None:
+            self._pending_loss[name] = float(report[2])
+        self.chains.backward(name, grad_out)
+        if x is None:
+            return None
+        self.updater.wait_turn(name, timeout=self.config.rpc_timeout)
+        clone = self._needs_clone()
+        out = x
+        for shard in self.shards:
+            out = shard.forward(out, clone=clone)
+        self.chains.hold(name, out, int(x.shape[0]))
+        return out.detach().to("cpu")
+
     def _needs_clone(self) -> bool:
         """Whether another trainer's step can land between this forward and its backward.
 
@@ -349,6 +372,7 @@ class ParameterServer:
 
     def _trainer_gone(self, name: str, state: str) -> None:
         self._folds.pop(name, None)  # a lost trainer's unfinished step contributes nothing
+        self.chains.drop(name)
         self._pending_samples.pop(name, None)
         self._pending_loss.pop(name, None)
         self.updater.trainer_gone(name)

@@ -1,11 +1,13 @@
 """``psserver train --rank N``: join the server, train through RRefs, evaluate, leave.
 
-One step: ``rpc_sync(forward)`` inside a ``dist_autograd.context()`` (the server runs the
-model; only the batch and the logits cross), the loss on the trainer, ``dist_autograd
-.backward`` (the logits' gradient crosses back), and ``DistributedOptimizer.step`` (the
-server applies the gradient it already holds; with ``--fold-step`` it does so at the end of
-the backward, and this third round trip is skipped). Progress and liveness ride on the forward call;
-a low-rate heartbeat covers the time between steps.
+One step (``--step plain``): ``rpc_sync(forward)`` inside a ``dist_autograd.context()`` (the
+server runs the model; only the batch and the logits cross), the loss on the trainer,
+``dist_autograd.backward`` (the logits' gradient crosses back), and
+``DistributedOptimizer.step`` (the server applies the gradient it already holds). ``fold``
+skips that third round trip (the server applies the update as its backward ends), ``chained``
+sends the logits' gradient with the next batch (one round trip), ``fused`` computes the loss on
+the server. Progress and liveness ride on every step's call; a low-rate heartbeat covers the
+time between steps.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class Session:
             raise UsageError(refusal)
         self.optimizer = DistributedOptimizer(SharedOptimizer, self.info["param_rrefs"], trainer=self.name)
         self.report: tuple | None = None
+        self._grad_out: torch.Tensor | None = None  # --step chained: owed to the server
         self._stop = threading.Event()
         self._hb = threading.Thread(target=self._heartbeat, name="psserver-heartbeat", daemon=True)
         self._hb.start()
@@ -100,9 +103,12 @@ class Session:
                 pass
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        if self.config.fused_step:
+        mode = self.config.step
+        if mode == "fused":
             return rpc.rpc_sync(rendezvous.SERVER_NAME, remote.train_step, args=(self.name, x, y, self.report))
-        fold = self.config.fold_step
+        if mode == "chained":
+            return self._chained_step(x, y)
+        fold = mode == "fold"
         with dist_autograd.context() as ctx:
             out = rpc.rpc_sync(rendezvous.SERVER_NAME, remote.forward, args=(self.name, x, self.report, fold))
             loss = F.cross_entropy(out, y)
@@ -111,7 +117,22 @@ class Session:
                 self.optimizer.step(ctx)
         return float(loss.detach())
 
+    def _chained_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        grad_out, self._grad_out = self._grad_out, None  # sent once, whatever the call's fate
+        out = rpc.rpc_sync(rendezvous.SERVER_NAME, remote.chained_step, args=(self.name, grad_out, x, self.report))
+        out.requires_grad_(True)
+        loss = F.cross_entropy(out, y)
+        (self._grad_out,) = torch.autograd.grad(loss, (out,))
+        return float(loss.detach())
+
+    def flush(self) -> None:
+        """``--step chained``: hand in the last step's gradient, so its update is applied."""
+        grad_out, self._grad_out = self._grad_out, None
+        if grad_out is not None:
+            rpc.rpc_sync(rendezvous.SERVER_NAME, remote.chained_step, args=(self.name, grad_out, None, self.report))
+
     def evaluate(self, dataset, batch_size: int) -> float:
+        self.flush()
         x, y = dataset.tensors
         correct = 0
         for i in range(0, len(x), batch_size):
@@ -122,6 +143,7 @@ class Session:
     def leave(self) -> None:
         self._stop.set()
         try:
+            self.flush()
             rpc.rpc_sync(rendezvous.SERVER_NAME, remote.leave, args=(self.name, self.report), timeout=10)
             self._shutdown(graceful=True)
         except Exception:  # noqa: BLE001 - server already gone: leave locally

@@ -55,10 +55,11 @@ def test_wire_bytes_per_step_uses_snapshots_inside_the_window():
 
 def test_setup_names_and_lower_bound():
     assert run.parse_setup("ps-sync-4") == {"name": "ps-sync-4", "kind": "ps", "trainers": 4, "update": "sync",
-                                            "fused": False, "fold": False}
-    assert run.parse_setup("ps-fused-async-2")["fused"] is True
-    fold = run.parse_setup("ps-fold-async-1")
-    assert fold["fold"] is True and fold["fused"] is False and fold["trainers"] == 1
+                                            "step": "plain"}
+    assert run.parse_setup("ps-fused-async-2")["step"] == "fused"
+    chained = run.parse_setup("ps-chained-sync-2")
+    assert chained["step"] == "chained" and chained["update"] == "sync" and chained["trainers"] == 2
+    assert run.parse_setup("ps-fold-async-1")["step"] == "fold"
     with pytest.raises(ValueError, match="unknown setup"):
         run.parse_setup("ps-folded-async-1")
     assert run.parse_setup("local-1t")["threads"] == 1
@@ -132,15 +133,15 @@ def test_step_variants_arguments_are_checked(capsys):
 def test_step_variants_interleaves_against_one_server(tmp_path):
     from benchmarks import step_variants
 
-    argv = ["--rounds", "2", "--steps", "12", "--skip", "3", "--variants", "plain,fold,local",
+    argv = ["--rounds", "2", "--steps", "12", "--skip", "3", "--variants", "plain,chained,local",
             "--results-dir", str(tmp_path)]
     assert step_variants.main(argv) == 0
     result = json.loads((tmp_path / "step_variants-mnist_cnn-b64.json").read_text())
-    assert set(result["step_ms"]) == {"plain", "fold", "local"}
+    assert set(result["step_ms"]) == {"plain", "chained", "local"}
     assert all(len(v) == 2 and all(ms > 0 for ms in v) for v in result["step_ms"].values())
     assert result["variants"]["plain"]["ratio_to_plain_per_round"] == [1.0, 1.0]
     assert result["variants"]["local"]["x_local_per_round"] == [1.0, 1.0]  # the only local: the ceiling
-    fold = result["variants"]["fold"]
-    assert fold["median_ratio_to_plain"] > 0 and len(fold["ratio_to_plain_per_round"]) == 2
-    assert 0 < fold["median_x_local"] and len(fold["x_local_per_round"]) == 2
-    assert "| fold |" in (tmp_path / "step_variants-mnist_cnn-b64.md").read_text()
+    chained = result["variants"]["chained"]
+    assert chained["median_ratio_to_plain"] > 0 and len(chained["ratio_to_plain_per_round"]) == 2
+    assert 0 < chained["median_x_local"] and len(chained["x_local_per_round"]) == 2
+    assert "| chained |" in (tmp_path / "step_variants-mnist_cnn-b64.md").read_text()

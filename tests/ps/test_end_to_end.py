@@ -71,10 +71,10 @@ def test_two_stages_train_to_the_same_bar(procs, port, mnist_dir):
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("update", ["async", "sync"])
-@pytest.mark.parametrize("step", ["--fused-step", "--fold-step"])
-def test_fused_and_folded_steps_reach_the_same_bar(procs, port, mnist_dir, update, step):
+@pytest.mark.parametrize("step", ["fold", "chained", "fused"])
+def test_shorter_steps_reach_the_same_bar(procs, port, mnist_dir, update, step):
     server = procs.server(port, "--update", update, "--sync-trainers", "2")
-    for t in _train_two(procs, port, step):
+    for t in _train_two(procs, port, "--step", step):
         assert accuracy(t) >= BAR, t.tail()
     assert procs.stop(server) == 0
     assert "global step 378" in server.output() if update == "async" else "global step 189" in server.output()

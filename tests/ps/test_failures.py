@@ -25,12 +25,15 @@ def wait_lost(server, name: str, timeout: float) -> float:
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
-    "sig,update", [(signal.SIGKILL, "async"), (signal.SIGSTOP, "async"), (signal.SIGSTOP, "sync")],
-    ids=["kill-async", "hang-async", "hang-sync"],
+    "sig,update,step",
+    [(signal.SIGKILL, "async", "plain"), (signal.SIGSTOP, "async", "plain"), (signal.SIGSTOP, "sync", "plain"),
+     (signal.SIGKILL, "sync", "chained")],
+    ids=["kill-async", "hang-async", "hang-sync", "kill-sync-chained"],
 )
-def test_lost_trainer_is_evicted_and_the_other_finishes(procs, port, mnist_dir, sig, update):
+def test_lost_trainer_is_evicted_and_the_other_finishes(procs, port, mnist_dir, sig, update, step):
     server = procs.server(port, "--trainer-timeout", "2", "--update", update, "--sync-trainers", "2")
-    t0, t1 = (procs.trainer(port, r, "--num-trainers", "2", "--epochs", "3", *MNIST_ARGS) for r in (0, 1))
+    t0, t1 = (procs.trainer(port, r, "--num-trainers", "2", "--epochs", "3", "--step", step, *MNIST_ARGS)
+              for r in (0, 1))
     for t in (t0, t1):
         t.wait_for("joined psserver", timeout=90)
     time.sleep(3)  # mid-epoch

@@ -90,6 +90,7 @@ def test_unused_parameter_leaves_the_step_to_flush():
     assert step.flush() is False  # submitted once only
 
 
-def test_fold_and_fused_exclude_each_other():
-    with pytest.raises(ValueError, match="--fused-step and --fold-step exclude each other"):
-        TrainerConfig(fused_step=True, fold_step=True)
+def test_step_modes_are_checked():
+    assert TrainerConfig(step="fold").step == "fold"
+    with pytest.raises(ValueError, match="--step must be one of plain, fold, chained, fused"):
+        TrainerConfig(step="folded")

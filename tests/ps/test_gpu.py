@@ -41,10 +41,11 @@ def test_shard_runs_on_its_device():
         pytest.param("mnist_cnn", "cuda:0,cuda:1", marks=needs_two),
     ],
 )
-def test_server_on_gpus_trains(procs, port, model, devices):
+@pytest.mark.parametrize("step", ["plain", "fold", "chained", "fused"])
+def test_server_on_gpus_trains(procs, port, model, devices, step):
     server = procs.server(port, "--model", model, "--devices", devices)
     n = len(devices.split(","))
     assert f"in {n} stage(s) on {devices.replace(',', ', ')}" in server.output()
-    t = procs.trainer(port, 0, "--epochs", "2")
+    t = procs.trainer(port, 0, "--epochs", "2", "--step", step)
     assert t.wait(200) == 0, t.tail()
     assert accuracy(t) > 0.8
