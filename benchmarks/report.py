@@ -112,7 +112,11 @@ def chart(result: dict, path: Path) -> bool:
     except ImportError:
         return False
     ok = [s for s in result["setups"] if not s.get("error") and s.get("samples_per_s")]
-    local = next((s["samples_per_s"] for s in ok if s["kind"] == "local"), None)
+    locals_ = {s["name"]: s["samples_per_s"] for s in ok if s["kind"] == "local"}
+    ceiling = result["config"].get("ceiling")
+    if ceiling not in locals_:
+        ceiling = max(locals_, key=locals_.get, default=None)
+    local = locals_.get(ceiling) if ceiling else None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     colors = {"local": "tab:gray", "ps": "tab:blue", "ddp": "tab:green", "fsdp": "tab:olive"}
     names = [s["name"] for s in ok]
@@ -140,7 +144,7 @@ def chart(result: dict, path: Path) -> bool:
         if pts:
             ax2.plot([p[0] for p in pts], [p[1] for p in pts], "s", color=color, label=kind.upper())
     if local:
-        ax2.axhline(local, color="tab:gray", linestyle="--", label="local loop")
+        ax2.axhline(local, color="tab:gray", linestyle="--", label=f"best local loop ({ceiling})")
     ax2.set_xlabel("trainers / processes")
     ax2.set_ylabel("samples/s (total)")
     ax2.set_title("samples/s against number of trainers")

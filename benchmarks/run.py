@@ -359,6 +359,11 @@ def ratios(result: dict) -> list[dict]:
                         "op": ">=", "target": target1, "issue_config": key in ONE_TRAINER_TARGETS})
     out.append({"name": "PS 2 trainers async (total) / local", "value": ratio("ps-async-2"), "op": ">=",
                 "target": 0.95, "issue_config": key == ("mnist_cnn", 64)})
+    for step in ("fold", "chained", "fused"):
+        if f"ps-{step}-async-2" in by:
+            out.append({"name": f"PS 2 trainers async, --step {step} (total) / local",
+                        "value": ratio(f"ps-{step}-async-2"), "op": ">=", "target": 0.95,
+                        "issue_config": key == ("mnist_cnn", 64)})
     idle = by.get("ps-async-2", {}).get("server_idle_cpu_pct")
     out.append({"name": "server idle CPU, 2 trainers joined and waiting (% of one core)", "value": idle,
                 "op": "<", "target": 2.0, "issue_config": True})

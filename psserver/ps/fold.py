@@ -1,4 +1,4 @@
-"""``--fold-step``: the optimizer step rides on the backward RPC instead of a third round trip.
+"""``--step fold``: the optimizer step rides on the backward RPC instead of a third round trip.
 
 A plain step costs three round trips: the forward RPC, ``dist_autograd.backward`` (the
 output's gradient crosses, the server runs its part of the graph) and

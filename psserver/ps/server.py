@@ -254,7 +254,7 @@ class ParameterServer:
 
     @rpc_timed("forward")
     def forward(self, name: str, x: torch.Tensor, report: tuple | None, fold: bool = False) -> torch.Tensor:
-        """``fold``: the update is applied when this step's backward ends (``--fold-step``)."""
+        """``fold``: the update is applied when this step's backward ends (``--step fold``)."""
         if self.state == "DRAINING":
             raise RuntimeError("psserver is shutting down")
         member = self._member(name, report)
@@ -280,7 +280,7 @@ class ParameterServer:
 
     @rpc_timed("train_step")
     def train_step(self, name: str, x: torch.Tensor, y: torch.Tensor, report: tuple | None) -> float:
-        """``--fused-step``: forward, loss, backward and update in one RPC.
+        """``--step fused``: forward, loss, backward and update in one RPC.
 
         The same work as the dist_autograd path (same clones, same updater, same shared
         optimizer) without its extra round trips; the loss (cross-entropy) runs here.
@@ -367,7 +367,7 @@ class ParameterServer:
         step = self._folds.pop(name, None)
         if step is not None and step.flush() and not self._fold_partial_warned:
             self._fold_partial_warned = True
-            log.warning("--fold-step: a step of %s left parameters without a gradient; its update is "
+            log.warning("--step fold: a step of %s left parameters without a gradient; its update is "
                         "applied at the trainer's next call, with those gradients as zero", name)
 
     def _trainer_gone(self, name: str, state: str) -> None:

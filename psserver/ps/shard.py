@@ -73,7 +73,7 @@ class Shard:
                 fold: FoldedStep | None = None) -> torch.Tensor:
         """Run this stage; ``x`` may be on any device (autograd records the copy).
 
-        ``fold``: parameters' gradients go to that step (``--fold-step``), not to the leaves.
+        ``fold``: parameters' gradients go to that step (``--step fold``), not to the leaves.
         """
         if self._stream is not None:
             # Our own stream per shard: the default stream is shared with other threads.

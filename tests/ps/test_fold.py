@@ -1,4 +1,4 @@
-"""``--fold-step`` in-process: the taps hand the server's backward gradients to one step."""
+"""``--step fold`` in-process: the taps hand the server's backward gradients to one step."""
 
 from __future__ import annotations
 
