@@ -135,7 +135,7 @@ def chart(result: dict, path: Path) -> bool:
                                 ("async", "fold", "tab:cyan"), ("sync", "fold", "tab:pink"),
                                 ("async", "chained", "tab:red"), ("sync", "chained", "tab:gray")):
         pts = sorted((s["trainers"], s["samples_per_s"]) for s in ok if s["kind"] == "ps" and s["update"] == update
-                     and _step_variant(s["name"]) == step)
+                     and s.get("step", "plain") == (step or "plain"))
         if pts:
             label = f"PS {update}" + (f", {step} step" if step else "")
             ax2.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=label)
@@ -158,8 +158,3 @@ def chart(result: dict, path: Path) -> bool:
     plt.close(fig)
     return True
 
-
-def _step_variant(name: str) -> str:
-    """``fold``, ``chained`` or ``fused`` for ``ps-<step>-*`` setups, else ``""``."""
-    parts = name.split("-")
-    return parts[1] if len(parts) > 3 else ""

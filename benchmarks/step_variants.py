@@ -84,7 +84,7 @@ def measure_variants(args: argparse.Namespace, work: Path) -> dict:
                         "--seconds", f"{seconds:.2f}", "--threads", "0", "--allocator", LOCAL[v],
                         "--stats-out", str(stats)), f"{v}-{r}")
                 else:
-                        t = children.start(measure.psserver_argv(
+                    t = children.start(measure.psserver_argv(
                         "train", "--server", f"127.0.0.1:{port}", "--rank", "0", "--num-trainers", "1",
                         "--epochs", "1000000", "--batch-size", str(args.batch_size), "--max-steps", str(args.steps),
                         "--dataset", "synthetic", "--no-progress", "--stats-out", str(stats), *VARIANTS[v]),

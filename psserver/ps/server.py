@@ -86,10 +86,11 @@ class ParameterServer:
         model = build_model(config.model, seed=config.seed)
         stages = split_stages(model, len(self.devices))
         self.shards = [Shard(i, m, d) for i, (m, d) in enumerate(zip(stages, self.devices))]
-        self._trainable = sum(p.requires_grad for s in self.shards for p in s.params)
+        self.params = [p for s in self.shards for p in s.params]
+        self._trainable = sum(p.requires_grad for p in self.params)
         self.optimizer_config: OptimizerConfig | None = config.optimizer
         self.updater: Updater = self._make_updater()
-        self.chains = Chains([p for s in self.shards for p in s.params], self.updater.submit)
+        self.chains = Chains(self.params, self.updater.submit)
         resume_step = self._maybe_resume()
         if self.optimizer_config is not None:
             for s in self.shards:
@@ -182,7 +183,7 @@ class ParameterServer:
             world_size=None,
             rpc_backend_options=rendezvous.backend_options(url, cfg.rpc_timeout, cfg.rpc_threads),
         )
-        self.param_rrefs = [rpc.RRef(p) for s in self.shards for p in s.params]
+        self.param_rrefs = [rpc.RRef(p) for p in self.params]
         self.membership = Membership(self.store, cfg.trainer_timeout, self._trainer_gone)
         self.membership.start()
         self.state = "SERVING"
@@ -271,9 +272,7 @@ class ParameterServer:
                 self._trainable, int(x.shape[0]), lambda grads, n: self.updater.submit(name, grads, n))
         else:
             self._pending_samples[name] = int(x.shape[0])
-        out = x
-        for shard in self.shards:
-            out = shard.forward(out, clone=clone, fold=step)
+        out = self._run_stages(x, clone=clone, fold=step)
         if report is not None:
             self._pending_loss[name] = float(report[2])
         return out.to("cpu")
@@ -290,15 +289,12 @@ class ParameterServer:
         self._member(name, report)
         self.updater.wait_turn(name, timeout=self.config.rpc_timeout)
         clone = self._needs_clone()
-        out = x
-        for shard in self.shards:
-            out = shard.forward(out, clone=clone)
+        out = self._run_stages(x, clone=clone)
         loss = torch.nn.functional.cross_entropy(out, y.to(out.device))
-        params = [p for s in self.shards for p in s.params]
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        grads = torch.autograd.grad(loss, self.params, allow_unused=True)
         value = float(loss.detach())
         self._pending_loss[name] = value
-        self.updater.submit(name, {p: g for p, g in zip(params, grads) if g is not None}, int(x.shape[0]))
+        self.updater.submit(name, {p: g for p, g in zip(self.params, grads) if g is not None}, int(x.shape[0]))
         return value
 
     @rpc_timed("chained_step")
@@ -315,12 +311,15 @@ class ParameterServer:
         if x is None:
             return None
         self.updater.wait_turn(name, timeout=self.config.rpc_timeout)
-        clone = self._needs_clone()
-        out = x
-        for shard in self.shards:
-            out = shard.forward(out, clone=clone)
+        out = self._run_stages(x, clone=self._needs_clone())
         self.chains.hold(name, out, int(x.shape[0]))
         return out.detach().to("cpu")
+
+    def _run_stages(self, x: torch.Tensor, **kw) -> torch.Tensor:
+        """The model's forward: each stage on its device, in order (``Shard.forward`` options)."""
+        for shard in self.shards:
+            x = shard.forward(x, **kw)
+        return x
 
     def _needs_clone(self) -> bool:
         """Whether another trainer's step can land between this forward and its backward.
@@ -338,10 +337,7 @@ class ParameterServer:
     def evaluate(self, name: str, x: torch.Tensor) -> torch.Tensor:
         self._member(name, None)
         self.updater.wait_turn(name, timeout=self.config.rpc_timeout)
-        out = x
-        for shard in self.shards:
-            out = shard.forward(out, clone=False, train=False)
-        return out.to("cpu")
+        return self._run_stages(x, clone=False, train=False).to("cpu")
 
     def heartbeat(self, name: str, report: tuple | None) -> str:
         self._member(name, report)
