@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-COLUMNS = ["setup", "samples/s", "x local", "step p50 ms", "step p95 ms", "bytes/step", "x lower bound",
+from benchmarks import paired
+
+COLUMNS = ["setup", "samples/s", "x local", "x local, paired", "step p50 ms", "step p95 ms", "bytes/step", "x lower bound",
            "server CPU idle (% core)", "server CPU training (% core)", "peak RSS MB"]
 
 
@@ -30,7 +32,7 @@ def setup_rows(result: dict) -> list[list[str]]:
     rows = []
     for s in result["setups"]:
         if s.get("error"):
-            rows.append([s["name"], "failed", "-", "-", "-", "-", "-", "-", "-", "-"])
+            rows.append([s["name"], "failed", *["-"] * (len(COLUMNS) - 2)])
             continue
         b = s.get("bytes_per_step")
         bytes_cell = _bytes(b) + (" (est.)" if s.get("bytes_method", "").startswith("estimate") else "")
@@ -40,6 +42,7 @@ def setup_rows(result: dict) -> list[list[str]]:
             s["name"],
             _num(s.get("samples_per_s")),
             _num(s.get("ratio_to_local"), "{:.2f}"),
+            _num(s.get("paired_x_local"), "{:.3f}"),
             _num(s.get("step_p50_ms"), "{:.1f}"),
             _num(s.get("step_p95_ms"), "{:.1f}"),
             bytes_cell,
@@ -61,9 +64,10 @@ def target_rows(result: dict) -> list[list[str]]:
     rows = []
     for r in result["ratios"]:
         value = "-" if r["value"] is None else f"{r['value']:.3g}"
+        one = "-" if r.get("one_window") is None else f"{r['one_window']:.3g}"
         met = "-" if r["met"] is None else ("yes" if r["met"] else "NO")
         note = "" if r.get("issue_config", True) else " (issue target set for another model/batch)"
-        rows.append([r["name"], value, f"{r['op']} {r['target']:g}", met + note])
+        rows.append([r["name"], value, r.get("method", "one run"), one, f"{r['op']} {r['target']:g}", met + note])
     return rows
 
 
@@ -93,9 +97,18 @@ def markdown(result: dict) -> str:
         "",
         "### Targets (issue 6)",
         "",
-        _md_table(["ratio", "measured", "target", "met"], target_rows(result)),
+        _md_table(["ratio", "measured", "from", "one window", "target", "met"], target_rows(result)),
         "",
     ]
+    pr = result.get("paired")
+    if pr and not pr.get("error"):
+        parts += [f"### Paired rounds: {pr['rounds']} rounds of {pr['steps']} steps per trainer "
+                  f"({pr['skip']} skipped)", "",
+                  "Each round runs every setup once, back to back, in an order that rotates each round; "
+                  "`x best local` divides by the best local loop of the same round.", "",
+                  *paired.markdown_rows(pr), ""]
+    elif pr:
+        parts += [f"- paired rounds failed: {pr['error'].splitlines()[0]}"]
     failed = [s for s in result["setups"] if s.get("error")]
     for s in failed:
         parts.append(f"- {s['name']} failed: {s['error'].splitlines()[0]}")

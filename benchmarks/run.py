@@ -13,6 +13,13 @@ trainers joined and waiting) and while training, and the peak RSS of every proce
 local loop, the ceiling every ratio divides by, runs in bursts spread over the run (start,
 middle, end) and its windows are pooled, so load that drifts during the run hits both sides.
 
+Then come paired rounds (``benchmarks.paired``, ``--rounds``): the local loops and the PS
+async setups of up to 2 trainers, back to back, every round; each ratio is taken against the
+best local loop of its own round, and the issue's throughput targets read the median of
+those per-round ratios (the one-window ratio is recorded beside it). On a 2-core VM whose
+speed drifts by 10-30% from minute to minute, one window per setup cannot hold a 0.90 ratio
+steady; a pairing within seconds can.
+
 Writes ``<results>/bench-<model>-b<batch>-<time>.{json,md,png}`` and ``latest.{json,md,png}``.
 """
 
@@ -21,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import math
 import os
 import platform
@@ -34,7 +42,9 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks import measure, report
+from benchmarks import measure, paired, report
+from benchmarks.targets import lower_bound, ratios
+from benchmarks.setups import local_argv, parse_setup, parse_setups, server_argv, trainer_argv
 
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
 FULL_SETUPS = ("local,local-1t,local-cached,ps-async-1,ps-async-2,ps-async-4,ps-sync-1,ps-sync-2,ps-sync-4,"
@@ -42,41 +52,26 @@ FULL_SETUPS = ("local,local-1t,local-cached,ps-async-1,ps-async-2,ps-async-4,ps-
                "ps-fused-async-1,ps-fused-async-2,ddp-2,fsdp-2")
 QUICK_SETUPS = "local,ps-async-1,ps-async-2,ddp-2"
 WARMUP_STEPS = 5  # collective runs: steps before their windows
-# Issue 6 targets: (model, batch) -> minimum of PS 1 trainer / local.
-ONE_TRAINER_TARGETS = {("mnist_cnn", 64): 0.90, ("resnet18", 32): 0.85}
-
-
-def parse_setup(name: str) -> dict:
-    if name == "local":  # torch threads = cores, as the issue defines the ceiling
-        return {"name": name, "kind": "local", "trainers": 1, "update": None, "threads": 0, "allocator": "system"}
-    if name == "local-cached":  # the server's host allocator policy (psserver serve --allocator cached)
-        return {"name": name, "kind": "local", "trainers": 1, "update": None, "threads": 0, "allocator": "cached"}
-    m = re.fullmatch(r"local-(\d+)t", name)
-    if m:  # fewer threads: on a loaded machine one thread can beat all cores (OpenMP barriers)
-        return {"name": name, "kind": "local", "trainers": 1, "update": None, "threads": int(m.group(1)),
-                "allocator": "system"}
-    m = re.fullmatch(r"ps-(?:(fold|chained|fused)-)?(async|sync)-(\d+)", name)
-    if m:  # the trainer's --step (psserver.config.ps.STEP_MODES); plain when not named
-        return {"name": name, "kind": "ps", "trainers": int(m.group(3)), "update": m.group(2),
-                "step": m.group(1) or "plain"}
-    m = re.fullmatch(r"(ddp|fsdp)-(\d+)", name)
-    if m:
-        return {"name": name, "kind": m.group(1), "trainers": int(m.group(2)), "update": None}
-    raise ValueError(f"unknown setup {name!r}: use local, local-Nt, local-cached, ps-[fold-|chained-|fused-]async-N, ps-[fold-|chained-|fused-]sync-N, ddp-N, fsdp-N")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="mnist_cnn", help="model name (mnist_cnn, mlp, resnet18, ...)")
     p.add_argument("--batch-size", type=int, default=64, help="samples per step and trainer (default 64)")
     p.add_argument("--seconds", type=float, default=None,
-                   help="measured seconds per setup, after warm-up (default 10; --quick 6)")
+                   help="measured seconds per setup, after warm-up (default 10; --quick 4)")
     p.add_argument("--quick", action="store_true",
                    help=f"fewer setups ({QUICK_SETUPS}) and short windows: under 2 minutes on 2 cores")
     p.add_argument("--setups", default=None, help=f"comma-separated (default {FULL_SETUPS})")
     p.add_argument("--warmup", type=float, default=None, help="seconds discarded per process (default 3; quick 1.5)")
     p.add_argument("--window", type=float, default=None, help="window length in seconds (default seconds/6)")
     p.add_argument("--idle-seconds", type=float, default=None,
-                   help="seconds of server CPU measured with trainers joined and idle, async setups (default 4; quick 3; 0: skip)")
+                   help="seconds of server CPU measured with trainers joined and idle, async setups (default 4; quick 2; 0: skip)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="paired rounds after the one-window pass, for the throughput targets (default 6; quick 2; 0: none)")
+    p.add_argument("--round-steps", type=int, default=None,
+                   help="steps per trainer and paired run (default 80; quick 20)")
+    p.add_argument("--round-skip", type=int, default=None,
+                   help="warm-up steps left out of each paired run (default 20; quick 6)")
     p.add_argument("--tp-channels", default="basic",
                    help="TensorPipe channels of the PS server (default basic: tensors cross the socket as "
                         "between hosts, so ss counts them; 'default': TensorPipe's own choice, which on one "
@@ -86,15 +81,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-logs", action="store_true", help="keep every child's log under the results directory")
 
 
+def round_settings(args: argparse.Namespace) -> tuple[int, int, int]:
+    """Paired rounds, steps per run and warm-up steps skipped, after the --quick defaults."""
+    rounds = args.rounds if args.rounds is not None else (2 if args.quick else 6)
+    steps = args.round_steps or (20 if args.quick else 80)
+    skip = args.round_skip if args.round_skip is not None else (6 if args.quick else 20)
+    return rounds, steps, skip
+
+
 class Run:
     def __init__(self, args: argparse.Namespace, log_dir: Path) -> None:
         self.args = args
         self.log_dir = log_dir
         self.quick = args.quick
-        self.seconds = args.seconds or (6.0 if args.quick else 10.0)
+        self.seconds = args.seconds or (4.0 if args.quick else 10.0)
         self.warmup = args.warmup if args.warmup is not None else (1.5 if args.quick else 3.0)
         self.window = args.window or max(1.0, self.seconds / 6)
-        self.idle_s = args.idle_seconds if args.idle_seconds is not None else (3.0 if args.quick else 4.0)
+        self.idle_s = args.idle_seconds if args.idle_seconds is not None else (2.0 if args.quick else 4.0)
+        self.rounds, self.round_steps, self.round_skip = round_settings(args)
         self.local: dict[str, dict] = {}  # variant -> bursts, device, threads, peak RSS
         self.counter = 0
 
@@ -110,10 +114,8 @@ class Run:
         children = measure.Children(self.log_dir)
         sampler = measure.Sampler()
         try:
-            c = children.start(measure.worker_argv(
-                "local", "--model", self.args.model, "--batch-size", str(self.args.batch_size), "--seconds",
-                str(seconds + self.warmup), "--threads", str(setup["threads"]), "--allocator", setup["allocator"],
-                "--stats-out", str(stats)), stats.stem)
+            c = children.start(local_argv(setup, model=self.args.model, batch_size=self.args.batch_size,
+                                          seconds=seconds + self.warmup, stats_out=str(stats)), stats.stem)
             sampler.track("local", c.pid, wire=True)  # ss on its (absent) sockets: same sampling cost as PS
             sampler.start()
             if c.wait(seconds + self.warmup + 120) != 0:
@@ -164,15 +166,8 @@ class Run:
         sampler = measure.Sampler(ss_every=1 if self.quick else 2)
         out: dict = {}
         try:
-            argv = ["serve", "--host", "127.0.0.1", "--port", str(port), "--model", self.args.model,
-                    "--update", update, "--sync-trainers", str(n), "--no-control"]
-            if self.args.devices:
-                argv += ["--devices", self.args.devices]
-            if self.args.tp_channels != "default":
-                server = children.start(measure.worker_argv("psserver", "--channels", self.args.tp_channels, "--",
-                                                            *argv), f"{name}-server")
-            else:
-                server = children.start(measure.psserver_argv(*argv), f"{name}-server")
+            server = children.start(server_argv(setup, model=self.args.model, port=port, devices=self.args.devices,
+                                                tp_channels=self.args.tp_channels), f"{name}-server")
             server.wait_for(r"serving \S+ on", 180)
             m = re.search(r"stage\(s\) on (.+?)(?:, resumed.*)?$", server.output(), re.M)
             out["devices"] = [d.strip() for d in m.group(1).split(",")] if m else []
@@ -185,11 +180,8 @@ class Run:
             stats = [self.log_dir / f"{name}-trainer{r}.json" for r in range(n)]
             trainers = []
             for r in range(n):
-                t = children.start(measure.psserver_argv(
-                    "train", "--server", f"127.0.0.1:{port}", "--rank", str(r), "--num-trainers", str(n),
-                    "--epochs", "1000000", "--batch-size", str(bs), "--max-steps", str(steps),
-                    "--dataset", "synthetic", "--no-progress", "--stats-out", str(stats[r]),
-                    "--step", setup["step"]), f"{name}-trainer{r}")
+                t = children.start(trainer_argv(setup, r, port=port, batch_size=bs, steps=steps,
+                                                stats_out=str(stats[r])), f"{name}-trainer{r}")
                 sampler.track(f"trainer{r}", t.pid, wire=True)
                 trainers.append(t)
             expected = steps * n / max(1e-6, self.local_steps_per_s())
@@ -301,19 +293,6 @@ class Run:
         }
 
 
-def lower_bound(model: str, batch_size: int) -> dict:
-    """Bytes a PS step must move: the input batch, the output, the output's gradient."""
-    import torch
-
-    from psserver.models import get_model_spec
-
-    spec = get_model_spec(model)
-    elem = torch.empty((), dtype=spec.input_dtype).element_size()
-    inp = batch_size * math.prod(spec.input_shape) * elem
-    outb = batch_size * spec.num_classes * 4
-    return {"input": inp, "output": outb, "grad_output": outb, "total": inp + 2 * outb}
-
-
 def machine_info() -> dict:
     import psutil
     import torch
@@ -341,61 +320,46 @@ def machine_info() -> dict:
     }
 
 
-def ratios(result: dict) -> list[dict]:
-    by = {s["name"]: s for s in result["setups"] if not s.get("error")}
-    c = result["config"]
-    key = (c["model"], c["batch_size"])
-
-    def ratio(name):
-        return by.get(name, {}).get("ratio_to_local")
-
-    out = []
-    target1 = ONE_TRAINER_TARGETS.get(key, 0.90)
-    out.append({"name": f"PS 1 trainer async / local ({c['model']} b{c['batch_size']})", "value": ratio("ps-async-1"),
-                "op": ">=", "target": target1, "issue_config": key in ONE_TRAINER_TARGETS})
-    for step in ("fold", "chained", "fused"):
-        if f"ps-{step}-async-1" in by:
-            out.append({"name": f"PS 1 trainer async, --step {step} / local", "value": ratio(f"ps-{step}-async-1"),
-                        "op": ">=", "target": target1, "issue_config": key in ONE_TRAINER_TARGETS})
-    out.append({"name": "PS 2 trainers async (total) / local", "value": ratio("ps-async-2"), "op": ">=",
-                "target": 0.95, "issue_config": key == ("mnist_cnn", 64)})
-    for step in ("fold", "chained", "fused"):
-        if f"ps-{step}-async-2" in by:
-            out.append({"name": f"PS 2 trainers async, --step {step} (total) / local",
-                        "value": ratio(f"ps-{step}-async-2"), "op": ">=", "target": 0.95,
-                        "issue_config": key == ("mnist_cnn", 64)})
-    idle = by.get("ps-async-2", {}).get("server_idle_cpu_pct")
-    out.append({"name": "server idle CPU, 2 trainers joined and waiting (% of one core)", "value": idle,
-                "op": "<", "target": 2.0, "issue_config": True})
-    ps = [s for s in by.values() if s["kind"] == "ps" and s.get("bytes_vs_lower_bound") is not None]
-    one = by.get("ps-async-1", {}).get("bytes_vs_lower_bound")
-    out.append({"name": "PS bytes per step / lower bound (1 trainer async)", "value": one, "op": "<=",
-                "target": 1.2, "issue_config": True})
-    if ps:
-        worst = max(ps, key=lambda s: s["bytes_vs_lower_bound"])
-        out.append({"name": f"PS bytes per step / lower bound (worst: {worst['name']})",
-                    "value": worst["bytes_vs_lower_bound"], "op": "<=", "target": 1.2, "issue_config": True})
-    for r in out:
-        v = r["value"]
-        r["met"] = None if v is None else (v >= r["target"] if r["op"] == ">=" else
-                                           v < r["target"] if r["op"] == "<" else v <= r["target"])
-    return out
-
-
 def run(argv: list[str] | None = None, prog: str = "python -m benchmarks.run") -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     add_arguments(p)
     args = p.parse_args(argv)
+    try:
+        check_args(args)
+    except ValueError as e:
+        p.error(str(e))
+    logging.basicConfig(level=logging.INFO, format="  %(message)s")  # paired rounds' progress
     return run_args(args, command=" ".join([prog, *map(shlex.quote, sys.argv[1:] if argv is None else argv)]))
+
+
+def check_args(args: argparse.Namespace) -> list[dict]:
+    """The setups to run; ValueError names what is wrong with the flags."""
+    from psserver.models import check_model_name
+
+    check_model_name(args.model)
+    setups = parse_setups(args.setups or (QUICK_SETUPS if args.quick else FULL_SETUPS))
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    for flag in ("seconds", "warmup", "window", "idle_seconds", "rounds", "round_skip"):
+        v = getattr(args, flag)
+        if v is not None and v < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {v}")
+    _, steps, skip = round_settings(args)
+    if steps < skip + 6:
+        raise ValueError(f"--round-steps must be at least --round-skip + 6 ({skip + 6})")
+    return setups
+
+
+def paired_setups(setups: list[dict], failed: set[str]) -> list[dict]:
+    """What the paired rounds measure: the local loops and PS async setups of 1-2 trainers
+    (the throughput targets), minus any that failed in the one-window pass."""
+    return [s for s in setups if s["name"] not in failed and (
+        s["kind"] == "local" or (s["kind"] == "ps" and s["update"] == "async" and s["trainers"] <= 2))]
 
 
 def run_args(args: argparse.Namespace, command: str) -> int:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    names = [s.strip() for s in (args.setups or (QUICK_SETUPS if args.quick else FULL_SETUPS)).split(",") if s.strip()]
-    setups = [parse_setup(n) for n in names]
-    from psserver.models import check_model_name
-
-    check_model_name(args.model)
+    setups = check_args(args)
     results_dir = args.results_dir
     results_dir.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -436,6 +400,18 @@ def run_args(args: argparse.Namespace, command: str) -> int:
                         shutil.copy(f, kept / f.name)
                     res["logs"] = str(kept)
             results[s["name"]] = res
+        pairs = paired_setups([*locals_, *others], {n for n, r in results.items() if r.get("error")})
+        paired_result = None
+        if bench.rounds and any(s["kind"] == "ps" for s in pairs):
+            print(f"[{time.monotonic() - t_start:5.0f}s] paired rounds: {bench.rounds} x "
+                  f"{', '.join(s['name'] for s in pairs)}", flush=True)
+            try:
+                paired_result = paired.measure_rounds(
+                    pairs, rounds=bench.rounds, model=args.model, batch_size=args.batch_size,
+                    steps=bench.round_steps, skip=bench.round_skip, devices=args.devices, tp_channels=args.tp_channels)
+            except Exception as e:  # noqa: BLE001 - the one-window results stand without it
+                traceback.print_exc()
+                paired_result = {"error": f"{type(e).__name__}: {e}"}
     finally:
         if log_ctx is not None:
             log_ctx.cleanup()
@@ -455,6 +431,10 @@ def run_args(args: argparse.Namespace, command: str) -> int:
             r["ratio_to_local"] = r["samples_per_s"] / local["samples_per_s"]
             if r["kind"] == "ps" and r.get("bytes_per_step") is not None:
                 r["bytes_vs_lower_bound"] = r["bytes_per_step"] / lb["total"]
+            pr = (paired_result or {}).get("setups", {}).get(s["name"])
+            if pr:
+                r["paired_samples_per_s"] = pr["median_samples_per_s"]
+                r["paired_x_local"] = pr.get("median_x_local")
         rows.append(r)
     devices_used = {}
     for r in rows:
@@ -472,9 +452,11 @@ def run_args(args: argparse.Namespace, command: str) -> int:
         "config": {"model": args.model, "batch_size": args.batch_size, "seconds": bench.seconds, "quick": args.quick,
                    "warmup_s": bench.warmup, "window_s": bench.window, "idle_seconds": bench.idle_s,
                    "local_bursts": bursts, "ceiling": ceiling_name, "setups": [s["name"] for s in setups],
-                   "server_devices": args.devices, "tp_channels": args.tp_channels},
+                   "server_devices": args.devices, "tp_channels": args.tp_channels, "rounds": bench.rounds,
+                   "round_steps": bench.round_steps, "round_skip": bench.round_skip},
         "lower_bound": lb,
         "setups": rows,
+        "paired": paired_result,
         "wall_s": time.monotonic() - t_start,
     }
     result["ratios"] = ratios(result)
@@ -491,7 +473,7 @@ def run_args(args: argparse.Namespace, command: str) -> int:
         (results_dir / f"latest.{kind}").write_bytes(path.read_bytes())
     print(md)
     print(f"wrote {', '.join(str(p) for p in files.values())} (and latest.*) in {result['wall_s']:.0f}s")
-    return 1 if any(r.get("error") for r in rows) else 0
+    return 1 if any(r.get("error") for r in rows) or (paired_result or {}).get("error") else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,7 +53,7 @@ def run_local(args: argparse.Namespace) -> int:
     t_start = time.monotonic()
     deadline = t_start + args.seconds
     samples = 0
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and (args.max_steps is None or len(step_ends) < args.max_steps):
         if pos + bs > len(order):
             order, pos = torch.randperm(len(x_all), generator=gen), 0
         idx = order[pos:pos + bs]
@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     lo.add_argument("--model", default="mnist_cnn")
     lo.add_argument("--batch-size", type=int, default=64)
     lo.add_argument("--seconds", type=float, required=True)
+    lo.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (or --seconds)")
     lo.add_argument("--threads", type=int, default=0, help="torch threads (default: cores)")
     lo.add_argument("--allocator", choices=["system", "cached"], default="system",
                     help="host allocator policy (psserver.utils.memory; default: the C library's)")

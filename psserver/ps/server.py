@@ -21,6 +21,7 @@ from psserver.metrics import rpc_timed
 from psserver.models import build_model, get_model_spec, split_stages
 from psserver.ps import rendezvous
 from psserver.ps.chain import Chains
+from psserver.ps.compute import ComputeThread
 from psserver.ps.fold import FoldedStep
 from psserver.ps.membership import Membership
 from psserver.ps.shard import Shard
@@ -83,15 +84,14 @@ class ParameterServer:
             if config.checkpoint.directory is not None
             else None
         )
-        model = build_model(config.model, seed=config.seed)
-        stages = split_stages(model, len(self.devices))
-        self.shards = [Shard(i, m, d) for i, (m, d) in enumerate(zip(stages, self.devices))]
-        self.params = [p for s in self.shards for p in s.params]
-        self._trainable = sum(p.requires_grad for p in self.params)
-        self.optimizer_config: OptimizerConfig | None = config.optimizer
-        self.updater: Updater = self._make_updater()
-        self.chains = Chains(self.params, self.updater.submit)
-        resume_step = self._maybe_resume()
+        # Every tensor op of the server on one thread (psserver.ps.compute), the model's
+        # construction and restore included: a team made here would throttle that thread's.
+        self.compute = ComputeThread(inline=all(d.type == "cuda" for d in self.devices))
+        try:
+            resume_step = self.compute.run(self._build)
+        except BaseException:
+            self.compute.close()
+            raise
         if self.optimizer_config is not None:
             for s in self.shards:
                 s.init_optimizer(self.optimizer_config)
@@ -108,6 +108,18 @@ class ParameterServer:
         )
 
     # ---- set-up -------------------------------------------------------------------------
+
+    def _build(self) -> int | None:
+        """Model, stages, updater; the resumed step if a checkpoint was restored."""
+        model = build_model(self.config.model, seed=self.config.seed)
+        stages = split_stages(model, len(self.devices))
+        self.shards = [Shard(i, m, d) for i, (m, d) in enumerate(zip(stages, self.devices))]
+        self.params = [p for s in self.shards for p in s.params]
+        self._trainable = sum(p.requires_grad for p in self.params)
+        self.optimizer_config: OptimizerConfig | None = self.config.optimizer
+        self.updater: Updater = self._make_updater()
+        self.chains = Chains(self.params, self.updater.submit)
+        return self._maybe_resume()
 
     def _make_updater(self) -> Updater:
         if self.config.update == "sync":
@@ -272,10 +284,12 @@ class ParameterServer:
                 self._trainable, int(x.shape[0]), lambda grads, n: self.updater.submit(name, grads, n))
         else:
             self._pending_samples[name] = int(x.shape[0])
-        out = self._run_stages(x, clone=clone, fold=step)
+        # On this RPC thread, not the compute thread: dist_autograd runs the backward on
+        # threads of its own anyway (psserver.ps.compute), and a hand-off would only add latency.
+        out = self._run_stages(x, clone=clone, fold=step, to_cpu=True)
         if report is not None:
             self._pending_loss[name] = float(report[2])
-        return out.to("cpu")
+        return out
 
     @rpc_timed("train_step")
     def train_step(self, name: str, x: torch.Tensor, y: torch.Tensor, report: tuple | None) -> float:
@@ -288,7 +302,9 @@ class ParameterServer:
             raise RuntimeError("psserver is shutting down")
         self._member(name, report)
         self.updater.wait_turn(name, timeout=self.config.rpc_timeout)
-        clone = self._needs_clone()
+        return self.compute.run(self._fused_step, name, x, y, self._needs_clone())
+
+    def _fused_step(self, name: str, x: torch.Tensor, y: torch.Tensor, clone: bool) -> float:
         out = self._run_stages(x, clone=clone)
         loss = torch.nn.functional.cross_entropy(out, y.to(out.device))
         grads = torch.autograd.grad(loss, self.params, allow_unused=True)
@@ -307,19 +323,27 @@ class ParameterServer:
         self._member(name, report)
         if report is not None:
             self._pending_loss[name] = float(report[2])
-        self.chains.backward(name, grad_out)
+        if x is not None and self.config.update == "async":  # nothing to wait for: one hand-off
+            return self.compute.run(self._chained_forward, name, x, self._needs_clone(), grad_out)
+        self.compute.run(self.chains.backward, name, grad_out)
         if x is None:
             return None
-        self.updater.wait_turn(name, timeout=self.config.rpc_timeout)
-        out = self._run_stages(x, clone=self._needs_clone())
+        self.updater.wait_turn(name, timeout=self.config.rpc_timeout)  # sync: on this RPC thread
+        return self.compute.run(self._chained_forward, name, x, self._needs_clone())
+
+    def _chained_forward(self, name: str, x: torch.Tensor, clone: bool,
+                         grad_out: torch.Tensor | None = None) -> torch.Tensor:
+        if grad_out is not None:
+            self.chains.backward(name, grad_out)
+        out = self._run_stages(x, clone=clone)
         self.chains.hold(name, out, int(x.shape[0]))
         return out.detach().to("cpu")
 
-    def _run_stages(self, x: torch.Tensor, **kw) -> torch.Tensor:
+    def _run_stages(self, x: torch.Tensor, to_cpu: bool = False, **kw) -> torch.Tensor:
         """The model's forward: each stage on its device, in order (``Shard.forward`` options)."""
         for shard in self.shards:
             x = shard.forward(x, **kw)
-        return x
+        return x.to("cpu") if to_cpu else x
 
     def _needs_clone(self) -> bool:
         """Whether another trainer's step can land between this forward and its backward.
@@ -337,7 +361,7 @@ class ParameterServer:
     def evaluate(self, name: str, x: torch.Tensor) -> torch.Tensor:
         self._member(name, None)
         self.updater.wait_turn(name, timeout=self.config.rpc_timeout)
-        return self._run_stages(x, clone=False, train=False).to("cpu")
+        return self.compute.run(self._run_stages, x, clone=False, train=False, to_cpu=True)
 
     def heartbeat(self, name: str, report: tuple | None) -> str:
         self._member(name, report)
@@ -356,7 +380,7 @@ class ParameterServer:
     def submit(self, name: str, grads: dict) -> None:
         """A trainer's whole gradient from ``SharedOptimizer.step``."""
         samples = self._pending_samples.pop(name, 0)
-        self.updater.submit(name, grads, samples)
+        self.updater.submit(name, grads, samples)  # the plain step: its RPC thread, as its forward
 
     def _flush_fold(self, name: str) -> None:
         """Submit a folded step that a parameter without a gradient left incomplete."""
@@ -371,7 +395,7 @@ class ParameterServer:
         self.chains.drop(name)
         self._pending_samples.pop(name, None)
         self._pending_loss.pop(name, None)
-        self.updater.trainer_gone(name)
+        self.compute.run(self.updater.trainer_gone, name)  # may apply a sync round
 
     # ---- steps, checkpoints ------------------------------------------------------------
 
@@ -385,10 +409,7 @@ class ParameterServer:
 
     def snapshot_state(self) -> dict:
         """A consistent CPU copy of everything a resume needs (blocks updates only for the copy)."""
-        with self.updater.lock:
-            shards = [s.state_dict() for s in self.shards]
-            step = self.updater.global_step
-            samples = self.samples_seen
+        shards, step, samples = self.compute.run(self._copy_shards)
         return {
             "model": self.config.model,
             "model_config": {"seed": self.config.seed, "stages": len(self.shards), "input_shape": self.spec.input_shape},
@@ -403,6 +424,10 @@ class ParameterServer:
             "time": time.time(),
             "version": __version__,
         }
+
+    def _copy_shards(self) -> tuple[list[dict], int, int]:
+        with self.updater.lock:
+            return [s.state_dict() for s in self.shards], self.updater.global_step, self.samples_seen
 
     def checkpoint(self, *, wait: bool) -> CheckpointInfo:
         if self.checkpointer is None:
@@ -494,6 +519,7 @@ class ParameterServer:
         if rpc.api._is_current_rpc_agent_set():
             self.param_rrefs = []
             rpc.shutdown(graceful=False)
+        self.compute.close()
         self.state = "STOPPED"
         _SERVER = None
         log.info("psserver stopped at global step %d", self.updater.global_step)

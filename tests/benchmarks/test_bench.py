@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import measure, report, run
+from benchmarks import measure, report, run, setups, targets
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,22 +54,27 @@ def test_wire_bytes_per_step_uses_snapshots_inside_the_window():
 
 
 def test_setup_names_and_lower_bound():
-    assert run.parse_setup("ps-sync-4") == {"name": "ps-sync-4", "kind": "ps", "trainers": 4, "update": "sync",
+    parse_setup = setups.parse_setup
+    assert parse_setup("ps-sync-4") == {"name": "ps-sync-4", "kind": "ps", "trainers": 4, "update": "sync",
                                             "step": "plain"}
-    assert run.parse_setup("ps-fused-async-2")["step"] == "fused"
-    chained = run.parse_setup("ps-chained-sync-2")
+    assert parse_setup("ps-fused-async-2")["step"] == "fused"
+    chained = parse_setup("ps-chained-sync-2")
     assert chained["step"] == "chained" and chained["update"] == "sync" and chained["trainers"] == 2
-    assert run.parse_setup("ps-fold-async-1")["step"] == "fold"
+    assert parse_setup("ps-fold-async-1")["step"] == "fold"
     with pytest.raises(ValueError, match="unknown setup"):
-        run.parse_setup("ps-folded-async-1")
-    assert run.parse_setup("local-1t")["threads"] == 1
-    assert run.parse_setup("local-1t")["allocator"] == run.parse_setup("local")["allocator"] == "system"
-    assert run.parse_setup("local-cached")["allocator"] == "cached"  # the server's policy, in the ceiling
-    assert run.parse_setup("fsdp-2")["kind"] == "fsdp"
+        parse_setup("ps-folded-async-1")
+    assert parse_setup("local-1t")["threads"] == 1
+    assert parse_setup("local-1t")["allocator"] == parse_setup("local")["allocator"] == "system"
+    assert parse_setup("local-cached")["allocator"] == "cached"  # the server's policy, in the ceiling
+    assert parse_setup("fsdp-2")["kind"] == "fsdp"
     with pytest.raises(ValueError):
-        run.parse_setup("ps-2")
+        parse_setup("ps-2")
+    assert [x["name"] for x in setups.parse_setups(" local, ps-async-2,")] == ["local", "ps-async-2"]
+    for bad in ("local,local", " , "):
+        with pytest.raises(ValueError):
+            setups.parse_setups(bad)
     # mnist_cnn, batch 64: 64 x 784 floats in, 64 x 10 logits out, their gradient back.
-    assert run.lower_bound("mnist_cnn", 64) == {"input": 200704, "output": 2560, "grad_output": 2560, "total": 205824}
+    assert targets.lower_bound("mnist_cnn", 64) == {"input": 200704, "output": 2560, "grad_output": 2560, "total": 205824}
 
 
 def _check_result(result: dict, md: str, png: Path, setups: list[str]) -> None:
@@ -97,6 +102,18 @@ def _check_result(result: dict, md: str, png: Path, setups: list[str]) -> None:
         assert any(row.startswith(f"| {name} |") for row in rows), name
     assert result["command"] in md
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The paired rounds: the local loop and the async PS setups of 1-2 trainers, every round.
+    paired, rounds = result["paired"], result["config"]["rounds"]
+    paired_names = [n for n in setups if n == "local" or (n.startswith("ps-async-") and int(n[-1]) <= 2)]
+    assert list(paired["setups"]) == paired_names and paired["rounds"] == rounds
+    for name in paired_names:
+        row = paired["setups"][name]
+        assert len(row["samples_per_s"]) == len(row["x_local"]) == rounds and row["median_samples_per_s"] > 0
+        assert next(s for s in result["setups"] if s["name"] == name)["paired_x_local"] == row["median_x_local"]
+    assert all(len(order) == len(paired_names) for order in paired["order_per_round"])
+    one = next(r for r in result["ratios"] if r["name"].startswith("PS 1 trainer async / local"))
+    assert one["method"] == "paired rounds, median" and one["one_window"] is not None
+    assert "### Paired rounds" in md
 
 
 @pytest.mark.slow
@@ -116,32 +133,39 @@ def test_quick_run_writes_json_table_and_chart(tmp_path):
     assert "| local |" in report.markdown(result)
 
 
-def test_step_variants_arguments_are_checked(capsys):
-    from benchmarks import step_variants
-
-    for argv in (["--variants", "fold"], ["--variants", "plain,turbo"], ["--steps", "10", "--skip", "10"]):
+def test_bad_flags_are_one_line_errors(capsys):
+    for argv in (["--setups", "local,local"], ["--setups", "ps-turbo-1"], ["--round-steps", "10"],
+                 ["--quick", "--round-steps", "8", "--round-skip", "4"], ["--batch-size", "0"], ["--rounds", "-1"],
+                 ["--model", "nope"]):
         with pytest.raises(SystemExit) as e:
-            step_variants.parse_args(argv)
-        assert e.value.code == 2
-    assert "--variants" in capsys.readouterr().err
-    assert step_variants.parse_args(["--variants", "plain, fold"]).variants == ["plain", "fold"]
+            run.run(argv)
+        assert e.value.code == 2, argv
+        err = capsys.readouterr().err
+        assert "error:" in err and "Traceback" not in err, argv
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_step_variants_interleaves_against_one_server(tmp_path):
-    from benchmarks import step_variants
+def test_paired_setups_are_the_throughput_targets():
+    names = "local,local-cached,ps-async-1,ps-sync-1,ps-chained-async-2,ps-async-4,ddp-2,fsdp-2"
+    chosen = run.paired_setups(setups.parse_setups(names), failed={"ps-async-1"})
+    assert [s["name"] for s in chosen] == ["local", "local-cached", "ps-chained-async-2"]
 
-    argv = ["--rounds", "2", "--steps", "12", "--skip", "3", "--variants", "plain,chained,local",
-            "--results-dir", str(tmp_path)]
-    assert step_variants.main(argv) == 0
-    result = json.loads((tmp_path / "step_variants-mnist_cnn-b64.json").read_text())
-    assert set(result["step_ms"]) == {"plain", "chained", "local"}
-    assert all(len(v) == 2 and all(ms > 0 for ms in v) for v in result["step_ms"].values())
-    assert result["variants"]["plain"]["ratio_to_plain_per_round"] == [1.0, 1.0]
-    assert result["variants"]["local"]["x_local_per_round"] == [1.0, 1.0]  # the only local: the ceiling
-    chained = result["variants"]["chained"]
-    assert chained["median_ratio_to_plain"] > 0 and len(chained["ratio_to_plain_per_round"]) == 2
-    assert 0 < chained["median_x_local"] and len(chained["x_local_per_round"]) == 2
-    assert "| chained |" in (tmp_path / "step_variants-mnist_cnn-b64.md").read_text()
+
+def test_ratios_prefer_paired_medians():
+    result = {"config": {"model": "mnist_cnn", "batch_size": 64}, "setups": [
+        {"name": "local", "kind": "local", "ratio_to_local": 1.0, "paired_x_local": 1.0},
+        {"name": "ps-async-1", "kind": "ps", "ratio_to_local": 0.84, "paired_x_local": 0.93,
+         "bytes_vs_lower_bound": 1.02},
+        {"name": "ps-async-2", "kind": "ps", "ratio_to_local": 0.97, "server_idle_cpu_pct": 0.4,
+         "bytes_vs_lower_bound": 1.03}]}
+    rows = targets.ratios(result)
+
+    def row(prefix):
+        return next(r for r in rows if r["name"].startswith(prefix))
+
+    one = row("PS 1 trainer async / local")
+    assert (one["value"], one["one_window"], one["method"], one["met"]) == (0.93, 0.84, "paired rounds, median", True)
+    two = row("PS 2 trainers async (total) / local")
+    assert (two["value"], two["method"], two["met"]) == (0.97, "one window", True)
+    assert row("server idle CPU")["met"] is True
+    worst = row("PS bytes per step / lower bound (worst")
+    assert worst["value"] == 1.03 and "ps-async-2" in worst["name"]

@@ -1,0 +1,91 @@
+"""Paired rounds (``benchmarks.paired``): the arithmetic on fabricated step times, the flags,
+and one short real measurement against live servers."""
+
+from __future__ import annotations
+
+import json
+
+import psutil
+import pytest
+
+from benchmarks import paired, setups
+
+
+def test_leg_rate_counts_only_while_every_process_steps():
+    # Trainer 0 steps every 0.1 s for 2 s; trainer 1 starts at 0.5 s and stops at 1.5 s.
+    t0 = [0.1 * i for i in range(1, 21)]
+    t1 = [0.5 + 0.1 * i for i in range(1, 11)]
+    leg = paired.leg_rate([t0, t1], batch_size=10, skip=2)
+    # After 2 skipped steps each: trainer 0 from 0.3 s, trainer 1 from 0.8 s; together until 1.5 s.
+    assert leg["seconds"] == pytest.approx(0.7)
+    assert leg["steps"] == 14  # 7 steps each in (0.8, 1.5]
+    assert leg["samples_per_s"] == pytest.approx(14 * 10 / 0.7)
+    assert leg["step_ms"] == pytest.approx(100.0)
+    with pytest.raises(RuntimeError, match="too few"):
+        paired.leg_rate([t0[:7]], batch_size=10, skip=2)
+    with pytest.raises(RuntimeError, match="never stepped together"):
+        paired.leg_rate([t0[:10], [5 + t for t in t0]], batch_size=10, skip=0)
+
+
+def _leg(rate: float) -> dict:
+    return {"samples_per_s": rate, "step_ms": 64_000 / rate, "steps": 60, "seconds": 1.0}
+
+
+def test_summarize_divides_by_the_best_local_loop_of_each_round():
+    names = setups.parse_setups("local,local-cached,ps-async-1")
+    runs = {"local": [_leg(1000), _leg(800), _leg(900)],
+            "local-cached": [_leg(950), _leg(1000), _leg(880)],
+            "ps-async-1": [_leg(940), _leg(850), _leg(855)]}
+    out = paired.summarize(names, runs)
+    assert out["ceiling_per_round"] == ["local", "local-cached", "local"]
+    ps = out["setups"]["ps-async-1"]
+    assert ps["x_local"] == pytest.approx([0.94, 0.85, 0.95])
+    assert ps["median_x_local"] == pytest.approx(0.94)
+    assert ps["median_samples_per_s"] == 855
+    assert ps["rounds_at_or_above_0.90"] == 2
+    assert out["setups"]["local"]["x_local"] == pytest.approx([1.0, 0.8, 1.0])
+    table = "\n".join(paired.markdown_rows({**out, "rounds": 3}))
+    assert "| ps-async-1 | 855 | 0.940 | 2/3 | 0.940 0.850 0.950 |" in table
+
+
+def test_flags_are_checked(capsys):
+    for argv in (["--setups", "local,ddp-2"], ["--setups", "ps-async-1"], ["--setups", "local,local"],
+                 ["--steps", "10", "--skip", "5"], ["--rounds", "0"], ["--setups", "local,ps-turbo-1"]):
+        with pytest.raises(SystemExit) as e:
+            paired.parse_args(argv)
+        assert e.value.code == 2, argv
+        err = capsys.readouterr().err
+        assert "--" in err and "Traceback" not in err, argv
+    args = paired.parse_args(["--setups", "local-cached, ps-fused-async-2"])
+    assert [s["name"] for s in args.setups] == ["local-cached", "ps-fused-async-2"]
+    with pytest.raises(ValueError, match="ddp-2"):
+        paired.measure_rounds(setups.parse_setups("local,ddp-2"), rounds=1, model="mnist_cnn", batch_size=8,
+                              steps=10, skip=2)
+
+
+def _psserver_children() -> list[psutil.Process]:
+    return [c for c in psutil.Process().children(recursive=True) if c.is_running()]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_rounds_run_every_setup_against_live_servers(tmp_path):
+    argv = ["--rounds", "2", "--steps", "14", "--skip", "4", "--setups", "local,ps-async-1,ps-chained-async-2",
+            "--results-dir", str(tmp_path)]
+    assert paired.main(argv) == 0
+    result = json.loads((tmp_path / "paired-mnist_cnn-b64.json").read_text())
+    p = result["paired"]
+    assert p["rounds"] == 2 and p["steps"] == 14 and p["skip"] == 4
+    # The order rotates: every setup leads one round.
+    assert p["order_per_round"] == [["local", "ps-async-1", "ps-chained-async-2"],
+                                    ["ps-async-1", "ps-chained-async-2", "local"]]
+    assert p["ceiling_per_round"] == ["local", "local"]
+    for name, row in p["setups"].items():
+        assert len(row["samples_per_s"]) == 2 and all(r > 0 for r in row["samples_per_s"]), name
+        assert len(row["x_local"]) == 2 and row["median_x_local"] > 0, name
+        assert all(ms > 0 for ms in row["step_ms"]), name
+    assert p["setups"]["local"]["x_local"] == [1.0, 1.0]
+    md = (tmp_path / "paired-mnist_cnn-b64.md").read_text()
+    assert "| ps-chained-async-2 |" in md and result["command"] in md
+    assert not _psserver_children()  # servers and trainers all stopped
