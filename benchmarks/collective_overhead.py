@@ -64,7 +64,7 @@ def _percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     s = sorted(values)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
 class _HandWritten:
@@ -194,7 +194,7 @@ def _worker(env, config, spec: dict[str, Any]) -> int:
         if "hand-written" in out:
             # Paired: each psserver window against the hand-written window next to it in time,
             # so load from other processes cancels out; median of the pairs.
-            pairs = [1 - a / b for a, b in zip(rates["psserver"], rates["hand-written"])]
+            pairs = [1 - a / b for a, b in zip(rates["psserver"], rates["hand-written"], strict=True)]
             result["overhead_pct"] = 100.0 * statistics.median(pairs)
             result["overhead_pct_of_medians"] = 100.0 * (1 - out["psserver"]["samples_per_s"] /
                                                          out["hand-written"]["samples_per_s"])
@@ -209,8 +209,7 @@ def _measure(mode: str, model: str, batch_size: int, seconds: float, nproc: int,
     import tempfile
 
     from psserver.collective.launcher import launch
-    from psserver.config.collective import (
-        CollectiveConfig, DDPOptions, FSDPOptions, LaunchConfig)
+    from psserver.config.collective import CollectiveConfig, DDPOptions, FSDPOptions, LaunchConfig
     from psserver.config.common import DataConfig
     from psserver.config.control import ControlConfig
 
@@ -259,9 +258,10 @@ def _table(results: list[dict]) -> str:
                          f"{r['bytes_per_step_estimate'] / 1e6:.2f}",
                          "/".join(f"{m:.0f}" for m in r["peak_rss_mb_per_process"]),
                          f"{r['overhead_pct']:+.1f}% / {r['overhead_pct_of_medians']:+.1f}% / "
-                         f"{r['overhead_pct_best_windows']:+.1f}%" if name == "psserver" and "overhead_pct" in r else ""))
+                         f"{r['overhead_pct_best_windows']:+.1f}%"
+                         if name == "psserver" and "overhead_pct" in r else ""))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ analysis on fabricated data without starting anything.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import signal
@@ -16,9 +17,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -245,7 +246,7 @@ class Sampler:
             self.roles.pop(role, None)
             self.wire.discard(role)
 
-    def start(self) -> "Sampler":
+    def start(self) -> Sampler:
         self._thread = threading.Thread(target=self._run, name="bench-sampler", daemon=True)
         self._thread.start()
         return self
@@ -255,7 +256,7 @@ class Sampler:
         if self._thread is not None:
             self._thread.join(10)
 
-    def __enter__(self) -> "Sampler":
+    def __enter__(self) -> Sampler:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -408,7 +409,7 @@ def analyze_steps(step_ends: list[list[float]], batch_size: int, *, warmup_s: fl
         count = sum(1 for e in ends for t in e if a < t <= b)
         windows.append(count * batch_size / length)
     total = sum(1 for e in ends for t in e if start < t <= end)
-    lat = [b - a for e in ends for a, b in zip(e, e[1:]) if start < b <= end]
+    lat = [b - a for e in ends for a, b in itertools.pairwise(e) if start < b <= end]
     return StepAnalysis(start, end, statistics.median(windows), windows, total * batch_size / (end - start),
                         total, lat)
 
@@ -448,7 +449,7 @@ def wire_byte_rate(samples: list[Sample]) -> float | None:
     flows (those above a fifth of the busiest one), for runs without per-step times."""
     snaps = [s for s in samples if s.sockets is not None]
     rates = []
-    for a, b in zip(snaps, snaps[1:]):
+    for a, b in itertools.pairwise(snaps):
         if b.t > a.t:
             rates.append(bytes_between(a.sockets, b.sockets) / (b.t - a.t))
     if not rates or max(rates) <= 0:

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     base = [x["step_ms"] for x in runs["main"]]
     for mode in MODES:
         ms = [x["step_ms"] for x in runs[mode]]
-        ratio = statistics.median(a / b for a, b in zip(ms, base))
+        ratio = statistics.median(a / b for a, b in zip(ms, base, strict=True))
         lines.append(f"| {mode} | {statistics.median(ms):.1f} | {ratio:.3f} | "
                      f"{statistics.median(x['cores'] for x in runs[mode]):.2f} | {' '.join(f'{m:.1f}' for m in ms)} |")
     sys.stdout.write("\n".join(lines) + "\n")

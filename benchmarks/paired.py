@@ -19,6 +19,7 @@ rounds after its one-window pass (``--rounds``) and takes the issue's targets fr
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import statistics
@@ -32,7 +33,7 @@ from benchmarks.setups import local_argv, parse_setups, server_argv, trainer_arg
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SETUPS = "local,local-cached,ps-async-1,ps-fold-async-1,ps-chained-async-1,ps-fused-async-1"
+DEFAULT_SETUPS = "local,local-cached,ps-async-1,ps-chained-async-1,ps-async-2,ps-chained-async-2"
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
 LEG_TIMEOUT_S = 600.0
 
@@ -54,7 +55,7 @@ def leg_rate(step_ends: list[list[float]], batch_size: int, skip: int) -> dict:
     count = sum(1 for e in ends for t in e if start < t <= end)
     if end <= start or count < 5:
         raise RuntimeError("the processes of a run never stepped together after their warm-up (raise --steps)")
-    gaps = [b - a for e in ends for a, b in zip(e, e[1:]) if start < b <= end]
+    gaps = [b - a for e in ends for a, b in itertools.pairwise(e) if start < b <= end]
     return {"samples_per_s": count * batch_size / (end - start), "step_ms": 1000 * statistics.median(gaps),
             "steps": count, "seconds": end - start}
 
@@ -75,7 +76,7 @@ def summarize(setups: list[dict], runs: dict[str, list[dict]]) -> dict:
         row = {"samples_per_s": rates, "step_ms": [leg["step_ms"] for leg in runs[s["name"]]],
                "median_samples_per_s": statistics.median(rates)}
         if best:
-            row["x_local"] = [a / b for a, b in zip(rates, best)]
+            row["x_local"] = [a / b for a, b in zip(rates, best, strict=True)]
             row["median_x_local"] = statistics.median(row["x_local"])
             row["rounds_at_or_above_0.90"] = sum(x >= 0.90 for x in row["x_local"])
         out["setups"][s["name"]] = row
@@ -97,7 +98,7 @@ class Rounds:
 
     def _server(self, setup: dict) -> int:
         # One server per step variant too: in a deployment a job's trainers share one --step,
-        # and dist_autograd's backward (plain, fold) gives the server more OpenMP teams, which
+        # and dist_autograd's backward (plain) gives the server more OpenMP teams, which
         # slows every later step of that server (psserver.ps.compute).
         key = (setup["update"], setup["trainers"] if setup["update"] == "sync" else 0, setup["step"])
         if key not in self.servers:
@@ -175,7 +176,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.paired", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="mnist_cnn", help="model the server hosts (default mnist_cnn)")
     p.add_argument("--batch-size", type=int, default=64, help="samples per step and trainer (default 64)")
-    p.add_argument("--setups", default=DEFAULT_SETUPS, help=f"comma-separated local and PS setups (default {DEFAULT_SETUPS})")
+    p.add_argument("--setups", default=DEFAULT_SETUPS,
+                   help=f"comma-separated local and PS setups (default {DEFAULT_SETUPS})")
     p.add_argument("--rounds", type=int, default=6, help="rounds of every setup (default 6)")
     p.add_argument("--steps", type=int, default=80, help="steps per run and trainer (default 80)")
     p.add_argument("--skip", type=int, default=20, help="warm-up steps left out of each run (default 20)")

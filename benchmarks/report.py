@@ -6,8 +6,8 @@ from pathlib import Path
 
 from benchmarks import paired
 
-COLUMNS = ["setup", "samples/s", "x local", "x local, paired", "step p50 ms", "step p95 ms", "bytes/step", "x lower bound",
-           "server CPU idle (% core)", "server CPU training (% core)", "peak RSS MB"]
+COLUMNS = ["setup", "samples/s", "x local", "x local, paired", "step p50 ms", "step p95 ms", "bytes/step",
+           "x lower bound", "server CPU idle (% core)", "server CPU training (% core)", "peak RSS MB"]
 
 
 def _num(v, fmt: str = "{:.0f}") -> str:
@@ -144,8 +144,6 @@ def chart(result: dict, path: Path) -> bool:
     for label in ax1.get_xticklabels():
         label.set_ha("right")
     for update, step, color in (("async", "", "tab:blue"), ("sync", "", "tab:orange"),
-                                ("async", "fused", "tab:purple"), ("sync", "fused", "tab:brown"),
-                                ("async", "fold", "tab:cyan"), ("sync", "fold", "tab:pink"),
                                 ("async", "chained", "tab:red"), ("sync", "chained", "tab:gray")):
         pts = sorted((s["trainers"], s["samples_per_s"]) for s in ok if s["kind"] == "ps" and s["update"] == update
                      and s.get("step", "plain") == (step or "plain"))

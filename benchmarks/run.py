@@ -43,13 +43,12 @@ import traceback
 from pathlib import Path
 
 from benchmarks import measure, paired, report
-from benchmarks.targets import lower_bound, ratios
 from benchmarks.setups import local_argv, parse_setup, parse_setups, server_argv, trainer_argv
+from benchmarks.targets import lower_bound, ratios
 
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
 FULL_SETUPS = ("local,local-1t,local-cached,ps-async-1,ps-async-2,ps-async-4,ps-sync-1,ps-sync-2,ps-sync-4,"
-               "ps-fold-async-1,ps-fold-async-2,ps-chained-async-1,ps-chained-async-2,ps-chained-sync-2,"
-               "ps-fused-async-1,ps-fused-async-2,ddp-2,fsdp-2")
+               "ps-chained-async-1,ps-chained-async-2,ps-chained-sync-2,ddp-2,fsdp-2")
 QUICK_SETUPS = "local,ps-async-1,ps-async-2,ddp-2"
 WARMUP_STEPS = 5  # collective runs: steps before their windows
 
@@ -65,9 +64,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=float, default=None, help="seconds discarded per process (default 3; quick 1.5)")
     p.add_argument("--window", type=float, default=None, help="window length in seconds (default seconds/6)")
     p.add_argument("--idle-seconds", type=float, default=None,
-                   help="seconds of server CPU measured with trainers joined and idle, async setups (default 4; quick 2; 0: skip)")
+                   help="seconds of server CPU measured with trainers joined and idle, async setups "
+                        "(default 4; quick 2; 0: skip)")
     p.add_argument("--rounds", type=int, default=None,
-                   help="paired rounds after the one-window pass, for the throughput targets (default 6; quick 2; 0: none)")
+                   help="paired rounds after the one-window pass, for the throughput targets "
+                        "(default 6; quick 2; 0: none)")
     p.add_argument("--round-steps", type=int, default=None,
                    help="steps per trainer and paired run (default 80; quick 20)")
     p.add_argument("--round-skip", type=int, default=None,
@@ -77,7 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "between hosts, so ss counts them; 'default': TensorPipe's own choice, which on one "
                         "host moves tensors with cma outside any socket)")
     p.add_argument("--devices", default=None, help="server --devices (default: its own choice: GPUs, else cpu)")
-    p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS, help=f"output directory (default {DEFAULT_RESULTS})")
+    p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS,
+                   help=f"output directory (default {DEFAULT_RESULTS})")
     p.add_argument("--keep-logs", action="store_true", help="keep every child's log under the results directory")
 
 
@@ -213,7 +215,7 @@ class Run:
     def _planned_steps(self, n: int) -> int:
         """Steps per trainer so that all N overlap for about warm-up + seconds (plus start-up skew)."""
         rate = self.local_steps_per_s() * 1.15  # PS totals rarely beat the local loop
-        return int(math.ceil(rate * (self.seconds + self.warmup + 2.0) / n)) + 5
+        return math.ceil(rate * (self.seconds + self.warmup + 2.0) / n) + 5
 
     def _idle(self, server: measure.Child, port: int, n: int, name: str, children: measure.Children,
               sampler: measure.Sampler) -> dict:
@@ -305,7 +307,8 @@ def machine_info() -> dict:
                 break
     except OSError:
         pass
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() \
+        else []
     return {
         "hostname": platform.node(),
         "platform": platform.platform(),

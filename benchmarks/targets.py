@@ -40,12 +40,11 @@ def ratios(result: dict) -> list[dict]:
     target1 = ONE_TRAINER_TARGETS.get(key, 0.90)
     for n, target, issue_config in ((1, target1, key in ONE_TRAINER_TARGETS), (2, 0.95, mnist)):
         what = "1 trainer async" if n == 1 else "2 trainers async (total)"
-        out.append(throughput(f"PS {what} / local ({c['model']} b{c['batch_size']})", f"ps-async-{n}",
-                              target, issue_config))
-        for step in ("fold", "chained", "fused"):
-            if f"ps-{step}-async-{n}" in by:
-                out.append(throughput(f"PS {what}, --step {step} / local", f"ps-{step}-async-{n}",
-                                      target, issue_config))
+        out.append(throughput(f"PS {what}, --step plain / local ({c['model']} b{c['batch_size']})",
+                              f"ps-async-{n}", target, issue_config))
+        if f"ps-chained-async-{n}" in by:
+            out.append(throughput(f"PS {what}, --step chained / local", f"ps-chained-async-{n}", target,
+                                  issue_config))
     idle = by.get("ps-async-2", {}).get("server_idle_cpu_pct")
     out.append({"name": "server idle CPU, 2 trainers joined and waiting (% of one core)", "value": idle,
                 "op": "<", "target": 2.0, "issue_config": True})

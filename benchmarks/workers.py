@@ -33,7 +33,6 @@ def run_local(args: argparse.Namespace) -> int:
     from psserver.config import DataConfig
     from psserver.data import load_dataset
     from psserver.models import build_model, get_model_spec
-
     from psserver.utils.memory import configure_host_allocator
 
     configure_host_allocator(args.allocator)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from psserver.errors import UsageError
 from psserver.telemetry import CheckpointInfo
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ FORMAT = 1
 _NAME = re.compile(r"^ckpt-(\d{12})\.pt$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UsageError):
     """A checkpoint that cannot be used (corrupt, partial, or for another model)."""
 
 
@@ -134,7 +135,6 @@ class Checkpointer:
         self.directory = Path(directory)
         self.keep = keep
         self.last: CheckpointInfo | None = None
-        self.last_duration_s: float = 0.0
         self._lock = threading.Lock()  # one write at a time, in step order
         self._thread: threading.Thread | None = None
 
@@ -147,10 +147,10 @@ class Checkpointer:
             with self._lock:
                 t0 = time.monotonic()
                 size = write_checkpoint(path, state)
-                self.last_duration_s = time.monotonic() - t0
+                info.duration_s = time.monotonic() - t0
                 self.last = info
                 log.info("checkpoint step %d written to %s (%.1f MB, %.2fs)", step, path, size / 1e6,
-                         self.last_duration_s)
+                         info.duration_s)
                 self._prune()
 
         if wait:

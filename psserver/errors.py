@@ -1,4 +1,7 @@
-"""Errors that the CLI turns into one line on stderr and exit code 2."""
+"""Errors that the CLI turns into one line on stderr and an exit code (2, or 3 for ServerLost).
+
+Any other exception reaching the CLI is an internal error (exit code 1, traceback in a log).
+"""
 
 
 class UsageError(Exception):
@@ -7,6 +10,11 @@ class UsageError(Exception):
 
 class ServerUnavailable(UsageError):
     """The server (RPC or control plane) cannot be reached."""
+
+
+class DataError(UsageError, ValueError):
+    """Training data that is missing, unreadable or does not fit the model (also a
+    ``ValueError``, as the data loaders documented before it existed)."""
 
 
 class ServerLost(Exception):

@@ -21,8 +21,9 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -41,7 +42,7 @@ TENSORBOARD_INTERVAL_S = 5.0
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_active: list["Exporters"] = []
+_active: list[Exporters] = []
 _active_lock = threading.Lock()
 
 
@@ -185,10 +186,8 @@ class StatusCollector(Collector):
         yield _gauge("checkpoint_age_seconds", "Seconds since the newest checkpoint was written",
                      max(0.0, time.time() - ck.time))
         yield _gauge("checkpoint_last_step", "Global step of the newest checkpoint", ck.step)
-        checkpointer = getattr(self.target, "checkpointer", None)
-        duration = getattr(checkpointer, "last_duration_s", None)
-        if duration is not None and _finite(duration):
-            yield _gauge("checkpoint_duration_seconds", "Seconds the newest checkpoint took to write", duration)
+        if _finite(ck.duration_s):
+            yield _gauge("checkpoint_duration_seconds", "Seconds the newest checkpoint took to write", ck.duration_s)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -323,7 +322,7 @@ class Exporters:
             except Exception:  # noqa: BLE001 - closing must not mask the server's own exit
                 log.exception("closing the TensorBoard writer failed")
 
-    def __enter__(self) -> "Exporters":
+    def __enter__(self) -> Exporters:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -49,6 +49,8 @@ class CheckpointInfo:
     path: str
     step: int
     time: float
+    duration_s: float = float("nan")
+    """Seconds the write took (NaN when not measured, e.g. a checkpoint resumed from)."""
 
 
 @dataclass

@@ -1,4 +1,17 @@
-"""Starting real psserver processes in tests, bounded in time and never left behind."""
+"""Starting real psserver processes in tests, bounded in time and never left behind.
+
+The one place the suite picks free ports and starts ``python -m psserver`` (or a launcher in
+front of it: torchrun, a deploy script):
+
+- ``free_port()``: a loopback port nobody listens on right now.
+- ``env(**overrides)``: the environment of a child: this checkout on PYTHONPATH, unbuffered
+  output, no launcher variables (torchrun, Slurm) and no control-plane token or address
+  inherited from the shell; ``overrides`` last (a value of None removes the variable).
+- ``run(args, timeout=...)``: a child to its end, output captured (``CompletedProcess``).
+- ``Proc``: a child running in the background, its output in a log file (no pipe to fill up),
+  in a session of its own so that ``kill()`` takes everything it started along.
+- ``ProcessGroup``: the ``Proc`` objects of one test (fixture ``procs``), all killed after it.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +23,20 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MNIST_DIR = Path(os.environ.get("PSSERVER_TEST_MNIST", ROOT.parent / "shared" / "data" / "mnist"))
 MNIST_ARGS = ["--dataset", "mnist", "--data-dir", str(MNIST_DIR), "--train-split", "8000"]
+
+PSSERVER = (sys.executable, "-m", "psserver")
+# Read by psserver as defaults (rank, world size, server address, launcher detection, token):
+# a test that wants one sets it explicitly.
+NOT_INHERITED = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS", "PSSERVER_AUTH_TOKEN", "PSSERVER_CONTROL_ADDRESS",
+)
 
 
 def free_port() -> int:
@@ -23,29 +45,86 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def env() -> dict[str, str]:
+def env(**overrides: str | None) -> dict[str, str]:
+    return _environment(overrides)
+
+
+def _environment(overrides: Mapping[str, str | None] | None) -> dict[str, str]:
     e = dict(os.environ)
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
     e["PYTHONUNBUFFERED"] = "1"
-    e.pop("RANK", None)
-    e.pop("WORLD_SIZE", None)
-    e.pop("MASTER_ADDR", None)
-    e.pop("MASTER_PORT", None)
+    for name in NOT_INHERITED:
+        e.pop(name, None)
+    for name, value in (overrides or {}).items():
+        if value is None:
+            e.pop(name, None)
+        else:
+            e[name] = value
     return e
 
 
+def _command(args: Sequence[str], prefix: Sequence[str] | None) -> list[str]:
+    return [*(PSSERVER if prefix is None else prefix), *args]
+
+
+def _kill_session(popen: subprocess.Popen) -> None:
+    """SIGKILL the child's own session (started with start_new_session): it and whatever it started."""
+    try:
+        os.killpg(popen.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        popen.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def run(args: Sequence[str], *, timeout: float = 60, env: Mapping[str, str | None] | None = None,
+        prefix: Sequence[str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m psserver ARGS`` (or ``prefix + ARGS``) to its end, stdout and stderr captured as text.
+
+    Past ``timeout`` the child and everything it started are killed and the test fails with their output.
+    """
+    cmd = _command(args, prefix)
+    popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                             text=True, env=_environment(env), cwd=ROOT, start_new_session=True)
+    try:
+        out, err = popen.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_session(popen)
+        out, err = popen.communicate()
+        raise AssertionError(f"{' '.join(cmd)} still running after {timeout}s:\nstdout:\n{out[-3000:]}\n"
+                             f"stderr:\n{err[-6000:]}") from None
+    finally:
+        _kill_session(popen)  # anything it left behind in its session
+    return subprocess.CompletedProcess(cmd, popen.returncode, out, err)
+
+
 class Proc:
-    def __init__(self, args: list[str], name: str) -> None:
-        self.args = args
+    """One child in the background: ``python -m psserver ARGS``, or ``prefix + ARGS``.
+
+    ``env``: overrides of ``env()``. ``log``: where its output goes (kept); by default a
+    temporary file, removed by ``kill()``. ``cwd``: by default the checkout.
+    """
+
+    def __init__(self, args: Sequence[str], name: str, *, env: Mapping[str, str | None] | None = None,
+                 log: Path | None = None, prefix: Sequence[str] | None = None, cwd: Path | None = None) -> None:
+        self.args = list(args)
         self.name = name
-        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"psserver-{name}-", suffix=".log", delete=False)
+        self._keep_log = log is not None
+        if log is None:
+            self._out = tempfile.NamedTemporaryFile("w", prefix=f"psserver-{name}-", suffix=".log", delete=False)
+            self.log = Path(self._out.name)
+        else:
+            self.log = Path(log)
+            self._out = open(self.log, "w")
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "psserver", *args],
-            stdout=self.log,
+            _command(self.args, prefix),
+            stdout=self._out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=env(),
-            cwd=ROOT,
+            env=_environment(env),
+            cwd=cwd or ROOT,
             start_new_session=True,
         )
 
@@ -54,9 +133,10 @@ class Proc:
         return self.popen.pid
 
     def output(self) -> str:
-        return Path(self.log.name).read_text(errors="replace")
+        return self.log.read_text(errors="replace")
 
     def wait_for(self, pattern: str, timeout: float = 60.0) -> re.Match:
+        """The first match of ``pattern`` in the output; fails if the process exits or time runs out first."""
         deadline = time.monotonic() + timeout
         rx = re.compile(pattern)
         while time.monotonic() < deadline:
@@ -67,17 +147,20 @@ class Proc:
                 m = rx.search(self.output())
                 if m:
                     return m
-                raise AssertionError(f"{self.name} exited with {self.popen.returncode} before /{pattern}/:\n{self.tail()}")
+                raise AssertionError(
+                    f"{self.name} exited with {self.popen.returncode} before /{pattern}/:\n{self.tail()}")
             time.sleep(0.1)
         raise AssertionError(f"{self.name}: no /{pattern}/ within {timeout}s:\n{self.tail()}")
 
     def wait(self, timeout: float) -> int:
+        """The exit code; fails (with the output's tail) if it is still running after ``timeout``."""
         try:
             return self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
             raise AssertionError(f"{self.name} still running after {timeout}s:\n{self.tail()}") from None
 
     def signal(self, sig: int) -> None:
+        """``sig`` to the process itself (not its session), if it still runs."""
         if self.popen.poll() is None:
             os.kill(self.popen.pid, sig)
 
@@ -88,45 +171,46 @@ class Proc:
         return "\n".join(self.output().splitlines()[-n:])
 
     def kill(self) -> None:
-        if self.popen.poll() is None:
+        """SIGKILL its whole session, close the log (and remove it unless it was given)."""
+        _kill_session(self.popen)
+        self._out.close()
+        if not self._keep_log:
             try:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-            except ProcessLookupError:
+                os.unlink(self.log)
+            except OSError:
                 pass
-        try:
-            self.popen.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
-        self.log.close()
-        try:
-            os.unlink(self.log.name)
-        except OSError:
-            pass
 
 
 class ProcessGroup:
+    """The processes of one test (fixture ``procs``); ``kill_all()`` ends them all.
+
+    ``start``, ``server`` and ``trainer`` take ``Proc``'s keyword options (env, log, prefix, cwd).
+    """
+
     def __init__(self) -> None:
         self.procs: list[Proc] = []
 
-    def start(self, args: list[str], name: str) -> Proc:
-        p = Proc(args, name)
+    def start(self, args: Sequence[str], name: str, **options) -> Proc:
+        p = Proc(args, name, **options)
         self.procs.append(p)
         return p
 
-    def server(self, port: int, *extra: str, control_port: int | None = None, wait: bool = True) -> Proc:
+    def server(self, port: int, *extra: str, control_port: int | None = None, wait: bool = True, **options) -> Proc:
+        """``psserver serve`` on ``port`` (``--no-control`` unless ``control_port``); waits until it serves."""
         ctl = ["--control-port", str(control_port)] if control_port is not None else ["--no-control"]
-        p = self.start(["serve", "--port", str(port), *ctl, *extra], f"server-{port}")
+        p = self.start(["serve", "--port", str(port), *ctl, *extra], f"server-{port}", **options)
         if wait:
             p.wait_for(r"serving \S+ on", timeout=90)
         return p
 
-    def trainer(self, port: int, rank: int, *extra: str) -> Proc:
+    def trainer(self, port: int, rank: int, *extra: str, **options) -> Proc:
         return self.start(
             ["train", "--server", f"127.0.0.1:{port}", "--rank", str(rank), "--no-progress", *extra],
-            f"trainer-{rank}",
+            f"trainer-{rank}", **options,
         )
 
     def stop(self, proc: Proc, timeout: float = 30.0) -> int:
+        """SIGTERM, then its exit code (fails if it is still running after ``timeout``)."""
         proc.signal(signal.SIGTERM)
         return proc.wait(timeout)
 

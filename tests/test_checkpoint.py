@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from psserver.checkpoint import (
-    CheckpointError,
     Checkpointer,
+    CheckpointError,
     checkpoint_path,
     list_checkpoints,
     load_latest,

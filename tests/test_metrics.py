@@ -8,11 +8,8 @@ waits for the eviction to show in the liveness gauge.
 from __future__ import annotations
 
 import math
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -24,15 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from psserver.config import ObservabilityConfig
 from psserver.errors import UsageError
 from psserver.telemetry import CheckpointInfo, ServerStatus, ShardStatus, TrainerStatus
-
+from tests.procs import free_port
 
 # ---- helpers ---------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -72,11 +63,6 @@ class FakeTarget:
         self.trainers = [TrainerStatus(0, "trainer_0_1", "h", time.time(), time.time(), steps=3, samples=192,
                                        last_loss=0.5, samples_per_s=100.0)]
         self.last_checkpoint: CheckpointInfo | None = None
-
-        class _Ck:
-            last_duration_s = 0.25
-
-        self.checkpointer = _Ck()
 
     def get_status(self) -> ServerStatus:
         return ServerStatus(
@@ -121,7 +107,7 @@ def test_prometheus_endpoint_reads_status_at_scrape_time():
         target.step, target.loss = 7, float("nan")
         target.trainers[0].state = "LOST"
         target.trainers.append(TrainerStatus(1, "trainer_1_1", "h", time.time(), time.time()))
-        target.last_checkpoint = CheckpointInfo("/x/ckpt.pt", 5, time.time() - 30)
+        target.last_checkpoint = CheckpointInfo("/x/ckpt.pt", 5, time.time() - 30, duration_s=0.25)
         s2 = scrape(port)
         assert value(s2, "psserver_steps_total") == 7
         assert math.isnan(value(s2, "psserver_loss"))
@@ -211,7 +197,7 @@ def test_tensorboard_missing_is_one_line(monkeypatch, tmp_path):
     real_import = builtins.__import__
 
     def fake_import(name, *args, **kwargs):
-        if name.startswith("torch.utils.tensorboard") or name.startswith("tensorboard"):
+        if name.startswith(("torch.utils.tensorboard", "tensorboard")):
             raise ImportError(name)
         return real_import(name, *args, **kwargs)
 
@@ -223,19 +209,12 @@ def test_tensorboard_missing_is_one_line(monkeypatch, tmp_path):
 # ---- a real server and trainer ---------------------------------------------------------
 
 
-def _psserver(*args: str, log: Path) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    f = open(log, "w")
-    return subprocess.Popen([sys.executable, "-m", "psserver", *args], stdout=f, stderr=subprocess.STDOUT,
-                            env=env, start_new_session=True)
-
-
 def _wait(predicate, timeout: float, what: str, procs=()):
     deadline = time.monotonic() + timeout
     last_exc = None
     while time.monotonic() < deadline:
         for p in procs:
-            assert p.poll() is None, f"process exited with {p.returncode} while waiting for {what}"
+            assert p.running(), f"{p.name} exited with {p.popen.returncode} while waiting for {what}:\n{p.tail()}"
         try:
             result = predicate()
             if result:
@@ -246,84 +225,63 @@ def _wait(predicate, timeout: float, what: str, procs=()):
     raise AssertionError(f"timed out waiting for {what} ({last_exc})")
 
 
-def _kill_group(p: subprocess.Popen | None, sig: int = signal.SIGKILL) -> None:
-    if p is None or p.poll() is not None:
-        return
-    try:
-        os.killpg(p.pid, sig)
-    except ProcessLookupError:
-        pass
-    try:
-        p.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
-
-
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_real_server_metrics_during_training(tmp_path):
+def test_real_server_metrics_during_training(tmp_path, procs):
     port, metrics_port = free_port(), free_port()
     tb = tmp_path / "tb"
-    server = trainer = None
-    try:
-        server = _psserver(
-            "serve", "--port", str(port), "--model", "mlp", "--no-control", "--compute-threads", "1",
-            "--metrics-port", str(metrics_port), "--tensorboard-dir", str(tb), "--trainer-timeout", "2",
-            "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "100",
-            log=tmp_path / "server.log",
-        )
-        _wait(lambda: value(scrape(metrics_port), "psserver_up") == 1, 60, "server up", [server])
-        trainer = _psserver(
-            "train", "--server", f"127.0.0.1:{port}", "--rank", "0", "--epochs", "1000", "--max-steps", "100000",
-            "--no-progress", log=tmp_path / "trainer.log",
-        )
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    server = procs.server(
+        port, "--model", "mlp", "--compute-threads", "1", "--metrics-port", str(metrics_port),
+        "--tensorboard-dir", str(tb), "--trainer-timeout", "2", "--checkpoint-dir", str(tmp_path / "ck"),
+        "--checkpoint-every", "100", wait=False, env=one_thread, log=tmp_path / "server.log",
+    )
+    _wait(lambda: value(scrape(metrics_port), "psserver_up") == 1, 60, "server up", [server])
+    trainer = procs.trainer(port, 0, "--epochs", "1000", "--max-steps", "100000", env=one_thread,
+                            log=tmp_path / "trainer.log")
 
-        def training_trainer() -> dict[str, str] | None:
-            s = scrape(metrics_port)
-            if value(s, "psserver_steps_total") == 0:
-                return None
-            up = [dict(k[1]) for k, v in s.items() if k[0] == "psserver_trainer_up" and v == 1]
-            return up[0] if up else None
+    def training_trainer() -> dict[str, str] | None:
+        s = scrape(metrics_port)
+        if value(s, "psserver_steps_total") == 0:
+            return None
+        up = [dict(k[1]) for k, v in s.items() if k[0] == "psserver_trainer_up" and v == 1]
+        return up[0] if up else None
 
-        name_labels = _wait(training_trainer, 90, "the trainer to train", [server, trainer])
-        assert name_labels["rank"] == "0"
-        s1 = scrape(metrics_port)
-        time.sleep(1.5)
-        s2 = scrape(metrics_port)
-        assert trainer.poll() is None, "the trainer should still be training"
-        assert value(s2, "psserver_steps_total") > value(s1, "psserver_steps_total") > 0
-        assert value(s2, "psserver_samples_total") > value(s1, "psserver_samples_total")
-        assert value(s2, "psserver_updates_per_second") > 0
-        assert math.isfinite(value(s2, "psserver_loss")) and value(s2, "psserver_loss") >= 0
-        assert value(s2, "psserver_trainer_up", **name_labels) == 1
-        assert value(s2, "psserver_trainer_steps_total", **name_labels) > 0
-        assert value(s2, "psserver_trainers", state="ACTIVE") == 1
-        _wait(lambda: ("psserver_checkpoint_age_seconds", ()) in scrape(metrics_port), 30, "a checkpoint", [server])
-        s3 = scrape(metrics_port)
-        assert 0 <= value(s3, "psserver_checkpoint_age_seconds") < 60
-        assert value(s3, "psserver_checkpoint_duration_seconds") > 0
-        assert value(s3, "psserver_checkpoint_last_step") >= 100
+    name_labels = _wait(training_trainer, 90, "the trainer to train", [server, trainer])
+    assert name_labels["rank"] == "0"
+    s1 = scrape(metrics_port)
+    time.sleep(1.5)
+    s2 = scrape(metrics_port)
+    assert trainer.running(), f"the trainer should still be training:\n{trainer.tail()}"
+    assert value(s2, "psserver_steps_total") > value(s1, "psserver_steps_total") > 0
+    assert value(s2, "psserver_samples_total") > value(s1, "psserver_samples_total")
+    assert value(s2, "psserver_updates_per_second") > 0
+    assert math.isfinite(value(s2, "psserver_loss")) and value(s2, "psserver_loss") >= 0
+    assert value(s2, "psserver_trainer_up", **name_labels) == 1
+    assert value(s2, "psserver_trainer_steps_total", **name_labels) > 0
+    assert value(s2, "psserver_trainers", state="ACTIVE") == 1
+    _wait(lambda: ("psserver_checkpoint_age_seconds", ()) in scrape(metrics_port), 30, "a checkpoint", [server])
+    s3 = scrape(metrics_port)
+    assert 0 <= value(s3, "psserver_checkpoint_age_seconds") < 60
+    assert value(s3, "psserver_checkpoint_duration_seconds") > 0
+    assert value(s3, "psserver_checkpoint_last_step") >= 100
 
-        from psserver.ps.server import ParameterServer
+    # Every call through the endpoint is timed, by its op (the default --step chained: "step").
+    assert value(s3, "psserver_rpc_duration_seconds_count", method="step") > 0
+    assert value(s3, "psserver_rpc_duration_seconds_count", method="join") == 1
 
-        if hasattr(ParameterServer.forward, "__wrapped__"):  # the RPC timer is wired
-            assert value(s3, "psserver_rpc_duration_seconds_count", method="forward") > 0
+    trainer.signal(signal.SIGKILL)
+    trainer.wait(10)
+    _wait(lambda: value(scrape(metrics_port), "psserver_trainer_up", **name_labels) == 0,
+          30, "the killed trainer to show as down", [server])
+    s4 = scrape(metrics_port)
+    assert value(s4, "psserver_trainer_state", state="LOST", **name_labels) == 1
+    assert value(s4, "psserver_trainers", state="ACTIVE") == 0
+    assert value(s4, "psserver_up") == 1
 
-        os.killpg(trainer.pid, signal.SIGKILL)
-        trainer.wait(timeout=10)
-        _wait(lambda: value(scrape(metrics_port), "psserver_trainer_up", **name_labels) == 0,
-              30, "the killed trainer to show as down", [server])
-        s4 = scrape(metrics_port)
-        assert value(s4, "psserver_trainer_state", state="LOST", **name_labels) == 1
-        assert value(s4, "psserver_trainers", state="ACTIVE") == 0
-        assert value(s4, "psserver_up") == 1
-
-        server.send_signal(signal.SIGINT)
-        assert server.wait(timeout=60) == 0
-    finally:
-        _kill_group(trainer)
-        _kill_group(server)
+    server.signal(signal.SIGINT)
+    assert server.wait(60) == 0, server.tail()
     scalars = read_scalars(tb)
     assert {"loss/train", "throughput/samples_per_s", "throughput/updates_per_s"} <= set(scalars)
     steps = [s for s, _ in scalars["throughput/samples_per_s"]]

@@ -33,7 +33,8 @@ def main() -> int:
         channel.close()
     serving = reply.status == health_pb2.HealthCheckResponse.SERVING
     if not serving:
-        sys.stderr.write(f"psserver health: {address}: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}\n")
+        state = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        sys.stderr.write(f"psserver health: {address}: {state}\n")
     return 0 if serving else 1
 
 

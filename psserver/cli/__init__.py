@@ -1,69 +1,84 @@
 """``psserver`` command line: one sub-command class per verb, ``main(argv)`` for tests.
 
-Every error a user can cause ends as one line on stderr and exit code 2; tracebacks are for
-bugs only (and then exit 1).
+Exit codes: 0 success; 2 a usage error (a bad flag, a configuration that does not validate,
+any :class:`~psserver.errors.UsageError`: one line on stderr); 3 a trainer lost its server
+(:class:`~psserver.errors.ServerLost`); 130 interrupted; 1 anything else, an internal error:
+the traceback goes to a log file (``$PSSERVER_LOG_DIR``, else the system's temporary
+directory) and stderr gets one line saying where.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import faulthandler
 import logging
 import os
 import sys
-from typing import Sequence
+import tempfile
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
 
 from psserver import __version__
 from psserver.cli.base import SubCommand
+from psserver.cli.bench import BenchCommand
+from psserver.cli.control import CheckpointCommand, StatusCommand, StopCommand
+from psserver.cli.demo import DemoCommand
+from psserver.cli.serve import ServeCommand
+from psserver.cli.train import TrainCommand
 from psserver.errors import ServerLost, UsageError
 
 log = logging.getLogger(__name__)
 
-
-_VERBS = [
-    ("psserver.cli.serve", "ServeCommand"),
-    ("psserver.cli.train", "TrainCommand"),
-    ("psserver.cli.control", "StatusCommand"),
-    ("psserver.cli.control", "CheckpointCommand"),
-    ("psserver.cli.control", "StopCommand"),
-    ("psserver.cli.demo", "DemoCommand"),
-    ("psserver.cli.bench", "BenchCommand"),
-]
-
-
-def _commands() -> list[SubCommand]:
-    import importlib
-
-    cmds: list[SubCommand] = []
-    for module, cls in _VERBS:
-        try:
-            cmds.append(getattr(importlib.import_module(module), cls)())
-        except ModuleNotFoundError as e:  # a verb not part of this build
-            if e.name != module:
-                raise
-            log.debug("verb %s.%s unavailable: %s", module, cls, e)
-    return cmds
+VERBS: tuple[type[SubCommand], ...] = (
+    ServeCommand,
+    TrainCommand,
+    StatusCommand,
+    CheckpointCommand,
+    StopCommand,
+    DemoCommand,
+    BenchCommand,
+)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_LEVEL_ENV = "PSSERVER_LOG_LEVEL"
+LOG_DIR_ENV = "PSSERVER_LOG_DIR"
+"""Where internal errors leave their traceback (default: the system's temporary directory)."""
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2, as for every usage error
+    """Usage errors are one line and exit code 2; no abbreviated flags (``--compute`` must not
+    become ``--compute-threads``). A verb's parser gets its arguments when it is used, so one
+    verb's imports (``bench``: the checkout's ``benchmarks``) never affect another's."""
+
+    def __init__(self, *args, command: SubCommand | None = None, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+        self._command = command
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self._command is not None:
+            command, self._command = self._command, None
+            try:
+                command.add_arguments(self)
+            except UsageError as e:
+                self.error(str(e))
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, SubCommand]]:
-    parser = _Parser(prog="psserver", description="A parameter-server service for PyTorch.")
+    parser = _Parser(prog="psserver", description="A parameter-server service for PyTorch.", allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"psserver {__version__}")
-    parser.add_argument(
-        "--log-level",
-        default=os.environ.get("PSSERVER_LOG_LEVEL", "INFO"),
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="logging level (default: INFO, or $PSSERVER_LOG_LEVEL)",
-    )
+    parser.add_argument("--log-level", type=str.upper, default=None, choices=LOG_LEVELS,
+                        help=f"logging level (default: ${LOG_LEVEL_ENV}, else INFO)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     commands = {}
-    for cmd in _commands():
-        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
-        cmd.add_arguments(p)
+    for verb in VERBS:
+        cmd = verb()
+        sub.add_parser(cmd.name, help=cmd.help, description=cmd.help, allow_abbrev=False, command=cmd)
         commands[cmd.name] = cmd
     return parser, commands
 
@@ -86,16 +101,31 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level), handlers=[handler], force=True)
 
 
+def log_level(args: argparse.Namespace) -> str:
+    """``--log-level``, else ``$PSSERVER_LOG_LEVEL``, else INFO; ``UsageError`` for a bad value."""
+    if args.log_level is not None:
+        return args.log_level
+    value = os.environ.get(LOG_LEVEL_ENV, "").strip() or "INFO"
+    if value.upper() not in LOG_LEVELS:
+        raise UsageError(f"${LOG_LEVEL_ENV}={value!r} is not a log level; use one of {', '.join(LOG_LEVELS)}")
+    return value.upper()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # TensorPipe logs a C++ warning for every peer that leaves (EOF on its pipe): routine for
     # a parameter server whose trainers come and go. Keep C++ errors; the user may override.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     parser, commands = build_parser()
     args = parser.parse_args(argv)
+    try:
+        level = log_level(args)
+    except UsageError as e:
+        print(f"psserver{' ' + args.command if args.command else ''}: error: {e}", file=sys.stderr)
+        return 2
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    setup_logging(args.log_level)
+    setup_logging(level)
     if not faulthandler.is_enabled() and sys.__stderr__ is not None:
         # A crash inside the C++ runtime (RPC, autograd) then leaves the Python stacks of
         # every thread in the log instead of a bare exit status.
@@ -103,15 +133,38 @@ def main(argv: Sequence[str] | None = None) -> int:
             faulthandler.enable(file=sys.__stderr__)
         except (ValueError, OSError):  # no usable file descriptor 2
             pass
-    cmd = commands[args.command]
+    verb = args.command
     try:
-        return int(cmd.run(args) or 0)
-    except (UsageError, ValueError) as e:
-        print(f"psserver {args.command}: error: {e}", file=sys.stderr)
+        return int(commands[verb].run(args) or 0)
+    except UsageError as e:
+        print(f"psserver {verb}: error: {e}", file=sys.stderr)
         return 2
     except ServerLost as e:
-        print(f"psserver {args.command}: error: {e}", file=sys.stderr)
+        print(f"psserver {verb}: error: {e}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
-        print(f"psserver {args.command}: interrupted", file=sys.stderr)
+        print(f"psserver {verb}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001 - a bug: the traceback to a file, one line here
+        return internal_error(verb, e, argv)
+
+
+def internal_error(verb: str, error: BaseException, argv: Sequence[str] | None = None) -> int:
+    """Write ``error``'s traceback to ``psserver-<verb>-<pid>.log``, say where in one line; 1."""
+    path = Path(os.environ.get(LOG_DIR_ENV) or tempfile.gettempdir()) / f"psserver-{verb}-{os.getpid()}.log"
+    lines = str(error).strip().splitlines()
+    summary = type(error).__name__ + (f": {lines[0]}" if lines else "")
+    text = "".join(traceback.format_exception(error))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(f"{datetime.datetime.now().isoformat(timespec='seconds')} psserver {__version__}: "
+                    f"internal error in {verb}\n")
+            f.write(f"command: psserver {' '.join(sys.argv[1:] if argv is None else argv)}\n")
+            f.write(f"python {sys.version.split()[0]}, pid {os.getpid()}\n\n{text}")
+    except OSError as e:  # nowhere to write it: the traceback goes to stderr after all
+        print(f"psserver {verb}: internal error: {summary} (cannot write {path}: {e.strerror or e})\n{text}",
+              file=sys.stderr, end="")
+        return 1
+    print(f"psserver {verb}: internal error: {summary} (traceback in {path})", file=sys.stderr)
+    return 1

@@ -5,9 +5,21 @@ from __future__ import annotations
 import argparse
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from psserver.errors import UsageError
 
 
 class SubCommand(ABC):
+    """One verb: ``psserver <name>``.
+
+    ``run`` raises :class:`~psserver.errors.UsageError` for anything the user can fix (one
+    line, exit code 2); any other exception is an internal error (exit code 1, the traceback
+    in a log file). Configurations validate in ``__post_init__`` with ``ValueError``: build
+    them inside :func:`config_errors`.
+    """
+
     name: str
     help: str
 
@@ -16,6 +28,21 @@ class SubCommand(ABC):
 
     @abstractmethod
     def run(self, args: argparse.Namespace) -> int: ...
+
+
+@contextmanager
+def config_errors() -> Iterator[None]:
+    """Report a ``ValueError`` raised while building a configuration from the flags (the
+    config dataclasses validate in ``__post_init__``) as a :class:`UsageError`.
+
+    Only the construction goes inside: a ``ValueError`` from running the command is a bug.
+    """
+    try:
+        yield
+    except UsageError:
+        raise
+    except ValueError as e:
+        raise UsageError(str(e)) from e
 
 
 def env_int(name: str, default: int | None) -> int | None:
@@ -43,28 +70,3 @@ def default_server_address(default_port: int = 29500) -> str:
     host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
     port = env_int("MASTER_PORT", default_port)
     return f"{host}:{port}"
-
-
-def add_optimizer_arguments(parser: argparse.ArgumentParser, *, defaults_from_server: bool) -> None:
-    suffix = " (default: the server's)" if defaults_from_server else ""
-    parser.add_argument("--optimizer", choices=["sgd", "adam", "adamw", "adagrad", "rmsprop"], default=None,
-                        help="server-side optimizer, one per shard, shared by all trainers" + suffix)
-    parser.add_argument("--lr", type=float, default=None, help="learning rate" + suffix)
-    parser.add_argument("--momentum", type=float, default=None, help="momentum (sgd, rmsprop)" + suffix)
-    parser.add_argument("--weight-decay", type=float, default=None, help="L2 penalty" + suffix)
-
-
-def optimizer_from_args(args: argparse.Namespace):
-    """An OptimizerConfig when any optimizer flag was given, else None."""
-    from psserver.config import OptimizerConfig
-
-    given = {k: getattr(args, k) for k in ("optimizer", "lr", "momentum", "weight_decay")}
-    if all(v is None for v in given.values()):
-        return None
-    defaults = OptimizerConfig()
-    return OptimizerConfig(
-        name=given["optimizer"] or defaults.name,
-        lr=given["lr"] if given["lr"] is not None else defaults.lr,
-        momentum=given["momentum"] if given["momentum"] is not None else defaults.momentum,
-        weight_decay=given["weight_decay"] if given["weight_decay"] is not None else defaults.weight_decay,
-    )

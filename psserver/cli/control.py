@@ -56,7 +56,8 @@ class StatusCommand(SubCommand):
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--json", action="store_true",
                             help='print JSON: {"status": {...}, "trainers": [...]} (one line per update with --watch)')
-        parser.add_argument("--watch", action="store_true", help="keep printing updates until Ctrl-C or the server stops")
+        parser.add_argument("--watch", action="store_true",
+                            help="keep printing updates until Ctrl-C or the server stops")
         parser.add_argument("--interval", type=float, default=2.0, help="seconds between --watch updates (default 2)")
         add_client_arguments(parser, default_timeout=10.0)
 
@@ -101,8 +102,11 @@ class StatusCommand(SubCommand):
         from psserver.control import convert, render
 
         if args.json:
-            payload = {"status": convert.status_to_dict(status), "trainers": [convert.trainer_to_dict(t) for t in trainers]}
-            return json.dumps(payload, sort_keys=False, allow_nan=False) if args.watch else json.dumps(payload, indent=2)
+            payload = {"status": convert.status_to_dict(status),
+                       "trainers": [convert.trainer_to_dict(t) for t in trainers]}
+            if args.watch:
+                return json.dumps(payload, sort_keys=False, allow_nan=False)
+            return json.dumps(payload, indent=2)
         return render.render_status(status, trainers, address=client.address)
 
 

@@ -19,6 +19,7 @@ import threading
 import time
 
 from psserver.cli.base import SubCommand
+from psserver.errors import UsageError
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class DemoCommand(SubCommand):
 
     def run(self, args: argparse.Namespace) -> int:
         if args.trainers < 1:
-            raise ValueError("--trainers must be >= 1")
+            raise UsageError("--trainers must be >= 1")
         port = _free_port()
         exe = [sys.executable, "-m", "psserver"]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -108,8 +109,8 @@ class DemoCommand(SubCommand):
                 t.join(5)
         results = []
         for r, lines in enumerate(outputs[1:]):
-            m = next((re.search(r"accuracy ([0-9.]+)", line) for line in lines if line.startswith(f"rank {r} accuracy")),
-                     None)
+            m = next((re.search(r"accuracy ([0-9.]+)", line) for line in lines
+                      if line.startswith(f"rank {r} accuracy")), None)
             results.append(m.group(1) if m else "failed")
         print("demo finished: " + ", ".join(f"trainer {r} accuracy {a}" for r, a in enumerate(results)))
         return 0 if all(c == 0 for c in codes) else 1

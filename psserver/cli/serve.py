@@ -5,46 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from psserver.cli.base import SubCommand, add_optimizer_arguments, env_int, optimizer_from_args
+from psserver.cli.args import add_control_arguments, add_optimizer_arguments, control_from_args, optimizer_from_args
+from psserver.cli.base import SubCommand, config_errors, env_int
+from psserver.config import CheckpointConfig, ServerConfig
 from psserver.utils.memory import ALLOCATORS
-
-
-def add_control_arguments(parser: argparse.ArgumentParser) -> None:
-    """Control-plane and metrics flags, shared by ``serve`` and collective ``train``."""
-    g = parser.add_argument_group("control plane (gRPC)")
-    g.add_argument("--control-host", default="127.0.0.1", help="control plane address (default 127.0.0.1)")
-    g.add_argument("--control-port", type=int, default=50051, help="control plane port (default 50051; 0 picks one)")
-    g.add_argument("--no-control", action="store_true", help="do not serve the control plane")
-    g.add_argument("--auth-token-file", type=Path, default=None,
-                   help="bearer token required on every call but health (else $PSSERVER_AUTH_TOKEN)")
-    g.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate: serve TLS")
-    g.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
-    g.add_argument("--allow-unauthenticated-admin", action="store_true",
-                   help="allow Checkpoint/Shutdown without a token when no token is configured")
-    g.add_argument("--reflection", action="store_true", help="serve gRPC server reflection")
-    m = parser.add_argument_group("metrics")
-    m.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
-    m.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
-    m.add_argument("--tensorboard-dir", type=Path, default=None, help="write TensorBoard event files here")
-
-
-def control_from_args(args: argparse.Namespace):
-    from psserver.config import ControlConfig, ObservabilityConfig
-
-    control = ControlConfig(
-        host=args.control_host,
-        port=args.control_port,
-        enabled=not args.no_control,
-        auth_token_file=args.auth_token_file,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        allow_unauthenticated_admin=args.allow_unauthenticated_admin,
-        reflection=args.reflection,
-    )
-    obs = ObservabilityConfig(
-        metrics_port=args.metrics_port, metrics_host=args.metrics_host, tensorboard_dir=args.tensorboard_dir
-    )
-    return control, obs
 
 
 class ServeCommand(SubCommand):
@@ -81,32 +45,36 @@ class ServeCommand(SubCommand):
         add_control_arguments(parser)
 
     def run(self, args: argparse.Namespace) -> int:
-        from psserver.config import CheckpointConfig, ServerConfig
         from psserver.ps.server import run_server
 
-        control, obs = control_from_args(args)
-        config = ServerConfig(
-            host=args.host,
-            port=args.port,
-            model=args.model,
-            devices=[d.strip() for d in args.devices.split(",")] if args.devices else None,
-            update=args.update,
-            sync_trainers=args.sync_trainers,
-            optimizer=optimizer_from_args(args),
-            trainer_timeout=args.trainer_timeout,
-            rpc_timeout=args.rpc_timeout,
-            rpc_threads=args.rpc_threads,
-            compute_threads=args.compute_threads,
-            allocator=args.allocator,
-            seed=args.seed,
-            checkpoint=CheckpointConfig(
-                directory=args.checkpoint_dir,
-                every_steps=args.checkpoint_every,
-                interval_s=args.checkpoint_interval,
-                keep=args.keep_checkpoints,
-                resume=args.resume,
-            ),
-            control=control,
-            observability=obs,
-        )
+        with config_errors():
+            config = server_config_from_args(args)
         return run_server(config)
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    control, obs = control_from_args(args)
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        devices=[d.strip() for d in args.devices.split(",")] if args.devices else None,
+        update=args.update,
+        sync_trainers=args.sync_trainers,
+        optimizer=optimizer_from_args(args),
+        trainer_timeout=args.trainer_timeout,
+        rpc_timeout=args.rpc_timeout,
+        rpc_threads=args.rpc_threads,
+        compute_threads=args.compute_threads,
+        allocator=args.allocator,
+        seed=args.seed,
+        checkpoint=CheckpointConfig(
+            directory=args.checkpoint_dir,
+            every_steps=args.checkpoint_every,
+            interval_s=args.checkpoint_interval,
+            keep=args.keep_checkpoints,
+            resume=args.resume,
+        ),
+        control=control,
+        observability=obs,
+    )

@@ -19,7 +19,8 @@ from psserver.config.collective import CollectiveConfig
 
 log = logging.getLogger(__name__)
 
-STRATEGIES: dict[str, type["Strategy"]] = {}
+STRATEGIES: dict[str, type[Strategy]] = {}
+"""Registered strategies by name: every subclass with a ``name`` adds itself on definition."""
 
 
 class Strategy(ABC):
@@ -82,9 +83,9 @@ class Strategy(ABC):
 
 
 def create_strategy(config: CollectiveConfig, env: DistEnv) -> Strategy:
-    # Import for registration.
-    from psserver.collective import ddp, fsdp  # noqa: F401
-
+    """The registered strategy named ``config.mode``. Strategies register themselves when
+    their module is imported (``psserver.collective.loop`` imports the built-in ones); this
+    module never imports its subclasses."""
     try:
         cls = STRATEGIES[config.mode]
     except KeyError:

@@ -30,10 +30,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from psserver.checkpoint import fsync_dir
 from psserver.config.collective import CollectiveCheckpointConfig
 from psserver.errors import UsageError
 from psserver.telemetry import CheckpointInfo
-from psserver.checkpoint import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +129,8 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
             self._prune()
         dist.barrier()
-        self.last = CheckpointInfo(path=str(final), step=step, time=time.time())
-        log.info("checkpoint %s written in %.2fs", final, time.monotonic() - t0)
+        self.last = CheckpointInfo(path=str(final), step=step, time=time.time(), duration_s=time.monotonic() - t0)
+        log.info("checkpoint %s written in %.2fs", final, self.last.duration_s)
         return self.last
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:

@@ -3,7 +3,8 @@
 Each block of the ``nn.Sequential`` with parameters is its own FSDP unit (all-gathered just
 before it runs, resharded after), then the root. With ``--tp-size T`` the ranks form a 2-D
 mesh ``(dp = world / T, tp = T)``: tensor parallelism inside each tp group (Megatron-style
-column/row sharding of the decoder's attention and MLP projections), FSDP across the dp groups.
+column/row sharding of the decoder's attention and MLP projections, the plan of the model's
+``ModelSpec.tp_plan``), FSDP across the dp groups.
 """
 
 from __future__ import annotations
@@ -16,42 +17,19 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from psserver.collective.base import Strategy
+from psserver.models import get_model_spec
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
-# Tensor-parallel plans by model: (block class name, {submodule: "colwise" | "rowwise"}).
-TP_PLANS: dict[str, tuple[str, dict[str, str]]] = {
-    "llama_tiny": (
-        "DecoderBlock",  # the degree must divide its attention heads: see TP_MAX_DEGREE
-        {
-            "attention.wq": "colwise",
-            "attention.wk": "colwise",
-            "attention.wv": "colwise",
-            "attention.wo": "rowwise",
-            "feed_forward.w1": "colwise",
-            "feed_forward.w3": "colwise",
-            "feed_forward.w2": "rowwise",
-        },
-    ),
-}
-
-
-# Largest tensor-parallel degree (which it must divide): the number of attention heads.
-TP_MAX_DEGREE: dict[str, int] = {"llama_tiny": 8}
-
-
-def tp_plan_for(model_name: str) -> tuple[str, dict[str, str]] | None:
-    """The tensor-parallel plan of ``model_name``, or None when it has none."""
-    return TP_PLANS.get(model_name)
-
 
 def apply_tensor_parallel(model: nn.Module, model_name: str, tp_mesh: DeviceMesh) -> int:
-    """Shard the blocks of ``model`` over ``tp_mesh``; returns the number of blocks sharded."""
+    """Shard the blocks of ``model`` over ``tp_mesh`` with the plan of its spec
+    (``ModelSpec.tp_plan``); returns the number of blocks sharded."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    plan = tp_plan_for(model_name)
+    plan = get_model_spec(model_name).tp_plan
     if plan is None:
         raise ValueError(f"model {model_name!r} has no tensor-parallel plan")
     block_cls, layout = plan
@@ -91,7 +69,7 @@ class FSDPStrategy(Strategy):
         if opts.mixed_precision != "none":
             # Compute in half precision, keep fp32 master weights, reduce gradients in fp32.
             mp_policy = MixedPrecisionPolicy(param_dtype=_DTYPES[opts.mixed_precision], reduce_dtype=torch.float32)
-        kwargs = dict(mesh=dp_mesh, reshard_after_forward=opts.reshard_after_forward, mp_policy=mp_policy)
+        kwargs = {"mesh": dp_mesh, "reshard_after_forward": opts.reshard_after_forward, "mp_policy": mp_policy}
         units = 0
         children = list(model.children()) if isinstance(model, nn.Sequential) else []
         for block in children:

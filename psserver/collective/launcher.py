@@ -20,9 +20,9 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -144,7 +144,7 @@ def _spawned_worker(local_rank: int, config: CollectiveConfig, body: Callable[[D
         store = dist.TCPStore(host, port, nproc, is_master=False, timeout=INIT_TIMEOUT)
         code = run_in_process_group(config, body, rank=local_rank, world_size=nproc, local_rank=local_rank,
                                     local_world_size=nproc, store=store)
-    except (UsageError, ValueError) as e:
+    except UsageError as e:  # anything else is a bug: the parent logs the worker's traceback
         print(f"psserver train: error: rank {local_rank}: {e}", file=sys.stderr, flush=True)
         _exit_now(2)
     _exit_now(code or 0)

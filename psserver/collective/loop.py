@@ -23,6 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
+# The built-in strategies register themselves (by name) on import; the base never imports them.
+from psserver.collective import ddp, fsdp  # noqa: F401
 from psserver.collective.base import Strategy, create_strategy, local_tensor
 from psserver.collective.checkpoint import CheckpointManager
 from psserver.collective.launcher import DistEnv
@@ -217,8 +219,9 @@ class Fit:
         self._write_result(accuracy, elapsed)
         if env.rank == 0:
             rate = self.samples * self.strategy.dp_size / max(elapsed, 1e-6)
+            final_loss = self.losses[-1] if self.losses else float("nan")
             log.info("%d steps in %.1fs (%.0f samples/s over %d ranks), final loss %.4f",
-                     self.t.global_step, elapsed, rate, env.world_size, self.losses[-1] if self.losses else float("nan"))
+                     self.t.global_step, elapsed, rate, env.world_size, final_loss)
             log.info("accuracy: %.4f", accuracy)
             print(f"rank 0 accuracy {accuracy:.4f}", flush=True)
         return 0

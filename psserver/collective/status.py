@@ -13,6 +13,7 @@ import threading
 import time
 from contextlib import AbstractContextManager, nullcontext
 
+import psutil
 import torch
 
 from psserver import __version__
@@ -29,10 +30,8 @@ ROW = ("steps", "samples", "loss", "samples_per_s", "checkpoint_requested", "sto
 
 def _rss_bytes() -> int:
     try:
-        import psutil
-
         return int(psutil.Process().memory_info().rss)
-    except Exception:  # noqa: BLE001 - best effort
+    except psutil.Error:  # best effort: a status answer never fails for it
         return 0
 
 
@@ -155,19 +154,15 @@ def _device_memory(device: str, rss: int) -> int:
 
 
 def control_server(target: CollectiveStatus, control) -> AbstractContextManager:
-    """``psserver.control.server.ControlServer`` around rank 0's training, when available.
+    """``psserver.control.server.ControlServer`` around rank 0's training.
 
-    The control plane is optional here: when the module is missing, or its port is taken,
-    training goes on without it (logged), since a training run should not die for its
-    status endpoint.
+    When it cannot start (its port is taken, say), training goes on without it (logged),
+    since a training run should not die for its status endpoint.
     """
     if not control.enabled:
         return nullcontext()
-    try:
-        from psserver.control.server import ControlServer
-    except ImportError as e:
-        log.warning("control plane unavailable in this build (%s): training without it", e)
-        return nullcontext()
+    from psserver.control.server import ControlServer
+
     return _Tolerant(ControlServer(target, control))
 
 

@@ -213,6 +213,7 @@ class CollectiveConfig:
     """Prometheus endpoint (issue 7) and TensorBoard."""
 
     def __post_init__(self) -> None:
+        # Imported here: the model registry needs torch, which the CLI's parser does not.
         from psserver.models import check_model_name
 
         if self.mode not in MODES:
@@ -239,13 +240,15 @@ class CollectiveConfig:
                 raise ValueError(
                     f"world size {launch.world_size} is not divisible by --tp-size {fsdp.tp_size}"
                 )
-            from psserver.collective.fsdp import TP_MAX_DEGREE, tp_plan_for
+            if spec.tp_plan is None:
+                from psserver.models import MODELS
 
-            if tp_plan_for(spec.name) is None:
-                raise ValueError(f"--tp-size needs a model with a tensor-parallel plan (llama_tiny), not {spec.name!r}")
-            heads = TP_MAX_DEGREE.get(spec.name)
-            if heads is not None and heads % fsdp.tp_size:
-                raise ValueError(f"--tp-size {fsdp.tp_size} must divide the {heads} attention heads of {spec.name}")
+                planned = ", ".join(sorted(name for name, m in MODELS.items() if m.tp_plan is not None))
+                raise ValueError(f"--tp-size needs a model with a tensor-parallel plan ({planned}), not {spec.name!r}")
+            if spec.tp_max_degree is not None and spec.tp_max_degree % fsdp.tp_size:
+                raise ValueError(
+                    f"--tp-size {fsdp.tp_size} must divide the {spec.tp_max_degree} attention heads of {spec.name}"
+                )
         import torch
 
         backend = launch.resolved_backend(torch.cuda.is_available())
@@ -256,11 +259,11 @@ class CollectiveConfig:
             if ddp.comm_hook != "post-localsgd":
                 raise ValueError("--localsgd-group-size needs --comm-hook post-localsgd")
             if launch.world_size % ddp.localsgd_group_size:
-                raise ValueError(
-                    f"world size {launch.world_size} is not divisible by --localsgd-group-size {ddp.localsgd_group_size}"
-                )
-        if self.checkpoint.resume is not None and self.checkpoint.directory is None and self.checkpoint.resume != "latest":
-            self.checkpoint.directory = Path(self.checkpoint.resume).parent
+                raise ValueError(f"world size {launch.world_size} is not divisible by --localsgd-group-size "
+                                 f"{ddp.localsgd_group_size}")
+        ck = self.checkpoint
+        if ck.resume not in (None, "latest") and ck.directory is None:
+            ck.directory = Path(ck.resume).parent
 
     @property
     def local_world_size(self) -> int:

@@ -11,7 +11,8 @@ from psserver.utils.memory import ALLOCATORS
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "rmsprop")
 UPDATE_MODES = ("async", "sync")
-STEP_MODES = ("plain", "fold", "chained", "fused")
+STEP_MODES = ("chained", "plain")
+"""Step protocols (``psserver.ps.protocols``, one module each), the default first."""
 
 
 @dataclass
@@ -164,13 +165,12 @@ class TrainerConfig:
     """Stop after this many steps in total (0: run all epochs); for smoke tests and benchmarks."""
     progress: bool | None = None
     """Show a tqdm bar (None: only when stderr is a terminal)."""
-    step: str = "plain"
-    """How a step reaches the server. ``plain``: forward RPC, ``dist_autograd.backward`` and
-    ``DistributedOptimizer.step`` (three round trips). ``fold``: the same, with the update
-    applied by the server as its backward ends (two). ``chained``: one RPC carries the last
-    step's output gradient and the next batch; the server runs that backward, the update and
-    the next forward (one round trip, loss still on the trainer). ``fused``: one RPC, the
-    server computes the cross-entropy loss itself."""
+    step: str = STEP_MODES[0]
+    """How a step reaches the server (``psserver.ps.protocols``). ``chained`` (default, the
+    fastest): one RPC carries the last step's output gradient and the next batch; the server
+    runs that backward, the update and the next forward (one round trip, loss on the
+    trainer). ``plain``: forward RPC, ``dist_autograd.backward`` and
+    ``DistributedOptimizer.step`` (three round trips)."""
     stats_out: Path | None = None
     """Write per-step timings (monotonic end time of each step, samples) as JSON here."""
 

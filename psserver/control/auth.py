@@ -24,7 +24,8 @@ import hashlib
 import hmac
 import logging
 import time
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import grpc
 
@@ -154,9 +155,8 @@ class CallLogInterceptor(grpc.ServerInterceptor):
         elif code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL):
             level = logging.ERROR
         if self._log.isEnabledFor(level):
-            self._log.log(
-                level, "grpc %s from %s -> %s in %.1f ms", method, context.peer(), code.name, (time.monotonic() - t0) * 1e3
-            )
+            ms = (time.monotonic() - t0) * 1e3
+            self._log.log(level, "grpc %s from %s -> %s in %.1f ms", method, context.peer(), code.name, ms)
 
     def _wrap_unary(self, method: str, behavior: Callable) -> Callable:
         def call(request: Any, context: grpc.ServicerContext) -> Any:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -91,7 +92,7 @@ class ControlClient:
     def close(self) -> None:
         self._channel.close()
 
-    def __enter__(self) -> "ControlClient":
+    def __enter__(self) -> ControlClient:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -146,8 +147,7 @@ class ControlClient:
         generator (or break out of the loop) to cancel. No deadline: it runs until then."""
         call = self._stub.WatchStatus(pb.WatchStatusRequest(interval_seconds=interval), metadata=self._metadata)
         try:
-            for status in call:
-                yield status
+            yield from call
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.CANCELLED and call.cancelled():
                 return  # we cancelled it

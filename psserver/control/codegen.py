@@ -17,8 +17,8 @@ import logging
 import re
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
         if differ:
             print(
-                f"generated stubs out of date: {', '.join(differ)} differ from {', '.join('protos/' + p for p in PROTOS)}"
-                " (run: python -m psserver.control.codegen)",
+                f"generated stubs out of date: {', '.join(differ)} differ from "
+                f"{', '.join('protos/' + p for p in PROTOS)} (run: python -m psserver.control.codegen)",
                 file=sys.stderr,
             )
             return 1

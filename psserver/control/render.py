@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from psserver.control.convert import enum_name
 from psserver.control.v1 import control_pb2 as pb
@@ -56,7 +56,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric: Sequen
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
 
     def line(cells: Sequence[str]) -> str:
-        out = [c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        out = [c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))]
         return "  ".join(out).rstrip()
 
     return [line(headers), *(line(r) for r in rows)]
@@ -95,7 +95,7 @@ def render_status(status: pb.ServerStatus, trainers: Sequence[pb.Trainer] | None
 
 
 def render_trainers(trainers: Sequence[pb.Trainer], now: float) -> str:
-    counts = {name: 0 for name in ("ACTIVE", "LEFT", "LOST")}
+    counts = dict.fromkeys(("ACTIVE", "LEFT", "LOST"), 0)
     for t in trainers:
         name = enum_name(pb.TrainerState, t.state)
         counts[name] = counts.get(name, 0) + 1

@@ -77,7 +77,7 @@ class ControlServer:
 
     # ---- life cycle ---------------------------------------------------------------------
 
-    def start(self) -> "ControlServer":
+    def start(self) -> ControlServer:
         cfg = self.config
         token = cfg.token()
         server = grpc.server(
@@ -149,10 +149,12 @@ class ControlServer:
                 self._poller.join(timeout=1.0)
             log.info("control plane on %s stopped", self.address)
 
-    def __enter__(self) -> "ControlServer":
+    def __enter__(self) -> ControlServer:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
     # ---- health -------------------------------------------------------------------------

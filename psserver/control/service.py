@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from typing import Any, Callable, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import grpc
 

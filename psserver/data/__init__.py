@@ -6,12 +6,13 @@ worker processes on a 2-core machine.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch.utils.data import TensorDataset
 
 from psserver.data.idx import load_mnist
 from psserver.data.synthetic import make_synthetic
+from psserver.errors import DataError
 
 DATASETS: dict[str, Callable[..., tuple[TensorDataset, TensorDataset]]] = {
     "mnist": load_mnist,
@@ -22,14 +23,14 @@ DATASETS: dict[str, Callable[..., tuple[TensorDataset, TensorDataset]]] = {
 def load_dataset(config, input_shape: tuple[int, ...], num_classes: int, input_dtype=None):
     """Build the train and eval splits that ``config`` (a ``DataConfig``) names.
 
-    Raises ``ValueError`` with one readable line when the data does not exist or does not
-    fit the model's input.
+    Raises ``DataError`` (a usage error and a ``ValueError``) with one readable line when the
+    data does not exist or does not fit the model's input.
     """
     if config.dataset == "mnist":
         train, test = load_mnist(config.data_dir, train_split=config.train_split, download=config.download)
         sample_shape = tuple(train.tensors[0].shape[1:])
         if sample_shape != tuple(input_shape):
-            raise ValueError(
+            raise DataError(
                 f"dataset mnist has samples of shape {sample_shape}, the model expects {tuple(input_shape)}"
             )
         return train, test

@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from psserver.errors import DataError
+
 log = logging.getLogger(__name__)
 
 # torchvision's normalisation constants for MNIST.
@@ -20,21 +22,21 @@ _DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4",
 
 
 def read_idx(path: Path) -> np.ndarray:
-    """Read one IDX file, gzip-compressed or not; ``ValueError`` if it is not one."""
+    """Read one IDX file, gzip-compressed or not; ``DataError`` (a ``ValueError``) if it is not one."""
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rb") as f:
             data = f.read()
     except (OSError, EOFError) as e:
-        raise ValueError(f"cannot read {path}: {e}") from None
+        raise DataError(f"cannot read {path}: {e}") from None
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _DTYPES:
-        raise ValueError(f"{path} is not an IDX file")
+        raise DataError(f"{path} is not an IDX file")
     ndim = data[3]
     header = 4 + 4 * ndim
     shape = struct.unpack(f">{ndim}I", data[4:header])
     arr = np.frombuffer(data, dtype=_DTYPES[data[2]], offset=header)
     if arr.size != int(np.prod(shape)):
-        raise ValueError(f"{path} is truncated: expected {int(np.prod(shape))} items, found {arr.size}")
+        raise DataError(f"{path} is truncated: expected {int(np.prod(shape))} items, found {arr.size}")
     return arr.reshape(shape)
 
 
@@ -54,7 +56,7 @@ def _load_split(data_dir: Path, prefix: str) -> tuple[torch.Tensor, torch.Tensor
     x = read_idx(images)
     y = read_idx(labels)
     if x.ndim != 3 or y.ndim != 1 or len(x) != len(y):
-        raise ValueError(f"{images} and {labels} do not match")
+        raise DataError(f"{images} and {labels} do not match")
     xt = torch.from_numpy(x.astype(np.float32) / 255.0).sub_(MNIST_MEAN).div_(MNIST_STD).unsqueeze(1)
     return xt, torch.from_numpy(y.astype(np.int64))
 
@@ -72,19 +74,19 @@ def load_mnist(
     if download:
         _download(data_dir)
     if not data_dir.is_dir():
-        raise ValueError(f"data directory {data_dir} does not exist (use --download where a network exists)")
+        raise DataError(f"data directory {data_dir} does not exist (use --download where a network exists)")
     train = _load_split(data_dir, "train")
     test = _load_split(data_dir, "t10k")
     if train is not None and test is not None and train_split is None:
         return TensorDataset(*train), TensorDataset(*test)
     only = test if test is not None else train
     if only is None:
-        raise ValueError(f"no MNIST IDX files (*-idx3-ubyte[.gz]) in {data_dir}")
+        raise DataError(f"no MNIST IDX files (*-idx3-ubyte[.gz]) in {data_dir}")
     if train_split is None:
-        raise ValueError(f"{data_dir} holds only one MNIST split: pass --train-split N to divide it")
+        raise DataError(f"{data_dir} holds only one MNIST split: pass --train-split N to divide it")
     x, y = only
     if not 0 < train_split < len(x):
-        raise ValueError(f"--train-split {train_split} must be between 1 and {len(x) - 1}")
+        raise DataError(f"--train-split {train_split} must be between 1 and {len(x) - 1}")
     log.info("mnist: %d training and %d evaluation images from %s", train_split, len(x) - train_split, data_dir)
     return TensorDataset(x[:train_split], y[:train_split]), TensorDataset(x[train_split:], y[train_split:])
 
@@ -96,4 +98,4 @@ def _download(data_dir: Path) -> None:
         for train in (True, False):
             MNIST(str(data_dir), train=train, download=True)
     except Exception as e:  # noqa: BLE001 - any network failure is one line for the user
-        raise ValueError(f"cannot download MNIST into {data_dir}: {e}") from None
+        raise DataError(f"cannot download MNIST into {data_dir}: {e}") from None

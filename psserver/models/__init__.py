@@ -6,8 +6,9 @@ Register new models with :func:`register`; the CLI and the server only use names
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -26,6 +27,13 @@ class ModelSpec:
     description: str
     input_dtype: torch.dtype = torch.float32
     """``torch.long`` for token models."""
+    tp_plan: tuple[str, dict[str, str]] | None = field(default=None, hash=False)
+    """Tensor-parallel plan: ``(block class name, {submodule: "colwise" | "rowwise"})``, applied to
+    every block of that class (``psserver train --mode fsdp --tp-size T``); None: the model
+    cannot be tensor-parallel."""
+    tp_max_degree: int | None = None
+    """Largest tensor-parallel degree, which every degree must divide (a transformer's number
+    of attention heads); None: no limit beyond the plan's."""
 
 
 MODELS: dict[str, ModelSpec] = {}
@@ -89,7 +97,7 @@ def split_stages(model: nn.Sequential, n: int) -> list[nn.Sequential]:
     for k in range(n, 0, -1):
         bounds.append(cut[k][bounds[-1]])
     bounds.reverse()
-    return [nn.Sequential(*blocks[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return [nn.Sequential(*blocks[a:b]) for a, b in itertools.pairwise(bounds)]
 
 
 def _load_builtin() -> None:

@@ -5,8 +5,8 @@ returns one tensor, so the parameter server can split it into stages like any ot
 Blocks are pre-norm (RMSNorm), causal self-attention with rotary position embeddings (RoPE)
 and a SwiGLU MLP; the head pools the sequence (mean over tokens) and classifies.
 
-Tensor parallelism (``psserver.collective.fsdp``) shards ``wq/wk/wv`` and ``w1/w3`` by
-columns and ``wo/w2`` by rows, Megatron style. Attention reshapes with ``-1`` heads so it
+Tensor parallelism (``TP_PLAN``, applied by ``psserver.collective.fsdp``) shards ``wq/wk/wv``
+and ``w1/w3`` by columns and ``wo/w2`` by rows, Megatron style. Attention reshapes with ``-1`` heads so it
 runs unchanged on the local slice of the heads; the tensor-parallel degree must divide the
 number of heads (8), so up to 8 GPUs of a node can share each block.
 """
@@ -26,6 +26,21 @@ HEADS = 8
 LAYERS = 2
 HIDDEN = 128
 NUM_CLASSES = 10
+
+# Megatron-style tensor-parallel plan of each DecoderBlock: column-sharded projections in,
+# row-sharded out. The degree must divide HEADS (attention runs on a slice of the heads).
+TP_PLAN: tuple[str, dict[str, str]] = (
+    "DecoderBlock",
+    {
+        "attention.wq": "colwise",
+        "attention.wk": "colwise",
+        "attention.wv": "colwise",
+        "attention.wo": "rowwise",
+        "feed_forward.w1": "colwise",
+        "feed_forward.w3": "colwise",
+        "feed_forward.w2": "rowwise",
+    },
+)
 
 
 def rope(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
@@ -122,4 +137,6 @@ if "llama_tiny" not in MODELS:
         "llama_tiny", llama_tiny, (SEQ_LEN,), NUM_CLASSES,
         f"Llama-style decoder ({LAYERS} blocks, dim {DIM}, RoPE, SwiGLU) over {SEQ_LEN} tokens",
         input_dtype=torch.long,
+        tp_plan=TP_PLAN,
+        tp_max_degree=HEADS,
     ))

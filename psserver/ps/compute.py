@@ -13,13 +13,13 @@ and waiting on their RPC thread and hand the tensor work to this one thread.
 On GPUs the kernels are asynchronous and CPU threading barely matters, while stages on
 different devices gain from overlapping callers: there ``run`` calls inline.
 
-What stays outside: ``--step plain`` and ``fold``. ``dist_autograd`` runs their backward on
-PyTorch's own threads, which this module cannot reach, so their server has several teams
-whatever it does; their forward and update stay on the RPC thread (measured: handing them
-over only added latency). ``--step chained`` and ``fused``, the evaluation, the model's
-construction, restores, checkpoints' copies and sync rounds applied on a trainer's departure
-run here. A server that has served ``plain`` or ``fold`` trainers keeps their teams, so one
-job's trainers should share one ``--step``.
+What stays outside: ``--step plain``. ``dist_autograd`` runs its backward on PyTorch's own
+threads, which this module cannot reach, so its server has several teams whatever it does;
+its forward and update stay on the RPC thread (measured: handing them over only added
+latency). ``--step chained``, the evaluation, the model's construction, restores,
+checkpoints' copies and sync rounds applied on a trainer's departure run here. A server that
+has served ``plain`` trainers keeps their teams, so one job's trainers should share one
+``--step``.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 log = logging.getLogger(__name__)
 

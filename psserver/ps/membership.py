@@ -1,6 +1,6 @@
 """Who is in the group, who is alive, and cleaning up after those who are not.
 
-PyTorch's dynamic RPC groups leave failures to the user (DESIGN.md): a dead worker stays a
+PyTorch's dynamic RPC groups leave failures to the user: a dead worker stays a
 member forever, a join that dies holding the group's membership token blocks every later
 join, leave and the server's own shutdown. The server fixes both here: heartbeats find dead
 or hung trainers, eviction removes them from the agent and the store, and a janitor frees a
@@ -10,38 +10,40 @@ membership token whose holder is gone.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
-import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
+from psserver.ps import torch_rpc
 from psserver.ps.rendezvous import KEY_LIVE, SERVER_NAME
+from psserver.ps.torch_rpc import ALL_WORKERS_KEY, TOKEN_KEY, worker_key
 from psserver.telemetry import TrainerStatus
 
 log = logging.getLogger(__name__)
-
-TOKEN_KEY = "RpcGroupManagementToken"
-ALL_WORKERS_KEY = "names/_ALL_WORKER_INFOS"
 
 
 @dataclass
 class Member:
     status: TrainerStatus
     rpc_id: int
-    contexts: set[int] = field(default_factory=set)
-    """Autograd context ids this trainer opened on the server and has not released."""
+    protocol: str
+    """The step protocol this trainer joined with."""
     last_seen_mono: float = field(default_factory=time.monotonic)
 
 
 class Membership:
+    """``on_gone(member, state, evicted)`` runs once per trainer that leaves (LEFT) or is lost
+    (LOST), before an evicted one is removed from the RPC group."""
+
     def __init__(
         self,
         store,
         timeout: float,
-        on_gone: Callable[[str, str], None],
+        on_gone: Callable[[Member, str, bool], None],
     ) -> None:
         self.store = store
         self.timeout = timeout
@@ -56,14 +58,14 @@ class Membership:
 
     # ---- joins, leaves, heartbeats -------------------------------------------------------
 
-    def join(self, rank: int, name: str, host: str) -> None:
+    def join(self, rank: int, name: str, host: str, protocol: str) -> None:
         info = rpc.get_worker_info(name)
         now = time.time()
         with self.lock:
             old = self._live_name(rank)
             if old is not None and old != name:
                 raise ValueError(f"rank {rank} is already taken by live trainer {old}")
-            self.members[name] = Member(TrainerStatus(rank, name, host, now, now), info.id)
+            self.members[name] = Member(TrainerStatus(rank, name, host, now, now), info.id, protocol)
         self.store.set(KEY_LIVE.format(rank=rank), name)
         log.info("trainer %s (rank %d) joined from %s; RPC members: %s", name, rank, host, rpc_members())
 
@@ -92,6 +94,19 @@ class Membership:
     def active_count(self) -> int:
         with self.lock:
             return len(self.members)
+
+    def mean_loss(self) -> float | None:
+        """Mean of the live trainers' last reported losses (None before any)."""
+        with self.lock:
+            losses = [m.status.last_loss for m in self.members.values() if math.isfinite(m.status.last_loss)]
+        return sum(losses) / len(losses) if losses else None
+
+    def remove_all(self) -> None:
+        """The server is stopping: every member is removed from the group."""
+        with self.lock:
+            names = list(self.members)
+        for name in names:
+            self._remove(name, "LEFT", evict=True)
 
     # ---- failure handling ----------------------------------------------------------------
 
@@ -126,52 +141,46 @@ class Membership:
             m.status.state = state
             self.history.append(m.status)
             del self.history[:-256]
-            contexts = set(m.contexts)
         rank = m.status.rank
         try:
             _delete_if(self.store, KEY_LIVE.format(rank=rank), name)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - the store may be going down with the server
             log.debug("cannot clear live key of %s", name, exc_info=True)
+        # Before an eviction: what the trainer holds (autograd contexts) is released while
+        # the agent still knows it.
+        self.on_gone(m, state, evict)
         if evict:
-            self._evict(name, m.rpc_id, contexts)
+            self._evict(name, m.rpc_id)
         else:
             # A clean leave unregisters the name but leaves names/<id> behind: drop it so the
             # store holds live workers only.
             try:
-                _delete_if(rpc.api._get_current_rpc_agent().store, f"names/{m.rpc_id}", name)
+                _delete_if(torch_rpc.current_agent().store, worker_key(m.rpc_id), name)
             except Exception:  # noqa: BLE001
                 log.debug("cannot free RPC id of %s", name, exc_info=True)
-        self.on_gone(name, state)
         if state == "LEFT":
             log.info("trainer %s (rank %d) left after %d steps", name, rank, m.status.steps)
 
-    def _evict(self, name: str, rpc_id: int, contexts: set[int]) -> None:
+    def _evict(self, name: str, rpc_id: int) -> None:
         """Remove a dead worker from the RPC group so later joins do not try to reach it."""
-        for ctx in contexts:
-            try:
-                dist_autograd._release_context(ctx)
-            except Exception:  # noqa: BLE001 - already released
-                pass
-        agent = rpc.api._get_current_rpc_agent()
+        agent = torch_rpc.current_agent()
         try:
             info = agent.get_worker_info(name)
         except Exception:  # noqa: BLE001 - it left the agent on its own meanwhile
             info = None
         if info is not None and info.id == rpc_id:
-            agent._update_group_membership(info, [], {}, False)
+            torch_rpc.remove_worker(agent, info)
             # Live trainers still list the dead one; their own leave would try to reach it.
             # Tell them, exactly as a worker leaving cleanly would have.
-            from torch.distributed.rpc._utils import _update_group_membership
-
             for other in agent.get_worker_infos():
                 if other.name != SERVER_NAME:
-                    rpc.rpc_async(other, _update_group_membership, args=(info, [], {}, False), timeout=5)
+                    torch_rpc.tell_worker_removed(other, info)
         rpc_store = agent.store
         try:
             if rpc_store.check([ALL_WORKERS_KEY]):
                 workers = rpc_store.get(ALL_WORKERS_KEY).decode()
                 rpc_store.set(ALL_WORKERS_KEY, workers.replace(f"{name}-{rpc_id},", ""))
-            _delete_if(rpc_store, f"names/{rpc_id}", name)
+            _delete_if(rpc_store, worker_key(rpc_id), name)
         except Exception:  # noqa: BLE001
             log.warning("could not remove %s from the RPC store", name, exc_info=True)
         log.info("evicted %s from the RPC group; RPC members: %s", name, rpc_members())
@@ -179,7 +188,7 @@ class Membership:
     def _janitor(self) -> None:
         """Free the group's membership token when its holder died holding it, and evict RPC
         workers that finished ``init_rpc`` but never joined psserver (killed in between)."""
-        agent = rpc.api._get_current_rpc_agent()
+        agent = torch_rpc.current_agent()
         now = time.monotonic()
         with self.lock:
             known = set(self.members)
@@ -196,7 +205,7 @@ class Membership:
             if now - first > max(self.timeout, 5.0):
                 log.warning("RPC worker %s is not a live psserver member: evicting it", name)
                 self._strangers.pop(name, None)
-                self._evict(name, wid, set())
+                self._evict(name, wid)
         if not rpc_store.check([TOKEN_KEY]):
             return
         token = rpc_store.get(TOKEN_KEY)
@@ -222,7 +231,7 @@ def _delete_if(store, key: str, value: str) -> None:
 
 
 def rpc_members() -> str:
-    agent = rpc.api._get_current_rpc_agent()
+    agent = torch_rpc.current_agent()
     return ",".join(sorted(w.name for w in agent.get_worker_infos()))
 
 

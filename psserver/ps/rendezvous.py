@@ -1,6 +1,6 @@
 """RPC set-up: the rendezvous store, the transport, and the worker names.
 
-Three traps of ``torch.distributed.rpc`` are handled here (see DESIGN.md):
+Three traps of ``torch.distributed.rpc`` are handled here:
 - the rank-0 TCPStore binds every interface; we bind the socket ourselves to ``--host`` and
   hand its file descriptor to the store;
 - TensorPipe's ``shm`` transport busy-polls a core per process; we use ``uv`` only and point
@@ -11,14 +11,18 @@ Three traps of ``torch.distributed.rpc`` are handled here (see DESIGN.md):
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import logging
 import os
 import socket
+import tempfile
+import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
+import psutil
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch.distributed.rendezvous import register_rendezvous_handler
@@ -73,15 +77,10 @@ def interface_for(host: str) -> str | None:
         return None
     if addr.is_loopback:
         return "lo"
-    try:
-        import psutil
-
-        for name, addrs in psutil.net_if_addrs().items():
-            for a in addrs:
-                if a.family == socket.AF_INET and a.address == str(addr):
-                    return name
-    except ImportError:  # pragma: no cover - psutil is a dependency
-        pass
+    for name, addrs in psutil.net_if_addrs().items():
+        for a in addrs:
+            if a.family == socket.AF_INET and a.address == str(addr):
+                return name
     return None
 
 
@@ -152,7 +151,11 @@ def create_server_store(host: str, port: int, timeout: float) -> tuple[dist.TCPS
 
 
 def connect_store(host: str, port: int, connect_timeout: float, op_timeout: float) -> tuple[dist.TCPStore, str]:
-    """A client of the server's store; waits up to ``connect_timeout`` for a server that is starting."""
+    """A client of the server's store; waits up to ``connect_timeout`` for a server that is starting.
+
+    ``UsageError`` at once for a port that answers but is not a psserver's (the control
+    plane's, most likely): waiting would not change it.
+    """
     deadline = time.monotonic() + connect_timeout
     delay = 0.2
     last: Exception | None = None
@@ -161,11 +164,8 @@ def connect_store(host: str, port: int, connect_timeout: float, op_timeout: floa
         if remaining <= 0:
             break
         try:
-            with socket.create_connection((host, port), timeout=min(remaining, 5.0)):
-                pass
-            store = dist.TCPStore(
-                host, port, None, False, datetime.timedelta(seconds=max(1.0, min(remaining, 30.0))), use_libuv=True
-            )
+            _probe(host, port, timeout=min(remaining, 5.0))
+            store = _store_client(host, port, max(1.0, min(remaining, 30.0)))
             store.set_timeout(datetime.timedelta(seconds=op_timeout))
             # A store that answers but whose server has not finished starting: wait for it.
             while not store.check([KEY_SERVER_STATE]) or store.get(KEY_SERVER_STATE) == b"STARTING":
@@ -178,11 +178,85 @@ def connect_store(host: str, port: int, connect_timeout: float, op_timeout: floa
         except ServerUnavailable:
             raise
         except (OSError, RuntimeError) as e:
+            if "Ping failed" in str(e):  # something answered, not with the store's protocol
+                raise UsageError(f"{host}:{port} is not a psserver RPC port (it does not speak the rendezvous "
+                                 "protocol): point --server at the --port of psserver serve") from None
             last = e
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, 2.0)
     reason = getattr(last, "strerror", None) or str(last).splitlines()[0] if last else "timed out"
     raise ServerUnavailable(f"cannot reach a psserver at {host}:{port} within {connect_timeout:g}s ({reason})")
+
+
+_HTTP2_SETTINGS = 0x04
+
+
+def _probe(host: str, port: int, timeout: float) -> None:
+    """Connect once; a server that speaks first is not a rendezvous store (which only answers).
+
+    gRPC, psserver's control plane included, opens with an HTTP/2 SETTINGS frame.
+    """
+    with socket.create_connection((host, port), timeout=timeout) as sock:
+        sock.settimeout(0.2)
+        try:
+            first = sock.recv(16)
+        except (TimeoutError, ConnectionResetError):
+            return
+    if not first:
+        return  # closed at once: a store busy starting up, or nothing; TCPStore will say
+    what = "a gRPC (HTTP/2) server, psserver's control plane?" if len(first) >= 4 and first[3] == _HTTP2_SETTINGS \
+        else "a server that speaks first"
+    raise UsageError(f"{host}:{port} is not a psserver RPC port ({what}): point --server at the --port of "
+                     "psserver serve")
+
+
+_ANSWER_S = 5.0
+"""A listening store answers the client's handshake in milliseconds; a port that accepts the
+connection and stays silent this long is something else."""
+
+
+def _store_client(host: str, port: int, timeout: float) -> dist.TCPStore:
+    """``TCPStore`` as a client, bounded: its handshake never times out against a server that
+    accepts the connection and waits for more (any HTTP server, say)."""
+    box: list = []
+
+    def connect() -> None:
+        try:
+            box.append(dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout), use_libuv=True))
+        except (RuntimeError, OSError) as e:
+            box.append(e)
+
+    worker = threading.Thread(target=connect, name="psserver-store-connect", daemon=True)
+    with _quiet_stderr():  # TCPStore logs every failed try with a C++ backtrace
+        worker.start()
+        worker.join(min(timeout, _ANSWER_S))
+    if not box:
+        raise UsageError(f"{host}:{port} is not a psserver RPC port (it accepted the connection but never answered "
+                         "the rendezvous handshake): point --server at the --port of psserver serve")
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Send what C++ code writes to file descriptor 2 to the debug log instead."""
+    try:
+        saved = os.dup(2)
+    except OSError:  # no descriptor 2 to protect
+        yield
+        return
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            text = sink.read().decode(errors="replace").strip()
+            if text:
+                log.debug("TCPStore: %s", text)
 
 
 def forget_store(url: str) -> None:

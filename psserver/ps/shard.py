@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from psserver.checkpoint import CheckpointError
 from psserver.config import OptimizerConfig
-from psserver.ps.fold import FoldedStep, tap
 
 log = logging.getLogger(__name__)
 
@@ -69,36 +69,29 @@ class Shard:
             if self.optimizer is None and self.params:
                 self.optimizer = make_optimizer(self.params, config)
 
-    def forward(self, x: torch.Tensor, *, clone: bool, train: bool = True,
-                fold: FoldedStep | None = None) -> torch.Tensor:
-        """Run this stage; ``x`` may be on any device (autograd records the copy).
-
-        ``fold``: parameters' gradients go to that step (``--step fold``), not to the leaves.
-        """
+    def forward(self, x: torch.Tensor, *, clone: bool, train: bool = True) -> torch.Tensor:
+        """Run this stage; ``x`` may be on any device (autograd records the copy)."""
         if self._stream is not None:
             # Our own stream per shard: the default stream is shared with other threads.
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
-                out = self._forward(x, clone=clone, train=train, fold=fold)
+                out = self._forward(x, clone=clone, train=train)
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
             out.record_stream(torch.cuda.current_stream(self.device))
             return out
-        return self._forward(x, clone=clone, train=train, fold=fold)
+        return self._forward(x, clone=clone, train=train)
 
-    def _forward(self, x: torch.Tensor, *, clone: bool, train: bool, fold: FoldedStep | None) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, *, clone: bool, train: bool) -> torch.Tensor:
         x = x.to(self.device, non_blocking=True)
         with self.lock:
             self.module.train(train)
             if not train:
                 with torch.no_grad():
                     return self.module(x)
-            if fold is not None:
-                weights = {name: tap(p, fold, clone) for name, p in zip(self.names, self.params)}
-            elif clone:
-                weights = {name: p.clone() for name, p in zip(self.names, self.params)}
-            else:
+            if not clone:
                 return self.module(x)
-            return functional_call(self.module, weights, (x,), strict=False)
+            weights = {name: p.clone() for name, p in zip(self.names, self.params, strict=True)}
+            return functional_call(self.module, weights, (x,), strict=True)
 
     def apply(self, grads: dict[nn.Parameter, torch.Tensor], scale: float = 1.0) -> None:
         """One optimizer step with ``grads`` (missing ones count as zero, as in torch)."""
@@ -137,7 +130,7 @@ class Shard:
             self.module.load_state_dict(state["module"])
             if state.get("optimizer") is not None:
                 if optimizer_config is None:
-                    raise ValueError("checkpoint holds optimizer state but no optimizer config")
+                    raise CheckpointError("checkpoint holds optimizer state but no optimizer config")
                 self.init_optimizer(optimizer_config)
                 assert self.optimizer is not None
                 self.optimizer.load_state_dict(state["optimizer"])

@@ -1,17 +1,14 @@
-"""``psserver train --rank N``: join the server, train through RRefs, evaluate, leave.
+"""``psserver train --rank N``: join the server, train, evaluate, leave.
 
-One step (``--step plain``): ``rpc_sync(forward)`` inside a ``dist_autograd.context()`` (the
-server runs the model; only the batch and the logits cross), the loss on the trainer,
-``dist_autograd.backward`` (the logits' gradient crosses back), and
-``DistributedOptimizer.step`` (the server applies the gradient it already holds). ``fold``
-skips that third round trip (the server applies the update as its backward ends), ``chained``
-sends the logits' gradient with the next batch (one round trip), ``fused`` computes the loss on
-the server. Progress and liveness ride on every step's call; a low-rate heartbeat covers the
-time between steps.
+The :class:`Session` is one membership of the server's RPC group: the join, the heartbeat, the
+leave, and the channel its step protocol's trainer half calls the server through
+(``psserver.ps.protocols``). Progress and liveness ride on every call as a
+:class:`~psserver.ps.endpoint.Report`; a low-rate heartbeat covers the time between steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -23,18 +20,16 @@ import time
 from dataclasses import asdict
 
 import torch
-import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
-import torch.nn.functional as F
-from torch.distributed.optim import DistributedOptimizer
 from torch.utils.data import DistributedSampler
 
 from psserver.config import TrainerConfig
 from psserver.data import load_dataset
 from psserver.errors import ServerLost, UsageError
 from psserver.models import get_model_spec
-from psserver.ps import remote, rendezvous
-from psserver.ps.optimizer import SharedOptimizer
+from psserver.ps import endpoint, rendezvous, torch_rpc
+from psserver.ps.endpoint import JoinRequest, Report
+from psserver.ps.protocols import TrainerHalf, get_protocol
 from psserver.utils.memory import freeze_long_lived
 from psserver.utils.progress import Progress
 
@@ -56,9 +51,8 @@ class Session:
         incarnation = self.store.add(rendezvous.KEY_INCARNATION.format(rank=config.rank), 1)
         self.name = rendezvous.trainer_name(config.rank, incarnation)
         rendezvous.set_transport_interface(config.server_host, local=False)
-        # A reconnecting trainer re-initialises RPC in the same process; RPC prefixes its store
-        # keys with a per-process counter, which must match the server's (0).
-        rpc._init_counter = 0  # type: ignore[attr-defined]
+        torch_rpc.check_version()
+        torch_rpc.reset_init_counter()  # a reconnecting trainer initialises RPC again
         _maybe_inject_join_fault()
         try:
             rpc.init_rpc(
@@ -70,13 +64,10 @@ class Session:
         except RuntimeError as e:
             msg = str(e).splitlines()[0]
             raise UsageError(f"cannot join the RPC group of {config.server_host}:{config.server_port}: {msg}") from None
+        optimizer = asdict(config.optimizer) if config.optimizer else None
+        request = JoinRequest(config.rank, self.name, socket.gethostname(), os.getpid(), config.step, optimizer)
         try:
-            optimizer = asdict(config.optimizer) if config.optimizer else None
-            self.info = rpc.rpc_sync(
-                rendezvous.SERVER_NAME,
-                remote.join,
-                args=(config.rank, self.name, socket.gethostname(), os.getpid(), optimizer),
-            )
+            self.info = rpc.rpc_sync(rendezvous.SERVER_NAME, endpoint.join, args=(request,))
         except Exception as e:  # noqa: BLE001 - the server's refusal is the user's answer
             self._shutdown(graceful=False)
             raise UsageError(f"server refused the join: {_remote_message(e)}") from None
@@ -84,67 +75,42 @@ class Session:
             refusal = self.info["error"]
             self._shutdown(graceful=True)
             raise UsageError(refusal)
-        self.optimizer = DistributedOptimizer(SharedOptimizer, self.info["param_rrefs"], trainer=self.name)
-        self.report: tuple | None = None
-        self._grad_out: torch.Tensor | None = None  # --step chained: owed to the server
+        self.report: Report | None = None
+        self.protocol: TrainerHalf = get_protocol(config.step).trainer(self)
         self._stop = threading.Event()
         self._hb = threading.Thread(target=self._heartbeat, name="psserver-heartbeat", daemon=True)
         self._hb.start()
-        log.info("joined psserver %s:%d as %s (model %s, update %s, optimizer %s)", config.server_host,
-                 config.server_port, self.name, self.info["model"], self.info["update"], self.info["optimizer"]["name"])
+        log.info("joined psserver %s:%d as %s (model %s, update %s, optimizer %s, --step %s)", config.server_host,
+                 config.server_port, self.name, self.info["model"], self.info["update"],
+                 self.info["optimizer"]["name"], config.step)
+
+    def call(self, op: str, *args):
+        """``op`` of the server half of this session's step protocol (the trainer half's channel)."""
+        return rpc.rpc_sync(rendezvous.SERVER_NAME, endpoint.call, args=(self.name, op, args, self.report))
 
     def _heartbeat(self) -> None:
         interval = float(self.info["heartbeat_interval"])
         while not self._stop.wait(interval):
             try:
-                rpc.rpc_async(rendezvous.SERVER_NAME, remote.heartbeat, args=(self.name, self.report),
+                rpc.rpc_async(rendezvous.SERVER_NAME, endpoint.heartbeat, args=(self.name, self.report),
                               timeout=max(1.0, interval * 4))
-            except Exception:  # noqa: BLE001 - the training loop reports a lost server
+            except RuntimeError:  # the training loop reports a lost server
                 pass
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        mode = self.config.step
-        if mode == "fused":
-            return rpc.rpc_sync(rendezvous.SERVER_NAME, remote.train_step, args=(self.name, x, y, self.report))
-        if mode == "chained":
-            return self._chained_step(x, y)
-        fold = mode == "fold"
-        with dist_autograd.context() as ctx:
-            out = rpc.rpc_sync(rendezvous.SERVER_NAME, remote.forward, args=(self.name, x, self.report, fold))
-            loss = F.cross_entropy(out, y)
-            dist_autograd.backward(ctx, [loss])
-            if not fold:  # folded: the server applied the update before backward returned
-                self.optimizer.step(ctx)
-        return float(loss.detach())
-
-    def _chained_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        grad_out, self._grad_out = self._grad_out, None  # sent once, whatever the call's fate
-        out = rpc.rpc_sync(rendezvous.SERVER_NAME, remote.chained_step, args=(self.name, grad_out, x, self.report))
-        out.requires_grad_(True)
-        loss = F.cross_entropy(out, y)
-        (self._grad_out,) = torch.autograd.grad(loss, (out,))
-        return float(loss.detach())
-
-    def flush(self) -> None:
-        """``--step chained``: hand in the last step's gradient, so its update is applied."""
-        grad_out, self._grad_out = self._grad_out, None
-        if grad_out is not None:
-            rpc.rpc_sync(rendezvous.SERVER_NAME, remote.chained_step, args=(self.name, grad_out, None, self.report))
-
     def evaluate(self, dataset, batch_size: int) -> float:
-        self.flush()
+        self.protocol.flush()
         x, y = dataset.tensors
         correct = 0
         for i in range(0, len(x), batch_size):
-            out = rpc.rpc_sync(rendezvous.SERVER_NAME, remote.evaluate, args=(self.name, x[i:i + batch_size]))
+            out = self.protocol.evaluate(x[i:i + batch_size])
             correct += int((out.argmax(1) == y[i:i + batch_size]).sum())
         return correct / max(1, len(x))
 
     def leave(self) -> None:
         self._stop.set()
         try:
-            self.flush()
-            rpc.rpc_sync(rendezvous.SERVER_NAME, remote.leave, args=(self.name, self.report), timeout=10)
+            self.protocol.flush()
+            rpc.rpc_sync(rendezvous.SERVER_NAME, endpoint.leave, args=(self.name, self.report), timeout=10)
             self._shutdown(graceful=True)
         except Exception:  # noqa: BLE001 - server already gone: leave locally
             self._shutdown(graceful=False)
@@ -157,9 +123,11 @@ class Session:
         rendezvous.forget_store(self.url)
 
     def _shutdown(self, graceful: bool) -> None:
-        self.optimizer = None  # type: ignore[assignment]
+        protocol = getattr(self, "protocol", None)
+        if protocol is not None:
+            protocol.close()
         self.info = {}
-        if not rpc.api._is_current_rpc_agent_set():
+        if not torch_rpc.agent_is_set():
             return
         if graceful:
             done = threading.Event()
@@ -193,13 +161,12 @@ def _maybe_inject_join_fault() -> None:
     ``init_rpc`` while it holds the group's membership token, as a crash there would."""
     if os.environ.get("PSSERVER_FAULT_INJECT") != "die-in-join":
         return
-    from torch.distributed.rpc import backend_registry
 
     def die(agent) -> None:  # noqa: ARG001
         log.error("injected fault: dying inside init_rpc")
         os._exit(9)
 
-    backend_registry._set_devices_and_reverse_device_map = die
+    torch_rpc.die_inside_init_rpc(die)
 
 
 def _remote_message(e: BaseException) -> str:
@@ -261,7 +228,7 @@ def run_trainer(config: TrainerConfig) -> int:
                 idx = indices[batch_idx * config.batch_size:(batch_idx + 1) * config.batch_size]
                 xb, yb = x_all[idx], y_all[idx]
                 try:
-                    loss = session.step(xb, yb)
+                    loss = session.protocol.step(xb, yb)
                 except (RuntimeError, TimeoutError) as e:
                     session = _recover(session, config, e)
                     continue  # same batch again: its update was not applied
@@ -271,7 +238,7 @@ def run_trainer(config: TrainerConfig) -> int:
                     step_ends.append(time.monotonic())
                 batch_idx += 1
                 rate = samples / max(1e-6, time.monotonic() - t_start)
-                session.report = (steps, samples, loss, rate)
+                session.report = Report(steps, samples, loss, rate)
                 progress.update(loss=loss, rate=rate)
             epoch += 1
             batch_idx = 0
@@ -287,7 +254,7 @@ def run_trainer(config: TrainerConfig) -> int:
         session.leave()
         raise
     if session.report is not None:
-        session.report = (*session.report[:4], accuracy)
+        session.report = dataclasses.replace(session.report, accuracy=accuracy)
     session.leave()
     elapsed = time.monotonic() - t_start
     log.info("rank %d: %d steps, %d samples in %.1fs (%.1f samples/s), final loss %.4f, accuracy %.4f",

@@ -1,32 +1,32 @@
 """How trainers' gradients become optimizer steps: ``async`` and ``sync``.
 
-Both receive one complete gradient per trainer step (from ``SharedOptimizer.step``), so a
-trainer that dies mid-step contributes nothing: an update is applied whole or not at all.
+Both receive one complete gradient per trainer step, so a trainer that dies mid-step
+contributes nothing: an update is applied whole or not at all. ``on_step(step, samples)`` is
+called after each optimizer step *outside* the updater's lock: a listener may take a
+checkpoint, which copies the shards under that lock on another thread.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from psserver.ps.shard import Shard
 
-log = logging.getLogger(__name__)
-
 Grads = dict[nn.Parameter, torch.Tensor]
+OnStep = Callable[[int, int], None]
 
 
 class Updater:
-    """Base: counts optimizer steps; ``on_step`` is called after each with (step, samples)."""
+    """Base: counts optimizer steps and reports each to ``on_step``."""
 
     mode = "async"
 
-    def __init__(self, shards: list[Shard], on_step: Callable[[int, int], None]) -> None:
+    def __init__(self, shards: list[Shard], on_step: OnStep) -> None:
         self.shards = shards
         self.on_step = on_step
         self.global_step = 0
@@ -58,7 +58,7 @@ class Updater:
         pass
 
     def close(self) -> None:
-        pass
+        """Release every waiter (the server is stopping)."""
 
 
 class AsyncUpdater(Updater):
@@ -66,7 +66,7 @@ class AsyncUpdater(Updater):
 
     mode = "async"
 
-    def __init__(self, shards: list[Shard], on_step: Callable[[int, int], None]) -> None:
+    def __init__(self, shards: list[Shard], on_step: OnStep) -> None:
         super().__init__(shards, on_step)
         self._lock = threading.RLock()
 
@@ -87,14 +87,14 @@ class SyncUpdater(Updater):
     """One optimizer step per K gradients, averaged.
 
     The barrier follows membership: a round needs min(K, live trainers) contributions, so it
-    never waits for a trainer that left or was lost, and it grows again when one joins. The
-    step RPC returns at once; the trainer's next forward waits until its round is applied,
-    which keeps RPC threads free and the optimizer's lock short.
+    never waits for a trainer that left or was lost, and it grows again when one joins. A
+    gradient's call returns at once; the trainer's next forward waits until its round is
+    applied, which keeps RPC threads free and the optimizer's lock short.
     """
 
     mode = "sync"
 
-    def __init__(self, shards: list[Shard], on_step: Callable[[int, int], None], k: int) -> None:
+    def __init__(self, shards: list[Shard], on_step: OnStep, k: int) -> None:
         super().__init__(shards, on_step)
         self.k = k
         self._cond = threading.Condition(threading.RLock())
@@ -121,13 +121,14 @@ class SyncUpdater(Updater):
         with self._cond:
             self._live.discard(trainer)
             self._owed.pop(trainer, None)
-            self._maybe_apply()
+            applied = self._maybe_apply()
             self._cond.notify_all()
+        self._report(applied)
 
     def submit(self, trainer: str, grads: Grads, samples: int) -> None:
         with self._cond:
             if trainer in self._contributors:
-                # Cannot happen through the trainer API (its forward waits); refuse rather
+                # Cannot happen through a step protocol (its forward waits); refuse rather
                 # than count one trainer twice.
                 raise RuntimeError(f"{trainer} sent two gradients for round {self._round + 1}")
             for p, g in grads.items():
@@ -139,11 +140,13 @@ class SyncUpdater(Updater):
             self._contributors.add(trainer)
             self._samples += samples
             self._owed[trainer] = self._round + 1
-            self._maybe_apply()
+            applied = self._maybe_apply()
+        self._report(applied)
 
-    def _maybe_apply(self) -> None:
+    def _maybe_apply(self) -> tuple[int, int] | None:
+        """Apply the round if it is complete (lock held); its (step, samples), else None."""
         if not self._contributors or len(self._contributors) < self.required():
-            return
+            return None
         n = len(self._contributors)
         for shard, g in self._split(self._sums).items():
             shard.apply(g, scale=1.0 / n)
@@ -153,9 +156,12 @@ class SyncUpdater(Updater):
         self._samples = 0
         self._round += 1
         self.global_step += 1
-        step = self.global_step
         self._cond.notify_all()
-        self.on_step(step, samples)
+        return self.global_step, samples
+
+    def _report(self, applied: tuple[int, int] | None) -> None:
+        if applied is not None:
+            self.on_step(*applied)
 
     def wait_turn(self, trainer: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -170,3 +176,9 @@ class SyncUpdater(Updater):
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+
+
+def make_updater(mode: str, shards: list[Shard], on_step: OnStep, sync_trainers: int) -> Updater:
+    if mode == "sync":
+        return SyncUpdater(shards, on_step, sync_trainers)
+    return AsyncUpdater(shards, on_step)

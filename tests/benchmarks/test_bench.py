@@ -57,12 +57,11 @@ def test_setup_names_and_lower_bound():
     parse_setup = setups.parse_setup
     assert parse_setup("ps-sync-4") == {"name": "ps-sync-4", "kind": "ps", "trainers": 4, "update": "sync",
                                             "step": "plain"}
-    assert parse_setup("ps-fused-async-2")["step"] == "fused"
     chained = parse_setup("ps-chained-sync-2")
     assert chained["step"] == "chained" and chained["update"] == "sync" and chained["trainers"] == 2
-    assert parse_setup("ps-fold-async-1")["step"] == "fold"
-    with pytest.raises(ValueError, match="unknown setup"):
-        parse_setup("ps-folded-async-1")
+    for gone in ("ps-fold-async-1", "ps-fused-async-2", "ps-chain-async-1"):  # fold and fused were removed
+        with pytest.raises(ValueError, match="unknown setup"):
+            parse_setup(gone)
     assert parse_setup("local-1t")["threads"] == 1
     assert parse_setup("local-1t")["allocator"] == parse_setup("local")["allocator"] == "system"
     assert parse_setup("local-cached")["allocator"] == "cached"  # the server's policy, in the ceiling
@@ -74,7 +73,8 @@ def test_setup_names_and_lower_bound():
         with pytest.raises(ValueError):
             setups.parse_setups(bad)
     # mnist_cnn, batch 64: 64 x 784 floats in, 64 x 10 logits out, their gradient back.
-    assert targets.lower_bound("mnist_cnn", 64) == {"input": 200704, "output": 2560, "grad_output": 2560, "total": 205824}
+    assert targets.lower_bound("mnist_cnn", 64) == {
+        "input": 200704, "output": 2560, "grad_output": 2560, "total": 205824}
 
 
 def _check_result(result: dict, md: str, png: Path, setups: list[str]) -> None:
@@ -111,7 +111,7 @@ def _check_result(result: dict, md: str, png: Path, setups: list[str]) -> None:
         assert len(row["samples_per_s"]) == len(row["x_local"]) == rounds and row["median_samples_per_s"] > 0
         assert next(s for s in result["setups"] if s["name"] == name)["paired_x_local"] == row["median_x_local"]
     assert all(len(order) == len(paired_names) for order in paired["order_per_round"])
-    one = next(r for r in result["ratios"] if r["name"].startswith("PS 1 trainer async / local"))
+    one = next(r for r in result["ratios"] if r["name"].startswith("PS 1 trainer async, --step plain / local"))
     assert one["method"] == "paired rounds, median" and one["one_window"] is not None
     assert "### Paired rounds" in md
 
@@ -162,9 +162,9 @@ def test_ratios_prefer_paired_medians():
     def row(prefix):
         return next(r for r in rows if r["name"].startswith(prefix))
 
-    one = row("PS 1 trainer async / local")
+    one = row("PS 1 trainer async, --step plain / local")
     assert (one["value"], one["one_window"], one["method"], one["met"]) == (0.93, 0.84, "paired rounds, median", True)
-    two = row("PS 2 trainers async (total) / local")
+    two = row("PS 2 trainers async (total), --step plain / local")
     assert (two["value"], two["method"], two["met"]) == (0.97, "one window", True)
     assert row("server idle CPU")["met"] is True
     worst = row("PS bytes per step / lower bound (worst")

@@ -56,8 +56,8 @@ def test_flags_are_checked(capsys):
         assert e.value.code == 2, argv
         err = capsys.readouterr().err
         assert "--" in err and "Traceback" not in err, argv
-    args = paired.parse_args(["--setups", "local-cached, ps-fused-async-2"])
-    assert [s["name"] for s in args.setups] == ["local-cached", "ps-fused-async-2"]
+    args = paired.parse_args(["--setups", "local-cached, ps-chained-async-2"])
+    assert [s["name"] for s in args.setups] == ["local-cached", "ps-chained-async-2"]
     with pytest.raises(ValueError, match="ddp-2"):
         paired.measure_rounds(setups.parse_setups("local,ddp-2"), rounds=1, model="mnist_cnn", batch_size=8,
                               steps=10, skip=2)

@@ -1,3 +1,6 @@
+import argparse
+import re
+
 import pytest
 
 from psserver.cli import build_parser, main
@@ -63,3 +66,76 @@ def test_config_validation_is_one_line_exit_2(capsys, argv, fragment):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and fragment in err[0], err
+
+
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["serve", "--compute", "2"], "--compute"),  # not --compute-threads
+        (["train", "--nproc", "2"], "--nproc"),  # not --nproc-per-node
+        (["train", "--mode", "ddp", "--static"], "--static"),  # not --static-graph
+        (["--log=DEBUG", "status"], "--log=DEBUG"),  # not --log-level
+    ],
+)
+def test_abbreviated_flags_are_refused(capsys, argv, flag):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unrecognized arguments" in err[0] and flag in err[0], err
+
+
+def test_every_parser_refuses_abbreviations():
+    parser, commands = build_parser()
+    assert parser.allow_abbrev is False
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(subparsers.choices) == set(commands)
+    assert all(p.allow_abbrev is False for p in subparsers.choices.values())
+
+
+def _help_sections(text: str) -> dict[str, str]:
+    """Section title -> its text, from argparse's help (titles are unindented lines ending in ':')."""
+    sections: dict[str, str] = {}
+    title = None
+    for line in text.splitlines():
+        if line and not line.startswith(" ") and line.endswith(":"):
+            title = line[:-1]
+            sections[title] = ""
+        elif title is not None:
+            sections[title] += line + "\n"
+    return sections
+
+
+def test_train_help_groups_flags_by_mode(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--help"])
+    assert e.value.code == 0
+    sections = _help_sections(capsys.readouterr().out)
+    expected = {
+        "parameter server (--mode ps)": ["--server", "--rank", "--num-trainers", "--step", "--connect-timeout",
+                                         "--reconnect", "--rpc-timeout"],
+        "DDP (--mode ddp)": ["--static-graph", "--comm-hook", "--powersgd-rank", "--bucket-cap-mb"],
+        "FSDP (--mode fsdp)": ["--reshard-after-forward", "--mixed-precision", "--tp-size"],
+        "collective launch": ["--nproc-per-node", "--master-addr", "--master-port", "--backend"],
+        "control plane": ["--control-port", "--no-control", "--auth-token-file"],
+        "metrics": ["--metrics-port", "--tensorboard-dir"],
+        "data": ["--dataset", "--data-dir", "--train-split"],
+        "optimizer": ["--optimizer", "--lr", "--momentum", "--weight-decay"],
+    }
+    for title, flags in expected.items():
+        assert title in sections, (title, list(sections))
+        for flag in flags:
+            assert re.search(rf"^ +{re.escape(flag)}(?![\w-])", sections[title], re.M), (title, flag)
+    assert "--step" not in sections["options"] and "--tp-size" not in sections["options"]
+
+
+def test_step_modes_come_from_the_config():
+    from psserver.config import TrainerConfig
+    from psserver.config.ps import STEP_MODES
+
+    parser, _ = build_parser()
+    assert parser.parse_args(["train"]).step == TrainerConfig.step == "chained"
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    step = next(a for a in subparsers.choices["train"]._actions if a.dest == "step")
+    assert tuple(step.choices) == tuple(STEP_MODES)
+    assert step.help.startswith("ps mode, round trips per step: chained = ")

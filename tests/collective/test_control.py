@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import pytest
@@ -12,7 +10,7 @@ import pytest
 from psserver.cli import main
 from psserver.collective.checkpoint import complete_checkpoints
 
-from .helpers import REPO, free_port, worker_env
+from .helpers import worker_env
 
 pytest.importorskip("psserver.control.server")
 
@@ -20,52 +18,44 @@ pytest.importorskip("psserver.control.server")
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
-def test_status_checkpoint_and_stop_over_grpc(tmp_path, capsys):
+def test_status_checkpoint_and_stop_over_grpc(tmp_path, capsys, procs, port):
     from psserver.control.client import ControlClient, ControlError
     from psserver.control.v1 import control_pb2 as pb
 
-    port = free_port()
-    cmd = [sys.executable, "-m", "psserver", "train", "--mode", "ddp", "--nproc-per-node", "2",
-           "--model", "mnist_cnn", "--epochs", "1000", "--control-port", str(port),
-           "--allow-unauthenticated-admin", "--checkpoint-dir", str(tmp_path / "ckpt")]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = procs.start(["train", "--mode", "ddp", "--nproc-per-node", "2", "--model", "mnist_cnn", "--epochs", "1000",
+                        "--control-port", str(port), "--allow-unauthenticated-admin",
+                        "--checkpoint-dir", str(tmp_path / "ckpt")], "ddp", env=worker_env())
     address = f"127.0.0.1:{port}"
-    try:
-        with ControlClient(address, timeout=5) as client:
-            deadline = time.monotonic() + 120
-            status = None
-            while time.monotonic() < deadline:
-                assert proc.poll() is None, proc.communicate()[1][-3000:]
-                try:
-                    status = client.get_status()
-                    if status.global_step >= 10 and status.state == pb.SERVER_STATE_SERVING:
-                        break
-                except ControlError:
-                    pass
-                time.sleep(0.5)
-            assert status is not None and status.global_step >= 10
-            assert status.mode == pb.MODE_DDP and status.update_mode == pb.UPDATE_MODE_COLLECTIVE
-            assert status.model == "mnist_cnn" and status.num_params > 1_000_000
+    with ControlClient(address, timeout=5) as client:
+        deadline = time.monotonic() + 120
+        status = None
+        while time.monotonic() < deadline:
+            assert proc.running(), proc.tail()
+            try:
+                status = client.get_status()
+                if status.global_step >= 10 and status.state == pb.SERVER_STATE_SERVING:
+                    break
+            except ControlError:
+                pass
+            time.sleep(0.5)
+        assert status is not None and status.global_step >= 10
+        assert status.mode == pb.MODE_DDP and status.update_mode == pb.UPDATE_MODE_COLLECTIVE
+        assert status.model == "mnist_cnn" and status.num_params > 1_000_000
 
-            trainers = client.list_trainers()
-            assert [t.name for t in trainers] == ["rank0", "rank1"]
-            assert all(t.steps >= 10 for t in trainers)
+        trainers = client.list_trainers()
+        assert [t.name for t in trainers] == ["rank0", "rank1"]
+        assert all(t.steps >= 10 for t in trainers)
 
-            assert main(["status", "--address", address, "--json"]) == 0
-            shown = json.loads(capsys.readouterr().out)
-            assert shown["status"]["mode"] == "ddp" and len(shown["trainers"]) == 2
+        assert main(["status", "--address", address, "--json"]) == 0
+        shown = json.loads(capsys.readouterr().out)
+        assert shown["status"]["mode"] == "ddp" and len(shown["trainers"]) == 2
 
-            info = client.checkpoint(timeout=120)
-            assert info.step >= 10 and info.path.endswith(f"step-{info.step:08d}")
-            assert info.step in [s for s, _ in complete_checkpoints(tmp_path / "ckpt")]
+        info = client.checkpoint(timeout=120)
+        assert info.step >= 10 and info.path.endswith(f"step-{info.step:08d}")
+        assert info.step in [s for s, _ in complete_checkpoints(tmp_path / "ckpt")]
 
-            client.shutdown(reason="test")
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, err[-3000:]
+        client.shutdown(reason="test")
+    assert proc.wait(120) == 0, proc.tail()
     steps = [s for s, _ in complete_checkpoints(tmp_path / "ckpt")]
     assert steps and steps[-1] > info.step  # drained: checkpointed where it stopped
-    assert "stopped on request" in err
+    assert "stopped on request" in proc.output()

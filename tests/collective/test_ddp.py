@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import pytest
 
 from .helpers import MNIST, check_ok, loss_falls, needs_mnist, results, run_cli, worker_env
@@ -47,7 +50,7 @@ def test_comm_hook_trains(hook, result_pattern):
     # all-reduced factors with local matmuls (MKL: last-bit differences with memory alignment),
     # so there the replicas agree to float32 rounding, not bitwise.
     if hook.startswith("powersgd"):
-        d0, d1 = (sum(r["param_digest"], []) for r in (r0, r1))
+        d0, d1 = (functools.reduce(operator.iadd, r["param_digest"], []) for r in (r0, r1))
         assert len(d0) == len(d1) > 0 and d0 == pytest.approx(d1, rel=1e-5, abs=1e-6)
     else:
         assert r0["param_hash"] == r1["param_hash"]

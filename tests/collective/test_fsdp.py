@@ -55,7 +55,7 @@ def test_checkpoint_save_2_resume_2_and_1(tmp_path):
     common = ["--mode", "fsdp", "--model", "mlp", "--no-control", "--checkpoint-dir", str(ckpt),
               "--checkpoint-every", "10", "--max-steps", "20"]
     saved = tmp_path / "save-{rank}.json"
-    check_ok(run_cli(common + ["--nproc-per-node", "2", "--result-file", str(saved)], timeout=100))
+    check_ok(run_cli([*common, "--nproc-per-node", "2", "--result-file", str(saved)], timeout=100))
     found = complete_checkpoints(ckpt)
     assert [step for step, _ in found] == [10, 20]
     assert (found[-1][1] / MARKER).is_file() and not list(ckpt.glob("*.tmp"))
@@ -63,9 +63,9 @@ def test_checkpoint_save_2_resume_2_and_1(tmp_path):
     assert want[0]["param_hash"] == want[1]["param_hash"]
 
     two = tmp_path / "two-{rank}.json"
-    check_ok(run_cli(common + ["--nproc-per-node", "2", "--resume", "--result-file", str(two)], timeout=100))
+    check_ok(run_cli([*common, "--nproc-per-node", "2", "--resume", "--result-file", str(two)], timeout=100))
     one = tmp_path / "one-{rank}.json"
-    check_ok(run_cli(common + ["--resume", "--result-file", str(one)], timeout=100))  # 1 rank: resharded
+    check_ok(run_cli([*common, "--resume", "--result-file", str(one)], timeout=100))  # 1 rank: resharded
     r2, r1 = results(two, 2), results(one, 1)
     assert r2[0]["steps"] == r1[0]["steps"] == 20 and r2[0]["losses"] == []  # nothing left to train
     assert r2[0]["param_hash"] == r2[1]["param_hash"] == r1[0]["param_hash"] == want[0]["param_hash"]
@@ -73,7 +73,7 @@ def test_checkpoint_save_2_resume_2_and_1(tmp_path):
 
     # Resume from the step-10 checkpoint on 1 rank and train on: it continues from step 10.
     more = tmp_path / "more-{rank}.json"
-    check_ok(run_cli(common + ["--resume", str(found[0][1]), "--result-file", str(more)], timeout=100))
+    check_ok(run_cli([*common, "--resume", str(found[0][1]), "--result-file", str(more)], timeout=100))
     assert results(more, 1)[0]["steps"] == 20 and len(results(more, 1)[0]["losses"]) == 10
 
 

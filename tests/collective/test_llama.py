@@ -23,7 +23,7 @@ def test_llama_tiny_fits_the_registry():
     torch.testing.assert_close(y, out)
     # Deterministic initial parameters.
     other = build_model("llama_tiny", seed=0)
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters(), strict=True))
 
 
 def test_llama_tiny_is_causal():

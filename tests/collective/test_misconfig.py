@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -79,6 +78,7 @@ def test_tp_size_against_torchrun_world_size():
         "psserver train: error: world size 2 is not divisible by --tp-size 4")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_unknown_hook_message_is_one_line_via_python_m():
     # The same through the console entry point (python -m psserver): exit code 2, one line.

@@ -6,14 +6,13 @@ import sys
 
 import pytest
 
-from .helpers import check_ok, free_port, loss_falls, results, run_cli
+from .helpers import check_ok, loss_falls, results, run_cli
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
-def test_ddp_under_torchrun_elastic_rendezvous(result_pattern):
-    port = free_port()
+def test_ddp_under_torchrun_elastic_rendezvous(result_pattern, port):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0",
                 "-m", "psserver", "train"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import threading
 
 import pytest
@@ -37,12 +36,6 @@ def _error_lines(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.strip()]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_status_table(server, capsys):
     rc, out, err = run(capsys, "status", "--address", server.address)
     assert rc == 0, err
@@ -51,11 +44,11 @@ def test_status_table(server, capsys):
     assert "model       mlp, 1,234 parameters" in out
     assert "updates     sync (one step per 2 gradients)" in out
     assert "checkpoint  none" in out
-    shard_head = next(i for i, l in enumerate(lines) if l.startswith("SHARD"))
+    shard_head = next(i for i, line in enumerate(lines) if line.startswith("SHARD"))
     assert lines[shard_head].split() == ["SHARD", "DEVICE", "PARAMS", "SIZE", "DEVICE", "MEM"]
     assert lines[shard_head + 1].split()[:3] == ["0", "cpu", "1,000"] and "50.0 MiB" in lines[shard_head + 1]
     assert "TRAINERS    1 active, 0 left, 1 lost" in out
-    rows = [l.split() for l in lines if l.lstrip().startswith(("0  trainer", "1  trainer"))]
+    rows = [line.split() for line in lines if line.lstrip().startswith(("0  trainer", "1  trainer"))]
     assert rows[0][:6] == ["0", "trainer_0_0", "hostA", "ACTIVE", "10", "640"]
     assert rows[1][:4] == ["1", "trainer_1_0", "hostB", "LOST"] and rows[1][6] == "-"
 
@@ -105,8 +98,8 @@ def test_status_watch_rejects_a_bad_interval(server, capsys):
     assert rc == 2 and _error_lines(err) == ["psserver status: error: --interval must be between 0.1 and 3600 seconds"]
 
 
-def test_unreachable_server_is_one_line_and_exit_2(capsys):
-    rc, out, err = run(capsys, "status", "--address", f"127.0.0.1:{_free_port()}", "--timeout", "3")
+def test_unreachable_server_is_one_line_and_exit_2(capsys, port):
+    rc, out, err = run(capsys, "status", "--address", f"127.0.0.1:{port}", "--timeout", "3")
     assert rc == 2 and out == ""
     lines = _error_lines(err)
     assert len(lines) == 1 and lines[0].startswith("psserver status: error: control plane at 127.0.0.1:")
@@ -127,7 +120,8 @@ def test_wrong_token_is_one_line_and_exit_2(auth_server, capsys, monkeypatch, tm
     ]
     monkeypatch.setenv("PSSERVER_AUTH_TOKEN", "wrong")
     rc, _, err = run(capsys, "status", "--address", auth_server.address)
-    assert rc == 2 and _error_lines(err) == ["psserver status: error: GetStatus failed: UNAUTHENTICATED: invalid bearer token"]
+    assert rc == 2
+    assert _error_lines(err) == ["psserver status: error: GetStatus failed: UNAUTHENTICATED: invalid bearer token"]
     monkeypatch.setenv("PSSERVER_AUTH_TOKEN", TOKEN)
     rc, out, err = run(capsys, "status", "--address", auth_server.address, "--json")
     assert rc == 0 and json.loads(out)["status"]["state"] == "SERVING"
@@ -135,7 +129,7 @@ def test_wrong_token_is_one_line_and_exit_2(auth_server, capsys, monkeypatch, tm
 
 def test_token_file_wins_over_the_environment(auth_server, token_file, capsys, monkeypatch):
     monkeypatch.setenv("PSSERVER_AUTH_TOKEN", "wrong")
-    rc, out, err = run(capsys, "status", "--address", auth_server.address, "--auth-token-file", str(token_file))
+    rc, _out, err = run(capsys, "status", "--address", auth_server.address, "--auth-token-file", str(token_file))
     assert rc == 0, err
 
 

@@ -2,81 +2,24 @@
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-import psserver
 from psserver.checkpoint import list_checkpoints, read_checkpoint
 from psserver.control.client import ControlClient, ControlError, ControlUnavailable
 from psserver.control.v1 import control_pb2 as pb
+from tests.procs import Proc, run
 
 from .fakes import TOKEN
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
-ROOT = Path(psserver.__file__).resolve().parents[1]
 LISTENING = re.compile(r"control plane listening on (\S+):(\d+)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    """A ``python -m psserver ...`` child with its output in a file (no pipe to fill up)."""
-
-    def __init__(self, log: Path, *argv: str, env: dict[str, str] | None = None) -> None:
-        self.log = log
-        self._out = open(log, "wb")
-        full_env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        full_env.pop("PSSERVER_AUTH_TOKEN", None)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "psserver", *argv], stdout=self._out, stderr=subprocess.STDOUT, env=full_env,
-            cwd=ROOT, start_new_session=True,
-        )
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def tail(self, n: int = 40) -> str:
-        return "\n".join(self.output().splitlines()[-n:])
-
-    def wait(self, timeout: float) -> int | None:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # our own child's session only
-            self.proc.wait(10)
-        self._out.close()
-
-
-@pytest.fixture
-def procs():
-    started: list[Proc] = []
-
-    def start(log: Path, *argv: str) -> Proc:
-        p = Proc(log, *argv)
-        started.append(p)
-        return p
-
-    yield start
-    for p in started:
-        p.close()
 
 
 def _wait_for(predicate, timeout: float, what: str, proc: Proc | None = None):
@@ -85,42 +28,36 @@ def _wait_for(predicate, timeout: float, what: str, proc: Proc | None = None):
         value = predicate()
         if value:
             return value
-        if proc is not None and proc.proc.poll() is not None:
-            pytest.fail(f"{what}: the process exited with {proc.proc.returncode}\n{proc.tail()}")
+        if proc is not None and not proc.running():
+            pytest.fail(f"{what}: {proc.name} exited with {proc.popen.returncode}\n{proc.tail()}")
         time.sleep(0.1)
     pytest.fail(f"timed out waiting for {what}" + (f"\n{proc.tail()}" if proc else ""))
 
 
-def _cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    env.pop("PSSERVER_AUTH_TOKEN", None)
-    return subprocess.run(
-        [sys.executable, "-m", "psserver", "--log-level", "ERROR", *argv], capture_output=True, text=True,
-        env=env, cwd=ROOT, timeout=timeout,
-    )
+def _cli(*argv: str, timeout: float = 60):
+    return run(["--log-level", "ERROR", *argv], timeout=timeout)
+
+
+def _control_address(server: Proc) -> str:
+    """HOST:PORT of the control plane (--control-port 0: the port it printed)."""
+    return "{}:{}".format(*server.wait_for(LISTENING.pattern, timeout=30).groups())
 
 
 @pytest.mark.timeout(300)
-def test_status_during_training_then_stop_drains_and_checkpoints(procs, tmp_path):
+def test_status_during_training_then_stop_drains_and_checkpoints(procs, port, tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     ckpt_dir = tmp_path / "ckpt"
-    rpc_port = _free_port()
-    server = procs(
-        tmp_path / "server.log", "serve", "--port", str(rpc_port), "--model", "mlp", "--control-port", "0",
-        "--checkpoint-dir", str(ckpt_dir), "--auth-token-file", str(token_file),
-    )
-    host, port = _wait_for(lambda: (m := LISTENING.search(server.output())) and m.groups(), 90, "control plane", server)
-    address = f"{host}:{port}"
+    server = procs.server(port, "--model", "mlp", "--checkpoint-dir", str(ckpt_dir), "--auth-token-file",
+                          str(token_file), control_port=0, log=tmp_path / "server.log")
+    address = _control_address(server)
     client = ControlClient(address, token=TOKEN, timeout=10)
     try:
         _wait_for(lambda: client.health() == "SERVING", 60, "health SERVING", server)
         assert client.get_status().state == pb.SERVER_STATE_SERVING
 
-        trainer = procs(
-            tmp_path / "trainer.log", "train", "--server", f"127.0.0.1:{rpc_port}", "--rank", "0", "--num-trainers",
-            "1", "--epochs", "1000", "--max-steps", "100000", "--no-progress",
-        )
+        trainer = procs.trainer(port, 0, "--num-trainers", "1", "--epochs", "1000", "--max-steps", "100000",
+                                log=tmp_path / "trainer.log")
         active = _wait_for(
             lambda: [t for t in client.list_trainers() if t.state == pb.TRAINER_STATE_ACTIVE and t.steps > 0],
             90, "an active trainer with steps", trainer,
@@ -182,33 +119,24 @@ def test_status_during_training_then_stop_drains_and_checkpoints(procs, tmp_path
 
 
 @pytest.mark.timeout(180)
-def test_shutdown_without_admin_rights_is_refused_and_sigterm_still_works(procs, tmp_path):
-    rpc_port = _free_port()
-    server = procs(tmp_path / "server.log", "serve", "--port", str(rpc_port), "--model", "mlp", "--control-port", "0")
-    host, port = _wait_for(lambda: (m := LISTENING.search(server.output())) and m.groups(), 90, "control plane", server)
-    address = f"{host}:{port}"
+def test_shutdown_without_admin_rights_is_refused_and_sigterm_still_works(procs, port, tmp_path):
+    server = procs.server(port, "--model", "mlp", control_port=0, log=tmp_path / "server.log")
+    address = _control_address(server)
     done = _cli("stop", "--address", address)
     assert done.returncode == 2 and "PERMISSION_DENIED" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
     with ControlClient(address) as client:
         assert client.get_status().state == pb.SERVER_STATE_SERVING
-    server.proc.send_signal(signal.SIGTERM)
-    assert server.wait(60) == 0, server.tail()
+    assert procs.stop(server, timeout=60) == 0, server.tail()
     assert _cli("status", "--address", address, "--timeout", "3").returncode == 2  # gone: one line, exit 2
 
 
 @pytest.mark.timeout(300)
-def test_two_trainers_active_then_one_left_and_global_step_counts_updates(tmp_path):
-    from tests.procs import ProcessGroup
-
-    group = ProcessGroup()
-    try:
-        rpc_port = _free_port()
-        server = group.server(rpc_port, "--model", "mnist_cnn", control_port=0)
-        host, port = LISTENING.search(server.output()).groups()
-        client = ControlClient(f"{host}:{port}", timeout=10)
-        short = group.trainer(rpc_port, 0, "--num-trainers", "2", "--epochs", "5", "--max-steps", "60")
-        long = group.trainer(rpc_port, 1, "--num-trainers", "2", "--epochs", "1000")
+def test_two_trainers_active_then_one_left_and_global_step_counts_updates(procs, port):
+    server = procs.server(port, "--model", "mnist_cnn", control_port=0)
+    with ControlClient(_control_address(server), timeout=10) as client:
+        short = procs.trainer(port, 0, "--num-trainers", "2", "--epochs", "5", "--max-steps", "60")
+        long = procs.trainer(port, 1, "--num-trainers", "2", "--epochs", "1000")
 
         def active():
             return {t.rank: t for t in client.list_trainers() if t.state == pb.TRAINER_STATE_ACTIVE and t.steps > 0}
@@ -231,6 +159,3 @@ def test_two_trainers_active_then_one_left_and_global_step_counts_updates(tmp_pa
         total = sum(t.steps for t in client.list_trainers())
         st = client.get_status()
         assert abs(st.global_step - total) <= 1, (st.global_step, total)  # the last report may trail a step
-        client.close()
-    finally:
-        group.kill_all()

@@ -161,7 +161,7 @@ def test_non_grpc_traffic_on_the_port(server, garbage):
                 if not chunk:
                     break  # the server closed the connection: fine
                 received += chunk
-        except (socket.timeout, ConnectionResetError):
+        except (TimeoutError, ConnectionResetError):
             pass
     # Whatever it answered (an HTTP/2 GOAWAY, nothing, a reset), it still serves gRPC.
     _still_serving(server.address)
@@ -180,7 +180,8 @@ def test_half_open_connections_do_not_block_others(server):
 def test_stop_with_a_stream_open_is_prompt(target):
     control = serve(target)
     channel = grpc.insecure_channel(control.address)
-    stream = _raw(channel, "WatchStatus", streaming=True)(pb.WatchStatusRequest(interval_seconds=60).SerializeToString())
+    request = pb.WatchStatusRequest(interval_seconds=60).SerializeToString()
+    stream = _raw(channel, "WatchStatus", streaming=True)(request)
     next(stream)
     t0 = time.monotonic()
     control.stop()

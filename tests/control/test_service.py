@@ -96,7 +96,8 @@ def test_get_status_carries_every_field(server, target):
     assert st.global_step > 0 and st.samples_seen > 0
     assert st.updates_per_second > 0 and st.samples_per_second > 0
     assert st.HasField("mean_loss") and 0 < st.mean_loss <= 1
-    assert [(s.index, s.device, s.num_params, s.bytes) for s in st.shards] == [(0, "cpu", 1000, 4000), (1, "cpu", 234, 936)]
+    shards = [(s.index, s.device, s.num_params, s.bytes) for s in st.shards]
+    assert shards == [(0, "cpu", 1000, 4000), (1, "cpu", 234, 936)]
     assert st.shards[0].device_memory_bytes == 50 << 20
     assert not st.HasField("last_checkpoint")
     assert abs(st.server_time - time.time()) < 5

@@ -69,3 +69,12 @@ def test_unknown_dataset_and_missing_dir(tmp_path):
         DataConfig(dataset="cifar")
     with pytest.raises(ValueError, match="does not exist"):
         DataConfig(dataset="mnist", data_dir=tmp_path / "nope")
+
+
+def test_data_errors_are_usage_errors(tmp_path):
+    # The CLI reports them as one line with exit code 2 (and they stay ValueErrors).
+    from psserver.errors import DataError, UsageError
+
+    with pytest.raises(UsageError, match="no MNIST IDX files") as e:
+        load_mnist(tmp_path)
+    assert isinstance(e.value, DataError) and isinstance(e.value, ValueError)

@@ -167,9 +167,9 @@ def test_dockerignore_keeps_what_pip_needs():
 
 
 def test_healthcheck_script_against_a_grpc_health_server():
-    import grpc
     from concurrent import futures
 
+    import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
@@ -239,7 +239,7 @@ def test_compose_names_and_ports_agree():
     trainers = {k: v for k, v in services.items() if k != "server"}
     assert len(trainers) == 2
     ranks = []
-    for name, svc in trainers.items():
+    for svc in trainers.values():
         argv = _argv(svc)
         assert argv[0] == "train"
         assert option(argv, "--server") == f"{host}:{port}"

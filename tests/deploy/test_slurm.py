@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import socket
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -15,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.commands import DEPLOY
-from tests.procs import env as clean_env
 from tests.procs import free_port
 
 SRUN = '''\
@@ -93,6 +90,7 @@ def _shims(bindir: Path) -> None:
 
 
 def _port_closed(port: int) -> bool:
+    """Nothing accepts connections on ``port`` any more (a connect, not a bind)."""
     with socket.socket() as s:
         s.settimeout(1)
         return s.connect_ex(("127.0.0.1", port)) != 0
@@ -101,47 +99,34 @@ def _port_closed(port: int) -> bool:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_ps_sbatch_runs_server_and_two_trainers(tmp_path):
+def test_ps_sbatch_runs_server_and_two_trainers(tmp_path, procs):
     bindir = tmp_path / "bin"
     _shims(bindir)
     port, control_port, metrics_port = free_port(), free_port(), free_port()
-    env = clean_env()
-    env.update(
-        PATH=f"{bindir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{env['PATH']}",
-        FAKE_SRUN_LOG=str(tmp_path / "srun.log"),
-        FAKE_NNODES="3",
-        SLURM_JOB_ID="4242",
-        SLURM_JOB_NODELIST="node[0-2]",
-        SLURM_SUBMIT_DIR=str(tmp_path),
-        PSSERVER_PORT=str(port),
-        PSSERVER_CONTROL_PORT=str(control_port),
-        PSSERVER_METRICS_PORT=str(metrics_port),
-        PSSERVER_MODEL="mlp",
-        PSSERVER_EPOCHS="1",
-        PSSERVER_MAX_STEPS="20",
-        PSSERVER_CONNECT_TIMEOUT="120",
-        OMP_NUM_THREADS="1",
-    )
-    for var in ("SLURM_PROCID", "SLURM_NTASKS", "PSSERVER_AUTH_TOKEN"):
-        env.pop(var, None)
-    proc = subprocess.Popen(
-        ["bash", str(DEPLOY / "slurm" / "ps.sbatch")],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"ps.sbatch did not finish:\n{out[-6000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # anything the script left behind
-        except ProcessLookupError:
-            pass
+    # tests.procs.env() already leaves out SLURM_PROCID, SLURM_NTASKS and PSSERVER_AUTH_TOKEN.
+    env = {
+        "PATH": f"{bindir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "FAKE_SRUN_LOG": str(tmp_path / "srun.log"),
+        "FAKE_NNODES": "3",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "node[0-2]",
+        "SLURM_SUBMIT_DIR": str(tmp_path),
+        "PSSERVER_PORT": str(port),
+        "PSSERVER_CONTROL_PORT": str(control_port),
+        "PSSERVER_METRICS_PORT": str(metrics_port),
+        "PSSERVER_MODEL": "mlp",
+        "PSSERVER_EPOCHS": "1",
+        "PSSERVER_MAX_STEPS": "20",
+        "PSSERVER_CONNECT_TIMEOUT": "120",
+        "OMP_NUM_THREADS": "1",
+    }
+    # Its whole session (the fake srun, the server, the trainers) is killed after the test.
+    job = procs.start([str(DEPLOY / "slurm" / "ps.sbatch")], "ps.sbatch", prefix=["bash"], env=env, cwd=tmp_path,
+                      log=tmp_path / "ps.sbatch.out")
+    returncode = job.wait(240)
+    out = job.output()
     tail = textwrap.indent(out[-6000:], "  ")
-    assert proc.returncode == 0, f"ps.sbatch exited with {proc.returncode}:\n{tail}"
+    assert returncode == 0, f"ps.sbatch exited with {returncode}:\n{tail}"
     for rank in (0, 1):
         assert re.search(rf"^rank {rank} accuracy [0-9.]+$", out, re.M), f"no accuracy from rank {rank}:\n{tail}"
     assert "server on localhost (localhost:" in out and "2 trainer(s)" in out

@@ -14,7 +14,7 @@ def test_models_build_and_run(name):
 
 def test_build_is_deterministic():
     a, b = build_model("mlp", seed=3), build_model("mlp", seed=3)
-    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
 
 
 def test_unknown_model_lists_known():
@@ -45,3 +45,19 @@ def test_stages_balance_parameters():
 def test_too_many_stages():
     with pytest.raises(ValueError, match="cannot split"):
         split_stages(build_model("mlp"), 50)
+
+
+def test_tensor_parallel_plan_is_part_of_the_spec():
+    spec = get_model_spec("llama_tiny")
+    assert spec.tp_plan is not None and spec.tp_max_degree == 8
+    block_cls, layout = spec.tp_plan
+    model = build_model("llama_tiny")
+    blocks = [m for m in model.modules() if type(m).__name__ == block_cls]
+    assert blocks
+    for block in blocks:
+        names = dict(block.named_modules())
+        assert all(isinstance(names.get(name), torch.nn.Linear) for name in layout), layout
+    assert set(layout.values()) == {"colwise", "rowwise"}
+    for name in ("mnist_cnn", "mlp", "resnet18"):
+        assert get_model_spec(name).tp_plan is None and get_model_spec(name).tp_max_degree is None
+    hash(spec)  # a frozen spec stays hashable with its plan

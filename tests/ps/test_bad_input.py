@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -84,3 +85,17 @@ def test_taken_rank_and_bad_inputs_leave_a_running_server_alone(procs, port, mni
     assert server.running()
     assert procs.stop(server) == 0
     assert "Traceback" not in server.output()
+
+
+@pytest.mark.timeout(120)
+def test_trainer_pointed_at_the_control_or_metrics_port(procs, port):
+    """The likely mix-up: a port of the server that is not its RPC port. One line, at once,
+    not torch's C++ backtrace after a minute of retries."""
+    control, metrics = free_port(), free_port()
+    procs.server(port, "--model", "mlp", "--metrics-port", str(metrics), control_port=control)
+    for wrong, says in ((control, "gRPC (HTTP/2) server"), (metrics, "never answered the rendezvous handshake")):
+        t0 = time.monotonic()
+        r = run_cli("train", "--server", f"127.0.0.1:{wrong}", "--no-progress", "--max-steps", "1")
+        assert_usage_error(r, f"127.0.0.1:{wrong} is not a psserver RPC port", says)
+        assert time.monotonic() - t0 < 30
+        assert "frame #" not in r.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from psserver.checkpoint import list_checkpoints, read_checkpoint
+from psserver.models import build_model
 from tests.procs import MNIST_ARGS, accuracy
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -22,9 +23,10 @@ def _train_two(procs, port, *extra):
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("update", ["async", "sync"])
 def test_two_trainers_reach_accuracy_and_server_keeps_serving(procs, port, mnist_dir, update):
+    """The reference protocol (``--step plain``: dist_autograd and DistributedOptimizer)."""
     extra = ["--update", update] + (["--sync-trainers", "2"] if update == "sync" else [])
     server = procs.server(port, *extra)
-    for t in _train_two(procs, port):
+    for t in _train_two(procs, port, "--step", "plain"):
         assert accuracy(t) >= BAR, t.tail()
     assert server.running()
     # The server outlives its trainers: a third one joins (rank 0 again, a new incarnation).
@@ -41,7 +43,8 @@ def test_two_trainers_reach_accuracy_and_server_keeps_serving(procs, port, mnist
 def test_adam_has_one_optimizer_state_per_shard(procs, port, mnist_dir, tmp_path):
     server = procs.server(port, "--optimizer", "adam", "--checkpoint-dir", str(tmp_path), "--devices", "cpu,cpu")
     trainers = [
-        procs.trainer(port, r, "--num-trainers", "2", "--max-steps", "40", *MNIST_ARGS) for r in (0, 1)
+        procs.trainer(port, r, "--num-trainers", "2", "--max-steps", "40", "--step", "plain", *MNIST_ARGS)
+        for r in (0, 1)
     ]
     for t in trainers:
         assert t.wait(180) == 0, t.tail()
@@ -49,13 +52,14 @@ def test_adam_has_one_optimizer_state_per_shard(procs, port, mnist_dir, tmp_path
     state = read_checkpoint(list_checkpoints(tmp_path)[0])
     assert state["global_step"] == 80  # async: every trainer step is one optimizer step
     assert len(state["shards"]) == 2
+    # One Adam state per parameter tensor of the model, split over the two shards, each
+    # advanced by BOTH trainers' steps: two per-trainer optimizers would each count 40.
+    n_params = len(list(build_model("mnist_cnn").parameters()))
+    assert sum(len(s["optimizer"]["state"]) for s in state["shards"]) == n_params
     for shard in state["shards"]:
         opt = shard["optimizer"]
-        n_params = len(shard["module"]) - 0
         assert len(opt["param_groups"]) == 1
-        # One Adam state per parameter of the shard, advanced by BOTH trainers' steps: two
-        # per-trainer optimizers would each count 40.
-        assert len(opt["state"]) == len(opt["param_groups"][0]["params"]) <= n_params
+        assert len(opt["state"]) == len(opt["param_groups"][0]["params"]) > 0
         for st in opt["state"].values():
             assert int(st["step"]) == 80
             assert set(st) >= {"exp_avg", "exp_avg_sq"}
@@ -71,10 +75,10 @@ def test_two_stages_train_to_the_same_bar(procs, port, mnist_dir):
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("update", ["async", "sync"])
-@pytest.mark.parametrize("step", ["fold", "chained", "fused"])
-def test_shorter_steps_reach_the_same_bar(procs, port, mnist_dir, update, step):
+def test_chained_steps_reach_the_same_bar(procs, port, mnist_dir, update):
+    """``--step chained`` (the default): the same bar, and the final flush lands every update."""
     server = procs.server(port, "--update", update, "--sync-trainers", "2")
-    for t in _train_two(procs, port, "--step", step):
+    for t in _train_two(procs, port):
         assert accuracy(t) >= BAR, t.tail()
     assert procs.stop(server) == 0
     assert "global step 378" in server.output() if update == "async" else "global step 189" in server.output()

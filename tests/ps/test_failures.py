@@ -99,8 +99,8 @@ def _assert_same_state(a, b):
     assert pa.keys() == pb.keys()
     for k in pa:
         assert torch.equal(pa[k], pb[k]), k
-    for sa, sb in zip(a["shards"], b["shards"]):
-        for (ia, ta), (ib, tb) in zip(sa["optimizer"]["state"].items(), sb["optimizer"]["state"].items()):
+    for sa, sb in zip(a["shards"], b["shards"], strict=True):
+        for (ia, ta), (ib, tb) in zip(sa["optimizer"]["state"].items(), sb["optimizer"]["state"].items(), strict=True):
             assert ia == ib
             for key in ta:
                 assert torch.equal(torch.as_tensor(ta[key]), torch.as_tensor(tb[key])), key

@@ -14,8 +14,11 @@ from psserver.ps.server import ParameterServer
 
 def make_checkpoint(tmp_path, model: str, devices: list[str]):
     server = ParameterServer(ServerConfig(model=model, devices=devices))
-    path = checkpoint_path(tmp_path, 7)
-    write_checkpoint(path, server.snapshot_state())
+    try:
+        path = checkpoint_path(tmp_path, 7)
+        write_checkpoint(path, server.policy.snapshot())
+    finally:
+        server.engine.close()
     return path
 
 

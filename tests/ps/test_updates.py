@@ -72,6 +72,39 @@ def test_sync_averages_k_gradients_and_barrier_follows_membership():
     assert len(steps) == 3
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_on_step_runs_with_the_lock_free(mode):
+    """A listener may copy the shards under the updater's lock from another thread (as a
+    checkpoint does on the compute thread): the updater must not hold it while it calls back.
+    Holding it was the sync-mode checkpoint deadlock."""
+    shard = make_shard()
+    seen = []
+
+    def take_and_release(got: list) -> None:
+        if up.lock.acquire(timeout=5):
+            up.lock.release()
+            got.append(True)
+        else:
+            got.append(False)
+
+    def on_step(step, samples):
+        got: list[bool] = []
+        th = threading.Thread(target=take_and_release, args=(got,))
+        th.start()
+        th.join()
+        seen.append(got[0])
+
+    up = AsyncUpdater([shard], on_step) if mode == "async" else SyncUpdater([shard], on_step, k=2)
+    up.trainer_joined("a")
+    up.trainer_joined("b")
+    up.submit("a", grads(shard, 1.0), 4)
+    up.submit("b", grads(shard, 1.0), 4)
+    up.trainer_gone("b")
+    up.submit("a", grads(shard, 1.0), 4)  # a round of one, applied at once
+    assert seen == [True] * (3 if mode == "async" else 2)
+
+
 def test_sync_refuses_two_gradients_from_one_trainer_in_a_round():
     shard = make_shard()
     up = SyncUpdater([shard], lambda s, n: None, k=2)

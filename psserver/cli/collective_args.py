@@ -1,9 +1,10 @@
-"""Flags of ``psserver train --mode ddp|fsdp`` and the entry point the train command calls.
+"""Flags of ``psserver train --mode ddp|fsdp`` and the ``CollectiveConfig`` built from them.
 
-Shared flags (--model, --epochs, --batch-size, --optimizer, --lr, data, --max-steps,
---no-progress) come from ``psserver.cli.train``; the ones here are collective-only. Every
-combination that can be checked without a process group is checked (by
-``CollectiveConfig``) before any worker starts: one line, exit code 2.
+Shared flags (--model, --epochs, --batch-size, optimizer, data, control plane, --max-steps,
+--no-progress) come from ``psserver.cli.train`` and ``psserver.cli.args``; the ones here are
+collective-only. Every combination that can be checked without a process group is checked
+(by ``CollectiveConfig``) before any worker starts: one line, exit code 2. Running the
+workers is ``psserver.collective.run.run_collective``.
 
 Control plane: rank 0 serves the same gRPC control plane as ``psserver serve``, by default on
 127.0.0.1:50051 like the server, so ``psserver status`` works unchanged for both modes. A
@@ -15,11 +16,11 @@ free port (logged), ``--no-control`` turns it off.
 from __future__ import annotations
 
 import argparse
-import functools
-import logging
 import os
 from pathlib import Path
 
+from psserver.cli.args import control_from_args, data_from_args, optimizer_from_args
+from psserver.config import OptimizerConfig
 from psserver.config.collective import (
     BACKENDS,
     COMM_HOOKS,
@@ -32,14 +33,10 @@ from psserver.config.collective import (
 )
 from psserver.errors import UsageError
 
-log = logging.getLogger(__name__)
-
 
 def add_collective_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the collective-mode flags to ``psserver train``."""
-    from psserver.cli.serve import add_control_arguments
-
-    g = parser.add_argument_group("collective (--mode ddp|fsdp): launch")
+    """Add the collective-only flags to ``psserver train``, one group per concern."""
+    g = parser.add_argument_group("collective launch", "--mode ddp|fsdp: where the workers come from")
     g.add_argument("--nproc-per-node", type=int, default=None,
                    help="standalone: spawn N workers on this host (not under torchrun, which has its own)")
     g.add_argument("--master-addr", default="127.0.0.1",
@@ -54,12 +51,12 @@ def add_collective_arguments(parser: argparse.ArgumentParser) -> None:
                    help="torch threads per worker (default: cores / workers on this host)")
     g.add_argument("--result-file", default=None,
                    help="write a JSON summary per rank ({rank} in the name is replaced); for scripts and tests")
-    n = parser.add_argument_group("NCCL tunables (exported before the process group starts; GPU only)")
-    n.add_argument("--nccl-nsocks-perthread", type=int, default=None,
-                   help="NCCL_NSOCKS_PERTHREAD: sockets per helper thread (TCP transport)")
-    n.add_argument("--nccl-socket-nthreads", type=int, default=None,
+    g.add_argument("--nccl-nsocks-perthread", type=int, default=None,
+                   help="NCCL_NSOCKS_PERTHREAD: sockets per helper thread (TCP transport; set before the "
+                        "process group starts, GPU only)")
+    g.add_argument("--nccl-socket-nthreads", type=int, default=None,
                    help="NCCL_SOCKET_NTHREADS: CPU helper threads per connection (TCP transport)")
-    n.add_argument("--nccl-min-nchannels", type=int, default=None,
+    g.add_argument("--nccl-min-nchannels", type=int, default=None,
                    help="NCCL_MIN_NCHANNELS: minimum number of channels (rings/trees)")
     d = parser.add_argument_group("DDP (--mode ddp)")
     d.add_argument("--static-graph", action="store_true", help="the graph is the same every step")
@@ -80,29 +77,23 @@ def add_collective_arguments(parser: argparse.ArgumentParser) -> None:
                    help="post-local-SGD: average parameters every N steps (default 4)")
     d.add_argument("--localsgd-group-size", type=int, default=None,
                    help="post-local-SGD: ranks per gradient subgroup after warm-up (default: per node; 1: none)")
-    f = parser.add_argument_group("FSDP2 (--mode fsdp)")
+    f = parser.add_argument_group("FSDP (--mode fsdp)", "FSDP2 (fully_shard), optionally with tensor parallelism")
     f.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="free gathered parameters after forward (default: yes; --no-... keeps them, ZeRO-2)")
     f.add_argument("--mixed-precision", default="none", help=f"{', '.join(MIXED_PRECISION)} (default none)")
     f.add_argument("--tp-size", type=int, default=1,
                    help="tensor-parallel degree: 2-D mesh, TP inside groups of T ranks, FSDP across (llama_tiny)")
-    c = parser.add_argument_group("collective checkpoints (torch.distributed.checkpoint, sharded)")
+    c = parser.add_argument_group("collective checkpoints", "--mode ddp|fsdp: torch.distributed.checkpoint, sharded")
     c.add_argument("--checkpoint-dir", type=Path, default=None, help="directory of step-N/ checkpoints")
     c.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (default: at the end)")
     c.add_argument("--keep-checkpoints", type=int, default=3, help="keep the newest N (default 3)")
     c.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
                    help="resume from the newest complete checkpoint in --checkpoint-dir, or from PATH")
-    if not any(a.dest == "control_port" for a in parser._actions):
-        add_control_arguments(parser)
 
 
-def config_from_args(args: argparse.Namespace) -> CollectiveConfig:
+def collective_config_from_args(args: argparse.Namespace) -> CollectiveConfig:
     """Build and validate the configuration (``ValueError``/``UsageError`` on bad input)."""
-    from psserver.cli.base import optimizer_from_args
-    from psserver.cli.serve import control_from_args
-    from psserver.cli.train import data_from_args
-    from psserver.collective.launcher import under_torchrun
-    from psserver.config import OptimizerConfig
+    from psserver.collective.launcher import under_torchrun  # torch.distributed: not at parser build
 
     torchrun = under_torchrun()
     if torchrun:
@@ -167,20 +158,3 @@ def config_from_args(args: argparse.Namespace) -> CollectiveConfig:
         control=control,
         observability=obs,
     )
-
-
-def run_collective(args: argparse.Namespace) -> int:
-    """``psserver train --mode ddp|fsdp``: validate, then run (or spawn) the workers."""
-    from psserver.collective.launcher import launch
-    from psserver.collective.loop import train_worker
-
-    config = config_from_args(args)
-    if config.launch.nccl_env() and config.launch.resolved_backend(_cuda()) != "nccl":
-        log.warning("NCCL tunables have no effect on backend %s", config.launch.resolved_backend(_cuda()))
-    return launch(config, functools.partial(train_worker, config))
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

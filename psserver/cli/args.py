@@ -1,0 +1,97 @@
+"""Argument builders shared by several verbs, and the configuration pieces built from them.
+
+Each ``add_*_arguments`` adds one argument group; the matching ``*_from_args`` builds the
+config dataclass of those flags (validated in its ``__post_init__``: call it inside
+:func:`psserver.cli.base.config_errors` so a bad value is a usage error).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from psserver.config.common import DataConfig, default_data_dir
+from psserver.config.control import ControlConfig, ObservabilityConfig
+from psserver.config.ps import OPTIMIZERS, OptimizerConfig
+
+
+def add_optimizer_arguments(parser: argparse.ArgumentParser, *, defaults_from_server: bool) -> None:
+    """``--optimizer``, ``--lr``, ``--momentum``, ``--weight-decay`` (``serve`` and ``train``)."""
+    suffix = " (default: the server's)" if defaults_from_server else ""
+    g = parser.add_argument_group("optimizer")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
+                   help="server-side optimizer, one per shard, shared by all trainers" + suffix)
+    g.add_argument("--lr", type=float, default=None, help="learning rate" + suffix)
+    g.add_argument("--momentum", type=float, default=None, help="momentum (sgd, rmsprop)" + suffix)
+    g.add_argument("--weight-decay", type=float, default=None, help="L2 penalty" + suffix)
+
+
+def optimizer_from_args(args: argparse.Namespace) -> OptimizerConfig | None:
+    """An OptimizerConfig when any optimizer flag was given, else None."""
+    given = {k: getattr(args, k) for k in ("optimizer", "lr", "momentum", "weight_decay")}
+    if all(v is None for v in given.values()):
+        return None
+    defaults = OptimizerConfig()
+    return OptimizerConfig(
+        name=given["optimizer"] or defaults.name,
+        lr=given["lr"] if given["lr"] is not None else defaults.lr,
+        momentum=given["momentum"] if given["momentum"] is not None else defaults.momentum,
+        weight_decay=given["weight_decay"] if given["weight_decay"] is not None else defaults.weight_decay,
+    )
+
+
+def add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """Dataset flags, shared by every training mode."""
+    g = parser.add_argument_group("data")
+    g.add_argument("--dataset", default="synthetic", help="synthetic (default, no download) or mnist")
+    g.add_argument("--data-dir", type=Path, default=None,
+                   help=f"directory of MNIST IDX files (default: {default_data_dir()})")
+    g.add_argument("--train-split", type=int, default=None,
+                   help="train on the first N images of a single split, evaluate on the rest")
+    g.add_argument("--download", action="store_true", help="download MNIST with torchvision if missing")
+    g.add_argument("--data-seed", type=int, default=0, help="seed of shuffling and synthetic data")
+
+
+def data_from_args(args: argparse.Namespace) -> DataConfig:
+    kwargs = {"dataset": args.dataset, "train_split": args.train_split, "download": args.download,
+              "seed": args.data_seed}
+    if args.data_dir is not None:
+        kwargs["data_dir"] = args.data_dir
+    return DataConfig(**kwargs)
+
+
+def add_control_arguments(parser: argparse.ArgumentParser, description: str | None = None) -> None:
+    """Control-plane and metrics flags, shared by ``serve`` and collective ``train``
+    (``description``: of both groups)."""
+    g = parser.add_argument_group("control plane", description)
+    g.add_argument("--control-host", default="127.0.0.1", help="control plane address (default 127.0.0.1)")
+    g.add_argument("--control-port", type=int, default=50051, help="control plane port (default 50051; 0 picks one)")
+    g.add_argument("--no-control", action="store_true", help="do not serve the control plane")
+    g.add_argument("--auth-token-file", type=Path, default=None,
+                   help="bearer token required on every call but health (else $PSSERVER_AUTH_TOKEN)")
+    g.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate: serve TLS")
+    g.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
+    g.add_argument("--allow-unauthenticated-admin", action="store_true",
+                   help="allow Checkpoint/Shutdown without a token when no token is configured")
+    g.add_argument("--reflection", action="store_true", help="serve gRPC server reflection")
+    m = parser.add_argument_group("metrics", description)
+    m.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    m.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
+    m.add_argument("--tensorboard-dir", type=Path, default=None, help="write TensorBoard event files here")
+
+
+def control_from_args(args: argparse.Namespace) -> tuple[ControlConfig, ObservabilityConfig]:
+    control = ControlConfig(
+        host=args.control_host,
+        port=args.control_port,
+        enabled=not args.no_control,
+        auth_token_file=args.auth_token_file,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        allow_unauthenticated_admin=args.allow_unauthenticated_admin,
+        reflection=args.reflection,
+    )
+    obs = ObservabilityConfig(
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host, tensorboard_dir=args.tensorboard_dir
+    )
+    return control, obs

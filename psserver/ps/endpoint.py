@@ -1,0 +1,219 @@
+"""The server's RPC surface: the functions trainers call, and the only module-level state.
+
+RPC pickles a call as its function's module and name plus the arguments, so trainers call
+the module-level functions below, and each forwards to the one :class:`Endpoint` installed
+in this process. The endpoint is thin: it counts the call in flight (a draining server waits
+for them), touches membership and records the trainer's :class:`Report`, then dispatches to
+the server half of the trainer's step protocol. It does no tensor work.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from psserver import __version__
+from psserver.config import OptimizerConfig, ServerConfig
+from psserver.metrics import observe_rpc
+from psserver.ps.engine import StepEngine
+from psserver.ps.membership import Member, Membership
+from psserver.ps.protocols import ServerHalf
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Report:
+    """A trainer's progress, riding on its calls (the control plane shows it)."""
+
+    steps: int
+    samples: int
+    loss: float
+    samples_per_s: float
+    accuracy: float | None = None
+    """Held-out accuracy, once the trainer has evaluated."""
+
+
+@dataclass(frozen=True)
+class JoinRequest:
+    rank: int
+    name: str
+    """The trainer's RPC name (``trainer_<rank>_<incarnation>``)."""
+    host: str
+    pid: int
+    step: str
+    """The step protocol the trainer speaks."""
+    optimizer: dict | None
+    """The optimizer it asks for (``OptimizerConfig`` fields), None for the server's."""
+
+
+class Endpoint:
+    """Admits trainers and dispatches their calls; ``state`` gates joins."""
+
+    def __init__(self, config: ServerConfig, engine: StepEngine, halves: dict[str, ServerHalf],
+                 after_call: Callable[[], None]) -> None:
+        self.config = config
+        self.engine = engine
+        self.halves = halves
+        self.after_call = after_call
+        """Run after each call, outside every lock (a checkpoint the call's step made due)."""
+        self.membership: Membership | None = None
+        self.state = "STARTING"
+        self._in_flight = 0
+        self._idle = threading.Condition()
+
+    def open(self, membership: Membership) -> None:
+        self.membership = membership
+        self.state = "SERVING"
+
+    def drain(self) -> None:
+        self.state = "DRAINING"
+
+    @contextmanager
+    def _counted(self, method: str) -> Iterator[None]:
+        with self._idle:
+            self._in_flight += 1
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            observe_rpc(method, time.perf_counter() - t0)
+            with self._idle:
+                self._in_flight -= 1
+                self._idle.notify_all()
+
+    def wait_idle(self, timeout: float) -> int:
+        """Wait until no call is in flight (at most ``timeout`` s); the calls still running."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._in_flight == 0, timeout)
+            return self._in_flight
+
+    # ---- calls ------------------------------------------------------------------------------
+
+    def join(self, request: JoinRequest) -> dict[str, Any]:
+        """Admit a trainer; a refusal is returned as ``{"error": ...}`` (the user's mistake,
+        not a server fault: no traceback in the server's log)."""
+        with self._counted("join"):
+            try:
+                return self._admit(request)
+            except (ValueError, RuntimeError) as e:
+                log.warning("refused %s (rank %d from %s): %s", request.name, request.rank, request.host, e)
+                return {"error": str(e)}
+
+    def _admit(self, request: JoinRequest) -> dict[str, Any]:
+        if self.state != "SERVING" or self.membership is None:
+            raise RuntimeError(f"psserver is {self.state.lower()}: not accepting trainers")
+        half = self.halves.get(request.step)
+        if half is None:
+            raise ValueError(f"this server does not speak --step {request.step!r} "
+                             f"(it speaks {', '.join(sorted(self.halves))})")
+        requested = OptimizerConfig(**request.optimizer) if request.optimizer else None
+        optimizer = self.engine.agree_optimizer(requested, request.name)
+        self.membership.join(request.rank, request.name, request.host, request.step)
+        self.engine.trainer_joined(request.name)
+        cfg = self.config
+        return {
+            "model": cfg.model,
+            "update": cfg.update,
+            "sync_trainers": cfg.sync_trainers,
+            "optimizer": asdict(optimizer),
+            "global_step": self.engine.global_step,
+            "heartbeat_interval": max(0.1, cfg.trainer_timeout / 5),
+            "version": __version__,
+            **half.join_info(request.name),
+        }
+
+    def call(self, trainer: str, op: str, args: tuple, report: Report | None) -> Any:
+        """``op`` of the server half of ``trainer``'s protocol (or ``evaluate``)."""
+        with self._counted(op):
+            member = self._seen(trainer, report)
+            half = self.halves[member.protocol]
+            if op != "evaluate" and op not in half.ops:
+                raise ValueError(f"step protocol {member.protocol!r} has no call {op!r}")
+            result = getattr(half, op)(trainer, *args)
+            self.after_call()
+        return result
+
+    def call_local(self, trainer: str, op: str, *args: Any) -> Any:
+        """An op that runs inside the server on the trainer's behalf (see ``ServerHalf.local_ops``)."""
+        with self._counted(op):
+            member = self._seen(trainer, None)
+            half = self.halves[member.protocol]
+            if op not in half.local_ops:
+                raise ValueError(f"step protocol {member.protocol!r} has no local call {op!r}")
+            result = getattr(half, op)(trainer, *args)
+            self.after_call()
+        return result
+
+    def heartbeat(self, trainer: str, report: Report | None) -> str:
+        self._seen(trainer, report)
+        return self.state
+
+    def leave(self, trainer: str, report: Report | None) -> None:
+        with self._counted("leave"):
+            try:
+                self._seen(trainer, report)
+            except RuntimeError:
+                return  # evicted meanwhile: gone already
+            assert self.membership is not None
+            self.membership.leave(trainer)
+
+    def _seen(self, trainer: str, report: Report | None) -> Member:
+        if self.membership is None:
+            raise RuntimeError(f"psserver is {self.state.lower()}")
+        try:
+            member = self.membership.seen(trainer)
+        except KeyError:
+            raise RuntimeError(f"{trainer} is not a member of this psserver (evicted or never joined)") from None
+        if report is not None:
+            st = member.status
+            st.steps, st.samples = int(report.steps), int(report.samples)
+            st.last_loss, st.samples_per_s = float(report.loss), float(report.samples_per_s)
+            if report.accuracy is not None and math.isfinite(report.accuracy):
+                st.accuracy = float(report.accuracy)
+        return member
+
+    def trainer_gone(self, member: Member, state: str, evicted: bool) -> None:
+        """Membership's callback: the trainer's open step and protocol state go, whole."""
+        name = member.status.name
+        self.halves[member.protocol].trainer_gone(name, evicted)
+        self.engine.trainer_gone(name)  # may apply a sync round it held up
+        self.after_call()
+
+
+# ---- the functions trainers call ---------------------------------------------------------------
+
+_current: Endpoint | None = None
+
+
+def install(endpoint: Endpoint | None) -> None:
+    global _current
+    _current = endpoint
+
+
+def current() -> Endpoint:
+    if _current is None:
+        raise RuntimeError("no parameter server is running in this process")
+    return _current
+
+
+def join(request: JoinRequest) -> dict[str, Any]:
+    return current().join(request)
+
+
+def call(trainer: str, op: str, args: tuple, report: Report | None) -> Any:
+    return current().call(trainer, op, args, report)
+
+
+def heartbeat(trainer: str, report: Report | None) -> str:
+    return current().heartbeat(trainer, report)
+
+
+def leave(trainer: str, report: Report | None) -> None:
+    current().leave(trainer, report)

@@ -1,0 +1,224 @@
+"""The server's tensor work, with no RPC in it: the model's stages on their devices, the
+shared optimizer's updates, the steps in flight, and the one compute thread.
+
+Step protocols' server halves drive it (``psserver.ps.protocols``); unit tests drive it
+directly. A step is *open* from the forward that starts it until its gradient is submitted
+or the step is dropped: that is what a draining server waits for, and where the samples a
+step trained on are counted, whatever the protocol.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from psserver.config import OptimizerConfig, ServerConfig
+from psserver.errors import UsageError
+from psserver.models import build_model, get_model_spec, split_stages
+from psserver.ps.compute import ComputeThread
+from psserver.ps.shard import Shard
+from psserver.ps.updates import Grads, make_updater
+
+log = logging.getLogger(__name__)
+
+StepListener = Callable[[int, int], None]
+
+
+class ShuttingDown(RuntimeError):
+    """A new step was refused because the server is draining."""
+
+
+def resolve_devices(devices: list[str] | None) -> list[torch.device]:
+    """The devices of ``--devices`` (default: every visible GPU, else the CPU)."""
+    if devices is None:
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return [torch.device(f"cuda:{i}") for i in range(n)] or [torch.device("cpu")]
+    out = []
+    for d in devices:
+        dev = torch.device(d)
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise UsageError(f"device {d} requested but CUDA is not available on this host")
+            index = dev.index if dev.index is not None else 0
+            if index >= torch.cuda.device_count():
+                raise UsageError(f"device {d} does not exist ({torch.cuda.device_count()} GPUs visible)")
+            dev = torch.device("cuda", index)
+        out.append(dev)
+    return out
+
+
+class StepEngine:
+    """The model in stages, one shared optimizer per stage, and the update mode."""
+
+    def __init__(self, config: ServerConfig, devices: list[torch.device]) -> None:
+        self.config = config
+        self.spec = get_model_spec(config.model)
+        self.devices = devices
+        self.optimizer_config: OptimizerConfig | None = config.optimizer
+        self.samples_seen = 0
+        self.listeners: list[StepListener] = []
+        """Called after every optimizer step with (global step, samples), no lock held."""
+        self._cond = threading.Condition()
+        self._live: set[str] = set()
+        self._open: dict[str, int] = {}  # trainer -> samples of its step in flight
+        self._draining = False
+        # Every tensor op on one thread (psserver.ps.compute), the model's construction
+        # included: an OpenMP team made here would throttle that thread's.
+        self.compute = ComputeThread(inline=all(d.type == "cuda" for d in devices))
+        try:
+            self.compute.run(self._build)
+        except BaseException:
+            self.compute.close()
+            raise
+        if self.optimizer_config is not None:
+            for s in self.shards:
+                s.init_optimizer(self.optimizer_config)
+
+    def _build(self) -> None:
+        model = build_model(self.config.model, seed=self.config.seed)
+        stages = split_stages(model, len(self.devices))
+        self.shards = [Shard(i, m, d) for i, (m, d) in enumerate(zip(stages, self.devices, strict=True))]
+        self.params: list[nn.Parameter] = [p for s in self.shards for p in s.params]
+        self.trainable = [p for p in self.params if p.requires_grad]
+        self.updater = make_updater(self.config.update, self.shards, self._on_step, self.config.sync_trainers)
+
+    # ---- the model ------------------------------------------------------------------------
+
+    @property
+    def num_params(self) -> int:
+        return sum(s.num_params for s in self.shards)
+
+    @property
+    def global_step(self) -> int:
+        return self.updater.global_step
+
+    def param_shapes(self) -> list[list[tuple[str, tuple[int, ...]]]]:
+        return [[(n, tuple(p.shape)) for n, p in zip(s.names, s.params, strict=True)] for s in self.shards]
+
+    def forward(self, x: torch.Tensor, *, clone: bool, train: bool = True) -> torch.Tensor:
+        """The model's forward, each stage on its device, on the caller's thread."""
+        for shard in self.shards:
+            x = shard.forward(x, clone=clone, train=train)
+        return x
+
+    def evaluate(self, x: torch.Tensor) -> torch.Tensor:
+        """Eval-mode outputs on the CPU (on the compute thread)."""
+        return self.compute.run(lambda: self.forward(x, clone=False, train=False).to("cpu"))
+
+    def agree_optimizer(self, requested: OptimizerConfig | None, who: str) -> OptimizerConfig:
+        """The shared optimizer: the first trainer's choice fixes it; another is refused."""
+        with self.updater.lock:
+            if self.optimizer_config is None:
+                self.optimizer_config = requested or OptimizerConfig()
+                for s in self.shards:
+                    s.init_optimizer(self.optimizer_config)
+                log.info("optimizer %s (set by %s)", self.optimizer_config.describe(), who)
+            elif requested is not None and requested != self.optimizer_config:
+                raise ValueError(
+                    f"this server trains with {self.optimizer_config.describe()}; "
+                    f"trainer asked for {requested.describe()} (omit the optimizer flags to use the server's)"
+                )
+            return self.optimizer_config
+
+    # ---- trainers and their steps ---------------------------------------------------------
+
+    def trainer_joined(self, trainer: str) -> None:
+        with self._cond:
+            self._live.add(trainer)
+        self.updater.trainer_joined(trainer)
+
+    def trainer_gone(self, trainer: str) -> None:
+        """Forget ``trainer``: its open step contributes nothing; a sync round it held up may apply."""
+        with self._cond:
+            self._live.discard(trainer)
+            self._open.pop(trainer, None)
+            self._cond.notify_all()
+        self.compute.run(self.updater.trainer_gone, trainer)
+
+    def needs_clone(self) -> bool:
+        """Whether another trainer's step can land between a forward and its backward.
+
+        Async: whenever more than one trainer is live. Sync: only when live trainers
+        outnumber K, since a round needs every live trainer's gradient before the weights change.
+        """
+        with self._cond:
+            live = len(self._live)
+        if self.config.update == "sync":
+            return live > self.config.sync_trainers
+        return live > 1
+
+    def wait_turn(self, trainer: str) -> None:
+        """Sync: block until ``trainer``'s last gradient has been applied (on the caller's thread)."""
+        self.updater.wait_turn(trainer, timeout=self.config.rpc_timeout)
+
+    def open_step(self, trainer: str, samples: int) -> None:
+        """A step of ``samples`` starts; ``ShuttingDown`` while the server drains."""
+        with self._cond:
+            if self._draining:
+                raise ShuttingDown("psserver is shutting down")
+            self._open[trainer] = samples
+
+    def submit(self, trainer: str, grads: Grads) -> None:
+        """The whole gradient of ``trainer``'s open step: one update (async) or a share of one (sync)."""
+        with self._cond:
+            samples = self._open.get(trainer)
+        if samples is None:
+            raise RuntimeError(f"{trainer} sent a gradient but has no step in flight on this server")
+        try:
+            self.updater.submit(trainer, grads, samples)
+        finally:  # closed once applied (a drain waits for the update, not just its arrival)
+            self.drop_step(trainer)
+
+    def drop_step(self, trainer: str) -> None:
+        """``trainer`` gave its open step up: nothing is applied."""
+        with self._cond:
+            self._open.pop(trainer, None)
+            self._cond.notify_all()
+
+    def _on_step(self, step: int, samples: int) -> None:
+        with self._cond:
+            self.samples_seen += samples
+        for listener in self.listeners:
+            listener(step, samples)
+
+    # ---- drain, state ----------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Refuse new steps and release every waiter; open steps may still complete."""
+        with self._cond:
+            self._draining = True
+        self.updater.close()
+
+    def wait_idle(self, timeout: float) -> list[str]:
+        """Wait until no step is open (at most ``timeout`` s); the trainers still open."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._open, timeout)
+            return sorted(self._open)
+
+    def copy_state(self) -> tuple[list[dict], int, int]:
+        """CPU copies of every shard, the global step and samples seen, all at one step."""
+
+        def copy() -> tuple[list[dict], int, int]:
+            with self.updater.lock:
+                return [s.state_dict() for s in self.shards], self.updater.global_step, self.samples_seen
+
+        return self.compute.run(copy)
+
+    def load_state(self, shards: list[dict], optimizer: OptimizerConfig | None, global_step: int,
+                   samples_seen: int) -> None:
+        def load() -> None:
+            for shard, state in zip(self.shards, shards, strict=True):
+                shard.load_state_dict(state, optimizer)
+
+        self.optimizer_config = optimizer
+        self.compute.run(load)
+        self.updater.global_step = global_step
+        self.samples_seen = samples_seen
+
+    def close(self) -> None:
+        self.updater.close()
+        self.compute.close()

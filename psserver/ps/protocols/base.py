@@ -1,0 +1,113 @@
+"""A step protocol: how one training step crosses between a trainer and the server.
+
+Each protocol is one module with a trainer half and a server half, registered by name
+(Lightning's strategies; ps-lite's swappable request handler behind a fixed transport). The
+transport is fixed: the trainer half reaches the server through its :class:`Channel`
+(``psserver.ps.trainer.Session``), the server's endpoint (``psserver.ps.endpoint``) checks
+membership and dispatches to the server half's ``ops``, and the server half does its tensor
+work through the :class:`~psserver.ps.engine.StepEngine`. This module never imports a
+protocol: ``psserver.ps.protocols`` imports every module of the package, which registers it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from psserver.ps.engine import StepEngine
+
+
+class Channel(Protocol):
+    """What a trainer half sees of its session with the server."""
+
+    name: str
+    """This trainer's RPC name."""
+    info: dict[str, Any]
+    """The server's reply to the join (model, update mode, the server half's ``join_info``)."""
+
+    def call(self, op: str, *args: Any) -> Any:
+        """Call ``op`` of this protocol's server half (synchronously, one RPC)."""
+        ...
+
+
+class TrainerHalf(ABC):
+    """The trainer's side of a protocol: one step at a time, on the trainer's thread."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+
+    @abstractmethod
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Train on one batch; the batch's loss."""
+
+    def flush(self) -> None:
+        """Hand in anything still owed to the server (before evaluating or leaving)."""
+
+    def evaluate(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's outputs for ``x`` (default: computed by the server)."""
+        return self.channel.call("evaluate", x)
+
+    def close(self) -> None:
+        """Release what the half holds of the session (its RPC handles)."""
+
+
+class ServerHalf:
+    """The server's side of a protocol, one instance per server, shared by its trainers.
+
+    ``ops`` are the methods a trainer may call over RPC, each as ``op(trainer, *args)``;
+    ``local_ops`` are called in-process on the server (for example by torch's
+    ``DistributedOptimizer`` machinery), through the endpoint so they are counted too.
+    """
+
+    ops: ClassVar[tuple[str, ...]] = ()
+    local_ops: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, engine: StepEngine) -> None:
+        self.engine = engine
+
+    def join_info(self, trainer: str) -> dict[str, Any]:
+        """What the trainer half needs from the server, added to the join reply."""
+        return {}
+
+    def evaluate(self, trainer: str, x: torch.Tensor) -> torch.Tensor:
+        self.engine.wait_turn(trainer)
+        return self.engine.evaluate(x)
+
+    def trainer_gone(self, trainer: str, evicted: bool) -> None:
+        """``trainer`` left (``evicted``: died or hung): drop what it holds here."""
+
+    def close(self) -> None:
+        """The server is stopping (RPC still up)."""
+
+
+@dataclass(frozen=True)
+class StepProtocol:
+    name: str
+    trainer: type[TrainerHalf]
+    server: type[ServerHalf]
+    summary: str
+    """One line for help texts and docs."""
+
+
+PROTOCOLS: dict[str, StepProtocol] = {}
+
+
+def register(protocol: StepProtocol) -> StepProtocol:
+    if protocol.name in PROTOCOLS:
+        raise ValueError(f"step protocol {protocol.name!r} is registered twice")
+    unknown = [op for op in protocol.server.ops + protocol.server.local_ops if not callable(
+        getattr(protocol.server, op, None))]
+    if unknown:
+        raise TypeError(f"step protocol {protocol.name!r} names ops it does not define: {', '.join(unknown)}")
+    PROTOCOLS[protocol.name] = protocol
+    return protocol
+
+
+def get_protocol(name: str) -> StepProtocol:
+    try:
+        return PROTOCOLS[name]
+    except KeyError:
+        raise ValueError(f"unknown step protocol {name!r}; known: {', '.join(sorted(PROTOCOLS))}") from None

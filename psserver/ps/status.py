@@ -1,0 +1,77 @@
+"""The parameter server as the control plane and the metrics see it (a ``ControlTarget``).
+
+Snapshots only: the control plane and the exporters read these, never the server's parts.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+
+import psutil
+
+from psserver import __version__
+from psserver.config import ServerConfig
+from psserver.ps.checkpointing import CheckpointPolicy
+from psserver.ps.endpoint import Endpoint
+from psserver.ps.engine import StepEngine
+from psserver.telemetry import CheckpointInfo, RateMeter, ServerStatus, ShardStatus, TrainerStatus
+
+
+class ServerView:
+    """Implements :class:`psserver.telemetry.ControlTarget` for ``psserver serve``."""
+
+    def __init__(self, config: ServerConfig, engine: StepEngine, endpoint: Endpoint, policy: CheckpointPolicy,
+                 shutdown: Callable[[str], None]) -> None:
+        self.config = config
+        self.engine = engine
+        self.endpoint = endpoint
+        self.policy = policy
+        self._shutdown = shutdown
+        self.ready = threading.Event()
+        self.started_at = time.time()
+        self.meter = RateMeter(window=10.0)
+
+    def on_step(self, step: int, samples: int) -> None:  # noqa: ARG002 - a StepEngine listener
+        membership = self.endpoint.membership
+        self.meter.add(samples, membership.mean_loss() if membership is not None else None)
+
+    def get_status(self) -> ServerStatus:
+        cfg, engine = self.config, self.engine
+        ups, sps, loss = self.meter.rates()
+        return ServerStatus(
+            version=__version__,
+            state=self.endpoint.state,
+            mode="ps",
+            started_at=self.started_at,
+            model=cfg.model,
+            num_params=engine.num_params,
+            update_mode=cfg.update,
+            sync_trainers=cfg.sync_trainers if cfg.update == "sync" else 0,
+            global_step=engine.global_step,
+            samples_seen=engine.samples_seen,
+            updates_per_s=ups,
+            samples_per_s=sps,
+            mean_loss=loss,
+            shards=[ShardStatus(s.index, str(s.device), s.num_params, s.num_bytes,
+                                s.device_memory() or psutil.Process().memory_info().rss) for s in engine.shards],
+            last_checkpoint=self.policy.last,
+            accuracy=self._latest_accuracy(),
+        )
+
+    def _latest_accuracy(self) -> float:
+        """The held-out accuracy the most recently seen trainer reported (NaN before any)."""
+        measured = [t for t in self.list_trainers() if math.isfinite(t.accuracy)]
+        return max(measured, key=lambda t: t.last_seen).accuracy if measured else float("nan")
+
+    def list_trainers(self) -> list[TrainerStatus]:
+        membership = self.endpoint.membership
+        return membership.snapshot() if membership is not None else []
+
+    def checkpoint_now(self) -> CheckpointInfo:
+        return self.policy.save(wait=True)
+
+    def request_shutdown(self, reason: str = "shutdown requested") -> None:
+        self._shutdown(reason)

@@ -1,0 +1,131 @@
+"""Exit codes: usage errors are one line and 2; anything unexpected is an internal error (1),
+its traceback in a log file named on the one stderr line."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from psserver.checkpoint import CheckpointError
+from psserver.cli import bench, main
+from psserver.cli.control import StatusCommand
+from psserver.errors import DataError, ServerLost, UsageError
+
+
+def _raising(error: BaseException):
+    def run(self, args):
+        raise error
+
+    return run
+
+
+@pytest.fixture
+def log_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("PSSERVER_LOG_DIR", str(tmp_path))
+    monkeypatch.delenv("PSSERVER_LOG_LEVEL", raising=False)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "error,code",
+    [
+        (UsageError("no such thing"), 2),
+        (CheckpointError("checkpoint x is for model 'mlp', this server runs 'mnist_cnn'"), 2),
+        (DataError("no MNIST IDX files (*-idx3-ubyte[.gz]) in /nowhere"), 2),
+        (ServerLost("lost the server at 127.0.0.1:29500"), 3),
+    ],
+)
+def test_project_errors_are_one_line(monkeypatch, capsys, log_dir, error, code):
+    monkeypatch.setattr(StatusCommand, "run", _raising(error))
+    assert main(["status"]) == code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"psserver status: error: {error}"]
+    assert not list(log_dir.iterdir())
+
+
+def test_interrupt_is_130(monkeypatch, capsys, log_dir):
+    monkeypatch.setattr(StatusCommand, "run", _raising(KeyboardInterrupt()))
+    assert main(["status"]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["psserver status: interrupted"]
+
+
+def test_unexpected_value_error_is_an_internal_error(monkeypatch, capsys, log_dir):
+    # A ValueError from deep inside (torch, say) is a bug, not bad input: exit 1, no usage line.
+    def run(self, args):
+        raise ValueError("Expected all tensors to be on the same device\nsecond line of torch's message")
+
+    monkeypatch.setattr(StatusCommand, "run", run)
+    assert main(["status", "--timeout", "3"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    path = log_dir / f"psserver-status-{os.getpid()}.log"
+    assert err == [f"psserver status: internal error: ValueError: Expected all tensors to be on the same device "
+                   f"(traceback in {path})"]
+    text = path.read_text()
+    assert "Traceback (most recent call last)" in text and "in run" in text
+    assert "second line of torch's message" in text
+    assert "command: psserver status --timeout 3" in text
+
+
+def test_internal_error_without_a_message(monkeypatch, capsys, log_dir):
+    monkeypatch.setattr(StatusCommand, "run", _raising(RuntimeError()))
+    assert main(["status"]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert re.fullmatch(r"psserver status: internal error: RuntimeError \(traceback in .*psserver-status-\d+\.log\)",
+                        line), line
+
+
+def test_config_validation_errors_stay_usage_errors(capsys, log_dir):
+    assert main(["train", "--mode", "ddp", "--comm-hook", "nope", "--no-control"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "psserver train: error: unknown --comm-hook 'nope'; known: none, fp16, bf16, powersgd, powersgd+fp16, "
+        "post-localsgd"]
+    assert main(["train", "--server", "127.0.0.1:notaport"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "psserver train: error: address '127.0.0.1:notaport': port 'notaport' is not a number"]
+    assert not list(log_dir.iterdir())
+
+
+def test_bogus_log_level_env_is_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("PSSERVER_LOG_LEVEL", "bogus")
+    assert main(["status"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "psserver status: error: $PSSERVER_LOG_LEVEL='bogus' is not a log level; use one of DEBUG, INFO, WARNING, "
+        "ERROR"]
+
+
+def test_log_level_env_any_case_and_flag_wins(monkeypatch, capsys):
+    seen = []
+    monkeypatch.setattr(StatusCommand, "run", lambda self, args: seen.append(args.log_level) or 0)
+    monkeypatch.setenv("PSSERVER_LOG_LEVEL", "warning")
+    assert main(["status"]) == 0
+    assert main(["--log-level", "debug", "status"]) == 0
+    assert seen == [None, "DEBUG"]
+
+
+@pytest.mark.timeout(60)
+def test_bogus_log_level_env_through_the_console_entry_point():
+    env = dict(os.environ, PSSERVER_LOG_LEVEL="bogus")
+    proc = subprocess.run([sys.executable, "-m", "psserver", "status"], capture_output=True, text=True, env=env,
+                          timeout=50)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "psserver status: error: $PSSERVER_LOG_LEVEL='bogus' is not a log level; use one of DEBUG, INFO, WARNING, "
+        "ERROR"]
+
+
+def test_bench_outside_a_checkout_is_a_usage_error(monkeypatch, capsys, tmp_path):
+    def no_benchmarks(name):
+        raise ModuleNotFoundError(f"No module named {name.split('.')[0]!r}", name="benchmarks")
+
+    monkeypatch.setattr(bench.importlib, "import_module", no_benchmarks)
+    monkeypatch.setattr(bench, "__file__", str(tmp_path / "site-packages" / "psserver" / "cli" / "bench.py"))
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--quick"])
+    assert e.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("psserver bench: error: psserver bench needs the repository checkout")

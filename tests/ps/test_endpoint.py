@@ -1,0 +1,90 @@
+"""The RPC endpoint without RPC: membership touched, the report recorded, calls dispatched
+only to the ops a protocol exposes, calls counted for the drain."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from psserver.config import OptimizerConfig, ServerConfig
+from psserver.ps.endpoint import Endpoint, JoinRequest, Report
+from psserver.ps.engine import StepEngine, resolve_devices
+from psserver.ps.membership import Member
+from psserver.ps.protocols import PROTOCOLS
+from psserver.telemetry import TrainerStatus
+
+
+class Members:
+    """The part of ``Membership`` the endpoint uses (the real one needs an RPC agent)."""
+
+    def __init__(self) -> None:
+        self.members: dict[str, Member] = {}
+
+    def join(self, rank: int, name: str, host: str, protocol: str) -> None:
+        self.members[name] = Member(TrainerStatus(rank, name, host, 0.0, 0.0), rpc_id=rank + 1, protocol=protocol)
+
+    def seen(self, name: str) -> Member:
+        return self.members[name]
+
+    def leave(self, name: str) -> None:
+        self.members.pop(name)
+
+
+@pytest.fixture
+def endpoint():
+    cfg = ServerConfig(model="mlp", devices=["cpu"], optimizer=OptimizerConfig())
+    engine = StepEngine(cfg, resolve_devices(cfg.devices))
+    ep = Endpoint(cfg, engine, {name: p.server(engine) for name, p in PROTOCOLS.items()}, after_call=lambda: None)
+    ep.open(Members())  # type: ignore[arg-type]
+    yield ep
+    engine.close()
+
+
+def join(ep: Endpoint, name: str, step: str = "chained", **kw) -> dict:
+    return ep.join(JoinRequest(rank=0, name=name, host="h", pid=1, step=step, optimizer=kw.get("optimizer")))
+
+
+def test_calls_reach_the_protocol_of_the_trainer_and_record_its_report(endpoint):
+    reply = join(endpoint, "t")
+    assert reply["model"] == "mlp" and reply["optimizer"]["name"] == "adam" and "error" not in reply
+    out = endpoint.call("t", "step", (None, torch.randn(4, 1, 28, 28)), Report(3, 192, 0.5, 100.0))
+    assert out.shape == (4, 10)
+    status = endpoint.membership.seen("t").status
+    assert (status.steps, status.samples, status.last_loss) == (3, 192, 0.5)
+    assert endpoint.call("t", "evaluate", (torch.randn(2, 1, 28, 28),), None).shape == (2, 10)
+
+
+def test_only_the_ops_a_protocol_exposes_are_callable(endpoint):
+    join(endpoint, "p", step="plain")
+    with pytest.raises(ValueError, match="has no call 'submit'"):  # in-process only
+        endpoint.call("p", "submit", ({},), None)
+    with pytest.raises(ValueError, match="has no call '__init__'"):
+        endpoint.call("p", "__init__", (), None)
+    with pytest.raises(RuntimeError, match="not a member"):
+        endpoint.call("stranger", "forward", (torch.randn(1, 1, 28, 28),), None)
+
+
+def test_refusals_are_answers_not_errors(endpoint):
+    assert "does not speak --step 'turbo'" in join(endpoint, "a", step="turbo")["error"]
+    assert "trains with adam" in join(endpoint, "b", optimizer={"name": "sgd"})["error"]
+    endpoint.drain()
+    assert "draining: not accepting trainers" in join(endpoint, "c")["error"]
+
+
+@pytest.mark.timeout(30)
+def test_wait_idle_counts_calls_in_flight(endpoint):
+    join(endpoint, "t")
+    gate = threading.Event()
+    half = endpoint.halves["chained"]
+    real = half.evaluate
+    half.evaluate = lambda trainer, x: (gate.wait(10), real(trainer, x))[1]  # type: ignore[method-assign]
+    th = threading.Thread(target=endpoint.call, args=("t", "evaluate", (torch.randn(1, 1, 28, 28),), None))
+    th.start()
+    time.sleep(0.1)
+    assert endpoint.wait_idle(0.05) == 1
+    gate.set()
+    th.join(10)
+    assert endpoint.wait_idle(5) == 0

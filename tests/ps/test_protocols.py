@@ -1,0 +1,208 @@
+"""The step protocols' server halves driven in-process, through the engine, without RPC.
+
+The same code the endpoint dispatches to: ``PlainServer.forward``/``submit`` and
+``ChainedServer.step``, each checked against a local training loop.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from psserver.config import OptimizerConfig, ServerConfig
+from psserver.models import build_model
+from psserver.ps.engine import ShuttingDown, StepEngine, resolve_devices
+from psserver.ps.protocols import PROTOCOLS
+from psserver.ps.protocols.chained import ChainedServer
+from psserver.ps.protocols.plain import PlainServer
+
+CUDA = pytest.param("cuda:0", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")])
+
+
+@pytest.fixture
+def make_engine():
+    engines: list[StepEngine] = []
+
+    def make(update: str = "async", optimizer: str = "adam", device: str = "cpu", lr: float = 0.01, k: int = 2):
+        cfg = ServerConfig(model="mlp", update=update, sync_trainers=k, devices=[device],
+                           optimizer=OptimizerConfig(name=optimizer, lr=lr))
+        engine = StepEngine(cfg, resolve_devices(cfg.devices))
+        engines.append(engine)
+        steps: list[tuple[int, int]] = []
+        engine.listeners.append(lambda step, samples: steps.append((step, samples)))
+        return engine, steps
+
+    yield make
+    for e in engines:
+        e.close()
+
+
+def batches(n: int, size: int = 8, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 1, 28, 28, generator=g), torch.randint(0, 10, (size,), generator=g)) for _ in range(n)]
+
+
+def local_loop(data, lr: float = 0.01):
+    """The reference: forward, backward, Adam step, in one process."""
+    model = build_model("mlp", seed=0)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, list(model.parameters())
+
+
+def output_grad(out: torch.Tensor, y: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """What a chained trainer does with an output: its loss and dL/d output."""
+    out = out.clone().requires_grad_(True)
+    loss = nn.functional.cross_entropy(out, y)
+    (g,) = torch.autograd.grad(loss, (out,))
+    return float(loss.detach()), g
+
+
+def assert_same_weights(engine: StepEngine, ref: list[torch.Tensor], device: str) -> None:
+    for p, q in zip(engine.params, ref, strict=True):
+        assert p.device == torch.device(device)
+        assert torch.allclose(p.detach().cpu(), q.detach(), atol=1e-5 if device == "cpu" else 1e-4)
+
+
+def test_every_registered_protocol_is_a_step_mode():
+    from psserver.config.ps import STEP_MODES
+
+    assert sorted(PROTOCOLS) == sorted(STEP_MODES)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_chained_steps_match_a_local_loop(make_engine, device):
+    data = batches(4)
+    ref_losses, ref_params = local_loop(data)
+    engine, steps = make_engine(device=device)
+    engine.trainer_joined("t")
+    half = ChainedServer(engine)
+    grad, losses = None, []
+    for x, y in data:
+        out = half.step("t", grad, x)
+        assert out.device.type == "cpu"  # tensors cross the RPC boundary on the CPU
+        loss, grad = output_grad(out, y)
+        losses.append(loss)
+    assert len(steps) == 3  # the last step's update is owed until the flush
+    assert half.step("t", grad, None) is None  # the flush: gradient only
+    assert steps == [(1, 8), (2, 8), (3, 8), (4, 8)]
+    assert engine.samples_seen == 32
+    assert losses == pytest.approx(ref_losses, rel=1e-5 if device == "cpu" else 1e-4)
+    assert_same_weights(engine, ref_params, device)
+    assert half.pending() == 0 and engine.wait_idle(0) == []
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_plain_steps_match_a_local_loop(make_engine, device):
+    """forward, the backward through the returned output, and the gradient handed over as
+    SharedOptimizer.step hands it (without RPC the output is still tied to the server's graph)."""
+    data = batches(4)
+    ref_losses, ref_params = local_loop(data)
+    engine, steps = make_engine(device=device)
+    engine.trainer_joined("t")
+    half = PlainServer(engine)
+    losses = []
+    for x, y in data:
+        out = half.forward("t", x)
+        loss = nn.functional.cross_entropy(out, y)
+        loss.backward()
+        grads = {p: p.grad for p in engine.params if p.grad is not None}
+        for p in engine.params:
+            p.grad = None
+        half.submit("t", grads)
+        losses.append(float(loss.detach()))
+    assert steps == [(1, 8), (2, 8), (3, 8), (4, 8)]
+    assert losses == pytest.approx(ref_losses, rel=1e-5 if device == "cpu" else 1e-4)
+    assert_same_weights(engine, ref_params, device)
+
+
+def test_other_trainers_update_between_forward_and_backward_with_clones(make_engine):
+    """Async, two trainers: B's update lands between A's forward and A's backward; A's update is
+    the gradient of the weights A's forward saw."""
+    engine, steps = make_engine(optimizer="sgd", lr=0.1)
+    engine.trainer_joined("a")
+    engine.trainer_joined("b")
+    assert engine.needs_clone()
+    half = ChainedServer(engine)
+    (xa, ya), (xb, yb) = batches(2)
+    ref = build_model("mlp", seed=0)
+    nn.functional.cross_entropy(ref(xa), ya).backward()
+    expected = [p.grad.clone() for p in ref.parameters()]
+    out_a = half.step("a", None, xa)
+    out_b = half.step("b", None, xb)
+    half.step("b", output_grad(out_b, yb)[1], None)  # B's update is applied
+    before = [p.detach().clone() for p in engine.params]
+    half.step("a", output_grad(out_a, ya)[1], None)
+    assert steps == [(1, 8), (2, 8)]
+    for p, b, g in zip(engine.params, before, expected, strict=True):
+        assert torch.allclose(p.detach(), b - 0.1 * g, atol=1e-6)
+
+
+def test_dropped_given_up_and_unmatched_gradients(make_engine):
+    engine, steps = make_engine()
+    engine.trainer_joined("t")
+    half = ChainedServer(engine)
+    (x, _), = batches(1)
+    out = half.step("t", None, x)
+    half.trainer_gone("t", evicted=True)
+    engine.trainer_gone("t")  # the trainer died: its step contributes nothing
+    with pytest.raises(RuntimeError, match="no forward pending"):
+        half.step("t", torch.ones_like(out), None)
+    engine.trainer_joined("t")
+    half.step("t", None, x)
+    with pytest.raises(ValueError, match=r"output gradient of shape \(8, 2\) does not match the output \(8, 10\)"):
+        half.step("t", torch.ones(8, 2), None)
+    half.step("t", None, x)
+    half.step("t", None, None)  # given up: dropped, no update
+    assert steps == [] and half.pending() == 0 and engine.wait_idle(0) == []
+
+
+def test_a_draining_engine_finishes_open_steps_and_refuses_new_ones(make_engine):
+    engine, steps = make_engine()
+    engine.trainer_joined("t")
+    half = ChainedServer(engine)
+    (x, y), = batches(1)
+    out = half.step("t", None, x)
+    engine.drain()
+    assert engine.wait_idle(0.05) == ["t"]  # its step is open until its gradient arrives
+    with pytest.raises(ShuttingDown):
+        half.step("t", output_grad(out, y)[1], x)  # the update lands, the next forward is refused
+    assert steps == [(1, 8)] and engine.wait_idle(0) == []
+
+
+def test_sync_rounds_average_and_release_waiters(make_engine):
+    """Two plain trainers in sync mode: one optimizer step per round, each trainer's next
+    forward waits for the round its gradient belongs to."""
+    import threading
+
+    engine, steps = make_engine(update="sync", optimizer="sgd", lr=0.1)
+    for t in ("a", "b"):
+        engine.trainer_joined(t)
+    half = PlainServer(engine)
+    (xa, ya), (xb, yb) = batches(2)
+
+    def grads_of(trainer, x, y):
+        out = half.forward(trainer, x)
+        nn.functional.cross_entropy(out, y).backward()
+        g = {p: p.grad.clone() for p in engine.params}
+        for p in engine.params:
+            p.grad = None
+        return g
+
+    half.submit("a", grads_of("a", xa, ya))
+    released = threading.Event()
+    waiter = threading.Thread(target=lambda: (half.forward("a", xa), released.set()))
+    waiter.start()
+    assert not released.wait(0.3) and steps == []  # a's next forward waits for b
+    half.submit("b", grads_of("b", xb, yb))
+    assert released.wait(10)
+    waiter.join()
+    assert steps == [(1, 16)]
