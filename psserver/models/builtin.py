@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from psserver.models import MODELS, ModelSpec, register
+from psserver.models.registry import MODELS, ModelSpec, register
 
 
 def mnist_cnn() -> nn.Sequential:
@@ -60,4 +60,3 @@ if "mnist_cnn" not in MODELS:
     register(ModelSpec("mnist_cnn", mnist_cnn, (1, 28, 28), 10, "classic MNIST CNN (1.2M parameters)"))
     register(ModelSpec("mlp", mlp, (1, 28, 28), 10, "784-256-128-10 MLP (0.2M parameters)"))
     register(ModelSpec("resnet18", resnet18, (3, 32, 32), 10, "torchvision ResNet-18 for 3x32x32 (11M parameters)"))
-from psserver.models import llama  # noqa: E402,F401

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from psserver.models import MODELS, ModelSpec, register
+from psserver.models.registry import MODELS, ModelSpec, register
 
 VOCAB = 256
 SEQ_LEN = 32

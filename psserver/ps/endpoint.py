@@ -16,14 +16,19 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
 
 from psserver import __version__
 from psserver.config import OptimizerConfig, ServerConfig
 from psserver.metrics import observe_rpc
-from psserver.ps.engine import StepEngine
-from psserver.ps.membership import Member, Membership
-from psserver.ps.protocols import ServerHalf
+
+if TYPE_CHECKING:
+    from psserver.ps.engine import StepEngine
+    from psserver.ps.membership import Member, Membership
+    from psserver.ps.protocols import ServerHalf
 
 log = logging.getLogger(__name__)
 
@@ -217,3 +222,29 @@ def heartbeat(trainer: str, report: Report | None) -> str:
 
 def leave(trainer: str, report: Report | None) -> None:
     current().leave(trainer, report)
+
+
+class SharedOptimizer:
+    """The local optimizer ``DistributedOptimizer`` builds on the server (``_LocalOptimizer``),
+    one per trainer of a protocol that steps through it (``--step plain``): torch's RPC calls
+    it, so it belongs to the RPC surface. Its ``step`` hands the trainer's whole gradient to
+    the protocol's ``submit``, counted like every call."""
+
+    def __init__(self, params: list[nn.Parameter], trainer: str) -> None:
+        self.params = params
+        self.trainer = trainer
+        self.param_groups = [{"params": params}]
+        self.state: dict = {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        # _LocalOptimizer has put this trainer's gradients from its autograd context into
+        # .grad (under its global lock); take them out before another trainer's step does.
+        grads = {p: p.grad for p in self.params if p.grad is not None}
+        for p in self.params:
+            p.grad = None
+        current().call_local(self.trainer, "submit", grads)

@@ -7,9 +7,10 @@ of the backward into the context) and ``DistributedOptimizer.step`` (the server 
 gradient it holds).
 
 ``DistributedOptimizer`` builds one local optimizer per trainer on the parameters' owner, so
-with N trainers Adam would keep N sets of moments. :class:`SharedOptimizer` is that local
-optimizer: a handle that passes the trainer's complete gradient to the engine, whose one
-optimizer per shard every trainer shares.
+with N trainers Adam would keep N sets of moments. Its local optimizer here is the
+endpoint's :class:`~psserver.ps.endpoint.SharedOptimizer`: a handle that passes the trainer's
+complete gradient to ``submit`` below, and so to the engine, whose one optimizer per shard
+every trainer shares.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import nn
 from torch.distributed.optim import DistributedOptimizer
 
 from psserver.ps import torch_rpc
+from psserver.ps.endpoint import SharedOptimizer
 from psserver.ps.protocols.base import ServerHalf, StepProtocol, TrainerHalf, register
 
 log = logging.getLogger(__name__)
@@ -79,31 +81,6 @@ class PlainServer(ServerHalf):
     def close(self) -> None:
         with self._lock:
             self._rrefs = None
-
-
-class SharedOptimizer:
-    """Built on the server by ``DistributedOptimizer`` (``_LocalOptimizer``), one per trainer."""
-
-    def __init__(self, params: list[nn.Parameter], trainer: str) -> None:
-        self.params = params
-        self.trainer = trainer
-        self.param_groups = [{"params": params}]
-        self.state: dict = {}
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
-
-    @torch.no_grad()
-    def step(self, closure=None) -> None:
-        from psserver.ps import endpoint
-
-        # _LocalOptimizer has put this trainer's gradients from its autograd context into
-        # .grad (under its global lock); take them out before another trainer's step does.
-        grads = {p: p.grad for p in self.params if p.grad is not None}
-        for p in self.params:
-            p.grad = None
-        endpoint.current().call_local(self.trainer, "submit", grads)
 
 
 class _NoFunctionalOptimizerWarning(logging.Filter):
