@@ -19,9 +19,10 @@ from psserver.config import TrainerConfig, parse_host_port
 from psserver.config.ps import STEP_MODES
 from psserver.errors import UsageError
 
-STEP_HELP = ("ps mode, round trips per step: chained = the last step's output gradient and the next batch in one "
-             "RPC (1, loss on the trainer; default, fastest); plain = forward RPC + dist_autograd.backward + "
-             "DistributedOptimizer.step (3)")
+STEP_HELP = ("ps mode, how a step crosses (round trips): chained = the last step's output gradient and the next "
+             "batch in one RPC, the server runs the model (1, default, fastest); plain = forward RPC + "
+             "dist_autograd.backward + DistributedOptimizer.step, the server runs the model (3); pull = the trainer "
+             "runs the model on parameters it pulls inside dist_autograd, the server applies the gradient (3)")
 
 
 class TrainCommand(SubCommand):

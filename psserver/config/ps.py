@@ -11,7 +11,7 @@ from psserver.utils.memory import ALLOCATORS
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "rmsprop")
 UPDATE_MODES = ("async", "sync")
-STEP_MODES = ("chained", "plain")
+STEP_MODES = ("chained", "plain", "pull")
 """Step protocols (``psserver.ps.protocols``, one module each), the default first."""
 
 
@@ -158,7 +158,8 @@ class TrainerConfig:
     rpc_timeout: float = 60.0
     """Timeout of one RPC, seconds."""
     compute_threads: int = 1
-    """torch intra-op threads of the trainer (the server does the model's compute)."""
+    """torch intra-op threads of the trainer: one, as the server runs the model (``chained``,
+    ``plain``), or as one of several trainers per host runs it (``pull``)."""
     eval_batch_size: int = 1000
     """Batch size of the final evaluation."""
     max_steps: int = 0
@@ -170,7 +171,8 @@ class TrainerConfig:
     fastest): one RPC carries the last step's output gradient and the next batch; the server
     runs that backward, the update and the next forward (one round trip, loss on the
     trainer). ``plain``: forward RPC, ``dist_autograd.backward`` and
-    ``DistributedOptimizer.step`` (three round trips)."""
+    ``DistributedOptimizer.step`` (three round trips). ``pull``: the trainer runs the model on
+    parameters it pulls inside ``dist_autograd``; the server only applies the gradient."""
     stats_out: Path | None = None
     """Write per-step timings (monotonic end time of each step, samples) as JSON here."""
 

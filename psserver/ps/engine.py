@@ -105,6 +105,15 @@ class StepEngine:
             x = shard.forward(x, clone=clone, train=train)
         return x
 
+    def parameters(self, *, clone: bool) -> list[torch.Tensor]:
+        """The parameters as the results of autograd nodes (RPC ties a reply's tensors to the
+        sender's graph only then, not for leaves): views, or copies taken at one step when
+        another trainer's update could land while the reply is being sent."""
+        if not clone:
+            return [p.view_as(p) for p in self.params]
+        with self.updater.lock:
+            return [p.clone() for p in self.params]
+
     def evaluate(self, x: torch.Tensor) -> torch.Tensor:
         """Eval-mode outputs on the CPU (on the compute thread)."""
         return self.compute.run(lambda: self.forward(x, clone=False, train=False).to("cpu"))

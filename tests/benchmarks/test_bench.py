@@ -57,6 +57,7 @@ def test_setup_names_and_lower_bound():
     parse_setup = setups.parse_setup
     assert parse_setup("ps-sync-4") == {"name": "ps-sync-4", "kind": "ps", "trainers": 4, "update": "sync",
                                             "step": "plain"}
+    assert parse_setup("ps-pull-async-2")["step"] == "pull"
     chained = parse_setup("ps-chained-sync-2")
     assert chained["step"] == "chained" and chained["update"] == "sync" and chained["trainers"] == 2
     for gone in ("ps-fold-async-1", "ps-fused-async-2", "ps-chain-async-1"):  # fold and fused were removed

@@ -16,6 +16,7 @@ from psserver.ps.engine import ShuttingDown, StepEngine, resolve_devices
 from psserver.ps.protocols import PROTOCOLS
 from psserver.ps.protocols.chained import ChainedServer
 from psserver.ps.protocols.plain import PlainServer
+from psserver.ps.protocols.pull import PullServer
 
 CUDA = pytest.param("cuda:0", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")])
@@ -122,6 +123,45 @@ def test_plain_steps_match_a_local_loop(make_engine, device):
     assert steps == [(1, 8), (2, 8), (3, 8), (4, 8)]
     assert losses == pytest.approx(ref_losses, rel=1e-5 if device == "cpu" else 1e-4)
     assert_same_weights(engine, ref_params, device)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_pull_steps_match_a_local_loop(make_engine, device):
+    """Trainer compute: the model runs on the pulled parameters (without RPC still tied to the
+    server's by autograd); their gradients reach the server's leaves and are submitted."""
+    from torch.func import functional_call
+
+    data = batches(4)
+    ref_losses, ref_params = local_loop(data)
+    engine, steps = make_engine(device=device)
+    engine.trainer_joined("t")
+    half = PullServer(engine)
+    model = build_model("mlp")
+    names = [n for n, _ in model.named_parameters()]
+    losses = []
+    for x, y in data:
+        params = half.pull("t", int(x.shape[0]))
+        assert all(p.grad_fn is not None for p in params)  # not leaves: RPC records only those
+        out = functional_call(model, {n: p.cpu() for n, p in zip(names, params, strict=True)}, (x,))
+        loss = nn.functional.cross_entropy(out, y)
+        loss.backward()
+        grads = {p: p.grad for p in engine.params if p.grad is not None}
+        for p in engine.params:
+            p.grad = None
+        half.submit("t", grads)
+        losses.append(float(loss.detach()))
+    assert steps == [(1, 8), (2, 8), (3, 8), (4, 8)]
+    assert losses == pytest.approx(ref_losses, rel=1e-5 if device == "cpu" else 1e-4)
+    assert_same_weights(engine, ref_params, device)
+
+
+def test_pulled_parameters_are_copies_when_another_update_can_land(make_engine):
+    engine, _ = make_engine()
+    for t in ("a", "b"):
+        engine.trainer_joined(t)
+    pulled = PullServer(engine).pull("a", 8)
+    for p, q in zip(pulled, engine.params, strict=True):
+        assert p.data_ptr() != q.data_ptr() and torch.equal(p, q)
 
 
 def test_other_trainers_update_between_forward_and_backward_with_clones(make_engine):
