@@ -17,15 +17,15 @@ def parse_setup(name: str) -> dict:
     if m:  # fewer threads: on a loaded machine one thread can beat all cores (OpenMP barriers)
         return {"name": name, "kind": "local", "trainers": 1, "update": None, "threads": int(m.group(1)),
                 "allocator": "system"}
-    m = re.fullmatch(r"ps-(?:(chained|pull)-)?(async|sync)-(\d+)", name)
+    m = re.fullmatch(r"ps-(?:(chained|pull|pushpull)-)?(async|sync)-(\d+)", name)
     if m:  # the trainer's --step (psserver.config.ps.STEP_MODES); plain, the reference, when not named
         return {"name": name, "kind": "ps", "trainers": int(m.group(3)), "update": m.group(2),
                 "step": m.group(1) or "plain"}
     m = re.fullmatch(r"(ddp|fsdp)-(\d+)", name)
     if m:
         return {"name": name, "kind": m.group(1), "trainers": int(m.group(2)), "update": None}
-    raise ValueError(f"unknown setup {name!r}: use local, local-Nt, local-cached, ps-[chained-|pull-]async-N, "
-                     "ps-[chained-|pull-]sync-N, ddp-N, fsdp-N")
+    raise ValueError(f"unknown setup {name!r}: use local, local-Nt, local-cached, "
+                     "ps-[chained-|pull-|pushpull-]async-N, ps-[chained-|pull-|pushpull-]sync-N, ddp-N, fsdp-N")
 
 
 def parse_setups(names: str) -> list[dict]:

@@ -22,7 +22,9 @@ from psserver.errors import UsageError
 STEP_HELP = ("ps mode, how a step crosses (round trips): chained = the last step's output gradient and the next "
              "batch in one RPC, the server runs the model (1, default, fastest); plain = forward RPC + "
              "dist_autograd.backward + DistributedOptimizer.step, the server runs the model (3); pull = the trainer "
-             "runs the model on parameters it pulls inside dist_autograd, the server applies the gradient (3)")
+             "runs the model on parameters it pulls inside dist_autograd, the server applies the gradient (3); "
+             "pushpull = the trainer runs the model, its flat gradient goes up and the next parameters come down in "
+             "one RPC (1)")
 
 
 class TrainCommand(SubCommand):

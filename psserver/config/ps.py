@@ -11,7 +11,7 @@ from psserver.utils.memory import ALLOCATORS
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "rmsprop")
 UPDATE_MODES = ("async", "sync")
-STEP_MODES = ("chained", "plain", "pull")
+STEP_MODES = ("chained", "plain", "pull", "pushpull")
 """Step protocols (``psserver.ps.protocols``, one module each), the default first."""
 
 
@@ -172,7 +172,9 @@ class TrainerConfig:
     runs that backward, the update and the next forward (one round trip, loss on the
     trainer). ``plain``: forward RPC, ``dist_autograd.backward`` and
     ``DistributedOptimizer.step`` (three round trips). ``pull``: the trainer runs the model on
-    parameters it pulls inside ``dist_autograd``; the server only applies the gradient."""
+    parameters it pulls inside ``dist_autograd``; the server only applies the gradient.
+    ``pushpull``: the trainer runs the model; one RPC pushes its flat gradient and pulls the
+    next flat parameters (one round trip)."""
     stats_out: Path | None = None
     """Write per-step timings (monotonic end time of each step, samples) as JSON here."""
 

@@ -114,6 +114,28 @@ class StepEngine:
         with self.updater.lock:
             return [p.clone() for p in self.params]
 
+    def flat_parameters(self) -> list[torch.Tensor]:
+        """Every shard's parameters as one flat CPU buffer each, copied at one step."""
+        with self.updater.lock:
+            return [torch.cat([p.detach().reshape(-1) for p in s.params]).to("cpu") for s in self.shards]
+
+    def grads_from_flat(self, flats: list[torch.Tensor]) -> Grads:
+        """The gradient of every parameter from one flat buffer per shard (``ValueError`` when
+        the buffers do not fit the shards)."""
+        if len(flats) != len(self.shards):
+            raise ValueError(f"{len(flats)} gradient buffers for {len(self.shards)} shards")
+        grads: Grads = {}
+        for shard, flat in zip(self.shards, flats, strict=True):
+            if flat.numel() != shard.num_params:
+                raise ValueError(f"gradient buffer of {flat.numel()} values for shard {shard.index} of "
+                                 f"{shard.num_params} parameters")
+            flat = flat.to(shard.device, non_blocking=True)
+            offset = 0
+            for p in shard.params:
+                grads[p] = flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+        return grads
+
     def evaluate(self, x: torch.Tensor) -> torch.Tensor:
         """Eval-mode outputs on the CPU (on the compute thread)."""
         return self.compute.run(lambda: self.forward(x, clone=False, train=False).to("cpu"))

@@ -86,11 +86,13 @@ def test_chained_steps_reach_the_same_bar(procs, port, mnist_dir, update):
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("update", ["async", "sync"])
-def test_trainers_that_compute_reach_the_bar(procs, port, mnist_dir, update):
-    """``--step pull``: each trainer runs the model on parameters it pulls inside
-    ``dist_autograd``; the server only applies the gradients (issue 15's bar: 0.97)."""
+@pytest.mark.parametrize("step", ["pull", "pushpull"])
+def test_trainers_that_compute_reach_the_bar(procs, port, mnist_dir, update, step):
+    """Trainer compute: each trainer runs the model (``pull``: on parameters it pulls inside
+    ``dist_autograd``; ``pushpull``: on flat parameters it gets back for its flat gradient);
+    the server only applies the gradients (issue 15's bar: 0.97)."""
     server = procs.server(port, "--update", update, "--sync-trainers", "2")
-    for t in _train_two(procs, port, "--step", "pull"):
+    for t in _train_two(procs, port, "--step", step):
         assert accuracy(t) >= 0.97, t.tail()
     assert procs.stop(server) == 0
     assert f"global step {378 if update == 'async' else 189}" in server.output()

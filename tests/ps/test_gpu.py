@@ -41,7 +41,7 @@ def test_shard_runs_on_its_device():
         pytest.param("mnist_cnn", "cuda:0,cuda:1", marks=needs_two),
     ],
 )
-@pytest.mark.parametrize("step", ["plain", "chained", "pull"])
+@pytest.mark.parametrize("step", ["plain", "chained", "pull", "pushpull"])
 def test_server_on_gpus_trains(procs, port, model, devices, step):
     server = procs.server(port, "--model", model, "--devices", devices)
     n = len(devices.split(","))

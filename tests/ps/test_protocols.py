@@ -17,6 +17,7 @@ from psserver.ps.protocols import PROTOCOLS
 from psserver.ps.protocols.chained import ChainedServer
 from psserver.ps.protocols.plain import PlainServer
 from psserver.ps.protocols.pull import PullServer
+from psserver.ps.protocols.pushpull import PushPullServer
 
 CUDA = pytest.param("cuda:0", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")])
@@ -153,6 +154,38 @@ def test_pull_steps_match_a_local_loop(make_engine, device):
     assert steps == [(1, 8), (2, 8), (3, 8), (4, 8)]
     assert losses == pytest.approx(ref_losses, rel=1e-5 if device == "cpu" else 1e-4)
     assert_same_weights(engine, ref_params, device)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_pushpull_steps_match_a_local_loop(make_engine, device):
+    """Trainer compute in one round trip: each call pushes the last step's flat gradient and
+    pulls the next step's flat parameters; a last call only pushes."""
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    data = batches(4)
+    ref_losses, ref_params = local_loop(data)
+    engine, steps = make_engine(device=device)
+    engine.trainer_joined("t")
+    half = PushPullServer(engine)
+    assert half.join_info("t") == {"shard_params": [len(engine.params)]}
+    model = build_model("mlp", seed=7)  # the trainer's own initial weights are never used
+    grads, losses = None, []
+    for x, y in data:
+        (flat,) = half.exchange("t", grads, int(x.shape[0]))
+        assert flat.device.type == "cpu" and flat.numel() == engine.num_params
+        vector_to_parameters(flat, model.parameters())
+        loss = nn.functional.cross_entropy(model(x), y)
+        grads = [parameters_to_vector(torch.autograd.grad(loss, list(model.parameters())))]
+        losses.append(float(loss.detach()))
+    assert len(steps) == 3
+    assert half.exchange("t", grads, None) is None  # the flush
+    assert steps == [(1, 8), (2, 8), (3, 8), (4, 8)]
+    assert losses == pytest.approx(ref_losses, rel=1e-5 if device == "cpu" else 1e-4)
+    assert_same_weights(engine, ref_params, device)
+    half.exchange("t", None, 8)
+    with pytest.raises(ValueError, match="gradient buffer of 3 values for shard 0"):
+        half.exchange("t", [torch.zeros(3)], None)
+    assert engine.wait_idle(0) == []  # the refused step was dropped, not left open
 
 
 def test_pulled_parameters_are_copies_when_another_update_can_land(make_engine):

@@ -61,7 +61,7 @@ def _last_step(server_output: str) -> int:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("when", [["--checkpoint-every", "5"], ["--checkpoint-interval", "1"]],
                          ids=["every-5", "interval-1"])
-@pytest.mark.parametrize("step", ["plain", "chained", "pull"])
+@pytest.mark.parametrize("step", ["plain", "chained", "pull", "pushpull"])
 def test_sync_mode_checkpoints_while_training_and_resumes(procs, port, tmp_path, step, when):
     """``--update sync`` with periodic checkpoints used to hang at the first one (plain): the
     step that completed a round checkpointed while holding the round's lock."""

@@ -1,0 +1,91 @@
+"""``--step pushpull``: the trainer runs the model; one round trip per step, one flat buffer per shard.
+
+Each call pushes the flat gradient of the trainer's step *t* (one buffer per server shard) and
+pulls the flat parameters for its step *t+1*: the server applies the update, then copies the
+parameters out at one step, both on its compute thread. The order of work is that of ``pull``
+(the update of step *t* lands before the parameters of step *t+1* are read), with one round
+trip instead of three and no autograd context on either side. A last call without a batch
+hands in the final gradient, before the trainer evaluates or leaves; a trainer that dies in
+between contributes nothing for that step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from psserver.models import build_model
+from psserver.ps.protocols.base import ServerHalf, StepProtocol, TrainerHalf, register
+
+
+class PushPullServer(ServerHalf):
+    ops = ("exchange",)
+
+    def join_info(self, trainer: str) -> dict:
+        return {"shard_params": [len(s.params) for s in self.engine.shards]}
+
+    def exchange(self, trainer: str, grads: list[torch.Tensor] | None,
+                 samples: int | None) -> list[torch.Tensor] | None:
+        """Apply ``grads`` (the flat gradient of ``trainer``'s open step; None: none owed), then
+        return the flat parameters for its next step of ``samples`` (None: it is done)."""
+        engine = self.engine
+        if samples is not None and engine.config.update == "async":  # nothing to wait for: one hand-off
+            return engine.compute.run(self._push_pull, trainer, grads, samples)
+        if grads is not None:
+            engine.compute.run(self._push, trainer, grads)
+        if samples is None:
+            return None
+        engine.wait_turn(trainer)  # sync: on this RPC thread, never the compute thread
+        return engine.compute.run(self._pull, trainer, samples)
+
+    def _push_pull(self, trainer: str, grads: list[torch.Tensor] | None, samples: int) -> list[torch.Tensor]:
+        if grads is not None:
+            self._push(trainer, grads)
+        return self._pull(trainer, samples)
+
+    def _push(self, trainer: str, grads: list[torch.Tensor]) -> None:
+        try:
+            unflat = self.engine.grads_from_flat(grads)
+        except BaseException:
+            self.engine.drop_step(trainer)
+            raise
+        self.engine.submit(trainer, unflat)
+
+    def _pull(self, trainer: str, samples: int) -> list[torch.Tensor]:
+        self.engine.open_step(trainer, samples)
+        return self.engine.flat_parameters()
+
+
+class PushPullTrainer(TrainerHalf):
+    def __init__(self, channel) -> None:
+        super().__init__(channel)
+        self.model = build_model(channel.info["model"])
+        params = list(self.model.parameters())
+        self.shards: list[list[torch.nn.Parameter]] = []
+        for n in channel.info["shard_params"]:
+            self.shards.append(params[:n])
+            params = params[n:]
+        self._grads: list[torch.Tensor] | None = None  # owed to the server
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        grads, self._grads = self._grads, None  # sent once, whatever the call's fate
+        flats = self.channel.call("exchange", grads, int(x.shape[0]))
+        for shard, flat in zip(self.shards, flats, strict=True):
+            vector_to_parameters(flat, shard)
+        loss = F.cross_entropy(self.model(x), y)
+        params = [p for shard in self.shards for p in shard]
+        got = torch.autograd.grad(loss, params, allow_unused=True)
+        by_param = {p: torch.zeros_like(p) if g is None else g for p, g in zip(params, got, strict=True)}
+        self._grads = [parameters_to_vector([by_param[p] for p in shard]) for shard in self.shards]
+        return float(loss.detach())
+
+    def flush(self) -> None:
+        grads, self._grads = self._grads, None
+        if grads is not None:
+            self.channel.call("exchange", grads, None)
+
+
+PROTOCOL = register(StepProtocol(
+    "pushpull", PushPullTrainer, PushPullServer,
+    "the trainer runs the model; its gradient goes up and the next parameters come down in one RPC"))
