@@ -19,12 +19,7 @@ from psserver.config import TrainerConfig, parse_host_port
 from psserver.config.ps import STEP_MODES
 from psserver.errors import UsageError
 
-STEP_HELP = ("ps mode, how a step crosses (round trips): chained = the last step's output gradient and the next "
-             "batch in one RPC, the server runs the model (1, default, fastest); plain = forward RPC + "
-             "dist_autograd.backward + DistributedOptimizer.step, the server runs the model (3); pull = the trainer "
-             "runs the model on parameters it pulls inside dist_autograd, the server applies the gradient (3); "
-             "pushpull = the trainer runs the model, its flat gradient goes up and the next parameters come down in "
-             "one RPC (1)")
+STEP_HELP = "ps mode, how a step crosses: " + "; ".join(f"{name} = {line}" for name, line in STEP_MODES.items())
 
 
 class TrainCommand(SubCommand):
@@ -47,7 +42,7 @@ class TrainCommand(SubCommand):
                         help="trainer rank (default $RANK, $SLURM_PROCID, else 0)")
         ps.add_argument("--num-trainers", type=int, default=default_world_size(),
                         help="number of data shards (default $WORLD_SIZE, else learnt from the server)")
-        ps.add_argument("--step", choices=STEP_MODES, default=TrainerConfig.step, help=STEP_HELP)
+        ps.add_argument("--step", choices=list(STEP_MODES), default=TrainerConfig.step, help=STEP_HELP)
         ps.add_argument("--connect-timeout", type=float, default=60.0,
                         help="seconds to wait for a server that is still starting (default 60)")
         ps.add_argument("--reconnect", action="store_true",

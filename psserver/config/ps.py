@@ -11,8 +11,17 @@ from psserver.utils.memory import ALLOCATORS
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "rmsprop")
 UPDATE_MODES = ("async", "sync")
-STEP_MODES = ("chained", "plain", "pull", "pushpull")
-"""Step protocols (``psserver.ps.protocols``, one module each), the default first."""
+STEP_MODES: dict[str, str] = {
+    "chained": "the last step's output gradient and the next batch in one RPC, the server runs the model "
+               "(1 round trip; default, fastest on 2 cores)",
+    "plain": "forward RPC + dist_autograd.backward + DistributedOptimizer.step, the server runs the model (3)",
+    "pull": "the trainer runs the model on parameters it pulls inside dist_autograd, the server applies the "
+            "gradient (3)",
+    "pushpull": "the trainer runs the model; its flat gradient goes up and the next parameters come down in one "
+                "RPC (1)",
+}
+"""Step protocols (``psserver.ps.protocols``, one module each) with the line ``--help`` shows,
+the default first. Adding a protocol: its module and its entry here."""
 
 
 @dataclass
@@ -166,7 +175,7 @@ class TrainerConfig:
     """Stop after this many steps in total (0: run all epochs); for smoke tests and benchmarks."""
     progress: bool | None = None
     """Show a tqdm bar (None: only when stderr is a terminal)."""
-    step: str = STEP_MODES[0]
+    step: str = next(iter(STEP_MODES))
     """How a step reaches the server (``psserver.ps.protocols``). ``chained`` (default, the
     fastest): one RPC carries the last step's output gradient and the next batch; the server
     runs that backward, the update and the next forward (one round trip, loss on the

@@ -88,8 +88,6 @@ class StepProtocol:
     name: str
     trainer: type[TrainerHalf]
     server: type[ServerHalf]
-    summary: str
-    """One line for help texts and docs."""
 
 
 PROTOCOLS: dict[str, StepProtocol] = {}

@@ -110,6 +110,4 @@ class ChainedTrainer(TrainerHalf):
             self.channel.call("step", grad_out, None)
 
 
-PROTOCOL = register(StepProtocol(
-    "chained", ChainedTrainer, ChainedServer,
-    "the last step's output gradient and the next batch in one RPC (1 round trip, loss on the trainer)"))
+PROTOCOL = register(StepProtocol("chained", ChainedTrainer, ChainedServer))

@@ -113,6 +113,4 @@ class PlainTrainer(TrainerHalf):
         self.optimizer = None
 
 
-PROTOCOL = register(StepProtocol(
-    "plain", PlainTrainer, PlainServer,
-    "forward RPC + dist_autograd.backward + DistributedOptimizer.step (3 round trips)"))
+PROTOCOL = register(StepProtocol("plain", PlainTrainer, PlainServer))

@@ -46,6 +46,4 @@ class PullTrainer(PlainTrainer):
         return float(loss.detach())
 
 
-PROTOCOL = register(StepProtocol(
-    "pull", PullTrainer, PullServer,
-    "the trainer pulls the parameters inside dist_autograd and runs the model (trainer compute, 3 round trips)"))
+PROTOCOL = register(StepProtocol("pull", PullTrainer, PullServer))

@@ -86,6 +86,4 @@ class PushPullTrainer(TrainerHalf):
             self.channel.call("exchange", grads, None)
 
 
-PROTOCOL = register(StepProtocol(
-    "pushpull", PushPullTrainer, PushPullServer,
-    "the trainer runs the model; its gradient goes up and the next parameters come down in one RPC"))
+PROTOCOL = register(StepProtocol("pushpull", PushPullTrainer, PushPullServer))
