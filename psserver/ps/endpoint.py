@@ -70,6 +70,8 @@ class Endpoint:
         """Run after each call, outside every lock (a checkpoint the call's step made due)."""
         self.membership: Membership | None = None
         self.state = "STARTING"
+        # Metric labels: only names a protocol defines, never a caller's arbitrary string.
+        self._ops = {"evaluate"} | {op for h in halves.values() for op in (*h.ops, *h.local_ops)}
         self._in_flight = 0
         self._idle = threading.Condition()
 
@@ -136,18 +138,23 @@ class Endpoint:
 
     def call(self, trainer: str, op: str, args: tuple, report: Report | None) -> Any:
         """``op`` of the server half of ``trainer``'s protocol (or ``evaluate``)."""
-        with self._counted(op):
-            member = self._seen(trainer, report)
-            half = self.halves[member.protocol]
-            if op != "evaluate" and op not in half.ops:
-                raise ValueError(f"step protocol {member.protocol!r} has no call {op!r}")
-            result = getattr(half, op)(trainer, *args)
+        with self._counted(op if op in self._ops else "unknown"):
+            member = self._seen(trainer, None)
+            try:
+                half = self.halves[member.protocol]
+                if op != "evaluate" and op not in half.ops:
+                    raise ValueError(f"step protocol {member.protocol!r} has no call {op!r}")
+                result = getattr(half, op)(trainer, *args)
+            finally:
+                # After the call: a step the report counts may be applied by this very call
+                # (chained, pushpull), and status must not show it before it is.
+                _record(member, report)
             self.after_call()
         return result
 
     def call_local(self, trainer: str, op: str, *args: Any) -> Any:
         """An op that runs inside the server on the trainer's behalf (see ``ServerHalf.local_ops``)."""
-        with self._counted(op):
+        with self._counted(op if op in self._ops else "unknown"):
             member = self._seen(trainer, None)
             half = self.halves[member.protocol]
             if op not in half.local_ops:
@@ -176,12 +183,7 @@ class Endpoint:
             member = self.membership.seen(trainer)
         except KeyError:
             raise RuntimeError(f"{trainer} is not a member of this psserver (evicted or never joined)") from None
-        if report is not None:
-            st = member.status
-            st.steps, st.samples = int(report.steps), int(report.samples)
-            st.last_loss, st.samples_per_s = float(report.loss), float(report.samples_per_s)
-            if report.accuracy is not None and math.isfinite(report.accuracy):
-                st.accuracy = float(report.accuracy)
+        _record(member, report)
         return member
 
     def trainer_gone(self, member: Member, state: str, evicted: bool) -> None:
@@ -190,6 +192,16 @@ class Endpoint:
         self.halves[member.protocol].trainer_gone(name, evicted)
         self.engine.trainer_gone(name)  # may apply a sync round it held up
         self.after_call()
+
+
+def _record(member: Member, report: Report | None) -> None:
+    if report is None:
+        return
+    st = member.status
+    st.steps, st.samples = int(report.steps), int(report.samples)
+    st.last_loss, st.samples_per_s = float(report.loss), float(report.samples_per_s)
+    if report.accuracy is not None and math.isfinite(report.accuracy):
+        st.accuracy = float(report.accuracy)
 
 
 # ---- the functions trainers call ---------------------------------------------------------------
