@@ -40,7 +40,7 @@ def test_lost_trainer_is_evicted_and_the_other_finishes(procs, port, mnist_dir, 
     t1.signal(sig)
     assert wait_lost(server, "trainer_1_1", timeout=15) < 15
     server.wait_for(r"evicted trainer_1_1 from the RPC group; RPC members: psserver,trainer_0_1\n", timeout=10)
-    assert t0.wait(300) == 0, t0.tail()
+    assert t0.wait(300) == 0, f"{t0.tail()}\n--- server ---\n{server.tail()}"
     assert accuracy(t0) >= 0.96
     # The rank comes back as a new incarnation and trains.
     again = procs.trainer(port, 1, "--num-trainers", "2", "--max-steps", "20", *MNIST_ARGS)
