@@ -68,6 +68,18 @@ def output_grad(out: torch.Tensor, y: torch.Tensor) -> tuple[float, torch.Tensor
     return float(loss.detach()), g
 
 
+def backward_and_submit(engine: StepEngine, half, out: torch.Tensor, y: torch.Tensor) -> float:
+    """Without RPC an output stays tied to the server's parameters: its backward fills their
+    ``.grad``, handed over as ``SharedOptimizer.step`` hands it; the loss."""
+    loss = nn.functional.cross_entropy(out, y)
+    loss.backward()
+    grads = {p: p.grad for p in engine.params if p.grad is not None}
+    for p in engine.params:
+        p.grad = None
+    half.submit("t", grads)
+    return float(loss.detach())
+
+
 def assert_same_weights(engine: StepEngine, ref: list[torch.Tensor], device: str) -> None:
     for p, q in zip(engine.params, ref, strict=True):
         assert p.device == torch.device(device)
@@ -114,13 +126,7 @@ def test_plain_steps_match_a_local_loop(make_engine, device):
     losses = []
     for x, y in data:
         out = half.forward("t", x)
-        loss = nn.functional.cross_entropy(out, y)
-        loss.backward()
-        grads = {p: p.grad for p in engine.params if p.grad is not None}
-        for p in engine.params:
-            p.grad = None
-        half.submit("t", grads)
-        losses.append(float(loss.detach()))
+        losses.append(backward_and_submit(engine, half, out, y))
     assert steps == [(1, 8), (2, 8), (3, 8), (4, 8)]
     assert losses == pytest.approx(ref_losses, rel=1e-5 if device == "cpu" else 1e-4)
     assert_same_weights(engine, ref_params, device)
@@ -144,13 +150,7 @@ def test_pull_steps_match_a_local_loop(make_engine, device):
         params = half.pull("t", int(x.shape[0]))
         assert all(p.grad_fn is not None for p in params)  # not leaves: RPC records only those
         out = functional_call(model, {n: p.cpu() for n, p in zip(names, params, strict=True)}, (x,))
-        loss = nn.functional.cross_entropy(out, y)
-        loss.backward()
-        grads = {p: p.grad for p in engine.params if p.grad is not None}
-        for p in engine.params:
-            p.grad = None
-        half.submit("t", grads)
-        losses.append(float(loss.detach()))
+        losses.append(backward_and_submit(engine, half, out, y))
     assert steps == [(1, 8), (2, 8), (3, 8), (4, 8)]
     assert losses == pytest.approx(ref_losses, rel=1e-5 if device == "cpu" else 1e-4)
     assert_same_weights(engine, ref_params, device)
