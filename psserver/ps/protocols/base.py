@@ -12,6 +12,7 @@ protocol: ``psserver.ps.protocols`` imports every module of the package, which r
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -75,6 +76,21 @@ class ServerHalf:
     def evaluate(self, trainer: str, x: torch.Tensor) -> torch.Tensor:
         self.engine.wait_turn(trainer)
         return self.engine.evaluate(x)
+
+    def finish_then_start(self, trainer: str, finish: Callable[[], None],
+                          start: Callable[[], Any] | None) -> Any:
+        """One-round-trip protocols: ``finish`` the trainer's last step (its update), then
+        ``start`` its next one (None: nothing to start), both on the compute thread. Async: one
+        hand-off. Sync: the trainer waits for its round in between, on this RPC thread, never
+        on the compute thread (which applies the rounds)."""
+        engine = self.engine
+        if start is not None and engine.config.update == "async":
+            return engine.compute.run(lambda: (finish(), start())[1])
+        engine.compute.run(finish)
+        if start is None:
+            return None
+        engine.wait_turn(trainer)
+        return engine.compute.run(start)
 
     def trainer_gone(self, trainer: str, evicted: bool) -> None:
         """``trainer`` left (``evicted``: died or hung): drop what it holds here."""

@@ -36,18 +36,8 @@ class ChainedServer(ServerHalf):
     def step(self, trainer: str, grad_out: torch.Tensor | None, x: torch.Tensor | None) -> torch.Tensor | None:
         """The backward and update of ``trainer``'s last step (``grad_out``; None: drop it), then
         the forward of its next batch ``x`` (None: only hand in the last gradient)."""
-        engine = self.engine
-        if x is not None and engine.config.update == "async":  # nothing to wait for: one hand-off
-            return engine.compute.run(self._backward_then_forward, trainer, grad_out, x)
-        engine.compute.run(self._backward, trainer, grad_out)
-        if x is None:
-            return None
-        engine.wait_turn(trainer)  # sync: on this RPC thread, never the compute thread
-        return engine.compute.run(self._forward, trainer, x)
-
-    def _backward_then_forward(self, trainer: str, grad_out: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-        self._backward(trainer, grad_out)
-        return self._forward(trainer, x)
+        return self.finish_then_start(trainer, lambda: self._backward(trainer, grad_out),
+                                      None if x is None else lambda: self._forward(trainer, x))
 
     def _backward(self, trainer: str, grad_out: torch.Tensor | None) -> None:
         with self._lock:

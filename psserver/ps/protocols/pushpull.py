@@ -29,20 +29,8 @@ class PushPullServer(ServerHalf):
                  samples: int | None) -> list[torch.Tensor] | None:
         """Apply ``grads`` (the flat gradient of ``trainer``'s open step; None: none owed), then
         return the flat parameters for its next step of ``samples`` (None: it is done)."""
-        engine = self.engine
-        if samples is not None and engine.config.update == "async":  # nothing to wait for: one hand-off
-            return engine.compute.run(self._push_pull, trainer, grads, samples)
-        if grads is not None:
-            engine.compute.run(self._push, trainer, grads)
-        if samples is None:
-            return None
-        engine.wait_turn(trainer)  # sync: on this RPC thread, never the compute thread
-        return engine.compute.run(self._pull, trainer, samples)
-
-    def _push_pull(self, trainer: str, grads: list[torch.Tensor] | None, samples: int) -> list[torch.Tensor]:
-        if grads is not None:
-            self._push(trainer, grads)
-        return self._pull(trainer, samples)
+        return self.finish_then_start(trainer, lambda: grads is not None and self._push(trainer, grads),
+                                      None if samples is None else lambda: self._pull(trainer, samples))
 
     def _push(self, trainer: str, grads: list[torch.Tensor]) -> None:
         try:
