@@ -8,6 +8,7 @@ from pathlib import Path
 from psserver.cli.args import add_control_arguments, add_optimizer_arguments, control_from_args, optimizer_from_args
 from psserver.cli.base import SubCommand, config_errors, env_int
 from psserver.config import CheckpointConfig, ServerConfig
+from psserver.config.ps import COMPUTE_MODES, UPDATE_MODES
 from psserver.utils.memory import ALLOCATORS
 
 
@@ -22,9 +23,15 @@ class ServeCommand(SubCommand):
         parser.add_argument("--model", default="mnist_cnn", help="model name (mnist_cnn, mlp, resnet18, ...)")
         parser.add_argument("--devices", default=None,
                             help="comma-separated devices, one model stage each (default: all GPUs, else cpu)")
-        parser.add_argument("--update", choices=["async", "sync"], default="async",
-                            help="async: apply updates as they arrive; sync: one step per K gradients")
+        parser.add_argument("--update", choices=UPDATE_MODES, default="async",
+                            help="async: apply updates as they arrive; sync: one step per K gradients, averaged; "
+                                 "ssp: async, no trainer more than --staleness steps ahead of the slowest")
         parser.add_argument("--sync-trainers", type=int, default=2, help="K of --update sync (default 2)")
+        parser.add_argument("--staleness", type=int, default=ServerConfig.staleness,
+                            help=f"S of --update ssp (0: bulk-synchronous; default {ServerConfig.staleness})")
+        parser.add_argument("--compute", choices=list(COMPUTE_MODES), default=None,
+                            help="pin where every trainer's steps run, trainer or server (default: each "
+                                 "trainer's choice, trainer unless it says otherwise)")
         add_optimizer_arguments(parser, defaults_from_server=False)
         parser.add_argument("--trainer-timeout", type=float, default=5.0,
                             help="seconds without heartbeat before a trainer is evicted (default 5)")
@@ -61,6 +68,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         devices=[d.strip() for d in args.devices.split(",")] if args.devices else None,
         update=args.update,
         sync_trainers=args.sync_trainers,
+        staleness=args.staleness,
+        compute=args.compute,
         optimizer=optimizer_from_args(args),
         trainer_timeout=args.trainer_timeout,
         rpc_timeout=args.rpc_timeout,

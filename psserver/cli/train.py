@@ -16,10 +16,13 @@ from psserver.cli.args import (
 from psserver.cli.base import SubCommand, config_errors, default_rank, default_server_address, default_world_size
 from psserver.cli.collective_args import add_collective_arguments, collective_config_from_args
 from psserver.config import TrainerConfig, parse_host_port
-from psserver.config.ps import STEP_MODES
+from psserver.config.ps import COMPUTE_MODES, STEP_MODES, WIRE_DTYPES
 from psserver.errors import UsageError
 
-STEP_HELP = "ps mode, how a step crosses: " + "; ".join(f"{name} = {line}" for name, line in STEP_MODES.items())
+COMPUTE_HELP = ("ps mode, where forward and backward run (default: the server's pin, else trainer): "
+                + "; ".join(f"{name} = {line}" for name, line in COMPUTE_MODES.items()))
+STEP_HELP = ("ps mode, how a step crosses (default: the first of its --compute): "
+             + "; ".join(f"{name} = [{mode.compute}] {mode.help}" for name, mode in STEP_MODES.items()))
 
 
 class TrainCommand(SubCommand):
@@ -42,7 +45,13 @@ class TrainCommand(SubCommand):
                         help="trainer rank (default $RANK, $SLURM_PROCID, else 0)")
         ps.add_argument("--num-trainers", type=int, default=default_world_size(),
                         help="number of data shards (default $WORLD_SIZE, else learnt from the server)")
-        ps.add_argument("--step", choices=list(STEP_MODES), default=TrainerConfig.step, help=STEP_HELP)
+        ps.add_argument("--compute", choices=list(COMPUTE_MODES), default=None, help=COMPUTE_HELP)
+        ps.add_argument("--step", choices=list(STEP_MODES), default=None, help=STEP_HELP)
+        ps.add_argument("--device", default="cpu",
+                        help="trainer compute: run the model on cpu (default) or cuda:N; tensors cross RPC on the CPU")
+        ps.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="fp32",
+                        help="trainer compute: dtype of parameters and gradients in flight (the server keeps "
+                             "fp32 master weights and optimizer state; default fp32)")
         ps.add_argument("--connect-timeout", type=float, default=60.0,
                         help="seconds to wait for a server that is still starting (default 60)")
         ps.add_argument("--reconnect", action="store_true",
@@ -89,5 +98,10 @@ def trainer_config_from_args(args: argparse.Namespace) -> TrainerConfig:
         max_steps=args.max_steps,
         progress=False if args.no_progress else None,
         stats_out=args.stats_out,
+        compute=args.compute,
         step=args.step,
+        device=args.device,
+        wire_dtype=args.wire_dtype,
+        # One thread unless told: on a host of several trainers each runs the model on its own.
+        compute_threads=args.compute_threads or TrainerConfig.compute_threads,
     )

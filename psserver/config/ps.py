@@ -10,18 +10,45 @@ from psserver.config.control import ControlConfig, ObservabilityConfig
 from psserver.utils.memory import ALLOCATORS
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "rmsprop")
-UPDATE_MODES = ("async", "sync")
-STEP_MODES: dict[str, str] = {
-    "chained": "the last step's output gradient and the next batch in one RPC, the server runs the model "
-               "(1 round trip; default, fastest on 2 cores)",
-    "plain": "forward RPC + dist_autograd.backward + DistributedOptimizer.step, the server runs the model (3)",
-    "pull": "the trainer runs the model on parameters it pulls inside dist_autograd, the server applies the "
-            "gradient (3)",
-    "pushpull": "the trainer runs the model; its flat gradient goes up and the next parameters come down in one "
-                "RPC (1)",
+UPDATE_MODES = ("async", "sync", "ssp")
+WIRE_DTYPES = ("fp32", "bf16", "fp16")
+COMPUTE_MODES: dict[str, str] = {
+    "trainer": "the trainer runs forward and backward on parameters it pulls; the server applies the "
+               "gradient (default: adding trainers adds throughput)",
+    "server": "the server runs the model on its devices; trainers feed it batches",
 }
-"""Step protocols (``psserver.ps.protocols``, one module each) with the line ``--help`` shows,
-the default first. Adding a protocol: its module and its entry here."""
+"""Where a step's forward and backward run, the default first."""
+
+
+@dataclass(frozen=True)
+class StepMode:
+    compute: str
+    """The ``COMPUTE_MODES`` entry this protocol implements."""
+    help: str
+    """The line ``--help`` shows."""
+
+
+STEP_MODES: dict[str, StepMode] = {
+    "pushpull": StepMode("trainer", "the flat gradient of step t goes up and the flat parameters of step t+1 "
+                                    "come down in one RPC (1 round trip; trainer compute's default)"),
+    "pull": StepMode("trainer", "the trainer pulls the parameters inside dist_autograd; dist_autograd.backward "
+                                "and DistributedOptimizer.step apply the gradient on the server (3; the reference)"),
+    "chained": StepMode("server", "the last step's output gradient and the next batch in one RPC "
+                                  "(1 round trip; server compute's default)"),
+    "plain": StepMode("server", "forward RPC + dist_autograd.backward + DistributedOptimizer.step (3)"),
+}
+"""Step protocols (``psserver.ps.protocols``, one module each), each for one compute mode, the
+default of each mode first. Adding a protocol: its module and its entry here."""
+
+
+def default_step(compute: str) -> str:
+    """The step protocol a trainer speaks when it names only where it computes."""
+    return next(name for name, mode in STEP_MODES.items() if mode.compute == compute)
+
+
+def check_compute(compute: str | None, flag: str = "--compute") -> None:
+    if compute is not None and compute not in COMPUTE_MODES:
+        raise ValueError(f"{flag} must be one of {', '.join(COMPUTE_MODES)}, got {compute!r}")
 
 
 @dataclass
@@ -88,9 +115,17 @@ class ServerConfig:
     devices: list[str] | None = None
     """One model stage per device, in order; None: every visible GPU, else ``cpu``."""
     update: str = "async"
-    """``async``: apply each trainer's update as it arrives; ``sync``: one step per K."""
+    """``async``: apply each trainer's update as it arrives; ``sync``: one step per K gradients,
+    averaged; ``ssp``: as async, but no live trainer runs more than ``staleness`` steps ahead of
+    the slowest live one (stale synchronous parallel)."""
     sync_trainers: int = 2
     """K in sync mode: gradients averaged per optimizer step (capped by live trainers)."""
+    staleness: int = 4
+    """S of ``ssp``: how many steps the fastest live trainer may run ahead of the slowest
+    (0: bulk-synchronous)."""
+    compute: str | None = None
+    """Pin where every trainer's step runs (``trainer`` or ``server``); None: each trainer
+    chooses (``psserver train --compute``), trainer compute unless it says otherwise."""
     optimizer: OptimizerConfig | None = None
     """Server optimizer; None: taken from the first trainer (default adam, lr 1e-3)."""
     trainer_timeout: float = 5.0
@@ -122,6 +157,9 @@ class ServerConfig:
             raise ValueError(f"--update must be one of {', '.join(UPDATE_MODES)}, got {self.update!r}")
         if self.sync_trainers < 1:
             raise ValueError(f"--sync-trainers must be >= 1, got {self.sync_trainers}")
+        if self.staleness < 0:
+            raise ValueError(f"--staleness must be >= 0, got {self.staleness}")
+        check_compute(self.compute)
         if self.devices is not None:
             if not self.devices:
                 raise ValueError("--devices needs at least one device")
@@ -167,23 +205,25 @@ class TrainerConfig:
     rpc_timeout: float = 60.0
     """Timeout of one RPC, seconds."""
     compute_threads: int = 1
-    """torch intra-op threads of the trainer: one, as the server runs the model (``chained``,
-    ``plain``), or as one of several trainers per host runs it (``pull``)."""
+    """torch intra-op threads of the trainer: one, as one of several trainers per host runs the
+    model (trainer compute), or as the server runs it (server compute)."""
+    device: str = "cpu"
+    """Where trainer compute runs the model (``cpu`` or ``cuda:N``); tensors cross RPC on the CPU."""
+    wire_dtype: str = "fp32"
+    """dtype of parameters and gradients in flight (trainer compute); the server keeps fp32
+    master weights and optimizer state."""
     eval_batch_size: int = 1000
     """Batch size of the final evaluation."""
     max_steps: int = 0
     """Stop after this many steps in total (0: run all epochs); for smoke tests and benchmarks."""
     progress: bool | None = None
     """Show a tqdm bar (None: only when stderr is a terminal)."""
-    step: str = next(iter(STEP_MODES))
-    """How a step reaches the server (``psserver.ps.protocols``). ``chained`` (default, the
-    fastest): one RPC carries the last step's output gradient and the next batch; the server
-    runs that backward, the update and the next forward (one round trip, loss on the
-    trainer). ``plain``: forward RPC, ``dist_autograd.backward`` and
-    ``DistributedOptimizer.step`` (three round trips). ``pull``: the trainer runs the model on
-    parameters it pulls inside ``dist_autograd``; the server only applies the gradient.
-    ``pushpull``: the trainer runs the model; one RPC pushes its flat gradient and pulls the
-    next flat parameters (one round trip)."""
+    compute: str | None = None
+    """Where the step's forward and backward run (``COMPUTE_MODES``); None: the step
+    protocol's, else the server's pin, else ``trainer``."""
+    step: str | None = None
+    """How a step reaches the server (``STEP_MODES``, ``psserver.ps.protocols``); None: the
+    default protocol of the compute mode."""
     stats_out: Path | None = None
     """Write per-step timings (monotonic end time of each step, samples) as JSON here."""
 
@@ -203,5 +243,19 @@ class TrainerConfig:
             raise ValueError("timeouts must be positive")
         if self.max_steps < 0:
             raise ValueError("--max-steps must be >= 0")
-        if self.step not in STEP_MODES:
-            raise ValueError(f"--step must be one of {', '.join(STEP_MODES)}, got {self.step!r}")
+        check_compute(self.compute)
+        if self.step is not None:
+            if self.step not in STEP_MODES:
+                raise ValueError(f"--step must be one of {', '.join(STEP_MODES)}, got {self.step!r}")
+            mode = STEP_MODES[self.step].compute
+            if self.compute is not None and self.compute != mode:
+                raise ValueError(f"--step {self.step} is a protocol of --compute {mode}, not --compute {self.compute}")
+            self.compute = mode
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"--wire-dtype must be one of {', '.join(WIRE_DTYPES)}, got {self.wire_dtype!r}")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"unsupported --device {self.device!r}: use cpu or cuda:N")
+        if self.wire_dtype != "fp32" and self.compute == "server":
+            raise ValueError("--wire-dtype applies to --compute trainer (server compute sends batches)")
+        if self.device != "cpu" and self.compute == "server":
+            raise ValueError("--device applies to --compute trainer (server compute runs on the server's devices)")

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,7 +23,9 @@ from torch import nn
 
 from psserver import __version__
 from psserver.config import OptimizerConfig, ServerConfig
+from psserver.config.ps import COMPUTE_MODES, STEP_MODES, default_step
 from psserver.metrics import observe_rpc
+from psserver.ps.messages import JoinRequest, Report
 
 if TYPE_CHECKING:
     from psserver.ps.engine import StepEngine
@@ -31,31 +33,6 @@ if TYPE_CHECKING:
     from psserver.ps.protocols import ServerHalf
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Report:
-    """A trainer's progress, riding on its calls (the control plane shows it)."""
-
-    steps: int
-    samples: int
-    loss: float
-    samples_per_s: float
-    accuracy: float | None = None
-    """Held-out accuracy, once the trainer has evaluated."""
-
-
-@dataclass(frozen=True)
-class JoinRequest:
-    rank: int
-    name: str
-    """The trainer's RPC name (``trainer_<rank>_<incarnation>``)."""
-    host: str
-    pid: int
-    step: str
-    """The step protocol the trainer speaks."""
-    optimizer: dict | None
-    """The optimizer it asks for (``OptimizerConfig`` fields), None for the server's."""
 
 
 class Endpoint:
@@ -116,16 +93,17 @@ class Endpoint:
     def _admit(self, request: JoinRequest) -> dict[str, Any]:
         if self.state != "SERVING" or self.membership is None:
             raise RuntimeError(f"psserver is {self.state.lower()}: not accepting trainers")
-        half = self.halves.get(request.step)
-        if half is None:
-            raise ValueError(f"this server does not speak --step {request.step!r} "
-                             f"(it speaks {', '.join(sorted(self.halves))})")
+        step = self._protocol_of(request)
+        half = self.halves[step]
         requested = OptimizerConfig(**request.optimizer) if request.optimizer else None
         optimizer = self.engine.agree_optimizer(requested, request.name)
-        self.membership.join(request.rank, request.name, request.host, request.step)
+        join_info = half.join_info(request.name, request)
+        self.membership.join(request.rank, request.name, request.host, step)
         self.engine.trainer_joined(request.name)
         cfg = self.config
         return {
+            "step": step,
+            "compute": STEP_MODES[step].compute,
             "model": cfg.model,
             "update": cfg.update,
             "sync_trainers": cfg.sync_trainers,
@@ -133,8 +111,23 @@ class Endpoint:
             "global_step": self.engine.global_step,
             "heartbeat_interval": max(0.1, cfg.trainer_timeout / 5),
             "version": __version__,
-            **half.join_info(request.name),
+            **join_info,
         }
+
+    def _protocol_of(self, request: JoinRequest) -> str:
+        """The step protocol a joining trainer will speak (``ValueError``: one it may not)."""
+        pin = self.config.compute
+        if request.step is None:
+            step = default_step(request.compute or pin or next(iter(COMPUTE_MODES)))
+        else:
+            step = request.step
+        if step not in self.halves:
+            raise ValueError(f"this server does not speak --step {step!r} (it speaks {', '.join(sorted(self.halves))})")
+        compute = STEP_MODES[step].compute
+        if pin is not None and compute != pin:
+            raise ValueError(f"this server runs every step with --compute {pin}; the trainer asked for "
+                             f"--compute {compute} (--step {step}): drop the flag or pass --compute {pin}")
+        return step
 
     def call(self, trainer: str, op: str, args: tuple, report: Report | None) -> Any:
         """``op`` of the server half of ``trainer``'s protocol (or ``evaluate``)."""

@@ -105,19 +105,24 @@ class StepEngine:
             x = shard.forward(x, clone=clone, train=train)
         return x
 
-    def parameters(self, *, clone: bool) -> list[torch.Tensor]:
-        """The parameters as the results of autograd nodes (RPC ties a reply's tensors to the
-        sender's graph only then, not for leaves): views, or copies taken at one step when
-        another trainer's update could land while the reply is being sent."""
-        if not clone:
-            return [p.view_as(p) for p in self.params]
+    def parameters(self, *, clone: bool, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """The parameters for a reply, as the results of autograd nodes (RPC ties a reply's
+        tensors to the sender's graph only then, not for leaves) on the CPU: views, or copies
+        taken at one step when another trainer's update could land while the reply is being
+        sent, when they live on a GPU or go in another ``dtype`` (their backward returns the
+        gradient to the parameter's device and dtype)."""
+        params = self.params
+        if not clone and all(p.device.type == "cpu" and dtype in (None, p.dtype) for p in params):
+            return [p.view_as(p) for p in params]
         with self.updater.lock:
-            return [p.clone() for p in self.params]
+            return [p.clone() if p.device.type == "cpu" and dtype in (None, p.dtype) else p.to("cpu", dtype or p.dtype)
+                    for p in params]
 
-    def flat_parameters(self) -> list[torch.Tensor]:
-        """Every shard's parameters as one flat CPU buffer each, copied at one step."""
+    def flat_parameters(self, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """Every shard's parameters as one flat CPU buffer each (in ``dtype``), copied at one step."""
         with self.updater.lock:
-            return [torch.cat([p.detach().reshape(-1) for p in s.params]).to("cpu") for s in self.shards]
+            return [torch.cat([p.detach().reshape(-1) for p in s.params]).to("cpu", dtype or s.params[0].dtype)
+                    for s in self.shards]
 
     def grads_from_flat(self, flats: list[torch.Tensor]) -> Grads:
         """The gradient of every parameter from one flat buffer per shard (``ValueError`` when
@@ -129,7 +134,9 @@ class StepEngine:
             if flat.numel() != shard.num_params:
                 raise ValueError(f"gradient buffer of {flat.numel()} values for shard {shard.index} of "
                                  f"{shard.num_params} parameters")
-            flat = flat.to(shard.device, non_blocking=True)
+            if not flat.is_floating_point():
+                raise ValueError(f"gradient buffer of dtype {flat.dtype} for shard {shard.index}")
+            flat = flat.to(shard.device, shard.params[0].dtype, non_blocking=True)
             offset = 0
             for p in shard.params:
                 grads[p] = flat[offset:offset + p.numel()].view_as(p)

@@ -3,7 +3,7 @@
 The :class:`Session` is one membership of the server's RPC group: the join, the heartbeat, the
 leave, and the channel its step protocol's trainer half calls the server through
 (``psserver.ps.protocols``). Progress and liveness ride on every call as a
-:class:`~psserver.ps.endpoint.Report`; a low-rate heartbeat covers the time between steps.
+:class:`~psserver.ps.messages.Report`; a low-rate heartbeat covers the time between steps.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from psserver.data import load_dataset
 from psserver.errors import ServerLost, UsageError
 from psserver.models import get_model_spec
 from psserver.ps import endpoint, rendezvous, torch_rpc
-from psserver.ps.endpoint import JoinRequest, Report
+from psserver.ps.messages import JoinRequest, Report
 from psserver.ps.protocols import TrainerHalf, get_protocol
+from psserver.ps.protocols.trainer_compute import WIRE_DTYPES
 from psserver.utils.memory import freeze_long_lived
 from psserver.utils.progress import Progress
 
@@ -41,6 +42,8 @@ class Session:
 
     def __init__(self, config: TrainerConfig) -> None:
         self.config = config
+        self.device = trainer_device(config.device)
+        self.wire_dtype = WIRE_DTYPES[config.wire_dtype]
         self.store, self.url = rendezvous.connect_store(
             config.server_host, config.server_port, config.connect_timeout, config.rpc_timeout
         )
@@ -65,7 +68,8 @@ class Session:
             msg = str(e).splitlines()[0]
             raise UsageError(f"cannot join the RPC group of {config.server_host}:{config.server_port}: {msg}") from None
         optimizer = asdict(config.optimizer) if config.optimizer else None
-        request = JoinRequest(config.rank, self.name, socket.gethostname(), os.getpid(), config.step, optimizer)
+        request = JoinRequest(config.rank, self.name, socket.gethostname(), os.getpid(), config.step, optimizer,
+                              config.compute, config.wire_dtype)
         try:
             self.info = rpc.rpc_sync(rendezvous.SERVER_NAME, endpoint.join, args=(request,))
         except Exception as e:  # noqa: BLE001 - the server's refusal is the user's answer
@@ -76,13 +80,15 @@ class Session:
             self._shutdown(graceful=True)
             raise UsageError(refusal)
         self.report: Report | None = None
-        self.protocol: TrainerHalf = get_protocol(config.step).trainer(self)
+        self.step_protocol: str = self.info["step"]
+        self.protocol: TrainerHalf = get_protocol(self.step_protocol).trainer(self)
         self._stop = threading.Event()
         self._hb = threading.Thread(target=self._heartbeat, name="psserver-heartbeat", daemon=True)
         self._hb.start()
-        log.info("joined psserver %s:%d as %s (model %s, update %s, optimizer %s, --step %s)", config.server_host,
-                 config.server_port, self.name, self.info["model"], self.info["update"],
-                 self.info["optimizer"]["name"], config.step)
+        log.info("joined psserver %s:%d as %s (model %s, update %s, optimizer %s, --compute %s --step %s%s)",
+                 config.server_host, config.server_port, self.name, self.info["model"], self.info["update"],
+                 self.info["optimizer"]["name"], self.info["compute"], self.step_protocol,
+                 f" on {self.device}" if self.info["compute"] == "trainer" else "")
 
     def call(self, op: str, *args):
         """``op`` of the server half of this session's step protocol (the trainer half's channel)."""
@@ -156,6 +162,28 @@ class Session:
             return False
 
 
+def trainer_device(name: str) -> torch.device:
+    """The device of ``--device`` (``UsageError`` when this host does not have it)."""
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {name}: CUDA is not available on this host")
+        index = dev.index if dev.index is not None else 0
+        if index >= torch.cuda.device_count():
+            raise UsageError(f"--device {name} does not exist ({torch.cuda.device_count()} GPUs visible)")
+        dev = torch.device("cuda", index)
+        torch.cuda.set_device(dev)
+    return dev
+
+
+def _test_step_delay() -> float:
+    """Tests only: ``PSSERVER_TEST_STEP_DELAY`` seconds of sleep per step, a slow trainer."""
+    try:
+        return max(0.0, float(os.environ.get("PSSERVER_TEST_STEP_DELAY", "0")))
+    except ValueError:
+        return 0.0
+
+
 def _maybe_inject_join_fault() -> None:
     """Tests only: ``PSSERVER_FAULT_INJECT=die-in-join`` kills this process inside
     ``init_rpc`` while it holds the group's membership token, as a crash there would."""
@@ -215,6 +243,7 @@ def run_trainer(config: TrainerConfig) -> int:
         total = min(total, config.max_steps)
     log.info("rank %d/%d: %d training samples, %d steps", config.rank, num_shards, len(sampler), total)
     progress = Progress(total, desc=f"trainer {config.rank}", enabled=config.progress)
+    delay = _test_step_delay()
     steps = samples = 0
     step_ends: list[float] = []
     loss = float("nan")
@@ -227,6 +256,8 @@ def run_trainer(config: TrainerConfig) -> int:
             while batch_idx < steps_per_epoch and steps < total:
                 idx = indices[batch_idx * config.batch_size:(batch_idx + 1) * config.batch_size]
                 xb, yb = x_all[idx], y_all[idx]
+                if delay:
+                    time.sleep(delay)
                 try:
                     loss = session.protocol.step(xb, yb)
                 except (RuntimeError, TimeoutError) as e:

@@ -71,7 +71,8 @@ def test_config_validation_is_one_line_exit_2(capsys, argv, fragment):
 @pytest.mark.parametrize(
     "argv,flag",
     [
-        (["serve", "--compute", "2"], "--compute"),  # not --compute-threads
+        (["serve", "--compute-t", "2"], "--compute-t"),  # not --compute-threads
+        (["train", "--wire", "bf16"], "--wire"),  # not --wire-dtype
         (["train", "--nproc", "2"], "--nproc"),  # not --nproc-per-node
         (["train", "--mode", "ddp", "--static"], "--static"),  # not --static-graph
         (["--log=DEBUG", "status"], "--log=DEBUG"),  # not --log-level
@@ -134,8 +135,14 @@ def test_step_modes_come_from_the_config():
     from psserver.config.ps import STEP_MODES
 
     parser, _ = build_parser()
-    assert parser.parse_args(["train"]).step == TrainerConfig.step == "chained"
+    args = parser.parse_args(["train"])
+    assert args.step is None and args.compute is None and TrainerConfig().compute is None  # the join decides
+    assert TrainerConfig(step="pull").compute == "trainer" and TrainerConfig(compute="server").step is None
+    with pytest.raises(ValueError, match="--step chained is a protocol of --compute server"):
+        TrainerConfig(compute="trainer", step="chained")
+    with pytest.raises(ValueError, match="--wire-dtype applies to --compute trainer"):
+        TrainerConfig(compute="server", wire_dtype="bf16")
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     step = next(a for a in subparsers.choices["train"]._actions if a.dest == "step")
     assert tuple(step.choices) == tuple(STEP_MODES)
-    assert all(f"{mode} = " in step.help for mode in STEP_MODES)  # the help explains every mode
+    assert all(f"{mode} = [{m.compute}]" in step.help for mode, m in STEP_MODES.items())  # every mode explained

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from psserver.config import OptimizerConfig, ServerConfig
-from psserver.ps.endpoint import Endpoint, JoinRequest, Report
+from psserver.ps.endpoint import Endpoint
 from psserver.ps.engine import StepEngine, resolve_devices
 from psserver.ps.membership import Member
+from psserver.ps.messages import JoinRequest, Report
 from psserver.ps.protocols import PROTOCOLS
 from psserver.telemetry import TrainerStatus
 
@@ -58,13 +59,27 @@ def test_calls_reach_the_protocol_of_the_trainer_and_record_its_report(endpoint)
 
 
 def test_only_the_ops_a_protocol_exposes_are_callable(endpoint):
-    join(endpoint, "p", step="plain")
+    endpoint.membership.join(0, "p", "h", "plain")  # plain's join needs an RPC agent for its RRefs
     with pytest.raises(ValueError, match="has no call 'submit'"):  # in-process only
         endpoint.call("p", "submit", ({},), None)
     with pytest.raises(ValueError, match="has no call '__init__'"):
         endpoint.call("p", "__init__", (), None)
     with pytest.raises(RuntimeError, match="not a member"):
         endpoint.call("stranger", "forward", (torch.randn(1, 1, 28, 28),), None)
+
+
+def test_a_trainer_that_names_no_protocol_gets_its_compute_modes_default(endpoint):
+    assert join(endpoint, "a", step=None)["step"] == "pushpull"
+    reply = endpoint.join(JoinRequest(1, "b", "h", 1, None, None, compute="server"))
+    assert (reply["step"], reply["compute"]) == ("chained", "server")
+
+
+def test_a_pinned_compute_mode_refuses_the_other_and_is_every_silent_trainers_default(endpoint):
+    endpoint.config.compute = "server"
+    assert join(endpoint, "a", step=None)["step"] == "chained"
+    refusal = join(endpoint, "b", step="pushpull")["error"]
+    assert "runs every step with --compute server" in refusal and "--compute trainer" in refusal
+    assert "b" not in endpoint.membership.members
 
 
 def test_refusals_are_answers_not_errors(endpoint):

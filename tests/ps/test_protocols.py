@@ -13,6 +13,7 @@ from torch import nn
 from psserver.config import OptimizerConfig, ServerConfig
 from psserver.models import build_model
 from psserver.ps.engine import ShuttingDown, StepEngine, resolve_devices
+from psserver.ps.messages import JoinRequest
 from psserver.ps.protocols import PROTOCOLS
 from psserver.ps.protocols.chained import ChainedServer
 from psserver.ps.protocols.plain import PlainServer
@@ -58,6 +59,10 @@ def local_loop(data, lr: float = 0.01):
         opt.step()
         losses.append(float(loss.detach()))
     return losses, list(model.parameters())
+
+
+def join_request(wire_dtype: str = "fp32") -> JoinRequest:
+    return JoinRequest(0, "t", "host", 1, None, None, "trainer", wire_dtype)
 
 
 def output_grad(out: torch.Tensor, y: torch.Tensor) -> tuple[float, torch.Tensor]:
@@ -167,7 +172,7 @@ def test_pushpull_steps_match_a_local_loop(make_engine, device):
     engine, steps = make_engine(device=device)
     engine.trainer_joined("t")
     half = PushPullServer(engine)
-    assert half.join_info("t") == {"shard_params": [len(engine.params)]}
+    assert half.join_info("t", join_request()) == {"shard_params": [len(engine.params)]}
     model = build_model("mlp", seed=7)  # the trainer's own initial weights are never used
     grads, losses = None, []
     for x, y in data:
@@ -186,6 +191,48 @@ def test_pushpull_steps_match_a_local_loop(make_engine, device):
     with pytest.raises(ValueError, match="gradient buffer of 3 values for shard 0"):
         half.exchange("t", [torch.zeros(3)], None)
     assert engine.wait_idle(0) == []  # the refused step was dropped, not left open
+
+
+@pytest.mark.parametrize("wire", ["bf16", "fp16"])
+def test_pushpull_in_a_narrow_wire_dtype_keeps_fp32_master_weights(make_engine, wire):
+    """Parameters go out and gradients come in as ``wire``; the server's weights and Adam state
+    stay fp32, and the update is the fp32 update of the rounded gradient."""
+    from psserver.ps.protocols.trainer_compute import WIRE_DTYPES
+
+    dtype = WIRE_DTYPES[wire]
+    engine, _ = make_engine(optimizer="sgd", lr=0.1)
+    engine.trainer_joined("t")
+    half = PushPullServer(engine)
+    half.join_info("t", join_request(wire))
+    (flat,) = half.exchange("t", None, 8)
+    assert flat.dtype == dtype
+    master = torch.cat([p.detach().reshape(-1) for p in engine.params])
+    assert torch.equal(flat, master.to(dtype))
+    grad = torch.randn(engine.num_params).to(dtype)
+    half.exchange("t", [grad], None)
+    after = torch.cat([p.detach().reshape(-1) for p in engine.params])
+    assert all(p.dtype == torch.float32 for p in engine.params)
+    assert torch.allclose(after, master - 0.1 * grad.float(), atol=1e-6)
+    with pytest.raises(ValueError, match=r"dtype torch\.int64"):
+        half.exchange("t", None, 8)
+        half.exchange("t", [torch.zeros(engine.num_params, dtype=torch.long)], None)
+
+
+def test_pulled_parameters_in_a_narrow_wire_dtype_stay_tied_to_the_fp32_weights(make_engine):
+    engine, steps = make_engine(optimizer="sgd", lr=0.1)
+    engine.trainer_joined("t")
+    half = PullServer(engine)
+    half.set_wire_dtype("t", "bf16")  # what its join does, without the RPC the join's RRefs need
+    pulled = half.pull("t", 8)
+    assert all(p.dtype == torch.bfloat16 and p.grad_fn is not None for p in pulled)
+    sum(p.float().sum() for p in pulled).backward()  # the trainer's fp32 copies, then a loss
+    grads = {p: p.grad for p in engine.params}
+    assert all(g.dtype == torch.float32 and torch.all(g == 1) for g in grads.values())
+    before = [p.detach().clone() for p in engine.params]
+    half.submit("t", grads)
+    assert steps == [(1, 8)]
+    for p, b in zip(engine.params, before, strict=True):
+        assert torch.allclose(p.detach(), b - 0.1, atol=1e-6)
 
 
 def test_pulled_parameters_are_copies_when_another_update_can_land(make_engine):

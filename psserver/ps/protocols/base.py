@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from psserver.ps.engine import StepEngine
+from psserver.ps.messages import JoinRequest
 
 
 class Channel(Protocol):
@@ -69,8 +70,9 @@ class ServerHalf:
     def __init__(self, engine: StepEngine) -> None:
         self.engine = engine
 
-    def join_info(self, trainer: str) -> dict[str, Any]:
-        """What the trainer half needs from the server, added to the join reply."""
+    def join_info(self, trainer: str, request: JoinRequest) -> dict[str, Any]:
+        """What the trainer half needs from the server, added to the join reply (``ValueError``
+        refuses the join)."""
         return {}
 
     def evaluate(self, trainer: str, x: torch.Tensor) -> torch.Tensor:

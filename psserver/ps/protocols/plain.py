@@ -44,7 +44,7 @@ class PlainServer(ServerHalf):
         self._rrefs: list[rpc.RRef] | None = None
         self._contexts: dict[str, list[int]] = {}  # trainer -> autograd contexts it opened here
 
-    def join_info(self, trainer: str) -> dict:
+    def join_info(self, trainer: str, request) -> dict:
         with self._lock:
             if self._rrefs is None:
                 self._rrefs = [rpc.RRef(p) for p in self.engine.params]

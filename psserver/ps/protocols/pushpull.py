@@ -1,4 +1,4 @@
-"""``--step pushpull``: the trainer runs the model; one round trip per step, one flat buffer per shard.
+"""``--step pushpull``: trainer compute, one round trip per step, one flat buffer per shard.
 
 Each call pushes the flat gradient of the trainer's step *t* (one buffer per server shard) and
 pulls the flat parameters for its step *t+1*: the server applies the update, then copies the
@@ -13,17 +13,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from psserver.models import build_model
-from psserver.ps.protocols.base import ServerHalf, StepProtocol, TrainerHalf, register
+from psserver.ps.protocols.base import StepProtocol, register
+from psserver.ps.protocols.trainer_compute import TrainerComputeHalf, TrainerComputeServer
 
 
-class PushPullServer(ServerHalf):
-    ops = ("exchange",)
-
-    def join_info(self, trainer: str) -> dict:
-        return {"shard_params": [len(s.params) for s in self.engine.shards]}
+class PushPullServer(TrainerComputeServer):
+    ops = ("exchange", "parameters")
 
     def exchange(self, trainer: str, grads: list[torch.Tensor] | None,
                  samples: int | None) -> list[torch.Tensor] | None:
@@ -42,30 +38,20 @@ class PushPullServer(ServerHalf):
 
     def _pull(self, trainer: str, samples: int) -> list[torch.Tensor]:
         self.engine.open_step(trainer, samples)
-        return self.engine.flat_parameters()
+        return self.engine.flat_parameters(self.wire_dtype(trainer))
 
 
-class PushPullTrainer(TrainerHalf):
+class PushPullTrainer(TrainerComputeHalf):
     def __init__(self, channel) -> None:
         super().__init__(channel)
-        self.model = build_model(channel.info["model"])
-        params = list(self.model.parameters())
-        self.shards: list[list[torch.nn.Parameter]] = []
-        for n in channel.info["shard_params"]:
-            self.shards.append(params[:n])
-            params = params[n:]
         self._grads: list[torch.Tensor] | None = None  # owed to the server
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         grads, self._grads = self._grads, None  # sent once, whatever the call's fate
-        flats = self.channel.call("exchange", grads, int(x.shape[0]))
-        for shard, flat in zip(self.shards, flats, strict=True):
-            vector_to_parameters(flat, shard)
+        self.load(self.channel.call("exchange", grads, int(x.shape[0])))
         loss = F.cross_entropy(self.model(x), y)
         params = [p for shard in self.shards for p in shard]
-        got = torch.autograd.grad(loss, params, allow_unused=True)
-        by_param = {p: torch.zeros_like(p) if g is None else g for p, g in zip(params, got, strict=True)}
-        self._grads = [parameters_to_vector([by_param[p] for p in shard]) for shard in self.shards]
+        self._grads = self.flat_grads(list(torch.autograd.grad(loss, params, allow_unused=True)))
         return float(loss.detach())
 
     def flush(self) -> None:

@@ -1,0 +1,35 @@
+"""What trainers and the server send each other besides tensors: plain frozen dataclasses,
+importable by both sides (and by the step protocols) without importing the endpoint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Report:
+    """A trainer's progress, riding on its calls (the control plane shows it)."""
+
+    steps: int
+    samples: int
+    loss: float
+    samples_per_s: float
+    accuracy: float | None = None
+    """Held-out accuracy, once the trainer has evaluated."""
+
+
+@dataclass(frozen=True)
+class JoinRequest:
+    rank: int
+    name: str
+    """The trainer's RPC name (``trainer_<rank>_<incarnation>``)."""
+    host: str
+    pid: int
+    step: str | None
+    """The step protocol the trainer speaks; None: the default of ``compute``."""
+    optimizer: dict | None
+    """The optimizer it asks for (``OptimizerConfig`` fields), None for the server's."""
+    compute: str | None = None
+    """Where it wants its steps to run; None: the server's pin, else ``trainer``."""
+    wire_dtype: str = "fp32"
+    """dtype of the parameters and gradients it exchanges (trainer compute)."""
