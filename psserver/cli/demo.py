@@ -19,6 +19,7 @@ import threading
 import time
 
 from psserver.cli.base import SubCommand
+from psserver.config.ps import COMPUTE_MODES, UPDATE_MODES
 from psserver.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,9 @@ class DemoCommand(SubCommand):
         parser.add_argument("--model", default="mnist_cnn", help="model (default mnist_cnn)")
         parser.add_argument("--trainers", type=int, default=2, help="number of trainers (default 2)")
         parser.add_argument("--epochs", type=int, default=2, help="epochs per trainer (default 2)")
-        parser.add_argument("--update", choices=["async", "sync"], default="async", help="update mode")
+        parser.add_argument("--update", choices=UPDATE_MODES, default="async", help="update mode (default async)")
+        parser.add_argument("--compute", choices=list(COMPUTE_MODES), default=next(iter(COMPUTE_MODES)),
+                            help="where the trainers' steps run (default trainer: each trainer runs the model)")
         parser.add_argument("--dataset", default="synthetic", help="synthetic (default) or mnist")
         parser.add_argument("--data-dir", default=None, help="MNIST directory (with --dataset mnist)")
         parser.add_argument("--train-split", type=int, default=None, help="see psserver train --train-split")
@@ -80,8 +83,8 @@ class DemoCommand(SubCommand):
             pumps.append(t)
             return p
 
-        log.info("demo: server on 127.0.0.1:%d, %d trainers, model %s, %s data", port, args.trainers, args.model,
-                 args.dataset)
+        log.info("demo: server on 127.0.0.1:%d, %d trainers (--compute %s), model %s, %s data", port, args.trainers,
+                 args.compute, args.model, args.dataset)
         server = start(serve, "server")
         try:
             deadline = time.monotonic() + 120
@@ -91,7 +94,8 @@ class DemoCommand(SubCommand):
                 time.sleep(0.1)
             trainers = [
                 start([*exe, "train", "--server", f"127.0.0.1:{port}", "--rank", str(r), "--num-trainers",
-                       str(args.trainers), "--epochs", str(args.epochs), "--no-progress", *data], f"trainer {r}")
+                       str(args.trainers), "--epochs", str(args.epochs), "--compute", args.compute, "--no-progress",
+                       *data], f"trainer {r}")
                 for r in range(args.trainers)
             ]
             codes = [t.wait() for t in trainers]
