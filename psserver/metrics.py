@@ -127,6 +127,8 @@ class StatusCollector(Collector):
         yield _gauge("uptime_seconds", "Seconds since the server started", s.uptime_s)
         yield _gauge("parameters", "Number of model parameters", s.num_params)
         yield _gauge("sync_trainers", "K of --update sync (0 in async mode)", s.sync_trainers)
+        yield _gauge("staleness_bound", "S of --update ssp: steps a trainer may run ahead of the slowest "
+                     "(0 in other modes)", s.staleness)
         yield _counter("steps", "Optimizer steps applied (global step)", s.global_step)
         yield _counter("samples", "Training samples whose gradients were applied", s.samples_seen)
         yield _gauge("updates_per_second", "Optimizer steps per second over the last window", s.updates_per_s)
@@ -160,6 +162,14 @@ class StatusCollector(Collector):
                                  labels=labels)
         seen = GaugeMetricFamily(f"{PREFIX}_trainer_last_seen_age_seconds",
                                  "Seconds since the trainer's last heartbeat or step", labels=labels)
+        clock = GaugeMetricFamily(f"{PREFIX}_trainer_clock",
+                                  "Steps the trainer started on the server (--update ssp bounds their spread)",
+                                  labels=labels)
+        staleness = GaugeMetricFamily(f"{PREFIX}_trainer_staleness",
+                                      "Optimizer steps applied between the start of the trainer's latest step "
+                                      "and its update", labels=labels)
+        max_staleness = GaugeMetricFamily(f"{PREFIX}_trainer_max_staleness",
+                                          "Largest staleness of any of the trainer's updates", labels=labels)
         counts = {"ACTIVE": 0, "LEFT": 0, "LOST": 0}
         for t in trainers:
             lv = [str(t.rank), t.name]
@@ -172,11 +182,14 @@ class StatusCollector(Collector):
             loss.add_metric(lv, t.last_loss)
             rate.add_metric(lv, t.samples_per_s)
             seen.add_metric(lv, max(0.0, now - t.last_seen))
+            clock.add_metric(lv, t.clock)
+            staleness.add_metric(lv, t.staleness)
+            max_staleness.add_metric(lv, t.max_staleness)
         total = GaugeMetricFamily(f"{PREFIX}_trainers", "Trainers by state (LEFT/LOST: recent history)",
                                   labels=["state"])
         for st, n in counts.items():
             total.add_metric([st], n)
-        yield from (total, up, state, steps, samples, loss, rate, seen)
+        yield from (total, up, state, steps, samples, loss, rate, seen, clock, staleness, max_staleness)
 
     def _checkpoint_metrics(self, s: ServerStatus) -> Iterator[Metric]:
         ck = s.last_checkpoint

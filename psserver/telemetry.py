@@ -42,6 +42,14 @@ class TrainerStatus:
     state: str = "ACTIVE"
     accuracy: float = float("nan")
     """Held-out accuracy the trainer measured at its end (NaN until then)."""
+    clock: int = 0
+    """Steps it started on the parameter server (``--update ssp`` bounds the gap between the
+    clocks of live trainers); a joiner starts at the slowest live trainer's. 0 in collective mode."""
+    staleness: int = 0
+    """Of its latest update: optimizer steps other trainers applied between the start of its step
+    and its update (0: computed on the current weights; sync with K >= trainers: always 0)."""
+    max_staleness: int = 0
+    """The largest ``staleness`` of any of its updates."""
 
 
 @dataclass
@@ -63,7 +71,7 @@ class ServerStatus:
     model: str
     num_params: int
     update_mode: str
-    """``async``, ``sync`` or ``collective``."""
+    """``async``, ``sync``, ``ssp`` or ``collective``."""
     sync_trainers: int
     global_step: int
     samples_seen: int
@@ -74,6 +82,9 @@ class ServerStatus:
     last_checkpoint: CheckpointInfo | None = None
     accuracy: float = float("nan")
     """Latest held-out accuracy reported by a trainer (NaN until one finishes)."""
+    staleness: int = 0
+    """S of ``--update ssp``: steps the fastest live trainer may run ahead of the slowest (0 in
+    other modes, where ``update_mode`` tells them apart from a bulk-synchronous ssp)."""
 
     @property
     def uptime_s(self) -> float:

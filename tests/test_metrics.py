@@ -61,7 +61,7 @@ class FakeTarget:
         self.step = 0
         self.loss = 1.0
         self.trainers = [TrainerStatus(0, "trainer_0_1", "h", time.time(), time.time(), steps=3, samples=192,
-                                       last_loss=0.5, samples_per_s=100.0)]
+                                       last_loss=0.5, samples_per_s=100.0, clock=4, staleness=1, max_staleness=3)]
         self.last_checkpoint: CheckpointInfo | None = None
 
     def get_status(self) -> ServerStatus:
@@ -101,6 +101,10 @@ def test_prometheus_endpoint_reads_status_at_scrape_time():
         assert value(s1, "psserver_trainers", state="ACTIVE") == 1
         assert value(s1, "psserver_loss") == 1.0
         assert value(s1, "psserver_updates_per_second") == 5.0
+        assert value(s1, "psserver_staleness_bound") == 0  # async
+        assert value(s1, "psserver_trainer_clock", rank="0", name="trainer_0_1") == 4
+        assert value(s1, "psserver_trainer_staleness", rank="0", name="trainer_0_1") == 1
+        assert value(s1, "psserver_trainer_max_staleness", rank="0", name="trainer_0_1") == 3
         assert ("psserver_checkpoint_age_seconds", ()) not in s1  # no checkpoint yet
         assert any(k[0] == "process_resident_memory_bytes" for k in s1)
 
@@ -267,9 +271,16 @@ def test_real_server_metrics_during_training(tmp_path, procs):
     assert value(s3, "psserver_checkpoint_duration_seconds") > 0
     assert value(s3, "psserver_checkpoint_last_step") >= 100
 
-    # Every call through the endpoint is timed, by its op (the default --step chained: "step").
-    assert value(s3, "psserver_rpc_duration_seconds_count", method="step") > 0
+    # Every call through the endpoint is timed, by its op (the default --compute trainer runs
+    # --step pushpull, whose one call per step is "exchange").
+    assert value(s3, "psserver_rpc_duration_seconds_count", method="exchange") > 0
     assert value(s3, "psserver_rpc_duration_seconds_count", method="join") == 1
+    # The trainer's clock (steps started on the server) and the staleness of its updates: alone,
+    # it always computes on the current weights.
+    assert value(s3, "psserver_trainer_clock", **name_labels) >= value(s2, "psserver_trainer_clock", **name_labels) > 0
+    assert value(s3, "psserver_trainer_staleness", **name_labels) == 0
+    assert value(s3, "psserver_trainer_max_staleness", **name_labels) == 0
+    assert value(s3, "psserver_staleness_bound") == 0  # async
 
     trainer.signal(signal.SIGKILL)
     trainer.wait(10)

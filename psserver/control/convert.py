@@ -18,7 +18,8 @@ from psserver.telemetry import CheckpointInfo, ServerStatus, ShardStatus, Traine
 log = logging.getLogger(__name__)
 
 _MODE_NAMES = {"ps": "MODE_PS", "ddp": "MODE_DDP", "fsdp": "MODE_FSDP"}
-_UPDATE_NAMES = {"async": "UPDATE_MODE_ASYNC", "sync": "UPDATE_MODE_SYNC", "collective": "UPDATE_MODE_COLLECTIVE"}
+_UPDATE_NAMES = {"async": "UPDATE_MODE_ASYNC", "sync": "UPDATE_MODE_SYNC", "ssp": "UPDATE_MODE_SSP",
+                 "collective": "UPDATE_MODE_COLLECTIVE"}
 
 
 def _enum(enum: Any, name: str) -> int:
@@ -81,6 +82,7 @@ def status_to_proto(status: ServerStatus, now: float | None = None) -> pb.Server
         samples_per_second=float(status.samples_per_s) if _finite(status.samples_per_s) else 0.0,
         shards=[shard_to_proto(s) for s in status.shards],
         server_time=now,
+        staleness=int(status.staleness),
     )
     if _finite(status.mean_loss):
         msg.mean_loss = float(status.mean_loss)
@@ -100,6 +102,9 @@ def trainer_to_proto(t: TrainerStatus) -> pb.Trainer:
         samples=int(t.samples),
         samples_per_second=float(t.samples_per_s) if _finite(t.samples_per_s) else 0.0,
         state=_enum(pb.TrainerState, f"TRAINER_STATE_{t.state.upper()}"),
+        clock=int(t.clock),
+        staleness=int(t.staleness),
+        max_staleness=int(t.max_staleness),
     )
     if _finite(t.last_loss):
         msg.last_loss = float(t.last_loss)
@@ -132,6 +137,7 @@ def status_to_dict(msg: pb.ServerStatus) -> dict[str, Any]:
         "num_params": msg.num_params,
         "update_mode": enum_name(pb.UpdateMode, msg.update_mode).lower(),
         "sync_trainers": msg.sync_trainers,
+        "staleness": msg.staleness,
         "global_step": msg.global_step,
         "samples_seen": msg.samples_seen,
         "updates_per_second": msg.updates_per_second,
@@ -164,4 +170,7 @@ def trainer_to_dict(t: pb.Trainer) -> dict[str, Any]:
         "last_loss": t.last_loss if t.HasField("last_loss") else None,
         "samples_per_second": t.samples_per_second,
         "state": enum_name(pb.TrainerState, t.state),
+        "clock": t.clock,
+        "staleness": t.staleness,
+        "max_staleness": t.max_staleness,
     }

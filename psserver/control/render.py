@@ -67,6 +67,9 @@ def render_status(status: pb.ServerStatus, trainers: Sequence[pb.Trainer] | None
     update = enum_name(pb.UpdateMode, status.update_mode).lower()
     if status.update_mode == pb.UPDATE_MODE_SYNC:
         update += f" (one step per {status.sync_trainers} gradients)"
+    elif status.update_mode == pb.UPDATE_MODE_SSP:
+        update += (" (bulk-synchronous: staleness 0)" if status.staleness == 0 else
+                   f" (no trainer more than {status.staleness} steps ahead of the slowest)")
     where = f" at {address}" if address else ""
     lines = [
         f"psserver {status.version}{where}  {enum_name(pb.ServerState, status.state)}"
@@ -112,10 +115,20 @@ def render_trainers(trainers: Sequence[pb.Trainer], now: float) -> str:
             f"{t.samples:,}",
             _loss(t, "last_loss"),
             f"{t.samples_per_second:.1f}",
+            *_progress(t),
             _ago(t.joined_at, now),
             _ago(t.last_seen, now),
         ]
         for t in trainers
     ]
-    head = ["RANK", "NAME", "HOST", "STATE", "STEPS", "SAMPLES", "LOSS", "SAMPLES/S", "JOINED", "LAST SEEN"]
-    return "\n".join([f"TRAINERS    {summary}", *table(head, rows, numeric=(0, 4, 5, 6, 7))])
+    head = ["RANK", "NAME", "HOST", "STATE", "STEPS", "SAMPLES", "LOSS", "SAMPLES/S", "CLOCK", "STALENESS",
+            "MAX STALENESS", "JOINED", "LAST SEEN"]
+    return "\n".join([f"TRAINERS    {summary}", *table(head, rows, numeric=(0, 4, 5, 6, 7, 8, 9, 10))])
+
+
+def _progress(t: pb.Trainer) -> list[str]:
+    """CLOCK, STALENESS and MAX STALENESS: "-" for a trainer with no step on a parameter server
+    (collective ranks, a trainer that just joined)."""
+    if t.clock == 0 and t.max_staleness == 0:
+        return ["-", "-", "-"]
+    return [f"{t.clock:,}", f"{t.staleness:,}", f"{t.max_staleness:,}"]

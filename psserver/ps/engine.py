@@ -21,7 +21,7 @@ from psserver.errors import UsageError
 from psserver.models import build_model, get_model_spec, split_stages
 from psserver.ps.compute import ComputeThread
 from psserver.ps.shard import Shard
-from psserver.ps.updates import Grads, make_updater
+from psserver.ps.updates import Grads, TrainerProgress, make_updater
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,8 @@ class StepEngine:
         self.shards = [Shard(i, m, d) for i, (m, d) in enumerate(zip(stages, self.devices, strict=True))]
         self.params: list[nn.Parameter] = [p for s in self.shards for p in s.params]
         self.trainable = [p for p in self.params if p.requires_grad]
-        self.updater = make_updater(self.config.update, self.shards, self._on_step, self.config.sync_trainers)
+        self.updater = make_updater(self.config.update, self.shards, self._on_step, self.config.sync_trainers,
+                                    self.config.staleness)
 
     # ---- the model ------------------------------------------------------------------------
 
@@ -180,8 +181,9 @@ class StepEngine:
     def needs_clone(self) -> bool:
         """Whether another trainer's step can land between a forward and its backward.
 
-        Async: whenever more than one trainer is live. Sync: only when live trainers
-        outnumber K, since a round needs every live trainer's gradient before the weights change.
+        Async and ssp: whenever more than one trainer is live (ssp applies every gradient as it
+        arrives too). Sync: only when live trainers outnumber K, since a round needs every live
+        trainer's gradient before the weights change.
         """
         with self._cond:
             live = len(self._live)
@@ -190,18 +192,43 @@ class StepEngine:
         return live > 1
 
     def wait_turn(self, trainer: str) -> None:
-        """Sync: block until ``trainer``'s last gradient has been applied (on the caller's thread)."""
+        """Block until ``trainer`` may start its next step, on the caller's (RPC) thread, never
+        the compute thread: sync until its last gradient's round is applied, ssp until it is
+        within ``--staleness`` of the slowest live trainer; ``TimeoutError`` after
+        ``--rpc-timeout``. Async returns at once."""
         self.updater.wait_turn(trainer, timeout=self.config.rpc_timeout)
 
+    def try_start(self, trainer: str) -> bool:
+        """``wait_turn`` if it needs no wait, whatever ``trainer``'s open step's update does (then
+        ending that step and starting the next need no wait in between); False: wait_turn later."""
+        return self.updater.try_start(trainer)
+
+    def wait_applied(self, trainer: str) -> None:
+        """Block until ``trainer``'s last update is in the weights (sync: its round), before it
+        reads them outside a step (evaluation); on the caller's thread."""
+        self.updater.wait_applied(trainer, timeout=self.config.rpc_timeout)
+
+    def trainer_progress(self, trainer: str) -> TrainerProgress | None:
+        """``trainer``'s clock and the staleness of its updates (live, or as it left; None when
+        unknown), for status and metrics."""
+        return self.updater.progress(trainer)
+
+    def trainers_progress(self, trainers: list[str]) -> dict[str, TrainerProgress]:
+        """``trainer_progress`` of several trainers, read at one instant."""
+        return self.updater.progress_of(trainers)
+
     def open_step(self, trainer: str, samples: int) -> None:
-        """A step of ``samples`` starts; ``ShuttingDown`` while the server drains."""
+        """A step of ``samples`` starts (on the current weights: its clock ticks, the global
+        step it reads is recorded); ``ShuttingDown`` while the server drains."""
         with self._cond:
             if self._draining:
                 raise ShuttingDown("psserver is shutting down")
             self._open[trainer] = samples
+        self.updater.step_opened(trainer)
 
     def submit(self, trainer: str, grads: Grads) -> None:
-        """The whole gradient of ``trainer``'s open step: one update (async) or a share of one (sync)."""
+        """The whole gradient of ``trainer``'s open step: one update (async, ssp) or a share of
+        one (sync); its staleness is recorded (``trainer_progress``)."""
         with self._cond:
             samples = self._open.get(trainer)
         if samples is None:
@@ -212,10 +239,11 @@ class StepEngine:
             self.drop_step(trainer)
 
     def drop_step(self, trainer: str) -> None:
-        """``trainer`` gave its open step up: nothing is applied."""
+        """``trainer``'s open step ends: given up (nothing is applied), or after its update."""
         with self._cond:
             self._open.pop(trainer, None)
             self._cond.notify_all()
+        self.updater.step_closed(trainer)
 
     def _on_step(self, step: int, samples: int) -> None:
         with self._cond:

@@ -5,6 +5,7 @@ Snapshots only: the control plane and the exporters read these, never the server
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -50,6 +51,7 @@ class ServerView:
             num_params=engine.num_params,
             update_mode=cfg.update,
             sync_trainers=cfg.sync_trainers if cfg.update == "sync" else 0,
+            staleness=cfg.staleness if cfg.update == "ssp" else 0,
             global_step=engine.global_step,
             samples_seen=engine.samples_seen,
             updates_per_s=ups,
@@ -67,8 +69,19 @@ class ServerView:
         return max(measured, key=lambda t: t.last_seen).accuracy if measured else float("nan")
 
     def list_trainers(self) -> list[TrainerStatus]:
+        """Every trainer membership knows (live and recent history), each with its clock and
+        staleness from the engine: copies, so a reader never sees a status change under it."""
         membership = self.endpoint.membership
-        return membership.snapshot() if membership is not None else []
+        if membership is None:
+            return []
+        trainers = membership.snapshot()
+        progress = self.engine.trainers_progress([t.name for t in trainers])  # clocks of one instant
+        out = []
+        for status in trainers:
+            p = progress.get(status.name)  # None: joined a moment ago, or left long ago
+            out.append(dataclasses.replace(status) if p is None else dataclasses.replace(
+                status, clock=p.clock, staleness=p.staleness, max_staleness=p.max_staleness))
+        return out
 
     def checkpoint_now(self) -> CheckpointInfo:
         return self.policy.save(wait=True)

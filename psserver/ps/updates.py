@@ -1,28 +1,70 @@
-"""How trainers' gradients become optimizer steps: ``async`` and ``sync``.
+"""How trainers' gradients become optimizer steps: ``async``, ``sync`` and ``ssp``.
 
-Both receive one complete gradient per trainer step, so a trainer that dies mid-step
+All receive one complete gradient per trainer step, so a trainer that dies mid-step
 contributes nothing: an update is applied whole or not at all. ``on_step(step, samples)`` is
 called after each optimizer step *outside* the updater's lock: a listener may take a
 checkpoint, which copies the shards under that lock on another thread.
+
+Every updater also keeps each live trainer's :class:`TrainerProgress`: its *clock* (the steps
+it started here) and the *staleness* of its updates (how many optimizer steps landed between
+the start of its step and its own update). ``ssp`` bounds the clocks; the others only report
+them, so an operator sees the real lag of ``async`` as well.
+
+A trainer *takes part* from its first attempt to start a step (``wait_turn``, ``try_start``
+or ``step_opened``), not from its join: what it does in between (load its data, build its
+replica) holds nobody back. It enters at the slowest clock of those taking part.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from psserver.ps.shard import Shard
 
+log = logging.getLogger(__name__)
+
 Grads = dict[nn.Parameter, torch.Tensor]
 OnStep = Callable[[int, int], None]
 
+_DEPARTED_KEPT = 256
+"""Trainers that left whose last progress is kept for status (as membership keeps its history)."""
+
+
+@dataclass
+class TrainerProgress:
+    """Where one trainer stands, in its own steps and in the server's optimizer steps."""
+
+    clock: int = 0
+    """Steps it started on this server. A trainer enters at the slowest clock of the trainers
+    taking part, as if it had ended that many steps, so it never holds the others back (``ssp``)."""
+    done: int = 0
+    """Steps of the clock that ended: the update applied (sync: handed to its round) or the
+    step given up. ``clock - done`` is 1 while a step is open, else 0."""
+    opened_at: int | None = None
+    """Global step when its open step started (the weights it reads); None when none is open."""
+    staleness: int = 0
+    """Of its latest update: optimizer steps applied between the start of its step and the
+    update (0: computed on the current weights)."""
+    max_staleness: int = 0
+    """The largest ``staleness`` of any of its updates."""
+
 
 class Updater:
-    """Base: counts optimizer steps and reports each to ``on_step``."""
+    """Base: counts optimizer steps and reports each to ``on_step``; keeps every live trainer's
+    :class:`TrainerProgress`.
+
+    The progress has its own condition (``_clocks``), never held while the optimizer's lock is
+    taken: a waiter of ``ssp`` and the status only contend with the bookkeeping, not with an
+    update being applied.
+    """
 
     mode = "async"
 
@@ -31,6 +73,11 @@ class Updater:
         self.on_step = on_step
         self.global_step = 0
         self._param_shard = {p: s for s in shards for p in s.params}
+        self._clocks = threading.Condition()
+        self._joined: set[str] = set()  # live, no step tried yet: they bound nobody
+        self._progress: dict[str, TrainerProgress] = {}  # live, taking part
+        self._departed: dict[str, TrainerProgress] = {}  # the last ones that left, as they left
+        self._closed = False
 
     def _split(self, grads: Grads) -> dict[Shard, Grads]:
         out: dict[Shard, Grads] = {s: {} for s in self.shards}
@@ -46,19 +93,121 @@ class Updater:
         raise NotImplementedError
 
     def submit(self, trainer: str, grads: Grads, samples: int) -> None:
+        """The whole gradient of ``trainer``'s open step; the step ends once it is applied
+        (sync: handed to its round)."""
         raise NotImplementedError
 
     def wait_turn(self, trainer: str, timeout: float) -> None:
-        """Block a trainer's next forward until its last update is applied (sync only)."""
+        """Block until ``trainer`` may start its next step, at most ``timeout`` s
+        (``TimeoutError``); ``close()`` releases it. Async: never blocks."""
+
+    def wait_applied(self, trainer: str, timeout: float) -> None:
+        """Block until ``trainer``'s last update is in the weights (sync: its round applied),
+        before it reads them for anything but a step (evaluation). Others: never blocks."""
+
+    def try_start(self, trainer: str) -> bool:
+        """``wait_turn`` without waiting, *whatever the trainer's open step's update does*:
+        True when the next step may start now (it is granted: call ``step_opened`` next), so
+        the one-round-trip protocols end one step and start the next in one hand-off to the
+        compute thread; False: end the step, then ``wait_turn``. Async: always True."""
+        return True
+
+    def _take_grant(self, trainer: str) -> bool:
+        """(``_clocks`` held) Whether ``trainer``'s clock already ticked for the step it opens."""
+        return False
+
+    # ---- membership and progress ---------------------------------------------------------
 
     def trainer_joined(self, trainer: str) -> None:
-        pass
+        """``trainer`` is live; it takes part from its first attempt to start a step."""
+        with self._clocks:
+            if trainer not in self._progress:
+                self._joined.add(trainer)
+
+    def _enter(self, trainer: str) -> TrainerProgress | None:
+        """(``_clocks`` held) ``trainer``'s progress, entering it first if it joined and never
+        tried a step: at the slowest started clock ``m`` of those taking part (0 when none), as
+        if it had ended ``m`` steps. That tightens no one's bound: a trainer asking for step
+        ``k`` needs every other at ``k - S`` or more; for the slowest ``k - S <= m``, and
+        anyone else already needs as much of the slowest. None for a trainer that is not live."""
+        p = self._progress.get(trainer)
+        if p is None and trainer in self._joined:
+            self._joined.discard(trainer)
+            start = min((q.clock for q in self._progress.values()), default=0)
+            p = self._progress[trainer] = TrainerProgress(clock=start, done=start)
+        return p
 
     def trainer_gone(self, trainer: str) -> None:
-        pass
+        """``trainer`` left or was lost: it bounds nobody any more; its last progress is kept for status."""
+        with self._clocks:
+            self._joined.discard(trainer)
+            p = self._progress.pop(trainer, None)
+            if p is not None:
+                p.opened_at = None
+                self._departed[trainer] = p
+                for name in list(self._departed)[:-_DEPARTED_KEPT]:
+                    del self._departed[name]
+            self._clocks.notify_all()
+
+    def step_opened(self, trainer: str) -> None:
+        """``trainer`` starts a step (its clock ticks) on the weights of the current global step.
+
+        A step still open is given up by the new one. A trainer that is not live (it left while
+        this call was on its way) is not tracked: it must not bound the others again.
+        """
+        with self._clocks:
+            p = self._enter(trainer)
+            if p is None:
+                return
+            if p.opened_at is not None:
+                p.done += 1
+            if not self._take_grant(trainer):
+                p.clock += 1
+            p.opened_at = self.global_step
+            self._clocks.notify_all()
+
+    def step_closed(self, trainer: str) -> None:
+        """``trainer``'s open step ended (update applied or step given up); idempotent."""
+        with self._clocks:
+            p = self._progress.get(trainer)
+            if p is None or p.opened_at is None:
+                return
+            p.opened_at = None
+            p.done += 1
+            self._clocks.notify_all()
+
+    def _note_update(self, trainer: str, before: int) -> None:
+        """``trainer``'s update met the weights at global step ``before``: record its staleness."""
+        with self._clocks:
+            p = self._progress.get(trainer)
+            if p is None or p.opened_at is None:
+                return
+            p.staleness = max(0, before - p.opened_at)
+            p.max_staleness = max(p.max_staleness, p.staleness)
+
+    def clocks(self) -> dict[str, int]:
+        """The clocks of the live trainers taking part, read at one instant."""
+        with self._clocks:
+            return {name: p.clock for name, p in self._progress.items()}
+
+    def progress_of(self, trainers: list[str]) -> dict[str, TrainerProgress]:
+        """Copies of the progress of those of ``trainers`` known, read at one instant (the
+        clocks of a status agree with each other)."""
+        with self._clocks:
+            out = {t: self._progress.get(t) or self._departed.get(t) for t in trainers}
+            return {t: dataclasses.replace(p) for t, p in out.items() if p is not None}
+
+    def progress(self, trainer: str) -> TrainerProgress | None:
+        """A copy of ``trainer``'s progress: live, or as it was when it left; None if unknown."""
+        with self._clocks:
+            p = self._progress.get(trainer) or self._departed.get(trainer)
+            return None if p is None else dataclasses.replace(p)
 
     def close(self) -> None:
         """Release every waiter (the server is stopping)."""
+        with self._clocks:
+            self._closed = True
+            self._clocks.notify_all()
 
 
 class AsyncUpdater(Updater):
@@ -76,10 +225,13 @@ class AsyncUpdater(Updater):
 
     def submit(self, trainer: str, grads: Grads, samples: int) -> None:
         with self._lock:
+            before = self.global_step
             for shard, g in self._split(grads).items():
                 shard.apply(g)
             self.global_step += 1
             step = self.global_step
+        self._note_update(trainer, before)
+        self.step_closed(trainer)
         self.on_step(step, samples)
 
 
@@ -104,7 +256,6 @@ class SyncUpdater(Updater):
         self._sums: dict[nn.Parameter, torch.Tensor] = {}
         self._contributors: set[str] = set()
         self._samples = 0
-        self._closed = False
 
     @property
     def lock(self):
@@ -113,11 +264,16 @@ class SyncUpdater(Updater):
     def required(self) -> int:
         return max(1, min(self.k, len(self._live)))
 
+    def try_start(self, trainer: str) -> bool:
+        return False  # its turn depends on the round its open step's gradient joins
+
     def trainer_joined(self, trainer: str) -> None:
+        super().trainer_joined(trainer)
         with self._cond:
             self._live.add(trainer)
 
     def trainer_gone(self, trainer: str) -> None:
+        super().trainer_gone(trainer)
         with self._cond:
             self._live.discard(trainer)
             self._owed.pop(trainer, None)
@@ -137,10 +293,13 @@ class SyncUpdater(Updater):
                     self._sums[p] = g.detach().clone()
                 else:
                     acc.add_(g)
+            before = self.global_step
             self._contributors.add(trainer)
             self._samples += samples
             self._owed[trainer] = self._round + 1
             applied = self._maybe_apply()
+        self._note_update(trainer, before)
+        self.step_closed(trainer)
         self._report(applied)
 
     def _maybe_apply(self) -> tuple[int, int] | None:
@@ -172,13 +331,132 @@ class SyncUpdater(Updater):
                     raise TimeoutError(f"sync round {self._round + 1} did not complete in {timeout:g}s")
                 self._cond.wait(remaining)
 
+    wait_applied = wait_turn
+
     def close(self) -> None:
+        super().close()
         with self._cond:
-            self._closed = True
             self._cond.notify_all()
 
 
-def make_updater(mode: str, shards: list[Shard], on_step: OnStep, sync_trainers: int) -> Updater:
+class SSPUpdater(AsyncUpdater):
+    """Stale synchronous parallel (Ho et al., NIPS 2013): async, with bounded staleness.
+
+    Every gradient is one step of the shared optimizer as it arrives (as ``async``), but a
+    trainer's clock (the steps it started) never runs more than S ahead of the slowest live
+    trainer's: it may start its step k only once every other live trainer has started, or
+    asked to start, its step k - S. Asking to start step k - S means its step k - S - 1 ended,
+    so the weights of step k hold every live trainer's updates up to its step k - S - 1.
+    Starting is granted under one lock, to every trainer whose condition holds, together: two
+    trainers that both ask for step k with S = 0 start it at the same instant, so ``S = 0`` is
+    bulk-synchronous and at every moment ``max(clock) - min(clock) <= S`` over the live
+    trainers (what ``psserver status`` shows).
+
+    The bound follows membership, as the sync barrier does: a trainer that leaves or is
+    evicted (dead, hung) bounds nobody any more, so it holds the others at most until
+    ``--trainer-timeout`` evicts it; one that joins bounds nobody until it asks for its first
+    step, and then enters at the slowest clock, so it holds nobody back. Waiting happens in
+    ``wait_turn`` on the caller's (RPC) thread, never on the compute thread that applies the
+    updates.
+    """
+
+    mode = "ssp"
+
+    def __init__(self, shards: list[Shard], on_step: OnStep, staleness: int) -> None:
+        super().__init__(shards, on_step)
+        if staleness < 0:
+            raise ValueError(f"staleness must be >= 0, got {staleness}")
+        self.staleness = staleness
+        self._asking: dict[str, int] = {}  # trainer -> the step it waits to start
+        self._granted: set[str] = set()  # clock ticked, its step not opened yet
+
+    def _blocker(self, trainer: str, k: int) -> str | None:
+        """(``_clocks`` held) A live trainer that keeps ``trainer`` from starting step ``k``."""
+        need = k - self.staleness
+        for name, other in self._progress.items():
+            if name != trainer and max(other.clock, self._asking.get(name, 0)) < need:
+                return name
+        return None
+
+    def _grant(self) -> None:
+        """(``_clocks`` held) Start every asking trainer that may start, until none more may
+        (one's start can let another's)."""
+        granted = False
+        changed = True
+        while changed:
+            changed = False
+            for name, k in list(self._asking.items()):
+                if self._blocker(name, k) is None:
+                    del self._asking[name]
+                    self._progress[name].clock = k
+                    self._granted.add(name)
+                    changed = granted = True
+        if granted:
+            self._clocks.notify_all()
+
+    def _ask(self, trainer: str) -> int | None:
+        """(``_clocks`` held) ``trainer`` asks for its next step; the step, or None when it needs
+        no grant (closed, not live, already granted)."""
+        if self._closed:
+            return None
+        p = self._enter(trainer)
+        if p is None or trainer in self._granted:
+            return None
+        k = self._asking[trainer] = p.clock + 1
+        self._grant()
+        return None if trainer in self._granted else k
+
+    def _take_grant(self, trainer: str) -> bool:
+        if trainer in self._granted:
+            self._granted.discard(trainer)
+            return True
+        return False
+
+    def try_start(self, trainer: str) -> bool:
+        # Sound before the trainer's own update: a grant depends on the others' clocks only.
+        with self._clocks:
+            if self._ask(trainer) is None:
+                return True
+            del self._asking[trainer]  # it asks again from wait_turn, once its step has ended
+            return False
+
+    def wait_turn(self, trainer: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self._clocks:
+            k = self._ask(trainer)
+            if k is None:
+                return
+            log.debug("ssp: %s waits to start its step %d for %s (--staleness %d)", trainer, k,
+                      self._blocker(trainer, k), self.staleness)
+            while trainer in self._asking and not self._closed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    blocker = self._blocker(trainer, k)
+                    del self._asking[trainer]
+                    other = self._progress.get(blocker) if blocker else None
+                    at = other.clock if other else "?"
+                    raise TimeoutError(
+                        f"ssp: {trainer} waited {timeout:g}s to start its step {k} for {blocker} to reach its step "
+                        f"{k - self.staleness} (--staleness {self.staleness}); it is at {at}")
+                self._clocks.wait(remaining)
+            self._asking.pop(trainer, None)
+
+    def trainer_gone(self, trainer: str) -> None:
+        with self._clocks:
+            self._asking.pop(trainer, None)
+            self._granted.discard(trainer)
+        super().trainer_gone(trainer)
+        with self._clocks:
+            self._grant()  # it bounds nobody any more
+
+
+def make_updater(mode: str, shards: list[Shard], on_step: OnStep, sync_trainers: int,
+                 staleness: int = 0) -> Updater:
+    """The updater of ``--update mode`` (``sync_trainers``: K of sync; ``staleness``: S of ssp)."""
     if mode == "sync":
         return SyncUpdater(shards, on_step, sync_trainers)
-    return AsyncUpdater(shards, on_step)
+    if mode == "ssp":
+        return SSPUpdater(shards, on_step, staleness)
+    if mode == "async":
+        return AsyncUpdater(shards, on_step)
+    raise ValueError(f"unknown update mode {mode!r}")

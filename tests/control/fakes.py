@@ -28,11 +28,13 @@ class FakeTarget:
         self.meter = RateMeter(window=5.0)
         self.shutdown_requested = threading.Event()
         self.checkpoints: list[CheckpointInfo] = []
+        self.update_mode, self.sync_trainers, self.staleness = "sync", 2, 0
         self._lock = threading.Lock()
         now = time.time()
         self.trainers = [
             TrainerStatus(rank=0, name="trainer_0_0", host="hostA", joined_at=now - 60, last_seen=now,
-                          steps=10, samples=640, last_loss=0.5, samples_per_s=100.0),
+                          steps=10, samples=640, last_loss=0.5, samples_per_s=100.0, clock=11, staleness=2,
+                          max_staleness=5),
             TrainerStatus(rank=1, name="trainer_1_0", host="hostB", joined_at=now - 50, last_seen=now - 20,
                           steps=3, samples=192, state="LOST"),
         ]
@@ -57,8 +59,8 @@ class FakeTarget:
             step, samples = self.global_step, self.samples
         return ServerStatus(
             version="0.1.0", state=self.state, mode="ps", started_at=self.started_at, model="mlp",
-            num_params=1234, update_mode="sync", sync_trainers=2, global_step=step, samples_seen=samples,
-            updates_per_s=ups, samples_per_s=sps, mean_loss=loss,
+            num_params=1234, update_mode=self.update_mode, sync_trainers=self.sync_trainers, global_step=step,
+            samples_seen=samples, updates_per_s=ups, samples_per_s=sps, mean_loss=loss, staleness=self.staleness,
             shards=[ShardStatus(0, "cpu", 1000, 4000, 50 << 20), ShardStatus(1, "cpu", 234, 936, 50 << 20)],
             last_checkpoint=self.checkpoints[-1] if self.checkpoints else None,
         )

@@ -51,6 +51,24 @@ def test_status_table(server, capsys):
     rows = [line.split() for line in lines if line.lstrip().startswith(("0  trainer", "1  trainer"))]
     assert rows[0][:6] == ["0", "trainer_0_0", "hostA", "ACTIVE", "10", "640"]
     assert rows[1][:4] == ["1", "trainer_1_0", "hostB", "LOST"] and rows[1][6] == "-"
+    head = next(line for line in lines if line.startswith("RANK"))
+    assert "SAMPLES/S  CLOCK  STALENESS  MAX STALENESS  JOINED" in head
+    assert rows[0][8:11] == ["11", "2", "5"]  # clock, staleness, max staleness
+    assert rows[1][8:11] == ["-", "-", "-"]  # no step on the server: nothing to show
+
+
+def test_status_table_of_an_ssp_server(server, target, capsys):
+    target.update_mode, target.sync_trainers, target.staleness = "ssp", 0, 3
+    rc, out, err = run(capsys, "status", "--address", server.address)
+    assert rc == 0, err
+    assert "updates     ssp (no trainer more than 3 steps ahead of the slowest)" in out
+    target.staleness = 0
+    rc, out, err = run(capsys, "status", "--address", server.address, "--json")
+    assert rc == 0, err
+    st = json.loads(out)["status"]
+    assert st["update_mode"] == "ssp" and st["staleness"] == 0
+    rc, out, err = run(capsys, "status", "--address", server.address)
+    assert "updates     ssp (bulk-synchronous: staleness 0)" in out
 
 
 def test_status_json(server, target, capsys):
@@ -66,6 +84,9 @@ def test_status_json(server, target, capsys):
     assert st["last_checkpoint"]["path"] == target.checkpoints[-1].path
     assert [(t["rank"], t["state"]) for t in data["trainers"]] == [(0, "ACTIVE"), (1, "LOST")]
     assert data["trainers"][1]["last_loss"] is None  # JSON null, not NaN
+    assert st["staleness"] == 0  # S of ssp; this fake runs sync
+    first = data["trainers"][0]
+    assert (first["clock"], first["staleness"], first["max_staleness"]) == (11, 2, 5)
 
 
 def test_status_address_from_the_environment(server, capsys, monkeypatch):

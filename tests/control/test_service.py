@@ -113,6 +113,17 @@ def test_list_trainers(server):
     assert trainers[0].steps == 10 and trainers[0].samples == 640 and trainers[0].last_loss == 0.5
     assert trainers[0].samples_per_second == 100.0 and trainers[0].joined_at < trainers[0].last_seen
     assert not trainers[1].HasField("last_loss")  # NaN on the target: absent on the wire
+    assert (trainers[0].clock, trainers[0].staleness, trainers[0].max_staleness) == (11, 2, 5)
+    assert (trainers[1].clock, trainers[1].staleness, trainers[1].max_staleness) == (0, 0, 0)
+
+
+def test_ssp_status_carries_its_staleness_bound(server, target):
+    target.update_mode, target.sync_trainers, target.staleness = "ssp", 0, 4
+    with ControlClient(server.address) as client:
+        st = client.get_status()
+    assert st.update_mode == pb.UPDATE_MODE_SSP and st.staleness == 4 and st.sync_trainers == 0
+    d = convert.status_to_dict(st)
+    assert d["update_mode"] == "ssp" and d["staleness"] == 4
 
 
 def test_conversion_of_odd_values():

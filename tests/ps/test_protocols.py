@@ -326,3 +326,96 @@ def test_sync_rounds_average_and_release_waiters(make_engine):
     assert released.wait(10)
     waiter.join()
     assert steps == [(1, 16)]
+
+
+# ---- ssp through the one-round-trip protocols ------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_ssp_pushpull_waits_between_finishing_and_starting_at_the_bound():
+    """S = 0 with two pushpull trainers: ``a``'s update lands at once, but its next pull waits
+    (on the calling thread) until ``b`` asks for the same step; then both start it together."""
+    import threading
+
+    cfg = ServerConfig(model="mlp", update="ssp", staleness=0, devices=["cpu"],
+                       optimizer=OptimizerConfig(name="sgd", lr=0.1))
+    engine = StepEngine(cfg, resolve_devices(cfg.devices))
+    try:
+        steps: list[tuple[int, int]] = []
+        engine.listeners.append(lambda step, samples: steps.append((step, samples)))
+        half = PushPullServer(engine)
+        for t in ("a", "b"):
+            engine.trainer_joined(t)
+            half.set_wire_dtype(t, "fp32")
+        assert engine.needs_clone()  # every gradient lands as it arrives, as async
+        zero = [torch.zeros(engine.num_params)]
+
+        def in_background(trainer: str, grads) -> threading.Event:
+            done = threading.Event()
+            threading.Thread(target=lambda: (half.exchange(trainer, grads, 8), done.set()), daemon=True).start()
+            return done
+
+        def clocks() -> tuple[int, int]:
+            return engine.trainer_progress("a").clock, engine.trainer_progress("b").clock
+
+        half.exchange("a", None, 8)  # a takes part at clock 0 and starts its step 1 alone
+        b_started = in_background("b", None)  # b enters at the slowest clock, 1, and asks for step 2:
+        assert not b_started.wait(0.5)  # with S = 0 it waits for a to ask for step 2 too
+        half.exchange("a", zero, 8)  # a asks: both start step 2 (a in one hand-off with its update)
+        assert b_started.wait(10)
+        assert clocks() == (2, 2)
+        a_pulled = in_background("a", zero)  # a's update, then its step 3 waits for b to ask
+        assert not a_pulled.wait(0.5)
+        assert steps == [(1, 8), (2, 8)]  # a's update was applied all the same
+        assert clocks() == (2, 2)
+        half.exchange("b", zero, 8)
+        assert a_pulled.wait(10)
+        assert clocks() == (3, 3) and steps == [(1, 8), (2, 8), (3, 8)]
+        a, b = engine.trainer_progress("a"), engine.trainer_progress("b")
+        # a's step 2 opened after its own update of step 1 and before anyone else's landed;
+        # b's step 2 opened before or after a's update of step 1 (the same instant for ssp),
+        # and a's update of step 2 landed before b's.
+        assert a.staleness == 0 and b.staleness in (1, 2) and b.max_staleness == b.staleness
+        # b leaves: a is bounded by nobody and its next exchanges go in one hand-off.
+        engine.trainer_gone("b")
+        assert engine.try_start("a")  # granted: the next exchange's step opens on it
+        half.exchange("a", zero, 8)
+        half.exchange("a", zero, None)
+        assert engine.trainer_progress("a").clock == 4 and engine.wait_idle(0) == []
+        assert engine.trainer_progress("b").clock == 3  # as it left
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(60)
+def test_ssp_plain_forward_waits_for_the_slowest_and_a_drain_releases_it():
+    import threading
+
+    cfg = ServerConfig(model="mlp", update="ssp", staleness=1, devices=["cpu"],
+                       optimizer=OptimizerConfig(name="sgd", lr=0.1))
+    engine = StepEngine(cfg, resolve_devices(cfg.devices))
+    try:
+        half = PlainServer(engine)
+        for t in ("a", "b"):
+            engine.trainer_joined(t)
+        (x, y), = batches(1)
+        half.forward("b", x)  # b takes part at clock 0, starts its step 1 alone and never ends it
+        out = half.forward("a", x)  # a enters at b's clock, 1: its step 2 needs b at step 1
+        nn.functional.cross_entropy(out, y).backward()
+        half.submit("a", {p: p.grad for p in engine.params})
+        refused = threading.Event()
+
+        def third() -> None:
+            try:
+                half.forward("a", x)
+            except ShuttingDown:
+                refused.set()
+
+        caller = threading.Thread(target=third)
+        caller.start()
+        assert not refused.wait(0.5)  # a's step 3 needs b at step 2
+        engine.drain()  # the server stops: the waiter is released, its step refused
+        assert refused.wait(10)
+        caller.join()
+    finally:
+        engine.close()

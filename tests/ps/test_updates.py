@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from torch import nn
 
 from psserver.config import OptimizerConfig
 from psserver.ps.shard import Shard
-from psserver.ps.updates import AsyncUpdater, SyncUpdater
+from psserver.ps.updates import AsyncUpdater, SSPUpdater, SyncUpdater, Updater, make_updater
 
 
 def make_shard():
@@ -130,3 +131,288 @@ def test_clone_forward_survives_a_concurrent_step():
     shard.apply(grads(shard, 0.5))
     with pytest.raises(RuntimeError, match="inplace operation"):
         out_b.sum().backward()
+
+
+# ---- ssp: bounded staleness, and every mode's clocks and staleness ---------------------------
+
+
+def step(up: Updater, trainer: str, shard, value: float = 0.0) -> None:
+    """One whole step of ``trainer`` as the engine drives it: open, gradient, applied."""
+    up.step_opened(trainer)
+    up.submit(trainer, grads(shard, value), 1)
+
+
+def clock(up: Updater, trainer: str) -> int:
+    p = up.progress(trainer)
+    assert p is not None
+    return p.clock
+
+
+class Waiter:
+    """``wait_turn`` on a thread of its own, as an RPC thread calls it."""
+
+    def __init__(self, up: Updater, trainer: str, timeout: float = 30.0) -> None:
+        self.released = threading.Event()
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                up.wait_turn(trainer, timeout)
+            except BaseException as e:  # noqa: BLE001 - handed to the test
+                self.error = e
+            self.released.set()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def blocked(self, for_s: float = 0.3) -> bool:
+        return not self.released.wait(for_s)
+
+    def done(self, timeout: float = 10.0) -> bool:
+        ok = self.released.wait(timeout)
+        self.thread.join(timeout)
+        return ok and self.error is None
+
+
+def ssp(staleness: int, *trainers: str) -> tuple[SSPUpdater, Shard]:
+    """An ssp updater whose ``trainers`` joined and take part, all at clock 0 (as if each had
+    asked for its first step: entering without a grant, so the tests decide who starts)."""
+    shard = make_shard()
+    up = SSPUpdater([shard], lambda s, n: None, staleness)
+    for t in trainers:
+        up.trainer_joined(t)
+    with up._clocks:  # noqa: SLF001 - the entry a first request makes, without the request
+        for t in trainers:
+            up._enter(t)  # noqa: SLF001
+    return up, shard
+
+
+def start(up: Updater, trainer: str, shard=None) -> None:
+    """Ask for the next step, waiting as an RPC thread would (it must be granted at once
+    here), open it, and with ``shard`` hand in its gradient too."""
+    up.wait_turn(trainer, timeout=0.5)
+    up.step_opened(trainer)
+    if shard is not None:
+        up.submit(trainer, grads(shard, 0.0), 1)
+
+
+def test_make_updater_builds_each_mode():
+    shard = make_shard()
+    assert type(make_updater("async", [shard], lambda s, n: None, 2)) is AsyncUpdater
+    assert type(make_updater("sync", [shard], lambda s, n: None, 2)) is SyncUpdater
+    up = make_updater("ssp", [shard], lambda s, n: None, 2, staleness=3)
+    assert isinstance(up, SSPUpdater) and up.mode == "ssp" and up.staleness == 3
+    with pytest.raises(ValueError, match="unknown update mode"):
+        make_updater("hogwild", [shard], lambda s, n: None, 2)
+
+
+@pytest.mark.timeout(30)
+def test_ssp_with_staleness_0_is_bulk_synchronous():
+    """S = 0: every trainer starts step k together, once all of them asked for it."""
+    up, shard = ssp(0, "a", "b")
+    assert not up.try_start("a")  # b has not asked for step 1
+    w = Waiter(up, "a")
+    assert w.blocked()
+    assert up.try_start("b")  # b asks: both start step 1 at once
+    assert w.done()
+    assert up.clocks() == {"a": 1, "b": 1}
+    for t in ("a", "b"):
+        up.step_opened(t)  # the granted step opens: the clock does not tick twice
+    assert up.clocks() == {"a": 1, "b": 1}
+    up.submit("a", grads(shard, 1.0), 1)
+    assert not up.try_start("a")  # b is still in its step 1
+    w = Waiter(up, "a")
+    up.submit("b", grads(shard, 1.0), 1)
+    assert w.blocked()  # b's step ended, but b has not asked for step 2 yet
+    assert up.clocks() == {"a": 1, "b": 1}
+    start(up, "b")  # b asks: both start step 2
+    assert w.done() and up.clocks() == {"a": 2, "b": 2}
+
+
+@pytest.mark.timeout(30)
+def test_ssp_fast_trainer_waits_at_the_bound_until_the_slow_one_starts_a_step():
+    up, shard = ssp(2, "fast", "slow")
+    for _ in range(2):  # steps 1 and 2 need slow at step >= -1, 0
+        assert up.try_start("fast")
+        up.step_opened("fast")
+        up.submit("fast", grads(shard, 0.0), 1)
+    assert up.clocks() == {"fast": 2, "slow": 0}
+    assert not up.try_start("fast")  # step 3 needs slow at its step 1
+    w = Waiter(up, "fast")
+    assert w.blocked()
+    assert up.try_start("slow")  # slow starts step 1: fast may start step 3, in the same instant
+    assert w.done()
+    assert up.clocks() == {"fast": 3, "slow": 1}  # S apart, never more
+    up.step_opened("fast")
+    up.submit("fast", grads(shard, 0.0), 1)
+    assert not up.try_start("fast")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_ssp_invariant_holds_with_threads_racing(staleness):
+    """Four trainers of different speeds; a sampler reads the clocks at random instants: the
+    live ones never differ by more than S, and every update lands."""
+    names = ("t0", "t1", "t2", "t3")
+    up, shard = ssp(staleness, *names)
+    spread: list[int] = []
+    stop = threading.Event()
+
+    def train(name: str, delay: float, steps: int) -> None:
+        for _ in range(steps):
+            up.wait_turn(name, timeout=20)
+            up.step_opened(name)
+            time.sleep(delay)
+            up.submit(name, grads(shard, 0.0), 1)
+
+    def sample() -> None:
+        while not stop.is_set():
+            clocks = up.clocks().values()
+            spread.append(max(clocks) - min(clocks))
+            time.sleep(0.0005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    threads = [threading.Thread(target=train, args=(f"t{i}", 0.002 * i * i, 30)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(40)
+    stop.set()
+    sampler.join(5)
+    assert not any(th.is_alive() for th in threads)
+    assert len(spread) > 100 and max(spread) == staleness, (max(spread), len(spread))
+    assert up.global_step == 120
+
+
+@pytest.mark.timeout(30)
+def test_ssp_waiter_released_when_the_slowest_leaves_or_the_server_closes():
+    up, shard = ssp(1, "fast", "slow", "other")
+    start(up, "fast", shard)
+    start(up, "other", shard)
+    start(up, "slow")  # it dies in its step 1
+    start(up, "fast", shard)  # step 2: slow and other at step 1
+    w = Waiter(up, "fast")  # step 3 needs slow (and other) at step 2
+    assert w.blocked()
+    start(up, "other")
+    assert w.blocked()
+    up.trainer_gone("slow")  # evicted after --trainer-timeout: it bounds nobody any more
+    assert w.done()
+    gone = up.progress("slow")
+    assert gone is not None and gone.clock == 1 and gone.done == 0  # kept for status, as it left
+    up.step_opened("slow")  # a late call of the gone trainer tracks nothing and bounds nobody
+    assert up.progress("slow") == gone and "slow" not in up.clocks()
+    up.step_opened("fast")
+    up.submit("fast", grads(shard, 0.0), 1)
+    w = Waiter(up, "fast")  # step 4 needs other at step 3
+    assert w.blocked()
+    up.close()
+    assert w.done()
+    up.wait_turn("fast", timeout=0.1)  # closed: nobody waits any more
+    assert up.try_start("fast")
+
+
+@pytest.mark.timeout(30)
+def test_ssp_wait_is_bounded_by_its_timeout():
+    up, _ = ssp(0, "fast", "slow")
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ssp: fast waited 0.3s to start its step 1 for slow to reach its "
+                                           r"step 1 \(--staleness 0\); it is at 0"):
+        up.wait_turn("fast", timeout=0.3)
+    assert 0.25 < time.monotonic() - t0 < 5
+    assert not up.try_start("slow")  # the one that gave up does not count as asking any more
+    assert up.clocks() == {"fast": 0, "slow": 0}
+
+
+@pytest.mark.timeout(30)
+def test_ssp_a_joining_trainer_holds_nobody_and_enters_at_the_slowest_clock():
+    up, shard = ssp(0, "a", "b")
+    up.trainer_joined("c")  # joined, still loading its data: it bounds nobody
+    for _ in range(3):  # a and b in lockstep, never waiting for c
+        w = Waiter(up, "a")
+        start(up, "b")
+        assert w.done()
+        up.step_opened("a")
+        for t in ("a", "b"):
+            up.submit(t, grads(shard, 0.0), 1)
+    assert up.progress("c") is None
+    w = Waiter(up, "a")  # a asks for step 4; b is still between steps
+    assert w.blocked()
+    assert not up.try_start("c")  # c's first request: it enters at the slowest clock, 3, asking for 4
+    c = up.progress("c")
+    assert (c.clock, c.done) == (3, 3)
+    assert w.blocked()  # b has not asked: nobody starts step 4 without it
+    wc = Waiter(up, "c")
+    start(up, "b")  # the last to ask: a, b and c start step 4 together
+    assert w.done() and wc.done()
+    assert up.clocks() == {"a": 4, "b": 4, "c": 4}
+    # With S = 1 a trainer that enters while the slowest is mid-step starts at once.
+    up, shard = ssp(1, "a", "b")
+    for _ in range(4):
+        start(up, "a", shard)
+        start(up, "b", shard)
+    start(up, "a", shard)
+    start(up, "b")  # b is in its step 5
+    up.trainer_joined("d")
+    assert up.try_start("d") and up.try_start("a")
+    assert up.clocks() == {"a": 6, "b": 5, "d": 6}
+    # A trainer never joined (a late call) is bounded by nobody and tracked nowhere.
+    up.wait_turn("stranger", timeout=0.1)
+    assert up.progress("stranger") is None
+    # Alone on an idle server, a new incarnation starts at 0 and at once.
+    up2 = SSPUpdater([make_shard()], lambda s, n: None, 0)
+    up2.trainer_joined("only")
+    assert up2.try_start("only") and up2.clocks() == {"only": 1}
+
+
+def test_async_staleness_counts_the_updates_between_a_step_and_its_update():
+    """A opens on step 0, B makes two whole steps, A's update lands on step 2: staleness 2."""
+    shard = make_shard()
+    up = AsyncUpdater([shard], lambda s, n: None)
+    up.trainer_joined("a")
+    up.trainer_joined("b")
+    assert up.progress("a") is None  # no step yet
+    up.step_opened("a")
+    step(up, "b", shard)
+    step(up, "b", shard)
+    up.submit("a", grads(shard, 0.0), 1)
+    a, b = up.progress("a"), up.progress("b")
+    assert (a.clock, a.done, a.staleness, a.max_staleness) == (1, 1, 2, 2)
+    # b entered at a's clock (1: the slowest of those taking part), then made two steps.
+    assert (b.clock, b.done, b.staleness, b.max_staleness) == (3, 3, 0, 0)
+    step(up, "a", shard)  # on the current weights this time
+    a = up.progress("a")
+    assert (a.staleness, a.max_staleness, a.clock) == (0, 2, 2)
+    assert up.global_step == 4
+
+
+def test_progress_of_given_up_steps_and_untracked_trainers():
+    shard = make_shard()
+    up = AsyncUpdater([shard], lambda s, n: None)
+    up.trainer_joined("a")
+    up.step_opened("a")
+    up.step_closed("a")  # given up
+    up.step_closed("a")  # idempotent
+    up.step_opened("a")
+    up.step_opened("a")  # the open one is given up by the next
+    a = up.progress("a")
+    assert (a.clock, a.done, a.opened_at) == (3, 2, 0)
+    up.submit("nobody", grads(shard, 0.0), 1)  # applied, tracked nowhere
+    assert up.progress("nobody") is None and up.global_step == 1
+
+
+def test_sync_staleness_is_zero_when_every_trainer_is_in_the_round():
+    shard = make_shard()
+    up = SyncUpdater([shard], lambda s, n: None, k=2)
+    up.trainer_joined("a")
+    up.trainer_joined("b")
+    for _ in range(3):
+        for t in ("a", "b"):
+            up.wait_turn(t, timeout=5)
+            up.step_opened(t)
+        for t in ("a", "b"):
+            up.submit(t, grads(shard, 0.0), 1)
+    assert up.global_step == 3
+    for t, entered_at in (("a", 0), ("b", 1)):  # b took part once a had started its step 1
+        p = up.progress(t)
+        assert (p.clock, p.done, p.staleness, p.max_staleness) == (entered_at + 3, entered_at + 3, 0, 0)

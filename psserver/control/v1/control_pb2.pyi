@@ -28,6 +28,7 @@ class UpdateMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UPDATE_MODE_ASYNC: _ClassVar[UpdateMode]
     UPDATE_MODE_SYNC: _ClassVar[UpdateMode]
     UPDATE_MODE_COLLECTIVE: _ClassVar[UpdateMode]
+    UPDATE_MODE_SSP: _ClassVar[UpdateMode]
 
 class TrainerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -48,6 +49,7 @@ UPDATE_MODE_UNSPECIFIED: UpdateMode
 UPDATE_MODE_ASYNC: UpdateMode
 UPDATE_MODE_SYNC: UpdateMode
 UPDATE_MODE_COLLECTIVE: UpdateMode
+UPDATE_MODE_SSP: UpdateMode
 TRAINER_STATE_UNSPECIFIED: TrainerState
 TRAINER_STATE_ACTIVE: TrainerState
 TRAINER_STATE_LEFT: TrainerState
@@ -102,7 +104,7 @@ class CheckpointInfo(_message.Message):
     def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ..., time: _Optional[float] = ...) -> None: ...
 
 class ServerStatus(_message.Message):
-    __slots__ = ("version", "state", "mode", "started_at", "uptime_seconds", "model", "num_params", "update_mode", "sync_trainers", "global_step", "samples_seen", "updates_per_second", "samples_per_second", "mean_loss", "shards", "last_checkpoint", "server_time")
+    __slots__ = ("version", "state", "mode", "started_at", "uptime_seconds", "model", "num_params", "update_mode", "sync_trainers", "global_step", "samples_seen", "updates_per_second", "samples_per_second", "mean_loss", "shards", "last_checkpoint", "server_time", "staleness")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +122,7 @@ class ServerStatus(_message.Message):
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     LAST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
     version: str
     state: ServerState
     mode: Mode
@@ -137,10 +140,11 @@ class ServerStatus(_message.Message):
     shards: _containers.RepeatedCompositeFieldContainer[Shard]
     last_checkpoint: CheckpointInfo
     server_time: float
-    def __init__(self, version: _Optional[str] = ..., state: _Optional[_Union[ServerState, str]] = ..., mode: _Optional[_Union[Mode, str]] = ..., started_at: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., model: _Optional[str] = ..., num_params: _Optional[int] = ..., update_mode: _Optional[_Union[UpdateMode, str]] = ..., sync_trainers: _Optional[int] = ..., global_step: _Optional[int] = ..., samples_seen: _Optional[int] = ..., updates_per_second: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., mean_loss: _Optional[float] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., server_time: _Optional[float] = ...) -> None: ...
+    staleness: int
+    def __init__(self, version: _Optional[str] = ..., state: _Optional[_Union[ServerState, str]] = ..., mode: _Optional[_Union[Mode, str]] = ..., started_at: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., model: _Optional[str] = ..., num_params: _Optional[int] = ..., update_mode: _Optional[_Union[UpdateMode, str]] = ..., sync_trainers: _Optional[int] = ..., global_step: _Optional[int] = ..., samples_seen: _Optional[int] = ..., updates_per_second: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., mean_loss: _Optional[float] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., server_time: _Optional[float] = ..., staleness: _Optional[int] = ...) -> None: ...
 
 class Trainer(_message.Message):
-    __slots__ = ("rank", "name", "host", "joined_at", "last_seen", "steps", "samples", "last_loss", "samples_per_second", "state")
+    __slots__ = ("rank", "name", "host", "joined_at", "last_seen", "steps", "samples", "last_loss", "samples_per_second", "state", "clock", "staleness", "max_staleness")
     RANK_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +155,9 @@ class Trainer(_message.Message):
     LAST_LOSS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     name: str
     host: str
@@ -161,7 +168,10 @@ class Trainer(_message.Message):
     last_loss: float
     samples_per_second: float
     state: TrainerState
-    def __init__(self, rank: _Optional[int] = ..., name: _Optional[str] = ..., host: _Optional[str] = ..., joined_at: _Optional[float] = ..., last_seen: _Optional[float] = ..., steps: _Optional[int] = ..., samples: _Optional[int] = ..., last_loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., state: _Optional[_Union[TrainerState, str]] = ...) -> None: ...
+    clock: int
+    staleness: int
+    max_staleness: int
+    def __init__(self, rank: _Optional[int] = ..., name: _Optional[str] = ..., host: _Optional[str] = ..., joined_at: _Optional[float] = ..., last_seen: _Optional[float] = ..., steps: _Optional[int] = ..., samples: _Optional[int] = ..., last_loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., state: _Optional[_Union[TrainerState, str]] = ..., clock: _Optional[int] = ..., staleness: _Optional[int] = ..., max_staleness: _Optional[int] = ...) -> None: ...
 
 class ListTrainersResponse(_message.Message):
     __slots__ = ("trainers", "server_time")

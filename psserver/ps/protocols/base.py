@@ -76,17 +76,19 @@ class ServerHalf:
         return {}
 
     def evaluate(self, trainer: str, x: torch.Tensor) -> torch.Tensor:
-        self.engine.wait_turn(trainer)
+        self.engine.wait_applied(trainer)
         return self.engine.evaluate(x)
 
     def finish_then_start(self, trainer: str, finish: Callable[[], None],
                           start: Callable[[], Any] | None) -> Any:
         """One-round-trip protocols: ``finish`` the trainer's last step (its update), then
-        ``start`` its next one (None: nothing to start), both on the compute thread. Async: one
-        hand-off. Sync: the trainer waits for its round in between, on this RPC thread, never
-        on the compute thread (which applies the rounds)."""
+        ``start`` its next one (None: nothing to start), both on the compute thread. One
+        hand-off when the next step may start whatever the update does (async always; ssp while
+        the trainer is within the staleness bound). Otherwise (sync; ssp at the bound) the
+        trainer waits for its turn in between, on this RPC thread, never on the compute thread
+        (which applies the updates it waits for)."""
         engine = self.engine
-        if start is not None and engine.config.update == "async":
+        if start is not None and engine.try_start(trainer):
             return engine.compute.run(lambda: (finish(), start())[1])
         engine.compute.run(finish)
         if start is None:

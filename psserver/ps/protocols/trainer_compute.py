@@ -48,7 +48,7 @@ class TrainerComputeServer(ServerHalf):
     def parameters(self, trainer: str) -> list[torch.Tensor]:
         """Every shard's parameters as one flat fp32 CPU buffer, copied at one step (no step
         opens: the trainer evaluates on them)."""
-        self.engine.wait_turn(trainer)
+        self.engine.wait_applied(trainer)
         return self.engine.flat_parameters()
 
     def trainer_gone(self, trainer: str, evicted: bool) -> None:
