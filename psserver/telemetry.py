@@ -50,6 +50,9 @@ class TrainerStatus:
     and its update (0: computed on the current weights; sync with K >= trainers: always 0)."""
     max_staleness: int = 0
     """The largest ``staleness`` of any of its updates."""
+    step: str = ""
+    """Its step protocol on the parameter server (``pushpull``, ``pull``: trainer compute;
+    ``chained``, ``plain``: server compute); empty in collective mode."""
 
 
 @dataclass

@@ -105,6 +105,7 @@ def trainer_to_proto(t: TrainerStatus) -> pb.Trainer:
         clock=int(t.clock),
         staleness=int(t.staleness),
         max_staleness=int(t.max_staleness),
+        step=t.step,
     )
     if _finite(t.last_loss):
         msg.last_loss = float(t.last_loss)
@@ -173,4 +174,5 @@ def trainer_to_dict(t: pb.Trainer) -> dict[str, Any]:
         "clock": t.clock,
         "staleness": t.staleness,
         "max_staleness": t.max_staleness,
+        "step": t.step,
     }

@@ -110,6 +110,7 @@ def render_trainers(trainers: Sequence[pb.Trainer], now: float) -> str:
             str(t.rank),
             t.name,
             t.host,
+            t.step or "-",
             enum_name(pb.TrainerState, t.state),
             f"{t.steps:,}",
             f"{t.samples:,}",
@@ -121,9 +122,9 @@ def render_trainers(trainers: Sequence[pb.Trainer], now: float) -> str:
         ]
         for t in trainers
     ]
-    head = ["RANK", "NAME", "HOST", "STATE", "STEPS", "SAMPLES", "LOSS", "SAMPLES/S", "CLOCK", "STALENESS",
+    head = ["RANK", "NAME", "HOST", "STEP", "STATE", "STEPS", "SAMPLES", "LOSS", "SAMPLES/S", "CLOCK", "STALENESS",
             "MAX STALENESS", "JOINED", "LAST SEEN"]
-    return "\n".join([f"TRAINERS    {summary}", *table(head, rows, numeric=(0, 4, 5, 6, 7, 8, 9, 10))])
+    return "\n".join([f"TRAINERS    {summary}", *table(head, rows, numeric=(0, 5, 6, 7, 8, 9, 10, 11))])
 
 
 def _progress(t: pb.Trainer) -> list[str]:

@@ -65,7 +65,7 @@ class Membership:
             old = self._live_name(rank)
             if old is not None and old != name:
                 raise ValueError(f"rank {rank} is already taken by live trainer {old}")
-            self.members[name] = Member(TrainerStatus(rank, name, host, now, now), info.id, protocol)
+            self.members[name] = Member(TrainerStatus(rank, name, host, now, now, step=protocol), info.id, protocol)
         self.store.set(KEY_LIVE.format(rank=rank), name)
         log.info("trainer %s (rank %d) joined from %s; RPC members: %s", name, rank, host, rpc_members())
 

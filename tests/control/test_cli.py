@@ -49,12 +49,13 @@ def test_status_table(server, capsys):
     assert lines[shard_head + 1].split()[:3] == ["0", "cpu", "1,000"] and "50.0 MiB" in lines[shard_head + 1]
     assert "TRAINERS    1 active, 0 left, 1 lost" in out
     rows = [line.split() for line in lines if line.lstrip().startswith(("0  trainer", "1  trainer"))]
-    assert rows[0][:6] == ["0", "trainer_0_0", "hostA", "ACTIVE", "10", "640"]
-    assert rows[1][:4] == ["1", "trainer_1_0", "hostB", "LOST"] and rows[1][6] == "-"
+    assert rows[0][:7] == ["0", "trainer_0_0", "hostA", "pushpull", "ACTIVE", "10", "640"]
+    assert rows[1][:5] == ["1", "trainer_1_0", "hostB", "-", "LOST"] and rows[1][7] == "-"
     head = next(line for line in lines if line.startswith("RANK"))
     assert "SAMPLES/S  CLOCK  STALENESS  MAX STALENESS  JOINED" in head
-    assert rows[0][8:11] == ["11", "2", "5"]  # clock, staleness, max staleness
-    assert rows[1][8:11] == ["-", "-", "-"]  # no step on the server: nothing to show
+    assert head.split()[:5] == ["RANK", "NAME", "HOST", "STEP", "STATE"]
+    assert rows[0][9:12] == ["11", "2", "5"]  # clock, staleness, max staleness
+    assert rows[1][9:12] == ["-", "-", "-"]  # no step on the server: nothing to show
 
 
 def test_status_table_of_an_ssp_server(server, target, capsys):
@@ -86,7 +87,7 @@ def test_status_json(server, target, capsys):
     assert data["trainers"][1]["last_loss"] is None  # JSON null, not NaN
     assert st["staleness"] == 0  # S of ssp; this fake runs sync
     first = data["trainers"][0]
-    assert (first["clock"], first["staleness"], first["max_staleness"]) == (11, 2, 5)
+    assert (first["clock"], first["staleness"], first["max_staleness"], first["step"]) == (11, 2, 5, "pushpull")
 
 
 def test_status_address_from_the_environment(server, capsys, monkeypatch):

@@ -144,7 +144,7 @@ class ServerStatus(_message.Message):
     def __init__(self, version: _Optional[str] = ..., state: _Optional[_Union[ServerState, str]] = ..., mode: _Optional[_Union[Mode, str]] = ..., started_at: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., model: _Optional[str] = ..., num_params: _Optional[int] = ..., update_mode: _Optional[_Union[UpdateMode, str]] = ..., sync_trainers: _Optional[int] = ..., global_step: _Optional[int] = ..., samples_seen: _Optional[int] = ..., updates_per_second: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., mean_loss: _Optional[float] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., server_time: _Optional[float] = ..., staleness: _Optional[int] = ...) -> None: ...
 
 class Trainer(_message.Message):
-    __slots__ = ("rank", "name", "host", "joined_at", "last_seen", "steps", "samples", "last_loss", "samples_per_second", "state", "clock", "staleness", "max_staleness")
+    __slots__ = ("rank", "name", "host", "joined_at", "last_seen", "steps", "samples", "last_loss", "samples_per_second", "state", "clock", "staleness", "max_staleness", "step")
     RANK_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,7 @@ class Trainer(_message.Message):
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     rank: int
     name: str
     host: str
@@ -171,7 +172,8 @@ class Trainer(_message.Message):
     clock: int
     staleness: int
     max_staleness: int
-    def __init__(self, rank: _Optional[int] = ..., name: _Optional[str] = ..., host: _Optional[str] = ..., joined_at: _Optional[float] = ..., last_seen: _Optional[float] = ..., steps: _Optional[int] = ..., samples: _Optional[int] = ..., last_loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., state: _Optional[_Union[TrainerState, str]] = ..., clock: _Optional[int] = ..., staleness: _Optional[int] = ..., max_staleness: _Optional[int] = ...) -> None: ...
+    step: str
+    def __init__(self, rank: _Optional[int] = ..., name: _Optional[str] = ..., host: _Optional[str] = ..., joined_at: _Optional[float] = ..., last_seen: _Optional[float] = ..., steps: _Optional[int] = ..., samples: _Optional[int] = ..., last_loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., state: _Optional[_Union[TrainerState, str]] = ..., clock: _Optional[int] = ..., staleness: _Optional[int] = ..., max_staleness: _Optional[int] = ..., step: _Optional[str] = ...) -> None: ...
 
 class ListTrainersResponse(_message.Message):
     __slots__ = ("trainers", "server_time")
