@@ -127,6 +127,9 @@ class Endpoint:
         if pin is not None and compute != pin:
             raise ValueError(f"this server runs every step with --compute {pin}; the trainer asked for "
                              f"--compute {compute} (--step {step}): drop the flag or pass --compute {pin}")
+        if compute == "server" and (request.wire_dtype != "fp32" or request.device != "cpu"):
+            raise ValueError(f"--wire-dtype {request.wire_dtype} and --device {request.device} apply to trainer "
+                             f"compute; this trainer would speak --step {step} (server compute)")
         return step
 
     def call(self, trainer: str, op: str, args: tuple, report: Report | None) -> Any:

@@ -33,3 +33,5 @@ class JoinRequest:
     """Where it wants its steps to run; None: the server's pin, else ``trainer``."""
     wire_dtype: str = "fp32"
     """dtype of the parameters and gradients it exchanges (trainer compute)."""
+    device: str = "cpu"
+    """Where it runs the model (trainer compute)."""

@@ -69,7 +69,7 @@ class Session:
             raise UsageError(f"cannot join the RPC group of {config.server_host}:{config.server_port}: {msg}") from None
         optimizer = asdict(config.optimizer) if config.optimizer else None
         request = JoinRequest(config.rank, self.name, socket.gethostname(), os.getpid(), config.step, optimizer,
-                              config.compute, config.wire_dtype)
+                              config.compute, config.wire_dtype, config.device)
         try:
             self.info = rpc.rpc_sync(rendezvous.SERVER_NAME, endpoint.join, args=(request,))
         except Exception as e:  # noqa: BLE001 - the server's refusal is the user's answer

@@ -89,6 +89,26 @@ def test_config_validation_errors_stay_usage_errors(capsys, log_dir):
     assert not list(log_dir.iterdir())
 
 
+@pytest.mark.parametrize(
+    "argv,line",
+    [
+        (["--compute", "trainer", "--step", "chained"],
+         "--step chained is a protocol of --compute server, not --compute trainer"),
+        (["--compute", "server", "--wire-dtype", "bf16"],
+         "--wire-dtype applies to --compute trainer (server compute sends batches)"),
+        (["--step", "plain", "--device", "cuda:0"],
+         "--device applies to --compute trainer (server compute runs on the server's devices)"),
+        (["--device", "tpu:0"], "unsupported --device 'tpu:0': use cpu or cuda:N"),
+    ],
+    ids=["step-of-the-other-compute", "wire-dtype-of-server-compute", "device-of-server-compute", "unknown-device"],
+)
+def test_compute_flags_that_do_not_fit_are_one_line(capsys, log_dir, argv, line):
+    """Where a step runs (--compute, --step, --wire-dtype, --device): refused before any server is reached."""
+    assert main(["train", *argv, "--server", "127.0.0.1:1"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"psserver train: error: {line}"]
+    assert not list(log_dir.iterdir())
+
+
 def test_bogus_log_level_env_is_one_line(monkeypatch, capsys):
     monkeypatch.setenv("PSSERVER_LOG_LEVEL", "bogus")
     assert main(["status"]) == 2

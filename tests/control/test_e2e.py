@@ -63,6 +63,7 @@ def test_status_during_training_then_stop_drains_and_checkpoints(procs, port, tm
             90, "an active trainer with steps", trainer,
         )
         assert active[0].rank == 0 and active[0].name.startswith("trainer_0_") and active[0].samples > 0
+        assert "--compute trainer --step pushpull" in trainer.output()  # the default
         assert active[0].host and active[0].joined_at <= active[0].last_seen
         st = client.get_status()
         assert st.state == pb.SERVER_STATE_SERVING and st.mode == pb.MODE_PS and st.update_mode == pb.UPDATE_MODE_ASYNC
@@ -133,9 +134,11 @@ def test_shutdown_without_admin_rights_is_refused_and_sigterm_still_works(procs,
 
 @pytest.mark.timeout(300)
 def test_two_trainers_active_then_one_left_and_global_step_counts_updates(procs, port):
+    """One trainer of each compute mode on one server: both are seen, and counted, alike."""
     server = procs.server(port, "--model", "mnist_cnn", control_port=0)
     with ControlClient(_control_address(server), timeout=10) as client:
-        short = procs.trainer(port, 0, "--num-trainers", "2", "--epochs", "5", "--max-steps", "60")
+        short = procs.trainer(port, 0, "--num-trainers", "2", "--epochs", "5", "--max-steps", "60",
+                              "--compute", "server")
         long = procs.trainer(port, 1, "--num-trainers", "2", "--epochs", "1000")
 
         def active():
@@ -146,6 +149,8 @@ def test_two_trainers_active_then_one_left_and_global_step_counts_updates(procs,
         second = _wait_for(lambda: (a := active()) and len(a) == 2 and a, 30, "two active trainers again")
         assert all(second[r].steps > first[r].steps for r in (0, 1)), (first, second)
         assert short.wait(120) == 0, short.tail()
+        assert "--compute server --step chained" in short.output()
+        assert "--compute trainer --step pushpull" in long.output()
         trainers = {t.rank: t for t in client.list_trainers()}
         assert trainers[0].state == pb.TRAINER_STATE_LEFT and trainers[0].steps == 60
         assert trainers[1].state == pb.TRAINER_STATE_ACTIVE

@@ -30,9 +30,10 @@ def test_two_trainers_reach_accuracy_and_server_keeps_serving(procs, port, mnist
         assert accuracy(t) >= BAR, t.tail()
     assert server.running()
     # The server outlives its trainers: a third one joins (rank 0 again, a new incarnation).
+    # It computes on the trainer (the default), after two trainers that computed on the server.
     third = procs.trainer(port, 0, "--num-trainers", "2", "--max-steps", "10", *MNIST_ARGS)
     assert third.wait(120) == 0, third.tail()
-    assert "as trainer_0_2" in third.output()
+    assert "as trainer_0_2" in third.output() and "--compute trainer --step pushpull" in third.output()
     assert server.running()
     assert procs.stop(server) == 0
     out = server.output()
@@ -67,32 +68,61 @@ def test_adam_has_one_optimizer_state_per_shard(procs, port, mnist_dir, tmp_path
 
 @pytest.mark.timeout(420)
 def test_two_stages_train_to_the_same_bar(procs, port, mnist_dir):
+    """Two server shards with the default, trainer compute: one flat buffer per shard each way."""
     server = procs.server(port, "--devices", "cpu,cpu")
     assert "in 2 stage(s) on cpu, cpu" in server.output()
     for t in _train_two(procs, port):
+        assert "--compute trainer --step pushpull" in t.output(), t.tail()
         assert accuracy(t) >= BAR, t.tail()
+    assert procs.stop(server) == 0
+    assert "global step 378" in server.output()
 
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("update", ["async", "sync"])
 def test_chained_steps_reach_the_same_bar(procs, port, mnist_dir, update):
-    """``--step chained`` (the default): the same bar, and the final flush lands every update."""
-    server = procs.server(port, "--update", update, "--sync-trainers", "2")
-    for t in _train_two(procs, port):
+    """Server compute's default, ``--step chained``: the same bar, and the final flush lands
+    every update. Async: the server pins ``--compute server`` and the trainers pass nothing;
+    sync: the trainers ask for ``--compute server``."""
+    pin, ask = (["--compute", "server"], []) if update == "async" else ([], ["--compute", "server"])
+    server = procs.server(port, "--update", update, "--sync-trainers", "2", *pin)
+    for t in _train_two(procs, port, *ask):
+        assert "--compute server --step chained" in t.output(), t.tail()
         assert accuracy(t) >= BAR, t.tail()
     assert procs.stop(server) == 0
     assert "global step 378" in server.output() if update == "async" else "global step 189" in server.output()
 
 
+# Issue 15's bar for trainer compute, and the global steps of 2 trainers x 3 epochs x 63 steps:
+# one optimizer step per trainer step (async, ssp), one per round of two (sync).
+TRAINER_COMPUTE_BAR = 0.97
+GLOBAL_STEPS = {"async": 378, "sync": 189, "ssp": 378}
+
+
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("update", ["async", "sync"])
-@pytest.mark.parametrize("step", ["pull", "pushpull"])
-def test_trainers_that_compute_reach_the_bar(procs, port, mnist_dir, update, step):
-    """Trainer compute: each trainer runs the model (``pull``: on parameters it pulls inside
-    ``dist_autograd``; ``pushpull``: on flat parameters it gets back for its flat gradient);
-    the server only applies the gradients (issue 15's bar: 0.97)."""
-    server = procs.server(port, "--update", update, "--sync-trainers", "2")
-    for t in _train_two(procs, port, "--step", step):
-        assert accuracy(t) >= 0.97, t.tail()
+@pytest.mark.parametrize("update", ["async", "sync", "ssp"])
+def test_trainer_compute_reaches_the_bar(procs, port, mnist_dir, update):
+    """``--compute trainer`` (its default protocol, ``pushpull``): each trainer runs the model
+    on flat parameters it gets back for its flat gradient; the server only applies the
+    gradients. ``ssp`` with S = 2: no trainer more than two steps ahead of the other."""
+    modes = {"async": [], "sync": ["--sync-trainers", "2"], "ssp": ["--staleness", "2"]}
+    server = procs.server(port, "--update", update, *modes[update])
+    assert f"(update={update}" in server.output()
+    for t in _train_two(procs, port, "--compute", "trainer"):
+        assert "--compute trainer --step pushpull" in t.output(), t.tail()
+        assert accuracy(t) >= TRAINER_COMPUTE_BAR, t.tail()
     assert procs.stop(server) == 0
-    assert f"global step {378 if update == 'async' else 189}" in server.output()
+    assert f"global step {GLOBAL_STEPS[update]}" in server.output(), server.tail()
+
+
+@pytest.mark.timeout(420)
+def test_pull_reaches_the_bar(procs, port, mnist_dir):
+    """``--step pull``, trainer compute's reference (parameters pulled inside
+    ``dist_autograd``), in sync mode (async: tests/ps/test_failures.py's die-mid-step-async-pull
+    trains its surviving trainer with it)."""
+    server = procs.server(port, "--update", "sync", "--sync-trainers", "2")
+    for t in _train_two(procs, port, "--step", "pull"):
+        assert "--compute trainer --step pull" in t.output(), t.tail()
+        assert accuracy(t) >= TRAINER_COMPUTE_BAR, t.tail()
+    assert procs.stop(server) == 0
+    assert "global step 189" in server.output(), server.tail()

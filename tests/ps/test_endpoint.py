@@ -80,6 +80,8 @@ def test_a_pinned_compute_mode_refuses_the_other_and_is_every_silent_trainers_de
     refusal = join(endpoint, "b", step="pushpull")["error"]
     assert "runs every step with --compute server" in refusal and "--compute trainer" in refusal
     assert "b" not in endpoint.membership.members
+    refusal = endpoint.join(JoinRequest(2, "c", "h", 1, None, None, wire_dtype="bf16"))["error"]
+    assert "--wire-dtype bf16 and --device cpu apply to trainer compute" in refusal
 
 
 def test_refusals_are_answers_not_errors(endpoint):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sys
 import time
 
 import psutil
@@ -12,9 +13,15 @@ import pytest
 import torch
 
 from psserver.checkpoint import list_checkpoints, read_checkpoint
-from tests.procs import MNIST_ARGS, accuracy
+from psserver.config.ps import STEP_MODES
+from psserver.control.client import ControlClient
+from psserver.control.v1 import control_pb2 as pb
+from tests.procs import MNIST_ARGS, accuracy, free_port
+from tests.ps import die_mid_step
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+DIE_MID_STEP_PREFIX = [sys.executable, "-m", "tests.ps.die_mid_step"]
 
 
 def wait_lost(server, name: str, timeout: float) -> float:
@@ -23,33 +30,72 @@ def wait_lost(server, name: str, timeout: float) -> float:
     return time.monotonic() - t0
 
 
+# How the second trainer goes: SIGKILL or SIGSTOP from the test at a moment in its training,
+# or SIGKILL by its own hand in the middle of step DIE_AT (tests.ps.die_mid_step), its gradient
+# half-way to being applied: the server must then count exactly DIE_AT - 1 of its updates.
+KILL, HANG, DIE_MID_STEP = "kill", "hang", "die-mid-step"
+DIE_AT = 25
+SHARD, EPOCHS, BATCH = 4000, 3, 64  # MNIST_ARGS (--train-split 8000) over --num-trainers 2
+STEPS_PER_EPOCH = -(-SHARD // BATCH)
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
-    "sig,update,step",
-    [(signal.SIGKILL, "async", "plain"), (signal.SIGSTOP, "async", "plain"), (signal.SIGSTOP, "sync", "plain"),
-     (signal.SIGKILL, "sync", "chained")],
-    ids=["kill-async", "hang-async", "hang-sync", "kill-sync-chained"],
+    "how,update,flags,step",
+    [(KILL, "async", ["--step", "plain"], "plain"), (HANG, "async", ["--step", "plain"], "plain"),
+     (HANG, "sync", [], "pushpull"), (KILL, "sync", ["--compute", "server"], "chained"),
+     (DIE_MID_STEP, "async", ["--step", "pull"], "pull"), (DIE_MID_STEP, "sync", ["--compute", "trainer"], "pushpull")],
+    ids=["kill-async", "hang-async", "hang-sync-trainer-compute", "kill-sync-chained", "die-mid-step-async-pull",
+         "die-mid-step-sync-pushpull"],
 )
-def test_lost_trainer_is_evicted_and_the_other_finishes(procs, port, mnist_dir, sig, update, step):
-    server = procs.server(port, "--trainer-timeout", "2", "--update", update, "--sync-trainers", "2")
-    t0, t1 = (procs.trainer(port, r, "--num-trainers", "2", "--epochs", "3", "--step", step, *MNIST_ARGS)
-              for r in (0, 1))
+def test_lost_trainer_is_evicted_and_the_other_finishes(procs, port, mnist_dir, tmp_path, how, update, flags, step):
+    """Server compute (``plain``, ``chained``) and trainer compute (the default ``pushpull``,
+    ``pull``): the lost trainer is evicted, the other finishes and reaches the bar, the rank
+    rejoins, and the server stops cleanly (no step of the lost trainer is left open)."""
+    ctl = free_port()
+    server = procs.server(port, "--trainer-timeout", "2", "--update", update, "--sync-trainers", "2",
+                          "--checkpoint-dir", str(tmp_path), control_port=ctl)
+    common = ["--num-trainers", "2", *flags, *MNIST_ARGS]
+    t0 = procs.trainer(port, 0, "--epochs", str(EPOCHS), *common)
+    if how == DIE_MID_STEP:
+        t1 = procs.trainer(port, 1, "--epochs", str(EPOCHS), *common, prefix=DIE_MID_STEP_PREFIX,
+                           env={die_mid_step.ENV: str(DIE_AT)})
+    else:
+        t1 = procs.trainer(port, 1, "--epochs", str(EPOCHS), *common)
     for t in (t0, t1):
         t.wait_for("joined psserver", timeout=90)
-    time.sleep(3)  # mid-epoch
-    t1.signal(sig)
+    for t in (t0, t1):
+        assert f"--compute {STEP_MODES[step].compute} --step {step}" in t.output(), t.tail()
+    if how == DIE_MID_STEP:
+        t1.wait_for(rf"dying mid-step {DIE_AT}\n", timeout=120)
+    else:
+        time.sleep(3)  # mid-epoch
+        t1.signal(signal.SIGKILL if how == KILL else signal.SIGSTOP)
     assert wait_lost(server, "trainer_1_1", timeout=15) < 15
     server.wait_for(r"evicted trainer_1_1 from the RPC group; RPC members: psserver,trainer_0_1\n", timeout=10)
+    with ControlClient(f"127.0.0.1:{ctl}", timeout=10) as client:
+        (lost,) = [tr for tr in client.list_trainers() if tr.name == "trainer_1_1"]
+    assert lost.state == pb.TRAINER_STATE_LOST
     assert t0.wait(300) == 0, f"{t0.tail()}\n--- server ---\n{server.tail()}"
     assert accuracy(t0) >= 0.96
     # The rank comes back as a new incarnation and trains.
-    again = procs.trainer(port, 1, "--num-trainers", "2", "--max-steps", "20", *MNIST_ARGS)
+    again = procs.trainer(port, 1, "--num-trainers", "2", "--max-steps", "20", *flags, *MNIST_ARGS)
     assert again.wait(120) == 0, again.tail()
     assert "as trainer_1_2" in again.output()
-    if sig == signal.SIGSTOP:
+    if how == HANG:
         t1.signal(signal.SIGKILL)
     assert server.running()
     assert procs.stop(server) == 0, server.tail()
+    assert "still open" not in server.output(), server.tail()
+    if how != DIE_MID_STEP:
+        return
+    # Exactly the lost trainer's complete steps count: DIE_AT - 1 of them (its status, its
+    # samples, and in async one optimizer step each); the one it died in counts for nothing.
+    assert lost.steps == DIE_AT - 1 and lost.samples == (DIE_AT - 1) * BATCH, lost
+    final = read_checkpoint(list_checkpoints(tmp_path)[0])
+    assert final["samples_seen"] == EPOCHS * SHARD + (DIE_AT - 1) * BATCH + 20 * BATCH
+    if update == "async":
+        assert final["global_step"] == EPOCHS * STEPS_PER_EPOCH + (DIE_AT - 1) + 20
 
 
 @pytest.mark.timeout(400)
@@ -124,10 +170,11 @@ def test_killed_server_resumes_from_its_last_checkpoint(procs, port, tmp_path):
     again.wait_for(r"resumed from .* global step 40", timeout=10)
     assert procs.stop(again) == 0
     _assert_same_state(saved, read_checkpoint(list_checkpoints(second)[0]))
-    # And training continues from step 40.
+    # And training continues from step 40 (trainer compute, the default, as before the kill).
     third = procs.server(port, *common, str(ckdir), "--resume")
     t = procs.trainer(port, 0, "--max-steps", "10")
     assert t.wait(120) == 0, t.tail()
+    assert "--compute trainer --step pushpull" in t.output()
     assert procs.stop(third) == 0
     final = read_checkpoint(list_checkpoints(ckdir)[0])
     assert final["global_step"] == 50
@@ -167,20 +214,25 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(procs, port, tm
 
 
 @pytest.mark.timeout(300)
-def test_trainer_reconnects_to_a_restarted_server(procs, port, tmp_path):
+@pytest.mark.parametrize("compute,step", [("trainer", "pushpull"), ("server", "chained")])
+def test_trainer_reconnects_to_a_restarted_server(procs, port, tmp_path, compute, step):
+    """The server is SIGKILLed mid-training and restarted with ``--resume``: a ``--reconnect``
+    trainer continues from its checkpoint in the same compute mode, another exits with 3."""
     server = procs.server(port, "--model", "mlp", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "5")
-    t = procs.trainer(port, 0, "--epochs", "40", "--reconnect", "--rpc-timeout", "10")
-    plain = procs.trainer(port, 1, "--num-trainers", "2", "--epochs", "50")
+    t = procs.trainer(port, 0, "--epochs", "20", "--reconnect", "--rpc-timeout", "10", "--compute", compute)
+    plain = procs.trainer(port, 1, "--num-trainers", "2", "--epochs", "50", "--compute", compute)
     t.wait_for("joined psserver", timeout=60)
     plain.wait_for("joined psserver", timeout=60)
-    time.sleep(1)
+    server.wait_for(r"checkpoint step [1-9]\d* written", timeout=60)  # mid-training, with a checkpoint
     server.signal(signal.SIGKILL)
     server.wait(10)
     # Without --reconnect: a clear error and a non-zero exit.
     assert plain.wait(60) == 3
     assert "lost the server at 127.0.0.1" in plain.output() and "Traceback" not in plain.output()
     t.wait_for("reconnecting", timeout=60)
-    procs.server(port, "--model", "mlp", "--checkpoint-dir", str(tmp_path), "--resume")
+    again = procs.server(port, "--model", "mlp", "--checkpoint-dir", str(tmp_path), "--resume")
     assert t.wait(180) == 0, t.tail()
     assert re.search(r"reconnected as trainer_0_\d+ at global step [1-9]", t.output()), t.tail()
+    assert len(re.findall(rf"--compute {compute} --step {step}\b", t.output())) == 2, t.tail()
     assert accuracy(t) > 0.5
+    assert re.search(r"trainer trainer_0_\d+ \(rank 0\) left", again.output()), again.tail()

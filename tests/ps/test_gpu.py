@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from psserver.cli import main
-from tests.procs import accuracy
+from tests.procs import accuracy, run
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")
 needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
@@ -16,6 +16,17 @@ needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two 
 def test_cuda_device_without_cuda_is_a_clear_error(capsys):
     assert main(["serve", "--devices", "cuda:0", "--no-control"]) == 2
     assert "CUDA is not available" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a host without CUDA")
+@pytest.mark.timeout(60)
+def test_trainer_device_without_cuda_is_a_clear_error():
+    """Trainer compute's ``--device cuda:0`` on a host without CUDA: one line, exit 2, before
+    any server is needed (a subprocess: the trainer sets the process's torch threads)."""
+    r = run(["train", "--device", "cuda:0", "--server", "127.0.0.1:1", "--no-progress"], timeout=50)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "psserver train: error: --device cuda:0: CUDA is not available on this host"]
 
 
 @needs_gpu
@@ -49,3 +60,18 @@ def test_server_on_gpus_trains(procs, port, model, devices, step):
     t = procs.trainer(port, 0, "--epochs", "2", "--step", step)
     assert t.wait(200) == 0, t.tail()
     assert accuracy(t) > 0.8
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@needs_gpu
+@pytest.mark.parametrize("step,wire", [("pushpull", "fp32"), ("pushpull", "bf16"), ("pull", "fp32"), ("pull", "fp16")])
+def test_trainer_computes_on_its_gpu(procs, port, step, wire):
+    """Trainer compute on ``--device cuda:0`` against a CPU server: tensors cross RPC on the
+    CPU in the wire dtype, the trainer's replica runs on its GPU."""
+    server = procs.server(port, "--model", "mlp", "--devices", "cpu")
+    t = procs.trainer(port, 0, "--epochs", "2", "--step", step, "--device", "cuda:0", "--wire-dtype", wire)
+    assert t.wait(200) == 0, t.tail()
+    assert f"--compute trainer --step {step} on cuda:0" in t.output(), t.tail()
+    assert accuracy(t) > 0.8
+    assert procs.stop(server) == 0, server.tail()
