@@ -456,3 +456,115 @@ def wire_byte_rate(samples: list[Sample]) -> float | None:
         return None
     busy = [r for r in rates if r >= 0.2 * max(rates)]
     return statistics.median(busy)
+
+
+# ---- per-run probes: server CPU time and bytes on the wire ---------------------------------
+
+
+def proc_cpu_seconds(pid: int) -> float | None:
+    """utime + stime of process ``pid`` (every thread, live and exited) from ``/proc/PID/stat``,
+    in seconds; None once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) ": field 3 (state) is fields[0]
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class ProbeSample:
+    t: float
+    cpu_s: float | None
+    """The server's CPU seconds so far (None: no server, or gone)."""
+    wire: int | dict | None
+    """Bytes on the wire so far: a namespace's loopback counter (int) or an ``ss`` snapshot."""
+
+
+class Probe:
+    """Samples, every ``interval`` seconds from a thread, the CPU time of one process (the PS
+    server) and a byte counter (``wire()``: the namespace's loopback tx bytes, or
+    ``socket_snapshot`` of the run's processes); ``per_step`` turns two samples inside a run's
+    measured interval into CPU and bytes per step."""
+
+    def __init__(self, cpu_pid: int | None, wire=None, interval: float = 0.1) -> None:
+        self.cpu_pid, self.wire, self.interval = cpu_pid, wire, interval
+        self.samples: list[ProbeSample] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-probe", daemon=True)
+
+    def sample(self) -> ProbeSample:
+        cpu = proc_cpu_seconds(self.cpu_pid) if self.cpu_pid is not None else None
+        try:
+            wire = self.wire() if self.wire is not None else None
+        except OSError:
+            wire = None
+        return ProbeSample(time.monotonic(), cpu, wire)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(self.sample())
+            self._stop.wait(self.interval)
+
+    def start(self) -> Probe:
+        self._thread.start()
+        return self
+
+    def stop(self) -> list[ProbeSample]:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(10)
+        return self.samples
+
+
+def wire_delta(a: int | dict, b: int | dict) -> int:
+    """Bytes between two readings of one counter (loopback counter or ``ss`` snapshots)."""
+    if isinstance(a, dict):
+        return bytes_between(a, b)
+    return b - a
+
+
+def slope(xs: list[float], ys: list[float]) -> float | None:
+    """Least-squares slope of ``ys`` against ``xs`` (None: fewer than 3 points or no spread)."""
+    n = len(xs)
+    if n < 3:
+        return None
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx <= 0:
+        return None
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+
+
+def per_step(samples: list[ProbeSample], step_ends: list[list[float]], t0: float, t1: float) -> dict:
+    """Server CPU and bytes per step (all processes' steps) inside [t0, t1]: the slope of the
+    cumulative reading against time over the slope of the cumulative step count against time
+    (least squares, every sample and every step end inside). A step's traffic does not happen
+    at its end, so one difference of two readings over the step ends between them is off by
+    up to a step per process at each end (+-5% over 40 steps), and a regression of the readings
+    on the step count is biased low (the count is a noisy stand-in for progress); against
+    time, neither."""
+    ends = sorted(t for e in step_ends for t in e if t0 <= t <= t1)
+    rate = slope(ends, [float(i) for i in range(len(ends))]) if len(ends) >= 3 else None
+    out: dict = {}
+    if not rate:
+        return out
+    for key in ("cpu_s", "wire"):
+        inside = [s for s in samples if getattr(s, key) is not None and t0 <= s.t <= t1]
+        if len(inside) < 3:
+            continue
+        ts = [s.t for s in inside]
+        if key == "cpu_s":
+            k = slope(ts, [s.cpu_s for s in inside])
+            if k is not None:
+                out["server_cpu_ms_per_step"] = 1e3 * k / rate
+                out["server_cpu_cores"] = k
+        else:
+            first = inside[0].wire
+            k = slope(ts, [float(wire_delta(first, s.wire)) for s in inside])
+            if k is not None:
+                out["bytes_per_step"] = k / rate
+                out["bytes_per_s"] = k
+                out["bytes_seconds"] = ts[-1] - ts[0]
+                out["bytes_samples"] = len(inside)
+    return out

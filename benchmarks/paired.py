@@ -1,8 +1,9 @@
 """Paired rounds: setups run back to back with the local loop, ratios taken round by round.
 
-    python -m benchmarks.paired --rounds 10        # the local loops and PS 1 trainer, every --step
+    python -m benchmarks.paired --rounds 10        # the local loops and PS 1 and 2 trainers, plain and chained
     python -m benchmarks.paired --setups local-cached,ps-async-2,ps-chained-async-2 --rounds 6
     python -m benchmarks.paired --model resnet18 --batch-size 32 --steps 30 --skip 6 --rounds 4
+    python -m benchmarks.paired --setups issue15 --rounds 6   # trainer compute, DDP, stragglers, bytes, server cost
 
 Why: the PS step variants differ by a round trip or two (1-3 ms of a ~50 ms step), while the
 speed of the 2-core VM drifts by 10-30% from one minute to the next, so one window per setup,
@@ -10,59 +11,110 @@ each at its own moment, cannot rank them or hold a 0.90 ratio steady. Here every
 (one per update mode and step variant) stays up for the whole measurement; each round runs
 every setup once for ``--steps`` steps, back to back in a rotating order, and each run's
 samples/s is its throughput after ``--skip`` warm-up steps of every process (PS: all
-trainers together, over the interval in which they all step). A setup's ratio is its
-samples/s over the best local loop's *of the same round*; the result is the median of those
-ratios over the rounds. ``benchmarks.run`` runs the same
-rounds after its one-window pass (``--rounds``) and takes the issue's targets from them.
+trainers together, DDP: all ranks, side-by-side local loops: all loops, over the interval in
+which they all step). A setup's ratio is its samples/s over the best single local loop's *of
+the same round*; the result is the median of those ratios over the rounds. Ratios between two
+setups (2 trainers over 1, PS over DDP, ...) are taken the same way, round by round.
+
+Bytes on the wire: the PS servers, trainers and DDP ranks run in a network namespace of the
+harness's own (``benchmarks.netns``; root and iproute2), whose loopback carries their traffic
+and nothing else; a run's bytes per step are the loopback's transmitted bytes over its measured
+interval divided by the trainer (rank) steps in it. Without a namespace, ``ss`` counts the bytes
+sent on the run's sockets. The PS server's CPU time (``/proc/PID/stat``, every thread) over the
+same interval, divided by the trainer steps, is its cost per trainer step. ``-straggler``
+setups hold their last trainer (rank) to half a core (``benchmarks.throttle``: a CPU cgroup
+where one is writable, else SIGSTOP/SIGCONT duty cycling).
+
+``benchmarks.run`` runs the same rounds after its one-window pass (``--rounds``) and takes
+the issue's targets from them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import logging
+import os
+import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
-from benchmarks import measure
-from benchmarks.setups import local_argv, parse_setups, server_argv, trainer_argv
+from benchmarks import measure, netns, throttle
+from benchmarks.setups import (
+    READY,
+    STRAGGLER_SHARE,
+    ddp_rank_argv,
+    ddp_rank_env,
+    is_ceiling,
+    local_argv,
+    parse_setups,
+    process_env,
+    server_argv,
+    server_key,
+    steps_for,
+    straggler_index,
+    trainer_argv,
+)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SETUPS = "local,local-cached,ps-async-1,ps-chained-async-1,ps-async-2,ps-chained-async-2"
+ISSUE15_SETUPS = ("local-cached,local-1t,local-1t-x2,ddp-2,ps-pushpull-async-1,ps-pushpull-async-2,"
+                  "ps-pushpull-bf16-async-1,ps-pushpull-bf16-async-2,ps-pull-async-1,ps-pull-async-2,"
+                  "ps-pushpull-async-1-server1t,ps-pushpull-async-2-server1t,"
+                  "ddp-2-straggler,ps-pushpull-async-2-straggler,ps-pushpull-ssp4-2-straggler")
+"""Issue 15's targets (``--setups issue15``): trainer compute against the side-by-side local
+loops and DDP, with a straggler, the bytes of each wire dtype, the reference ``pull``, and
+``pushpull`` against a server of one compute thread (benchmarks/README.md, "Why pushpull
+trailed pull with one trainer")."""
+SETUP_ALIASES = {"issue15": ISSUE15_SETUPS}
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
 LEG_TIMEOUT_S = 600.0
 
 
 def pairable(setup: dict) -> bool:
-    """Local loops and PS setups; DDP/FSDP start a process group per run and are left out."""
-    return setup["kind"] in ("local", "ps")
+    """Local loops, PS setups and DDP; FSDP is left out."""
+    return setup["kind"] in ("local", "ps", "ddp")
 
 
 def leg_rate(step_ends: list[list[float]], batch_size: int, skip: int) -> dict:
     """Throughput of one run: step ends of every process after its first ``skip`` steps, over
     the interval in which all of them step (a trainer that finishes early would otherwise
     leave the other one alone and fast)."""
+    first = [min(e) if e else None for e in step_ends]
     ends = [sorted(e)[skip:] for e in step_ends]
     if any(len(e) < 6 for e in ends):
         raise RuntimeError(f"a run has {min(len(e) for e in ends)} steps after the {skip} skipped: too few to time "
                            "(raise --steps)")
     start, end = max(e[0] for e in ends), min(e[-1] for e in ends)
-    count = sum(1 for e in ends for t in e if start < t <= end)
+    per_process = [sum(1 for t in e if start < t <= end) for e in ends]
+    count = sum(per_process)
     if end <= start or count < 5:
         raise RuntimeError("the processes of a run never stepped together after their warm-up (raise --steps)")
-    gaps = [b - a for e in ends for a, b in itertools.pairwise(e) if start < b <= end]
-    return {"samples_per_s": count * batch_size / (end - start), "step_ms": 1000 * statistics.median(gaps),
-            "steps": count, "seconds": end - start}
+    gaps = [[b - a for a, b in itertools.pairwise(e) if start < b <= end] for e in ends]
+    return {"samples_per_s": count * batch_size / (end - start),
+            "step_ms": 1000 * statistics.median(g for p in gaps for g in p),
+            "steps": count, "seconds": end - start, "start": start, "end": end, "steps_per_process": per_process,
+            "step_ms_per_process": [1000 * statistics.median(p) if p else None for p in gaps],
+            "steps_per_s_per_process": count / (end - start) / len(ends),
+            "first_step_skew_s": [f - min(first) for f in first]}
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
 
 
 def summarize(setups: list[dict], runs: dict[str, list[dict]]) -> dict:
-    """Per-round ratios to the best local loop of the round, and their medians."""
-    locals_ = [s["name"] for s in setups if s["kind"] == "local"]
+    """Per-round ratios to the best single local loop of the round, and their medians; the
+    medians of bytes and server CPU per step where the runs measured them."""
+    locals_ = [s["name"] for s in setups if is_ceiling(s)]
     rounds = len(next(iter(runs.values())))
     out: dict = {"ceiling_per_round": [], "setups": {}}
     best = []
@@ -72,78 +124,201 @@ def summarize(setups: list[dict], runs: dict[str, list[dict]]) -> dict:
             out["ceiling_per_round"].append(name)
             best.append(runs[name][r]["samples_per_s"])
     for s in setups:
-        rates = [leg["samples_per_s"] for leg in runs[s["name"]]]
-        row = {"samples_per_s": rates, "step_ms": [leg["step_ms"] for leg in runs[s["name"]]],
+        legs = runs[s["name"]]
+        rates = [leg["samples_per_s"] for leg in legs]
+        row = {"samples_per_s": rates, "step_ms": [leg["step_ms"] for leg in legs],
                "median_samples_per_s": statistics.median(rates)}
         if best:
             row["x_local"] = [a / b for a, b in zip(rates, best, strict=True)]
             row["median_x_local"] = statistics.median(row["x_local"])
             row["rounds_at_or_above_0.90"] = sum(x >= 0.90 for x in row["x_local"])
+        for key in ("steps_per_s_per_process", "bytes_per_step", "server_cpu_ms_per_step", "server_cpu_cores"):
+            values = [leg.get(key) for leg in legs]
+            if any(v is not None for v in values):
+                row[key] = values
+                row[f"median_{key}"] = _median(values)
         out["setups"][s["name"]] = row
     return out
 
 
+def ratio_between(paired: dict, num: str, den: str) -> dict | None:
+    """samples/s of ``num`` over ``den``, round by round, and the median (None: one is missing)."""
+    a, b = paired["setups"].get(num), paired["setups"].get(den)
+    if a is None or b is None:
+        return None
+    per = [x / y for x, y in zip(a["samples_per_s"], b["samples_per_s"], strict=True)]
+    return {"per_round": per, "median": statistics.median(per)}
+
+
 class Rounds:
-    """The servers and child processes of one paired measurement (stopped in ``close``)."""
+    """The servers and child processes of one paired measurement (stopped in ``close``), in a
+    network namespace of its own where one can be made (``use_netns``: auto, on, off)."""
 
     def __init__(self, *, model: str, batch_size: int, steps: int, skip: int, work: Path,
-                 devices: str | None = None, tp_channels: str = "basic") -> None:
+                 devices: str | None = None, tp_channels: str = "basic", use_netns: str = "auto",
+                 throttle_method: str = "auto", warm_up_steps: int | None = None) -> None:
         self.model, self.batch_size, self.steps, self.skip = model, batch_size, steps, skip
+        self.warm_up_steps = skip + 10 if warm_up_steps is None else warm_up_steps
         self.work, self.devices, self.tp_channels = work, devices, tp_channels
+        self.throttle_method = throttle_method
         self.children = measure.Children(work)
-        self.servers: dict[tuple, int] = {}  # (update, sync trainers, step) -> port
+        self.servers: dict[tuple, tuple[int, measure.Child]] = {}  # server_key -> (port, server)
+        self.ns: netns.NetNamespace | None = None
+        self.throttles_used: set[str] = set()
+        throttle.cleanup_stale()  # cgroups a killed harness left behind
+        if use_netns != "off":
+            reason = netns.available()
+            if reason is None:
+                netns.cleanup_stale()
+                try:
+                    self.ns = netns.NetNamespace.create()
+                except OSError as e:
+                    reason = str(e)
+            if self.ns is None:
+                if use_netns == "on":
+                    raise OSError(f"--netns on: {reason}")
+                log.info("no network namespace (%s): bytes from ss on the runs' sockets", reason)
+        self.bytes_method = ("loopback tx bytes of the harness's network namespace (headers included)" if self.ns
+                             else "ss: bytes sent on the TCP sockets of the run's processes")
 
     def close(self) -> None:
-        self.children.stop_all()
+        try:
+            self.children.stop_all()
+        finally:
+            if self.ns is not None:
+                self.ns.close()
+                self.ns = None
 
-    def _server(self, setup: dict) -> int:
+    def _wrap(self, argv: list[str]) -> list[str]:
+        return self.ns.wrap(argv) if self.ns is not None else argv
+
+    def _server(self, setup: dict) -> tuple[int, measure.Child]:
         # One server per step variant too: in a deployment a job's trainers share one --step,
         # and dist_autograd's backward (plain) gives the server more OpenMP teams, which
         # slows every later step of that server (psserver.ps.compute).
-        key = (setup["update"], setup["trainers"] if setup["update"] == "sync" else 0, setup["step"])
+        key = server_key(setup)
         if key not in self.servers:
             port = measure.free_port()
-            server = self.children.start(server_argv(setup, model=self.model, port=port, devices=self.devices,
-                                                     tp_channels=self.tp_channels), "server-" + "-".join(map(str, key)))
+            server = self.children.start(self._wrap(server_argv(setup, model=self.model, port=port,
+                                                                devices=self.devices, tp_channels=self.tp_channels)),
+                                         "server-" + "-".join(map(str, key)))
             server.wait_for(r"serving \S+ on", 180)
-            self.servers[key] = port
+            self.servers[key] = (port, server)
+            if self.warm_up_steps > 0:
+                self._warm_up(setup, port)
         return self.servers[key]
 
-    def run_leg(self, setup: dict, tag: str) -> dict:
-        """One run of ``setup`` for ``steps`` steps (per trainer)."""
-        if setup["kind"] == "local":
-            stats = [self.work / f"{tag}.json"]
+    def _warm_up(self, setup: dict, port: int) -> None:
+        """One unmeasured run of the setup's trainers (no straggler) against a new server. A
+        trainer-compute server's first trainer session runs at a fraction of the later ones'
+        speed (measured, one pushpull trainer: 62 against 6 server CPU ms per step, 620 against
+        1,150 samples/s; while its compute thread holds the only OpenMP team, libgomp spins
+        long: benchmarks/README.md), which would bias round 1 by the order of the setups."""
+        plain = {**setup, "straggler": False}
+        steps, tag = self.warm_up_steps, "warm-up-" + "-".join(map(str, server_key(setup)))
+        log.info("warming up the server of %s (%d steps per trainer, not measured)", setup["name"], steps)
+        argvs = [trainer_argv(plain, r, port=port, batch_size=self.batch_size, steps=steps,
+                              stats_out=str(self.work / f"{tag}-{r}.json")) for r in range(setup["trainers"])]
+        procs = [self.children.start(self._wrap(a), f"{tag}-{r}", process_env(setup)) for r, a in enumerate(argvs)]
+        try:
+            for p in procs:
+                code = p.wait(LEG_TIMEOUT_S)
+                if code != 0:
+                    raise RuntimeError(f"{p.name} {'timed out' if code is None else f'exited with {code}'}:\n"
+                                       f"{p.tail()}")
+        finally:
+            for p in procs:
+                p.stop()
+            self.children.items = [c for c in self.children.items if c not in procs]
+
+    def _start(self, setup: dict, tag: str) -> tuple[list[Path], list[measure.Child], measure.Child | None]:
+        kind, n = setup["kind"], setup["trainers"]
+        env = process_env(setup)
+        if kind == "local":
+            stats = [self.work / f"{tag}-{i}.json" for i in range(setup.get("procs", 1))]
             procs = [self.children.start(local_argv(setup, model=self.model, batch_size=self.batch_size,
                                                     seconds=LEG_TIMEOUT_S / 2, steps=self.steps,
-                                                    stats_out=str(stats[0])), tag)]
-        elif setup["kind"] == "ps":
-            port = self._server(setup)
-            stats = [self.work / f"{tag}-trainer{r}.json" for r in range(setup["trainers"])]
-            procs = [self.children.start(trainer_argv(setup, r, port=port, batch_size=self.batch_size,
-                                                      steps=self.steps, stats_out=str(stats[r])), f"{tag}-trainer{r}")
-                     for r in range(setup["trainers"])]
-        else:
-            raise ValueError(f"{setup['name']}: only local and PS setups run in paired rounds")
-        deadline = time.monotonic() + LEG_TIMEOUT_S
-        for p in procs:
-            code = p.wait(max(1.0, deadline - time.monotonic()))
-            if code != 0:
-                raise RuntimeError(f"{p.name} {'timed out' if code is None else f'exited with {code}'}:\n{p.tail()}")
-        for p in procs:
-            p.stop()  # exited: closes its log
-        self.children.items = [c for c in self.children.items if c not in procs]
-        return leg_rate([json.loads(s.read_text())["step_ends"] for s in stats], self.batch_size, self.skip)
+                                                    stats_out=str(p)), p.stem, env) for p in stats]
+            return stats, procs, None
+        stats = [self.work / f"{tag}-{'trainer' if kind == 'ps' else 'rank'}{r}.json" for r in range(n)]
+        if kind == "ps":
+            port, server = self._server(setup)
+            procs = [self.children.start(self._wrap(trainer_argv(setup, r, port=port, batch_size=self.batch_size,
+                                                                 steps=steps_for(setup, r, self.steps),
+                                                                 stats_out=str(stats[r]))),
+                                         stats[r].stem, env) for r in range(n)]
+            return stats, procs, server
+        if kind == "ddp":
+            port = measure.free_port()
+            procs = [self.children.start(self._wrap(ddp_rank_argv(setup, model=self.model, batch_size=self.batch_size,
+                                                                  steps=self.steps, stats_out=str(stats[r]))),
+                                         stats[r].stem, ddp_rank_env(setup, r, master_port=port)) for r in range(n)]
+            return stats, procs, None
+        raise ValueError(f"{setup['name']}: only local, PS and DDP setups run in paired rounds")
+
+    def run_leg(self, setup: dict, tag: str) -> dict:
+        """One run of ``setup`` for ``steps`` steps (per trainer, rank or loop)."""
+        stats, procs, server = self._start(setup, tag)
+        probe = held = None
+        try:
+            idx = straggler_index(setup)
+            if idx is not None:
+                procs[idx].wait_for(READY[setup["kind"]], LEG_TIMEOUT_S / 2)
+                held = throttle.start(procs[idx].pid, STRAGGLER_SHARE, self.throttle_method)
+                self.throttles_used.add(held.method)
+            if setup["kind"] != "local":
+                if self.ns is not None:
+                    wire, interval = self.ns.tx_bytes, 0.1
+                else:
+                    pids = [p.pid for p in procs] + ([server.pid] if server else [])
+                    wire, interval = (lambda: measure.socket_snapshot(pids)), 0.5
+                probe = measure.Probe(server.pid if server else None, wire, interval).start()
+            deadline = time.monotonic() + LEG_TIMEOUT_S
+            for p in procs:
+                code = p.wait(max(1.0, deadline - time.monotonic()))
+                if code != 0:
+                    raise RuntimeError(f"{p.name} {'timed out' if code is None else f'exited with {code}'}:\n"
+                                       f"{p.tail()}")
+        finally:
+            if held is not None:
+                held.close()
+            samples = probe.stop() if probe is not None else []
+            for p in procs:
+                p.stop()  # exited: closes its log
+            self.children.items = [c for c in self.children.items if c not in procs]
+        ends = [json.loads(s.read_text())["step_ends"] for s in stats]
+        leg = leg_rate(ends, self.batch_size, self.skip)
+        if samples:
+            leg.update(measure.per_step(samples, ends, leg["start"], leg["end"]))
+        if held is not None:
+            leg["throttle"] = held.method
+        return leg
 
 
-def measure_rounds(setups: list[dict], *, rounds: int, **kwargs) -> dict:
-    """Every setup once per round, in an order that rotates by one each round."""
+def _leg_line(leg: dict) -> str:
+    extra = ""
+    if leg.get("bytes_per_step") is not None:
+        extra += f", {leg['bytes_per_step'] / 1e6:.2f} MB/step"
+    if leg.get("server_cpu_ms_per_step") is not None:
+        extra += f", server {leg['server_cpu_ms_per_step']:.1f} CPU ms/step"
+    if leg.get("throttle"):
+        per = ", ".join("-" if ms is None else f"{ms:.0f}" for ms in leg["step_ms_per_process"])
+        extra += f", straggler held by {leg['throttle']} (step ms per process: {per})"
+    return f"{leg['samples_per_s']:6.0f} samples/s, step {leg['step_ms']:.1f} ms{extra}"
+
+
+def measure_rounds(setups: list[dict], *, rounds: int, use_netns: str = "auto", throttle_method: str = "auto",
+                   **kwargs) -> dict:
+    """Every setup once per round, in an order that rotates by one each round. ``kwargs``: those
+    of ``Rounds`` (model, batch_size, steps, skip, devices, tp_channels, warm_up_steps)."""
     bad = [s["name"] for s in setups if not pairable(s)]
     if bad:
         raise ValueError(f"not measurable in paired rounds: {', '.join(bad)}")
     runs: dict[str, list[dict]] = {s["name"]: [] for s in setups}
     orders = []
+    t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="psserver-paired-") as tmp:
-        rr = Rounds(work=Path(tmp), **kwargs)
+        rr = Rounds(work=Path(tmp), use_netns=use_netns, throttle_method=throttle_method, **kwargs)
         try:
             for r in range(rounds):
                 order = setups[r % len(setups):] + setups[:r % len(setups)]
@@ -151,25 +326,50 @@ def measure_rounds(setups: list[dict], *, rounds: int, **kwargs) -> dict:
                 for s in order:
                     leg = rr.run_leg(s, f"{s['name']}-{r}")
                     runs[s["name"]].append(leg)
-                    log.info("round %d/%d %-20s %6.0f samples/s, step %.1f ms", r + 1, rounds, s["name"],
-                             leg["samples_per_s"], leg["step_ms"])
+                    log.info("[%5.0fs] round %d/%d %-30s %s", time.monotonic() - t0, r + 1, rounds, s["name"],
+                             _leg_line(leg))
         finally:
             rr.close()
     out = summarize(setups, runs)
-    out.update(rounds=rounds, steps=kwargs["steps"], skip=kwargs["skip"], order_per_round=orders, runs=runs)
+    out.update(rounds=rounds, steps=kwargs["steps"], skip=kwargs["skip"], order_per_round=orders, runs=runs,
+               tp_channels=kwargs.get("tp_channels", "basic"),
+               bytes_method=rr.bytes_method if any(s["kind"] != "local" for s in setups) else None,
+               throttle_methods=sorted(rr.throttles_used), wall_s=time.monotonic() - t0)
     return out
+
+
+def _num(v, fmt: str) -> str:
+    return "-" if v is None else fmt.format(v)
 
 
 def markdown_rows(paired: dict) -> list[str]:
     lines = ["| setup | samples/s (median over rounds) | x best local (median over rounds) | rounds >= 0.90 "
-             "| x best local, per round | step ms (median over rounds) |",
-             "|---|---|---|---|---|---|"]
+             "| x best local, per round | step ms (median over rounds) | MB/step (median) "
+             "| server CPU ms/step (median) |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, row in paired["setups"].items():
         per = " ".join(f"{x:.3f}" for x in row.get("x_local", []))
+        mb = row.get("median_bytes_per_step")
         lines.append(f"| {name} | {row['median_samples_per_s']:.0f} | {row.get('median_x_local', float('nan')):.3f} | "
                      f"{row.get('rounds_at_or_above_0.90', '-')}/{paired['rounds']} | {per} | "
-                     f"{statistics.median(row['step_ms']):.1f} |")
+                     f"{statistics.median(row['step_ms']):.1f} | {_num(None if mb is None else mb / 1e6, '{:.2f}')} | "
+                     f"{_num(row.get('median_server_cpu_ms_per_step'), '{:.1f}')} |")
     return lines
+
+
+def issue15_markdown(rows: list[dict], cost: dict | None) -> list[str]:
+    """Issue 15's targets (``targets.issue15_ratios``) and the server's capacity table
+    (``capacity.from_paired``), where the rounds held their setups."""
+    from benchmarks import capacity, report
+
+    out = []
+    if rows:
+        out += ["### Targets (issue 15, from the paired rounds)", "",
+                report.md_table(["ratio", "measured", "from", "per round", "target", "met"],
+                                report.issue15_target_rows(rows)), ""]
+    if cost:
+        out += capacity.markdown(cost)
+    return out
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -177,45 +377,114 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="mnist_cnn", help="model the server hosts (default mnist_cnn)")
     p.add_argument("--batch-size", type=int, default=64, help="samples per step and trainer (default 64)")
     p.add_argument("--setups", default=DEFAULT_SETUPS,
-                   help=f"comma-separated local and PS setups (default {DEFAULT_SETUPS})")
+                   help=f"comma-separated local, PS and DDP setups, or issue15 ({ISSUE15_SETUPS}) "
+                        f"(default {DEFAULT_SETUPS})")
     p.add_argument("--rounds", type=int, default=6, help="rounds of every setup (default 6)")
     p.add_argument("--steps", type=int, default=80, help="steps per run and trainer (default 80)")
     p.add_argument("--skip", type=int, default=20, help="warm-up steps left out of each run (default 20)")
+    p.add_argument("--warm-up-steps", type=int, default=None,
+                   help="steps per trainer of one unmeasured run against each new PS server (a server's first trainer "
+                        "session is slow; default --skip + 10; 0: none)")
     p.add_argument("--devices", default=None, help="server --devices (default: its own choice)")
     p.add_argument("--tp-channels", default="basic", help="TensorPipe channels of the servers (default basic)")
+    p.add_argument("--netns", default="auto", choices=("auto", "on", "off"),
+                   help="run PS and DDP processes in a network namespace of the harness's own and count the bytes "
+                        "on its loopback (auto: where root and iproute2 allow, else ss; default auto)")
+    p.add_argument("--throttle", default="auto", choices=throttle.METHODS,
+                   help="how -straggler setups hold their last trainer to half a core (auto: a CPU cgroup where "
+                        "writable, else SIGSTOP/SIGCONT; default auto)")
     p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS, help="where the JSON and Markdown go")
     args = p.parse_args(argv)
     try:
-        args.setups = parse_setups(args.setups)
+        args.setups = parse_setups(SETUP_ALIASES.get(args.setups.strip(), args.setups))
     except ValueError as e:
         p.error(f"--setups: {e}")
     bad = [s["name"] for s in args.setups if not pairable(s)]
     if bad:
-        p.error(f"--setups: only local and PS setups run in paired rounds, not {', '.join(bad)}")
-    if not any(s["kind"] == "local" for s in args.setups):
-        p.error("--setups: name at least one local loop (local, local-cached, local-Nt): the ratios divide by it")
-    if args.rounds < 1 or args.skip < 0 or args.steps < args.skip + 6 or args.batch_size < 1:
-        p.error("need --rounds >= 1, --batch-size >= 1, --skip >= 0 and --steps >= --skip + 6")
+        p.error(f"--setups: only local, PS and DDP setups run in paired rounds, not {', '.join(bad)}")
+    if not any(is_ceiling(s) for s in args.setups):
+        p.error("--setups: name at least one single local loop (local, local-cached, local-Nt): the ratios divide "
+                "by it")
+    if args.rounds < 1 or args.skip < 0 or args.steps < args.skip + 6 or args.batch_size < 1 \
+            or (args.warm_up_steps is not None and args.warm_up_steps < 0):
+        p.error("need --rounds >= 1, --batch-size >= 1, --skip >= 0, --steps >= --skip + 6 and --warm-up-steps >= 0")
+    problem = check_machine_flags(args.netns, args.throttle, args.setups)
+    if problem:
+        p.error(problem)
     return args
+
+
+def check_machine_flags(use_netns: str, throttle_method: str, setups: list[dict]) -> str | None:
+    """What this machine cannot do of ``--netns on`` and a ``--throttle`` cgroup kind (for the
+    setups that need it), in one line; None when all is well."""
+    if use_netns == "on" and netns.available():
+        return f"--netns on: {netns.available()}"
+    if throttle_method in ("cgroup", "cgroup1", "cgroup2") and any(s.get("straggler") for s in setups):
+        have = [v for v, _ in throttle.cgroup_parents()]
+        if not have or (throttle_method != "cgroup" and throttle_method not in have):
+            return f"--throttle {throttle_method}: no writable CPU cgroup of that kind here (use auto or sigstop)"
+    return None
+
+
+@contextlib.contextmanager
+def exit_on_sigterm():
+    """While inside: SIGTERM (``timeout``, a CI runner) raises SystemExit, so every ``finally``
+    runs: child processes stopped, the network namespace deleted, straggler cgroups removed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    def stop(signum, frame) -> None:  # noqa: ARG001
+        log.warning("SIGTERM: stopping the runs and cleaning up")
+        sys.exit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse_args(argv)
+    with exit_on_sigterm():
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
-    paired = measure_rounds(args.setups, rounds=args.rounds, model=args.model, batch_size=args.batch_size,
-                            steps=args.steps, skip=args.skip, devices=args.devices, tp_channels=args.tp_channels)
     names = ",".join(s["name"] for s in args.setups)
+    log.info("paired rounds: %d x %s (%d steps, %d skipped)", args.rounds, names, args.steps, args.skip)
+    paired = measure_rounds(args.setups, rounds=args.rounds, model=args.model, batch_size=args.batch_size,
+                            steps=args.steps, skip=args.skip, devices=args.devices, tp_channels=args.tp_channels,
+                            use_netns=args.netns, throttle_method=args.throttle, warm_up_steps=args.warm_up_steps)
     command = (f"python -m benchmarks.paired --model {args.model} --batch-size {args.batch_size} --setups {names} "
                f"--rounds {args.rounds} --steps {args.steps} --skip {args.skip}")
+    for flag, value, default in (("--warm-up-steps", args.warm_up_steps, None), ("--tp-channels", args.tp_channels,
+                                 "basic"), ("--netns", args.netns, "auto"), ("--throttle", args.throttle, "auto")):
+        if value != default:
+            command += f" {flag} {value}"
     result = {"command": command, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_s": time.monotonic() - t0,
               "config": {"model": args.model, "batch_size": args.batch_size, "setups": names,
-                         "tp_channels": args.tp_channels, "devices": args.devices}, "paired": paired}
+                         "tp_channels": args.tp_channels, "devices": args.devices, "netns": args.netns,
+                         "throttle": args.throttle, "cores": os.cpu_count(), "load_avg": os.getloadavg()},
+              "paired": paired}
+    from benchmarks import capacity, targets
+
+    result["issue15_targets"] = targets.issue15_ratios(paired, args.model, args.batch_size)
+    result["server_capacity"] = capacity.from_paired(paired, args.model, args.batch_size)
     args.results_dir.mkdir(parents=True, exist_ok=True)
     stem = args.results_dir / f"paired-{args.model}-b{args.batch_size}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    md = "\n".join([f"## Paired rounds: {args.model}, batch {args.batch_size}", "", f"`{command}` ({result['time']})",
-                    "", *markdown_rows(paired)]) + "\n"
+    notes = []
+    if paired.get("bytes_method"):
+        notes.append(f"Bytes: {paired['bytes_method']}.")
+    if paired.get("throttle_methods"):
+        notes.append(f"Stragglers held to {STRAGGLER_SHARE:g} core by: {', '.join(paired['throttle_methods'])}.")
+    md = "\n".join([f"## Paired rounds: {args.model}, batch {args.batch_size}", "",
+                    f"`{command}` ({result['time']}, {result['wall_s'] / 60:.1f} min)", "",
+                    *markdown_rows(paired), "", *([" ".join(notes), ""] if notes else []),
+                    *issue15_markdown(result["issue15_targets"], result["server_capacity"])]).rstrip() + "\n"
     stem.with_suffix(".md").write_text(md)
     sys.stdout.write(md)
     return 0

@@ -54,7 +54,7 @@ def setup_rows(result: dict) -> list[list[str]]:
     return rows
 
 
-def _md_table(header: list[str], rows: list[list[str]]) -> str:
+def md_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
@@ -69,6 +69,16 @@ def target_rows(result: dict) -> list[list[str]]:
         note = "" if r.get("issue_config", True) else " (issue target set for another model/batch)"
         rows.append([r["name"], value, r.get("method", "one run"), one, f"{r['op']} {r['target']:g}", met + note])
     return rows
+
+
+def issue15_target_rows(rows: list[dict]) -> list[list[str]]:
+    out = []
+    for r in rows:
+        value = "-" if r["value"] is None else f"{r['value']:.3g}"
+        per = " ".join(f"{x:.2f}" for x in r["per_round"]) if r.get("per_round") else "-"
+        met = "-" if r["met"] is None else ("yes" if r["met"] else "NO")
+        out.append([r["name"], value, r["from"], per, f"{r['op']} {r['target']:g}", met])
+    return out
 
 
 def markdown(result: dict) -> str:
@@ -87,17 +97,19 @@ def markdown(result: dict) -> str:
         f"`x local` divides by the best local loop (`{c['ceiling']}`); PS server TensorPipe channels: "
         f"{c['tp_channels']}.",
         "",
-        _md_table(COLUMNS, setup_rows(result)),
+        md_table(COLUMNS, setup_rows(result)),
         "",
         f"PS lower bound per step: input {_bytes(lb['input'])} + output {_bytes(lb['output'])} + output "
         f"gradient {_bytes(lb['grad_output'])} = {_bytes(lb['total'])}. Bytes/step: measured with `ss` "
         "on the TCP sockets of the setup's processes (every byte counted once, at its sender) "
         "per trainer step, in the measured windows; DDP/FSDP: all bytes the ranks sent over the whole "
-        "run (set-up included) per rank step, i.e. per batch, like PS.",
+        "run (set-up included) per rank step, i.e. per batch, like PS. Trainer compute (`pull`, `pushpull`): "
+        "`x lower bound` divides by the gradient up plus the parameters down in the wire dtype; DDP ranks "
+        "started by the harness (`ddp-N`): bytes sent on their sockets in the measured windows per rank step.",
         "",
         "### Targets (issue 6)",
         "",
-        _md_table(["ratio", "measured", "from", "one window", "target", "met"], target_rows(result)),
+        md_table(["ratio", "measured", "from", "one window", "target", "met"], target_rows(result)),
         "",
     ]
     pr = result.get("paired")
@@ -109,6 +121,7 @@ def markdown(result: dict) -> str:
                   *paired.markdown_rows(pr), ""]
     elif pr:
         parts += [f"- paired rounds failed: {pr['error'].splitlines()[0]}"]
+    parts += paired.issue15_markdown(result.get("issue15_targets") or [], result.get("server_capacity"))
     failed = [s for s in result["setups"] if s.get("error")]
     for s in failed:
         parts.append(f"- {s['name']} failed: {s['error'].splitlines()[0]}")
@@ -143,15 +156,18 @@ def chart(result: dict, path: Path) -> bool:
     ax1.tick_params(axis="x", rotation=35)
     for label in ax1.get_xticklabels():
         label.set_ha("right")
-    for update, step, color in (("async", "", "tab:blue"), ("sync", "", "tab:orange"),
-                                ("async", "chained", "tab:red"), ("sync", "chained", "tab:gray")):
-        pts = sorted((s["trainers"], s["samples_per_s"]) for s in ok if s["kind"] == "ps" and s["update"] == update
-                     and s.get("step", "plain") == (step or "plain"))
-        if pts:
-            label = f"PS {update}" + (f", {step} step" if step else "")
-            ax2.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=label)
+    # One line per update mode and step protocol (fp32 wire, default server threads, no straggler).
+    lines: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for s in ok:
+        if s["kind"] == "ps" and not s.get("straggler") and s.get("wire", "fp32") == "fp32" \
+                and not s.get("server_threads"):
+            lines.setdefault((s["update"], s.get("step", "plain")), []).append((s["trainers"], s["samples_per_s"]))
+    for (update, step), pts in lines.items():
+        pts.sort()
+        label = f"PS {update}" + ("" if step == "plain" else f", {step} step")
+        ax2.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
     for kind, color in (("ddp", "tab:green"), ("fsdp", "tab:olive")):
-        pts = [(s["trainers"], s["samples_per_s"]) for s in ok if s["kind"] == kind]
+        pts = [(s["trainers"], s["samples_per_s"]) for s in ok if s["kind"] == kind and not s.get("straggler")]
         if pts:
             ax2.plot([p[0] for p in pts], [p[1] for p in pts], "s", color=color, label=kind.upper())
     if local:

@@ -1,21 +1,24 @@
-"""The benchmark harness: local loop, PS (async/sync, 1/2/4 trainers), DDP and FSDP in one run.
+"""The benchmark harness: local loops, PS (async/sync/ssp, 1/2/4 trainers, server or trainer
+compute, with a straggler), DDP and FSDP in one run.
 
-    python -m benchmarks.run --quick                       # < 2 minutes on 2 cores
-    python -m benchmarks.run --model mnist_cnn --batch-size 64       # ~6 minutes on 2 cores
+    python -m benchmarks.run --quick                       # 2-3 minutes on 2 cores
+    python -m benchmarks.run --model mnist_cnn --batch-size 64       # ~45 minutes on 2 cores
     python -m benchmarks.run --model resnet18 --batch-size 32 --setups local,ps-async-1
     psserver bench ...                                     # the same, as a CLI verb
 
-Every setup runs real processes (``psserver serve`` + N ``psserver train``; the collective
-loop through ``benchmarks.collective_overhead``), one setup at a time, and reports samples/s
+Every setup runs real processes (``psserver serve`` + N ``psserver train``; DDP ranks started
+one by one with torchrun's variables, ``benchmarks.workers ddp``; FSDP through
+``benchmarks.collective_overhead``), one setup at a time, and reports samples/s
 (median of windows after warm-up; PS: the total over trainers), step latency p50/p95, bytes
 on the wire per step (``ss`` on the setup's TCP sockets), the server's CPU while idle (N
 trainers joined and waiting) and while training, and the peak RSS of every process. The
 local loop, the ceiling every ratio divides by, runs in bursts spread over the run (start,
 middle, end) and its windows are pooled, so load that drifts during the run hits both sides.
 
-Then come paired rounds (``benchmarks.paired``, ``--rounds``): the local loops and the PS
-async setups of up to 2 trainers, back to back, every round; each ratio is taken against the
-best local loop of its own round, and the issue's throughput targets read the median of
+Then come paired rounds (``benchmarks.paired``, ``--rounds``): the local loops, the PS
+async and ssp setups of up to 2 trainers and DDP with up to 2 ranks, back to back, every
+round; each ratio is taken against the best local loop of its own round (or, for issue 15,
+between two setups of the same round), and the issues' throughput targets read the median of
 those per-round ratios (the one-window ratio is recorded beside it). On a 2-core VM whose
 speed drifts by 10-30% from minute to minute, one window per setup cannot hold a 0.90 ratio
 steady; a pairing within seconds can.
@@ -42,15 +45,31 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks import measure, paired, report
-from benchmarks.setups import local_argv, parse_setup, parse_setups, server_argv, trainer_argv
-from benchmarks.targets import lower_bound, ratios
+from benchmarks import capacity, measure, paired, report, throttle
+from benchmarks.setups import (
+    READY,
+    STRAGGLER_SHARE,
+    ddp_rank_argv,
+    ddp_rank_env,
+    is_ceiling,
+    local_argv,
+    parse_setup,
+    parse_setups,
+    process_env,
+    server_argv,
+    steps_for,
+    straggler_index,
+    trainer_argv,
+)
+from benchmarks.targets import issue15_ratios, lower_bound, ratios, trainer_compute_floor
 
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
-FULL_SETUPS = ("local,local-1t,local-cached,ps-async-1,ps-async-2,ps-async-4,ps-sync-1,ps-sync-2,ps-sync-4,"
-               "ps-chained-async-1,ps-chained-async-2,ps-chained-sync-2,ddp-2,fsdp-2")
-QUICK_SETUPS = "local,ps-async-1,ps-async-2,ddp-2"
+FULL_SETUPS = ("local,local-1t,local-cached,local-1t-x2,ps-async-1,ps-async-2,ps-async-4,ps-sync-1,ps-sync-2,ps-sync-4,"
+               "ps-chained-async-1,ps-chained-async-2,ps-chained-sync-2,ps-pushpull-async-1,ps-pushpull-async-2,"
+               "ps-pushpull-async-4,ps-pushpull-async-2-straggler,ddp-2,ddp-2-straggler,fsdp-2")
+QUICK_SETUPS = "local,local-1t-x2,ps-pushpull-async-2,ddp-2"
 WARMUP_STEPS = 5  # collective runs: steps before their windows
+MIN_PLANNED_STEPS = 40  # per PS trainer or DDP rank in the one-window pass
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=None,
                    help="measured seconds per setup, after warm-up (default 10; --quick 4)")
     p.add_argument("--quick", action="store_true",
-                   help=f"fewer setups ({QUICK_SETUPS}) and short windows: under 2 minutes on 2 cores")
+                   help=f"fewer setups ({QUICK_SETUPS}) and short windows: 2-3 minutes on 2 cores")
     p.add_argument("--setups", default=None, help=f"comma-separated (default {FULL_SETUPS})")
     p.add_argument("--warmup", type=float, default=None, help="seconds discarded per process (default 3; quick 1.5)")
     p.add_argument("--window", type=float, default=None, help="window length in seconds (default seconds/6)")
@@ -78,6 +97,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "between hosts, so ss counts them; 'default': TensorPipe's own choice, which on one "
                         "host moves tensors with cma outside any socket)")
     p.add_argument("--devices", default=None, help="server --devices (default: its own choice: GPUs, else cpu)")
+    p.add_argument("--netns", default="auto", choices=("auto", "on", "off"),
+                   help="paired rounds: run PS and DDP processes in a network namespace of the harness's own and "
+                        "count bytes on its loopback (auto: where root and iproute2 allow, else ss; default auto)")
+    p.add_argument("--throttle", default="auto", choices=throttle.METHODS,
+                   help="how -straggler setups hold their last trainer or rank to half a core (auto: a CPU "
+                        "cgroup where writable, else SIGSTOP/SIGCONT duty cycling; default auto)")
     p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS,
                    help=f"output directory (default {DEFAULT_RESULTS})")
     p.add_argument("--keep-logs", action="store_true", help="keep every child's log under the results directory")
@@ -111,28 +136,35 @@ class Run:
     # ---- local -------------------------------------------------------------------------
 
     def local_burst(self, setup: dict, seconds: float) -> None:
-        """One burst of a local-loop variant; its windows join the variant's pool."""
-        stats = self.log_dir / f"{self._name(setup['name'])}.json"
+        """One burst of a local-loop variant (K loops side by side for ``local-Nt-xK``: their
+        total over the interval in which all of them step); its windows join the variant's pool."""
+        name = self._name(setup["name"])
+        stats = [self.log_dir / f"{name}-{i}.json" for i in range(setup.get("procs", 1))]
         children = measure.Children(self.log_dir)
         sampler = measure.Sampler()
         try:
-            c = children.start(local_argv(setup, model=self.args.model, batch_size=self.args.batch_size,
-                                          seconds=seconds + self.warmup, stats_out=str(stats)), stats.stem)
-            sampler.track("local", c.pid, wire=True)  # ss on its (absent) sockets: same sampling cost as PS
+            loops = [children.start(local_argv(setup, model=self.args.model, batch_size=self.args.batch_size,
+                                               seconds=seconds + self.warmup, stats_out=str(p)), p.stem,
+                                    process_env(setup)) for p in stats]
+            for i, c in enumerate(loops):  # ss on its (absent) sockets: same sampling cost as PS
+                sampler.track("local" if i == 0 else f"local{i}", c.pid, wire=True)
             sampler.start()
-            if c.wait(seconds + self.warmup + 120) != 0:
-                raise RuntimeError(f"local loop failed ({c.popen.returncode}):\n{c.tail()}")
+            for c in loops:
+                if c.wait(seconds + self.warmup + 120) != 0:
+                    raise RuntimeError(f"local loop failed ({c.popen.returncode}):\n{c.tail()}")
         finally:
             sampler.stop()
             children.stop_all()
-        data = json.loads(stats.read_text())
-        a = measure.analyze_steps([data["step_ends"]], self.args.batch_size, warmup_s=self.warmup,
+        runs = [json.loads(p.read_text()) for p in stats]
+        data = runs[0]
+        a = measure.analyze_steps([d["step_ends"] for d in runs], self.args.batch_size, warmup_s=self.warmup,
                                   window_s=self.window)
         pool = self.local.setdefault(setup["name"], {"bursts": [], "rss": 0.0})
         pool["bursts"].append({**a.to_dict(), "latencies": a.latencies_s})
         pool["device"], pool["threads"] = data.get("device"), data.get("threads")
         pool["rss"] = max([pool["rss"], *(v / 2**20 for v in sampler.peak_rss.values())])
-        print(f"  {setup['name']} ({data.get('threads')} threads): {a.samples_per_s:.0f} samples/s", flush=True)
+        side = f" x {len(runs)} side by side" if len(runs) > 1 else ""
+        print(f"  {setup['name']} ({data.get('threads')} threads{side}): {a.samples_per_s:.0f} samples/s", flush=True)
 
     def local_result(self, name: str) -> dict:
         pool = self.local[name]
@@ -154,9 +186,19 @@ class Run:
         }
 
     def local_steps_per_s(self) -> float:
-        """The best local variant so far, in steps/s (sizes the PS runs)."""
+        """The best local variant so far, in steps/s (sizes the PS and DDP runs)."""
         best = max(statistics.median(b["samples_per_s"] for b in p["bursts"]) for p in self.local.values())
         return best / self.args.batch_size
+
+    def _hold_straggler(self, setup: dict, procs: list[measure.Child], out: dict):
+        """The last trainer (rank) of a ``-straggler`` setup held to half a core, or None."""
+        idx = straggler_index(setup)
+        if idx is None:
+            return None
+        procs[idx].wait_for(READY[setup["kind"]], 300)
+        held = throttle.start(procs[idx].pid, STRAGGLER_SHARE, self.args.throttle)
+        out["straggler"] = {"index": idx, "share": STRAGGLER_SHARE, "method": held.method}
+        return held
 
     # ---- parameter server --------------------------------------------------------------
 
@@ -167,6 +209,7 @@ class Run:
         children = measure.Children(self.log_dir)
         sampler = measure.Sampler(ss_every=1 if self.quick else 2)
         out: dict = {}
+        held = None
         try:
             server = children.start(server_argv(setup, model=self.args.model, port=port, devices=self.args.devices,
                                                 tp_channels=self.args.tp_channels), f"{name}-server")
@@ -182,20 +225,16 @@ class Run:
             stats = [self.log_dir / f"{name}-trainer{r}.json" for r in range(n)]
             trainers = []
             for r in range(n):
-                t = children.start(trainer_argv(setup, r, port=port, batch_size=bs, steps=steps,
-                                                stats_out=str(stats[r])), f"{name}-trainer{r}")
+                t = children.start(trainer_argv(setup, r, port=port, batch_size=bs, steps=steps_for(setup, r, steps),
+                                                stats_out=str(stats[r])), f"{name}-trainer{r}", process_env(setup))
                 sampler.track(f"trainer{r}", t.pid, wire=True)
                 trainers.append(t)
-            expected = steps * n / max(1e-6, self.local_steps_per_s())
-            deadline = time.monotonic() + 4 * expected + 120
-            for t in trainers:
-                code = t.wait(max(1.0, deadline - time.monotonic()))
-                if code is None:
-                    raise RuntimeError(f"{t.name} still running after {4 * expected + 120:.0f}s:\n{t.tail()}")
-                if code != 0:
-                    raise RuntimeError(f"{t.name} exited with {code}:\n{t.tail()}")
+            held = self._hold_straggler(setup, trainers, out)
+            self._wait_all(trainers, steps * n)
             sampler.stop()
         finally:
+            if held is not None:
+                held.close()
             sampler.stop()
             children.stop_all()
         ends = [json.loads(p.read_text())["step_ends"] for p in stats]
@@ -203,8 +242,11 @@ class Run:
         samples = sampler.snapshot()
         out.update(a.to_dict())
         wire = measure.wire_bytes_per_step(samples, ends, a.start, a.end)
-        out["bytes_per_step"] = wire["bytes_per_step"] if wire else None
-        out["bytes_method"] = "measured: ss bytes_sent of the server's and trainers' sockets / trainer steps"
+        slopes = per_step(samples, ends, a.start, a.end, cpu_role="server")
+        out["bytes_per_step"] = slopes.get("bytes_per_step", wire["bytes_per_step"] if wire else None)
+        out["bytes_method"] = ("measured: ss bytes_sent of the server's and trainers' sockets, slope against time "
+                               "over the trainers' step rate")
+        out["server_cpu_ms_per_step"] = slopes.get("server_cpu_ms_per_step")  # psutil: the process and its threads
         out["bytes_window"] = wire
         out["server_train_cpu_pct"] = measure.cpu_percent(samples, "server", a.start, a.end)
         out["trainer_train_cpu_pct"] = [measure.cpu_percent(samples, f"trainer{r}", a.start, a.end) for r in range(n)]
@@ -212,10 +254,23 @@ class Run:
         out["max_steps_per_trainer"] = steps
         return out
 
+    def _wait_all(self, procs: list[measure.Child], total_steps: int) -> None:
+        expected = total_steps / max(1e-6, self.local_steps_per_s())
+        limit = 4 * expected + 120
+        deadline = time.monotonic() + limit
+        for t in procs:
+            code = t.wait(max(1.0, deadline - time.monotonic()))
+            if code is None:
+                raise RuntimeError(f"{t.name} still running after {limit:.0f}s:\n{t.tail()}")
+            if code != 0:
+                raise RuntimeError(f"{t.name} exited with {code}:\n{t.tail()}")
+
     def _planned_steps(self, n: int) -> int:
-        """Steps per trainer so that all N overlap for about warm-up + seconds (plus start-up skew)."""
+        """Steps per trainer so that all N overlap for about warm-up + seconds (plus start-up skew);
+        at least ``MIN_PLANNED_STEPS``: one-thread trainers and ranks can outrun a local loop of
+        all cores that other load slows down (OpenMP barriers)."""
         rate = self.local_steps_per_s() * 1.15  # PS totals rarely beat the local loop
-        return math.ceil(rate * (self.seconds + self.warmup + 2.0) / n) + 5
+        return max(MIN_PLANNED_STEPS, math.ceil(rate * (self.seconds + self.warmup + 2.0) / n) + 5)
 
     def _idle(self, server: measure.Child, port: int, n: int, name: str, children: measure.Children,
               sampler: measure.Sampler) -> dict:
@@ -246,6 +301,49 @@ class Run:
                 "idle_trainer_cpu_pct": trainers_cpu, "idle_seconds": self.idle_s}
 
     # ---- collectives -------------------------------------------------------------------
+
+    def ddp(self, setup: dict) -> dict:
+        """``ddp-N``: N rank processes started here (torchrun's variables), one torch thread
+        each, for the planned steps; measured like the PS trainers (step ends, windows, ss)."""
+        n, bs = setup["trainers"], self.args.batch_size
+        name = self._name(setup["name"])
+        children = measure.Children(self.log_dir)
+        sampler = measure.Sampler(ss_every=1 if self.quick else 2)
+        out: dict = {}
+        held = None
+        steps = self._planned_steps(n)
+        stats = [self.log_dir / f"{name}-rank{r}.json" for r in range(n)]
+        port = measure.free_port()
+        try:
+            ranks = [children.start(ddp_rank_argv(setup, model=self.args.model, batch_size=bs, steps=steps,
+                                                  stats_out=str(stats[r])), f"{name}-rank{r}",
+                                    ddp_rank_env(setup, r, master_port=port)) for r in range(n)]
+            for r, c in enumerate(ranks):
+                sampler.track(f"rank{r}", c.pid, wire=True)
+            sampler.start()
+            held = self._hold_straggler(setup, ranks, out)
+            self._wait_all(ranks, steps * n)
+            sampler.stop()
+        finally:
+            if held is not None:
+                held.close()
+            sampler.stop()
+            children.stop_all()
+        runs = [json.loads(p.read_text()) for p in stats]
+        ends = [d["step_ends"] for d in runs]
+        a = measure.analyze_steps(ends, bs, warmup_s=self.warmup, window_s=self.window)
+        out.update(a.to_dict())
+        samples = sampler.snapshot()
+        wire = measure.wire_bytes_per_step(samples, ends, a.start, a.end)
+        out["bytes_per_step"] = per_step(samples, ends, a.start, a.end).get(
+            "bytes_per_step", wire["bytes_per_step"] if wire else None)
+        out["bytes_method"] = "measured: ss bytes_sent of the ranks' sockets, slope against time over the step rate"
+        out["bytes_window"] = wire
+        out["peak_rss_mb"] = {k: v / 2**20 for k, v in sampler.peak_rss.items() if "/" not in k}
+        out["devices"] = sorted({d.get("device", "cpu") for d in runs})
+        out["torch_threads"] = [d.get("threads") for d in runs]
+        out["max_steps_per_rank"] = steps
+        return out
 
     def collective(self, setup: dict) -> dict:
         name = self._name(setup["name"])
@@ -293,6 +391,14 @@ class Run:
             "windows": r.get("windows"),
             "window_steps": r.get("window_steps"),
         }
+
+
+def per_step(samples: list[measure.Sample], ends: list[list[float]], t0: float, t1: float,
+             cpu_role: str | None = None) -> dict:
+    """``measure.per_step`` (bytes and CPU time per step, least-squares slopes) on the
+    sampler's snapshots: ``ss`` socket bytes and the CPU time of ``cpu_role``."""
+    probe = [measure.ProbeSample(s.t, s.cpu.get(cpu_role) if cpu_role else None, s.sockets) for s in samples]
+    return measure.per_step(probe, ends, t0, t1)
 
 
 def machine_info() -> dict:
@@ -350,19 +456,30 @@ def check_args(args: argparse.Namespace) -> list[dict]:
     _, steps, skip = round_settings(args)
     if steps < skip + 6:
         raise ValueError(f"--round-steps must be at least --round-skip + 6 ({skip + 6})")
+    problem = paired.check_machine_flags(getattr(args, "netns", "auto"), getattr(args, "throttle", "auto"), setups)
+    if problem:
+        raise ValueError(problem)
     return setups
 
 
 def paired_setups(setups: list[dict], failed: set[str]) -> list[dict]:
-    """What the paired rounds measure: the local loops and PS async setups of 1-2 trainers
-    (the throughput targets), minus any that failed in the one-window pass."""
+    """What the paired rounds measure: the local loops, PS async and ssp setups of 1-2 trainers
+    and DDP of up to 2 ranks (the throughput targets, stragglers included), minus any that
+    failed in the one-window pass."""
     return [s for s in setups if s["name"] not in failed and (
-        s["kind"] == "local" or (s["kind"] == "ps" and s["update"] == "async" and s["trainers"] <= 2))]
+        s["kind"] == "local" or (s["kind"] == "ps" and s["update"] in ("async", "ssp") and s["trainers"] <= 2)
+        or (s["kind"] == "ddp" and s["trainers"] <= 2))]
 
 
 def run_args(args: argparse.Namespace, command: str) -> int:
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     setups = check_args(args)
+    with paired.exit_on_sigterm():  # children stopped, namespace and cgroups removed on SIGTERM too
+        return _run_args(args, command, setups)
+
+
+def _run_args(args: argparse.Namespace, command: str, setups: list[dict]) -> int:
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    throttle.cleanup_stale()
     results_dir = args.results_dir
     results_dir.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -373,7 +490,9 @@ def run_args(args: argparse.Namespace, command: str) -> int:
     bench = Run(args, log_dir)
     t_start = time.monotonic()
     machine = machine_info()
-    locals_ = [s for s in setups if s["kind"] == "local"] or [parse_setup("local")]  # the ceiling is always measured
+    locals_ = [s for s in setups if s["kind"] == "local"]
+    if not any(is_ceiling(s) for s in locals_):
+        locals_ = [parse_setup("local"), *locals_]  # the ceiling is always measured
     others = [s for s in setups if s["kind"] != "local"]
     bursts = 2 if args.quick or len(others) < 3 else 3
     burst_s = max(bench.window * 3, bench.seconds * (1.0 if args.quick else 1.5) / bursts)
@@ -391,7 +510,7 @@ def run_args(args: argparse.Namespace, command: str) -> int:
             s = others[i]
             print(f"[{time.monotonic() - t_start:5.0f}s] {s['name']}", flush=True)
             try:
-                res = bench.ps(s) if s["kind"] == "ps" else bench.collective(s)
+                res = bench.ps(s) if s["kind"] == "ps" else bench.ddp(s) if s["kind"] == "ddp" else bench.collective(s)
                 print(f"  {res['samples_per_s']:.0f} samples/s", flush=True)
             except Exception as e:  # noqa: BLE001 - one failed setup must not lose the others
                 traceback.print_exc()
@@ -411,7 +530,9 @@ def run_args(args: argparse.Namespace, command: str) -> int:
             try:
                 paired_result = paired.measure_rounds(
                     pairs, rounds=bench.rounds, model=args.model, batch_size=args.batch_size,
-                    steps=bench.round_steps, skip=bench.round_skip, devices=args.devices, tp_channels=args.tp_channels)
+                    steps=bench.round_steps, skip=bench.round_skip, devices=args.devices, tp_channels=args.tp_channels,
+                    use_netns=getattr(args, "netns", "auto"), throttle_method=getattr(args, "throttle", "auto"),
+                    warm_up_steps=0 if args.quick else None)  # --quick: no unmeasured run per server
             except Exception as e:  # noqa: BLE001 - the one-window results stand without it
                 traceback.print_exc()
                 paired_result = {"error": f"{type(e).__name__}: {e}"}
@@ -422,10 +543,10 @@ def run_args(args: argparse.Namespace, command: str) -> int:
         results[loc["name"]] = bench.local_result(loc["name"])
     # The ceiling: the best local loop measured (threads = cores unless fewer did better; the
     # server's allocator policy when that did better), so no server setting is left out of it.
-    ceiling_name = max((loc["name"] for loc in locals_), key=lambda n: results[n]["samples_per_s"])
+    ceiling_name = max((loc["name"] for loc in locals_ if is_ceiling(loc)), key=lambda n: results[n]["samples_per_s"])
     local = results[ceiling_name]
-    if not any(s["kind"] == "local" for s in setups):
-        setups = [*locals_, *setups]
+    if not any(is_ceiling(s) for s in setups):
+        setups = [*[s for s in locals_ if s not in setups], *setups]
     lb = lower_bound(args.model, args.batch_size)
     rows = []
     for s in setups:
@@ -433,7 +554,9 @@ def run_args(args: argparse.Namespace, command: str) -> int:
         if not r.get("error"):
             r["ratio_to_local"] = r["samples_per_s"] / local["samples_per_s"]
             if r["kind"] == "ps" and r.get("bytes_per_step") is not None:
-                r["bytes_vs_lower_bound"] = r["bytes_per_step"] / lb["total"]
+                # Trainer compute: the floor is the gradient up and the parameters down in the wire dtype.
+                floor = trainer_compute_floor(args.model, r["wire"]) if r.get("compute") == "trainer" else lb["total"]
+                r["bytes_vs_lower_bound"] = r["bytes_per_step"] / floor
             pr = (paired_result or {}).get("setups", {}).get(s["name"])
             if pr:
                 r["paired_samples_per_s"] = pr["median_samples_per_s"]
@@ -463,6 +586,8 @@ def run_args(args: argparse.Namespace, command: str) -> int:
         "wall_s": time.monotonic() - t_start,
     }
     result["ratios"] = ratios(result)
+    result["issue15_targets"] = issue15_ratios(paired_result, args.model, args.batch_size)
+    result["server_capacity"] = capacity.from_paired(paired_result, args.model, args.batch_size)
     md = report.markdown(result)
     files = {}
     (results_dir / f"{base}.json").write_text(json.dumps(result, indent=2, default=str))

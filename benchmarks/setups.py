@@ -1,5 +1,25 @@
 """Setup names of the harness (``local``, ``ps-chained-async-2``, ``ddp-2``, ...) and the
-command line of the PS server every PS setup trains against."""
+command lines of the processes each setup starts.
+
+Names:
+
+- ``local``, ``local-cached``, ``local-Nt``: one local loop (all cores; the server's allocator
+  policy; N torch threads). ``local-Nt-xK``: K such loops side by side, one process each (their
+  rate is the sum over the interval in which all of them step). Only single loops are ceiling
+  candidates (the "best local loop" every ``x local`` divides by).
+- ``ps-[STEP-][WIRE-]UPDATE-N[-straggler]``: a PS server and N trainers. STEP is the trainer's
+  ``--step`` and is always passed explicitly: ``plain`` when not named (server compute, the
+  reference), ``chained`` (server compute), ``pull``, ``pushpull`` (trainer compute). WIRE is
+  ``bf16`` or ``fp16`` (``--wire-dtype``, trainer compute only; fp32 when not named). UPDATE is
+  ``async``, ``sync`` (``--sync-trainers N``) or ``sspS`` (``--update ssp --staleness S``).
+  ``-serverTt``: the server runs ``--compute-threads T`` (default: all cores). ``-straggler``:
+  the last trainer is held to half a core (``benchmarks.throttle``).
+- ``ddp-N[-straggler]``: N DDP ranks of one torch thread each (psserver's collective loop),
+  the last one held to half a core with ``-straggler``. ``fsdp-N``: FSDP2, N ranks.
+
+Every process that runs one torch thread (trainer-compute trainers, one-thread local loops,
+DDP ranks) also gets ``OMP_NUM_THREADS=1``.
+"""
 
 from __future__ import annotations
 
@@ -7,25 +27,66 @@ import re
 
 from benchmarks import measure
 
+STEPS = ("plain", "chained", "pull", "pushpull")
+TRAINER_COMPUTE = ("pull", "pushpull")
+"""``--step`` protocols in which the trainer runs the model (psserver.config.ps.STEP_MODES)."""
+WIRE_DTYPES = ("fp32", "bf16", "fp16")
+STRAGGLER_SHARE = 0.5
+"""CPU share the straggler of a ``-straggler`` setup is held to (cores)."""
+
+_PS = re.compile(r"ps-(?:(chained|pull|pushpull)-)?(?:(bf16|fp16)-)?(async|sync|ssp(\d+))-(\d+)(?:-server(\d+)t)?"
+                 r"(-straggler)?")
+_HELP = ("use local, local-cached, local-Nt, local-Nt-xK, ps-[chained-|pull-|pushpull-][bf16-|fp16-]"
+         "{async|sync|sspS}-N[-serverTt][-straggler], ddp-N[-straggler], fsdp-N")
+
 
 def parse_setup(name: str) -> dict:
     if name == "local":  # torch threads = cores, as the issue defines the ceiling
-        return {"name": name, "kind": "local", "trainers": 1, "update": None, "threads": 0, "allocator": "system"}
+        return {"name": name, "kind": "local", "trainers": 1, "update": None, "threads": 0, "allocator": "system",
+                "procs": 1}
     if name == "local-cached":  # the server's host allocator policy (psserver serve --allocator cached)
-        return {"name": name, "kind": "local", "trainers": 1, "update": None, "threads": 0, "allocator": "cached"}
-    m = re.fullmatch(r"local-(\d+)t", name)
+        return {"name": name, "kind": "local", "trainers": 1, "update": None, "threads": 0, "allocator": "cached",
+                "procs": 1}
+    m = re.fullmatch(r"local-(\d+)t(?:-x(\d+))?", name)
     if m:  # fewer threads: on a loaded machine one thread can beat all cores (OpenMP barriers)
-        return {"name": name, "kind": "local", "trainers": 1, "update": None, "threads": int(m.group(1)),
-                "allocator": "system"}
-    m = re.fullmatch(r"ps-(?:(chained|pull|pushpull)-)?(async|sync)-(\d+)", name)
-    if m:  # the trainer's --step (psserver.config.ps.STEP_MODES); plain, the reference, when not named
-        return {"name": name, "kind": "ps", "trainers": int(m.group(3)), "update": m.group(2),
-                "step": m.group(1) or "plain"}
-    m = re.fullmatch(r"(ddp|fsdp)-(\d+)", name)
+        threads, procs = int(m.group(1)), int(m.group(2) or 1)
+        if threads < 1 or procs < 1 or (m.group(2) and procs < 2):
+            raise ValueError(f"setup {name!r}: need N >= 1 threads and K >= 2 loops side by side")
+        return {"name": name, "kind": "local", "trainers": procs, "update": None, "threads": threads,
+                "allocator": "system", "procs": procs}
+    m = _PS.fullmatch(name)
     if m:
-        return {"name": name, "kind": m.group(1), "trainers": int(m.group(2)), "update": None}
-    raise ValueError(f"unknown setup {name!r}: use local, local-Nt, local-cached, "
-                     "ps-[chained-|pull-|pushpull-]async-N, ps-[chained-|pull-|pushpull-]sync-N, ddp-N, fsdp-N")
+        step, wire, update, staleness, n, server_threads, straggler = m.groups()
+        step = step or "plain"  # the reference; the trainer's default changed (issue 15), so it is always passed
+        trainers = int(n)
+        if wire and step not in TRAINER_COMPUTE:
+            raise ValueError(f"setup {name!r}: a wire dtype needs a trainer-compute step (pull-, pushpull-)")
+        if trainers < 1 or (straggler and trainers < 2) or server_threads == "0":
+            raise ValueError(f"setup {name!r}: need N >= 1 trainers (N >= 2 with -straggler), T >= 1 server threads")
+        out = {"name": name, "kind": "ps", "trainers": trainers, "update": "ssp" if staleness else update,
+               "step": step}
+        if staleness:
+            out["staleness"] = int(staleness)
+        if step in TRAINER_COMPUTE:
+            out["compute"] = "trainer"
+            out["wire"] = wire or "fp32"
+        if server_threads:
+            out["server_threads"] = int(server_threads)
+        if straggler:
+            out["straggler"] = True
+        return out
+    m = re.fullmatch(r"(ddp|fsdp)-(\d+)(-straggler)?", name)
+    if m:
+        kind, n, straggler = m.group(1), int(m.group(2)), m.group(3)
+        if n < 1 or (straggler and (kind != "ddp" or n < 2)):
+            raise ValueError(f"setup {name!r}: -straggler is for ddp-N with N >= 2")
+        out = {"name": name, "kind": kind, "trainers": n, "update": None}
+        if kind == "ddp":
+            out["threads"] = 1  # one torch thread per rank (psserver train --mode ddp --compute-threads 1)
+        if straggler:
+            out["straggler"] = True
+        return out
+    raise ValueError(f"unknown setup {name!r}: {_HELP}")
 
 
 def parse_setups(names: str) -> list[dict]:
@@ -40,13 +101,62 @@ def parse_setups(names: str) -> list[dict]:
     return out
 
 
+def is_ceiling(setup: dict) -> bool:
+    """A single local loop: the candidates of "the best local loop" ratios divide by."""
+    return setup["kind"] == "local" and setup.get("procs", 1) == 1
+
+
+def trainer_compute(setup: dict) -> bool:
+    return setup["kind"] == "ps" and setup.get("step") in TRAINER_COMPUTE
+
+
+def straggler_index(setup: dict) -> int | None:
+    """The process held to ``STRAGGLER_SHARE`` of a core (the last trainer or rank), or None."""
+    return setup["trainers"] - 1 if setup.get("straggler") else None
+
+
+READY = {"ps": r"rank \d+/\d+: \d+ training samples", "ddp": r"ddp rank \d+ stepping"}
+"""A trainer's (rank's) log line just before its first step: a straggler is held from there on,
+so its start-up (imports, joining) is no slower than the others'."""
+
+
+def steps_for(setup: dict, index: int, steps: int) -> int:
+    """Steps of process ``index``: ``steps``, but with an async or ssp straggler the others run
+    1/share times as many, so they keep stepping for as long as the straggler does (a run is
+    timed only while all its processes step). DDP and sync trainers move in lockstep anyway."""
+    idx = straggler_index(setup)
+    if idx is None or index == idx or setup["kind"] != "ps" or setup["update"] == "sync":
+        return steps
+    return round(steps / STRAGGLER_SHARE)
+
+
+def process_env(setup: dict) -> dict[str, str]:
+    """Extra environment of a setup's trainers, ranks or loops: ``OMP_NUM_THREADS=1`` for
+    every process that runs one torch thread."""
+    one_thread = (trainer_compute(setup) or setup["kind"] == "ddp"
+                  or (setup["kind"] == "local" and setup.get("threads") == 1))
+    return {"OMP_NUM_THREADS": "1"} if one_thread else {}
+
+
+def server_key(setup: dict) -> tuple:
+    """Setups that can share one long-lived server (paired rounds): same update mode, sync K,
+    staleness and step protocol (wire dtype and stragglers are the trainers' business)."""
+    return (setup["update"], setup["trainers"] if setup["update"] == "sync" else 0, setup.get("staleness", 0),
+            setup["step"], setup.get("server_threads", 0))
+
+
 def server_argv(setup: dict, *, model: str, port: int, devices: str | None, tp_channels: str) -> list[str]:
     """``psserver serve`` for a PS setup: 127.0.0.1, no control plane, the setup's update mode.
 
     ``tp_channels`` other than ``default`` restricts TensorPipe's channels (``basic``: tensors
-    cross the socket as between hosts, so ``ss`` counts them; see ``benchmarks.workers``)."""
+    cross the socket as between hosts, so ``ss`` and the interface counters see them; see
+    ``benchmarks.workers``)."""
     argv = ["serve", "--host", "127.0.0.1", "--port", str(port), "--model", model, "--update", setup["update"],
             "--sync-trainers", str(setup["trainers"]), "--no-control"]
+    if setup["update"] == "ssp":
+        argv += ["--staleness", str(setup["staleness"])]
+    if setup.get("server_threads"):
+        argv += ["--compute-threads", str(setup["server_threads"])]
     if devices:
         argv += ["--devices", devices]
     if tp_channels != "default":
@@ -55,16 +165,36 @@ def server_argv(setup: dict, *, model: str, port: int, devices: str | None, tp_c
 
 
 def trainer_argv(setup: dict, rank: int, *, port: int, batch_size: int, steps: int, stats_out: str) -> list[str]:
-    """``psserver train`` for rank ``rank`` of a PS setup: synthetic data, ``steps`` steps."""
-    return measure.psserver_argv(
-        "train", "--server", f"127.0.0.1:{port}", "--rank", str(rank), "--num-trainers", str(setup["trainers"]),
-        "--epochs", "1000000", "--batch-size", str(batch_size), "--max-steps", str(steps), "--dataset", "synthetic",
-        "--no-progress", "--stats-out", stats_out, "--step", setup["step"])
+    """``psserver train`` for rank ``rank`` of a PS setup: synthetic data, ``steps`` steps, the
+    setup's ``--step`` always named (trainer compute is the default since issue 15), one torch
+    thread (the trainer's default)."""
+    argv = ["train", "--server", f"127.0.0.1:{port}", "--rank", str(rank), "--num-trainers", str(setup["trainers"]),
+            "--epochs", "1000000", "--batch-size", str(batch_size), "--max-steps", str(steps), "--dataset",
+            "synthetic", "--no-progress", "--stats-out", stats_out, "--step", setup["step"]]
+    if setup.get("wire", "fp32") != "fp32":
+        argv += ["--wire-dtype", setup["wire"]]
+    return measure.psserver_argv(*argv)
+
+
+def ddp_rank_env(setup: dict, rank: int, *, master_port: int) -> dict[str, str]:
+    """torchrun's variables for rank ``rank`` of a ``ddp-N`` setup (one process per rank, all here)."""
+    n = str(setup["trainers"])
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": n, "LOCAL_WORLD_SIZE": n,
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), **process_env(setup)}
+
+
+def ddp_rank_argv(setup: dict, *, model: str, batch_size: int, steps: int, stats_out: str) -> list[str]:
+    """One rank of a ``ddp-N`` setup: psserver's collective loop (``CollectiveTrainer`` +
+    ``Fit.step``, as ``psserver train --mode ddp --compute-threads 1``) for ``steps`` steps,
+    recording the end of each step (``benchmarks.workers ddp``; rank and rendezvous from
+    ``ddp_rank_env``)."""
+    return measure.worker_argv("ddp", "--model", model, "--batch-size", str(batch_size), "--steps", str(steps),
+                               "--threads", str(setup.get("threads", 1)), "--stats-out", stats_out)
 
 
 def local_argv(setup: dict, *, model: str, batch_size: int, seconds: float, stats_out: str,
                steps: int | None = None) -> list[str]:
-    """The local loop of a ``local*`` setup, for ``seconds`` (or ``steps`` steps, whichever ends first)."""
+    """One local loop of a ``local*`` setup, for ``seconds`` (or ``steps`` steps, whichever ends first)."""
     argv = ["local", "--model", model, "--batch-size", str(batch_size), "--seconds", f"{seconds:.2f}", "--threads",
             str(setup["threads"]), "--allocator", setup["allocator"], "--stats-out", stats_out]
     if steps is not None:

@@ -1,7 +1,11 @@
-"""Issue 6's targets: the bytes a PS step must move, and the ratios a run is held to."""
+"""Issue 6's targets (the bytes a server-compute PS step must move, the ratios a run is held to)
+and issue 15's (trainer compute against side-by-side local loops and DDP, stragglers, bytes
+per step against the parameter bytes), each with the source of its value."""
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 
 # (model, batch) -> minimum of PS 1 trainer / local.
@@ -21,9 +25,17 @@ def lower_bound(model: str, batch_size: int) -> dict:
     return {"input": inp, "output": outb, "grad_output": outb, "total": inp + 2 * outb}
 
 
+def trainer_compute_floor(model: str, wire: str = "fp32") -> int:
+    """Bytes a trainer-compute step must move: the gradient up and the parameters down, once
+    each, in the wire dtype."""
+    return parameter_bytes(model) // 4 * 2 * (4 if wire == "fp32" else 2)
+
+
 def ratios(result: dict) -> list[dict]:
-    """The issue's targets. Throughput ratios read the paired rounds' median where the run has
+    """Issue 6's targets. Throughput ratios read the paired rounds' median where the run has
     them (``method``); the one-window ratio is kept beside it."""
+    from benchmarks.setups import parse_setup
+
     by = {s["name"]: s for s in result["setups"] if not s.get("error")}
     c = result["config"]
     key = (c["model"], c["batch_size"])
@@ -38,20 +50,26 @@ def ratios(result: dict) -> list[dict]:
 
     out = []
     target1 = ONE_TRAINER_TARGETS.get(key, 0.90)
+    # Server compute (issue 6); the rows of setups this run measured (trainer compute: issue 15's targets).
     for n, target, issue_config in ((1, target1, key in ONE_TRAINER_TARGETS), (2, 0.95, mnist)):
         what = "1 trainer async" if n == 1 else "2 trainers async (total)"
-        out.append(throughput(f"PS {what}, --step plain / local ({c['model']} b{c['batch_size']})",
-                              f"ps-async-{n}", target, issue_config))
+        if f"ps-async-{n}" in by:
+            out.append(throughput(f"PS {what}, --step plain / local ({c['model']} b{c['batch_size']})",
+                                  f"ps-async-{n}", target, issue_config))
         if f"ps-chained-async-{n}" in by:
             out.append(throughput(f"PS {what}, --step chained / local", f"ps-chained-async-{n}", target,
                                   issue_config))
-    idle = by.get("ps-async-2", {}).get("server_idle_cpu_pct")
-    out.append({"name": "server idle CPU, 2 trainers joined and waiting (% of one core)", "value": idle,
-                "op": "<", "target": 2.0, "issue_config": True})
-    ps = [s for s in by.values() if s["kind"] == "ps" and s.get("bytes_vs_lower_bound") is not None]
-    one = by.get("ps-async-1", {}).get("bytes_vs_lower_bound")
-    out.append({"name": "PS bytes per step / lower bound (1 trainer async)", "value": one, "op": "<=",
-                "target": 1.2, "issue_config": True})
+    idle_from = [n for n in by if by[n]["kind"] == "ps" and by[n].get("server_idle_cpu_pct") is not None
+                 and parse_setup(n)["trainers"] == 2]
+    if idle_from:
+        name = "ps-async-2" if "ps-async-2" in idle_from else idle_from[0]
+        out.append({"name": f"server idle CPU, 2 trainers joined and waiting (% of one core, {name})",
+                    "value": by[name]["server_idle_cpu_pct"], "op": "<", "target": 2.0, "issue_config": True})
+    ps = [s for s in by.values() if s["kind"] == "ps" and s.get("bytes_vs_lower_bound") is not None
+          and s.get("compute") != "trainer"]  # trainer compute: issue 15's targets (parameter bytes)
+    if "ps-async-1" in by:
+        out.append({"name": "PS bytes per step / lower bound (1 trainer async)", "op": "<=", "target": 1.2,
+                    "value": by["ps-async-1"].get("bytes_vs_lower_bound"), "issue_config": True})
     if ps:
         worst = max(ps, key=lambda s: s["bytes_vs_lower_bound"])
         out.append({"name": f"PS bytes per step / lower bound (worst: {worst['name']})",
@@ -61,3 +79,76 @@ def ratios(result: dict) -> list[dict]:
         r["met"] = None if v is None else (v >= r["target"] if r["op"] == ">=" else
                                            v < r["target"] if r["op"] == "<" else v <= r["target"])
     return out
+
+
+# ---- issue 15: trainers that compute -----------------------------------------------------------
+
+ISSUE15_BYTES_TARGETS = {"fp32": 2.05, "bf16": 1.05, "fp16": 1.05}
+"""Bytes per trainer step / the model's parameter bytes at fp32: the floor is the gradient up
+and the parameters down once each (2x at fp32, 1x at 16 bits)."""
+
+
+@functools.cache
+def parameter_bytes(model: str) -> int:
+    """The model's parameters at fp32, in bytes."""
+    from psserver.models import build_model
+
+    return 4 * sum(p.numel() for p in build_model(model, seed=0).parameters())
+
+
+def _check(row: dict) -> dict:
+    v = row["value"]
+    row["met"] = None if v is None else (v >= row["target"] if row["op"] == ">=" else v <= row["target"])
+    return row
+
+
+def issue15_ratios(paired: dict | None, model: str, batch_size: int) -> list[dict]:
+    """Issue 15's targets from paired rounds (``benchmarks.paired``): each throughput ratio is
+    taken round by round between two setups of the same round, then the median; bytes per step
+    are the medians over rounds over the model's fp32 parameter bytes. Only the rows whose
+    setups the rounds hold."""
+    from benchmarks.paired import ratio_between
+    from benchmarks.setups import parse_setup
+
+    if not paired or paired.get("error") or not paired.get("setups"):
+        return []
+    setups = paired["setups"]
+    rows = []
+
+    def ratio(label: str, num: str, den: str, target: float) -> None:
+        r = ratio_between(paired, num, den)
+        if r is not None:
+            rows.append(_check({"name": label, "value": r["median"], "op": ">=", "target": target,
+                                "per_round": r["per_round"], "from": f"{num} / {den}, paired rounds, median"}))
+
+    for step, server in itertools.product(("pushpull", "pull"), ("", "-server1t")):
+        two, one = f"ps-{step}-async-2{server}", f"ps-{step}-async-1{server}"
+        what = f"--step {step}" + (", server 1 thread" if server else "")
+        ratio(f"2 trainers async, {what} / two one-thread local loops side by side", two, "local-1t-x2", 0.90)
+        ratio(f"2 trainers async, {what} / 1 trainer", two, one, 1.8)
+        ratio(f"2 trainers async, {what} / DDP 2 ranks", two, "ddp-2", 1.0)
+    for name in setups:
+        s = parse_setup(name)
+        if s["kind"] == "ps" and s.get("straggler") and s["update"] in ("async", "ssp") and s["trainers"] == 2:
+            den = "ddp-2-straggler"
+            what = ("async" if s["update"] == "async" else f"ssp S={s['staleness']}") + f", --step {s['step']}"
+            if s.get("server_threads"):
+                what += f", server {s['server_threads']} thread(s)"
+            ratio(f"straggler at half a core: PS {what} / DDP 2 ranks, same throttle", name, den,
+                  1.3 if s["update"] == "async" else 1.2)
+    if paired.get("tp_channels", "basic") == "default":
+        return rows  # TensorPipe moved the tensors outside the sockets (cma): no bytes to read
+    pbytes = None
+    by_wire: dict[str, list[tuple[str, float]]] = {}
+    for name, row in setups.items():
+        s = parse_setup(name)
+        if s["kind"] == "ps" and s.get("compute") == "trainer" and row.get("median_bytes_per_step") is not None:
+            pbytes = pbytes or parameter_bytes(model)
+            by_wire.setdefault(s["wire"], []).append((name, row["median_bytes_per_step"] / pbytes))
+    for wire, values in by_wire.items():
+        worst = max(values, key=lambda v: v[1])
+        rows.append(_check({"name": f"bytes per trainer step / parameter bytes (fp32), --wire-dtype {wire} "
+                                    f"(worst of {len(values)}: {worst[0]})",
+                            "value": worst[1], "op": "<=", "target": ISSUE15_BYTES_TARGETS[wire],
+                            "per_round": None, "from": f"{paired.get('bytes_method') or 'bytes'}, median over rounds"}))
+    return rows

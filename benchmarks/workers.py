@@ -11,6 +11,11 @@
   so tensor payloads cross the socket as they do between hosts (see ``run_psserver``).
 - ``collective``: ``benchmarks.collective_overhead.measure_ddp`` / ``measure_fsdp`` (psserver's
   own collective loop, no hand-written baseline) in a process the harness can sample and kill.
+- ``ddp``: one rank of a DDP job, started by the harness with torchrun's variables (RANK,
+  WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...), so every rank is a process of its own that the
+  harness can throttle: psserver's collective loop (``CollectiveTrainer`` + ``Fit.step``, as
+  ``psserver train --mode ddp --compute-threads 1``) for ``--steps`` steps on synthetic data,
+  writing the ``--stats-out`` JSON of ``psserver train`` (``step_ends``).
 """
 
 from __future__ import annotations
@@ -106,6 +111,49 @@ def run_collective(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_ddp(args: argparse.Namespace) -> int:
+    import torch
+
+    from psserver.collective.launcher import launch
+    from psserver.collective.loop import CollectiveTrainer, Fit
+    from psserver.config.collective import CollectiveConfig, LaunchConfig
+    from psserver.config.common import DataConfig
+    from psserver.config.control import ControlConfig
+
+    world = int(os.environ["WORLD_SIZE"])
+    config = CollectiveConfig(
+        mode="ddp", model=args.model, batch_size=args.batch_size, data=DataConfig(dataset="synthetic"),
+        compute_threads=args.threads, progress=False, control=ControlConfig(enabled=False),
+        launch=LaunchConfig(master_addr=os.environ["MASTER_ADDR"], master_port=int(os.environ["MASTER_PORT"]),
+                            world_size=world, under_torchrun=True))
+
+    def body(env) -> int:
+        fit = Fit(CollectiveTrainer(config, env))
+        fit.total = 10**12  # the harness decides when to stop
+        x_all, y_all = fit.train_set.tensors
+        gen = torch.Generator().manual_seed(1234 + env.rank)
+        batches = [torch.randint(0, len(x_all), (args.batch_size,), generator=gen) for _ in range(64)]
+        batches = [(x_all[i].contiguous(), y_all[i].contiguous()) for i in batches]
+        print(f"ddp rank {env.rank} stepping", flush=True)  # the harness may hold a straggler from here on
+        t_start = time.monotonic()
+        step_ends: list[float] = []
+        for i in range(args.steps):
+            fit.step(*batches[i % len(batches)])
+            step_ends.append(time.monotonic())
+        Path(args.stats_out).write_text(json.dumps({
+            "rank": env.rank, "batch_size": args.batch_size, "start": t_start, "step_ends": step_ends,
+            "samples": args.steps * args.batch_size, "device": str(env.device), "threads": torch.get_num_threads(),
+            "pid": os.getpid()}))
+        return 0
+
+    code = launch(config, body)
+    # As psserver's own spawned workers do: no interpreter teardown racing gloo's threads.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def run_psserver(argv: list[str]) -> int:
     """``psserver ARGS`` with TensorPipe's channels restricted (``--channels basic,...`` first).
 
@@ -164,11 +212,17 @@ def main(argv: list[str] | None = None) -> int:
     co.add_argument("--window", type=float, default=2.0)
     co.add_argument("--warmup-steps", type=int, default=5)
     co.add_argument("--out", required=True)
+    dd = sub.add_parser("ddp", help="one DDP rank (torchrun's variables), step ends recorded")
+    dd.add_argument("--model", default="mnist_cnn")
+    dd.add_argument("--batch-size", type=int, default=64)
+    dd.add_argument("--steps", type=int, required=True)
+    dd.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    dd.add_argument("--stats-out", required=True)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    return {"local": run_local, "idle": run_idle, "collective": run_collective}[args.kind](args)
+    return {"local": run_local, "idle": run_idle, "collective": run_collective, "ddp": run_ddp}[args.kind](args)
 
 
 if __name__ == "__main__":

@@ -4,11 +4,14 @@ and one short real measurement against live servers."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 
 import psutil
 import pytest
 
-from benchmarks import paired, setups
+from benchmarks import netns, paired, setups
 
 
 def test_leg_rate_counts_only_while_every_process_steps():
@@ -49,7 +52,7 @@ def test_summarize_divides_by_the_best_local_loop_of_each_round():
 
 
 def test_flags_are_checked(capsys):
-    for argv in (["--setups", "local,ddp-2"], ["--setups", "ps-async-1"], ["--setups", "local,local"],
+    for argv in (["--setups", "local,fsdp-2"], ["--setups", "ps-async-1"], ["--setups", "local,local"],
                  ["--steps", "10", "--skip", "5"], ["--rounds", "0"], ["--setups", "local,ps-turbo-1"]):
         with pytest.raises(SystemExit) as e:
             paired.parse_args(argv)
@@ -58,8 +61,8 @@ def test_flags_are_checked(capsys):
         assert "--" in err and "Traceback" not in err, argv
     args = paired.parse_args(["--setups", "local-cached, ps-chained-async-2"])
     assert [s["name"] for s in args.setups] == ["local-cached", "ps-chained-async-2"]
-    with pytest.raises(ValueError, match="ddp-2"):
-        paired.measure_rounds(setups.parse_setups("local,ddp-2"), rounds=1, model="mnist_cnn", batch_size=8,
+    with pytest.raises(ValueError, match="fsdp-2"):
+        paired.measure_rounds(setups.parse_setups("local,fsdp-2"), rounds=1, model="mnist_cnn", batch_size=8,
                               steps=10, skip=2)
 
 
@@ -71,21 +74,35 @@ def _psserver_children() -> list[psutil.Process]:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_rounds_run_every_setup_against_live_servers(tmp_path):
-    argv = ["--rounds", "2", "--steps", "14", "--skip", "4", "--setups", "local,ps-async-1,ps-chained-async-2",
+    names = ["local", "ps-chained-async-1", "ps-pushpull-async-2-straggler", "ddp-2-straggler"]
+    argv = ["--rounds", "2", "--steps", "14", "--skip", "4", "--warm-up-steps", "6", "--setups", ",".join(names),
             "--results-dir", str(tmp_path)]
     assert paired.main(argv) == 0
     result = json.loads((tmp_path / "paired-mnist_cnn-b64.json").read_text())
     p = result["paired"]
     assert p["rounds"] == 2 and p["steps"] == 14 and p["skip"] == 4
     # The order rotates: every setup leads one round.
-    assert p["order_per_round"] == [["local", "ps-async-1", "ps-chained-async-2"],
-                                    ["ps-async-1", "ps-chained-async-2", "local"]]
+    assert p["order_per_round"] == [names, names[1:] + names[:1]]
     assert p["ceiling_per_round"] == ["local", "local"]
     for name, row in p["setups"].items():
         assert len(row["samples_per_s"]) == 2 and all(r > 0 for r in row["samples_per_s"]), name
         assert len(row["x_local"]) == 2 and row["median_x_local"] > 0, name
         assert all(ms > 0 for ms in row["step_ms"]), name
     assert p["setups"]["local"]["x_local"] == [1.0, 1.0]
+    # PS and DDP runs count their bytes; PS runs the server's CPU; stragglers are held.
+    for name in names[1:]:
+        assert p["setups"][name]["median_bytes_per_step"] > 0, name
+        assert (p["setups"][name].get("median_server_cpu_ms_per_step") or 0) > 0 or name.startswith("ddp"), name
+    for name in names[2:]:
+        assert all(leg["throttle"] in ("cgroup1", "cgroup2", "sigstop") for leg in p["runs"][name]), name
+        assert all(len(leg["steps_per_process"]) == 2 for leg in p["runs"][name]), name
     md = (tmp_path / "paired-mnist_cnn-b64.md").read_text()
-    assert "| ps-chained-async-2 |" in md and result["command"] in md
+    assert "| ps-chained-async-1 |" in md and result["command"] in md
+    assert "straggler at half a core: PS async, --step pushpull / DDP 2 ranks" in md
     assert not _psserver_children()  # servers and trainers all stopped
+    assert not [n for n in netns_names() if n.startswith(f"{netns.PREFIX}{os.getpid()}-")]  # namespace deleted
+
+
+def netns_names() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout if shutil.which("ip") else ""
+    return [line.split()[0] for line in out.splitlines() if line.split()]
