@@ -13,6 +13,12 @@ and waiting on their RPC thread and hand the tensor work to this one thread.
 On GPUs the kernels are asynchronous and CPU threading barely matters, while stages on
 different devices gain from overlapping callers: there ``run`` calls inline.
 
+Trainer compute's work here is an optimizer step and copies in and out of flat buffers:
+memory-bound, and on a host whose cores the trainers use, an OpenMP team spinning between
+regions takes them from the trainers (measured on the 2-core VM with ``--step pushpull``: 22-59
+ms per exchange with the server's 2-thread team, 3-5 ms with one thread). Such work runs with
+``threads=1``: no team wakes, and the team of server-compute work sleeps once idle.
+
 What stays outside: ``--step plain``. ``dist_autograd`` runs its backward on PyTorch's own
 threads, which this module cannot reach, so its server has several teams whatever it does;
 its forward and update stay on the RPC thread (measured: handing them over only added
@@ -31,6 +37,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
+import torch
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -41,6 +49,7 @@ class ComputeThread:
 
     def __init__(self, *, inline: bool = False, name: str = "psserver-compute") -> None:
         self.inline = inline
+        self._threads: int | None = None  # intra-op threads of this thread's last callable
         self._closed = False
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -49,23 +58,36 @@ class ComputeThread:
             self._thread.start()
 
     def run(self, fn: Callable[..., T], *args, **kwargs) -> T:
-        """``fn(*args, **kwargs)`` on the compute thread; its result or its exception."""
+        """``fn(*args, **kwargs)`` on the compute thread, with the server's intra-op threads;
+        its result or its exception."""
+        return self.run_with(None, fn, *args, **kwargs)
+
+    def run_with(self, threads: int | None, fn: Callable[..., T], *args, **kwargs) -> T:
+        """``run``, with ``threads`` intra-op threads (None: the server's ``--compute-threads``)."""
         if self._thread is None or threading.current_thread() is self._thread:
-            return fn(*args, **kwargs)
+            return fn(*args, **kwargs)  # inline: GPU stages, or already on the compute thread
         if self._closed:
             raise RuntimeError("psserver is stopping: its compute thread has stopped")
         future: Future = Future()
-        self._queue.put((future, fn, args, kwargs))
+        self._queue.put((future, threads, fn, args, kwargs))
         return future.result()
 
+    def _use_threads(self, threads: int | None) -> None:
+        """OpenMP's thread count is per thread: set this one's when the callable asks another."""
+        if threads != self._threads:
+            torch.set_num_threads(threads if threads is not None else self._default_threads)
+            self._threads = threads
+
     def _loop(self) -> None:
+        self._default_threads = torch.get_num_threads()  # the server's, set before it started
         while True:
             item = self._queue.get()
             if item is None:
                 self._refuse_rest()
                 return
-            future, fn, args, kwargs = item
+            future, threads, fn, args, kwargs = item
             try:
+                self._use_threads(threads)
                 future.set_result(fn(*args, **kwargs))
             except BaseException as e:  # noqa: BLE001 - handed to the caller, raised there
                 future.set_exception(e)

@@ -61,3 +61,18 @@ def test_inline_runs_on_the_caller():
     compute = ComputeThread(inline=True)
     assert compute.run(threading.current_thread) is threading.current_thread()
     compute.close()
+
+
+def test_a_callable_may_ask_for_its_own_thread_count_and_the_next_gets_the_servers_back():
+    """Trainer compute's updates run with one intra-op thread, server compute with the server's."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    compute = ComputeThread()
+    try:
+        assert compute.run_with(1, torch.get_num_threads) == 1
+        assert compute.run(torch.get_num_threads) == 2
+        assert compute.run_with(1, torch.get_num_threads) == 1
+        assert compute.run_with(None, torch.get_num_threads) == 2
+    finally:
+        compute.close()
+        torch.set_num_threads(before)

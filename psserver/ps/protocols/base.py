@@ -66,6 +66,8 @@ class ServerHalf:
 
     ops: ClassVar[tuple[str, ...]] = ()
     local_ops: ClassVar[tuple[str, ...]] = ()
+    compute_threads: ClassVar[int | None] = None
+    """Intra-op threads of its work on the compute thread (None: the server's)."""
 
     def __init__(self, engine: StepEngine) -> None:
         self.engine = engine
@@ -87,14 +89,14 @@ class ServerHalf:
         the trainer is within the staleness bound). Otherwise (sync; ssp at the bound) the
         trainer waits for its turn in between, on this RPC thread, never on the compute thread
         (which applies the updates it waits for)."""
-        engine = self.engine
+        engine, threads = self.engine, self.compute_threads
         if start is not None and engine.try_start(trainer):
-            return engine.compute.run(lambda: (finish(), start())[1])
-        engine.compute.run(finish)
+            return engine.compute.run_with(threads, lambda: (finish(), start())[1])
+        engine.compute.run_with(threads, finish)
         if start is None:
             return None
         engine.wait_turn(trainer)
-        return engine.compute.run(start)
+        return engine.compute.run_with(threads, start)
 
     def trainer_gone(self, trainer: str, evicted: bool) -> None:
         """``trainer`` left (``evicted``: died or hung): drop what it holds here."""

@@ -24,6 +24,7 @@ class TrainerComputeServer(ServerHalf):
     """Remembers each trainer's wire dtype; serves the flat parameters for evaluation."""
 
     ops = ("parameters",)
+    compute_threads = 1  # an update and copies, on a host the trainers share (psserver.ps.compute)
 
     def __init__(self, engine) -> None:
         super().__init__(engine)
