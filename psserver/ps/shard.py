@@ -23,8 +23,17 @@ from psserver.config import OptimizerConfig
 log = logging.getLogger(__name__)
 
 
+FUSED = ("adam", "adamw")
+"""Optimizers built with ``fused=True``: one kernel per step instead of several passes over
+every tensor. Measured on the 2-core VM, one thread, mnist_cnn's 1.2 M parameters: Adam 5.2 ms
+per step by default, 1.4 ms with ``foreach``, 0.46 ms fused; with trainer compute the update
+is most of the server's CPU per trainer step."""
+
+
 def make_optimizer(params: list[nn.Parameter], config: OptimizerConfig) -> torch.optim.Optimizer:
     kw: dict = {"lr": config.lr, "weight_decay": config.weight_decay}
+    if config.name in FUSED:
+        kw["fused"] = True
     if config.name == "sgd":
         return torch.optim.SGD(params, momentum=config.momentum, **kw)
     if config.name == "adam":
@@ -134,6 +143,8 @@ class Shard:
                 self.init_optimizer(optimizer_config)
                 assert self.optimizer is not None
                 self.optimizer.load_state_dict(state["optimizer"])
+                for group in self.optimizer.param_groups:  # a checkpoint's flag (an older one's None) is not ours
+                    group["fused"] = True if optimizer_config.name in FUSED else group.get("fused")
 
 
 def _to_cpu(obj):
