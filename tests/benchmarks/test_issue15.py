@@ -293,3 +293,16 @@ def test_issue15_targets_and_capacity_from_paired_rounds():
     cma = {**fabricated, "tp_channels": "default"}
     assert not any(r["name"].startswith("bytes") for r in targets.issue15_ratios(cma, "mnist_cnn", 64))
     assert capacity.from_paired(cma, "mnist_cnn", 64) is None
+
+
+def test_server_half_times_an_exchange_without_rpc(caplog):
+    from benchmarks import server_half
+
+    wall, cpu = server_half.measure("mlp", 5, "bf16", 1)
+    assert 0 < wall < 1000 and 0 < cpu < 1000
+    with caplog.at_level("INFO", logger="benchmarks.server_half"):
+        assert server_half.main(["--model", "mlp", "--steps", "3"]) == 0
+    assert "pushpull exchange in-process, mlp, wire fp32" in caplog.text
+    with pytest.raises(SystemExit) as e:
+        server_half.main(["--steps", "0"])
+    assert e.value.code == 2
