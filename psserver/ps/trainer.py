@@ -28,6 +28,7 @@ from psserver.data import load_dataset
 from psserver.errors import ServerLost, UsageError
 from psserver.models import get_model_spec
 from psserver.ps import endpoint, rendezvous, torch_rpc
+from psserver.ps.engine import resolve_device
 from psserver.ps.messages import JoinRequest, Report
 from psserver.ps.protocols import TrainerHalf, get_protocol
 from psserver.ps.protocols.trainer_compute import WIRE_DTYPES
@@ -163,15 +164,9 @@ class Session:
 
 
 def trainer_device(name: str) -> torch.device:
-    """The device of ``--device`` (``UsageError`` when this host does not have it)."""
-    dev = torch.device(name)
+    """The device of ``--device``, made current for CUDA (``UsageError`` when this host does not have it)."""
+    dev = resolve_device(name, "--device")
     if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError(f"--device {name}: CUDA is not available on this host")
-        index = dev.index if dev.index is not None else 0
-        if index >= torch.cuda.device_count():
-            raise UsageError(f"--device {name} does not exist ({torch.cuda.device_count()} GPUs visible)")
-        dev = torch.device("cuda", index)
         torch.cuda.set_device(dev)
     return dev
 
