@@ -38,8 +38,8 @@ def from_paired(paired: dict | None, model: str, batch_size: int, cores: float |
     from benchmarks.setups import parse_setup
     from benchmarks.targets import parameter_bytes
 
-    if not paired or paired.get("error") or paired.get("tp_channels", "basic") == "default":
-        return None  # (--tp-channels default: tensors crossed outside the sockets, no bytes to read)
+    if not paired or paired.get("error"):
+        return None  # (setups whose tensors crossed outside the sockets have no bytes: -sock setups do)
     cores = cores or os.cpu_count() or 1
     costs = []
     for name, row in paired.get("setups", {}).items():

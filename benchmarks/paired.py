@@ -49,6 +49,7 @@ from benchmarks import measure, netns, throttle
 from benchmarks.setups import (
     READY,
     STRAGGLER_SHARE,
+    counts_bytes,
     ddp_rank_argv,
     ddp_rank_env,
     is_ceiling,
@@ -67,12 +68,12 @@ log = logging.getLogger(__name__)
 DEFAULT_SETUPS = "local,local-cached,ps-async-1,ps-chained-async-1,ps-async-2,ps-chained-async-2"
 ISSUE15_SETUPS = ("local-cached,local-1t,local-1t-x2,ddp-2,ps-pushpull-async-1,ps-pushpull-async-2,"
                   "ps-pushpull-bf16-async-1,ps-pushpull-bf16-async-2,ps-pull-async-1,ps-pull-async-2,"
-                  "ps-pushpull-async-1-server1t,ps-pushpull-async-2-server1t,"
-                  "ddp-2-straggler,ps-pushpull-async-2-straggler,ps-pushpull-ssp4-2-straggler")
+                  "ddp-2-straggler,ps-pushpull-async-2-straggler,ps-pushpull-ssp4-2-straggler,"
+                  "ps-pushpull-async-2-sock,ps-pushpull-bf16-async-2-sock")
 """Issue 15's targets (``--setups issue15``): trainer compute against the side-by-side local
-loops and DDP, with a straggler, the bytes of each wire dtype, the reference ``pull``, and
-``pushpull`` against a server of one compute thread (benchmarks/README.md, "Why pushpull
-trailed pull with one trainer")."""
+loops and DDP, with a straggler, the reference ``pull``; the bytes of each wire dtype and the
+server's cost per step from the ``-sock`` setups, whose tensors cross the sockets as between
+hosts."""
 SETUP_ALIASES = {"issue15": ISSUE15_SETUPS}
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
 LEG_TIMEOUT_S = 600.0
@@ -155,7 +156,7 @@ class Rounds:
     network namespace of its own where one can be made (``use_netns``: auto, on, off)."""
 
     def __init__(self, *, model: str, batch_size: int, steps: int, skip: int, work: Path,
-                 devices: str | None = None, tp_channels: str = "basic", use_netns: str = "auto",
+                 devices: str | None = None, tp_channels: str = "default", use_netns: str = "auto",
                  throttle_method: str = "auto", warm_up_steps: int | None = None) -> None:
         self.model, self.batch_size, self.steps, self.skip = model, batch_size, steps, skip
         self.warm_up_steps = skip + 10 if warm_up_steps is None else warm_up_steps
@@ -290,6 +291,9 @@ class Rounds:
         leg = leg_rate(ends, self.batch_size, self.skip)
         if samples:
             leg.update(measure.per_step(samples, ends, leg["start"], leg["end"]))
+            if setup["kind"] == "ps" and not counts_bytes(setup, self.tp_channels):
+                for key in ("bytes_per_step", "bytes_per_s", "bytes_seconds", "bytes_samples"):
+                    leg.pop(key, None)  # the tensors crossed outside the sockets (cma)
         if held is not None:
             leg["throttle"] = held.method
         return leg
@@ -332,7 +336,7 @@ def measure_rounds(setups: list[dict], *, rounds: int, use_netns: str = "auto", 
             rr.close()
     out = summarize(setups, runs)
     out.update(rounds=rounds, steps=kwargs["steps"], skip=kwargs["skip"], order_per_round=orders, runs=runs,
-               tp_channels=kwargs.get("tp_channels", "basic"),
+               tp_channels=kwargs.get("tp_channels", "default"),
                bytes_method=rr.bytes_method if any(s["kind"] != "local" for s in setups) else None,
                throttle_methods=sorted(rr.throttles_used), wall_s=time.monotonic() - t0)
     return out
@@ -386,7 +390,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="steps per trainer of one unmeasured run against each new PS server (a server's first trainer "
                         "session is slow; default --skip + 10; 0: none)")
     p.add_argument("--devices", default=None, help="server --devices (default: its own choice)")
-    p.add_argument("--tp-channels", default="basic", help="TensorPipe channels of the servers (default basic)")
+    p.add_argument("--tp-channels", default="default",
+                   help="TensorPipe channels of the servers (default: TensorPipe's own choice, as psserver runs; on "
+                        "one host it moves tensors with cma, outside the sockets, so only -sock setups count bytes; "
+                        "basic: every setup's tensors cross the sockets)")
     p.add_argument("--netns", default="auto", choices=("auto", "on", "off"),
                    help="run PS and DDP processes in a network namespace of the harness's own and count the bytes "
                         "on its loopback (auto: where root and iproute2 allow, else ss; default auto)")
@@ -461,7 +468,7 @@ def _main(args: argparse.Namespace) -> int:
     command = (f"python -m benchmarks.paired --model {args.model} --batch-size {args.batch_size} --setups {names} "
                f"--rounds {args.rounds} --steps {args.steps} --skip {args.skip}")
     for flag, value, default in (("--warm-up-steps", args.warm_up_steps, None), ("--tp-channels", args.tp_channels,
-                                 "basic"), ("--netns", args.netns, "auto"), ("--throttle", args.throttle, "auto")):
+                                 "default"), ("--netns", args.netns, "auto"), ("--throttle", args.throttle, "auto")):
         if value != default:
             command += f" {flag} {value}"
     result = {"command": command, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_s": time.monotonic() - t0,

@@ -13,7 +13,10 @@ Names:
   ``bf16`` or ``fp16`` (``--wire-dtype``, trainer compute only; fp32 when not named). UPDATE is
   ``async``, ``sync`` (``--sync-trainers N``) or ``sspS`` (``--update ssp --staleness S``).
   ``-serverTt``: the server runs ``--compute-threads T`` (default: all cores). ``-straggler``:
-  the last trainer is held to half a core (``benchmarks.throttle``).
+  the last trainer is held to half a core (``benchmarks.throttle``). ``-sock``: the server's
+  TensorPipe uses its ``basic`` channel, so tensors cross the sockets as between hosts and the
+  harness can count their bytes (on one host TensorPipe otherwise moves them with ``cma``,
+  process to process, outside any socket: the way psserver runs there).
 - ``ddp-N[-straggler]``: N DDP ranks of one torch thread each (psserver's collective loop),
   the last one held to half a core with ``-straggler``. ``fsdp-N``: FSDP2, N ranks.
 
@@ -35,9 +38,9 @@ STRAGGLER_SHARE = 0.5
 """CPU share the straggler of a ``-straggler`` setup is held to (cores)."""
 
 _PS = re.compile(r"ps-(?:(chained|pull|pushpull)-)?(?:(bf16|fp16)-)?(async|sync|ssp(\d+))-(\d+)(?:-server(\d+)t)?"
-                 r"(-straggler)?")
+                 r"(-straggler)?(-sock)?")
 _HELP = ("use local, local-cached, local-Nt, local-Nt-xK, ps-[chained-|pull-|pushpull-][bf16-|fp16-]"
-         "{async|sync|sspS}-N[-serverTt][-straggler], ddp-N[-straggler], fsdp-N")
+         "{async|sync|sspS}-N[-serverTt][-straggler][-sock], ddp-N[-straggler], fsdp-N")
 
 
 def parse_setup(name: str) -> dict:
@@ -56,7 +59,7 @@ def parse_setup(name: str) -> dict:
                 "allocator": "system", "procs": procs}
     m = _PS.fullmatch(name)
     if m:
-        step, wire, update, staleness, n, server_threads, straggler = m.groups()
+        step, wire, update, staleness, n, server_threads, straggler, sock = m.groups()
         step = step or "plain"  # the reference; the trainer's default changed (issue 15), so it is always passed
         trainers = int(n)
         if wire and step not in TRAINER_COMPUTE:
@@ -74,6 +77,8 @@ def parse_setup(name: str) -> dict:
             out["server_threads"] = int(server_threads)
         if straggler:
             out["straggler"] = True
+        if sock:
+            out["sock"] = True
         return out
     m = re.fullmatch(r"(ddp|fsdp)-(\d+)(-straggler)?", name)
     if m:
@@ -138,11 +143,22 @@ def process_env(setup: dict) -> dict[str, str]:
     return {"OMP_NUM_THREADS": "1"} if one_thread else {}
 
 
+def channels_of(setup: dict, tp_channels: str) -> str:
+    """The TensorPipe channels of a PS setup's server: ``basic`` for ``-sock`` setups, else the
+    run's ``--tp-channels``."""
+    return "basic" if setup.get("sock") else tp_channels
+
+
+def counts_bytes(setup: dict, tp_channels: str) -> bool:
+    """Whether the tensors of a PS setup cross sockets, where the harness counts bytes."""
+    return channels_of(setup, tp_channels) != "default"
+
+
 def server_key(setup: dict) -> tuple:
     """Setups that can share one long-lived server (paired rounds): same update mode, sync K,
     staleness and step protocol (wire dtype and stragglers are the trainers' business)."""
     return (setup["update"], setup["trainers"] if setup["update"] == "sync" else 0, setup.get("staleness", 0),
-            setup["step"], setup.get("server_threads", 0))
+            setup["step"], setup.get("server_threads", 0), bool(setup.get("sock")))
 
 
 def server_argv(setup: dict, *, model: str, port: int, devices: str | None, tp_channels: str) -> list[str]:
@@ -151,6 +167,7 @@ def server_argv(setup: dict, *, model: str, port: int, devices: str | None, tp_c
     ``tp_channels`` other than ``default`` restricts TensorPipe's channels (``basic``: tensors
     cross the socket as between hosts, so ``ss`` and the interface counters see them; see
     ``benchmarks.workers``)."""
+    tp_channels = channels_of(setup, tp_channels)
     argv = ["serve", "--host", "127.0.0.1", "--port", str(port), "--model", model, "--update", setup["update"],
             "--sync-trainers", str(setup["trainers"]), "--no-control"]
     if setup["update"] == "ssp":

@@ -136,8 +136,6 @@ def issue15_ratios(paired: dict | None, model: str, batch_size: int) -> list[dic
                 what += f", server {s['server_threads']} thread(s)"
             ratio(f"straggler at half a core: PS {what} / DDP 2 ranks, same throttle", name, den,
                   1.3 if s["update"] == "async" else 1.2)
-    if paired.get("tp_channels", "basic") == "default":
-        return rows  # TensorPipe moved the tensors outside the sockets (cma): no bytes to read
     pbytes = None
     by_wire: dict[str, list[tuple[str, float]]] = {}
     for name, row in setups.items():

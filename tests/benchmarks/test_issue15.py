@@ -48,6 +48,15 @@ def test_new_setup_names_parse_and_build_their_command_lines():
     assert "--staleness" not in setups.server_argv(setups.parse_setup("ps-async-2"), model="mnist_cnn", port=7,
                                                    devices=None, tp_channels="basic")
     assert setups.server_key(ssp) != setups.server_key(setups.parse_setup("ps-pushpull-async-2"))
+    # -sock: the server's tensors cross the sockets (TensorPipe basic), whatever the run's channels.
+    sock = setups.parse_setup("ps-pushpull-bf16-async-2-sock")
+    assert sock["sock"] and sock["wire"] == "bf16" and setups.channels_of(sock, "default") == "basic"
+    assert setups.server_key(sock) != setups.server_key(setups.parse_setup("ps-pushpull-bf16-async-2"))
+    assert _value(setups.server_argv(sock, model="m", port=7, devices=None, tp_channels="default"),
+                  "--channels") == "basic"
+    assert "--channels" not in setups.server_argv(pp, model="m", port=7, devices=None, tp_channels="default")
+    assert setups.counts_bytes(sock, "default") and not setups.counts_bytes(pp, "default")
+    assert setups.counts_bytes(pp, "basic")
     # An async/ssp straggler (the last trainer) runs the given steps, the others twice as many.
     assert setups.straggler_index(ssp) == 1
     assert [setups.steps_for(ssp, r, 80) for r in range(2)] == [160, 80]
@@ -289,8 +298,9 @@ def test_issue15_targets_and_capacity_from_paired_rounds():
     md = "\n".join(capacity.markdown(cost))
     assert "| ps-pushpull-async-1 | 10 Gbit/s |" in md and "x parameter bytes" in md
     assert targets.issue15_ratios(None, "mnist_cnn", 64) == [] and capacity.from_paired(None, "mnist_cnn", 64) is None
-    # --tp-channels default: tensors crossed outside the sockets, so no bytes rows and no table.
-    cma = {**fabricated, "tp_channels": "default"}
+    # Setups whose tensors crossed outside the sockets (cma) carry no bytes: no bytes rows, no table.
+    cma = {**fabricated, "setups": {n: {k: v for k, v in r.items() if "bytes" not in k}
+                                    for n, r in fabricated["setups"].items()}}
     assert not any(r["name"].startswith("bytes") for r in targets.issue15_ratios(cma, "mnist_cnn", 64))
     assert capacity.from_paired(cma, "mnist_cnn", 64) is None
 

@@ -74,7 +74,7 @@ def _psserver_children() -> list[psutil.Process]:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_rounds_run_every_setup_against_live_servers(tmp_path):
-    names = ["local", "ps-chained-async-1", "ps-pushpull-async-2-straggler", "ddp-2-straggler"]
+    names = ["local", "ps-chained-async-1-sock", "ps-pushpull-async-2-straggler", "ddp-2-straggler"]
     argv = ["--rounds", "2", "--steps", "14", "--skip", "4", "--warm-up-steps", "6", "--setups", ",".join(names),
             "--results-dir", str(tmp_path)]
     assert paired.main(argv) == 0
@@ -89,15 +89,19 @@ def test_rounds_run_every_setup_against_live_servers(tmp_path):
         assert len(row["x_local"]) == 2 and row["median_x_local"] > 0, name
         assert all(ms > 0 for ms in row["step_ms"]), name
     assert p["setups"]["local"]["x_local"] == [1.0, 1.0]
-    # PS and DDP runs count their bytes; PS runs the server's CPU; stragglers are held.
+    # DDP runs and -sock PS runs count their bytes (a PS run without -sock moves its tensors with
+    # cma, outside the sockets: none); PS runs the server's CPU; stragglers are held.
     for name in names[1:]:
-        assert p["setups"][name]["median_bytes_per_step"] > 0, name
+        if name == "ps-pushpull-async-2-straggler":
+            assert "median_bytes_per_step" not in p["setups"][name]
+        else:
+            assert p["setups"][name]["median_bytes_per_step"] > 0, name
         assert (p["setups"][name].get("median_server_cpu_ms_per_step") or 0) > 0 or name.startswith("ddp"), name
     for name in names[2:]:
         assert all(leg["throttle"] in ("cgroup1", "cgroup2", "sigstop") for leg in p["runs"][name]), name
         assert all(len(leg["steps_per_process"]) == 2 for leg in p["runs"][name]), name
     md = (tmp_path / "paired-mnist_cnn-b64.md").read_text()
-    assert "| ps-chained-async-1 |" in md and result["command"] in md
+    assert "| ps-chained-async-1-sock |" in md and result["command"] in md
     assert "straggler at half a core: PS async, --step pushpull / DDP 2 ranks" in md
     assert not _psserver_children()  # servers and trainers all stopped
     assert not [n for n in netns_names() if n.startswith(f"{netns.PREFIX}{os.getpid()}-")]  # namespace deleted
