@@ -1,10 +1,18 @@
-"""Checkpoints that survive crashes: atomic writes, checksums, and a newest-valid search.
+"""Checkpoints that survive crashes and belong to a run: atomic writes, checksums, safe loads.
 
-A file is ``ckpt-<step 12 digits>.pt``: a small header line (magic, format, SHA-256 of the
-payload, payload length) followed by the ``torch.save`` payload. It is written to a
-temporary file, fsynced, renamed into place and the directory fsynced, so a crash mid-write
-leaves the previous checkpoint intact; a truncated or bit-flipped file fails the checksum and
-is reported and skipped.
+A file is ``ckpt-<step 12 digits>.pt``: a small header line (magic, format, run id, write
+time, SHA-256 of the payload, payload length) followed by the ``torch.save`` payload. It is
+written to a temporary file (``.ckpt-<step>.pt.tmp-<writer pid>``), fsynced, renamed into
+place and the directory fsynced, so a crash mid-write leaves the previous checkpoint intact; a
+truncated or bit-flipped file fails the checksum and is reported and skipped.
+
+Every checkpoint names the *run* that wrote it (a uuid4 hex made when a fresh run starts and
+kept when one resumes), so several runs can share a directory: a writer prunes only its own
+run's files, and a resume picks the run written to most recently. Files of format 1 (written
+before run ids existed) read as the run ``legacy``, which no writer ever prunes.
+
+Payloads load with ``torch.load(weights_only=True)``: a checkpoint holds only tensors and
+plain data, so a file that would import or call anything else is refused, never executed.
 """
 
 from __future__ import annotations
@@ -14,9 +22,13 @@ import io
 import json
 import logging
 import os
+import pickle
 import re
 import threading
 import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +40,58 @@ from psserver.telemetry import CheckpointInfo
 log = logging.getLogger(__name__)
 
 MAGIC = "PSSERVER-CKPT"
-FORMAT = 1
+FORMAT = 2
+"""Format 2 added the run id and the write time to the header; format 1 still reads."""
+READABLE_FORMATS = (1, 2)
+LEGACY_RUN = "legacy"
+"""The run of format-1 files: one run of its own, never pruned, never continued."""
 _NAME = re.compile(r"^ckpt-(\d{12})\.pt$")
+_TEMPORARY = re.compile(r"^\.(?:ckpt-\d{12}\.pt\.tmp|psserver-probe)-(\d+)$")
+_UNSUPPORTED_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)")
 
 
 class CheckpointError(UsageError):
     """A checkpoint that cannot be used (corrupt, partial, or for another model)."""
 
 
+class UnsafeCheckpointError(CheckpointError):
+    """A file with a valid checksum whose payload would import or call code that psserver
+    never stores: tampered with or not psserver's. Refused, never skipped for an older one."""
+
+
+class CheckpointDirError(UsageError):
+    """A checkpoint directory a server cannot start in: one it cannot write (refused at start,
+    not at the first save), or one holding another run's checkpoints without ``--resume`` or
+    ``--new-run``."""
+
+
+@dataclass(frozen=True)
+class Header:
+    """The header line of one checkpoint file (read without its payload)."""
+
+    path: Path
+    format: int
+    run: str
+    time: float
+    """Unix time of the write (format 1: the file's modification time)."""
+    sha256: str
+    length: int
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex
+
+
 def checkpoint_path(directory: Path, step: int) -> Path:
     return Path(directory) / f"ckpt-{step:012d}.pt"
+
+
+def step_of(path: Path) -> int:
+    """The step in a checkpoint's file name (``ValueError`` for another name)."""
+    m = _NAME.match(Path(path).name)
+    if m is None:
+        raise ValueError(f"{path} is not named like a checkpoint (ckpt-<12 digits>.pt)")
+    return int(m.group(1))
 
 
 def fsync_dir(directory: Path) -> None:
@@ -52,8 +106,10 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_checkpoint(path: Path, state: dict[str, Any], *, fault_after_bytes: int | None = None) -> int:
-    """Write ``state`` atomically; returns the bytes written.
+def write_checkpoint(path: Path, state: dict[str, Any], *, run: str | None = None,
+                     fault_after_bytes: int | None = None) -> int:
+    """Write ``state`` atomically as a checkpoint of ``run`` (None: a run of its own); returns
+    the bytes written. A failed write removes its temporary file and raises ``OSError``.
 
     ``fault_after_bytes`` (tests only, also ``$PSSERVER_CKPT_FAULT_AFTER``) kills the process
     after writing that many bytes of the temporary file, to prove a crash mid-write is safe.
@@ -61,56 +117,135 @@ def write_checkpoint(path: Path, state: dict[str, Any], *, fault_after_bytes: in
     buf = io.BytesIO()
     torch.save(state, buf)
     payload = buf.getvalue()
-    header = json.dumps(
-        {"magic": MAGIC, "format": FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "length": len(payload)}
-    ).encode() + b"\n"
+    header = json.dumps({
+        "magic": MAGIC, "format": FORMAT, "run": run or new_run_id(), "time": time.time(),
+        "sha256": hashlib.sha256(payload).hexdigest(), "length": len(payload),
+    }).encode() + b"\n"
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     if fault_after_bytes is None and os.environ.get("PSSERVER_CKPT_FAULT_AFTER"):
         fault_after_bytes = int(os.environ["PSSERVER_CKPT_FAULT_AFTER"])
-    with open(tmp, "wb") as f:
-        data = header + payload
-        if fault_after_bytes is not None:
-            f.write(data[:fault_after_bytes])
+    try:
+        with open(tmp, "wb") as f:
+            data = header + payload
+            if fault_after_bytes is not None:
+                f.write(data[:fault_after_bytes])
+                f.flush()
+                os.fsync(f.fileno())
+                log.error("injected fault: dying after %d bytes of %s", fault_after_bytes, tmp)
+                os._exit(17)
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
-            log.error("injected fault: dying after %d bytes of %s", fault_after_bytes, tmp)
-            os._exit(17)
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)  # a full disk must not keep the partial file
+        raise
     fsync_dir(path.parent)
     return len(header) + len(payload)
 
 
-def read_checkpoint(path: Path) -> dict[str, Any]:
-    """Load and verify one file; ``CheckpointError`` with the reason if it is not valid."""
-    path = Path(path)
+def _unlink_quietly(path: Path) -> bool:
+    """Remove ``path``; whether it was removed (a failure is a warning)."""
     try:
-        with open(path, "rb") as f:
-            header_line = f.readline(4096)
-            payload = f.read()
+        path.unlink()
+    except FileNotFoundError:
+        return False
     except OSError as e:
-        raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
+        log.warning("cannot remove %s: %s", path, e.strerror or e)
+        return False
+    return True
+
+
+def _parse_header(path: Path, line: bytes) -> Header:
     try:
-        header = json.loads(header_line)
+        header = json.loads(line)
     except (ValueError, UnicodeDecodeError):
         raise CheckpointError(f"{path} is not a psserver checkpoint (bad header)") from None
     if not isinstance(header, dict) or header.get("magic") != MAGIC:
         raise CheckpointError(f"{path} is not a psserver checkpoint")
-    if header.get("format") != FORMAT:
-        raise CheckpointError(f"{path} has checkpoint format {header.get('format')}, expected {FORMAT}")
-    if len(payload) != header.get("length"):
-        raise CheckpointError(f"{path} is truncated ({len(payload)} of {header.get('length')} bytes)")
-    if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+    fmt = header.get("format")
+    if fmt not in READABLE_FORMATS:
+        raise CheckpointError(f"{path} has checkpoint format {fmt}, this psserver reads formats "
+                              f"{', '.join(map(str, READABLE_FORMATS))}")
+    if fmt == 1:
+        run, written = LEGACY_RUN, None
+    else:
+        run, written = header.get("run"), header.get("time")
+        if not isinstance(run, str) or not run or run == LEGACY_RUN or not isinstance(written, (int, float)):
+            raise CheckpointError(f"{path} is not a psserver checkpoint (bad run id or time in its header)")
+    length, digest = header.get("length"), header.get("sha256")
+    if not isinstance(length, int) or not isinstance(digest, str):
+        raise CheckpointError(f"{path} is not a psserver checkpoint (bad length or checksum in its header)")
+    if written is None:
+        try:
+            written = path.stat().st_mtime
+        except OSError:
+            written = 0.0
+    return Header(path, fmt, run, float(written), digest, length)
+
+
+def _read(path: Path, *, payload: bool) -> tuple[Header, bytes]:
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            line = f.readline(4096)
+            data = f.read() if payload else b""
+    except OSError as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
+    return _parse_header(path, line), data
+
+
+def read_header(path: Path) -> Header:
+    """The header of ``path`` (one short read); ``CheckpointError`` if it has none."""
+    return _read(path, payload=False)[0]
+
+
+def verify(path: Path) -> tuple[Header, bytes]:
+    """The header and payload of ``path`` once the payload matches its checksum (nothing is
+    unpickled); ``CheckpointError`` if it does not."""
+    header, payload = _read(path, payload=True)
+    if len(payload) != header.length:
+        raise CheckpointError(f"{path} is truncated ({len(payload)} of {header.length} bytes)")
+    if hashlib.sha256(payload).hexdigest() != header.sha256:
         raise CheckpointError(f"{path} is corrupt (checksum mismatch)")
-    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
+    return header, payload
+
+
+def load_checkpoint(path: Path) -> tuple[Header, dict[str, Any]]:
+    """Verify and load one file: its header and state. ``CheckpointError`` with the reason if
+    it is not valid, ``UnsafeCheckpointError`` if its payload holds more than tensors and data."""
+    header, payload = verify(path)
+    try:
+        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        unsafe = _UNSUPPORTED_GLOBAL.search(str(e))
+        if unsafe:
+            raise UnsafeCheckpointError(
+                f"refusing {path}: its payload would load {unsafe.group(1)}, which a psserver checkpoint never "
+                "holds (tampered with, or not written by psserver)") from None
+        raise CheckpointError(f"{path} holds no loadable state ({_first_line(e)})") from None
+    except (RuntimeError, EOFError, ValueError) as e:
+        raise CheckpointError(f"{path} holds no loadable state ({_first_line(e)})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} holds a {type(state).__name__}, not a psserver checkpoint")
+    return header, state
+
+
+def _first_line(e: BaseException) -> str:
+    """The informative line of torch's multi-line load errors."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    return next((x for x in lines if x.startswith("Unsupported")), lines[0] if lines else type(e).__name__)[:200]
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """Load and verify one file; ``CheckpointError`` with the reason if it is not valid."""
+    return load_checkpoint(path)[1]
 
 
 def list_checkpoints(directory: Path) -> list[Path]:
-    """Checkpoint files in ``directory``, newest step first."""
+    """Checkpoint files in ``directory`` (every run's), newest step first."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
@@ -118,65 +253,206 @@ def list_checkpoints(directory: Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def load_latest(directory: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint that verifies; invalid ones are reported and skipped."""
+def resume_order(directory: Path) -> tuple[list[Path], list[CheckpointError]]:
+    """Checkpoint files in the order a resume tries them: the run written to most recently
+    first, each run's newest step first; and the errors of the files without a valid header."""
+    runs: dict[str, list[Header]] = {}
+    unreadable: list[CheckpointError] = []
     for path in list_checkpoints(directory):
         try:
-            return path, read_checkpoint(path)
+            header = read_header(path)
+        except CheckpointError as e:
+            unreadable.append(e)
+            continue
+        runs.setdefault(header.run, []).append(header)
+    order = sorted(runs.values(), key=lambda hs: max(h.time for h in hs), reverse=True)
+    return [h.path for hs in order for h in hs], unreadable
+
+
+def find_latest(directory: Path) -> tuple[Header, dict[str, Any]] | None:
+    """The newest checkpoint that verifies (see ``resume_order``); invalid ones are reported
+    and skipped, an unsafe one (``UnsafeCheckpointError``) stops the search."""
+    order, unreadable = resume_order(directory)
+    for e in unreadable:
+        log.error("skipping invalid checkpoint: %s", e)
+    for path in order:
+        try:
+            return load_checkpoint(path)
+        except UnsafeCheckpointError:
+            raise
         except CheckpointError as e:
             log.error("skipping invalid checkpoint: %s", e)
     return None
 
 
-class Checkpointer:
-    """Writes checkpoints in the background: training pauses only for the state copy."""
+def load_latest(directory: Path) -> tuple[Path, dict[str, Any]] | None:
+    """``find_latest`` as (path, state)."""
+    found = find_latest(directory)
+    return (found[0].path, found[1]) if found is not None else None
 
-    def __init__(self, directory: Path, keep: int) -> None:
+
+# ---- the directory ----------------------------------------------------------------------------
+
+
+def check_writable(directory: Path) -> None:
+    """Create ``directory`` and a probe file in it, then remove the probe: a server that could
+    never save a checkpoint is refused at start rather than at its first save."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise CheckpointDirError(f"--checkpoint-dir {directory} is not a directory") from None
+    except OSError as e:
+        raise CheckpointDirError(f"--checkpoint-dir {directory} cannot be created: {e.strerror or e}") from None
+    if not directory.is_dir():
+        raise CheckpointDirError(f"--checkpoint-dir {directory} is not a directory")
+    probe = directory / f".psserver-probe-{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    except OSError as e:
+        raise CheckpointDirError(f"--checkpoint-dir {directory} is not writable: {e.strerror or e}") from None
+    try:
+        try:
+            os.write(fd, b"psserver")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        probe.unlink()
+    except OSError as e:
+        _unlink_quietly(probe)
+        raise CheckpointDirError(f"--checkpoint-dir {directory} is not writable: {e.strerror or e}") from None
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+def remove_stale_temporaries(directory: Path) -> list[Path]:
+    """Remove the temporary files of writes that died (their writer's pid, in the name, is
+    gone, or is this process, which has written nothing yet); a live writer's are left."""
+    directory = Path(directory)
+    removed: list[Path] = []
+    if not directory.is_dir():
+        return removed
+    for path in sorted(directory.iterdir()):
+        m = _TEMPORARY.match(path.name)
+        if not m:
+            continue
+        pid = int(m.group(1))
+        if pid != os.getpid() and _alive(pid):
+            log.warning("leaving %s alone: its writer (pid %d) is still running", path, pid)
+            continue
+        if _unlink_quietly(path):
+            removed.append(path)
+    if removed:
+        log.info("removed %d temporary file(s) of interrupted checkpoint writes in %s", len(removed), directory)
+    return removed
+
+
+# ---- the writer -------------------------------------------------------------------------------
+
+
+class Checkpointer:
+    """Writes one run's checkpoints in the background (training pauses only for the state
+    copy) and keeps that run's newest ``keep`` valid ones, never touching another run's."""
+
+    def __init__(self, directory: Path, keep: int, run: str | None = None) -> None:
         self.directory = Path(directory)
         self.keep = keep
+        self.run = run or new_run_id()
         self.last: CheckpointInfo | None = None
         self._lock = threading.Lock()  # one write at a time, in step order
         self._thread: threading.Thread | None = None
+        self._checked: dict[Path, tuple[tuple[int, int], bool]] = {}  # (size, mtime_ns) -> verifies
 
     def save(self, step: int, state: dict[str, Any], *, wait: bool) -> CheckpointInfo:
-        """Write ``state`` (already a CPU copy) as the checkpoint of ``step``."""
+        """Write ``state`` (already a CPU copy) as the checkpoint of ``step``; with ``wait`` a
+        failed write raises ``OSError`` (without, it is logged)."""
         path = checkpoint_path(self.directory, step)
         info = CheckpointInfo(str(path), step, time.time())
 
         def work() -> None:
             with self._lock:
                 t0 = time.monotonic()
-                size = write_checkpoint(path, state)
+                size = write_checkpoint(path, state, run=self.run)
                 info.duration_s = time.monotonic() - t0
+                self._is_valid(path, written=True)
                 self.last = info
                 log.info("checkpoint step %d written to %s (%.1f MB, %.2fs)", step, path, size / 1e6,
                          info.duration_s)
-                self._prune()
+                self._prune(path)
 
+        self.wait()
         if wait:
-            self.wait()
             work()
         else:
-            self.wait()
-            self._thread = threading.Thread(target=self._guard, args=(work,), name="psserver-ckpt", daemon=True)
+            self._thread = threading.Thread(target=self._guard, args=(step, work), name="psserver-ckpt", daemon=True)
             self._thread.start()
         return info
 
     @staticmethod
-    def _guard(work) -> None:
+    def _guard(step: int, work: Callable[[], None]) -> None:
         try:
             work()
+        except OSError as e:  # a full or vanished disk: one line, the server keeps training
+            log.error("checkpoint step %d failed: %s", step, e)
         except Exception:  # noqa: BLE001 - a failed write must not kill the server
-            log.exception("checkpoint write failed")
+            log.exception("checkpoint step %d failed", step)
 
     def wait(self) -> None:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
 
-    def _prune(self) -> None:
-        for old in list_checkpoints(self.directory)[self.keep:]:
+    def _is_valid(self, path: Path, *, written: bool = False) -> bool:
+        """Whether ``path`` verifies, reading it once per version of the file (``written``: it
+        was just written and fsynced here, so it does)."""
+        try:
+            st = path.stat()
+        except OSError:
+            return False
+        version = (st.st_size, st.st_mtime_ns)
+        known = self._checked.get(path)
+        if known is not None and known[0] == version:
+            return known[1]
+        valid = True
+        if not written:
             try:
-                old.unlink()
-            except OSError:
-                log.warning("cannot delete old checkpoint %s", old)
+                verify(path)
+            except CheckpointError as e:
+                log.warning("not counting %s among the checkpoints kept: %s", path, e)
+                valid = False
+        self._checked[path] = (version, valid)
+        return valid
+
+    def _prune(self, written: Path) -> None:
+        """Keep ``written`` and this run's newest valid checkpoints, ``keep`` in all, and delete
+        this run's files older than the oldest of them; other runs' and unreadable files stay."""
+        mine: list[tuple[int, Path]] = []
+        for path in list_checkpoints(self.directory):
+            try:
+                if read_header(path).run == self.run:
+                    mine.append((step_of(path), path))
+            except CheckpointError:
+                continue  # no readable header: whose it is is unknown, so it is not ours to delete
+        kept = [written]
+        for _, path in mine:
+            if len(kept) >= self.keep:
+                break
+            if path != written and self._is_valid(path):
+                kept.append(path)
+        if len(kept) < self.keep:
+            return  # fewer valid checkpoints than asked for: nothing is old enough to go
+        oldest = min(step_of(p) for p in kept)
+        for step, path in mine:
+            if step < oldest and path not in kept and _unlink_quietly(path):
+                log.info("removed old checkpoint %s", path)
+                self._checked.pop(path, None)

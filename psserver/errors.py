@@ -19,3 +19,9 @@ class DataError(UsageError, ValueError):
 
 class ServerLost(Exception):
     """A trainer lost its server mid-training (exit code 3 unless ``--reconnect``)."""
+
+
+class Evicted(ServerLost):
+    """The server evicted this trainer while it was alive (a pause longer than the server's
+    ``--trainer-timeout``, or a gradient it would not keep): exit code 3 unless ``--reconnect``,
+    which rejoins under a fresh name."""

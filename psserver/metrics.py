@@ -31,7 +31,7 @@ from prometheus_client.registry import Collector
 
 from psserver.config import ObservabilityConfig
 from psserver.errors import UsageError
-from psserver.telemetry import ControlTarget, ServerStatus, TrainerStatus
+from psserver.telemetry import CONTROL_REFUSALS, ControlTarget, ServerStatus, TrainerStatus
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,12 @@ class StatusCollector(Collector):
             yield err
             return
         yield from self._server_metrics(status)
+        refusals = CounterMetricFamily(f"{PREFIX}_control_refusals",
+                                       "Control-plane calls refused (bad or missing token, admin calls without auth)",
+                                       labels=["code"])
+        for code, n in sorted(CONTROL_REFUSALS.counts().items()):
+            refusals.add_metric([code], n)
+        yield refusals
         yield from self._trainer_metrics(trainers)
         yield from self._checkpoint_metrics(status)
 
@@ -131,6 +137,9 @@ class StatusCollector(Collector):
                      "(0 in other modes)", s.staleness)
         yield _counter("steps", "Optimizer steps applied (global step)", s.global_step)
         yield _counter("samples", "Training samples whose gradients were applied", s.samples_seen)
+        yield _counter("nonfinite_gradients", "Gradients dropped (never applied) because their norm was NaN or inf",
+                       s.nonfinite_gradients)
+        yield _counter("clipped_steps", "Trainer steps scaled down to --max-grad-norm", s.clipped_steps)
         yield _gauge("updates_per_second", "Optimizer steps per second over the last window", s.updates_per_s)
         yield _gauge("samples_per_second", "Samples per second over the last window", s.samples_per_s)
         yield _gauge("loss", "Mean training loss reported over the last window (NaN when idle)", s.mean_loss)
@@ -170,6 +179,14 @@ class StatusCollector(Collector):
                                       "and its update", labels=labels)
         max_staleness = GaugeMetricFamily(f"{PREFIX}_trainer_max_staleness",
                                           "Largest staleness of any of the trainer's updates", labels=labels)
+        updates = CounterMetricFamily(f"{PREFIX}_trainer_updates",
+                                      "The trainer's gradients the server applied (sync: summed into a round)",
+                                      labels=labels)
+        nonfinite = CounterMetricFamily(f"{PREFIX}_trainer_nonfinite_gradients",
+                                        "The trainer's gradients dropped because their norm was NaN or inf",
+                                        labels=labels)
+        clipped = CounterMetricFamily(f"{PREFIX}_trainer_clipped_steps",
+                                      "The trainer's steps scaled down to --max-grad-norm", labels=labels)
         counts = {"ACTIVE": 0, "LEFT": 0, "LOST": 0}
         for t in trainers:
             lv = [str(t.rank), t.name]
@@ -185,11 +202,15 @@ class StatusCollector(Collector):
             clock.add_metric(lv, t.clock)
             staleness.add_metric(lv, t.staleness)
             max_staleness.add_metric(lv, t.max_staleness)
+            updates.add_metric(lv, t.updates)
+            nonfinite.add_metric(lv, t.nonfinite)
+            clipped.add_metric(lv, t.clipped)
         total = GaugeMetricFamily(f"{PREFIX}_trainers", "Trainers by state (LEFT/LOST: recent history)",
                                   labels=["state"])
         for st, n in counts.items():
             total.add_metric([st], n)
-        yield from (total, up, state, steps, samples, loss, rate, seen, clock, staleness, max_staleness)
+        yield from (total, up, state, steps, samples, loss, rate, seen, clock, staleness, max_staleness, updates,
+                    nonfinite, clipped)
 
     def _checkpoint_metrics(self, s: ServerStatus) -> Iterator[Metric]:
         ck = s.last_checkpoint

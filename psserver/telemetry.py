@@ -53,6 +53,14 @@ class TrainerStatus:
     step: str = ""
     """Its step protocol on the parameter server (``pushpull``, ``pull``: trainer compute;
     ``chained``, ``plain``: server compute); empty in collective mode."""
+    updates: int = 0
+    """Its gradients the server applied (sync: summed into a round); 0 in collective mode."""
+    nonfinite: int = 0
+    """Its gradients the server dropped because their norm was NaN or inf."""
+    clipped: int = 0
+    """Its steps the server scaled down to ``--max-grad-norm``."""
+    reason: str = ""
+    """Why the server evicted it while it was alive (empty otherwise)."""
 
 
 @dataclass
@@ -88,6 +96,10 @@ class ServerStatus:
     staleness: int = 0
     """S of ``--update ssp``: steps the fastest live trainer may run ahead of the slowest (0 in
     other modes, where ``update_mode`` tells them apart from a bulk-synchronous ssp)."""
+    nonfinite_gradients: int = 0
+    """Gradients dropped because their norm was NaN or inf, since the server started."""
+    clipped_steps: int = 0
+    """Trainer steps scaled down to ``--max-grad-norm``, since the server started."""
 
     @property
     def uptime_s(self) -> float:
@@ -145,3 +157,42 @@ class RateMeter:
             losses = [e[2] for e in self._events if e[2] == e[2]]
             mean = sum(losses) / len(losses) if losses else float("nan")
             return n / span, samples / span, mean
+
+
+class RefusalLog:
+    """Calls the control plane refused (bad or missing token, admin without auth): counted by
+    status code for metrics, and logged at most ``burst`` lines per ``interval`` seconds, the
+    rest summed up in the next line, so that a scanner or a misconfigured client cannot fill
+    the server's log."""
+
+    def __init__(self, burst: int = 5, interval: float = 60.0) -> None:
+        self.burst = burst
+        self.interval = interval
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+        self._window_start = -float("inf")
+        self._logged = 0
+        self._suppressed = 0
+
+    def refused(self, code: str) -> tuple[bool, int]:
+        """Count one refusal with gRPC status ``code``; (whether to log it, refusals suppressed
+        since the last line logged)."""
+        now = time.monotonic()
+        with self._lock:
+            self._counts[code] = self._counts.get(code, 0) + 1
+            if now - self._window_start >= self.interval:
+                self._window_start, self._logged = now, 0
+            if self._logged >= self.burst:
+                self._suppressed += 1
+                return False, 0
+            self._logged += 1
+            suppressed, self._suppressed = self._suppressed, 0
+            return True, suppressed
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+CONTROL_REFUSALS = RefusalLog()
+"""The process's control-plane refusals (one control plane per process)."""

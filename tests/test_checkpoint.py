@@ -1,13 +1,31 @@
+import errno
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 
 from psserver.checkpoint import (
+    FORMAT,
+    LEGACY_RUN,
+    CheckpointDirError,
     Checkpointer,
     CheckpointError,
+    UnsafeCheckpointError,
+    check_writable,
     checkpoint_path,
+    find_latest,
     list_checkpoints,
     load_latest,
     read_checkpoint,
+    read_header,
+    remove_stale_temporaries,
+    verify,
     write_checkpoint,
 )
 
@@ -53,3 +71,155 @@ def test_temporary_files_are_never_taken(tmp_path):
     (tmp_path / ".ckpt-000000000009.pt.tmp-123").write_bytes(b"partial")
     assert load_latest(tmp_path)[1]["global_step"] == 5
     assert load_latest(tmp_path / "missing") is None
+
+
+# ---- runs, pruning, safe loads, the directory ---------------------------------------------------
+
+
+class WritesAMarker:
+    """A pickle payload that runs code when loaded without ``weights_only``: it writes ``marker``."""
+
+    def __init__(self, marker) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
+
+
+def corrupt(path):
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def runs_of(directory) -> dict[str, str]:
+    out = {}
+    for p in list_checkpoints(directory):
+        try:
+            out[p.name] = read_header(p).run
+        except CheckpointError:
+            out[p.name] = "?"
+    return out
+
+
+def test_header_names_the_run_and_format_2(tmp_path):
+    path = checkpoint_path(tmp_path, 3)
+    write_checkpoint(path, state(3), run="r1")
+    header = read_header(path)
+    assert (header.format, header.run) == (FORMAT, "r1") == (2, "r1")
+    assert header.time == pytest.approx(time.time(), abs=60)
+    other = checkpoint_path(tmp_path, 4)
+    write_checkpoint(other, state(4))  # no run given: a run of its own
+    assert read_header(other).run not in ("r1", LEGACY_RUN)
+
+
+def test_format_1_files_still_load_as_the_legacy_run(tmp_path):
+    """Checkpoints written before run ids existed (format 1, no run in the header)."""
+    buf = io.BytesIO()
+    torch.save(state(7), buf)
+    payload = buf.getvalue()
+    header = {"magic": "PSSERVER-CKPT", "format": 1, "sha256": hashlib.sha256(payload).hexdigest(),
+              "length": len(payload)}
+    path = checkpoint_path(tmp_path, 7)
+    path.write_bytes(json.dumps(header).encode() + b"\n" + payload)
+    assert read_header(path).run == LEGACY_RUN
+    assert read_checkpoint(path)["global_step"] == 7
+    assert load_latest(tmp_path)[0] == path
+    # A writer never prunes them, whatever the step numbers.
+    ck = Checkpointer(tmp_path, keep=1, run="now")
+    for step in (10, 20):
+        ck.save(step, state(step), wait=True)
+    assert runs_of(tmp_path) == {"ckpt-000000000020.pt": "now", "ckpt-000000000007.pt": LEGACY_RUN}
+
+
+def test_pruning_keeps_the_newest_valid_checkpoints_of_its_own_run_only(tmp_path):
+    for step in (100, 200):  # another run, with higher steps than this one will reach
+        write_checkpoint(checkpoint_path(tmp_path, step), state(step), run="other")
+    bad_header = checkpoint_path(tmp_path, 300)
+    bad_header.write_bytes(b"not a checkpoint\n")  # whose it is cannot be told: never deleted
+    write_checkpoint(checkpoint_path(tmp_path, 10), state(10), run="mine")
+    write_checkpoint(checkpoint_path(tmp_path, 20), state(20), run="mine")
+    corrupt(checkpoint_path(tmp_path, 20))  # this run's, invalid: never counted as a kept one
+    ck = Checkpointer(tmp_path, keep=2, run="mine")
+    ck.save(30, state(30), wait=True)
+    # Kept: 30 (just written) and 10 (the newest valid one before it); 20 is not counted.
+    assert sorted(runs_of(tmp_path)) == ["ckpt-000000000010.pt", "ckpt-000000000020.pt", "ckpt-000000000030.pt",
+                                         "ckpt-000000000100.pt", "ckpt-000000000200.pt", "ckpt-000000000300.pt"]
+    ck.save(40, state(40), wait=False)
+    ck.wait()
+    assert runs_of(tmp_path) == {
+        "ckpt-000000000300.pt": "?", "ckpt-000000000200.pt": "other", "ckpt-000000000100.pt": "other",
+        "ckpt-000000000040.pt": "mine", "ckpt-000000000030.pt": "mine",
+    }
+    assert read_checkpoint(checkpoint_path(tmp_path, 200))["global_step"] == 200
+
+
+def test_keep_1_never_deletes_the_checkpoint_just_written(tmp_path):
+    """Even when the run has a valid checkpoint of a higher step (resumed from an older one)."""
+    write_checkpoint(checkpoint_path(tmp_path, 50), state(50), run="r")
+    ck = Checkpointer(tmp_path, keep=1, run="r")
+    ck.save(20, state(20), wait=True)
+    assert checkpoint_path(tmp_path, 20).is_file()
+
+
+def test_resume_picks_the_run_written_last(tmp_path, caplog):
+    write_checkpoint(checkpoint_path(tmp_path, 500), state(500), run="old")
+    time.sleep(0.01)
+    write_checkpoint(checkpoint_path(tmp_path, 10), state(10), run="new")
+    write_checkpoint(checkpoint_path(tmp_path, 20), state(20), run="new")
+    corrupt(checkpoint_path(tmp_path, 20))
+    header, loaded = find_latest(tmp_path)
+    assert (header.run, loaded["global_step"]) == ("new", 10)
+    assert "ckpt-000000000020.pt is corrupt" in caplog.text
+
+
+def test_a_failed_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        write_checkpoint(checkpoint_path(tmp_path, 1), state(1), run="r")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_crafted_payload_is_refused_and_never_run(tmp_path):
+    marker = tmp_path / "marker"
+    write_checkpoint(checkpoint_path(tmp_path, 1), state(1), run="r")
+    crafted = checkpoint_path(tmp_path, 2)
+    write_checkpoint(crafted, {"global_step": 2, "w": WritesAMarker(marker)}, run="r")
+    verify(crafted)  # header and checksum are valid
+    payload = crafted.read_bytes().split(b"\n", 1)[1]
+    torch.load(io.BytesIO(payload), weights_only=False)  # the payload is live: loading it unsafely runs it
+    assert marker.read_text() == "ran"
+    marker.unlink()
+    with pytest.raises(UnsafeCheckpointError, match=r"refusing \S+ckpt-000000000002.pt: its payload would load "
+                                                    r"exec, which a psserver checkpoint never holds") as e:
+        read_checkpoint(crafted)
+    assert "\n" not in str(e.value)
+    with pytest.raises(UnsafeCheckpointError):  # not skipped for the older one either
+        load_latest(tmp_path)
+    assert not marker.exists()
+
+
+def test_temporary_files_of_dead_writers_are_removed_and_a_live_writers_left(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", ""])
+    child.wait()
+    dead, live = child.pid, os.getppid()
+    names = [f".ckpt-000000000009.pt.tmp-{dead}", f".ckpt-000000000010.pt.tmp-{os.getpid()}",
+             f".psserver-probe-{dead}", f".ckpt-000000000011.pt.tmp-{live}", "notes.txt"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"partial")
+    removed = remove_stale_temporaries(tmp_path)
+    assert sorted(p.name for p in removed) == sorted(names[:3])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[3:])
+
+
+def test_check_writable(tmp_path):
+    check_writable(tmp_path / "a" / "b")  # created
+    assert (tmp_path / "a" / "b").is_dir() and list((tmp_path / "a" / "b").iterdir()) == []
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointDirError, match="file is not a directory"):
+        check_writable(tmp_path / "file")
+    with pytest.raises(CheckpointDirError, match="cannot be created: Not a directory"):
+        check_writable(tmp_path / "file" / "sub")

@@ -33,6 +33,13 @@ class ServeCommand(SubCommand):
                             help="pin where every trainer's steps run, trainer or server (default: each "
                                  "trainer's choice, trainer unless it says otherwise)")
         add_optimizer_arguments(parser, defaults_from_server=False)
+        g = parser.add_argument_group("guarding the shared model")
+        g.add_argument("--max-grad-norm", type=float, default=None, metavar="NORM",
+                       help="clip each trainer step's gradient to this L2 norm (default: no clipping; a gradient "
+                            "with NaN or inf is always dropped)")
+        g.add_argument("--max-nonfinite-steps", type=int, default=ServerConfig.max_nonfinite_steps, metavar="N",
+                       help="evict a trainer after N non-finite gradients in a row "
+                            f"(default {ServerConfig.max_nonfinite_steps})")
         parser.add_argument("--trainer-timeout", type=float, default=5.0,
                             help="seconds without heartbeat before a trainer is evicted (default 5)")
         parser.add_argument("--rpc-timeout", type=float, default=60.0, help="RPC timeout in seconds")
@@ -46,9 +53,13 @@ class ServeCommand(SubCommand):
         c.add_argument("--checkpoint-dir", type=Path, default=None, help="directory of checkpoints")
         c.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N global steps")
         c.add_argument("--checkpoint-interval", type=float, default=0.0, help="checkpoint every N seconds")
-        c.add_argument("--keep-checkpoints", type=int, default=3, help="keep the newest N (default 3)")
+        c.add_argument("--keep-checkpoints", type=int, default=3,
+                       help="keep this run's newest N valid checkpoints; other runs' files stay (default 3)")
         c.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
-                       help="resume from the newest valid checkpoint in --checkpoint-dir, or from PATH")
+                       help="continue the run of the newest valid checkpoint in --checkpoint-dir, or resume from PATH")
+        c.add_argument("--new-run", action="store_true",
+                       help="start a new run in a --checkpoint-dir that holds another run's checkpoints, leaving "
+                            "their files alone (without it or --resume, such a start is refused)")
         add_control_arguments(parser)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -71,6 +82,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         staleness=args.staleness,
         compute=args.compute,
         optimizer=optimizer_from_args(args),
+        max_grad_norm=args.max_grad_norm,
+        max_nonfinite_steps=args.max_nonfinite_steps,
         trainer_timeout=args.trainer_timeout,
         rpc_timeout=args.rpc_timeout,
         rpc_threads=args.rpc_threads,
@@ -83,6 +96,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             interval_s=args.checkpoint_interval,
             keep=args.keep_checkpoints,
             resume=args.resume,
+            new_run=args.new_run,
         ),
         control=control,
         observability=obs,

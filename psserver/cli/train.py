@@ -1,5 +1,9 @@
 """``psserver train``: a trainer; ``--mode ps`` (default) joins a parameter server,
-``--mode ddp|fsdp`` trains with collectives instead (see ``psserver.collective``)."""
+``--mode ddp|fsdp`` trains with collectives instead (see ``psserver.collective``).
+
+A ``--mode ps`` trainer exits 0 when done, 2 for bad input (a rank whose holder is alive), 3
+when its server is lost or evicts it (unless ``--reconnect``), 143 / 130 after leaving on
+SIGTERM / SIGINT (``psserver.ps.trainer``)."""
 
 from __future__ import annotations
 
@@ -55,7 +59,8 @@ class TrainCommand(SubCommand):
         ps.add_argument("--connect-timeout", type=float, default=60.0,
                         help="seconds to wait for a server that is still starting (default 60)")
         ps.add_argument("--reconnect", action="store_true",
-                        help="if the server goes away, retry with backoff and continue the epoch")
+                        help="if the server goes away or evicts this trainer, rejoin under a fresh name (retrying "
+                             "with backoff) and continue where it was; without it, exit code 3")
         ps.add_argument("--rpc-timeout", type=float, default=60.0, help="RPC timeout in seconds")
         ps.add_argument("--stats-out", type=Path, default=None,
                         help="write per-step timings as JSON (for benchmarks)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,9 +88,15 @@ class CheckpointConfig:
     interval_s: float = 0.0
     """Write one every N seconds while training (0: never by time)."""
     keep: int = 3
-    """Keep the newest N checkpoints, delete older ones."""
+    """Keep this run's newest N valid checkpoints and delete its older ones; other runs' files
+    in ``directory`` are never deleted."""
     resume: str | None = None
-    """``latest`` (newest valid checkpoint in ``directory``) or a checkpoint path."""
+    """``latest`` (continue the run of the newest valid checkpoint in ``directory``) or a
+    checkpoint path."""
+    new_run: bool = False
+    """Start a new run in a ``directory`` that holds another run's checkpoints, leaving their
+    files alone (without it, or ``resume``, such a start is refused so that no run is mixed up
+    with another by mistake)."""
 
     def __post_init__(self) -> None:
         if self.directory is not None:
@@ -100,6 +107,10 @@ class CheckpointConfig:
             raise ValueError(f"--keep-checkpoints must be >= 1, got {self.keep}")
         if self.resume == "latest" and self.directory is None:
             raise ValueError("--resume without a path needs --checkpoint-dir")
+        if self.new_run and self.resume is not None:
+            raise ValueError("--new-run starts a new run, --resume continues one: give one of them")
+        if self.new_run and self.directory is None:
+            raise ValueError("--new-run needs --checkpoint-dir")
 
 
 @dataclass
@@ -128,6 +139,11 @@ class ServerConfig:
     chooses (``psserver train --compute``), trainer compute unless it says otherwise."""
     optimizer: OptimizerConfig | None = None
     """Server optimizer; None: taken from the first trainer (default adam, lr 1e-3)."""
+    max_grad_norm: float | None = None
+    """Clip each trainer step's whole gradient to this L2 norm before it is applied (None: no
+    clipping). A gradient whose norm is NaN or inf is never applied, whatever this says."""
+    max_nonfinite_steps: int = 3
+    """Evict a trainer after this many non-finite gradients in a row (each one is dropped)."""
     trainer_timeout: float = 5.0
     """Seconds without a heartbeat after which a trainer is declared lost and evicted."""
     rpc_timeout: float = 60.0
@@ -160,6 +176,10 @@ class ServerConfig:
         if self.staleness < 0:
             raise ValueError(f"--staleness must be >= 0, got {self.staleness}")
         check_compute(self.compute)
+        if self.max_grad_norm is not None and not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):
+            raise ValueError(f"--max-grad-norm must be a positive number, got {self.max_grad_norm}")
+        if self.max_nonfinite_steps < 1:
+            raise ValueError(f"--max-nonfinite-steps must be >= 1, got {self.max_nonfinite_steps}")
         if self.devices is not None:
             if not self.devices:
                 raise ValueError("--devices needs at least one device")

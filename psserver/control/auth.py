@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 
 from psserver.control import SERVICE_NAME
+from psserver.telemetry import CONTROL_REFUSALS, RefusalLog
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +125,9 @@ class CallLogInterceptor(grpc.ServerInterceptor):
     :class:`AuthInterceptor`.
     """
 
-    def __init__(self, logger: logging.Logger = log) -> None:
+    def __init__(self, logger: logging.Logger = log, refusals: RefusalLog = CONTROL_REFUSALS) -> None:
         self._log = logger
+        self._refusals = refusals
 
     def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
         method = handler_call_details.method
@@ -151,6 +153,12 @@ class CallLogInterceptor(grpc.ServerInterceptor):
         if code == grpc.StatusCode.OK and method in QUIET_METHODS:
             level = logging.DEBUG
         elif code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            log_it, suppressed = self._refusals.refused(code.name)
+            if not log_it:
+                return
+            if suppressed:
+                self._log.warning("grpc: %d more refused calls not logged (rate limit; counted in "
+                                  "psserver_control_refusals_total)", suppressed)
             level = logging.WARNING
         elif code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL):
             level = logging.ERROR

@@ -83,6 +83,8 @@ def status_to_proto(status: ServerStatus, now: float | None = None) -> pb.Server
         shards=[shard_to_proto(s) for s in status.shards],
         server_time=now,
         staleness=int(status.staleness),
+        nonfinite_gradients=int(status.nonfinite_gradients),
+        clipped_steps=int(status.clipped_steps),
     )
     if _finite(status.mean_loss):
         msg.mean_loss = float(status.mean_loss)
@@ -106,6 +108,10 @@ def trainer_to_proto(t: TrainerStatus) -> pb.Trainer:
         staleness=int(t.staleness),
         max_staleness=int(t.max_staleness),
         step=t.step,
+        nonfinite=int(t.nonfinite),
+        clipped=int(t.clipped),
+        reason=t.reason,
+        updates=int(t.updates),
     )
     if _finite(t.last_loss):
         msg.last_loss = float(t.last_loss)
@@ -139,6 +145,8 @@ def status_to_dict(msg: pb.ServerStatus) -> dict[str, Any]:
         "update_mode": enum_name(pb.UpdateMode, msg.update_mode).lower(),
         "sync_trainers": msg.sync_trainers,
         "staleness": msg.staleness,
+        "nonfinite_gradients": msg.nonfinite_gradients,
+        "clipped_steps": msg.clipped_steps,
         "global_step": msg.global_step,
         "samples_seen": msg.samples_seen,
         "updates_per_second": msg.updates_per_second,
@@ -175,4 +183,8 @@ def trainer_to_dict(t: pb.Trainer) -> dict[str, Any]:
         "staleness": t.staleness,
         "max_staleness": t.max_staleness,
         "step": t.step,
+        "nonfinite": t.nonfinite,
+        "clipped": t.clipped,
+        "reason": t.reason,
+        "updates": t.updates,
     }

@@ -80,6 +80,9 @@ def render_status(status: pb.ServerStatus, trainers: Sequence[pb.Trainer] | None
         f"{status.updates_per_second:.1f} updates/s, {status.samples_per_second:.1f} samples/s, "
         f"loss {_loss(status, 'mean_loss')}",
     ]
+    if status.nonfinite_gradients or status.clipped_steps:
+        lines.append(f"guard       {status.nonfinite_gradients:,} non-finite gradients dropped, "
+                     f"{status.clipped_steps:,} steps clipped to --max-grad-norm")
     if status.HasField("last_checkpoint"):
         ck = status.last_checkpoint
         lines.append(f"checkpoint  {ck.path} (step {ck.step:,}, {_ago(ck.time, now)})")
@@ -117,14 +120,17 @@ def render_trainers(trainers: Sequence[pb.Trainer], now: float) -> str:
             _loss(t, "last_loss"),
             f"{t.samples_per_second:.1f}",
             *_progress(t),
+            f"{t.nonfinite:,}",
             _ago(t.joined_at, now),
             _ago(t.last_seen, now),
         ]
         for t in trainers
     ]
     head = ["RANK", "NAME", "HOST", "STEP", "STATE", "STEPS", "SAMPLES", "LOSS", "SAMPLES/S", "CLOCK", "STALENESS",
-            "MAX STALENESS", "JOINED", "LAST SEEN"]
-    return "\n".join([f"TRAINERS    {summary}", *table(head, rows, numeric=(0, 5, 6, 7, 8, 9, 10, 11))])
+            "MAX STALENESS", "NON-FINITE", "JOINED", "LAST SEEN"]
+    reasons = [f"{t.name} (rank {t.rank}) evicted: {t.reason}" for t in trainers if t.reason]
+    return "\n".join([f"TRAINERS    {summary}", *table(head, rows, numeric=(0, 5, 6, 7, 8, 9, 10, 11, 12)),
+                      *reasons])
 
 
 def _progress(t: pb.Trainer) -> list[str]:

@@ -9,8 +9,11 @@ with ``config.reflection``, server reflection. Plaintext unless ``tls_cert``/``t
 from __future__ import annotations
 
 import logging
+import re
+import ssl
 import threading
 from concurrent import futures
+from pathlib import Path
 from types import TracebackType
 
 import grpc
@@ -27,6 +30,20 @@ log = logging.getLogger(__name__)
 
 HEALTH_SERVICES = ("", SERVICE_NAME)
 _LOOPBACK = {"127.0.0.1", "::1", "localhost", "[::1]"}
+
+
+def check_tls_files(cert: Path, key: Path | None) -> None:
+    """``UsageError`` unless ``cert`` and ``key`` are a PEM certificate and its private key
+    (gRPC would only fail to bind, which reads like a port in use)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert, key)
+    except ssl.SSLError as e:
+        detail = re.sub(r"^\[\w+\]\s*|\s*\(_ssl\.c:\d+\)$", "", str(e.args[1] if len(e.args) > 1 else e))
+        raise UsageError(f"--tls-cert {cert} and --tls-key {key} are not a PEM certificate and its private key "
+                         f"({detail})") from None
+    except OSError as e:
+        raise UsageError(f"cannot read --tls-cert {cert} or --tls-key {key}: {e.strerror or e}") from None
 
 
 def format_address(host: str, port: int) -> str:
@@ -98,6 +115,8 @@ class ControlServer:
             names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
             reflection.enable_server_reflection(names, server)
         bind = format_address(cfg.host, cfg.port)
+        if cfg.tls_cert is not None:
+            check_tls_files(cfg.tls_cert, cfg.tls_key)
         try:
             if cfg.tls_cert is not None:
                 creds = grpc.ssl_server_credentials([(cfg.tls_key.read_bytes(), cfg.tls_cert.read_bytes())])

@@ -110,6 +110,9 @@ class ControlService(pb_grpc.ControlServiceServicer):
             info = self._target.checkpoint_now()
         except RuntimeError as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot checkpoint: {e}")
+        except OSError as e:  # a full or read-only disk: the operator's to fix, no traceback
+            log.error("control: checkpoint failed: %s", e)
+            context.abort(grpc.StatusCode.INTERNAL, f"checkpoint failed: {e}")
         except Exception as e:  # noqa: BLE001
             log.exception("control: checkpoint failed")
             context.abort(grpc.StatusCode.INTERNAL, f"checkpoint failed: {type(e).__name__}: {e}")

@@ -1,5 +1,12 @@
 """What a parameter-server checkpoint holds, how a server resumes from one, and when one is written.
 
+Checkpoints belong to a run (``psserver.checkpoint``). At start the policy checks that the
+directory can be written, removes dead writers' temporary files and picks the run: a fresh
+start gets a new run id and is refused in a directory that holds checkpoints unless
+``--new-run`` says to start beside them; ``--resume`` continues the run of the checkpoint it
+loads (a new run when none loads, when the file predates run ids, or when it is not the newest
+of its run: a resumed run never prunes the files of a branch it left).
+
 A step never writes a checkpoint itself: an optimizer step only marks one *due*
 (``note_step``), and the endpoint calls ``maybe_save`` once the call that made the step has
 returned from the step's code, holding no lock. The copy of the state then takes the
@@ -17,7 +24,22 @@ from pathlib import Path
 import torch
 
 from psserver import __version__
-from psserver.checkpoint import Checkpointer, CheckpointError, load_latest, read_checkpoint
+from psserver.checkpoint import (
+    LEGACY_RUN,
+    CheckpointDirError,
+    Checkpointer,
+    CheckpointError,
+    Header,
+    check_writable,
+    find_latest,
+    list_checkpoints,
+    load_checkpoint,
+    new_run_id,
+    read_header,
+    remove_stale_temporaries,
+    step_of,
+    verify,
+)
 from psserver.config import OptimizerConfig, ServerConfig
 from psserver.ps.engine import StepEngine
 from psserver.telemetry import CheckpointInfo
@@ -32,7 +54,11 @@ class CheckpointPolicy:
         self.config = config
         self.engine = engine
         ck = config.checkpoint
-        self.checkpointer = Checkpointer(ck.directory, ck.keep) if ck.directory is not None else None
+        self.run_id = new_run_id()
+        """The run this server's checkpoints belong to (``restore`` may continue a saved one)."""
+        self.checkpointer = Checkpointer(ck.directory, ck.keep, self.run_id) if ck.directory is not None else None
+        self.final_ok = True
+        """False once the checkpoint at stop failed: the server then exits non-zero."""
         self._steps_at_checkpoint = 0
         self._last_time = time.monotonic()
         self._due = False
@@ -61,8 +87,8 @@ class CheckpointPolicy:
             self._due = False
             try:
                 self.save(wait=False)
-            except (OSError, RuntimeError):
-                log.exception("checkpoint at step %d failed", self.engine.global_step)
+            except (OSError, RuntimeError) as e:  # the next one retries; stop() reports the last
+                log.error("checkpoint at step %d failed: %s", self.engine.global_step, e)
 
     def start(self) -> None:
         """Checkpoints every ``--checkpoint-interval`` seconds while steps are made."""
@@ -78,22 +104,28 @@ class CheckpointPolicy:
             if time.monotonic() - self._last_time >= interval and self.engine.global_step > self._steps_at_checkpoint:
                 try:
                     self.save(wait=False)
-                except (OSError, RuntimeError):
-                    log.exception("periodic checkpoint failed")
+                except (OSError, RuntimeError) as e:
+                    log.error("periodic checkpoint failed: %s", e)
 
-    def stop(self) -> None:
-        """The last checkpoint (the server has drained) and every write finished."""
+    def stop(self) -> bool:
+        """The last checkpoint (the server has drained) and every write finished; False (and one
+        ERROR line) when that last checkpoint could not be written."""
         self._stop.set()
         if self._timer is not None:
             self._timer.join(timeout=10)
         if self.checkpointer is None:
-            return
+            return True
         if self.engine.global_step > 0:
             try:
                 self.save(wait=True)
-            except (OSError, RuntimeError):
-                log.exception("final checkpoint failed")
+            except (OSError, RuntimeError) as e:
+                self.final_ok = False
+                last = self.checkpointer.last
+                unsaved = self.engine.global_step - (last.step if last is not None else 0)
+                log.error("final checkpoint failed: %s — the last %d step(s) are not saved (%s)", e, unsaved,
+                          f"newest checkpoint: {last.path}" if last is not None else "this run has no checkpoint")
         self.checkpointer.wait()
+        return self.final_ok
 
     # ---- what ---------------------------------------------------------------------------------
 
@@ -126,21 +158,72 @@ class CheckpointPolicy:
         }
 
     def restore(self) -> int | None:
-        """Apply ``--resume``; the global step resumed at, or None for a fresh start."""
+        """Start the run: check the directory, then a fresh start, ``--new-run`` or ``--resume``;
+        the global step resumed at, or None for a fresh start."""
         ck = self.config.checkpoint
+        if ck.directory is not None:
+            check_writable(ck.directory)
+            remove_stale_temporaries(ck.directory)
         if ck.resume is None:
+            self._start_fresh()
             return None
         if ck.resume == "latest":
-            found = load_latest(ck.directory)
+            found = find_latest(ck.directory)
             if found is None:
-                log.warning("--resume: no valid checkpoint in %s, starting fresh", ck.directory)
+                left = len(list_checkpoints(ck.directory))
+                log.warning("--resume: no valid checkpoint in %s, starting a new run %s%s", ck.directory, self.run_id,
+                            f" (the {left} invalid file(s) there are left alone)" if left else "")
                 return None
-            path, state = found
+            header, state = found
         else:
-            path = Path(ck.resume)
-            state = read_checkpoint(path)
-        self._restore(state, path)
+            header, state = load_checkpoint(Path(ck.resume))
+        self._restore(state, header.path)
+        self._continue(header, int(state["global_step"]))
         return self.engine.global_step
+
+    def _start_fresh(self) -> None:
+        ck = self.config.checkpoint
+        if ck.directory is None:
+            return
+        present = list_checkpoints(ck.directory)
+        if present and not ck.new_run:
+            raise CheckpointDirError(
+                f"--checkpoint-dir {ck.directory} holds checkpoints of another run ({len(present)} file(s), newest "
+                f"{present[0].name}): --resume to continue it, or --new-run to start a new run beside it")
+        log.info("checkpoints of run %s go to %s%s", self.run_id, ck.directory,
+                 f" (the {len(present)} file(s) of other runs there are left alone)" if present else "")
+
+    def _continue(self, header: Header, step: int) -> None:
+        """Take over the run of the checkpoint resumed from, unless that would let this server
+        prune files it did not continue from."""
+        directory = self.config.checkpoint.directory
+        if header.run == LEGACY_RUN:
+            why = "was written before checkpoints had run ids"
+        elif directory is not None and (newer := self._newer_of_run(directory, header.run, step)):
+            why = f"is older than {newer.name} of its run {header.run}"
+        else:
+            self.run_id = header.run
+            if self.checkpointer is not None:
+                self.checkpointer.run = header.run
+            log.info("continuing run %s", self.run_id)
+            return
+        log.warning("%s %s: continuing as a new run %s, leaving that run's files alone", header.path, why,
+                    self.run_id)
+
+    @staticmethod
+    def _newer_of_run(directory: Path, run: str, step: int) -> Path | None:
+        """A valid checkpoint of ``run`` in ``directory`` past ``step`` (resuming from an older
+        one of a run starts a branch)."""
+        for path in list_checkpoints(directory):
+            if step_of(path) <= step:
+                break
+            try:
+                if read_header(path).run == run:
+                    verify(path)
+                    return path
+            except CheckpointError:
+                continue
+        return None
 
     def _restore(self, state: dict, path: Path) -> None:
         cfg, engine = self.config, self.engine

@@ -35,6 +35,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+NOT_A_MEMBER = "NOT_A_MEMBER"
+"""What :func:`heartbeat` answers a trainer that is not a member (evicted, or never joined)."""
+
+
+class NotAMember(RuntimeError):
+    """A call from a trainer that is not a member (evicted, or never joined).
+
+    It reaches the trainer as a bare ``RuntimeError`` (torch 2.14 keeps a remote exception's
+    text, not its type): a trainer whose call failed asks :func:`heartbeat`, whose answer says
+    it (``NOT_A_MEMBER``).
+    """
+
+
 class Endpoint:
     """Admits trainers and dispatches their calls; ``state`` gates joins."""
 
@@ -98,7 +111,11 @@ class Endpoint:
         requested = OptimizerConfig(**request.optimizer) if request.optimizer else None
         optimizer = self.engine.agree_optimizer(requested, request.name)
         join_info = half.join_info(request.name, request)
-        self.membership.join(request.rank, request.name, request.host, step)
+        try:
+            self.membership.join(request.rank, request.name, request.host, step)
+        except BaseException:
+            half.trainer_gone(request.name, False)  # what join_info set up for it
+            raise
         self.engine.trainer_joined(request.name)
         cfg = self.config
         return {
@@ -132,8 +149,9 @@ class Endpoint:
                              f"compute; this trainer would speak --step {step} (server compute)")
         return step
 
-    def call(self, trainer: str, op: str, args: tuple, report: Report | None) -> Any:
-        """``op`` of the server half of ``trainer``'s protocol (or ``evaluate``)."""
+    def call(self, trainer: str, op: str, args: tuple, report: Report | None) -> tuple[Any, list[str]]:
+        """``op`` of the server half of ``trainer``'s protocol (or ``evaluate``): its result and
+        what the trainer should be told (a step the guard dropped; its eviction)."""
         with self._counted(op if op in self._ops else "unknown"):
             member = self._seen(trainer, None)
             try:
@@ -145,8 +163,33 @@ class Endpoint:
                 # After the call: a step the report counts may be applied by this very call
                 # (chained, pushpull), and status must not show it before it is.
                 _record(member, report)
+                self._unless_member(member)
             self.after_call()
-        return result
+            notices = self._guard_notices(trainer)
+        return result, notices
+
+    def _unless_member(self, member: Member) -> None:
+        """A call that waited (sync, ssp) while its trainer was evicted may have opened a step
+        after the eviction cleaned up: drop what it left, or a drain would wait for it."""
+        assert self.membership is not None
+        name = member.status.name
+        try:
+            self.membership.seen(name)
+        except KeyError:
+            self.halves[member.protocol].trainer_gone(name, True)
+            self.engine.trainer_gone(name)
+
+    def _guard_notices(self, trainer: str) -> list[str]:
+        """The guard's notices for ``trainer``; past ``--max-nonfinite-steps`` it is evicted,
+        after this reply (its next call learns it is no longer a member)."""
+        guard = self.engine.guard
+        notices = guard.take_notices(trainer)
+        reason = guard.must_evict(trainer)
+        if reason is not None and self.membership is not None:
+            notices.append(f"evicted by the server: {reason}")
+            threading.Thread(target=self.membership.evict, args=(trainer, reason), name="psserver-evict",
+                             daemon=True).start()
+        return notices
 
     def call_local(self, trainer: str, op: str, *args: Any) -> Any:
         """An op that runs inside the server on the trainer's behalf (see ``ServerHalf.local_ops``)."""
@@ -160,14 +203,19 @@ class Endpoint:
         return result
 
     def heartbeat(self, trainer: str, report: Report | None) -> str:
-        self._seen(trainer, report)
+        """The server's state, or ``NOT_A_MEMBER``: an answer, not an error, so that a trainer
+        learns of its eviction from a value rather than from the text of a remote exception."""
+        try:
+            self._seen(trainer, report)
+        except NotAMember:
+            return NOT_A_MEMBER
         return self.state
 
     def leave(self, trainer: str, report: Report | None) -> None:
         with self._counted("leave"):
             try:
                 self._seen(trainer, report)
-            except RuntimeError:
+            except NotAMember:
                 return  # evicted meanwhile: gone already
             assert self.membership is not None
             self.membership.leave(trainer)
@@ -178,7 +226,7 @@ class Endpoint:
         try:
             member = self.membership.seen(trainer)
         except KeyError:
-            raise RuntimeError(f"{trainer} is not a member of this psserver (evicted or never joined)") from None
+            raise NotAMember(f"{trainer} is not a member of this psserver (evicted or never joined)") from None
         _record(member, report)
         return member
 
@@ -255,4 +303,4 @@ class SharedOptimizer:
         grads = {p: p.grad for p in self.params if p.grad is not None}
         for p in self.params:
             p.grad = None
-        current().call_local(self.trainer, "submit", grads)
+        current().call_local(self.trainer, "submit", grads)  # the guard's notices ride on its next call

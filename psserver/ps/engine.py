@@ -20,6 +20,7 @@ from psserver.config import OptimizerConfig, ServerConfig
 from psserver.errors import UsageError
 from psserver.models import build_model, get_model_spec, split_stages
 from psserver.ps.compute import ComputeThread
+from psserver.ps.guard import GradientGuard
 from psserver.ps.shard import Shard
 from psserver.ps.updates import Grads, TrainerProgress, make_updater
 
@@ -69,6 +70,7 @@ class StepEngine:
         self._live: set[str] = set()
         self._open: dict[str, int] = {}  # trainer -> samples of its step in flight
         self._draining = False
+        self.guard = GradientGuard(config.max_grad_norm, config.max_nonfinite_steps)
         # Every tensor op on one thread (psserver.ps.compute), the model's construction
         # included: an OpenMP team made here would throttle that thread's.
         self.compute = ComputeThread(inline=all(d.type == "cuda" for d in devices))
@@ -179,6 +181,7 @@ class StepEngine:
             self._live.discard(trainer)
             self._open.pop(trainer, None)
             self._cond.notify_all()
+        self.guard.forget(trainer)
         self.compute.run(self.updater.trainer_gone, trainer)
 
     def needs_clone(self) -> bool:
@@ -231,13 +234,18 @@ class StepEngine:
 
     def submit(self, trainer: str, grads: Grads) -> None:
         """The whole gradient of ``trainer``'s open step: one update (async, ssp) or a share of
-        one (sync); its staleness is recorded (``trainer_progress``)."""
+        one (sync); its staleness is recorded (``trainer_progress``). The guard drops a
+        non-finite gradient (a sync round counts the trainer as arrived) and clips to
+        ``--max-grad-norm`` (``psserver.ps.guard``)."""
         with self._cond:
             samples = self._open.get(trainer)
         if samples is None:
             raise RuntimeError(f"{trainer} sent a gradient but has no step in flight on this server")
         try:
-            self.updater.submit(trainer, grads, samples)
+            checked = self.guard.check(trainer, grads)
+            if checked is None:
+                log.warning("dropped a step of %s: its gradient is not finite", trainer)
+            self.updater.submit(trainer, checked, samples)
         finally:  # closed once applied (a drain waits for the update, not just its arrival)
             self.drop_step(trainer)
 

@@ -5,6 +5,13 @@ member forever, a join that dies holding the group's membership token blocks eve
 join, leave and the server's own shutdown. The server fixes both here: heartbeats find dead
 or hung trainers, eviction removes them from the agent and the store, and a janitor frees a
 membership token whose holder is gone.
+
+A join cannot wait for the heartbeats: ``init_rpc`` calls every member, and a trainer
+restarted at once after a crash (Kubernetes restarts a failed pod of an Indexed Job with the
+same index) finds its dead predecessor still a member. So a joining trainer first asks the
+server to make room (``rendezvous.request_admission``, through the store): the server pings
+its members, evicts those whose pipe is broken, and the rank's holder if it does not answer in
+a couple of seconds; a holder that answers keeps its rank.
 """
 
 from __future__ import annotations
@@ -19,11 +26,28 @@ from dataclasses import dataclass, field
 import torch.distributed.rpc as rpc
 
 from psserver.ps import torch_rpc
-from psserver.ps.rendezvous import KEY_LIVE, SERVER_NAME
+from psserver.ps.rendezvous import (
+    ADMITTED,
+    KEY_ADMIT_ANSWER,
+    KEY_ADMIT_REQUEST,
+    KEY_ADMIT_SEQ,
+    KEY_LIVE,
+    SERVER_NAME,
+    ping,
+)
 from psserver.ps.torch_rpc import ALL_WORKERS_KEY, TOKEN_KEY, worker_key
 from psserver.telemetry import TrainerStatus
 
 log = logging.getLogger(__name__)
+
+PING_TIMEOUT_S = 2.0
+"""How long a rank's holder has to answer when another trainer asks for its rank."""
+ALIVE, DEAD, SILENT = "alive", "dead", "silent"
+"""What a ping finds: an answer; a broken pipe or a worker the agent no longer knows; no answer."""
+_ADMIT_POLL_S = 0.05
+"""How often the server looks for joins announced in the store (one local store operation)."""
+_ADMIT_UNWRITTEN_S = 5.0
+"""A join announced but never written (its trainer died in between) is skipped after this long."""
 
 
 @dataclass
@@ -53,21 +77,127 @@ class Membership:
         self.history: list[TrainerStatus] = []  # trainers that left or were lost (bounded)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._admission: threading.Thread | None = None
         self._token_seen: tuple[bytes, float] | None = None
         self._strangers: dict[str, float] = {}  # RPC workers that never called join()
 
     # ---- joins, leaves, heartbeats -------------------------------------------------------
 
     def join(self, rank: int, name: str, host: str, protocol: str) -> None:
+        """Make ``name`` a member as ``rank``. The rank's holder keeps it while it answers a ping
+        (``ValueError``); one that does not is evicted first."""
         info = rpc.get_worker_info(name)
-        now = time.time()
-        with self.lock:
-            old = self._live_name(rank)
-            if old is not None and old != name:
+        for _ in range(3):  # a holder evicted here is replaced by no one else but a racing join
+            now = time.time()
+            with self.lock:
+                old = self._live_name(rank)
+                if old is None or old == name:
+                    self.members[name] = Member(TrainerStatus(rank, name, host, now, now, step=protocol), info.id,
+                                                protocol)
+                    break
+            if not self._evict_unless_alive(old, rank, name):
                 raise ValueError(f"rank {rank} is already taken by live trainer {old}")
-            self.members[name] = Member(TrainerStatus(rank, name, host, now, now, step=protocol), info.id, protocol)
+        else:
+            raise ValueError(f"rank {rank} is contended by several joins at once: try again")
         self.store.set(KEY_LIVE.format(rank=rank), name)
         log.info("trainer %s (rank %d) joined from %s; RPC members: %s", name, rank, host, rpc_members())
+
+    def admit(self, rank: int) -> str:
+        """Make room for a join of ``rank`` before it joins the RPC group: ``ADMITTED``, or why not.
+
+        ``init_rpc`` calls every member, so every member is pinged first: those whose pipe is
+        broken are evicted, and so is the rank's holder if it does not answer (it learns of its
+        eviction on its next call). A member of another rank that is only slow to answer is left
+        alone: its heartbeats decide.
+        """
+        with self.lock:
+            ranks = {name: m.status.rank for name, m in self.members.items()}
+        holder = None
+        for name, (state, detail) in self._ping(list(ranks)).items():
+            if state == ALIVE:
+                holder = name if ranks[name] == rank else holder
+            elif state == DEAD or ranks[name] == rank:
+                self.evict(name, _eviction_reason(state, detail, f"a trainer asked for rank {rank}"))
+            else:
+                log.warning("trainer %s did not answer a ping within %s: a join may wait for it", name, detail)
+        if holder is None:
+            return ADMITTED
+        log.warning("refused a join of rank %d: its holder %s is alive", rank, holder)
+        return f"rank {rank} is already taken by live trainer {holder}"
+
+    def _evict_unless_alive(self, name: str, rank: int, joiner: str) -> bool:
+        """Ping ``name``, the holder of the rank ``joiner`` asks for; evict it unless it answers
+        (True: it was evicted)."""
+        state, detail = self._ping([name])[name]
+        if state == ALIVE:
+            return False
+        self.evict(name, _eviction_reason(state, detail, f"{joiner} asked for rank {rank}"))
+        return True
+
+    @property
+    def ping_timeout(self) -> float:
+        return min(PING_TIMEOUT_S, self.timeout)
+
+    def _ping(self, names: list[str]) -> dict[str, tuple[str, str]]:
+        """Ask ``names`` whether they are alive, all at once: ``(ALIVE | DEAD | SILENT, detail)``."""
+        timeout = self.ping_timeout
+        t0 = time.monotonic()
+        out: dict[str, tuple[str, str]] = {}
+        futures = {}
+        done_at: dict[str, float] = {}
+        for name in names:
+            try:
+                fut = rpc.rpc_async(name, ping, timeout=timeout)
+            except Exception as e:  # noqa: BLE001 - a worker the agent does not know (any more)
+                out[name] = (DEAD, _first_line(e))
+                continue
+            fut.add_done_callback(lambda _, n=name: done_at.setdefault(n, time.monotonic()))
+            futures[name] = fut
+        for name, fut in futures.items():
+            try:
+                fut.wait()
+                out[name] = (ALIVE, "")
+            except Exception as e:  # noqa: BLE001 - any failure is an answer here
+                # Torch says "timeout" only in free text: the time the failure took tells instead.
+                took = done_at.get(name, time.monotonic()) - t0
+                out[name] = (SILENT, f"{timeout:g}s") if took >= 0.9 * timeout else (DEAD, _first_line(e))
+        return out
+
+    def _admissions(self) -> None:
+        """Answer the joins announced in the store, in their order (``rendezvous.request_admission``)."""
+        handled = 0
+        unwritten_since: float | None = None
+        while not self._stop.wait(_ADMIT_POLL_S):
+            try:
+                announced = int(self.store.add(KEY_ADMIT_SEQ, 0))
+                while handled < announced and not self._stop.is_set():
+                    seq = handled + 1
+                    key = KEY_ADMIT_REQUEST.format(seq=seq)
+                    if self.store.check([key]):
+                        self.store.set(KEY_ADMIT_ANSWER.format(seq=seq), self._answer(self.store.get(key)))
+                        self.store.delete_key(key)
+                    else:  # announced, not written yet (or its trainer died in between)
+                        now = time.monotonic()
+                        unwritten_since = now if unwritten_since is None else unwritten_since
+                        if now - unwritten_since < _ADMIT_UNWRITTEN_S:
+                            break
+                    unwritten_since = None
+                    handled = seq
+            except Exception:  # noqa: BLE001 - the thread must outlive any one failure (the store's)
+                log.exception("admission error")
+                self._stop.wait(1.0)
+
+    def _answer(self, request: bytes) -> str:
+        """The answer to one announced join: a failure here must not stop the others."""
+        try:
+            rank = int(request.decode())
+        except ValueError:
+            return f"malformed join request {request[:40]!r}"
+        try:
+            return self.admit(rank)
+        except Exception as e:  # noqa: BLE001 - answered, logged with its traceback
+            log.exception("admitting a join of rank %d failed", rank)
+            return f"the server failed to admit a join of rank {rank} ({_first_line(e)})"
 
     def _live_name(self, rank: int) -> str | None:
         for name, m in self.members.items():
@@ -85,6 +215,16 @@ class Membership:
 
     def leave(self, name: str) -> None:
         self._remove(name, "LEFT", evict=False)
+
+    def evict(self, name: str, reason: str) -> None:
+        """Evict a live trainer the server will not keep (``reason`` shows in its status)."""
+        with self.lock:
+            m = self.members.get(name)
+            if m is None:
+                return
+            m.status.reason = reason
+        log.warning("evicting trainer %s: %s", name, reason)
+        self._remove(name, "LOST", evict=True)
 
     def snapshot(self) -> list[TrainerStatus]:
         with self.lock:
@@ -113,11 +253,14 @@ class Membership:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._monitor, name="psserver-membership", daemon=True)
         self._thread.start()
+        self._admission = threading.Thread(target=self._admissions, name="psserver-admission", daemon=True)
+        self._admission.start()
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        for thread in (self._thread, self._admission):
+            if thread is not None:
+                thread.join(timeout=5)
 
     def _monitor(self) -> None:
         period = max(0.05, min(0.5, self.timeout / 5))
@@ -222,6 +365,17 @@ class Membership:
         rpc_store.compare_set(TOKEN_KEY, token, b"")
         rpc_store.set(holder, "Done")  # wakes joiners waiting on the holder's key
         self._token_seen = None
+
+
+def _eviction_reason(state: str, detail: str, why: str) -> str:
+    if state == SILENT:
+        return f"it did not answer a ping within {detail} when {why}"
+    return f"its RPC connection is broken ({detail}) and {why}"
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:200] if lines else type(e).__name__
 
 
 def _delete_if(store, key: str, value: str) -> None:

@@ -1,12 +1,15 @@
 """RPC set-up: the rendezvous store, the transport, and the worker names.
 
-Three traps of ``torch.distributed.rpc`` are handled here:
+Traps of ``torch.distributed.rpc`` handled here:
 - the rank-0 TCPStore binds every interface; we bind the socket ourselves to ``--host`` and
   hand its file descriptor to the store;
 - TensorPipe's ``shm`` transport busy-polls a core per process; we use ``uv`` only and point
   it at the interface that owns the server's address (``TP_SOCKET_IFNAME``);
 - RPC worker names may not contain ``-`` or ``.`` in dynamic groups (the agent parses
-  ``name-id,`` lists), so an incarnation is ``trainer_<rank>_<incarnation>``.
+  ``name-id,`` lists), so an incarnation is ``trainer_<rank>_<incarnation>``;
+- joining a dynamic group calls every member, so a dead one fails the join (holding the
+  group's membership token): a trainer asks the server to make room first
+  (:func:`request_admission`), through the store, before it joins.
 """
 
 from __future__ import annotations
@@ -38,6 +41,18 @@ KEY_LIVE = "psserver/live/{rank}"
 KEY_INCARNATION = "psserver/incarnation/{rank}"
 KEY_SERVER_STATE = "psserver/state"
 KEY_NEXT_RPC_ID = "psserver/next_rpc_id"
+KEY_ADMIT_SEQ = "psserver/admit/seq"
+"""Counter of the joins announced to the server (:func:`request_admission`)."""
+KEY_ADMIT_REQUEST = "psserver/admit/request/{seq}"
+"""The rank a join announced as ``seq`` asks for."""
+KEY_ADMIT_ANSWER = "psserver/admit/answer/{seq}"
+"""The server's answer: ``ADMITTED``, or why not (one line for the user)."""
+ADMITTED = "ok"
+ADMISSION_TIMEOUT_S = 15.0
+"""How long a joining trainer waits for the server's answer: it pings the members (two seconds
+at most) and evicts the dead ones."""
+MAX_RPC_ID = 2**15 - 1
+"""RPC worker ids are 16-bit signed integers (``worker_id_t``); 0 is the server."""
 
 _stores: dict[str, dist.Store] = {}
 
@@ -64,9 +79,38 @@ def next_rpc_id(store) -> int:
     state by id, so a new incarnation would meet what the old one left behind.
     """
     rpc_id = int(store.add(KEY_NEXT_RPC_ID, 1))
-    if rpc_id >= 2**16:
-        raise UsageError("this server has seen 65535 joins: restart it (with --resume) to reset RPC ids")
+    if rpc_id > MAX_RPC_ID:
+        raise UsageError(f"this server has seen {MAX_RPC_ID} joins: restart it (with --resume) to reset RPC ids")
     return rpc_id
+
+
+def request_admission(store, rank: int, where: str, timeout: float = ADMISSION_TIMEOUT_S) -> None:
+    """Ask the server to make room for a join of ``rank``, before this process joins the RPC group.
+
+    ``init_rpc`` calls every member of the group, so a member that died (the rank's last
+    holder, crashed and restarted at once by Kubernetes or Slurm) would fail the join while it
+    holds the group's token. The server pings its members, evicts the dead ones and the rank's
+    holder if it does not answer (``Membership.admit``), then answers here. ``UsageError`` when
+    the rank's holder is alive; ``ServerUnavailable`` when the server does not answer.
+    """
+    seq = int(store.add(KEY_ADMIT_SEQ, 1))
+    store.set(KEY_ADMIT_REQUEST.format(seq=seq), str(rank))
+    answer_key = KEY_ADMIT_ANSWER.format(seq=seq)
+    try:
+        store.wait([answer_key], datetime.timedelta(seconds=timeout))
+        answer = store.get(answer_key).decode()
+    except RuntimeError:  # DistStoreError: no answer in time, or the store went away
+        raise ServerUnavailable(f"the psserver at {where} did not answer the join of rank {rank} within "
+                                f"{timeout:g}s") from None
+    with contextlib.suppress(RuntimeError):
+        store.delete_key(answer_key)
+    if answer != ADMITTED:
+        raise UsageError(answer)
+
+
+def ping() -> bool:
+    """Runs on a trainer when the server asks whether it is alive (``Membership.admit``)."""
+    return True
 
 
 def interface_for(host: str) -> str | None:

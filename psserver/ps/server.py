@@ -118,7 +118,7 @@ class ParameterServer:
 
 
 def run_server(config: ServerConfig) -> int:
-    """``psserver serve``: returns the exit code."""
+    """``psserver serve``: returns the exit code (1 when the final checkpoint failed)."""
     torch.set_num_threads(config.compute_threads or os.cpu_count() or 1)
     configure_host_allocator(config.allocator)  # before the RPC agent's threads exist
     server = ParameterServer(config)
@@ -143,4 +143,4 @@ def run_server(config: ServerConfig) -> int:
             signal.signal(sig, handler)
         if metrics is not None:
             metrics.close()
-    return 0
+    return 0 if server.policy.final_ok else 1  # a failed final checkpoint: logged as it happened

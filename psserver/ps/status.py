@@ -52,6 +52,8 @@ class ServerView:
             update_mode=cfg.update,
             sync_trainers=cfg.sync_trainers if cfg.update == "sync" else 0,
             staleness=cfg.staleness if cfg.update == "ssp" else 0,
+            nonfinite_gradients=engine.guard.nonfinite_total,
+            clipped_steps=engine.guard.clipped_total,
             global_step=engine.global_step,
             samples_seen=engine.samples_seen,
             updates_per_s=ups,
@@ -77,10 +79,13 @@ class ServerView:
         trainers = membership.snapshot()
         progress = self.engine.trainers_progress([t.name for t in trainers])  # clocks of one instant
         out = []
+        guard = self.engine.guard
         for status in trainers:
             p = progress.get(status.name)  # None: joined a moment ago, or left long ago
-            out.append(dataclasses.replace(status) if p is None else dataclasses.replace(
-                status, clock=p.clock, staleness=p.staleness, max_staleness=p.max_staleness))
+            counts = guard.counts(status.name)
+            status = dataclasses.replace(status, nonfinite=counts.nonfinite, clipped=counts.clipped)
+            out.append(status if p is None else dataclasses.replace(
+                status, clock=p.clock, staleness=p.staleness, max_staleness=p.max_staleness, updates=p.updates))
         return out
 
     def checkpoint_now(self) -> CheckpointInfo:

@@ -2,10 +2,18 @@
 
 Dynamic RPC groups leave failures to the user: a dead worker stays a member, a join that
 dies holding the group's token blocks every later join. Fixing that needs the agent's
-private membership call and its store keys; re-initialising RPC in one process needs its
-private init counter. They live here, in one place, checked against the torch release they
-were written for: ``torch.distributed.rpc`` is in maintenance mode, so they are unlikely to
-move, but if they do this is the one module to read.
+private membership call and its store keys. They live here, in one place, checked against
+the torch release they were written for: ``torch.distributed.rpc`` is in maintenance mode, so
+they are unlikely to move, but if they do this is the one module to read.
+
+What psserver does *not* do is initialise RPC twice in one process (a trainer re-executes
+itself to rejoin, ``psserver.ps.trainer``). Read in torch 2.14: ``init_rpc`` initialises the
+``dist_autograd`` container with the worker id, once per process ("Container is already
+initialized with worker_id"); the RRef context is a process-wide singleton that keeps the
+first agent, so RRefs a later agent sends name the first id as their parent ("could not find
+destination id"); and an agent's pipes to other workers are keyed by worker id and never
+dropped when a worker leaves, so calls to an id that joins again go down the dead pipe
+(EPIPE).
 """
 
 from __future__ import annotations
@@ -44,12 +52,6 @@ def check_version() -> None:
 def worker_key(rpc_id: int) -> str:
     """Store key that maps an RPC id to its worker name."""
     return f"names/{rpc_id}"
-
-
-def reset_init_counter() -> None:
-    """RPC prefixes its store keys with a per-process init counter that must match the
-    server's (0), so a trainer that re-initialises RPC (``--reconnect``) resets it."""
-    rpc._init_counter = 0  # type: ignore[attr-defined]
 
 
 def agent_is_set() -> bool:

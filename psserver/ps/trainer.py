@@ -4,20 +4,33 @@ The :class:`Session` is one membership of the server's RPC group: the join, the 
 leave, and the channel its step protocol's trainer half calls the server through
 (``psserver.ps.protocols``). Progress and liveness ride on every call as a
 :class:`~psserver.ps.messages.Report`; a low-rate heartbeat covers the time between steps.
+
+How a trainer's run ends early:
+- SIGTERM (Kubernetes, Slurm: preemption) or SIGINT: the step in flight finishes, what the
+  trainer owes is handed in, it leaves, and exits 143 / 130 (:class:`StopSignals`).
+- The server answers that it is no member (evicted: it was stopped or paused past the server's
+  ``--trainer-timeout``, or evicted by the server's guard), or the server is gone: exit 3, or
+  with ``--reconnect`` the trainer rejoins under a fresh name and continues where it was.
+
+A rejoin runs in a fresh process image of the same command line (``psserver.ps.rejoin`` says
+why).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import re
+import signal
 import socket
 import sys
 import threading
 import time
 from dataclasses import asdict
+from typing import NoReturn
 
 import torch
 import torch.distributed.rpc as rpc
@@ -25,38 +38,46 @@ from torch.utils.data import DistributedSampler
 
 from psserver.config import TrainerConfig
 from psserver.data import load_dataset
-from psserver.errors import ServerLost, UsageError
+from psserver.errors import Evicted, ServerLost, UsageError
 from psserver.models import get_model_spec
 from psserver.ps import endpoint, rendezvous, torch_rpc
 from psserver.ps.engine import resolve_device
 from psserver.ps.messages import JoinRequest, Report
 from psserver.ps.protocols import TrainerHalf, get_protocol
 from psserver.ps.protocols.trainer_compute import WIRE_DTYPES
+from psserver.ps.rejoin import Position, reexec, take_position
+from psserver.ps.stop_signals import Stopped, StopSignals
 from psserver.utils.memory import freeze_long_lived
 from psserver.utils.progress import Progress
 
 log = logging.getLogger(__name__)
 
+PROBE_TIMEOUT_S = 10.0
+"""How long a trainer whose call failed waits for the server to say whether it is a member."""
+EVICTED, LOST, FAILED = "evicted", "lost", "failed"
+"""Why a call failed (:func:`_diagnose`)."""
+
 
 class Session:
-    """One membership of the RPC group (a trainer may hold several with ``--reconnect``)."""
+    """One membership of the RPC group, at most one per process (``--reconnect`` re-executes the
+    trainer to rejoin: see the module's docstring)."""
 
-    def __init__(self, config: TrainerConfig) -> None:
+    def __init__(self, config: TrainerConfig, stop: StopSignals | None = None) -> None:
         self.config = config
+        self.closed = False
         self.device = trainer_device(config.device)
         self.wire_dtype = WIRE_DTYPES[config.wire_dtype]
-        self.store, self.url = rendezvous.connect_store(
-            config.server_host, config.server_port, config.connect_timeout, config.rpc_timeout
-        )
-        live_key = rendezvous.KEY_LIVE.format(rank=config.rank)
-        if self.store.check([live_key]):
-            holder = self.store.get(live_key).decode()
-            raise UsageError(f"rank {config.rank} is already taken by live trainer {holder}")
+        with stop.interruptible() if stop is not None else contextlib.nullcontext():
+            self.store, self.url = rendezvous.connect_store(
+                config.server_host, config.server_port, config.connect_timeout, config.rpc_timeout
+            )
+        # Before joining the RPC group, whose join calls every member: the server evicts the
+        # dead ones (this rank's crashed holder, say) or refuses a rank whose holder is alive.
+        rendezvous.request_admission(self.store, config.rank, f"{config.server_host}:{config.server_port}")
         incarnation = self.store.add(rendezvous.KEY_INCARNATION.format(rank=config.rank), 1)
         self.name = rendezvous.trainer_name(config.rank, incarnation)
         rendezvous.set_transport_interface(config.server_host, local=False)
         torch_rpc.check_version()
-        torch_rpc.reset_init_counter()  # a reconnecting trainer initialises RPC again
         _maybe_inject_join_fault()
         try:
             rpc.init_rpc(
@@ -92,8 +113,12 @@ class Session:
                  f" on {self.device}" if self.info["compute"] == "trainer" else "")
 
     def call(self, op: str, *args):
-        """``op`` of the server half of this session's step protocol (the trainer half's channel)."""
-        return rpc.rpc_sync(rendezvous.SERVER_NAME, endpoint.call, args=(self.name, op, args, self.report))
+        """``op`` of the server half of this session's step protocol (the trainer half's channel);
+        what the server tells along (a step it dropped) is logged."""
+        result, notices = rpc.rpc_sync(rendezvous.SERVER_NAME, endpoint.call, args=(self.name, op, args, self.report))
+        for notice in notices:
+            log.warning("%s", notice)
+        return result
 
     def _heartbeat(self) -> None:
         interval = float(self.info["heartbeat_interval"])
@@ -113,7 +138,17 @@ class Session:
             correct += int((out.argmax(1) == y[i:i + batch_size]).sum())
         return correct / max(1, len(x))
 
+    def probe(self) -> str:
+        """The server's state, asked as a heartbeat (``endpoint.NOT_A_MEMBER`` once this trainer
+        was evicted); an RPC error when the server is gone."""
+        return rpc.rpc_sync(rendezvous.SERVER_NAME, endpoint.heartbeat, args=(self.name, self.report),
+                            timeout=min(self.config.rpc_timeout, PROBE_TIMEOUT_S))
+
     def leave(self) -> None:
+        """Hand in what the protocol owes, leave the server and the RPC group (once)."""
+        if self.closed:
+            return
+        self.closed = True
         self._stop.set()
         try:
             self.protocol.flush()
@@ -124,7 +159,10 @@ class Session:
         rendezvous.forget_store(self.url)
 
     def abandon(self) -> None:
-        """Drop a session whose server is gone, without talking to it."""
+        """Drop a session whose server is gone (or evicted it), without talking to it."""
+        if self.closed:
+            return
+        self.closed = True
         self._stop.set()
         self._shutdown(graceful=False)
         rendezvous.forget_store(self.url)
@@ -155,12 +193,6 @@ class Session:
             rpc.shutdown(graceful=False)
         except Exception:  # noqa: BLE001
             log.debug("local RPC shutdown failed", exc_info=True)
-
-    def server_alive(self) -> bool:
-        try:
-            return self.store.get(rendezvous.KEY_SERVER_STATE) == b"SERVING"
-        except Exception:  # noqa: BLE001
-            return False
 
 
 def trainer_device(name: str) -> torch.device:
@@ -217,8 +249,19 @@ def _shard_count(config: TrainerConfig, info: dict) -> int:
 
 
 def run_trainer(config: TrainerConfig) -> int:
+    """Train, evaluate and leave (0); after SIGTERM or SIGINT, 128 + its number, having left."""
     torch.set_num_threads(config.compute_threads)
-    session = Session(config)
+    position = take_position()
+    with StopSignals() as stop:
+        try:
+            return _train(config, position, stop)
+        except Stopped as s:
+            log.warning("received %s %s: exiting (exit %d)", signal.Signals(s.signum).name, s.why, s.code)
+            return s.code
+
+
+def _train(config: TrainerConfig, position: Position | None, stop: StopSignals) -> int:
+    session = _join(config, position, stop)
     try:
         spec = get_model_spec(session.info["model"])
         num_shards = _shard_count(config, session.info)
@@ -236,45 +279,46 @@ def run_trainer(config: TrainerConfig) -> int:
     total = steps_per_epoch * config.epochs
     if config.max_steps:
         total = min(total, config.max_steps)
-    log.info("rank %d/%d: %d training samples, %d steps", config.rank, num_shards, len(sampler), total)
+    if position is None:
+        position = Position()
+        log.info("rank %d/%d: %d training samples, %d steps", config.rank, num_shards, len(sampler), total)
+    pos = position
     progress = Progress(total, desc=f"trainer {config.rank}", enabled=config.progress)
+    if pos.steps:
+        progress.update(pos.steps)
     delay = _test_step_delay()
-    steps = samples = 0
-    step_ends: list[float] = []
-    loss = float("nan")
-    t_start = time.monotonic()
-    epoch, batch_idx = 0, 0
     try:
-        while epoch < config.epochs and steps < total:
-            sampler.set_epoch(epoch)
+        while pos.epoch < config.epochs and pos.steps < total:
+            sampler.set_epoch(pos.epoch)
             indices = torch.tensor(list(iter(sampler)))
-            while batch_idx < steps_per_epoch and steps < total:
-                idx = indices[batch_idx * config.batch_size:(batch_idx + 1) * config.batch_size]
+            while pos.batch_idx < steps_per_epoch and pos.steps < total:
+                if stop.signum is not None:
+                    return _leave_on_signal(session, stop.signum, pos, progress)
+                idx = indices[pos.batch_idx * config.batch_size:(pos.batch_idx + 1) * config.batch_size]
                 xb, yb = x_all[idx], y_all[idx]
                 if delay:
                     time.sleep(delay)
                 try:
-                    loss = session.protocol.step(xb, yb)
+                    pos.loss = session.protocol.step(xb, yb)
                 except (RuntimeError, TimeoutError) as e:
-                    session = _recover(session, config, e)
-                    continue  # same batch again: its update was not applied
-                steps += 1
-                samples += len(idx)
+                    _recover(session, config, e, pos, stop)  # rejoins in a new process image, or raises
+                pos.steps += 1
+                pos.samples += len(idx)
                 if config.stats_out is not None:
-                    step_ends.append(time.monotonic())
-                batch_idx += 1
-                rate = samples / max(1e-6, time.monotonic() - t_start)
-                session.report = Report(steps, samples, loss, rate)
-                progress.update(loss=loss, rate=rate)
-            epoch += 1
-            batch_idx = 0
+                    pos.step_ends.append(time.monotonic())
+                pos.batch_idx += 1
+                rate = pos.samples / max(1e-6, time.monotonic() - pos.t_start)
+                session.report = Report(pos.steps, pos.samples, pos.loss, rate)
+                progress.update(loss=pos.loss, rate=rate)
+            pos.epoch += 1
+            pos.batch_idx = 0
         progress.close()
-        while True:
-            try:
-                accuracy = session.evaluate(eval_set, config.eval_batch_size)
-                break
-            except (RuntimeError, TimeoutError) as e:
-                session = _recover(session, config, e)
+        if stop.signum is not None:
+            return _leave_on_signal(session, stop.signum, pos, progress)
+        try:
+            accuracy = session.evaluate(eval_set, config.eval_batch_size)
+        except (RuntimeError, TimeoutError) as e:
+            _recover(session, config, e, pos, stop)
     except BaseException:
         progress.close()
         session.leave()
@@ -282,45 +326,93 @@ def run_trainer(config: TrainerConfig) -> int:
     if session.report is not None:
         session.report = dataclasses.replace(session.report, accuracy=accuracy)
     session.leave()
-    elapsed = time.monotonic() - t_start
+    elapsed = time.monotonic() - pos.t_start
     log.info("rank %d: %d steps, %d samples in %.1fs (%.1f samples/s), final loss %.4f, accuracy %.4f",
-             config.rank, steps, samples, elapsed, samples / max(elapsed, 1e-6), loss, accuracy)
+             config.rank, pos.steps, pos.samples, elapsed, pos.samples / max(elapsed, 1e-6), pos.loss, accuracy)
     if config.stats_out is not None:
         config.stats_out.write_text(json.dumps(
-            {"rank": config.rank, "batch_size": config.batch_size, "start": t_start, "step_ends": step_ends,
-             "samples": samples, "accuracy": accuracy}))
+            {"rank": config.rank, "batch_size": config.batch_size, "start": pos.t_start, "step_ends": pos.step_ends,
+             "samples": pos.samples, "accuracy": accuracy}))
     print(f"rank {config.rank} accuracy {accuracy:.4f}", flush=True)
     return 0
 
 
-def _recover(session: Session, config: TrainerConfig, error: BaseException) -> Session:
-    """After a failed step: give up with a clear error, or rejoin with ``--reconnect``."""
-    alive = session.server_alive()
+def _join(config: TrainerConfig, position: Position | None, stop: StopSignals) -> Session:
+    """The first join; or, in a trainer re-executed to rejoin, the rejoin, tried until the
+    server takes it (each try waits up to ``--connect-timeout`` for a server that is starting)."""
+    if position is None:
+        return Session(config, stop)
+    where = f"{config.server_host}:{config.server_port}"
+    delay = 0.5
+    attempt = 0
+    while True:
+        attempt += 1
+        log.info("rejoining psserver %s (attempt %d)", where, attempt)
+        try:
+            session = Session(config, stop)
+        except (UsageError, RuntimeError) as e:
+            log.warning("rejoin attempt %d failed (%s): retrying in %.1fs", attempt, _remote_message(e), delay)
+            with stop.interruptible():
+                time.sleep(delay)
+            delay = min(delay * 2, 10.0)
+            continue
+        if position.report is not None:
+            session.report = Report(**position.report)
+        log.info("reconnected as %s at global step %d (attempt %d)", session.name, session.info["global_step"],
+                 attempt)
+        return session
+
+
+def _leave_on_signal(session: Session, signum: int, pos: Position, progress: Progress) -> int:
+    progress.close()
+    code = 128 + signum
+    log.warning("received %s: handing in step %d and leaving psserver (exit %d)", signal.Signals(signum).name,
+                pos.steps, code)
+    session.leave()
+    return code
+
+
+def _diagnose(session: Session) -> str:
+    """Why a call failed: ``EVICTED`` (the server says this trainer is no member), ``LOST`` (no
+    answer, or a server that is stopping), ``FAILED`` (the call itself, for a member of a serving
+    server). The server is asked, whatever ``error`` says: a remote exception arrives as a bare
+    ``RuntimeError``, and a step of ``--step plain`` or ``pull`` fails inside torch's
+    ``dist_autograd`` ("Could not find autograd context") before any call of ours can say why."""
+    try:
+        state = session.probe()
+    except Exception:  # noqa: BLE001 - no answer: the server is gone
+        return LOST
+    if state == endpoint.NOT_A_MEMBER:
+        return EVICTED
+    return FAILED if state == "SERVING" else LOST
+
+
+def _recover(session: Session, config: TrainerConfig, error: BaseException, pos: Position,
+             stop: StopSignals) -> NoReturn:
+    """After a failed call: a failure of a live membership is a bug (raised); an eviction or a lost
+    server ends the trainer (exit 3), or with ``--reconnect`` it rejoins under a fresh name and
+    continues with the same batch (the failed step's update was not applied)."""
+    what = _diagnose(session)
     reason = _remote_message(error)
-    if alive and "not a member" not in reason:
+    where = f"{config.server_host}:{config.server_port}"
+    if what == FAILED:
         session.leave()
         raise RuntimeError(f"training step failed on the server: {reason}")
-    if not config.reconnect:
-        session.abandon()
-        raise ServerLost(
-            f"lost the server at {config.server_host}:{config.server_port} ({reason}); "
-            "use --reconnect to wait for it"
-        )
+    name = session.name
     session.abandon()
-    delay = 0.5
-    while True:
-        log.warning("server at %s:%d lost (%s): reconnecting in %.1fs", config.server_host, config.server_port,
-                    reason, delay)
-        time.sleep(delay)
-        delay = min(delay * 2, 10.0)
-        try:
-            new = Session(config)
-        except (UsageError, RuntimeError) as e:
-            reason = str(e)
-            continue
-        new.report = session.report
-        log.info("reconnected as %s at global step %d", new.name, new.info["global_step"])
-        return new
+    stop.check("after its eviction" if what == EVICTED else "after losing its server")
+    if not config.reconnect:
+        if what == EVICTED:
+            raise Evicted(f"{name} was evicted by the psserver at {where} (no sign of life within its "
+                          "--trainer-timeout, or a gradient it would not keep); use --reconnect to rejoin")
+        raise ServerLost(f"lost the server at {where} ({reason}); use --reconnect to wait for it")
+    if what == EVICTED:
+        log.warning("%s was evicted by the psserver at %s: rejoining under a fresh name", name, where)
+    else:
+        log.warning("server at %s lost (%s): reconnecting", where, reason)
+    pos.reconnects += 1
+    pos.report = asdict(session.report) if session.report is not None else None
+    reexec(pos, stop)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -55,6 +55,8 @@ class TrainerProgress:
     update (0: computed on the current weights)."""
     max_staleness: int = 0
     """The largest ``staleness`` of any of its updates."""
+    updates: int = 0
+    """Its gradients applied (sync: summed into a round); dropped steps do not count."""
 
 
 class Updater:
@@ -92,9 +94,10 @@ class Updater:
         """Held while an update is applied: hold it to see all shards at one step."""
         raise NotImplementedError
 
-    def submit(self, trainer: str, grads: Grads, samples: int) -> None:
+    def submit(self, trainer: str, grads: Grads | None, samples: int) -> None:
         """The whole gradient of ``trainer``'s open step; the step ends once it is applied
-        (sync: handed to its round)."""
+        (sync: handed to its round). None: the step was dropped (its gradient was not finite):
+        nothing is applied, but a sync round counts the trainer as arrived."""
         raise NotImplementedError
 
     def wait_turn(self, trainer: str, timeout: float) -> None:
@@ -177,10 +180,14 @@ class Updater:
             self._clocks.notify_all()
 
     def _note_update(self, trainer: str, before: int) -> None:
-        """``trainer``'s update met the weights at global step ``before``: record its staleness."""
+        """``trainer``'s update met the weights at global step ``before``: count it, record its
+        staleness."""
         with self._clocks:
             p = self._progress.get(trainer)
-            if p is None or p.opened_at is None:
+            if p is None:
+                return
+            p.updates += 1
+            if p.opened_at is None:
                 return
             p.staleness = max(0, before - p.opened_at)
             p.max_staleness = max(p.max_staleness, p.staleness)
@@ -223,7 +230,10 @@ class AsyncUpdater(Updater):
     def lock(self):
         return self._lock
 
-    def submit(self, trainer: str, grads: Grads, samples: int) -> None:
+    def submit(self, trainer: str, grads: Grads | None, samples: int) -> None:
+        if grads is None:
+            self.step_closed(trainer)
+            return
         with self._lock:
             before = self.global_step
             for shard, g in self._split(grads).items():
@@ -254,7 +264,8 @@ class SyncUpdater(Updater):
         self._round = 0  # rounds applied so far
         self._owed: dict[str, int] = {}  # trainer -> round its last gradient belongs to
         self._sums: dict[nn.Parameter, torch.Tensor] = {}
-        self._contributors: set[str] = set()
+        self._contributors: set[str] = set()  # arrived in this round (a dropped step too)
+        self._gradients = 0  # of them, those whose gradient is in the sums
         self._samples = 0
 
     @property
@@ -281,13 +292,13 @@ class SyncUpdater(Updater):
             self._cond.notify_all()
         self._report(applied)
 
-    def submit(self, trainer: str, grads: Grads, samples: int) -> None:
+    def submit(self, trainer: str, grads: Grads | None, samples: int) -> None:
         with self._cond:
             if trainer in self._contributors:
                 # Cannot happen through a step protocol (its forward waits); refuse rather
                 # than count one trainer twice.
                 raise RuntimeError(f"{trainer} sent two gradients for round {self._round + 1}")
-            for p, g in grads.items():
+            for p, g in (grads or {}).items():
                 acc = self._sums.get(p)
                 if acc is None:
                     self._sums[p] = g.detach().clone()
@@ -295,27 +306,34 @@ class SyncUpdater(Updater):
                     acc.add_(g)
             before = self.global_step
             self._contributors.add(trainer)
-            self._samples += samples
+            if grads is not None:
+                self._gradients += 1
+                self._samples += samples
             self._owed[trainer] = self._round + 1
             applied = self._maybe_apply()
-        self._note_update(trainer, before)
+        if grads is not None:
+            self._note_update(trainer, before)
         self.step_closed(trainer)
         self._report(applied)
 
     def _maybe_apply(self) -> tuple[int, int] | None:
-        """Apply the round if it is complete (lock held); its (step, samples), else None."""
+        """Apply the round if it is complete (lock held); its (step, samples), else None. The
+        average is over the gradients in it; a round of dropped steps only ends (no update)."""
         if not self._contributors or len(self._contributors) < self.required():
             return None
-        n = len(self._contributors)
-        for shard, g in self._split(self._sums).items():
-            shard.apply(g, scale=1.0 / n)
-        samples = self._samples
+        n, samples = self._gradients, self._samples
+        if n:
+            for shard, g in self._split(self._sums).items():
+                shard.apply(g, scale=1.0 / n)
         self._sums = {}
         self._contributors = set()
+        self._gradients = 0
         self._samples = 0
         self._round += 1
-        self.global_step += 1
         self._cond.notify_all()
+        if not n:
+            return None
+        self.global_step += 1
         return self.global_step, samples
 
     def _report(self, applied: tuple[int, int] | None) -> None:

@@ -36,7 +36,8 @@ class FakeTarget:
                           steps=10, samples=640, last_loss=0.5, samples_per_s=100.0, clock=11, staleness=2,
                           max_staleness=5, step="pushpull"),
             TrainerStatus(rank=1, name="trainer_1_0", host="hostB", joined_at=now - 50, last_seen=now - 20,
-                          steps=3, samples=192, state="LOST"),
+                          steps=3, samples=192, state="LOST", nonfinite=3,
+                          reason="sent 3 non-finite gradients in a row (--max-nonfinite-steps 3)"),
         ]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._train, daemon=True)

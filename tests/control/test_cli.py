@@ -52,10 +52,13 @@ def test_status_table(server, capsys):
     assert rows[0][:7] == ["0", "trainer_0_0", "hostA", "pushpull", "ACTIVE", "10", "640"]
     assert rows[1][:5] == ["1", "trainer_1_0", "hostB", "-", "LOST"] and rows[1][7] == "-"
     head = next(line for line in lines if line.startswith("RANK"))
-    assert "SAMPLES/S  CLOCK  STALENESS  MAX STALENESS  JOINED" in head
+    assert "SAMPLES/S  CLOCK  STALENESS  MAX STALENESS  NON-FINITE  JOINED" in head
     assert head.split()[:5] == ["RANK", "NAME", "HOST", "STEP", "STATE"]
     assert rows[0][9:12] == ["11", "2", "5"]  # clock, staleness, max staleness
     assert rows[1][9:12] == ["-", "-", "-"]  # no step on the server: nothing to show
+    assert rows[0][12] == "0" and rows[1][12] == "3"  # non-finite gradients dropped
+    assert ("trainer_1_0 (rank 1) evicted: sent 3 non-finite gradients in a row (--max-nonfinite-steps 3)"
+            in lines)
 
 
 def test_status_table_of_an_ssp_server(server, target, capsys):
@@ -84,6 +87,7 @@ def test_status_json(server, target, capsys):
     assert [s["device"] for s in st["shards"]] == ["cpu", "cpu"]
     assert st["last_checkpoint"]["path"] == target.checkpoints[-1].path
     assert [(t["rank"], t["state"]) for t in data["trainers"]] == [(0, "ACTIVE"), (1, "LOST")]
+    assert [(t["nonfinite"], t["reason"][:20]) for t in data["trainers"]] == [(0, ""), (3, "sent 3 non-finite gr")]
     assert data["trainers"][1]["last_loss"] is None  # JSON null, not NaN
     assert st["staleness"] == 0  # S of ssp; this fake runs sync
     first = data["trainers"][0]

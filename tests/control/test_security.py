@@ -29,6 +29,31 @@ def _code(fn) -> grpc.StatusCode:
 # ---- tokens ------------------------------------------------------------------------------------
 
 
+def test_refusals_are_counted_and_their_log_is_rate_limited(auth_server, caplog):
+    """A flood of bad-token calls (a scanner, a client with a stale token) writes a few lines,
+    not one per call; every refusal is counted for ``psserver_control_refusals_total``."""
+    from psserver.control.auth import CallLogInterceptor
+    from psserver.telemetry import CONTROL_REFUSALS, RefusalLog
+
+    before = CONTROL_REFUSALS.counts().get("UNAUTHENTICATED", 0)
+    with caplog.at_level("WARNING", logger="psserver.control.auth"), \
+            ControlClient(auth_server.address, token="wrong-token") as wrong:
+        for _ in range(200):
+            assert _code(wrong.get_status) == grpc.StatusCode.UNAUTHENTICATED
+    lines = [r for r in caplog.records if "UNAUTHENTICATED" in r.getMessage()]
+    assert len(lines) <= CONTROL_REFUSALS.burst, len(lines)  # (earlier tests may have used the window)
+    assert CONTROL_REFUSALS.counts()["UNAUTHENTICATED"] - before == 200
+    # The summary line of what was left out comes with the next line a new window logs.
+    log = RefusalLog(burst=2, interval=0.0)
+    assert [log.refused("X") for _ in range(2)] == [(True, 0), (True, 0)]
+    log.interval = 3600.0
+    assert log.refused("X") == (True, 0)  # the second line of this window
+    assert log.refused("X") == (False, 0) and log.refused("X") == (False, 0)
+    log.interval = 0.0
+    assert log.refused("X") == (True, 2) and log.counts() == {"X": 6}
+    assert CallLogInterceptor()._refusals is CONTROL_REFUSALS
+
+
 def test_every_call_but_health_needs_the_token(auth_server, target):
     with ControlClient(auth_server.address) as anonymous:
         assert _code(anonymous.get_status) == grpc.StatusCode.UNAUTHENTICATED
@@ -208,3 +233,12 @@ def test_tls_client_rejects_an_unknown_certificate(target, tls_files, tmp_path):
         with ControlClient(control.address, tls_ca=other_cert) as client:
             with pytest.raises(ControlUnavailable):
                 client.get_status(timeout=3)
+
+
+def test_a_garbage_certificate_is_one_clear_line(target, tmp_path):
+    from psserver.errors import UsageError
+
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("garbage\n")
+    with pytest.raises(UsageError, match=r"are not a PEM certificate and its private key \(PEM lib\)$"):
+        serve(target, tls_cert=garbage, tls_key=garbage)

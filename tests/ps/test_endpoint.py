@@ -23,6 +23,7 @@ class Members:
 
     def __init__(self) -> None:
         self.members: dict[str, Member] = {}
+        self.evicted = threading.Event()
 
     def join(self, rank: int, name: str, host: str, protocol: str) -> None:
         self.members[name] = Member(TrainerStatus(rank, name, host, 0.0, 0.0), rpc_id=rank + 1, protocol=protocol)
@@ -32,6 +33,10 @@ class Members:
 
     def leave(self, name: str) -> None:
         self.members.pop(name)
+
+    def evict(self, name: str, reason: str) -> None:
+        self.members.pop(name).status.reason = reason
+        self.evicted.set()
 
 
 @pytest.fixture
@@ -51,11 +56,11 @@ def join(ep: Endpoint, name: str, step: str = "chained", **kw) -> dict:
 def test_calls_reach_the_protocol_of_the_trainer_and_record_its_report(endpoint):
     reply = join(endpoint, "t")
     assert reply["model"] == "mlp" and reply["optimizer"]["name"] == "adam" and "error" not in reply
-    out = endpoint.call("t", "step", (None, torch.randn(4, 1, 28, 28)), Report(3, 192, 0.5, 100.0))
-    assert out.shape == (4, 10)
+    out, notices = endpoint.call("t", "step", (None, torch.randn(4, 1, 28, 28)), Report(3, 192, 0.5, 100.0))
+    assert out.shape == (4, 10) and notices == []
     status = endpoint.membership.seen("t").status
     assert (status.steps, status.samples, status.last_loss) == (3, 192, 0.5)
-    assert endpoint.call("t", "evaluate", (torch.randn(2, 1, 28, 28),), None).shape == (2, 10)
+    assert endpoint.call("t", "evaluate", (torch.randn(2, 1, 28, 28),), None)[0].shape == (2, 10)
 
 
 def test_only_the_ops_a_protocol_exposes_are_callable(endpoint):
@@ -105,3 +110,25 @@ def test_wait_idle_counts_calls_in_flight(endpoint):
     gate.set()
     th.join(10)
     assert endpoint.wait_idle(5) == 0
+
+
+
+def test_a_non_finite_gradient_is_dropped_told_and_its_sender_evicted_at_the_limit(endpoint):
+    """Chained steps on batches with NaN in them: their gradients are never applied, each reply
+    says so; after ``--max-nonfinite-steps`` in a row the trainer is evicted with a reason."""
+    join(endpoint, "t")
+    engine = endpoint.engine
+    before = [p.detach().clone() for p in engine.params]
+    bad = torch.full((4, 1, 28, 28), float("nan"))
+    out, notices = endpoint.call("t", "step", (None, bad), None)  # forward of step 1
+    limit = engine.config.max_nonfinite_steps
+    for i in range(1, limit + 1):
+        # Backward and update of step i (its gradient is NaN), forward of step i + 1.
+        out, notices = endpoint.call("t", "step", (torch.ones_like(out), bad), None)
+        assert len(notices) == (1 if i < limit else 2), notices
+        assert "dropped a step" in notices[0] and f"{i} non-finite in a row" in notices[0]
+    assert "evicted by the server: sent 3 non-finite gradients in a row" in notices[-1]
+    assert endpoint.membership.evicted.wait(5)
+    assert all(torch.equal(a, b) for a, b in zip(before, engine.params, strict=True))
+    assert engine.global_step == 0 and engine.guard.nonfinite_total == limit
+    assert engine.guard.counts("t").nonfinite == limit

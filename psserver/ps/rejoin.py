@@ -1,0 +1,99 @@
+"""A trainer that rejoins continues in a fresh process image of its own command line.
+
+torch keeps per-process state tied to the first RPC worker id (the ``dist_autograd`` container
+refuses another id; the RRef context keeps the first agent and its id), and an agent keeps its
+pipe to a worker id for as long as it runs (the server's calls to an id that comes back fail
+with EPIPE). A process can therefore neither take a fresh id nor keep its old one; a fresh
+process (``exec``, same PID) takes a fresh one, and continues from the :class:`Position` the
+old image handed over in a file named by ``$PSSERVER_TRAINER_RESUME``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from typing import Any, NoReturn
+
+from psserver.errors import ServerLost, UsageError
+from psserver.ps.stop_signals import StopSignals
+
+log = logging.getLogger(__name__)
+
+RESUME_ENV = "PSSERVER_TRAINER_RESUME"
+"""Set by a trainer for itself when it re-executes to rejoin: the file holding its position."""
+
+
+@dataclasses.dataclass
+class Position:
+    """Where a trainer is in its run: what it continues from after re-executing to rejoin."""
+
+    epoch: int = 0
+    batch_idx: int = 0
+    steps: int = 0
+    samples: int = 0
+    loss: float = math.nan
+    t_start: float = dataclasses.field(default_factory=time.monotonic)
+    """``time.monotonic()`` when the run started: one clock for the whole system, across ``exec``."""
+    step_ends: list[float] = dataclasses.field(default_factory=list)
+    report: dict[str, Any] | None = None
+    """The last :class:`Report`'s fields."""
+    reconnects: int = 0
+
+
+def reexec(pos: Position, stop: StopSignals) -> NoReturn:
+    """Continue in a fresh process image of the same command line, which rejoins (see the
+    module's docstring for why not in this one)."""
+    argv = command_line()
+    if argv is None:
+        raise ServerLost("cannot rejoin: this trainer is not the psserver command line (only `psserver train` "
+                         "re-executes itself to rejoin)")
+    stop.check("before rejoining")
+    fd, path = tempfile.mkstemp(prefix="psserver-trainer-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(asdict(pos), f)
+    os.environ[RESUME_ENV] = path
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execv(argv[0], argv)
+    except OSError as e:
+        os.environ.pop(RESUME_ENV, None)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise ServerLost(f"cannot rejoin: re-executing {argv[0]} failed ({e.strerror or e})") from None
+
+
+def command_line() -> list[str] | None:
+    """This process's command line when it is ``psserver train`` (``python -m psserver``, the
+    console script, a launcher's ``-m``); None inside another program that calls the CLI's
+    ``main`` (a test runner), which re-executing would replace."""
+    if "train" not in sys.argv[1:]:
+        return None
+    return [sys.executable, *sys.orig_argv[1:]]
+
+
+def take_position() -> Position | None:
+    """The position a re-executed trainer continues from (its file is removed), else None."""
+    path = os.environ.pop(RESUME_ENV, None)
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        position = Position(**data)
+    except (OSError, ValueError, TypeError) as e:
+        raise UsageError(f"${RESUME_ENV}={path}: not the position of a rejoining trainer ({e})") from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    return position

@@ -1,0 +1,63 @@
+"""A trainer whose batches turn to NaN next to a healthy one, through the real CLI and RPC:
+the shared model stays finite and trains to the bar; one that sends nothing but NaN is evicted
+with a reason ``psserver status`` shows."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tests.procs import MNIST_ARGS, accuracy, free_port, run
+from tests.ps import poisoned_trainer
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+POISONED = [sys.executable, "-m", "tests.ps.poisoned_trainer"]
+BAR = 0.96
+
+
+@pytest.mark.timeout(420)
+def test_a_trainer_sending_nan_every_other_step_does_not_poison_the_model(procs, port, mnist_dir, tmp_path):
+    ctl = free_port()
+    server = procs.server(port, "--max-grad-norm", "50", control_port=ctl)
+    common = ["--num-trainers", "2", "--epochs", "3", *MNIST_ARGS]
+    healthy = procs.trainer(port, 0, *common)
+    poisoned = procs.trainer(port, 1, *common, prefix=POISONED, env={poisoned_trainer.ENV: "2"})
+    for t in (healthy, poisoned):
+        assert t.wait(300) == 0, t.tail()
+    assert accuracy(healthy) >= BAR, healthy.tail()
+    assert accuracy(poisoned) >= BAR, poisoned.tail()  # it evaluates the same shared model
+    assert "the server dropped a step of this trainer" in poisoned.output()
+    assert "dropped a step" not in healthy.output()
+    done = run(["--log-level", "ERROR", "status", "--address", f"127.0.0.1:{ctl}", "--json"], timeout=60)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    rows = {r["rank"]: r for r in data["trainers"]}
+    # Rank 1 poisons every other one of its 3 x 63 steps: 94 dropped, never 3 in a row.
+    assert rows[1]["nonfinite"] == 94 and rows[0]["nonfinite"] == 0 and rows[1]["reason"] == ""
+    assert data["status"]["nonfinite_gradients"] == 94
+    assert procs.stop(server) == 0
+    # 2 x 189 steps, 94 of them dropped: one optimizer step per applied gradient.
+    assert "global step 284" in server.output(), server.tail()
+
+
+@pytest.mark.timeout(180)
+def test_a_trainer_that_keeps_sending_nan_is_evicted_with_a_reason(procs, port):
+    ctl = free_port()
+    server = procs.server(port, "--max-nonfinite-steps", "3", control_port=ctl)
+    bad = procs.trainer(port, 0, "--num-trainers", "1", "--epochs", "1", "--dataset", "synthetic", "--max-steps",
+                        "50", prefix=POISONED, env={poisoned_trainer.ENV: "1"})
+    code = bad.wait(120)
+    assert code not in (0, None), bad.tail()
+    assert "evicted by the server: sent 3 non-finite gradients in a row" in bad.output()
+    assert "Traceback" not in bad.output(), bad.tail()
+    done = run(["--log-level", "ERROR", "status", "--address", f"127.0.0.1:{ctl}", "--json"], timeout=60)
+    (row,) = json.loads(done.stdout)["trainers"]
+    assert row["state"] == "LOST" and "3 non-finite gradients in a row" in row["reason"]
+    assert row["nonfinite"] == 3
+    assert "sent 3 non-finite gradients in a row" in run(
+        ["status", "--address", f"127.0.0.1:{ctl}"], timeout=60).stdout
+    assert procs.stop(server) == 0
+    assert "global step 0" in server.output(), server.tail()
