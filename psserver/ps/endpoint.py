@@ -173,9 +173,7 @@ class Endpoint:
         after the eviction cleaned up: drop what it left, or a drain would wait for it."""
         assert self.membership is not None
         name = member.status.name
-        try:
-            self.membership.seen(name)
-        except KeyError:
+        if not self.membership.is_member(name):
             self.halves[member.protocol].trainer_gone(name, True)
             self.engine.trainer_gone(name)
 

@@ -213,6 +213,10 @@ class Membership:
             m.status.last_seen = time.time()
             return m
 
+    def is_member(self, name: str) -> bool:
+        with self.lock:
+            return name in self.members
+
     def leave(self, name: str) -> None:
         self._remove(name, "LEFT", evict=False)
 

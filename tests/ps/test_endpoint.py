@@ -31,6 +31,9 @@ class Members:
     def seen(self, name: str) -> Member:
         return self.members[name]
 
+    def is_member(self, name: str) -> bool:
+        return name in self.members
+
     def leave(self, name: str) -> None:
         self.members.pop(name)
 
@@ -132,3 +135,19 @@ def test_a_non_finite_gradient_is_dropped_told_and_its_sender_evicted_at_the_lim
     assert all(torch.equal(a, b) for a, b in zip(before, engine.params, strict=True))
     assert engine.global_step == 0 and engine.guard.nonfinite_total == limit
     assert engine.guard.counts("t").nonfinite == limit
+
+
+def test_a_step_opened_by_a_call_whose_trainer_was_evicted_meanwhile_is_dropped(endpoint):
+    """A call that waits (sync, ssp) while its trainer is evicted opens its step after the
+    eviction cleaned up: the endpoint drops it, or a draining server would wait for it."""
+    join(endpoint, "t")
+    half = endpoint.halves["chained"]
+    real = half.step
+
+    def evicted_while_waiting(trainer, grad_out, x):
+        endpoint.membership.members.pop(trainer)  # the eviction lands while the call waits
+        return real(trainer, grad_out, x)
+
+    half.step = evicted_while_waiting  # type: ignore[method-assign]
+    endpoint.call("t", "step", (None, torch.randn(2, 1, 28, 28)), None)
+    assert endpoint.engine.wait_idle(0.1) == [] and half.pending() == 0
