@@ -31,7 +31,6 @@ from psserver.ps.rendezvous import (
     KEY_ADMIT_ANSWER,
     KEY_ADMIT_REQUEST,
     KEY_ADMIT_SEQ,
-    KEY_LIVE,
     SERVER_NAME,
     ping,
 )
@@ -99,7 +98,6 @@ class Membership:
                 raise ValueError(f"rank {rank} is already taken by live trainer {old}")
         else:
             raise ValueError(f"rank {rank} is contended by several joins at once: try again")
-        self.store.set(KEY_LIVE.format(rank=rank), name)
         log.info("trainer %s (rank %d) joined from %s; RPC members: %s", name, rank, host, rpc_members())
 
     def admit(self, rank: int) -> str:
@@ -289,10 +287,6 @@ class Membership:
             self.history.append(m.status)
             del self.history[:-256]
         rank = m.status.rank
-        try:
-            _delete_if(self.store, KEY_LIVE.format(rank=rank), name)
-        except Exception:  # noqa: BLE001 - the store may be going down with the server
-            log.debug("cannot clear live key of %s", name, exc_info=True)
         # Before an eviction: what the trainer holds (autograd contexts) is released while
         # the agent still knows it.
         self.on_gone(m, state, evict)

@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 SCHEME = "psserver"
 SERVER_NAME = "psserver"
 # Keys the server keeps in the store, outside RPC's own prefix.
-KEY_LIVE = "psserver/live/{rank}"
 KEY_INCARNATION = "psserver/incarnation/{rank}"
 KEY_SERVER_STATE = "psserver/state"
 KEY_NEXT_RPC_ID = "psserver/next_rpc_id"
