@@ -157,10 +157,12 @@ class Rounds:
 
     def __init__(self, *, model: str, batch_size: int, steps: int, skip: int, work: Path,
                  devices: str | None = None, tp_channels: str = "default", use_netns: str = "auto",
-                 throttle_method: str = "auto", warm_up_steps: int | None = None) -> None:
+                 throttle_method: str = "auto", warm_up_steps: int | None = None,
+                 trainer_device: str | None = None) -> None:
         self.model, self.batch_size, self.steps, self.skip = model, batch_size, steps, skip
         self.warm_up_steps = skip + 10 if warm_up_steps is None else warm_up_steps
         self.work, self.devices, self.tp_channels = work, devices, tp_channels
+        self.trainer_device = trainer_device
         self.throttle_method = throttle_method
         self.children = measure.Children(work)
         self.servers: dict[tuple, tuple[int, measure.Child]] = {}  # server_key -> (port, server)
@@ -218,7 +220,7 @@ class Rounds:
         plain = {**setup, "straggler": False}
         steps, tag = self.warm_up_steps, "warm-up-" + "-".join(map(str, server_key(setup)))
         log.info("warming up the server of %s (%d steps per trainer, not measured)", setup["name"], steps)
-        argvs = [trainer_argv(plain, r, port=port, batch_size=self.batch_size, steps=steps,
+        argvs = [trainer_argv(plain, r, port=port, batch_size=self.batch_size, steps=steps, device=self.trainer_device,
                               stats_out=str(self.work / f"{tag}-{r}.json")) for r in range(setup["trainers"])]
         procs = [self.children.start(self._wrap(a), f"{tag}-{r}", process_env(setup)) for r, a in enumerate(argvs)]
         try:
@@ -246,7 +248,8 @@ class Rounds:
             port, server = self._server(setup)
             procs = [self.children.start(self._wrap(trainer_argv(setup, r, port=port, batch_size=self.batch_size,
                                                                  steps=steps_for(setup, r, self.steps),
-                                                                 stats_out=str(stats[r]))),
+                                                                 stats_out=str(stats[r]),
+                                                                 device=self.trainer_device)),
                                          stats[r].stem, env) for r in range(n)]
             return stats, procs, server
         if kind == "ddp":
@@ -314,7 +317,7 @@ def _leg_line(leg: dict) -> str:
 def measure_rounds(setups: list[dict], *, rounds: int, use_netns: str = "auto", throttle_method: str = "auto",
                    **kwargs) -> dict:
     """Every setup once per round, in an order that rotates by one each round. ``kwargs``: those
-    of ``Rounds`` (model, batch_size, steps, skip, devices, tp_channels, warm_up_steps)."""
+    of ``Rounds`` (model, batch_size, steps, skip, devices, tp_channels, warm_up_steps, trainer_device)."""
     bad = [s["name"] for s in setups if not pairable(s)]
     if bad:
         raise ValueError(f"not measurable in paired rounds: {', '.join(bad)}")
@@ -390,6 +393,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="steps per trainer of one unmeasured run against each new PS server (a server's first trainer "
                         "session is slow; default --skip + 10; 0: none)")
     p.add_argument("--devices", default=None, help="server --devices (default: its own choice)")
+    p.add_argument("--trainer-device", default=None,
+                   help="the PS trainers' --device, for example cuda:0 (default: theirs, the CPU)")
     p.add_argument("--tp-channels", default="default",
                    help="TensorPipe channels of the servers (default: TensorPipe's own choice, as psserver runs; on "
                         "one host it moves tensors with cma, outside the sockets, so only -sock setups count bytes; "
@@ -464,16 +469,19 @@ def _main(args: argparse.Namespace) -> int:
     log.info("paired rounds: %d x %s (%d steps, %d skipped)", args.rounds, names, args.steps, args.skip)
     paired = measure_rounds(args.setups, rounds=args.rounds, model=args.model, batch_size=args.batch_size,
                             steps=args.steps, skip=args.skip, devices=args.devices, tp_channels=args.tp_channels,
-                            use_netns=args.netns, throttle_method=args.throttle, warm_up_steps=args.warm_up_steps)
+                            use_netns=args.netns, throttle_method=args.throttle, warm_up_steps=args.warm_up_steps,
+                            trainer_device=args.trainer_device)
     command = (f"python -m benchmarks.paired --model {args.model} --batch-size {args.batch_size} --setups {names} "
                f"--rounds {args.rounds} --steps {args.steps} --skip {args.skip}")
     for flag, value, default in (("--warm-up-steps", args.warm_up_steps, None), ("--tp-channels", args.tp_channels,
-                                 "default"), ("--netns", args.netns, "auto"), ("--throttle", args.throttle, "auto")):
+                                 "default"), ("--netns", args.netns, "auto"), ("--throttle", args.throttle, "auto"),
+                                 ("--devices", args.devices, None), ("--trainer-device", args.trainer_device, None)):
         if value != default:
             command += f" {flag} {value}"
     result = {"command": command, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_s": time.monotonic() - t0,
               "config": {"model": args.model, "batch_size": args.batch_size, "setups": names,
-                         "tp_channels": args.tp_channels, "devices": args.devices, "netns": args.netns,
+                         "tp_channels": args.tp_channels, "devices": args.devices,
+                         "trainer_device": args.trainer_device, "netns": args.netns,
                          "throttle": args.throttle, "cores": os.cpu_count(), "load_avg": os.getloadavg()},
               "paired": paired}
     from benchmarks import capacity, targets

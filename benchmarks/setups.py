@@ -181,15 +181,19 @@ def server_argv(setup: dict, *, model: str, port: int, devices: str | None, tp_c
     return measure.psserver_argv(*argv)
 
 
-def trainer_argv(setup: dict, rank: int, *, port: int, batch_size: int, steps: int, stats_out: str) -> list[str]:
+def trainer_argv(setup: dict, rank: int, *, port: int, batch_size: int, steps: int, stats_out: str,
+                 device: str | None = None) -> list[str]:
     """``psserver train`` for rank ``rank`` of a PS setup: synthetic data, ``steps`` steps, the
     setup's ``--step`` always named (trainer compute is the default since issue 15), one torch
-    thread (the trainer's default)."""
+    thread (the trainer's default); ``device``: the trainer's ``--device`` where it computes (None:
+    its default)."""
     argv = ["train", "--server", f"127.0.0.1:{port}", "--rank", str(rank), "--num-trainers", str(setup["trainers"]),
             "--epochs", "1000000", "--batch-size", str(batch_size), "--max-steps", str(steps), "--dataset",
             "synthetic", "--no-progress", "--stats-out", stats_out, "--step", setup["step"]]
     if setup.get("wire", "fp32") != "fp32":
         argv += ["--wire-dtype", setup["wire"]]
+    if device and trainer_compute(setup):
+        argv += ["--device", device]
     return measure.psserver_argv(*argv)
 
 

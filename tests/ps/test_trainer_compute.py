@@ -63,18 +63,20 @@ def batches(n: int, size: int = 16):
 def test_the_replica_trains_on_its_device_like_a_local_loop(engine, device):
     trainer = PushPullTrainer(Channel(PushPullServer(engine), device, "fp32"))
     assert all(p.device == torch.device(device) for p in trainer.model.parameters())
-    ref = build_model("mlp", seed=0)
-    opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    # The reference computes on the same device: a CPU loop would differ from the GPU's kernels by
+    # rounding that Adam turns into steps of size lr wherever a gradient is near zero.
+    ref = build_model("mlp", seed=0).to(device)
+    opt = torch.optim.Adam(ref.parameters(), lr=0.01, fused=True)  # as the server's (psserver.ps.shard)
     for x, y in batches(5):
         loss = trainer.step(x, y)
         opt.zero_grad()
-        ref_loss = nn.functional.cross_entropy(ref(x), y)
+        ref_loss = nn.functional.cross_entropy(ref(x.to(device)), y.to(device))
         ref_loss.backward()
         opt.step()
         assert loss == pytest.approx(float(ref_loss.detach()), rel=1e-5 if device == "cpu" else 1e-4)
     trainer.flush()
     for p, q in zip(engine.params, ref.parameters(), strict=True):
-        assert torch.allclose(p.detach(), q.detach(), atol=1e-5 if device == "cpu" else 1e-4)
+        assert torch.allclose(p.detach(), q.detach().cpu(), atol=1e-5 if device == "cpu" else 1e-4)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
