@@ -74,7 +74,9 @@ ISSUE15_SETUPS = ("local-cached,local-1t,local-1t-x2,ddp-2,ps-pushpull-async-1,p
 loops and DDP, with a straggler, the reference ``pull``; the bytes of each wire dtype and the
 server's cost per step from the ``-sock`` setups, whose tensors cross the sockets as between
 hosts."""
-SETUP_ALIASES = {"issue15": ISSUE15_SETUPS}
+ISSUE17_SETUPS = "ps-pushpull-async-2-token,ps-pushpull-async-2-open,ps-async-2-token,ps-async-2-open"
+"""Issue 17's target (``--setups issue17``): the protections' cost, trainer and server compute."""
+SETUP_ALIASES = {"issue15": ISSUE15_SETUPS, "issue17": ISSUE17_SETUPS}
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
 LEG_TIMEOUT_S = 600.0
 
@@ -364,6 +366,16 @@ def markdown_rows(paired: dict) -> list[str]:
     return lines
 
 
+def issue17_markdown(rows: list[dict]) -> list[str]:
+    from benchmarks import report
+
+    if not rows:
+        return []
+    return ["### Targets (issue 17, from the paired rounds)", "",
+            report.md_table(["ratio", "measured", "from", "per round", "target", "met"],
+                            report.issue15_target_rows(rows)), ""]
+
+
 def issue15_markdown(rows: list[dict], cost: dict | None) -> list[str]:
     """Issue 15's targets (``targets.issue15_ratios``) and the server's capacity table
     (``capacity.from_paired``), where the rounds held their setups."""
@@ -384,8 +396,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="mnist_cnn", help="model the server hosts (default mnist_cnn)")
     p.add_argument("--batch-size", type=int, default=64, help="samples per step and trainer (default 64)")
     p.add_argument("--setups", default=DEFAULT_SETUPS,
-                   help=f"comma-separated local, PS and DDP setups, or issue15 ({ISSUE15_SETUPS}) "
-                        f"(default {DEFAULT_SETUPS})")
+                   help=f"comma-separated local, PS and DDP setups, or issue15 ({ISSUE15_SETUPS}), or issue17 "
+                        f"({ISSUE17_SETUPS}) (default {DEFAULT_SETUPS})")
     p.add_argument("--rounds", type=int, default=6, help="rounds of every setup (default 6)")
     p.add_argument("--steps", type=int, default=80, help="steps per run and trainer (default 80)")
     p.add_argument("--skip", type=int, default=20, help="warm-up steps left out of each run (default 20)")
@@ -487,6 +499,7 @@ def _main(args: argparse.Namespace) -> int:
     from benchmarks import capacity, targets
 
     result["issue15_targets"] = targets.issue15_ratios(paired, args.model, args.batch_size)
+    result["issue17_targets"] = targets.issue17_ratios(paired)
     result["server_capacity"] = capacity.from_paired(paired, args.model, args.batch_size)
     args.results_dir.mkdir(parents=True, exist_ok=True)
     stem = args.results_dir / f"paired-{args.model}-b{args.batch_size}"
@@ -499,7 +512,8 @@ def _main(args: argparse.Namespace) -> int:
     md = "\n".join([f"## Paired rounds: {args.model}, batch {args.batch_size}", "",
                     f"`{command}` ({result['time']}, {result['wall_s'] / 60:.1f} min)", "",
                     *markdown_rows(paired), "", *([" ".join(notes), ""] if notes else []),
-                    *issue15_markdown(result["issue15_targets"], result["server_capacity"])]).rstrip() + "\n"
+                    *issue15_markdown(result["issue15_targets"], result["server_capacity"]),
+                    *issue17_markdown(result["issue17_targets"])]).rstrip() + "\n"
     stem.with_suffix(".md").write_text(md)
     sys.stdout.write(md)
     return 0

@@ -38,9 +38,11 @@ STRAGGLER_SHARE = 0.5
 """CPU share the straggler of a ``-straggler`` setup is held to (cores)."""
 
 _PS = re.compile(r"ps-(?:(chained|pull|pushpull)-)?(?:(bf16|fp16)-)?(async|sync|ssp(\d+))-(\d+)(?:-server(\d+)t)?"
-                 r"(-straggler)?(-sock)?")
+                 r"(-straggler)?(-sock)?(?:-(token|open))?")
 _HELP = ("use local, local-cached, local-Nt, local-Nt-xK, ps-[chained-|pull-|pushpull-][bf16-|fp16-]"
-         "{async|sync|sspS}-N[-serverTt][-straggler][-sock], ddp-N[-straggler], fsdp-N")
+         "{async|sync|sspS}-N[-serverTt][-straggler][-sock][-token|-open], ddp-N[-straggler], fsdp-N")
+BENCH_TOKEN = "benchmark-join-token-0123456789abcdef"
+"""The join token of ``-token`` setups (server and trainers)."""
 
 
 def parse_setup(name: str) -> dict:
@@ -59,7 +61,7 @@ def parse_setup(name: str) -> dict:
                 "allocator": "system", "procs": procs}
     m = _PS.fullmatch(name)
     if m:
-        step, wire, update, staleness, n, server_threads, straggler, sock = m.groups()
+        step, wire, update, staleness, n, server_threads, straggler, sock, guard = m.groups()
         step = step or "plain"  # the reference; the trainer's default changed (issue 15), so it is always passed
         trainers = int(n)
         if wire and step not in TRAINER_COMPUTE:
@@ -79,6 +81,8 @@ def parse_setup(name: str) -> dict:
             out["straggler"] = True
         if sock:
             out["sock"] = True
+        if guard:  # token: a join token on top of the RPC allow-list; open: neither (the baseline)
+            out["guard"] = guard
         return out
     m = re.fullmatch(r"(ddp|fsdp)-(\d+)(-straggler)?", name)
     if m:
@@ -158,7 +162,13 @@ def server_key(setup: dict) -> tuple:
     """Setups that can share one long-lived server (paired rounds): same update mode, sync K,
     staleness and step protocol (wire dtype and stragglers are the trainers' business)."""
     return (setup["update"], setup["trainers"] if setup["update"] == "sync" else 0, setup.get("staleness", 0),
-            setup["step"], setup.get("server_threads", 0), bool(setup.get("sock")))
+            setup["step"], setup.get("server_threads", 0), bool(setup.get("sock")), setup.get("guard", ""))
+
+
+def guard_flags(setup: dict) -> list[str]:
+    """``benchmarks.workers psserver`` options of a ``-token`` or ``-open`` setup's processes."""
+    guard = setup.get("guard")
+    return ["--join-token", BENCH_TOKEN] if guard == "token" else ["--no-allowlist"] if guard == "open" else []
 
 
 def server_argv(setup: dict, *, model: str, port: int, devices: str | None, tp_channels: str) -> list[str]:
@@ -176,8 +186,9 @@ def server_argv(setup: dict, *, model: str, port: int, devices: str | None, tp_c
         argv += ["--compute-threads", str(setup["server_threads"])]
     if devices:
         argv += ["--devices", devices]
-    if tp_channels != "default":
-        return measure.worker_argv("psserver", "--channels", tp_channels, "--", *argv)
+    flags = guard_flags(setup) + (["--channels", tp_channels] if tp_channels != "default" else [])
+    if flags:
+        return measure.worker_argv("psserver", *flags, "--", *argv)
     return measure.psserver_argv(*argv)
 
 
@@ -194,6 +205,8 @@ def trainer_argv(setup: dict, rank: int, *, port: int, batch_size: int, steps: i
         argv += ["--wire-dtype", setup["wire"]]
     if device and trainer_compute(setup):
         argv += ["--device", device]
+    if guard_flags(setup):
+        return measure.worker_argv("psserver", *guard_flags(setup), "--", *argv)
     return measure.psserver_argv(*argv)
 
 

@@ -150,3 +150,24 @@ def issue15_ratios(paired: dict | None, model: str, batch_size: int) -> list[dic
                             "value": worst[1], "op": "<=", "target": ISSUE15_BYTES_TARGETS[wire],
                             "per_round": None, "from": f"{paired.get('bytes_method') or 'bytes'}, median over rounds"}))
     return rows
+
+
+def issue17_ratios(paired: dict | None) -> list[dict]:
+    """Issue 17's target: throughput with the protections on (a join token and the RPC
+    allow-list, ``-token`` setups) within 3 % of without (``-open``: neither), round by round
+    between the two setups of each pair, then the median."""
+    from benchmarks.paired import ratio_between
+
+    if not paired or paired.get("error") or not paired.get("setups"):
+        return []
+    rows = []
+    for name in paired["setups"]:
+        base = name.removesuffix("-token")
+        if name.endswith("-token") and f"{base}-open" in paired["setups"]:
+            r = ratio_between(paired, name, f"{base}-open")
+            if r is not None:
+                rows.append(_check({"name": f"protections on / off, {base}", "value": r["median"], "op": ">=",
+                                    "target": 0.97, "per_round": r["per_round"],
+                                    "from": f"{name} / {base}-open, paired rounds, median"}))
+    return rows
+

@@ -155,28 +155,46 @@ def run_ddp(args: argparse.Namespace) -> int:
 
 
 def run_psserver(argv: list[str]) -> int:
-    """``psserver ARGS`` with TensorPipe's channels restricted (``--channels basic,...`` first).
+    """``psserver ARGS`` with options of the harness first, then ``--``:
 
-    On one host TensorPipe moves tensor payloads with the ``cma`` channel
-    (``process_vm_readv``), outside any socket; ``basic`` sends them through the uv
-    connection as it must between hosts, so ``ss`` sees every byte. Only the server needs
-    it: a pair uses the channels both sides offer.
+    - ``--channels basic,...``: TensorPipe's channels restricted. On one host TensorPipe moves
+      tensor payloads with the ``cma`` channel (``process_vm_readv``), outside any socket;
+      ``basic`` sends them through the uv connection as it must between hosts, so ``ss`` sees
+      every byte. Only the server needs it: a pair uses the channels both sides offer.
+    - ``--join-token T``: ``PSSERVER_JOIN_TOKEN=T`` (``-token`` setups).
+    - ``--no-allowlist``: the RPC layer's own unpickler, as before issue 17 (``-open`` setups,
+      the baseline of what the protections cost). Never a psserver option.
     """
-    if len(argv) < 2 or argv[0] != "--channels":
-        sys.exit("usage: python -m benchmarks.workers psserver --channels basic[,...] PSSERVER-ARGS...")
-    channels, rest = [c for c in argv[1].split(",") if c], argv[2:]
-    if rest and rest[0] == "--":
-        rest = rest[1:]
-    import torch.distributed.rpc as rpc
+    usage = "usage: python -m benchmarks.workers psserver [--channels C] [--join-token T] [--no-allowlist] -- ARGS"
+    channels: list[str] | None = None
+    while argv and argv[0] != "--":
+        if argv[0] == "--channels" and len(argv) > 1:
+            channels, argv = [c for c in argv[1].split(",") if c], argv[2:]
+        elif argv[0] == "--join-token" and len(argv) > 1:
+            os.environ["PSSERVER_JOIN_TOKEN"], argv = argv[1], argv[2:]
+        elif argv[0] == "--no-allowlist":
+            from psserver.ps import torch_rpc
 
-    base = rpc.TensorPipeRpcBackendOptions
+            torch_rpc.restrict_unpickler = lambda: None
+            argv = argv[1:]
+        elif argv[0].startswith("--") and argv[0] in ("--channels", "--join-token"):
+            sys.exit(usage)  # an option without its value
+        else:
+            break  # psserver's own arguments, without the "--"
+    rest = argv[1:] if argv and argv[0] == "--" else argv
+    if not rest:
+        sys.exit(usage)
+    if channels:
+        import torch.distributed.rpc as rpc
 
-    class ChannelOptions(base):  # whatever else psserver passes is kept
-        def __init__(self, *a, **kw):
-            kw.setdefault("_channels", channels)
-            super().__init__(*a, **kw)
+        base = rpc.TensorPipeRpcBackendOptions
 
-    rpc.TensorPipeRpcBackendOptions = ChannelOptions
+        class ChannelOptions(base):  # whatever else psserver passes is kept
+            def __init__(self, *a, **kw):
+                kw.setdefault("_channels", channels)
+                super().__init__(*a, **kw)
+
+        rpc.TensorPipeRpcBackendOptions = ChannelOptions
     from psserver.cli import main as psserver_main
 
     return psserver_main(rest)

@@ -31,7 +31,7 @@ from prometheus_client.registry import Collector
 
 from psserver.config import ObservabilityConfig
 from psserver.errors import UsageError
-from psserver.telemetry import CONTROL_REFUSALS, ControlTarget, ServerStatus, TrainerStatus
+from psserver.telemetry import CONTROL_REFUSALS, RPC_REFUSALS, ControlTarget, ServerStatus, TrainerStatus
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,13 @@ class StatusCollector(Collector):
         for code, n in sorted(CONTROL_REFUSALS.counts().items()):
             refusals.add_metric([code], n)
         yield refusals
+        rpc_refusals = CounterMetricFamily(f"{PREFIX}_rpc_refusals",
+                                           "RPC messages refused (nothing of them ran) because they named a global "
+                                           "outside psserver's RPC surface, by that name (cut to 100 characters; "
+                                           "past 50 names, the rest under 'other')", labels=["name"])
+        for name, n in sorted(RPC_REFUSALS.counts().items()):
+            rpc_refusals.add_metric([name], n)
+        yield rpc_refusals
         yield from self._trainer_metrics(trainers)
         yield from self._checkpoint_metrics(status)
 

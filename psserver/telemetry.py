@@ -160,14 +160,24 @@ class RateMeter:
 
 
 class RefusalLog:
-    """Calls the control plane refused (bad or missing token, admin without auth): counted by
-    status code for metrics, and logged at most ``burst`` lines per ``interval`` seconds, the
-    rest summed up in the next line, so that a scanner or a misconfigured client cannot fill
-    the server's log."""
+    """Calls refused (the control plane's: bad or missing token, admin without auth, by status
+    code; the RPC layer's: by the name it would not unpickle): counted for metrics, and logged
+    at most ``burst`` lines per ``interval`` seconds, the rest summed up in the next line, so
+    that a scanner or a misconfigured client cannot fill the server's log."""
 
-    def __init__(self, burst: int = 5, interval: float = 60.0) -> None:
+    OTHER = "other"
+    """The key of refusals past ``max_keys`` distinct keys."""
+
+    def __init__(self, burst: int = 5, interval: float = 60.0, *, max_keys: int | None = None,
+                 key_chars: int | None = None) -> None:
         self.burst = burst
         self.interval = interval
+        self.max_keys = max_keys
+        """At most this many distinct keys, ``OTHER`` included (the rest count under it): keys a
+        caller chooses (a refused name) must not grow the counts, or a metric's labels, without
+        bound."""
+        self.key_chars = key_chars
+        """Keys are cut to this many characters."""
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}
         self._window_start = -float("inf")
@@ -175,10 +185,11 @@ class RefusalLog:
         self._suppressed = 0
 
     def refused(self, code: str) -> tuple[bool, int]:
-        """Count one refusal with gRPC status ``code``; (whether to log it, refusals suppressed
-        since the last line logged)."""
+        """Count one refusal under ``code`` (a gRPC status, a refused name); (whether to log it,
+        refusals suppressed since the last line logged)."""
         now = time.monotonic()
         with self._lock:
+            code = self._key(code)
             self._counts[code] = self._counts.get(code, 0) + 1
             if now - self._window_start >= self.interval:
                 self._window_start, self._logged = now, 0
@@ -189,6 +200,13 @@ class RefusalLog:
             suppressed, self._suppressed = self._suppressed, 0
             return True, suppressed
 
+    def _key(self, code: str) -> str:
+        if self.key_chars is not None:
+            code = code[:self.key_chars]
+        if self.max_keys is not None and code not in self._counts and len(self._counts) >= self.max_keys - 1:
+            return self.OTHER
+        return code
+
     def counts(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)
@@ -196,3 +214,5 @@ class RefusalLog:
 
 CONTROL_REFUSALS = RefusalLog()
 """The process's control-plane refusals (one control plane per process)."""
+RPC_REFUSALS = RefusalLog(max_keys=50, key_chars=100)
+"""Globals the process's RPC layer refused to unpickle, by name (``psserver.ps.rpc_allowlist``)."""

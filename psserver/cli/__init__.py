@@ -118,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     parser, commands = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what a supervisor runs again
     try:
         level = log_level(args)
     except UsageError as e:

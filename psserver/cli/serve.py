@@ -49,6 +49,16 @@ class ServeCommand(SubCommand):
                             help="host memory: cached keeps freed buffers for the next step (default); "
                                  "system returns them to the kernel at once")
         parser.add_argument("--seed", type=int, default=0, help="seed of the initial parameters")
+        parser.add_argument("--join-token-file", type=Path, default=None,
+                            help="file holding the job's join token; only trainers that know it can join (else "
+                                 "$PSSERVER_JOIN_TOKEN; neither: anyone who reaches --port can join). It may be the "
+                                 "control plane's --auth-token-file")
+        parser.add_argument("--supervise", action="store_true",
+                            help="run the server under a supervisor that restarts it with --resume if it dies by a "
+                                 "signal (a crash inside TensorPipe, say); needs --checkpoint-dir")
+        parser.add_argument("--max-restarts", type=int, default=ServerConfig.max_restarts, metavar="N",
+                            help="supervised: give up after N restarts within ten minutes "
+                                 f"(default {ServerConfig.max_restarts})")
         c = parser.add_argument_group("checkpoints")
         c.add_argument("--checkpoint-dir", type=Path, default=None, help="directory of checkpoints")
         c.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N global steps")
@@ -63,10 +73,14 @@ class ServeCommand(SubCommand):
         add_control_arguments(parser)
 
     def run(self, args: argparse.Namespace) -> int:
-        from psserver.ps.server import run_server
-
         with config_errors():
             config = server_config_from_args(args)
+        if config.supervise:
+            from psserver.ps.supervisor import supervise
+
+            return supervise(args.argv, config.max_restarts)
+        from psserver.ps.server import run_server
+
         return run_server(config)
 
 
@@ -90,6 +104,9 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         compute_threads=args.compute_threads,
         allocator=args.allocator,
         seed=args.seed,
+        join_token_file=args.join_token_file,
+        supervise=args.supervise,
+        max_restarts=args.max_restarts,
         checkpoint=CheckpointConfig(
             directory=args.checkpoint_dir,
             every_steps=args.checkpoint_every,

@@ -62,6 +62,9 @@ class TrainCommand(SubCommand):
                         help="if the server goes away or evicts this trainer, rejoin under a fresh name (retrying "
                              "with backoff) and continue where it was; without it, exit code 3")
         ps.add_argument("--rpc-timeout", type=float, default=60.0, help="RPC timeout in seconds")
+        ps.add_argument("--join-token-file", type=Path, default=None,
+                        help="file holding the job's join token, for a server that asks for one (else "
+                             "$PSSERVER_JOIN_TOKEN)")
         ps.add_argument("--stats-out", type=Path, default=None,
                         help="write per-step timings as JSON (for benchmarks)")
         add_collective_arguments(parser)
@@ -107,6 +110,7 @@ def trainer_config_from_args(args: argparse.Namespace) -> TrainerConfig:
         step=args.step,
         device=args.device,
         wire_dtype=args.wire_dtype,
+        join_token_file=args.join_token_file,
         # One thread unless told: on a host of several trainers each runs the model on its own.
         compute_threads=args.compute_threads or TrainerConfig.compute_threads,
     )

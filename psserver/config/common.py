@@ -26,6 +26,29 @@ def parse_host_port(value: str, default_port: int | None = None) -> tuple[str, i
     return host, port_num
 
 
+JOIN_TOKEN_ENV = "PSSERVER_JOIN_TOKEN"
+
+
+def check_token_file(path: Path | None, flag: str) -> None:
+    if path is not None and not Path(path).is_file():
+        raise ValueError(f"{flag}: file not found: {path}")
+
+
+def read_join_token(path: Path | None) -> str | None:
+    """The job's join token: the file's contents, else ``$PSSERVER_JOIN_TOKEN``, else None (an
+    open training plane). ``ValueError`` for an empty or unreadable file."""
+    if path is not None:
+        try:
+            token = Path(path).read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            why = getattr(e, "strerror", None) or e
+            raise ValueError(f"--join-token-file {path}: cannot read it ({why})") from None
+        if not token:
+            raise ValueError(f"--join-token-file {path} is empty")
+        return token
+    return os.environ.get(JOIN_TOKEN_ENV, "").strip() or None
+
+
 def check_port(port: int, what: str, allow_zero: bool = False) -> None:
     low = 0 if allow_zero else 1
     if not low <= port <= 65535:

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from psserver.config.common import DataConfig, check_port
+from psserver.config.common import DataConfig, check_port, check_token_file, read_join_token
 from psserver.config.control import ControlConfig, ObservabilityConfig
 from psserver.utils.memory import ALLOCATORS
 
@@ -157,6 +157,15 @@ class ServerConfig:
     returns it to the kernel at once (each step page-faults its buffers in again)."""
     seed: int = 0
     """Seed of the model's initial parameters."""
+    supervise: bool = False
+    """Run the server as the child of a supervisor that restarts it with ``--resume`` when it
+    dies by a signal (needs ``checkpoint.directory``)."""
+    max_restarts: int = 5
+    """Restarts the supervisor allows within ten minutes before it gives up."""
+    join_token_file: Path | None = None
+    """File holding the job's join token, which every trainer must know to join (else
+    ``$PSSERVER_JOIN_TOKEN``; neither: anyone who reaches the store may join). It may be the
+    control plane's token file."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint policy."""
     control: ControlConfig = field(default_factory=ControlConfig)
@@ -196,6 +205,15 @@ class ServerConfig:
             raise ValueError("--compute-threads must be >= 0")
         if self.allocator not in ALLOCATORS:
             raise ValueError(f"--allocator must be one of {', '.join(ALLOCATORS)}, got {self.allocator!r}")
+        check_token_file(self.join_token_file, "--join-token-file")
+        if self.supervise and self.checkpoint.directory is None:
+            raise ValueError("--supervise needs --checkpoint-dir: a restarted server resumes from its last checkpoint")
+        if self.max_restarts < 1:
+            raise ValueError(f"--max-restarts must be >= 1, got {self.max_restarts}")
+
+    def join_token(self) -> str | None:
+        """The join token, read once at start (``ValueError``: an empty or unreadable file)."""
+        return read_join_token(self.join_token_file)
 
 
 @dataclass
@@ -246,8 +264,12 @@ class TrainerConfig:
     default protocol of the compute mode."""
     stats_out: Path | None = None
     """Write per-step timings (monotonic end time of each step, samples) as JSON here."""
+    join_token_file: Path | None = None
+    """File holding the job's join token (else ``$PSSERVER_JOIN_TOKEN``), for a server that
+    asks for one."""
 
     def __post_init__(self) -> None:
+        check_token_file(self.join_token_file, "--join-token-file")
         if self.rank < 0:
             raise ValueError(f"--rank must be >= 0, got {self.rank}")
         check_port(self.server_port, "server port")
@@ -279,3 +301,7 @@ class TrainerConfig:
             raise ValueError("--wire-dtype applies to --compute trainer (server compute sends batches)")
         if self.device != "cpu" and self.compute == "server":
             raise ValueError("--device applies to --compute trainer (server compute runs on the server's devices)")
+
+    def join_token(self) -> str | None:
+        """The join token, read once at start (``ValueError``: an empty or unreadable file)."""
+        return read_join_token(self.join_token_file)

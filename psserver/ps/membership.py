@@ -9,7 +9,8 @@ membership token whose holder is gone.
 A join cannot wait for the heartbeats: ``init_rpc`` calls every member, and a trainer
 restarted at once after a crash (Kubernetes restarts a failed pod of an Indexed Job with the
 same index) finds its dead predecessor still a member. So a joining trainer first asks the
-server to make room (``rendezvous.request_admission``, through the store): the server pings
+server to make room (``rendezvous.request_admission``, through the store and the admission
+desk, ``psserver.ps.admission``, which asks :meth:`Membership.admit`): the server pings
 its members, evicts those whose pipe is broken, and the rank's holder if it does not answer in
 a couple of seconds; a holder that answers keeps its rank.
 """
@@ -26,14 +27,7 @@ from dataclasses import dataclass, field
 import torch.distributed.rpc as rpc
 
 from psserver.ps import torch_rpc
-from psserver.ps.rendezvous import (
-    ADMITTED,
-    KEY_ADMIT_ANSWER,
-    KEY_ADMIT_REQUEST,
-    KEY_ADMIT_SEQ,
-    SERVER_NAME,
-    ping,
-)
+from psserver.ps.rendezvous import ADMITTED, SERVER_NAME, ping
 from psserver.ps.torch_rpc import ALL_WORKERS_KEY, TOKEN_KEY, worker_key
 from psserver.telemetry import TrainerStatus
 
@@ -43,10 +37,6 @@ PING_TIMEOUT_S = 2.0
 """How long a rank's holder has to answer when another trainer asks for its rank."""
 ALIVE, DEAD, SILENT = "alive", "dead", "silent"
 """What a ping finds: an answer; a broken pipe or a worker the agent no longer knows; no answer."""
-_ADMIT_POLL_S = 0.05
-"""How often the server looks for joins announced in the store (one local store operation)."""
-_ADMIT_UNWRITTEN_S = 5.0
-"""A join announced but never written (its trainer died in between) is skipped after this long."""
 
 
 @dataclass
@@ -76,7 +66,6 @@ class Membership:
         self.history: list[TrainerStatus] = []  # trainers that left or were lost (bounded)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._admission: threading.Thread | None = None
         self._token_seen: tuple[bytes, float] | None = None
         self._strangers: dict[str, float] = {}  # RPC workers that never called join()
 
@@ -161,42 +150,6 @@ class Membership:
                 out[name] = (SILENT, f"{timeout:g}s") if took >= 0.9 * timeout else (DEAD, _first_line(e))
         return out
 
-    def _admissions(self) -> None:
-        """Answer the joins announced in the store, in their order (``rendezvous.request_admission``)."""
-        handled = 0
-        unwritten_since: float | None = None
-        while not self._stop.wait(_ADMIT_POLL_S):
-            try:
-                announced = int(self.store.add(KEY_ADMIT_SEQ, 0))
-                while handled < announced and not self._stop.is_set():
-                    seq = handled + 1
-                    key = KEY_ADMIT_REQUEST.format(seq=seq)
-                    if self.store.check([key]):
-                        self.store.set(KEY_ADMIT_ANSWER.format(seq=seq), self._answer(self.store.get(key)))
-                        self.store.delete_key(key)
-                    else:  # announced, not written yet (or its trainer died in between)
-                        now = time.monotonic()
-                        unwritten_since = now if unwritten_since is None else unwritten_since
-                        if now - unwritten_since < _ADMIT_UNWRITTEN_S:
-                            break
-                    unwritten_since = None
-                    handled = seq
-            except Exception:  # noqa: BLE001 - the thread must outlive any one failure (the store's)
-                log.exception("admission error")
-                self._stop.wait(1.0)
-
-    def _answer(self, request: bytes) -> str:
-        """The answer to one announced join: a failure here must not stop the others."""
-        try:
-            rank = int(request.decode())
-        except ValueError:
-            return f"malformed join request {request[:40]!r}"
-        try:
-            return self.admit(rank)
-        except Exception as e:  # noqa: BLE001 - answered, logged with its traceback
-            log.exception("admitting a join of rank %d failed", rank)
-            return f"the server failed to admit a join of rank {rank} ({_first_line(e)})"
-
     def _live_name(self, rank: int) -> str | None:
         for name, m in self.members.items():
             if m.status.rank == rank:
@@ -255,14 +208,11 @@ class Membership:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._monitor, name="psserver-membership", daemon=True)
         self._thread.start()
-        self._admission = threading.Thread(target=self._admissions, name="psserver-admission", daemon=True)
-        self._admission.start()
 
     def stop(self) -> None:
         self._stop.set()
-        for thread in (self._thread, self._admission):
-            if thread is not None:
-                thread.join(timeout=5)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
 
     def _monitor(self) -> None:
         period = max(0.05, min(0.5, self.timeout / 5))

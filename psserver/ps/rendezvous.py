@@ -9,13 +9,19 @@ Traps of ``torch.distributed.rpc`` handled here:
   ``name-id,`` lists), so an incarnation is ``trainer_<rank>_<incarnation>``;
 - joining a dynamic group calls every member, so a dead one fails the join (holding the
   group's membership token): a trainer asks the server to make room first
-  (:func:`request_admission`), through the store, before it joins.
+  (:func:`request_admission`), through the store, before it joins;
+- the TCPStore lets anyone who connects read and write any key, torch RPC's own keys
+  included. With a join token, every key of the job lives under a prefix derived from the
+  token (:func:`namespace`): a peer without it finds neither the server's keys nor the RPC
+  group, and its ``init_rpc`` makes a group of its own. Only ``KEY_HELLO`` is public.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
+import hmac
 import ipaddress
 import logging
 import os
@@ -36,16 +42,24 @@ log = logging.getLogger(__name__)
 
 SCHEME = "psserver"
 SERVER_NAME = "psserver"
-# Keys the server keeps in the store, outside RPC's own prefix.
-KEY_INCARNATION = "psserver/incarnation/{rank}"
+# Keys the server keeps in the store, outside RPC's own prefix (inside the job's namespace).
 KEY_SERVER_STATE = "psserver/state"
-KEY_NEXT_RPC_ID = "psserver/next_rpc_id"
+STARTING, SERVING, DRAINING = "STARTING", "SERVING", "DRAINING"
+KEY_HELLO = "psserver/hello"
+"""Public, outside any namespace: ``token`` or ``open``, so that a trainer without the right
+token is told so at once instead of waiting for a state it cannot see. Trusted for nothing
+else (anyone can write it; the server puts it back)."""
+HELLO_TOKEN, HELLO_OPEN = "token", "open"
+WRONG_TOKEN_GRACE_S = 2.0
+"""How long a trainer looks for the job's keys while the hello disagrees with its token (the
+server writes its state before its hello, and puts back a hello that someone changed, so only
+a real mismatch lasts this long)."""
 KEY_ADMIT_SEQ = "psserver/admit/seq"
 """Counter of the joins announced to the server (:func:`request_admission`)."""
 KEY_ADMIT_REQUEST = "psserver/admit/request/{seq}"
 """The rank a join announced as ``seq`` asks for."""
 KEY_ADMIT_ANSWER = "psserver/admit/answer/{seq}"
-"""The server's answer: ``ADMITTED``, or why not (one line for the user)."""
+"""The server's answer: ``ADMITTED <rpc id> <incarnation>``, or why not (one line for the user)."""
 ADMITTED = "ok"
 ADMISSION_TIMEOUT_S = 15.0
 """How long a joining trainer waits for the server's answer: it pings the members (two seconds
@@ -70,27 +84,29 @@ def trainer_name(rank: int, incarnation: int) -> str:
     return f"trainer_{rank}_{incarnation}"
 
 
-def next_rpc_id(store) -> int:
-    """A fresh RPC worker id for every join (the server is 0).
-
-    Reusing ids (say rank + 1) is unsafe in a group whose members die: the agent, the store
-    and distributed autograd (context ids carry the worker id in their top 16 bits) all key
-    state by id, so a new incarnation would meet what the old one left behind.
-    """
-    rpc_id = int(store.add(KEY_NEXT_RPC_ID, 1))
-    if rpc_id > MAX_RPC_ID:
-        raise UsageError(f"this server has seen {MAX_RPC_ID} joins: restart it (with --resume) to reset RPC ids")
-    return rpc_id
+def namespace(token: str | None) -> str:
+    """The job's key prefix in the store: derived from the join token, so only those who know
+    it can read or write the job's keys; "" (no prefix) without a token."""
+    if token is None:
+        return ""
+    return "job-" + hmac.new(token.encode(), b"psserver store namespace v1", hashlib.sha256).hexdigest()[:32]
 
 
-def request_admission(store, rank: int, where: str, timeout: float = ADMISSION_TIMEOUT_S) -> None:
+def scoped(store, token: str | None):
+    """``store`` seen through the job's namespace."""
+    prefix = namespace(token)
+    return dist.PrefixStore(prefix, store) if prefix else store
+
+
+def request_admission(store, rank: int, where: str, timeout: float = ADMISSION_TIMEOUT_S) -> tuple[int, int]:
     """Ask the server to make room for a join of ``rank``, before this process joins the RPC group.
 
     ``init_rpc`` calls every member of the group, so a member that died (the rank's last
     holder, crashed and restarted at once by Kubernetes or Slurm) would fail the join while it
     holds the group's token. The server pings its members, evicts the dead ones and the rank's
-    holder if it does not answer (``Membership.admit``), then answers here. ``UsageError`` when
-    the rank's holder is alive; ``ServerUnavailable`` when the server does not answer.
+    holder if it does not answer (``Membership.admit``), then answers here with the RPC id and
+    the incarnation to join with. ``UsageError`` when the rank's holder is alive;
+    ``ServerUnavailable`` when the server does not answer.
     """
     seq = int(store.add(KEY_ADMIT_SEQ, 1))
     store.set(KEY_ADMIT_REQUEST.format(seq=seq), str(rank))
@@ -103,8 +119,15 @@ def request_admission(store, rank: int, where: str, timeout: float = ADMISSION_T
                                 f"{timeout:g}s") from None
     with contextlib.suppress(RuntimeError):
         store.delete_key(answer_key)
-    if answer != ADMITTED:
+    word, *ids = answer.split()
+    if word != ADMITTED:
         raise UsageError(answer)
+    try:
+        rpc_id, incarnation = (int(i) for i in ids)
+    except ValueError:
+        raise ServerUnavailable(f"the psserver at {where} answered the join of rank {rank} with {answer[:80]!r}") \
+            from None
+    return rpc_id, incarnation
 
 
 def ping() -> bool:
@@ -163,8 +186,9 @@ def backend_options(url: str, rpc_timeout: float, num_threads: int) -> rpc.Tenso
     )
 
 
-def create_server_store(host: str, port: int, timeout: float) -> tuple[dist.TCPStore, str]:
-    """The master store, listening on ``host:port`` only. ``UsageError`` if the port is taken."""
+def create_server_store(host: str, port: int, timeout: float, token: str | None) -> tuple[dist.TCPStore, object, str]:
+    """The master store, listening on ``host:port`` only, and the job's view of it (through
+    the token's namespace, which RPC uses too). ``UsageError`` if the port is taken."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as e:
@@ -189,15 +213,18 @@ def create_server_store(host: str, port: int, timeout: float) -> tuple[dist.TCPS
         use_libuv=True,
     )
     url = f"{SCHEME}://{host}:{port}/server"
-    _stores[url] = store
-    return store, url
+    job = _stores[url] = scoped(store, token)
+    return store, job, url
 
 
-def connect_store(host: str, port: int, connect_timeout: float, op_timeout: float) -> tuple[dist.TCPStore, str]:
-    """A client of the server's store; waits up to ``connect_timeout`` for a server that is starting.
+def connect_store(host: str, port: int, connect_timeout: float, op_timeout: float,
+                  token: str | None = None) -> tuple[object, str]:
+    """The job's view of the server's store (through the token's namespace); waits up to
+    ``connect_timeout`` for a server that is starting.
 
     ``UsageError`` at once for a port that answers but is not a psserver's (the control
-    plane's, most likely): waiting would not change it.
+    plane's, most likely), and for a token the server does not share: waiting would not
+    change either.
     """
     deadline = time.monotonic() + connect_timeout
     delay = 0.2
@@ -210,14 +237,11 @@ def connect_store(host: str, port: int, connect_timeout: float, op_timeout: floa
             _probe(host, port, timeout=min(remaining, 5.0))
             store = _store_client(host, port, max(1.0, min(remaining, 30.0)))
             store.set_timeout(datetime.timedelta(seconds=op_timeout))
-            # A store that answers but whose server has not finished starting: wait for it.
-            while not store.check([KEY_SERVER_STATE]) or store.get(KEY_SERVER_STATE) == b"STARTING":
-                if time.monotonic() > deadline:
-                    raise ServerUnavailable(f"server at {host}:{port} did not finish starting in {connect_timeout:g}s")
-                time.sleep(0.2)
+            job = scoped(store, token)
+            _wait_until_serving(store, job, token, f"{host}:{port}", deadline, connect_timeout)
             url = f"{SCHEME}://{host}:{port}/client"
-            _stores[url] = store
-            return store, url
+            _stores[url] = job
+            return job, url
         except ServerUnavailable:
             raise
         except (OSError, RuntimeError) as e:
@@ -229,6 +253,35 @@ def connect_store(host: str, port: int, connect_timeout: float, op_timeout: floa
             delay = min(delay * 2, 2.0)
     reason = getattr(last, "strerror", None) or str(last).splitlines()[0] if last else "timed out"
     raise ServerUnavailable(f"cannot reach a psserver at {host}:{port} within {connect_timeout:g}s ({reason})")
+
+
+def _wait_until_serving(store, job, token: str | None, where: str, deadline: float, connect_timeout: float) -> None:
+    """Wait for the server's state, read inside the job's namespace (which no one without the
+    token can write); the public hello only decides how soon a token mismatch is reported."""
+    mismatch_since: float | None = None
+    while True:
+        if job.check([KEY_SERVER_STATE]) and job.get(KEY_SERVER_STATE) != STARTING.encode():
+            return
+        hello = store.get(KEY_HELLO)[:16] if store.check([KEY_HELLO]) else b""
+        now = time.monotonic()
+        needs_token = hello == HELLO_TOKEN.encode()
+        if (needs_token and token is None) or (token is not None and hello == HELLO_OPEN.encode()) or \
+                (needs_token and token is not None):
+            mismatch_since = now if mismatch_since is None else mismatch_since
+            if now - mismatch_since >= WRONG_TOKEN_GRACE_S:
+                if token is None:
+                    raise UsageError(f"the psserver at {where} needs a join token: pass --join-token-file or set "
+                                     "PSSERVER_JOIN_TOKEN")
+                if not needs_token:
+                    raise UsageError(f"the psserver at {where} takes no join token, but this trainer has one: "
+                                     "start the server with the same --join-token-file, or drop it here")
+                raise UsageError(f"the psserver at {where} did not accept this join token (wrong "
+                                 "--join-token-file or PSSERVER_JOIN_TOKEN?)")
+        else:
+            mismatch_since = None
+        if now > deadline:
+            raise ServerUnavailable(f"server at {where} did not finish starting in {connect_timeout:g}s")
+        time.sleep(0.2)
 
 
 _HTTP2_SETTINGS = 0x04

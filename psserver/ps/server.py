@@ -20,9 +20,11 @@ import torch.distributed.rpc as rpc
 from psserver import __version__
 from psserver.config import ServerConfig
 from psserver.control.server import ControlServer
+from psserver.errors import UsageError
 from psserver.metrics import start_exporters
 from psserver.ps import endpoint as rpc_endpoint
 from psserver.ps import rendezvous, torch_rpc
+from psserver.ps.admission import AdmissionDesk, PublishedKeys
 from psserver.ps.checkpointing import CheckpointPolicy
 from psserver.ps.endpoint import Endpoint
 from psserver.ps.engine import StepEngine, resolve_devices
@@ -49,6 +51,8 @@ class ParameterServer:
         self.view = ServerView(config, self.engine, self.endpoint, self.policy, self.request_shutdown)
         self.engine.listeners += [self.policy.note_step, self.view.on_step]
         self.membership: Membership | None = None
+        self.desk: AdmissionDesk | None = None
+        self.published = PublishedKeys()
         self.store = None
         self._shutdown = threading.Event()
         self._shutdown_reason = ""
@@ -60,16 +64,27 @@ class ParameterServer:
         """Open the RPC endpoint; trainers can join once this returns."""
         cfg = self.config
         torch_rpc.check_version()
-        self.store, url = rendezvous.create_server_store(cfg.host, cfg.port, cfg.rpc_timeout)
-        self.store.set(rendezvous.KEY_SERVER_STATE, "STARTING")
+        torch_rpc.restrict_unpickler()
+        try:
+            token = cfg.join_token()
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        raw_store, self.store, url = rendezvous.create_server_store(cfg.host, cfg.port, cfg.rpc_timeout, token)
+        self.published.set(self.store, rendezvous.KEY_SERVER_STATE, rendezvous.STARTING)
         rendezvous.set_transport_interface(cfg.host, local=True)
         rpc_endpoint.install(self.endpoint)
         rpc.init_rpc(rendezvous.SERVER_NAME, rank=0, world_size=None,
                      rpc_backend_options=rendezvous.backend_options(url, cfg.rpc_timeout, cfg.rpc_threads))
         self.membership = Membership(self.store, cfg.trainer_timeout, self.endpoint.trainer_gone)
         self.membership.start()
+        self.desk = AdmissionDesk(self.store, self.membership.admit, self.published)
+        self.desk.start()
         self.endpoint.open(self.membership)
-        self.store.set(rendezvous.KEY_SERVER_STATE, "SERVING")
+        self.published.set(self.store, rendezvous.KEY_SERVER_STATE, rendezvous.SERVING)
+        self.published.set(raw_store, rendezvous.KEY_HELLO, rendezvous.HELLO_TOKEN if token else rendezvous.HELLO_OPEN)
+        if token is None:
+            log.warning("no join token: any peer that reaches %s:%d can join this server and read or write its "
+                        "store (--join-token-file or PSSERVER_JOIN_TOKEN)", cfg.host, cfg.port)
         self.view.ready.set()
         log.info("psserver %s serving %s on %s:%d (update=%s%s)", __version__, cfg.model, cfg.host, cfg.port,
                  cfg.update, f", K={cfg.sync_trainers}" if cfg.update == "sync" else "")
@@ -95,7 +110,7 @@ class ParameterServer:
         self.view.ready.clear()
         if self.store is not None:
             with contextlib.suppress(RuntimeError):  # a store that is gone already
-                self.store.set(rendezvous.KEY_SERVER_STATE, "DRAINING")
+                self.published.set(self.store, rendezvous.KEY_SERVER_STATE, rendezvous.DRAINING)
         self.engine.drain()
         timeout = self.drain_timeout()
         open_steps = self.engine.wait_idle(timeout)
@@ -104,6 +119,8 @@ class ParameterServer:
             log.warning("stopping with %d step(s) still open (%s) and %d call(s) in flight after %.0fs",
                         len(open_steps), ", ".join(open_steps), calls, timeout)
         self.policy.stop()
+        if self.desk is not None:
+            self.desk.stop()
         if self.membership is not None:
             self.membership.stop()
             self.membership.remove_all()

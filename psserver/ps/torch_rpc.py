@@ -14,15 +14,25 @@ first agent, so RRefs a later agent sends name the first id as their parent ("co
 destination id"); and an agent's pipes to other workers are keyed by worker id and never
 dropped when a worker leaves, so calls to an id that joins again go down the dead pipe
 (EPIPE).
+
+RPC also runs whatever function a message names: :func:`restrict_unpickler` puts an unpickler
+in front of it that knows only psserver's RPC surface (the policy is
+``psserver.ps.rpc_allowlist``).
 """
 
 from __future__ import annotations
 
+import io
 import logging
+import pickle
+from typing import Any
 
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
+import torch.distributed.rpc.internal as rpc_internal
+
+from psserver.ps import rpc_allowlist
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +98,55 @@ def release_autograd_context(context_id: int) -> None:
         dist_autograd._release_context(context_id)
     except RuntimeError:
         pass
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """The RPC layer's unpickler, that finds only the globals of psserver's RPC surface
+    (``rpc_allowlist.find_global``; anything else raises ``RefusedCall``)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        return rpc_allowlist.find_global(module, name)
+
+
+def _restricted_deserialize(binary_data: bytes, tensor_table: list[torch.Tensor]) -> Any:
+    """``_InternalRPCPickler.deserialize`` of torch 2.14 with :class:`RestrictedUnpickler`, and
+    the thread's tensor table restored whatever happens (torch leaves it behind on any error
+    but ``AttributeError``, as a refusal would)."""
+    tables = rpc_internal._thread_local_tensor_tables
+    old_recv_tables = tables.recv_tables if hasattr(tables, "recv_tables") else None  # a nested call's
+    tables.recv_tables = tensor_table
+    try:
+        try:
+            ret = RestrictedUnpickler(io.BytesIO(binary_data)).load()
+        except AttributeError as e:
+            # As torch: a function missing on this side is returned, so that the call fails with it.
+            ret = AttributeError(f"{e} Default RPC pickler does not serialize function code. Ensure that UDFs "
+                                 "are defined on both caller and callee modules.")
+            ret.__cause__ = e
+        if type(ret) is rpc_internal.PythonUDF and ret.func is rpc_allowlist.rpc_getattr:
+            raise rpc_allowlist.refuse("builtins.getattr")  # a call of getattr itself: it only serves unpickling
+    finally:
+        if old_recv_tables is not None:
+            tables.recv_tables = old_recv_tables
+        else:
+            del tables.recv_tables
+    return ret
+
+
+def restrict_unpickler() -> None:
+    """Make the RPC layer unpickle only psserver's RPC surface (``psserver.ps.rpc_allowlist``).
+
+    Called before ``init_rpc``, so that no message is ever read without it; idempotent. Every
+    incoming Python call, reply and remote exception goes through ``internal.deserialize``,
+    which torch's C++ handler calls and which calls ``_internal_rpc_pickler.deserialize``: that
+    instance attribute is replaced, and the module's ``_unpickler`` too, for any other path
+    through torch's own ``deserialize``."""
+    pickler = rpc_internal._internal_rpc_pickler
+    if vars(pickler).get("deserialize") is _restricted_deserialize:
+        return
+    pickler.deserialize = _restricted_deserialize
+    rpc_internal._unpickler = RestrictedUnpickler
+    log.debug("RPC unpickler restricted to psserver's RPC surface")
 
 
 def die_inside_init_rpc(die) -> None:

@@ -67,22 +67,27 @@ class Session:
         self.closed = False
         self.device = trainer_device(config.device)
         self.wire_dtype = WIRE_DTYPES[config.wire_dtype]
+        try:
+            token = config.join_token()
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         with stop.interruptible() if stop is not None else contextlib.nullcontext():
             self.store, self.url = rendezvous.connect_store(
-                config.server_host, config.server_port, config.connect_timeout, config.rpc_timeout
+                config.server_host, config.server_port, config.connect_timeout, config.rpc_timeout, token
             )
         # Before joining the RPC group, whose join calls every member: the server evicts the
         # dead ones (this rank's crashed holder, say) or refuses a rank whose holder is alive.
-        rendezvous.request_admission(self.store, config.rank, f"{config.server_host}:{config.server_port}")
-        incarnation = self.store.add(rendezvous.KEY_INCARNATION.format(rank=config.rank), 1)
+        rpc_id, incarnation = rendezvous.request_admission(self.store, config.rank,
+                                                           f"{config.server_host}:{config.server_port}")
         self.name = rendezvous.trainer_name(config.rank, incarnation)
         rendezvous.set_transport_interface(config.server_host, local=False)
         torch_rpc.check_version()
+        torch_rpc.restrict_unpickler()
         _maybe_inject_join_fault()
         try:
             rpc.init_rpc(
                 self.name,
-                rank=rendezvous.next_rpc_id(self.store),
+                rank=rpc_id,
                 world_size=None,
                 rpc_backend_options=rendezvous.backend_options(self.url, config.rpc_timeout, 4),
             )

@@ -75,7 +75,8 @@ def test_commands_found_everywhere():
     for expected in ("deploy/docker/compose.yaml", "deploy/kubernetes/base/server-statefulset.yaml",
                      "deploy/kubernetes/base/trainers-job.yaml", "deploy/kubernetes/collective/pytorchjob.yaml",
                      "deploy/slurm/ps.sbatch", "deploy/slurm/ddp.sbatch", "deploy/slurm/fsdp.sbatch",
-                     "deploy/slurm/fsdp-tp.sbatch", "deploy/README.md"):
+                     "deploy/slurm/fsdp-tp.sbatch", "deploy/README.md", "deploy/wireguard/make-mesh.sh",
+                     "deploy/wireguard/README.md", "README.md"):
         assert expected in sources, f"no psserver command line found in {expected}"
 
 
@@ -319,16 +320,68 @@ def test_statefulset_checkpoints_and_secret():
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     assert option(argv, "--checkpoint-dir").startswith(mounts[claim["metadata"]["name"]] + "/")
 
-    (secret,) = _docs(K8S / "base" / "secret.example.yaml")
+    secret = _secret()
     volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
     secret_volumes = [n for n, v in volumes.items() if "secret" in v]
     assert len(secret_volumes) == 1
     vol = volumes[secret_volumes[0]]
     assert vol["secret"]["secretName"] == secret["metadata"]["name"]
-    (key,) = secret["stringData"]
-    assert option(argv, "--auth-token-file") == f"{mounts[secret_volumes[0]]}/{key}"
-    assert "kubectl -n psserver create secret generic " + secret["metadata"]["name"] in (
-        (K8S / "kustomization.yaml").read_text())
+    assert set(secret["stringData"]) == {CONTROL_KEY, JOIN_KEY}
+    # the whole Secret is mounted (no items): every key is a file under the mount
+    assert "items" not in vol["secret"]
+    assert option(argv, "--auth-token-file") == f"{mounts[secret_volumes[0]]}/{CONTROL_KEY}"
+    assert option(argv, "--join-token-file") == f"{mounts[secret_volumes[0]]}/{JOIN_KEY}"
+    # the file is readable by the container's user: group-readable, group = fsGroup = runAsUser
+    pod_security = sts["spec"]["template"]["spec"]["securityContext"]
+    assert vol["secret"]["defaultMode"] & 0o040 and pod_security["fsGroup"] == pod_security["runAsUser"]
+    for text in ((K8S / "kustomization.yaml").read_text(), (DEPLOY / "README.md").read_text(),
+                 (K8S / "base" / "secret.example.yaml").read_text()):
+        command = _kubectl_create_secret(text)
+        assert command.startswith("kubectl -n psserver create secret generic " + secret["metadata"]["name"])
+        for key in secret["stringData"]:
+            assert f"--from-literal={key}=" in command, f"{key} missing from: {command}"
+
+
+CONTROL_KEY, JOIN_KEY = "token", "join-token"
+
+
+def _secret() -> dict:
+    (secret,) = _docs(K8S / "base" / "secret.example.yaml")
+    assert secret["kind"] == "Secret"
+    return secret
+
+
+def _kubectl_create_secret(text: str) -> str:
+    """The ``kubectl ... create secret`` command in ``text`` (a YAML comment or a README), with
+    comment marks and backslash continuations removed."""
+    lines = [re.sub(r"^\s*#\s?", "", line) for line in text.splitlines()]
+    joined = re.sub(r"\\\n\s*", " ", "\n".join(lines))
+    (command,) = [line.strip() for line in joined.splitlines() if "create secret generic" in line]
+    return command
+
+
+def test_trainers_get_the_join_token_only():
+    job = _k8s("Job", "psserver-trainers")
+    secret = _secret()
+    c = _trainer_container()
+    argv = _argv(c)
+    spec = job["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    secret_volumes = [n for n, v in volumes.items() if "secret" in v]
+    assert len(secret_volumes) == 1
+    vol = volumes[secret_volumes[0]]["secret"]
+    assert vol["secretName"] == secret["metadata"]["name"]
+    # only the join token: the control plane's token gives admin rights trainers do not need
+    assert [item["key"] for item in vol["items"]] == [JOIN_KEY]
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == secret_volumes[0]]
+    assert mount.get("readOnly") is True
+    assert option(argv, "--join-token-file") == f"{mount['mountPath']}/{vol['items'][0]['path']}"
+    assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsUser"]
+    assert vol["defaultMode"] & 0o040
+    # the server reads the same key of the same Secret
+    server = _argv(_server_container())
+    assert option(server, "--join-token-file").endswith("/" + JOIN_KEY)
+    assert "--reconnect" in argv  # rejoins a server restarted by --supervise
 
 
 def test_trainers_are_an_indexed_job():
@@ -382,7 +435,18 @@ def test_network_policy_admits_only_trainers_to_rpc():
     assert rules_covering(sp, control_port), "the control plane must stay reachable"
     tp = trainer_policies[0]
     rules = rules_covering(tp, 40000)
-    assert rules and all(only_from(r, server_labels) for r in rules)
+
+    def admits(labels: dict) -> bool:
+        return any(_selects(peer["podSelector"]["matchLabels"], labels)
+                   for r in rules for peer in r.get("from", []) if "podSelector" in peer)
+
+    # the server calls back, and a joining trainer calls every member of the RPC group
+    assert rules and admits(server_labels) and admits(trainer_labels)
+    for r in rules:
+        peers = r.get("from")
+        assert peers and all(set(peer) == {"podSelector"} for peer in peers), "trainers' ports open beyond the job"
+        assert all(_selects(peer["podSelector"]["matchLabels"], server_labels)
+                   or _selects(peer["podSelector"]["matchLabels"], trainer_labels) for peer in peers)
 
 
 def test_gpu_overlay_adds_a_gpu_to_the_server():
@@ -452,6 +516,119 @@ def test_slurm_ps_ports_match_the_defaults_elsewhere():
     assert option(train.argv, "--server").rsplit(":", 1)[0] == option(serve.argv, "--host")
 
 
+# ---- join token and supervision ----------------------------------------------------------
+
+# The deployments that start a parameter server and its trainers (not the README examples).
+PS_DEPLOYMENTS = ("deploy/docker/compose.yaml", "deploy/kubernetes/base/server-statefulset.yaml",
+                  "deploy/kubernetes/base/trainers-job.yaml", "deploy/slurm/ps.sbatch")
+
+
+def _ps_commands() -> list[Command]:
+    return [c for c in COMMANDS if c.source.split(":")[0] in PS_DEPLOYMENTS
+            and c.argv[0] in ("serve", "train") and option(c.argv, "--mode") in (None, "ps")]
+
+
+def test_every_ps_deployment_uses_a_join_token():
+    cmds = _ps_commands()
+    assert {c.source.split(":")[0] for c in cmds} == set(PS_DEPLOYMENTS)
+    for c in cmds:
+        assert option(c.argv, "--join-token-file"), f"{c}: no --join-token-file"
+        if c.argv[0] == "serve":
+            assert "--supervise" in c.argv, f"{c}: the server should run under --supervise"
+        else:
+            assert "--reconnect" in c.argv, f"{c}: a trainer should rejoin a restarted server (--reconnect)"
+    readme = (DEPLOY / "README.md").read_text()
+    for c in cmds:
+        if not c.source.startswith("deploy/slurm/"):  # the script's path is a variable
+            assert f"--join-token-file {option(c.argv, '--join-token-file')}" in readme, f"{c}: not in deploy/README.md"
+
+
+def test_supervise_comes_with_a_checkpoint_dir():
+    supervised = [c for c in COMMANDS if c.argv[0] == "serve" and "--supervise" in c.argv]
+    assert supervised
+    for c in supervised:
+        assert option(c.argv, "--checkpoint-dir"), f"{c}: --supervise needs --checkpoint-dir"
+
+
+def test_compose_join_token_is_a_secret_of_server_and_trainers():
+    compose = _compose()
+    services = compose["services"]
+    server = _argv(services["server"])
+    control = option(server, "--auth-token-file").removeprefix("/run/secrets/")
+    path = option(server, "--join-token-file")
+    assert path.startswith("/run/secrets/")
+    name = path.removeprefix("/run/secrets/")
+    assert name != control, "the trainers must not need the control plane's token"
+    assert name in compose["secrets"] and name in services["server"]["secrets"]
+    env = compose["secrets"][name]["environment"]
+    assert f"export {env}=" in (DEPLOY / "README.md").read_text()
+    assert f"export {env}=" in (DEPLOY / "docker" / "compose.yaml").read_text()
+    for svc_name, svc in services.items():
+        if svc_name == "server":
+            continue
+        assert option(_argv(svc), "--join-token-file") == path, svc_name
+        assert svc["secrets"] == [name], f"{svc_name}: the join token, and only it"
+
+
+def test_slurm_ps_makes_a_private_join_token():
+    text = (DEPLOY / "slurm" / "ps.sbatch").read_text()
+    ps = [c for c in _ps_commands() if c.source.startswith("deploy/slurm/ps.sbatch")]
+    (serve,) = [c for c in ps if c.argv[0] == "serve"]
+    (train,) = [c for c in ps if c.argv[0] == "train"]
+    assert option(serve.argv, "--join-token-file") == option(train.argv, "--join-token-file")
+    assert '--join-token-file "$JOIN_TOKEN_FILE"' in text
+    assert "JOIN_TOKEN_FILE=$RUN_DIR/join-token" in text
+    assert "umask 077" in text and 'chmod 700 -- "$RUN_DIR"' in text and 'chmod 600 -- "$JOIN_TOKEN_FILE"' in text
+    assert "/dev/urandom" in text  # no network, no extra tool
+    assert 'rm -rf -- "$MADE_RUN_DIR"' in text  # removed when the job ends
+    assert "PSSERVER_JOIN_TOKEN_FILE" in (DEPLOY / "README.md").read_text()
+
+
+# ---- WireGuard ---------------------------------------------------------------------------
+
+WIREGUARD = DEPLOY / "wireguard"
+MESH = WIREGUARD / "make-mesh.sh"
+
+
+def test_make_mesh_script_is_checked_and_strict():
+    assert MESH in SCRIPTS  # bash -n, shebang, executable: test_scripts_pass_bash_n
+    text = MESH.read_text()
+    assert "\nset -euo pipefail\n" in text
+    code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    for tool in ("curl", "wget", "apt-get", "pip ", "ssh ", "scp "):
+        assert tool not in code, f"make-mesh.sh runs {tool.strip()}: it must work offline"
+    assert 'WG=${WG:-wg}' in text and "genkey" in code and "pubkey" in code
+
+
+def test_mesh_addresses_agree_with_the_readmes():
+    text = MESH.read_text()
+    prefix = re.search(r"^PREFIX=(\S+)$", text, re.M).group(1)
+    port = re.search(r"^PORT=(\d+)$", text, re.M).group(1)
+    server = f"{prefix}.1"
+    readme = (WIREGUARD / "README.md").read_text()
+    assert f"UDP {port}" in readme and "wg-quick up wg0" in readme
+    assert "Istio" in readme and "Linkerd" in readme
+    cmds = [c for c in COMMANDS if c.source.startswith("deploy/wireguard/")]
+    serves = [c for c in cmds if c.argv[0] == "serve"]
+    trains = [c for c in cmds if c.argv[0] == "train"]
+    assert serves and trains
+    for c in serves:
+        assert option(c.argv, "--host") in (server, DUMMY_HOST), c
+        assert option(c.argv, "--join-token-file") and "--supervise" in c.argv, c
+    for c in trains:
+        host, _ = option(c.argv, "--server").rsplit(":", 1)
+        assert host in (server, DUMMY_HOST), c
+        assert option(c.argv, "--join-token-file"), c
+    # the README's own commands name the mesh's server address literally
+    assert any(option(c.argv, "--host") == server for c in serves if "@block" in c.source)
+    root = (ROOT / "README.md").read_text()
+    assert f"--host {server}" in root and f"--server {server}:" in root
+
+
+DUMMY_HOST = "1"  # what a shell variable becomes in the extracted command lines
+
+
+# ---- README ------------------------------------------------------------------------------
 # ---- README ------------------------------------------------------------------------------
 
 
@@ -465,8 +642,28 @@ def test_readme_documents_ports_and_security():
         assert word in text, word
 
 
-def test_readme_links_exist():
-    text = (DEPLOY / "README.md").read_text()
+@pytest.mark.parametrize("readme", [ROOT / "README.md", *sorted(DEPLOY.rglob("*.md"))],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_readme_links_exist(readme):
+    text = readme.read_text()
     for target in re.findall(r"\]\(([^)#]+)\)", text):
         if "://" not in target:
-            assert (DEPLOY / target).exists(), f"deploy/README.md links to missing {target}"
+            assert (readme.parent / target).exists(), f"{readme.relative_to(ROOT)} links to missing {target}"
+
+
+def test_readmes_document_the_security_model():
+    deploy = (DEPLOY / "README.md").read_text()
+    for word in ("--join-token-file", "PSSERVER_JOIN_TOKEN", "HMAC-SHA256", "allow-list", "--supervise",
+                 "--max-restarts", "plaintext", "8 MB", "wireguard/README.md", "exits 2"):
+        assert word in deploy, word
+    root = (ROOT / "README.md").read_text()
+    assert "\n## Security\n" in root
+    section = root.split("\n## Security\n", 1)[1].split("\n## ", 1)[0]
+    for word in ("--join-token-file", "PSSERVER_JOIN_TOKEN", "openssl rand -hex 32", "secrets.token_hex(32)",
+                 "--supervise", "--reconnect", "plaintext", "NetworkPolicy", "deploy/wireguard/",
+                 "deploy/README.md#security-model", "Metrics"):
+        assert word in section, word
+    # a refusal metric, once it exists, is named where the refusals are described
+    metric = re.search(r"(psserver_rpc_refusals\w*)", (ROOT / "psserver" / "metrics.py").read_text())
+    if metric:
+        assert metric.group(1).removesuffix("_total") in section + deploy

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import socket
@@ -140,3 +141,10 @@ def test_ps_sbatch_runs_server_and_two_trainers(tmp_path, procs):
     (train,) = [s for s in steps if "'train'" in s]
     assert "'nodes': '1'" in serve and "'ntasks': '1'" in serve
     assert "'nodes': '2'" in train and "'ntasks': '2'" in train
+    # one join token for the server and the trainers, made for the job and removed after it
+    (_, serve_cmd), (_, train_cmd) = ast.literal_eval(serve), ast.literal_eval(train)
+    token = serve_cmd[serve_cmd.index("--join-token-file") + 1]
+    assert train_cmd[train_cmd.index("--join-token-file") + 1] == token
+    assert Path(token).parent.name == ".psserver-4242" and Path(token).parent.parent == tmp_path
+    assert not Path(token).parent.exists(), "the job's join token was left behind"
+    assert "--supervise" in serve_cmd and "--reconnect" in train_cmd

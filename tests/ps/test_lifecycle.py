@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch.distributed as dist
 
-from psserver.ps.rendezvous import KEY_NEXT_RPC_ID
+from psserver.ps.rendezvous import request_admission
 from tests.procs import Proc, ProcessGroup, free_port
 
 pytestmark = pytest.mark.multiprocess
@@ -166,9 +166,10 @@ def test_a_trainer_rejoins_a_restarted_server_on_its_first_try(procs, port, tmp_
     common = ["--model", "mlp", "--checkpoint-dir", str(tmp_path), "--trainer-timeout", "2"]
     server = procs.server(port, *common, "--checkpoint-every", "5")
     # The trainer's RPC id here is 4, not the 1 that the restarted server hands out first: a
-    # process that had to keep its id would need four tries (one per id, with backoff).
+    # process that had to keep its id would need four tries (one per id, with backoff). Three
+    # admitted joins that never join the group take ids 1-3.
     store = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=10))
-    store.add(KEY_NEXT_RPC_ID, 3)
+    assert [request_admission(store, rank, "test")[0] for rank in (10, 11, 12)] == [1, 2, 3]
     del store
     t = procs.trainer(port, 0, "--max-steps", "150", "--reconnect", "--rpc-timeout", "10",
                       env={"PSSERVER_TEST_STEP_DELAY": "0.02"})

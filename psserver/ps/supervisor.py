@@ -1,0 +1,106 @@
+"""``psserver serve --supervise``: a server that dies by a signal comes back from its last checkpoint.
+
+A few bytes sent to one of TensorPipe's listening ports (sixteen zero bytes; ``GET /
+HTTP/1.0``) crash the server inside libtorch's C++ (a segfault, or an abort on
+``std::bad_alloc``) while it parses a connection's first frame: no Python code runs there,
+so psserver cannot catch it, and TensorPipe is in maintenance mode upstream. Keeping
+strangers away from those ports is the first defence (``--host`` on a private interface, the
+WireGuard mesh and NetworkPolicy in ``deploy/``); this is the second. The supervisor is a
+parent process without RPC, tensors or listening ports of its own: it runs the server as its
+child, forwards SIGTERM and SIGINT to it, and when the child dies by a signal it starts it
+again with ``--resume``. Trainers started with ``--reconnect`` rejoin; at most the steps since
+the last checkpoint are lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+
+log = logging.getLogger(__name__)
+
+RESTART_WINDOW_S = 600.0
+"""Restarts are counted over this window: a server that keeps dying is given up."""
+STOP_GRACE_S = 120.0
+"""How long a stopping supervisor waits for its server (a final checkpoint) before killing it."""
+
+
+def server_argv(argv: Sequence[str]) -> list[str]:
+    """The child's command: ``psserver serve`` as given, without ``--supervise``."""
+    return [sys.executable, "-m", "psserver", *(a for a in argv if a != "--supervise")]
+
+
+def resume_argv(argv: list[str]) -> list[str]:
+    """The command of a restart: from the newest checkpoint of the run, never a new run."""
+    out = [a for a in argv if a != "--new-run"]
+    if not any(a == "--resume" or a.startswith("--resume=") for a in out):
+        out.append("--resume")
+    return out
+
+
+def describe(code: int) -> str:
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def supervise(argv: Sequence[str], max_restarts: int) -> int:
+    """Run ``psserver serve argv`` until it stops on its own or is told to; its exit code
+    (1 when it kept dying: ``max_restarts`` restarts within ``RESTART_WINDOW_S``)."""
+    command = server_argv(argv)
+    child: subprocess.Popen | None = None
+    stopping: list[int] = []
+
+    def forward(signum, frame):  # noqa: ARG001
+        stopping.append(signum)
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    restarts: deque[float] = deque()
+    try:
+        while True:
+            child = subprocess.Popen(command)
+            log.info("supervising psserver serve (pid %d)", child.pid)
+            code = _wait(child, stopping)
+            if stopping or code >= 0:
+                return code if code >= 0 else 128 - code
+            now = time.monotonic()
+            while restarts and now - restarts[0] > RESTART_WINDOW_S:
+                restarts.popleft()
+            if len(restarts) >= max_restarts:
+                log.error("the server died of %s again (%d deaths in %.0f min): giving up", describe(code),
+                          len(restarts) + 1, RESTART_WINDOW_S / 60)
+                return 1
+            restarts.append(now)
+            command = resume_argv(command)
+            log.error("the server died of %s: restarting it from its last checkpoint (restart %d, at most %d in "
+                      "%.0f min)", describe(code), len(restarts), max_restarts, RESTART_WINDOW_S / 60)
+            time.sleep(0.5)  # let the kernel release its ports
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _wait(child: subprocess.Popen, stopping: list[int]) -> int:
+    """The child's exit code; once told to stop, kill it if it outlives ``STOP_GRACE_S``."""
+    while True:
+        try:
+            return child.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        if stopping:
+            try:
+                return child.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                log.error("the server did not stop within %.0fs: killing it", STOP_GRACE_S)
+                child.kill()
+                return child.wait()
