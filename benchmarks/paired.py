@@ -74,7 +74,7 @@ ISSUE15_SETUPS = ("local-cached,local-1t,local-1t-x2,ddp-2,ps-pushpull-async-1,p
 loops and DDP, with a straggler, the reference ``pull``; the bytes of each wire dtype and the
 server's cost per step from the ``-sock`` setups, whose tensors cross the sockets as between
 hosts."""
-ISSUE17_SETUPS = "ps-pushpull-async-2-token,ps-pushpull-async-2-open,ps-async-2-token,ps-async-2-open"
+ISSUE17_SETUPS = "local-1t,ps-pushpull-async-2-token,ps-pushpull-async-2-open,ps-async-2-token,ps-async-2-open"
 """Issue 17's target (``--setups issue17``): the protections' cost, trainer and server compute."""
 SETUP_ALIASES = {"issue15": ISSUE15_SETUPS, "issue17": ISSUE17_SETUPS}
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"

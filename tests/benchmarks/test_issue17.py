@@ -47,3 +47,10 @@ def test_the_protections_ratio_pairs_each_token_setup_with_its_open_twin():
     (row,) = targets.issue17_ratios(paired)
     assert row["value"] == pytest.approx(0.98) and row["target"] == 0.97 and row["met"]
     assert targets.issue17_ratios({"error": "x"}) == []
+
+
+def test_the_allowlist_cost_benchmark_reads_both_messages_with_both_unpicklers(capsys):
+    from benchmarks import allowlist_cost
+
+    assert allowlist_cost.main(["--model", "mlp", "--rounds", "2", "--reps", "5"]) == 0
+    assert "per message: torch" in capsys.readouterr().out
