@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -58,7 +59,8 @@ class DemoCommand(SubCommand):
             raise UsageError("--trainers must be >= 1")
         port = _free_port()
         exe = [sys.executable, "-m", "psserver"]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # A join token of the demo's own, as a real job has one (psserver.ps.rendezvous.namespace).
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PSSERVER_JOIN_TOKEN=secrets.token_hex(16))
         for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(var, None)
         serve = [*exe, "serve", "--port", str(port), "--model", args.model, "--no-control", "--update", args.update,
