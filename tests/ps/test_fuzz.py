@@ -12,9 +12,11 @@ import random
 import socket
 import struct
 import threading
+import urllib.request
 
 import pytest
 
+from psserver.control.client import ControlClient
 from tests.procs import MNIST_ARGS, accuracy, free_port
 
 ROUNDS = 700
@@ -91,6 +93,11 @@ def test_no_bytes_on_the_store_control_or_metrics_port_stop_the_server(procs, po
     assert not any(th.is_alive() for th in threads)
     assert not errors, errors
     assert server.running(), server.tail()
+    # Every port still does its job: the control plane answers, the metrics are served.
+    with ControlClient(f"127.0.0.1:{control}", timeout=10) as client:
+        assert {t.rank for t in client.list_trainers()} == {0, 1}
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10) as r:
+        assert b"psserver_steps_total" in r.read()
     for t in trainers:
         assert t.wait(300) == 0, t.tail()
         assert accuracy(t) >= 0.95, t.tail()
