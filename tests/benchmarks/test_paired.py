@@ -75,12 +75,14 @@ def _psserver_children() -> list[psutil.Process]:
 @pytest.mark.timeout(300)
 def test_rounds_run_every_setup_against_live_servers(tmp_path):
     names = ["local", "ps-chained-async-1-sock", "ps-pushpull-async-2-straggler", "ddp-2-straggler"]
-    argv = ["--rounds", "2", "--steps", "14", "--skip", "4", "--warm-up-steps", "6", "--setups", ",".join(names),
+    # 30 steps: the fastest setup (chained, one trainer, ~30 ms a step) then spans enough of the
+    # probe's 0.1 s readings for a slope (3 at least); 14 steps sometimes gave two.
+    argv = ["--rounds", "2", "--steps", "30", "--skip", "4", "--warm-up-steps", "6", "--setups", ",".join(names),
             "--results-dir", str(tmp_path)]
     assert paired.main(argv) == 0
     result = json.loads((tmp_path / "paired-mnist_cnn-b64.json").read_text())
     p = result["paired"]
-    assert p["rounds"] == 2 and p["steps"] == 14 and p["skip"] == 4
+    assert p["rounds"] == 2 and p["steps"] == 30 and p["skip"] == 4
     # The order rotates: every setup leads one round.
     assert p["order_per_round"] == [names, names[1:] + names[:1]]
     assert p["ceiling_per_round"] == ["local", "local"]
