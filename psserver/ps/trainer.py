@@ -38,7 +38,7 @@ from torch.utils.data import DistributedSampler
 
 from psserver.config import TrainerConfig
 from psserver.data import load_dataset
-from psserver.errors import Evicted, ServerLost, UsageError
+from psserver.errors import Evicted, ServerLost, ServerUnavailable, UsageError
 from psserver.models import get_model_spec
 from psserver.ps import endpoint, rendezvous, torch_rpc
 from psserver.ps.engine import resolve_device
@@ -56,6 +56,10 @@ PROBE_TIMEOUT_S = 10.0
 """How long a trainer whose call failed waits for the server to say whether it is a member."""
 EVICTED, LOST, FAILED = "evicted", "lost", "failed"
 """Why a call failed (:func:`_diagnose`)."""
+
+
+class JoinLost(ServerUnavailable):
+    """``init_rpc`` failed: the server or a member went away while this trainer joined."""
 
 
 class Session:
@@ -91,9 +95,9 @@ class Session:
                 world_size=None,
                 rpc_backend_options=rendezvous.backend_options(self.url, config.rpc_timeout, 4),
             )
-        except RuntimeError as e:
+        except RuntimeError as e:  # the group or the server went away while this trainer joined
             msg = str(e).splitlines()[0]
-            raise UsageError(f"cannot join the RPC group of {config.server_host}:{config.server_port}: {msg}") from None
+            raise JoinLost(f"cannot join the RPC group of {config.server_host}:{config.server_port}: {msg}") from None
         optimizer = asdict(config.optimizer) if config.optimizer else None
         request = JoinRequest(config.rank, self.name, socket.gethostname(), os.getpid(), config.step, optimizer,
                               config.compute, config.wire_dtype, config.device)
@@ -346,7 +350,13 @@ def _join(config: TrainerConfig, position: Position | None, stop: StopSignals) -
     """The first join; or, in a trainer re-executed to rejoin, the rejoin, tried until the
     server takes it (each try waits up to ``--connect-timeout`` for a server that is starting)."""
     if position is None:
-        return Session(config, stop)
+        if not config.reconnect:
+            return Session(config, stop)
+        try:
+            return Session(config, stop)
+        except JoinLost as e:  # --reconnect: a server lost during the first join is waited for too
+            log.warning("joining failed (%s): rejoining in a fresh process", e)
+            reexec(Position(), stop)  # RPC is never initialised twice in one process (psserver.ps.torch_rpc)
     where = f"{config.server_host}:{config.server_port}"
     delay = 0.5
     attempt = 0
