@@ -373,15 +373,19 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._checked: dict[Path, tuple[tuple[int, int], bool]] = {}  # (size, mtime_ns) -> verifies
 
-    def save(self, step: int, state: dict[str, Any], *, wait: bool) -> CheckpointInfo:
+    def save(self, step: int, state: dict[str, Any], *, wait: bool,
+             before: Callable[[], None] | None = None) -> CheckpointInfo:
         """Write ``state`` (already a CPU copy) as the checkpoint of ``step``; with ``wait`` a
-        failed write raises ``OSError`` (without, it is logged)."""
+        failed write raises ``OSError`` (without, it is logged). ``before`` runs first, in the
+        same thread: when it raises (``OSError``, ``RuntimeError``) nothing is written."""
         path = checkpoint_path(self.directory, step)
         info = CheckpointInfo(str(path), step, time.time())
 
         def work() -> None:
             with self._lock:
                 t0 = time.monotonic()
+                if before is not None:
+                    before()
                 size = write_checkpoint(path, state, run=self.run)
                 info.duration_s = time.monotonic() - t0
                 self._is_valid(path, written=True)
@@ -402,7 +406,7 @@ class Checkpointer:
     def _guard(step: int, work: Callable[[], None]) -> None:
         try:
             work()
-        except OSError as e:  # a full or vanished disk: one line, the server keeps training
+        except (OSError, RuntimeError) as e:  # a full or vanished disk, a missing partition: one line
             log.error("checkpoint step %d failed: %s", step, e)
         except Exception:  # noqa: BLE001 - a failed write must not kill the server
             log.exception("checkpoint step %d failed", step)

@@ -110,6 +110,7 @@ class StatusCollector(Collector):
             yield err
             return
         yield from self._server_metrics(status)
+        yield from self._server_process_metrics(status)
         refusals = CounterMetricFamily(f"{PREFIX}_control_refusals",
                                        "Control-plane calls refused (bad or missing token, admin calls without auth)",
                                        labels=["code"])
@@ -163,6 +164,26 @@ class StatusCollector(Collector):
             shard_mem.add_metric([str(sh.index), sh.device], sh.device_memory_bytes)
         yield shard_bytes
         yield shard_mem
+
+    def _server_process_metrics(self, s: ServerStatus) -> Iterator[Metric]:
+        """One sample per server process (none for a one-process server), labelled by rank only:
+        names and hosts change when a process is replaced, the rank bounds the label sets. A
+        process that leaves the snapshot leaves the scrape (the families are rebuilt each time)."""
+        labels = ["server"]
+        up = GaugeMetricFamily(f"{PREFIX}_server_process_up",
+                               "1 while the server process is SERVING, 0 when lost or not registered yet",
+                               labels=labels)
+        size = GaugeMetricFamily(f"{PREFIX}_server_process_parameter_bytes",
+                                 "Bytes of the parameters in the server process's partition", labels=labels)
+        updates = GaugeMetricFamily(f"{PREFIX}_server_process_updates_applied",
+                                    "Optimizer steps the server process applied to its partition", labels=labels)
+        by_rank = {sp.rank: sp for sp in s.servers}  # one sample per label set, or the scrape fails
+        for rank, sp in sorted(by_rank.items()):
+            lv = [str(rank)]
+            up.add_metric(lv, 1 if sp.state == "SERVING" else 0)
+            size.add_metric(lv, sp.parameter_bytes)
+            updates.add_metric(lv, sp.updates_applied)
+        yield from (up, size, updates)
 
     def _trainer_metrics(self, trainers: list[TrainerStatus]) -> Iterator[Metric]:
         now = time.time()

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-SERVER_STATES = ("STARTING", "SERVING", "DRAINING", "STOPPED")
+SERVER_STATES = ("STARTING", "SERVING", "DRAINING", "STOPPED", "WAITING")
 TRAINER_STATES = ("ACTIVE", "LEFT", "LOST")
 
 
@@ -73,6 +73,30 @@ class CheckpointInfo:
 
 
 @dataclass
+class ServerProcessStatus:
+    """One server process of a parameter server spread over several (``--num-servers``), as
+    server 0 sees it."""
+
+    rank: int
+    """Its ``--server-rank`` (0: the coordinator)."""
+    name: str
+    """Its RPC name."""
+    host: str
+    """Host it runs on (as it reported it)."""
+    state: str
+    """``SERVING``, ``LOST`` (stopped answering: the job's steps wait for it) or ``MISSING``
+    (not registered yet)."""
+    parameters: int
+    """Parameter elements of its partition."""
+    parameter_bytes: int
+    """Bytes of those parameters."""
+    updates_applied: int
+    """Optimizer steps it applied to its partition."""
+    last_seen_s: float = float("nan")
+    """Seconds since it last answered server 0 (NaN: never)."""
+
+
+@dataclass
 class ServerStatus:
     version: str
     state: str
@@ -100,6 +124,8 @@ class ServerStatus:
     """Gradients dropped because their norm was NaN or inf, since the server started."""
     clipped_steps: int = 0
     """Trainer steps scaled down to ``--max-grad-norm``, since the server started."""
+    servers: list[ServerProcessStatus] = field(default_factory=list)
+    """Every server process of the parameter server, server 0 first (empty for one process)."""
 
     @property
     def uptime_s(self) -> float:

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from psserver.config import ObservabilityConfig
 from psserver.errors import UsageError
-from psserver.telemetry import CheckpointInfo, ServerStatus, ShardStatus, TrainerStatus
+from psserver.telemetry import CheckpointInfo, ServerProcessStatus, ServerStatus, ShardStatus, TrainerStatus
 from tests.procs import free_port
 
 # ---- helpers ---------------------------------------------------------------------------
@@ -63,6 +63,7 @@ class FakeTarget:
         self.trainers = [TrainerStatus(0, "trainer_0_1", "h", time.time(), time.time(), steps=3, samples=192,
                                        last_loss=0.5, samples_per_s=100.0, clock=4, staleness=1, max_staleness=3)]
         self.last_checkpoint: CheckpointInfo | None = None
+        self.servers: list[ServerProcessStatus] = []
 
     def get_status(self) -> ServerStatus:
         return ServerStatus(
@@ -70,6 +71,7 @@ class FakeTarget:
             num_params=1234, update_mode="async", sync_trainers=0, global_step=self.step,
             samples_seen=64 * self.step, updates_per_s=5.0, samples_per_s=320.0, mean_loss=self.loss,
             shards=[ShardStatus(0, "cpu", 1234, 4936, 1 << 20)], last_checkpoint=self.last_checkpoint,
+            servers=list(self.servers),
         )
 
     def list_trainers(self) -> list[TrainerStatus]:
@@ -126,6 +128,37 @@ def test_prometheus_endpoint_reads_status_at_scrape_time():
         ex.close()  # idempotent
     with pytest.raises(OSError):
         scrape(port)
+
+
+def test_server_process_metrics_follow_the_snapshot():
+    from psserver.metrics import start_exporters
+
+    def of(samples: dict, metric: str) -> dict[str, float]:
+        """{server label: value} of one metric."""
+        return {dict(k[1])["server"]: v for k, v in samples.items() if k[0] == metric}
+
+    names = ("psserver_server_process_up", "psserver_server_process_parameter_bytes",
+             "psserver_server_process_updates_applied")
+    target = FakeTarget()
+    with start_exporters(target, ObservabilityConfig(metrics_port=0)) as ex:
+        assert all(of(scrape(ex.metrics_port), n) == {} for n in names)  # one server process: no samples
+        target.servers = [
+            ServerProcessStatus(0, "ps_0", "hostA", "SERVING", 900, 3600, 12, last_seen_s=0.0),
+            ServerProcessStatus(1, "ps_1", "hostB", "SERVING", 300, 1200, 11, last_seen_s=0.5),
+            ServerProcessStatus(2, "ps_2", "", "MISSING", 34, 136, 0),
+        ]
+        s = scrape(ex.metrics_port)
+        assert of(s, "psserver_server_process_up") == {"0": 1, "1": 1, "2": 0}
+        assert of(s, "psserver_server_process_parameter_bytes") == {"0": 3600, "1": 1200, "2": 136}
+        assert of(s, "psserver_server_process_updates_applied") == {"0": 12, "1": 11, "2": 0}
+        assert value(s, "psserver_up") == 1  # server 0's own state is unchanged
+
+        target.servers[1].state, target.servers[1].updates_applied = "LOST", 13
+        del target.servers[2]  # gone from the snapshot: gone from the scrape
+        s = scrape(ex.metrics_port)
+        assert of(s, "psserver_server_process_up") == {"0": 1, "1": 0}
+        assert of(s, "psserver_server_process_updates_applied") == {"0": 12, "1": 13}
+        assert of(s, "psserver_server_process_parameter_bytes") == {"0": 3600, "1": 1200}
 
 
 def test_two_exporters_in_one_process_and_rpc_histogram():

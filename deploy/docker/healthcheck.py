@@ -5,12 +5,43 @@ Exit 0 when the overall health ("" service) is SERVING, else 1 (Docker's contrac
 address is ``$PSSERVER_HEALTH_ADDRESS`` (default 127.0.0.1:50051, the default
 ``--control-port``); the health service needs no token. With ``--tls-cert`` on the server set
 ``PSSERVER_HEALTH_TLS_CA`` to a CA file (or the server's certificate) to check over TLS.
+
+Several server processes (``psserver serve --num-servers S``): only server 0 serves the
+control plane. In a server of rank > 0 (``$PSSERVER_NUM_SERVERS`` above 1, and the rank from
+``$PSSERVER_SERVER_RANK``, else ``$SLURM_PROCID``, else the ordinal of a host name such as
+``psserver-2``: the defaults ``psserver serve`` uses) nothing listening on the address counts
+as healthy; an answer other than SERVING still does not. One Kubernetes StatefulSet can so
+probe every server with the same check.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import socket
 import sys
+
+
+def _env_int(name: str) -> int | None:
+    try:
+        return int(os.environ.get(name, ""))
+    except ValueError:
+        return None
+
+
+def server_rank() -> int:
+    """This server's rank as ``psserver serve --server-rank`` defaults it."""
+    for name in ("PSSERVER_SERVER_RANK", "SLURM_PROCID"):
+        rank = _env_int(name)
+        if rank is not None:
+            return rank
+    m = re.search(r"-(\d+)$", os.environ.get("HOSTNAME", "") or socket.gethostname())
+    return int(m.group(1)) if m else 0
+
+
+def serves_no_control_plane() -> bool:
+    """A server of rank > 0 among several: the control plane is server 0's."""
+    return (_env_int("PSSERVER_NUM_SERVERS") or 1) > 1 and server_rank() > 0
 
 
 def main() -> int:
@@ -27,6 +58,8 @@ def main() -> int:
     try:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=3)
     except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.UNAVAILABLE and serves_no_control_plane():
+            return 0  # nothing listens here: server 0 serves the control plane
         sys.stderr.write(f"psserver health: {address}: {e.code().name}\n")
         return 1
     finally:

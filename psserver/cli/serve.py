@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import socket
 from pathlib import Path
 
 from psserver.cli.args import add_control_arguments, add_optimizer_arguments, control_from_args, optimizer_from_args
@@ -59,6 +62,16 @@ class ServeCommand(SubCommand):
         parser.add_argument("--max-restarts", type=int, default=ServerConfig.max_restarts, metavar="N",
                             help="supervised: give up after N restarts within ten minutes "
                                  f"(default {ServerConfig.max_restarts})")
+        m = parser.add_argument_group("several server processes")
+        m.add_argument("--num-servers", type=int, default=env_int("PSSERVER_NUM_SERVERS", 1), metavar="S",
+                       help="server processes that hold the parameters together, each a partition "
+                            "(default $PSSERVER_NUM_SERVERS or 1)")
+        m.add_argument("--server-rank", type=int, default=default_server_rank(), metavar="I",
+                       help="this server's rank, 0 coordinates (default $PSSERVER_SERVER_RANK, else $SLURM_PROCID, "
+                            "else the ordinal of a StatefulSet pod's hostname NAME-I, else 0)")
+        m.add_argument("--coordinator", default=default_coordinator(), metavar="HOST:PORT",
+                       help="server 0's --host:--port, for servers of rank > 0 (default $PSSERVER_COORDINATOR, "
+                            "else $MASTER_ADDR:$MASTER_PORT)")
         c = parser.add_argument_group("checkpoints")
         c.add_argument("--checkpoint-dir", type=Path, default=None, help="directory of checkpoints")
         c.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N global steps")
@@ -84,6 +97,23 @@ class ServeCommand(SubCommand):
         return run_server(config)
 
 
+def default_server_rank() -> int:
+    """Where launchers say it: ours, Slurm's task rank, a StatefulSet pod's ordinal (``ps-2``)."""
+    for name in ("PSSERVER_SERVER_RANK", "SLURM_PROCID"):
+        rank = env_int(name, None)
+        if rank is not None:
+            return rank
+    m = re.search(r"-(\d+)$", os.environ.get("HOSTNAME", "") or socket.gethostname())
+    return int(m.group(1)) if m else 0
+
+
+def default_coordinator() -> str | None:
+    if os.environ.get("PSSERVER_COORDINATOR"):
+        return os.environ["PSSERVER_COORDINATOR"]
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    return f"{addr}:{port}" if addr and port else None
+
+
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     control, obs = control_from_args(args)
     return ServerConfig(
@@ -107,6 +137,9 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         join_token_file=args.join_token_file,
         supervise=args.supervise,
         max_restarts=args.max_restarts,
+        num_servers=args.num_servers,
+        server_rank=args.server_rank if args.num_servers > 1 else 0,
+        coordinator=args.coordinator if args.num_servers > 1 and args.server_rank > 0 else None,
         checkpoint=CheckpointConfig(
             directory=args.checkpoint_dir,
             every_steps=args.checkpoint_every,

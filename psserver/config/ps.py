@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from psserver.config.common import DataConfig, check_port, check_token_file, read_join_token
+from psserver.config.common import DataConfig, check_port, check_token_file, parse_host_port, read_join_token
 from psserver.config.control import ControlConfig, ObservabilityConfig
 from psserver.utils.memory import ALLOCATORS
 
@@ -166,6 +166,14 @@ class ServerConfig:
     """File holding the job's join token, which every trainer must know to join (else
     ``$PSSERVER_JOIN_TOKEN``; neither: anyone who reaches the store may join). It may be the
     control plane's token file."""
+    num_servers: int = 1
+    """Server processes that together hold the model's parameters, each a partition
+    (``psserver.ps.partition``); trainers push to and pull from all of them."""
+    server_rank: int = 0
+    """This process's place among them: 0 coordinates (store, membership, control plane,
+    checkpoint schedule), the others hold their partition and follow it."""
+    coordinator: str | None = None
+    """``HOST:PORT`` of server 0's store (its ``--host``/``--port``), for a server of rank > 0."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint policy."""
     control: ControlConfig = field(default_factory=ControlConfig)
@@ -178,6 +186,7 @@ class ServerConfig:
 
         check_model_name(self.model)
         check_port(self.port, "--port")
+        self._check_servers()
         if self.update not in UPDATE_MODES:
             raise ValueError(f"--update must be one of {', '.join(UPDATE_MODES)}, got {self.update!r}")
         if self.sync_trainers < 1:
@@ -210,6 +219,32 @@ class ServerConfig:
             raise ValueError("--supervise needs --checkpoint-dir: a restarted server resumes from its last checkpoint")
         if self.max_restarts < 1:
             raise ValueError(f"--max-restarts must be >= 1, got {self.max_restarts}")
+
+    def _check_servers(self) -> None:
+        if not 1 <= self.num_servers <= 64:
+            raise ValueError(f"--num-servers must be in 1..64, got {self.num_servers}")
+        if not 0 <= self.server_rank < self.num_servers:
+            raise ValueError(f"--server-rank {self.server_rank} must be in 0..{self.num_servers - 1} "
+                             f"(--num-servers {self.num_servers})")
+        if self.num_servers == 1:
+            return
+        if self.compute == "server":
+            raise ValueError("--compute server runs the model on one server process: it needs --num-servers 1")
+        if self.server_rank > 0:
+            if self.coordinator is None:
+                raise ValueError(f"server {self.server_rank} needs --coordinator HOST:PORT (server 0's --host and "
+                                 "--port; or set PSSERVER_COORDINATOR, or MASTER_ADDR and MASTER_PORT)")
+            parse_host_port(self.coordinator)
+            if self.checkpoint.resume not in (None, "latest"):
+                raise ValueError(f"--resume PATH is for server 0; server {self.server_rank} loads the checkpoint "
+                                 "server 0 resumes from (use --resume without a path, or none)")
+
+    @property
+    def coordinator_address(self) -> tuple[str, int]:
+        """(host, port) of server 0's store."""
+        if self.coordinator is None:
+            return self.host, self.port
+        return parse_host_port(self.coordinator)
 
     def join_token(self) -> str | None:
         """The join token, read once at start (``ValueError``: an empty or unreadable file)."""

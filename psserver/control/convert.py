@@ -2,7 +2,8 @@
 
 Kept apart from the service so the mapping (enum names, absent values, NaN) is written once
 and tested once; ``psserver status --json`` prints exactly what :func:`status_to_dict` and
-:func:`trainer_to_dict` return.
+:func:`trainer_to_dict` return. Server processes also convert back to the dataclass
+(:func:`server_process_from_proto`), for clients that work on telemetry snapshots.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 from typing import Any
 
 from psserver.control.v1 import control_pb2 as pb
-from psserver.telemetry import CheckpointInfo, ServerStatus, ShardStatus, TrainerStatus
+from psserver.telemetry import CheckpointInfo, ServerProcessStatus, ServerStatus, ShardStatus, TrainerStatus
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,35 @@ def shard_to_proto(shard: ShardStatus) -> pb.Shard:
     )
 
 
+def server_process_to_proto(server: ServerProcessStatus) -> pb.ServerProcess:
+    msg = pb.ServerProcess(
+        rank=int(server.rank),
+        name=server.name,
+        host=server.host,
+        state=_enum(pb.ServerProcessState, f"SERVER_PROCESS_STATE_{server.state.upper()}"),
+        num_params=int(server.parameters),
+        bytes=int(server.parameter_bytes),
+        updates_applied=int(server.updates_applied),
+    )
+    if _finite(server.last_seen_s):
+        msg.last_seen_age_seconds = max(0.0, float(server.last_seen_s))
+    return msg
+
+
+def server_process_from_proto(msg: pb.ServerProcess) -> ServerProcessStatus:
+    """The inverse of :func:`server_process_to_proto` (an unknown state reads ``UNSPECIFIED``)."""
+    return ServerProcessStatus(
+        rank=msg.rank,
+        name=msg.name,
+        host=msg.host,
+        state=enum_name(pb.ServerProcessState, msg.state),
+        parameters=msg.num_params,
+        parameter_bytes=msg.bytes,
+        updates_applied=msg.updates_applied,
+        last_seen_s=msg.last_seen_age_seconds if msg.HasField("last_seen_age_seconds") else float("nan"),
+    )
+
+
 def status_to_proto(status: ServerStatus, now: float | None = None) -> pb.ServerStatus:
     now = time.time() if now is None else now
     msg = pb.ServerStatus(
@@ -85,6 +115,7 @@ def status_to_proto(status: ServerStatus, now: float | None = None) -> pb.Server
         staleness=int(status.staleness),
         nonfinite_gradients=int(status.nonfinite_gradients),
         clipped_steps=int(status.clipped_steps),
+        servers=[server_process_to_proto(s) for s in status.servers],
     )
     if _finite(status.mean_loss):
         msg.mean_loss = float(status.mean_loss)
@@ -132,6 +163,19 @@ def checkpoint_to_dict(info: pb.CheckpointInfo) -> dict[str, Any]:
     return {"path": info.path, "step": info.step, "time": info.time}
 
 
+def server_process_to_dict(s: pb.ServerProcess) -> dict[str, Any]:
+    return {
+        "rank": s.rank,
+        "name": s.name,
+        "host": s.host,
+        "state": enum_name(pb.ServerProcessState, s.state),
+        "num_params": s.num_params,
+        "bytes": s.bytes,
+        "updates_applied": s.updates_applied,
+        "last_seen_age_seconds": s.last_seen_age_seconds if s.HasField("last_seen_age_seconds") else None,
+    }
+
+
 def status_to_dict(msg: pb.ServerStatus) -> dict[str, Any]:
     """Every field, enums by short name (``SERVING``), absent values as ``None``: valid JSON."""
     return {
@@ -163,6 +207,7 @@ def status_to_dict(msg: pb.ServerStatus) -> dict[str, Any]:
             for s in msg.shards
         ],
         "last_checkpoint": checkpoint_to_dict(msg.last_checkpoint) if msg.HasField("last_checkpoint") else None,
+        "servers": [server_process_to_dict(s) for s in msg.servers],
         "server_time": msg.server_time,
     }
 

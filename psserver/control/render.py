@@ -94,10 +94,40 @@ def render_status(status: pb.ServerStatus, trainers: Sequence[pb.Trainer] | None
         for s in status.shards
     ]
     lines += table(["SHARD", "DEVICE", "PARAMS", "SIZE", "DEVICE MEM"], rows, numeric=(0, 2, 3, 4))
+    if len(status.servers) > 1:
+        lines.append("")
+        lines += render_servers(status.servers).splitlines()
     if trainers is not None:
         lines.append("")
         lines += render_trainers(trainers, now).splitlines()
     return "\n".join(lines)
+
+
+def render_servers(servers: Sequence[pb.ServerProcess]) -> str:
+    """The server processes of a parameter server spread over several, with each one's share of
+    the parameter bytes: a lopsided partition is the first suspect of a slow job."""
+    counts = dict.fromkeys(("SERVING", "LOST", "MISSING"), 0)
+    for s in servers:
+        name = enum_name(pb.ServerProcessState, s.state)
+        counts[name] = counts.get(name, 0) + 1
+    summary = ", ".join(f"{n} {k.lower()}" for k, n in counts.items())
+    total = sum(s.bytes for s in servers)
+    rows = [
+        [
+            str(s.rank),
+            s.name,
+            s.host,
+            enum_name(pb.ServerProcessState, s.state),
+            f"{s.num_params:,}",
+            human_bytes(s.bytes),
+            f"{100.0 * s.bytes / total:.1f}%" if total > 0 else "-",
+            f"{s.updates_applied:,}",
+            f"{human_duration(s.last_seen_age_seconds)} ago" if s.HasField("last_seen_age_seconds") else "-",
+        ]
+        for s in servers
+    ]
+    head = ["SERVER", "NAME", "HOST", "STATE", "PARAMS", "SIZE", "SHARE", "UPDATES", "LAST SEEN"]
+    return "\n".join([f"SERVERS     {summary}", *table(head, rows, numeric=(0, 4, 5, 6, 7))])
 
 
 def render_trainers(trainers: Sequence[pb.Trainer], now: float) -> str:

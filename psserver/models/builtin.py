@@ -36,6 +36,19 @@ def mlp() -> nn.Sequential:
     )
 
 
+def mlp_wide() -> nn.Sequential:
+    """Many parameters for little compute (1.9M, a 1024x1024 layer among them): a step's time
+    goes to moving parameters and gradients, which is what bandwidth benchmarks measure."""
+    return nn.Sequential(
+        nn.Flatten(1),
+        nn.Linear(784, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 10),
+    )
+
+
 def resnet18() -> nn.Sequential:
     """torchvision's ResNet-18 adapted to 3x32x32 (3x3 stem, no max-pool), as a Sequential."""
     from torchvision.models import resnet18 as tv_resnet18
@@ -59,4 +72,6 @@ def resnet18() -> nn.Sequential:
 if "mnist_cnn" not in MODELS:
     register(ModelSpec("mnist_cnn", mnist_cnn, (1, 28, 28), 10, "classic MNIST CNN (1.2M parameters)"))
     register(ModelSpec("mlp", mlp, (1, 28, 28), 10, "784-256-128-10 MLP (0.2M parameters)"))
+    register(ModelSpec("mlp_wide", mlp_wide, (1, 28, 28), 10,
+                       "784-1024-1024-10 MLP (1.9M parameters, little compute: bandwidth benchmarks)"))
     register(ModelSpec("resnet18", resnet18, (3, 32, 32), 10, "torchvision ResNet-18 for 3x32x32 (11M parameters)"))

@@ -21,6 +21,7 @@ from psserver.ps.rendezvous import (
     KEY_ADMIT_REQUEST,
     KEY_ADMIT_SEQ,
     MAX_RPC_ID,
+    SERVER_REQUEST_PREFIX,
 )
 
 log = logging.getLogger(__name__)
@@ -63,12 +64,15 @@ class AdmissionDesk:
     """Answers announced joins in their order on a thread of its own; ``admit(rank)`` decides
     (``ADMITTED`` or the reason for the trainer)."""
 
-    def __init__(self, store, admit: Callable[[int], str], published: PublishedKeys) -> None:
+    def __init__(self, store, admit: Callable[[int], str], published: PublishedKeys,
+                 admit_server: Callable[[int], str] | None = None) -> None:
         self.store = store
         self.admit = admit
+        self.admit_server = admit_server
+        """Decides a server process's request (``s<rank>``); None: only trainers join."""
         self.published = published
         self._next_rpc_id = 1  # 0 is the server
-        self._incarnations: dict[int, int] = {}
+        self._incarnations: dict[int | str, int] = {}
         self._handled = 0
         self._waiting: dict[int, float] = {}  # announced, not written yet: since when
         self._stop = threading.Event()
@@ -129,22 +133,25 @@ class AdmissionDesk:
     def answer(self, request: bytes) -> str:
         """The answer to one announced join: a failure here must not stop the others."""
         text = request.decode(errors="replace") if len(request) <= MAX_REQUEST_BYTES else ""
+        server = self.admit_server is not None and text.startswith(SERVER_REQUEST_PREFIX)
+        what = "server" if server else "rank"
         try:
-            rank = int(text)
+            rank = int(text[len(SERVER_REQUEST_PREFIX):] if server else text)
         except ValueError:
             return f"malformed join request {request[:MAX_REQUEST_BYTES]!r}"
         if not 0 <= rank < 2**31:
-            return f"rank {rank} is out of range"
+            return f"{what} {rank} is out of range"
         try:
-            decision = self.admit(rank)
+            decision = self.admit_server(rank) if server else self.admit(rank)  # type: ignore[misc]
         except Exception as e:  # noqa: BLE001 - answered, logged with its traceback
-            log.exception("admitting a join of rank %d failed", rank)
-            return f"the server failed to admit a join of rank {rank} ({str(e).splitlines()[0] if str(e) else e!r})"
+            log.exception("admitting a join of %s %d failed", what, rank)
+            return f"the server failed to admit a join of {what} {rank} ({str(e).splitlines()[0] if str(e) else e!r})"
         if decision != ADMITTED:
             return decision
         if self._next_rpc_id > MAX_RPC_ID:
             return f"this server has seen {MAX_RPC_ID} joins: restart it (with --resume) to reset RPC ids"
         rpc_id, self._next_rpc_id = self._next_rpc_id, self._next_rpc_id + 1
-        incarnation = self._incarnations.get(rank, 0) + 1
-        self._incarnations[rank] = incarnation
+        key: int | str = f"s{rank}" if server else rank
+        incarnation = self._incarnations.get(key, 0) + 1
+        self._incarnations[key] = incarnation
         return f"{ADMITTED} {rpc_id} {incarnation}"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from psserver.checkpoint import (
     CheckpointError,
     Header,
     check_writable,
+    checkpoint_path,
     find_latest,
     list_checkpoints,
     load_checkpoint,
@@ -54,9 +56,15 @@ class CheckpointPolicy:
         self.config = config
         self.engine = engine
         ck = config.checkpoint
+        self.directory: Path | None = partition_directory(config)
+        """Where this server's files go: ``--checkpoint-dir``, or its ``server-<rank>`` under it
+        when several server processes each write their partition."""
         self.run_id = new_run_id()
         """The run this server's checkpoints belong to (``restore`` may continue a saved one)."""
-        self.checkpointer = Checkpointer(ck.directory, ck.keep, self.run_id) if ck.directory is not None else None
+        self.checkpointer = Checkpointer(self.directory, ck.keep, self.run_id) if self.directory is not None else None
+        self.before_write: Callable[[int, str], None] | None = None
+        """Server 0 of several: has every other server write its partition of checkpoint
+        (step, run) before its own file, which makes the checkpoint complete, is written."""
         self.final_ok = True
         """False once the checkpoint at stop failed: the server then exits non-zero."""
         self._steps_at_checkpoint = 0
@@ -135,7 +143,49 @@ class CheckpointPolicy:
         state = self.snapshot()
         self._steps_at_checkpoint = state["global_step"]
         self._last_time = time.monotonic()
-        return self.checkpointer.save(state["global_step"], state, wait=wait)
+        before = self.before_write
+        step, run = state["global_step"], self.checkpointer.run
+        return self.checkpointer.save(step, state, wait=wait,
+                                      before=None if before is None else lambda: before(step, run))
+
+    # ---- partitions (several server processes) --------------------------------------------
+
+    def save_partition(self, step: int, run: str) -> str:
+        """A server of rank > 0: write this partition as part of server 0's checkpoint ``step``
+        of ``run`` (server 0 names both; the file is written before this returns)."""
+        if self.checkpointer is None:
+            raise RuntimeError(f"server {self.config.server_rank} has no --checkpoint-dir")
+        self.run_id = self.checkpointer.run = run
+        info = self.checkpointer.save(step, self.snapshot(), wait=True)
+        return info.path
+
+    def load_partition(self, step: int, run: str) -> None:
+        """A server of rank > 0: load this partition of checkpoint ``step`` (the one server 0
+        resumes from or rolls back to)."""
+        if self.directory is None:
+            raise CheckpointError(f"server {self.config.server_rank} has no --checkpoint-dir to load step {step} from")
+        path = checkpoint_path(self.directory, step)
+        if not path.exists():
+            raise CheckpointError(f"server {self.config.server_rank} has no partition of checkpoint step {step} "
+                                  f"({path} is missing): the checkpoints of this job are incomplete here")
+        _, state = load_checkpoint(path)
+        self._restore(state, path)
+        self.run_id = run
+        if self.checkpointer is not None:
+            self.checkpointer.run = run
+
+    def reload_latest(self) -> int | None:
+        """Server 0 of several, when a lost server comes back: load the newest complete
+        checkpoint again (its own file exists only for complete ones); its step, or None."""
+        if self.directory is None:
+            return None
+        self.checkpointer.wait()  # type: ignore[union-attr]
+        found = find_latest(self.directory)
+        if found is None:
+            return None
+        header, state = found
+        self._restore(state, header.path)
+        return int(state["global_step"])
 
     def snapshot(self) -> dict:
         """A consistent CPU copy of everything a resume needs (updates pause only for the copy)."""
@@ -149,6 +199,8 @@ class CheckpointPolicy:
             "shards": shards,
             "optimizer_config": asdict(optimizer) if optimizer else None,
             "update": {"mode": cfg.update, "sync_trainers": cfg.sync_trainers},
+            "partition": None if engine.plan is None else {
+                "server_rank": cfg.server_rank, "num_servers": cfg.num_servers, "plan": engine.plan.to_dict()},
             "global_step": step,
             "samples_seen": samples,
             "rng": torch.get_rng_state(),
@@ -160,18 +212,21 @@ class CheckpointPolicy:
     def restore(self) -> int | None:
         """Start the run: check the directory, then a fresh start, ``--new-run`` or ``--resume``;
         the global step resumed at, or None for a fresh start."""
-        ck = self.config.checkpoint
-        if ck.directory is not None:
-            check_writable(ck.directory)
-            remove_stale_temporaries(ck.directory)
+        ck, directory = self.config.checkpoint, self.directory
+        if directory is not None:
+            check_writable(directory)
+            remove_stale_temporaries(directory)
+        if self.config.server_rank > 0:
+            return None  # a partition server loads what server 0 says (load_partition)
         if ck.resume is None:
             self._start_fresh()
             return None
         if ck.resume == "latest":
-            found = find_latest(ck.directory)
+            assert directory is not None
+            found = find_latest(directory)
             if found is None:
-                left = len(list_checkpoints(ck.directory))
-                log.warning("--resume: no valid checkpoint in %s, starting a new run %s%s", ck.directory, self.run_id,
+                left = len(list_checkpoints(directory))
+                log.warning("--resume: no valid checkpoint in %s, starting a new run %s%s", directory, self.run_id,
                             f" (the {left} invalid file(s) there are left alone)" if left else "")
                 return None
             header, state = found
@@ -182,21 +237,21 @@ class CheckpointPolicy:
         return self.engine.global_step
 
     def _start_fresh(self) -> None:
-        ck = self.config.checkpoint
-        if ck.directory is None:
+        ck, directory = self.config.checkpoint, self.directory
+        if directory is None:
             return
-        present = list_checkpoints(ck.directory)
+        present = list_checkpoints(directory)
         if present and not ck.new_run:
             raise CheckpointDirError(
-                f"--checkpoint-dir {ck.directory} holds checkpoints of another run ({len(present)} file(s), newest "
+                f"--checkpoint-dir {directory} holds checkpoints of another run ({len(present)} file(s), newest "
                 f"{present[0].name}): --resume to continue it, or --new-run to start a new run beside it")
-        log.info("checkpoints of run %s go to %s%s", self.run_id, ck.directory,
+        log.info("checkpoints of run %s go to %s%s", self.run_id, directory,
                  f" (the {len(present)} file(s) of other runs there are left alone)" if present else "")
 
     def _continue(self, header: Header, step: int) -> None:
         """Take over the run of the checkpoint resumed from, unless that would let this server
         prune files it did not continue from."""
-        directory = self.config.checkpoint.directory
+        directory = self.directory
         if header.run == LEGACY_RUN:
             why = "was written before checkpoints had run ids"
         elif directory is not None and (newer := self._newer_of_run(directory, header.run, step)):
@@ -235,6 +290,15 @@ class CheckpointPolicy:
                 f"checkpoint {path} has {len(state['shards'])} stage(s), this server has {len(engine.shards)}: "
                 "resume with the same number of --devices"
             )
+        recorded = state.get("partition")
+        expected = None if engine.plan is None else {"server_rank": cfg.server_rank, "num_servers": cfg.num_servers,
+                                                     "plan": engine.plan.to_dict()}
+        if recorded != expected:
+            def held(p: dict | None) -> str:
+                return "the whole model" if p is None else f"partition {p['server_rank']} of {p['num_servers']}"
+
+            raise CheckpointError(f"checkpoint {path} holds {held(recorded)}; this server holds {held(expected)} "
+                                  "(resume with the same --num-servers, each server its own --server-rank)")
         if [list(map(tuple, x)) for x in state.get("param_shapes", [])] != [list(x) for x in engine.param_shapes()]:
             raise CheckpointError(f"checkpoint {path} has parameter shapes that do not match model {cfg.model}")
         saved = OptimizerConfig(**state["optimizer_config"]) if state.get("optimizer_config") else None
@@ -251,3 +315,12 @@ class CheckpointPolicy:
             self.checkpointer.last = CheckpointInfo(str(path), engine.global_step, state.get("time", 0.0))
         log.info("resumed from %s: global step %d, %d samples seen", path, engine.global_step, engine.samples_seen)
 
+
+
+def partition_directory(config: ServerConfig) -> Path | None:
+    """``--checkpoint-dir``, or ``<it>/server-<rank>`` when several server processes each write
+    their partition (they may share one directory, or each have its own on its host)."""
+    directory = config.checkpoint.directory
+    if directory is None or config.num_servers == 1:
+        return directory
+    return Path(directory) / f"server-{config.server_rank}"

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from psserver.ps.engine import StepEngine
     from psserver.ps.membership import Member, Membership
     from psserver.ps.protocols import ServerHalf
+    from psserver.ps.server_group import ServerGroup
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ class Endpoint:
         self.after_call = after_call
         """Run after each call, outside every lock (a checkpoint the call's step made due)."""
         self.membership: Membership | None = None
+        self.group: ServerGroup | None = None
+        """Server 0 of several server processes: the others (``psserver.ps.server_group``)."""
         self.state = "STARTING"
         # Metric labels: only names a protocol defines, never a caller's arbitrary string.
         self._ops = {"evaluate"} | {op for h in halves.values() for op in (*h.ops, *h.local_ops)}
@@ -108,6 +111,11 @@ class Endpoint:
             raise RuntimeError(f"psserver is {self.state.lower()}: not accepting trainers")
         step = self._protocol_of(request)
         half = self.halves[step]
+        cfg = self.config
+        if self.group is not None and cfg.update == "sync" and self.membership.active_count() >= cfg.sync_trainers:
+            # Every server must form the same rounds: with several, a round holds every live trainer.
+            raise ValueError(f"with --num-servers {cfg.num_servers} a sync round holds every live trainer, and "
+                             f"{cfg.sync_trainers} (--sync-trainers) are live already")
         requested = OptimizerConfig(**request.optimizer) if request.optimizer else None
         optimizer = self.engine.agree_optimizer(requested, request.name)
         join_info = half.join_info(request.name, request)
@@ -116,8 +124,14 @@ class Endpoint:
         except BaseException:
             half.trainer_gone(request.name, False)  # what join_info set up for it
             raise
+        if self.group is not None:
+            try:
+                self.group.trainer_joined(request, step)
+            except RuntimeError:
+                self.membership.leave(request.name)
+                raise
+            join_info = {**join_info, **self.group.join_info()}
         self.engine.trainer_joined(request.name)
-        cfg = self.config
         return {
             "step": step,
             "compute": STEP_MODES[step].compute,
@@ -140,6 +154,9 @@ class Endpoint:
             step = request.step
         if step not in self.halves:
             raise ValueError(f"this server does not speak --step {step!r} (it speaks {', '.join(sorted(self.halves))})")
+        if self.group is not None and step != "pushpull":
+            raise ValueError(f"with --num-servers {self.config.num_servers} trainers speak --step pushpull (one "
+                             f"exchange per server process per step); the trainer asked for --step {step}")
         compute = STEP_MODES[step].compute
         if pin is not None and compute != pin:
             raise ValueError(f"this server runs every step with --compute {pin}; the trainer asked for "
@@ -154,6 +171,9 @@ class Endpoint:
         what the trainer should be told (a step the guard dropped; its eviction)."""
         with self._counted(op if op in self._ops else "unknown"):
             member = self._seen(trainer, None)
+            if self.state == "WAITING":
+                raise RuntimeError(f"psserver is waiting for server process(es) {self._missing()}: no steps until "
+                                   "they are back")
             try:
                 half = self.halves[member.protocol]
                 if op != "evaluate" and op not in half.ops:
@@ -188,6 +208,9 @@ class Endpoint:
             threading.Thread(target=self.membership.evict, args=(trainer, reason), name="psserver-evict",
                              daemon=True).start()
         return notices
+
+    def _missing(self) -> str:
+        return ", ".join(map(str, self.group.missing())) if self.group is not None else "?"
 
     def call_local(self, trainer: str, op: str, *args: Any) -> Any:
         """An op that runs inside the server on the trainer's behalf (see ``ServerHalf.local_ops``)."""
@@ -233,6 +256,8 @@ class Endpoint:
         name = member.status.name
         self.halves[member.protocol].trainer_gone(name, evicted)
         self.engine.trainer_gone(name)  # may apply a sync round it held up
+        if self.group is not None:
+            self.group.trainer_gone(name)
         self.after_call()
 
 

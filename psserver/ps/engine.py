@@ -21,6 +21,7 @@ from psserver.errors import UsageError
 from psserver.models import build_model, get_model_spec, split_stages
 from psserver.ps.compute import ComputeThread
 from psserver.ps.guard import GradientGuard
+from psserver.ps.partition import PartitionModule, PartitionPlan, plan_for_model
 from psserver.ps.shard import Shard
 from psserver.ps.updates import Grads, TrainerProgress, make_updater
 
@@ -84,9 +85,17 @@ class StepEngine:
                 s.init_optimizer(self.optimizer_config)
 
     def _build(self) -> None:
-        model = build_model(self.config.model, seed=self.config.seed)
-        stages = split_stages(model, len(self.devices))
-        self.shards = [Shard(i, m, d) for i, (m, d) in enumerate(zip(stages, self.devices, strict=True))]
+        cfg = self.config
+        model = build_model(cfg.model, seed=cfg.seed)
+        self.plan: PartitionPlan | None = None
+        if cfg.num_servers > 1:
+            # One partition of the parameters (psserver.ps.partition), on this server's first device.
+            self.plan = plan_for_model(model, cfg.num_servers)
+            self.devices = self.devices[:1]
+            self.shards = [Shard(0, PartitionModule(model, self.plan, cfg.server_rank), self.devices[0])]
+        else:
+            stages = split_stages(model, len(self.devices))
+            self.shards = [Shard(i, m, d) for i, (m, d) in enumerate(zip(stages, self.devices, strict=True))]
         self.params: list[nn.Parameter] = [p for s in self.shards for p in s.params]
         self.trainable = [p for p in self.params if p.requires_grad]
         self.updater = make_updater(self.config.update, self.shards, self._on_step, self.config.sync_trainers,
@@ -97,6 +106,11 @@ class StepEngine:
     @property
     def num_params(self) -> int:
         return sum(s.num_params for s in self.shards)
+
+    @property
+    def model_params(self) -> int:
+        """Parameters of the whole model (of which a partition server holds ``num_params``)."""
+        return sum(self.plan.sizes) if self.plan is not None else self.num_params
 
     @property
     def global_step(self) -> int:
@@ -232,17 +246,18 @@ class StepEngine:
             self._open[trainer] = samples
         self.updater.step_opened(trainer)
 
-    def submit(self, trainer: str, grads: Grads) -> None:
+    def submit(self, trainer: str, grads: Grads, norm: float | None = None) -> None:
         """The whole gradient of ``trainer``'s open step: one update (async, ssp) or a share of
         one (sync); its staleness is recorded (``trainer_progress``). The guard drops a
         non-finite gradient (a sync round counts the trainer as arrived) and clips to
-        ``--max-grad-norm`` (``psserver.ps.guard``)."""
+        ``--max-grad-norm`` (``psserver.ps.guard``); ``norm``: that of the whole step's gradient
+        when ``grads`` is one partition of it."""
         with self._cond:
             samples = self._open.get(trainer)
         if samples is None:
             raise RuntimeError(f"{trainer} sent a gradient but has no step in flight on this server")
         try:
-            checked = self.guard.check(trainer, grads)
+            checked = self.guard.check(trainer, grads, norm)
             if checked is None:
                 log.warning("dropped a step of %s: its gradient is not finite", trainer)
             self.updater.submit(trainer, checked, samples)

@@ -63,10 +63,12 @@ class GradientGuard:
         self.nonfinite_total = 0
         self.clipped_total = 0
 
-    def check(self, trainer: str, grads: Grads) -> Grads | None:
+    def check(self, trainer: str, grads: Grads, norm: float | None = None) -> Grads | None:
         """``grads`` as they may be applied (scaled when above ``max_norm``), or None: not
-        finite, drop the step."""
-        norm = total_norm(list(grads.values()))
+        finite, drop the step. ``norm``: the whole step's gradient norm, when ``grads`` is only
+        this server's partition of it (every server then decides the same way)."""
+        if norm is None:
+            norm = total_norm(list(grads.values()))
         if not math.isfinite(norm):
             with self._lock:
                 c = self._counts.setdefault(trainer, GuardCounts())

@@ -68,6 +68,9 @@ class Membership:
         self._thread: threading.Thread | None = None
         self._token_seen: tuple[bytes, float] | None = None
         self._strangers: dict[str, float] = {}  # RPC workers that never called join()
+        self.peers: set[str] = set()
+        """RPC names of the other server processes (``--num-servers``): members of the RPC
+        group that are not trainers, never evicted as strangers."""
 
     # ---- joins, leaves, heartbeats -------------------------------------------------------
 
@@ -252,6 +255,10 @@ class Membership:
         if state == "LEFT":
             log.info("trainer %s (rank %d) left after %d steps", name, rank, m.status.steps)
 
+    def evict_worker(self, name: str, rpc_id: int) -> None:
+        """Remove a dead RPC worker that is no trainer (a lost server process) from the group."""
+        self._evict(name, rpc_id)
+
     def _evict(self, name: str, rpc_id: int) -> None:
         """Remove a dead worker from the RPC group so later joins do not try to reach it."""
         agent = torch_rpc.current_agent()
@@ -287,7 +294,7 @@ class Membership:
         workers = {w.name: w.id for w in agent.get_worker_infos()}
         workers.update(dict(_registered_workers(rpc_store)))
         for name, wid in workers.items():
-            if name == SERVER_NAME or name in known:
+            if name == SERVER_NAME or name in known or name in self.peers:
                 self._strangers.pop(name, None)
                 continue
             # Registered with RPC but not a psserver member: a join killed before it called

@@ -35,3 +35,19 @@ class JoinRequest:
     """dtype of the parameters and gradients it exchanges (trainer compute)."""
     device: str = "cpu"
     """Where it runs the model (trainer compute)."""
+
+
+@dataclass(frozen=True)
+class ServerHello:
+    """A server process of rank > 0 registering with server 0 (several server processes)."""
+
+    rank: int
+    num_servers: int
+    model: str
+    seed: int
+    host: str
+    pid: int
+    parameters: int
+    """Elements of the partition it built: server 0 checks it against its own plan."""
+    checkpoints: bool
+    """Whether it has a ``--checkpoint-dir`` (needed when server 0 has one)."""

@@ -9,8 +9,8 @@ plan is a pure function of the parameter sizes and the number of servers, so eve
 computes the same one; it is recorded in a checkpoint and checked against the model when one
 is loaded, because a checkpoint's partitions only make sense under the plan that wrote them.
 
-No RPC and no torch state here: a plan, and the tensor slicing it implies (a per-parameter
-gradient or parameter list to one flat buffer per server, and back).
+No RPC here: a plan, the tensor slicing it implies (a per-parameter gradient or parameter
+list to one flat buffer per server, and back), and the module a server holds its pieces in.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 SPLIT_ABOVE = 1 << 20
 """Elements above which a parameter is cut across the servers (4 MB in fp32: BytePS's partition size)."""
@@ -141,3 +142,23 @@ def make_plan(sizes: Sequence[int], num_servers: int, split_above: int = SPLIT_A
         load[s] += sizes[i]
     pieces.sort(key=lambda p: (p.param, p.start))
     return PartitionPlan(tuple(sizes), num_servers, split_above, tuple(pieces))
+
+
+def plan_for_model(model: nn.Module, num_servers: int, split_above: int = SPLIT_ABOVE) -> PartitionPlan:
+    return make_plan([p.numel() for p in model.parameters()], num_servers, split_above)
+
+
+class PartitionModule(nn.Module):
+    """What one server holds: its pieces of the model's parameters, each a flat parameter (the
+    optimizers psserver offers are element-wise, so a piece steps as the whole tensor would).
+    It has no forward: a partition server only applies updates and serves parameters."""
+
+    def __init__(self, model: nn.Module, plan: PartitionPlan, server: int) -> None:
+        super().__init__()
+        plan.check_model([p.numel() for p in model.parameters()])
+        params = [p.detach().reshape(-1) for p in model.parameters()]
+        self.pieces = nn.ParameterList(
+            [nn.Parameter(params[p.param][p.start:p.stop].clone()) for p in plan.for_server(server)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a partition of the parameters has no forward (--compute server needs --num-servers 1)")

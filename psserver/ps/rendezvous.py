@@ -45,6 +45,8 @@ SERVER_NAME = "psserver"
 # Keys the server keeps in the store, outside RPC's own prefix (inside the job's namespace).
 KEY_SERVER_STATE = "psserver/state"
 STARTING, SERVING, DRAINING = "STARTING", "SERVING", "DRAINING"
+WAITING = "WAITING"
+"""Several server processes: one is missing (not registered yet, or lost); no steps meanwhile."""
 KEY_HELLO = "psserver/hello"
 """Public, outside any namespace: ``token`` or ``open``, so that a trainer without the right
 token is told so at once instead of waiting for a state it cannot see. Trusted for nothing
@@ -84,6 +86,16 @@ def trainer_name(rank: int, incarnation: int) -> str:
     return f"trainer_{rank}_{incarnation}"
 
 
+def server_name(server_rank: int) -> str:
+    """The RPC name of server process ``server_rank`` (server 0 keeps the one-server name; no
+    ``-`` in it: torch's dynamic group reads its member list as ``name-id`` up to the first one)."""
+    return SERVER_NAME if server_rank == 0 else f"{SERVER_NAME}_{server_rank}"
+
+
+SERVER_REQUEST_PREFIX = "s"
+"""An admission request ``s<rank>`` is a server process's, not a trainer's."""
+
+
 def namespace(token: str | None) -> str:
     """The job's key prefix in the store: derived from the join token, so only those who know
     it can read or write the job's keys; "" (no prefix) without a token."""
@@ -98,7 +110,8 @@ def scoped(store, token: str | None):
     return dist.PrefixStore(prefix, store) if prefix else store
 
 
-def request_admission(store, rank: int, where: str, timeout: float = ADMISSION_TIMEOUT_S) -> tuple[int, int]:
+def request_admission(store, rank: int, where: str, timeout: float = ADMISSION_TIMEOUT_S, *,
+                      server: bool = False) -> tuple[int, int]:
     """Ask the server to make room for a join of ``rank``, before this process joins the RPC group.
 
     ``init_rpc`` calls every member of the group, so a member that died (the rank's last
@@ -106,10 +119,11 @@ def request_admission(store, rank: int, where: str, timeout: float = ADMISSION_T
     holds the group's token. The server pings its members, evicts the dead ones and the rank's
     holder if it does not answer (``Membership.admit``), then answers here with the RPC id and
     the incarnation to join with. ``UsageError`` when the rank's holder is alive;
-    ``ServerUnavailable`` when the server does not answer.
+    ``ServerUnavailable`` when the server does not answer. ``server``: a server process of
+    ``rank`` asks (several server processes).
     """
     seq = int(store.add(KEY_ADMIT_SEQ, 1))
-    store.set(KEY_ADMIT_REQUEST.format(seq=seq), str(rank))
+    store.set(KEY_ADMIT_REQUEST.format(seq=seq), (SERVER_REQUEST_PREFIX if server else "") + str(rank))
     answer_key = KEY_ADMIT_ANSWER.format(seq=seq)
     try:
         store.wait([answer_key], datetime.timedelta(seconds=timeout))
@@ -218,13 +232,14 @@ def create_server_store(host: str, port: int, timeout: float, token: str | None)
 
 
 def connect_store(host: str, port: int, connect_timeout: float, op_timeout: float,
-                  token: str | None = None) -> tuple[object, str]:
+                  token: str | None = None, *, until_serving: bool = True) -> tuple[object, str]:
     """The job's view of the server's store (through the token's namespace); waits up to
     ``connect_timeout`` for a server that is starting.
 
     ``UsageError`` at once for a port that answers but is not a psserver's (the control
     plane's, most likely), and for a token the server does not share: waiting would not
-    change either.
+    change either. ``until_serving=False`` (a server process joining server 0): return once
+    the server's state is there, whatever it is.
     """
     deadline = time.monotonic() + connect_timeout
     delay = 0.2
@@ -238,7 +253,8 @@ def connect_store(host: str, port: int, connect_timeout: float, op_timeout: floa
             store = _store_client(host, port, max(1.0, min(remaining, 30.0)))
             store.set_timeout(datetime.timedelta(seconds=op_timeout))
             job = scoped(store, token)
-            _wait_until_serving(store, job, token, f"{host}:{port}", deadline, connect_timeout)
+            _wait_until_serving(store, job, token, f"{host}:{port}", deadline, connect_timeout,
+                                (SERVING, DRAINING) if until_serving else None)
             url = f"{SCHEME}://{host}:{port}/client"
             _stores[url] = job
             return job, url
@@ -255,13 +271,18 @@ def connect_store(host: str, port: int, connect_timeout: float, op_timeout: floa
     raise ServerUnavailable(f"cannot reach a psserver at {host}:{port} within {connect_timeout:g}s ({reason})")
 
 
-def _wait_until_serving(store, job, token: str | None, where: str, deadline: float, connect_timeout: float) -> None:
-    """Wait for the server's state, read inside the job's namespace (which no one without the
-    token can write); the public hello only decides how soon a token mismatch is reported."""
+def _wait_until_serving(store, job, token: str | None, where: str, deadline: float, connect_timeout: float,
+                        states: tuple[str, ...] | None) -> None:
+    """Wait for the server's state to be one of ``states`` (None: any), read inside the job's
+    namespace (which no one without the token can write); the public hello only decides how
+    soon a token mismatch is reported."""
     mismatch_since: float | None = None
+    state = b""
     while True:
-        if job.check([KEY_SERVER_STATE]) and job.get(KEY_SERVER_STATE) != STARTING.encode():
-            return
+        if job.check([KEY_SERVER_STATE]):
+            state = job.get(KEY_SERVER_STATE)
+            if states is None or state.decode(errors="replace") in states:
+                return
         hello = store.get(KEY_HELLO)[:16] if store.check([KEY_HELLO]) else b""
         now = time.monotonic()
         needs_token = hello == HELLO_TOKEN.encode()
@@ -280,6 +301,9 @@ def _wait_until_serving(store, job, token: str | None, where: str, deadline: flo
         else:
             mismatch_since = None
         if now > deadline:
+            if state == WAITING.encode():
+                raise ServerUnavailable(f"the psserver at {where} waits for a missing server process (see its log or "
+                                        f"psserver status); gave up after {connect_timeout:g}s")
             raise ServerUnavailable(f"server at {where} did not finish starting in {connect_timeout:g}s")
         time.sleep(0.2)
 

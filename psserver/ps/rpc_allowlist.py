@@ -56,8 +56,9 @@ ALLOWED: frozenset[tuple[str, str]] = frozenset({
     (_ENDPOINT, "join"), (_ENDPOINT, "call"), (_ENDPOINT, "heartbeat"), (_ENDPOINT, "leave"),
     # ... the local optimizer that DistributedOptimizer has the server build (--step plain, pull), ...
     (_ENDPOINT, "SharedOptimizer"),
-    # ... and what the server calls on a trainer (Membership.admit).
-    ("psserver.ps.rendezvous", "ping"),
+    # ... and what the server calls on a trainer (Membership.admit); server processes call
+    # each other through one function (psserver.ps.peers).
+    ("psserver.ps.rendezvous", "ping"), ("psserver.ps.peers", "server_call"),
     # torch's RPC plumbing: the envelopes of a call and of a remote exception; the pickler's
     # class (its receivers, through rpc_getattr); a dynamic group's join and leave (and
     # psserver's evictions, torch_rpc.tell_worker_removed); DistributedOptimizer's two calls;

@@ -30,6 +30,7 @@ from psserver.ps.endpoint import Endpoint
 from psserver.ps.engine import StepEngine, resolve_devices
 from psserver.ps.membership import Membership
 from psserver.ps.protocols import PROTOCOLS
+from psserver.ps.server_group import ServerGroup
 from psserver.ps.status import ServerView
 from psserver.utils.memory import configure_host_allocator, freeze_long_lived
 
@@ -54,9 +55,17 @@ class ParameterServer:
         self.desk: AdmissionDesk | None = None
         self.published = PublishedKeys()
         self.store = None
+        self.group: ServerGroup | None = None
+        if config.num_servers > 1:
+            self.group = ServerGroup(config, self.engine, self.policy, self._set_state)
+            self.group.resume_step = resumed
+            self.policy.before_write = self.group.save_partitions
+            self.endpoint.group = self.group
+            self.view.group = self.group
         self._shutdown = threading.Event()
         self._shutdown_reason = ""
-        log.info("model %s (%d parameters) in %d stage(s) on %s%s", config.model, self.engine.num_params,
+        log.info("model %s (%d parameters%s) in %d stage(s) on %s%s", config.model, self.engine.model_params,
+                 f", {self.engine.num_params} in this server's partition" if self.engine.plan is not None else "",
                  len(self.engine.shards), ", ".join(str(d) for d in self.engine.devices),
                  f", resumed at step {resumed}" if resumed is not None else "")
 
@@ -77,10 +86,23 @@ class ParameterServer:
                      rpc_backend_options=rendezvous.backend_options(url, cfg.rpc_timeout, cfg.rpc_threads))
         self.membership = Membership(self.store, cfg.trainer_timeout, self.endpoint.trainer_gone)
         self.membership.start()
-        self.desk = AdmissionDesk(self.store, self.membership.admit, self.published)
+        group = self.group
+        if group is not None:
+            group.membership, group.evict_worker = self.membership, self.membership.evict_worker
+            group.start()
+        self.desk = AdmissionDesk(self.store, self.membership.admit, self.published,
+                                  group.admit_server if group is not None else None)
         self.desk.start()
         self.endpoint.open(self.membership)
-        self.published.set(self.store, rendezvous.KEY_SERVER_STATE, rendezvous.SERVING)
+        if group is None:
+            self._set_state(rendezvous.SERVING)
+        else:
+            with group.lock:
+                missing = group.missing()
+                self._set_state(rendezvous.STARTING if missing else rendezvous.SERVING)
+            if missing:
+                log.info("waiting for server process(es) %s of %d to register", ", ".join(map(str, missing)),
+                         cfg.num_servers)
         self.published.set(raw_store, rendezvous.KEY_HELLO, rendezvous.HELLO_TOKEN if token else rendezvous.HELLO_OPEN)
         if token is None:
             log.warning("no join token: any peer that reaches %s:%d can join this server and read or write its "
@@ -88,6 +110,13 @@ class ParameterServer:
         self.view.ready.set()
         log.info("psserver %s serving %s on %s:%d (update=%s%s)", __version__, cfg.model, cfg.host, cfg.port,
                  cfg.update, f", K={cfg.sync_trainers}" if cfg.update == "sync" else "")
+
+    def _set_state(self, state: str) -> None:
+        """``SERVING``; with several server processes also ``STARTING`` or ``WAITING`` while one
+        is missing (no joins, no steps)."""
+        self.endpoint.state = state
+        if self.store is not None:
+            self.published.set(self.store, rendezvous.KEY_SERVER_STATE, state)
 
     def request_shutdown(self, reason: str = "shutdown requested") -> None:
         if not self._shutdown.is_set():
@@ -106,6 +135,8 @@ class ParameterServer:
     def stop(self) -> None:
         """Drain: refuse joins and new steps, let those in flight finish, checkpoint, leave."""
         log.info("stopping: %s", self._shutdown_reason or "shutdown")
+        if self.group is not None:
+            self.group.draining = True
         self.endpoint.drain()
         self.view.ready.clear()
         if self.store is not None:
@@ -119,6 +150,8 @@ class ParameterServer:
             log.warning("stopping with %d step(s) still open (%s) and %d call(s) in flight after %.0fs",
                         len(open_steps), ", ".join(open_steps), calls, timeout)
         self.policy.stop()
+        if self.group is not None:
+            self.group.stop()  # after the final checkpoint, which needs every partition
         if self.desk is not None:
             self.desk.stop()
         if self.membership is not None:
@@ -136,6 +169,10 @@ class ParameterServer:
 
 def run_server(config: ServerConfig) -> int:
     """``psserver serve``: returns the exit code (1 when the final checkpoint failed)."""
+    if config.server_rank > 0:
+        from psserver.ps.partition_server import run_partition_server
+
+        return run_partition_server(config)
     torch.set_num_threads(config.compute_threads or os.cpu_count() or 1)
     configure_host_allocator(config.allocator)  # before the RPC agent's threads exist
     server = ParameterServer(config)

@@ -18,6 +18,7 @@ from psserver.config import ServerConfig
 from psserver.ps.checkpointing import CheckpointPolicy
 from psserver.ps.endpoint import Endpoint
 from psserver.ps.engine import StepEngine
+from psserver.ps.server_group import ServerGroup
 from psserver.telemetry import CheckpointInfo, RateMeter, ServerStatus, ShardStatus, TrainerStatus
 
 
@@ -34,6 +35,8 @@ class ServerView:
         self.ready = threading.Event()
         self.started_at = time.time()
         self.meter = RateMeter(window=10.0)
+        self.group: ServerGroup | None = None
+        """The other server processes, when there are several (``psserver.ps.server_group``)."""
 
     def on_step(self, step: int, samples: int) -> None:  # noqa: ARG002 - a StepEngine listener
         membership = self.endpoint.membership
@@ -48,7 +51,7 @@ class ServerView:
             mode="ps",
             started_at=self.started_at,
             model=cfg.model,
-            num_params=engine.num_params,
+            num_params=engine.model_params,
             update_mode=cfg.update,
             sync_trainers=cfg.sync_trainers if cfg.update == "sync" else 0,
             staleness=cfg.staleness if cfg.update == "ssp" else 0,
@@ -63,6 +66,7 @@ class ServerView:
                                 s.device_memory() or psutil.Process().memory_info().rss) for s in engine.shards],
             last_checkpoint=self.policy.last,
             accuracy=self._latest_accuracy(),
+            servers=self.group.statuses() if self.group is not None else [],
         )
 
     def _latest_accuracy(self) -> float:

@@ -62,6 +62,15 @@ class JoinLost(ServerUnavailable):
     """``init_rpc`` failed: the server or a member went away while this trainer joined."""
 
 
+class PartitionCallError(RuntimeError):
+    """A call to one of several server processes failed (``Session.call_each``)."""
+
+    def __init__(self, server: int, name: str, message: str) -> None:
+        super().__init__(message)
+        self.server = server
+        self.server_name = name
+
+
 class Session:
     """One membership of the RPC group, at most one per process (``--reconnect`` re-executes the
     trainer to rejoin: see the module's docstring)."""
@@ -111,6 +120,8 @@ class Session:
             self._shutdown(graceful=True)
             raise UsageError(refusal)
         self.report: Report | None = None
+        self.servers: list[str] = list(self.info.get("servers", [rendezvous.SERVER_NAME]))
+        """RPC names of the server processes, server 0 first (several: ``--num-servers``)."""
         self.step_protocol: str = self.info["step"]
         self.protocol: TrainerHalf = get_protocol(self.step_protocol).trainer(self)
         self._stop = threading.Event()
@@ -128,6 +139,27 @@ class Session:
         for notice in notices:
             log.warning("%s", notice)
         return result
+
+    def call_each(self, op: str, args: list[tuple]) -> list:
+        """``op`` on every server process at once, ``args[i]`` for server i; their results in
+        order. When any failed (after all have answered), ``PartitionCallError`` naming it."""
+        futures = [rpc.rpc_async(name, endpoint.call, args=(self.name, op, a, self.report if i == 0 else None))
+                   for i, (name, a) in enumerate(zip(self.servers, args, strict=True))]
+        results, failed = [], None
+        for i, fut in enumerate(futures):
+            try:
+                result, notices = fut.wait()
+            except RuntimeError as e:
+                failed = failed or (i, e)
+                continue
+            if i == 0:
+                for notice in notices:
+                    log.warning("%s", notice)
+            results.append(result)
+        if failed is not None:
+            i, e = failed
+            raise PartitionCallError(i, self.servers[i], f"server {i} ({self.servers[i]}): {_remote_message(e)}")
+        return results
 
     def _heartbeat(self) -> None:
         interval = float(self.info["heartbeat_interval"])
@@ -387,12 +419,19 @@ def _leave_on_signal(session: Session, signum: int, pos: Position, progress: Pro
     return code
 
 
-def _diagnose(session: Session) -> str:
+def _diagnose(session: Session, error: BaseException | None = None) -> str:
     """Why a call failed: ``EVICTED`` (the server says this trainer is no member), ``LOST`` (no
     answer, or a server that is stopping), ``FAILED`` (the call itself, for a member of a serving
     server). The server is asked, whatever ``error`` says: a remote exception arrives as a bare
     ``RuntimeError``, and a step of ``--step plain`` or ``pull`` fails inside torch's
-    ``dist_autograd`` ("Could not find autograd context") before any call of ours can say why."""
+    ``dist_autograd`` ("Could not find autograd context") before any call of ours can say why.
+    A call that failed on another server process (several) is ``LOST`` when that one does not
+    answer a ping: server 0 may not have noticed yet."""
+    if isinstance(error, PartitionCallError) and error.server > 0:
+        try:
+            rpc.rpc_sync(error.server_name, rendezvous.ping, timeout=PROBE_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - no answer: that server process is gone
+            return LOST
     try:
         state = session.probe()
     except Exception:  # noqa: BLE001 - no answer: the server is gone
@@ -407,7 +446,7 @@ def _recover(session: Session, config: TrainerConfig, error: BaseException, pos:
     """After a failed call: a failure of a live membership is a bug (raised); an eviction or a lost
     server ends the trainer (exit 3), or with ``--reconnect`` it rejoins under a fresh name and
     continues with the same batch (the failed step's update was not applied)."""
-    what = _diagnose(session)
+    what = _diagnose(session, error)
     reason = _remote_message(error)
     where = f"{config.server_host}:{config.server_port}"
     if what == FAILED:

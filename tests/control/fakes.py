@@ -8,9 +8,19 @@ from pathlib import Path
 
 from psserver.config.control import ControlConfig
 from psserver.control.server import ControlServer
-from psserver.telemetry import CheckpointInfo, RateMeter, ServerStatus, ShardStatus, TrainerStatus
+from psserver.telemetry import CheckpointInfo, RateMeter, ServerProcessStatus, ServerStatus, ShardStatus, TrainerStatus
 
 TOKEN = "s3cret-token"
+
+
+def two_servers() -> list[ServerProcessStatus]:
+    """Server 0 and a lost server 1 of a ``--num-servers 2`` job: 3/4 and 1/4 of the bytes."""
+    return [
+        ServerProcessStatus(rank=0, name="ps_0", host="hostA", state="SERVING", parameters=3000,
+                            parameter_bytes=12000, updates_applied=40, last_seen_s=0.0),
+        ServerProcessStatus(rank=1, name="ps_1", host="hostB", state="LOST", parameters=1000,
+                            parameter_bytes=4000, updates_applied=38, last_seen_s=75.0),
+    ]
 
 
 class FakeTarget:
@@ -29,6 +39,7 @@ class FakeTarget:
         self.shutdown_requested = threading.Event()
         self.checkpoints: list[CheckpointInfo] = []
         self.update_mode, self.sync_trainers, self.staleness = "sync", 2, 0
+        self.servers: list[ServerProcessStatus] = []  # one process; see two_servers()
         self._lock = threading.Lock()
         now = time.time()
         self.trainers = [
@@ -63,7 +74,7 @@ class FakeTarget:
             num_params=1234, update_mode=self.update_mode, sync_trainers=self.sync_trainers, global_step=step,
             samples_seen=samples, updates_per_s=ups, samples_per_s=sps, mean_loss=loss, staleness=self.staleness,
             shards=[ShardStatus(0, "cpu", 1000, 4000, 50 << 20), ShardStatus(1, "cpu", 234, 936, 50 << 20)],
-            last_checkpoint=self.checkpoints[-1] if self.checkpoints else None,
+            last_checkpoint=self.checkpoints[-1] if self.checkpoints else None, servers=list(self.servers),
         )
 
     def list_trainers(self) -> list[TrainerStatus]:

@@ -10,7 +10,7 @@ import pytest
 
 from psserver.cli import main
 
-from .fakes import TOKEN, serve
+from .fakes import TOKEN, serve, two_servers
 from .test_security import make_certificate
 
 pytestmark = pytest.mark.timeout(60)
@@ -59,6 +59,39 @@ def test_status_table(server, capsys):
     assert rows[0][12] == "0" and rows[1][12] == "3"  # non-finite gradients dropped
     assert ("trainer_1_0 (rank 1) evicted: sent 3 non-finite gradients in a row (--max-nonfinite-steps 3)"
             in lines)
+    assert "SERVERS" not in out  # one server process: nothing to list
+
+
+def test_status_table_of_several_server_processes(server, target, capsys):
+    target.servers = two_servers()
+    rc, out, err = run(capsys, "status", "--address", server.address)
+    assert rc == 0, err
+    lines = out.splitlines()
+    at = lines.index("SERVERS     1 serving, 1 lost, 0 missing")
+    head = lines[at + 1]
+    assert head.split() == ["SERVER", "NAME", "HOST", "STATE", "PARAMS", "SIZE", "SHARE", "UPDATES", "LAST", "SEEN"]
+    rows = [line.split() for line in lines[at + 2:at + 4]]
+    # rank, name, host, state, parameters, size (2 words), share of the bytes, updates, last seen (2 words)
+    assert rows[0] == ["0", "ps_0", "hostA", "SERVING", "3,000", "11.7", "KiB", "75.0%", "40", "0.0s", "ago"]
+    assert rows[1] == ["1", "ps_1", "hostB", "LOST", "1,000", "3.9", "KiB", "25.0%", "38", "1m", "15s", "ago"]
+    # Numbers right-aligned under their heading, text left-aligned.
+    assert lines[at + 2].index("75.0%") + len("75.0%") == head.index("SHARE") + len("SHARE")
+    assert lines[at + 3].index("LOST") == head.index("STATE")
+    # Between the shards and the trainers.
+    assert lines.index(next(x for x in lines if x.startswith("SHARD"))) < at < lines.index(
+        next(x for x in lines if x.startswith("TRAINERS")))
+
+    rc, out, err = run(capsys, "status", "--address", server.address, "--json")
+    assert rc == 0, err
+    servers = json.loads(out)["status"]["servers"]
+    assert [(s["rank"], s["state"], s["bytes"], s["last_seen_age_seconds"]) for s in servers] == [
+        (0, "SERVING", 12000, 0.0), (1, "LOST", 4000, 75.0)]
+
+
+def test_one_listed_server_process_is_no_table(server, target, capsys):
+    target.servers = two_servers()[:1]
+    rc, out, err = run(capsys, "status", "--address", server.address)
+    assert rc == 0 and "SERVERS" not in out and "ps_0" not in out, err
 
 
 def test_status_table_of_an_ssp_server(server, target, capsys):
@@ -90,6 +123,7 @@ def test_status_json(server, target, capsys):
     assert [(t["nonfinite"], t["reason"][:20]) for t in data["trainers"]] == [(0, ""), (3, "sent 3 non-finite gr")]
     assert data["trainers"][1]["last_loss"] is None  # JSON null, not NaN
     assert st["staleness"] == 0  # S of ssp; this fake runs sync
+    assert st["servers"] == []  # one server process
     first = data["trainers"][0]
     assert (first["clock"], first["staleness"], first["max_staleness"], first["step"]) == (11, 2, 5, "pushpull")
 
@@ -113,7 +147,7 @@ def test_status_watch_json_lines_until_the_server_stops(server, target, capsys):
 
 
 def test_status_watch_table(server, target, capsys):
-    threading.Timer(0.35, setattr, (target, "state", "STOPPED")).start()
+    threading.Timer(1.0, setattr, (target, "state", "STOPPED")).start()  # >= 3 refreshes even on a busy host
     rc, out, _ = run(capsys, "status", "--address", server.address, "--watch", "--interval", "0.1")
     assert rc == 0
     assert out.count("SHARD  DEVICE") >= 3 and "STOPPED" in out

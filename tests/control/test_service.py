@@ -15,9 +15,9 @@ from psserver.control import SERVICE_NAME, convert
 from psserver.control.client import ControlClient, ControlError
 from psserver.control.server import ControlServer
 from psserver.control.v1 import control_pb2 as pb
-from psserver.telemetry import ServerStatus, TrainerStatus
+from psserver.telemetry import ServerProcessStatus, ServerStatus, TrainerStatus
 
-from .fakes import TOKEN, FakeTarget, serve
+from .fakes import TOKEN, FakeTarget, serve, two_servers
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -101,6 +101,43 @@ def test_get_status_carries_every_field(server, target):
     assert st.shards[0].device_memory_bytes == 50 << 20
     assert not st.HasField("last_checkpoint")
     assert abs(st.server_time - time.time()) < 5
+    assert len(st.servers) == 0  # one server process: no list
+
+
+def test_get_status_carries_every_server_process(server, target):
+    target.servers = two_servers()
+    with ControlClient(server.address) as client:
+        st = client.get_status()
+    assert [(s.rank, s.name, s.host, s.state) for s in st.servers] == [
+        (0, "ps_0", "hostA", pb.SERVER_PROCESS_STATE_SERVING),
+        (1, "ps_1", "hostB", pb.SERVER_PROCESS_STATE_LOST),
+    ]
+    assert [(s.num_params, s.bytes, s.updates_applied) for s in st.servers] == [(3000, 12000, 40), (1000, 4000, 38)]
+    assert [s.last_seen_age_seconds for s in st.servers] == [0.0, 75.0]
+    # ... and back: the dataclasses server 0 reported, field for field.
+    assert [convert.server_process_from_proto(s) for s in st.servers] == two_servers()
+    d = convert.status_to_dict(st)
+    assert d["servers"][1] == {"rank": 1, "name": "ps_1", "host": "hostB", "state": "LOST", "num_params": 1000,
+                               "bytes": 4000, "updates_applied": 38, "last_seen_age_seconds": 75.0}
+
+
+def test_server_process_conversion_of_odd_values():
+    never = ServerProcessStatus(rank=2, name="ps_2", host="", state="MISSING", parameters=0, parameter_bytes=0,
+                                updates_applied=0)  # last_seen_s: NaN, it never answered
+    msg = convert.server_process_to_proto(never)
+    assert msg.state == pb.SERVER_PROCESS_STATE_MISSING and not msg.HasField("last_seen_age_seconds")
+    assert convert.server_process_to_dict(msg)["last_seen_age_seconds"] is None  # JSON null, not NaN
+    back = convert.server_process_from_proto(msg)
+    assert back.state == "MISSING" and math.isnan(back.last_seen_s)
+    assert (back.rank, back.name, back.parameters, back.parameter_bytes) == (2, "ps_2", 0, 0)
+    weird = ServerProcessStatus(3, "ps_3", "h", "exploded", 5, 20, 1, last_seen_s=math.inf)
+    msg = convert.server_process_to_proto(weird)
+    assert msg.state == pb.SERVER_PROCESS_STATE_UNSPECIFIED and not msg.HasField("last_seen_age_seconds")
+    assert convert.server_process_from_proto(msg).state == "UNSPECIFIED"
+    # A message from a newer server, with a state this client does not know yet.
+    newer = pb.ServerProcess(rank=1, state=17, last_seen_age_seconds=2.5)
+    assert convert.server_process_to_dict(newer)["state"] == "UNKNOWN(17)"
+    assert convert.server_process_from_proto(newer).last_seen_s == 2.5
 
 
 def test_list_trainers(server):
@@ -137,7 +174,7 @@ def test_conversion_of_odd_values():
     d = convert.status_to_dict(msg)
     assert d["state"] == "UNSPECIFIED" and d["mode"] == "fsdp" and d["update_mode"] == "collective"
     assert d["mean_loss"] is None and d["updates_per_second"] == 0.0 and d["samples_per_second"] == 0.0
-    assert d["last_checkpoint"] is None and d["shards"] == []
+    assert d["last_checkpoint"] is None and d["shards"] == [] and d["servers"] == []
     t = convert.trainer_to_dict(convert.trainer_to_proto(TrainerStatus(3, "rank3", "h", now, now, state="LEFT")))
     assert t["state"] == "LEFT" and t["last_loss"] is None
     assert convert.enum_name(pb.ServerState, 42) == "UNKNOWN(42)"

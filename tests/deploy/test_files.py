@@ -180,19 +180,57 @@ def test_healthcheck_script_against_a_grpc_health_server():
     server.start()
     script = str(DEPLOY / "docker" / "healthcheck.py")
 
-    def check(address: str) -> subprocess.CompletedProcess:
-        env = dict(os.environ, PSSERVER_HEALTH_ADDRESS=address)
+    def check(address: str, **extra: str) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
+        env.update({"PSSERVER_HEALTH_ADDRESS": address, "HOSTNAME": "psserver", **extra})
         return subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=30)
 
+    follower = {"PSSERVER_NUM_SERVERS": "2", "PSSERVER_SERVER_RANK": "1"}
     try:
         servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         r = check(f"127.0.0.1:{port}")
         assert r.returncode == 1 and "NOT_SERVING" in r.stderr
+        # a server of rank > 0 that answers is held to the answer
+        assert check(f"127.0.0.1:{port}", **follower).returncode == 1
         servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         assert check(f"127.0.0.1:{port}").returncode == 0
     finally:
         server.stop(None)
     assert check(f"127.0.0.1:{port}").returncode == 1  # nobody listening
+    # nobody listening on a server of rank > 0: server 0 serves the control plane, so it passes
+    assert check(f"127.0.0.1:{port}", **follower).returncode == 0
+    # the pod-index label missing (an empty PSSERVER_SERVER_RANK): the host name's ordinal, as the CLI
+    assert check(f"127.0.0.1:{port}", PSSERVER_NUM_SERVERS="2", PSSERVER_SERVER_RANK="",
+                 HOSTNAME="psserver-2").returncode == 0
+    assert check(f"127.0.0.1:{port}", PSSERVER_NUM_SERVERS="2", SLURM_PROCID="1").returncode == 0
+    # but not server 0, nor a lone server whatever its host name
+    assert check(f"127.0.0.1:{port}", PSSERVER_NUM_SERVERS="2", PSSERVER_SERVER_RANK="0",
+                 HOSTNAME="psserver-1").returncode == 1
+    assert check(f"127.0.0.1:{port}", PSSERVER_NUM_SERVERS="2", HOSTNAME="psserver-0").returncode == 1
+    assert check(f"127.0.0.1:{port}", PSSERVER_NUM_SERVERS="1", PSSERVER_SERVER_RANK="1").returncode == 1
+
+
+RANK_VARIABLES = ("PSSERVER_NUM_SERVERS", "PSSERVER_SERVER_RANK", "SLURM_PROCID", "HOSTNAME")
+
+
+def test_healthcheck_reads_the_rank_as_the_cli_does(monkeypatch):
+    import importlib.util
+
+    from psserver.cli.serve import default_server_rank
+
+    spec = importlib.util.spec_from_file_location("psserver_healthcheck", DEPLOY / "docker" / "healthcheck.py")
+    hc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hc)
+    cases = [{}, {"PSSERVER_SERVER_RANK": "3"}, {"PSSERVER_SERVER_RANK": "", "HOSTNAME": "psserver-4"},
+             {"SLURM_PROCID": "2", "HOSTNAME": "node-7"}, {"PSSERVER_SERVER_RANK": "x", "SLURM_PROCID": "5"},
+             {"HOSTNAME": "server"}, {"HOSTNAME": "psserver-12"}]
+    for case in cases:
+        for name in RANK_VARIABLES:
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("HOSTNAME", "server")  # not the test machine's own name
+        for name, value in case.items():
+            monkeypatch.setenv(name, value)
+        assert hc.server_rank() == default_server_rank(), case
 
 
 # ---- Compose -----------------------------------------------------------------------------
@@ -253,6 +291,39 @@ def test_compose_names_and_ports_agree():
     assert sorted(ranks) == list(range(len(trainers)))
 
 
+def test_compose_override_adds_a_second_server():
+    compose = _compose()
+    (override,) = _docs(DEPLOY / "docker" / "compose.servers.yaml")
+    server = compose["services"]["server"]
+    sargv = _argv(server)
+    assert set(override["services"]) == {"server", "psserver-1"}
+    # server 0 keeps compose.yaml's command and takes S from the environment
+    assert set(override["services"]["server"]) == {"environment"}
+    num_servers = override["services"]["server"]["environment"]["PSSERVER_NUM_SERVERS"]
+    one = override["services"]["psserver-1"]
+    argv = _argv(one)
+    assert argv[0] == "serve"
+    ns = parse(argv)
+    assert ns.num_servers == int(num_servers) == 2 and ns.server_rank == 1
+    assert option(argv, "--coordinator") == f"{option(sargv, '--host')}:{option(sargv, '--port')}"
+    assert option(argv, "--host") == one["hostname"] == "psserver-1"  # its own address on the network
+    for flag in ("--model", "--join-token-file", "--checkpoint-dir"):
+        assert option(argv, flag) == option(sargv, flag), flag
+    assert "--supervise" in argv and "--resume" in argv
+    assert one["image"] == server["image"] and set(one["networks"]) == set(server["networks"])
+    assert "ports" not in one, "the second server publishes nothing"
+    assert one["secrets"] == [option(argv, "--join-token-file").removeprefix("/run/secrets/")]
+    assert one["healthcheck"] == {"disable": True}  # no control plane to ask
+    # its own volume: checkpoints/server-1/ next to server 0's checkpoints/server-0/ in another
+    (volume,) = one["volumes"]
+    name, mount = volume.split(":")
+    assert name in override["volumes"] and name not in {v.split(":")[0] for v in server["volumes"]}
+    assert option(argv, "--checkpoint-dir").startswith(mount + "/")
+    # the trainers stay as they are: they learn the second server from server 0
+    text = (DEPLOY / "README.md").read_text()
+    assert "-f deploy/docker/compose.yaml -f deploy/docker/compose.servers.yaml up" in text
+
+
 # ---- Kubernetes --------------------------------------------------------------------------
 
 
@@ -297,9 +368,15 @@ def test_statefulset_and_services_agree():
     env = {e["name"]: e for e in c["env"]}
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
 
+    # the headless Service names a pod before it is ready: servers of rank > 0 join server 0 by name
+    assert headless["spec"].get("publishNotReadyAddresses") is True
+
+    # the control plane and the metrics are server 0's: the Service selects the pod psserver-0 only
     control = _k8s("Service", "psserver")
     assert control["spec"].get("type", "ClusterIP") == "ClusterIP"
-    assert _selects(control["spec"]["selector"], pod_labels)
+    selector = dict(control["spec"]["selector"])
+    assert selector.pop(POD_NAME_LABEL) == f"{sts['metadata']['name']}-0"
+    assert _selects(selector, pod_labels)
     ports = {p["name"]: p for p in control["spec"]["ports"]}
     control_port, metrics_port = int(option(argv, "--control-port")), int(option(argv, "--metrics-port"))
     assert ports["control"]["port"] == control_port == _port(c, ports["control"]["targetPort"])
@@ -307,9 +384,84 @@ def test_statefulset_and_services_agree():
     annotations = sts["spec"]["template"]["metadata"]["annotations"]
     assert int(annotations["prometheus.io/port"]) == metrics_port
 
+    # the probes run the image's health check: the control plane on 127.0.0.1:<control port>
+    # (--control-host 0.0.0.0 covers the loopback), passing on a server of rank > 0 that serves none
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        assert c[probe]["grpc"]["port"] == control_port, probe
-    assert option(argv, "--control-host") == "0.0.0.0"  # kubelet probes the pod IP
+        assert c[probe]["exec"]["command"] == ["python", HEALTHCHECK_IN_IMAGE], probe
+        assert c[probe]["timeoutSeconds"] >= 5, f"{probe}: python starts and asks with a 3 s deadline"
+    assert "PSSERVER_HEALTH_ADDRESS" not in env
+    assert f'"127.0.0.1:{control_port}"' in (DEPLOY / "docker" / "healthcheck.py").read_text()
+    assert f"COPY deploy/docker/healthcheck.py {HEALTHCHECK_IN_IMAGE}" in _dockerfile()
+    assert option(argv, "--control-host") == "0.0.0.0"
+
+
+POD_NAME_LABEL = "statefulset.kubernetes.io/pod-name"  # set on every pod by the StatefulSet controller
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"  # the pod's ordinal (Kubernetes 1.28+)
+HEALTHCHECK_IN_IMAGE = "/usr/local/bin/psserver-healthcheck"
+
+
+def test_statefulset_passes_rank_servers_and_coordinator():
+    sts = _k8s("StatefulSet", "psserver")
+    c = _server_container()
+    argv = _argv(c)
+    env = {e["name"]: e for e in c["env"]}
+    # the rank: the pod's ordinal from the downward API, not a flag, so that a cluster without
+    # the label (an empty value) falls back to the CLI's own default, the host name's ordinal
+    assert env["PSSERVER_SERVER_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        f"metadata.labels['{POD_INDEX_LABEL}']")
+    assert option(argv, "--server-rank") is None
+    # S: an env value the kustomization keeps equal to the replicas (test_replicas_and_num_servers_agree)
+    assert env["PSSERVER_NUM_SERVERS"]["value"] == str(sts["spec"]["replicas"])
+    assert option(argv, "--num-servers") is None
+    # server 0 through the headless Service's DNS name, on its store port
+    host, port = option(argv, "--coordinator").rsplit(":", 1)
+    assert host == f"{sts['metadata']['name']}-0.{sts['spec']['serviceName']}"
+    assert int(port) == int(option(argv, "--port"))
+    assert option(_argv(_trainer_container()), "--server") == option(argv, "--coordinator")
+    # the parser takes them all, and the pod's environment turns into a rank and S
+    ns = parse(argv)
+    assert ns.coordinator == option(argv, "--coordinator")
+    assert "--supervise" in argv and "--resume" in argv  # every server restarts from its checkpoint
+    assert sts["spec"]["podManagementPolicy"] == "Parallel"  # servers wait for each other: start together
+
+
+def _replacement() -> dict:
+    (k,) = _docs(K8S / "base" / "kustomization.yaml")
+    (r,) = k["replacements"]
+    return r
+
+
+def test_replicas_and_num_servers_agree():
+    sts = _k8s("StatefulSet", "psserver")
+    assert sts["spec"]["replicas"] == 1, "the default stays one server process"
+    r = _replacement()
+    assert r["source"] == {"kind": "StatefulSet", "name": "psserver", "fieldPath": "spec.replicas"}
+    (target,) = r["targets"]
+    assert target["select"] == {"kind": "StatefulSet", "name": "psserver"}
+    c = _server_container()
+    assert target["fieldPaths"] == [
+        f"spec.template.spec.containers.[name={c['name']}].env.[name=PSSERVER_NUM_SERVERS].value"]
+    # no overlay here changes the replicas behind the base's replacement
+    for kdir in (K8S, K8S / "gpu"):
+        (k,) = _docs(kdir / "kustomization.yaml")
+        assert "replicas" not in k
+        for patch in k.get("patches", []):
+            assert "replicas" not in patch.get("patch", ""), kdir
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+def test_kustomize_copies_the_replicas_into_num_servers(tmp_path):
+    base = tmp_path / "base"
+    shutil.copytree(K8S / "base", base)
+    sts_file = base / "server-statefulset.yaml"
+    text, n = re.subn(r"^  replicas: 1\b", "  replicas: 3", sts_file.read_text(), flags=re.M)
+    assert n == 1
+    sts_file.write_text(text)
+    r = subprocess.run(["kubectl", "kustomize", str(base)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    (sts,) = [d for d in yaml.safe_load_all(r.stdout) if d and d["kind"] == "StatefulSet"]
+    env = {e["name"]: e for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert sts["spec"]["replicas"] == 3 and env["PSSERVER_NUM_SERVERS"]["value"] == "3"
 
 
 def test_statefulset_checkpoints_and_secret():
@@ -401,7 +553,7 @@ def test_trainers_are_an_indexed_job():
     assert int(port) == int(option(_argv(_server_container()), "--port"))
 
 
-def test_network_policy_admits_only_trainers_to_rpc():
+def test_network_policy_admits_only_trainers_and_servers_to_rpc():
     server_labels = _k8s("StatefulSet", "psserver")["spec"]["template"]["metadata"]["labels"]
     trainer_labels = _k8s("Job", "psserver-trainers")["spec"]["template"]["metadata"]["labels"]
     rpc_port = int(option(_argv(_server_container()), "--port"))
@@ -420,17 +572,25 @@ def test_network_policy_admits_only_trainers_to_rpc():
                     break
         return out
 
-    def only_from(rule: dict, labels: dict) -> bool:
+    def from_one_of(rule: dict, *label_sets: dict) -> bool:
         peers = rule.get("from")
-        return bool(peers) and all(set(peer) == {"podSelector"} and _selects(peer["podSelector"]["matchLabels"], labels)
-                                   for peer in peers)
+        return bool(peers) and all(set(peer) == {"podSelector"} and any(
+            _selects(peer["podSelector"]["matchLabels"], labels) for labels in label_sets) for peer in peers)
+
+    def admitted(rules: list[dict], labels: dict) -> bool:
+        return any(_selects(peer["podSelector"]["matchLabels"], labels)
+                   for r in rules for peer in r.get("from", []) if "podSelector" in peer)
 
     sp = server_policies[0]
     assert "Ingress" in sp["spec"]["policyTypes"]
     for port in (rpc_port, 40000):  # the store and a TensorPipe (ephemeral) port
         rules = rules_covering(sp, port)
-        assert rules, f"trainers cannot reach the server's port {port}"
-        assert all(only_from(r, trainer_labels) for r in rules), f"port {port} is open to more than trainers"
+        assert rules, f"nobody can reach the server's port {port}"
+        # every trainer talks to every server, and the servers (--num-servers > 1) to each other
+        assert admitted(rules, trainer_labels), f"trainers cannot reach the servers' port {port}"
+        assert admitted(rules, server_labels), f"the servers cannot reach each other's port {port}"
+        assert all(from_one_of(r, trainer_labels, server_labels) for r in rules), (
+            f"port {port} is open to more than the job's trainers and servers")
     control_port = int(option(_argv(_server_container()), "--control-port"))
     assert rules_covering(sp, control_port), "the control plane must stay reachable"
     tp = trainer_policies[0]
@@ -473,6 +633,11 @@ def test_kustomize_builds():
     assert sts["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
     (cpu_sts,) = [d for d in cpu if d["kind"] == "StatefulSet"]
     assert "nvidia.com/gpu" not in cpu_sts["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    for built in (sts, cpu_sts):  # S is the replicas, in both builds
+        env = {e["name"]: e for e in built["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env["PSSERVER_NUM_SERVERS"]["value"] == str(built["spec"]["replicas"])
+    (control,) = [d for d in cpu if d["kind"] == "Service" and d["metadata"]["name"] == "psserver"]
+    assert control["spec"]["selector"][POD_NAME_LABEL] == "psserver-0"
 
 
 def test_kubeflow_examples():
@@ -512,14 +677,29 @@ def test_slurm_ps_ports_match_the_defaults_elsewhere():
     (train,) = [c for c in COMMANDS if c.source.startswith("deploy/slurm/ps.sbatch") and c.argv[0] == "train"]
     for flag in ("--port", "--control-port", "--metrics-port"):
         assert option(serve.argv, flag) == option(compose_server, flag), flag
+    # the trainers and the servers of rank > 0 point at server 0's store
+    assert option(train.argv, "--server") == option(serve.argv, "--coordinator")
     assert option(train.argv, "--server").endswith(":" + option(serve.argv, "--port"))
-    assert option(train.argv, "--server").rsplit(":", 1)[0] == option(serve.argv, "--host")
+
+
+def test_slurm_ps_starts_the_servers_in_one_step():
+    text = (DEPLOY / "slurm" / "ps.sbatch").read_text()
+    (serve,) = [c for c in COMMANDS if c.source.startswith("deploy/slurm/ps.sbatch") and c.argv[0] == "serve"]
+    # rank, host, control and metrics hosts are each task's own: SERVER_TASK adds them (see test_slurm.py)
+    for flag in ("--server-rank", "--host", "--control-host", "--metrics-host"):
+        assert option(serve.argv, flag) is None, flag
+    assert option(serve.argv, "--num-servers") is not None and option(serve.argv, "--coordinator") is not None
+    assert 'NUM_SERVERS=${PSSERVER_NUM_SERVERS:-1}' in text  # one server unless asked
+    assert '--server-rank "$SLURM_PROCID"' in text
+    assert 'srun --nodes="$NUM_SERVERS" --ntasks="$NUM_SERVERS" --ntasks-per-node=1' in text
+    assert 'bash -c "$SERVER_TASK" server \\\n    psserver serve ' in text
 
 
 # ---- join token and supervision ----------------------------------------------------------
 
 # The deployments that start a parameter server and its trainers (not the README examples).
-PS_DEPLOYMENTS = ("deploy/docker/compose.yaml", "deploy/kubernetes/base/server-statefulset.yaml",
+PS_DEPLOYMENTS = ("deploy/docker/compose.yaml", "deploy/docker/compose.servers.yaml",
+                  "deploy/kubernetes/base/server-statefulset.yaml",
                   "deploy/kubernetes/base/trainers-job.yaml", "deploy/slurm/ps.sbatch")
 
 

@@ -1,19 +1,23 @@
 """deploy/slurm/ps.sbatch for real on one machine, with fake ``srun``, ``scontrol`` and
-``hostname`` on PATH: a real server and two real trainers that train, then the server stops."""
+``hostname`` on PATH: a real server and two real trainers that train, then the server stops.
+And with a fake ``psserver`` too: which processes the script starts, where, with what flags
+(several server processes: one step, the rank from SLURM_PROCID)."""
 
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import socket
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.deploy.commands import DEPLOY
+from tests.deploy.commands import DEPLOY, parse
 from tests.procs import free_port
 
 SRUN = '''\
@@ -68,6 +72,7 @@ SCONTROL = '''\
 #!/bin/bash
 # Fake scontrol: `show hostnames LIST` prints one name per node of the fake allocation.
 if [[ "$1" == show && "$2" == hostnames ]]; then
+    if [[ -n "${FAKE_NODES:-}" ]]; then tr , '\\n' <<< "$FAKE_NODES"; exit 0; fi
     for ((i = 0; i < ${FAKE_NNODES:-3}; i++)); do echo localhost; done
     exit 0
 fi
@@ -81,10 +86,35 @@ echo localhost
 '''
 
 
-def _shims(bindir: Path) -> None:
+PSSERVER = '''\
+#!{python}
+"""Fake psserver: logs its task's rank and argv; `serve` waits for SIGTERM, `train` returns once
+every server logged (so the script's SIGTERM never beats a server's handler)."""
+import json, os, signal, sys, time
+
+log = os.environ["FAKE_PSSERVER_LOG"]
+if sys.argv[1] == "serve":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+with open(log, "a") as f:
+    f.write(json.dumps({{"procid": os.environ.get("SLURM_PROCID"), "argv": sys.argv[1:]}}) + "\\n")
+if sys.argv[1] == "serve":
+    while True:
+        time.sleep(0.1)
+deadline = time.time() + 60
+while time.time() < deadline:
+    with open(log) as f:
+        if sum('"serve"' in line for line in f) >= int(os.environ["FAKE_NUM_SERVERS"]):
+            break
+    time.sleep(0.05)
+'''
+
+
+def _shims(bindir: Path, fake_psserver: bool = False) -> None:
     bindir.mkdir()
-    for name, text in (("srun", SRUN.format(python=sys.executable)), ("scontrol", SCONTROL),
-                       ("hostname", HOSTNAME)):
+    shims = [("srun", SRUN.format(python=sys.executable)), ("scontrol", SCONTROL), ("hostname", HOSTNAME)]
+    if fake_psserver:
+        shims.append(("psserver", PSSERVER.format(python=sys.executable)))
+    for name, text in shims:
         path = bindir / name
         path.write_text(text)
         path.chmod(0o755)
@@ -148,3 +178,89 @@ def test_ps_sbatch_runs_server_and_two_trainers(tmp_path, procs):
     assert Path(token).parent.name == ".psserver-4242" and Path(token).parent.parent == tmp_path
     assert not Path(token).parent.exists(), "the job's join token was left behind"
     assert "--supervise" in serve_cmd and "--reconnect" in train_cmd
+
+
+def _run_fake(tmp_path: Path, nodes: list[str], extra: dict[str, str]):
+    """ps.sbatch with fake srun, scontrol and psserver: (exit code, output, srun steps, psserver calls)."""
+    bindir = tmp_path / "bin"
+    _shims(bindir, fake_psserver=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PSSERVER_", "MASTER_"))}
+    env.update({
+        "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}",
+        "FAKE_SRUN_LOG": str(tmp_path / "srun.log"),
+        "FAKE_PSSERVER_LOG": str(tmp_path / "psserver.log"),
+        "FAKE_NODES": ",".join(nodes),
+        "FAKE_NUM_SERVERS": extra.get("PSSERVER_NUM_SERVERS", "1"),
+        "SLURM_JOB_ID": "4343",
+        "SLURM_JOB_NODELIST": "node[0-9]",
+        "SLURM_SUBMIT_DIR": str(tmp_path),
+        **extra,
+    })
+    r = subprocess.run(["bash", str(DEPLOY / "slurm" / "ps.sbatch")], env=env, cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120)
+    out = r.stdout + r.stderr
+    srun_log, psserver_log = tmp_path / "srun.log", tmp_path / "psserver.log"
+    steps = [ast.literal_eval(s) for s in srun_log.read_text().splitlines()] if srun_log.exists() else []
+    calls = [json.loads(s) for s in psserver_log.read_text().splitlines()] if psserver_log.exists() else []
+    return r.returncode, out, steps, calls
+
+
+def _opt(argv: list[str], flag: str) -> str:
+    assert argv.count(flag) == 1, f"{flag} given {argv.count(flag)} times: {argv}"
+    return argv[argv.index(flag) + 1]
+
+
+@pytest.mark.parametrize("num_servers, addrs", [(1, None), (2, None), (3, None), (2, "10.0.0.1,10.0.0.2")],
+                         ids=["one-server", "two-servers", "three-servers", "two-servers-addrs"])
+def test_ps_sbatch_starts_num_servers_with_ranks_from_slurm_procid(tmp_path, num_servers, addrs):
+    nodes = [f"node{i}" for i in range(num_servers + 2)]
+    extra = {"PSSERVER_PORT": "29511"}
+    if num_servers != 1:
+        extra["PSSERVER_NUM_SERVERS"] = str(num_servers)
+    if addrs:
+        extra["PSSERVER_SERVER_ADDRS"] = addrs
+    code, out, steps, calls = _run_fake(tmp_path, nodes, extra)
+    assert code == 0, out
+    hosts = addrs.split(",") if addrs else nodes[:num_servers]
+    assert f"server on node0 ({hosts[0]}:29511)" in out
+    assert f"2 trainer(s) on node{num_servers},node{num_servers + 1}" in out
+
+    # two job steps: every server in one (one task per server node), the trainers in the other
+    (serve_step,) = [(o, c) for o, c in steps if "serve" in c]
+    (train_step,) = [(o, c) for o, c in steps if "train" in c]
+    opts, _ = serve_step
+    assert opts["nodes"] == opts["ntasks"] == str(num_servers) and opts["ntasks-per-node"] == "1"
+    assert opts["nodelist"] == ",".join(nodes[:num_servers]) and opts["kill-on-bad-exit"] == "1"
+    assert train_step[0]["nodelist"] == ",".join(nodes[num_servers:])
+
+    servers = sorted((c for c in calls if c["argv"][0] == "serve"), key=lambda c: int(c["procid"]))
+    trainers = [c for c in calls if c["argv"][0] == "train"]
+    assert [int(c["procid"]) for c in servers] == list(range(num_servers))
+    coordinator = f"{hosts[0]}:29511"
+    for c in servers:
+        rank, argv = int(c["procid"]), c["argv"]
+        assert _opt(argv, "--server-rank") == str(rank)  # the task's SLURM_PROCID
+        assert _opt(argv, "--num-servers") == str(num_servers)
+        assert _opt(argv, "--coordinator") == coordinator
+        for flag in ("--host", "--control-host", "--metrics-host"):  # each server's own node
+            assert _opt(argv, flag) == hosts[rank], (flag, argv)
+        assert _opt(argv, "--port") == "29511" and "--supervise" in argv and "--resume" in argv
+        assert _opt(argv, "--checkpoint-dir") == str(tmp_path / "checkpoints")
+        parse(argv)  # the real CLI takes it
+    tokens = {_opt(c["argv"], "--join-token-file") for c in calls}
+    assert len(tokens) == 1, "one join token for every server and trainer"
+    assert len(trainers) == 2
+    for c in trainers:
+        assert _opt(c["argv"], "--server") == coordinator and _opt(c["argv"], "--num-trainers") == "2"
+        parse(c["argv"])
+
+
+@pytest.mark.parametrize("nodes, extra, message", [
+    (2, {"PSSERVER_NUM_SERVERS": "2"}, "needs at least 3 nodes (2 server(s) + trainers), got 2"),
+    (3, {"PSSERVER_NUM_SERVERS": "0"}, "needs at least"),
+    (4, {"PSSERVER_NUM_SERVERS": "2", "PSSERVER_SERVER_ADDRS": "10.0.0.1"}, "names 1 address(es) for 2 server(s)"),
+], ids=["too-few-nodes", "zero-servers", "addrs-mismatch"])
+def test_ps_sbatch_refuses_a_bad_layout(tmp_path, nodes, extra, message):
+    code, out, steps, calls = _run_fake(tmp_path, [f"node{i}" for i in range(nodes)], extra)
+    assert code == 2 and message in out, out
+    assert not steps and not calls

@@ -14,6 +14,7 @@ class ServerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SERVER_STATE_SERVING: _ClassVar[ServerState]
     SERVER_STATE_DRAINING: _ClassVar[ServerState]
     SERVER_STATE_STOPPED: _ClassVar[ServerState]
+    SERVER_STATE_WAITING: _ClassVar[ServerState]
 
 class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -36,11 +37,19 @@ class TrainerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRAINER_STATE_ACTIVE: _ClassVar[TrainerState]
     TRAINER_STATE_LEFT: _ClassVar[TrainerState]
     TRAINER_STATE_LOST: _ClassVar[TrainerState]
+
+class ServerProcessState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SERVER_PROCESS_STATE_UNSPECIFIED: _ClassVar[ServerProcessState]
+    SERVER_PROCESS_STATE_SERVING: _ClassVar[ServerProcessState]
+    SERVER_PROCESS_STATE_LOST: _ClassVar[ServerProcessState]
+    SERVER_PROCESS_STATE_MISSING: _ClassVar[ServerProcessState]
 SERVER_STATE_UNSPECIFIED: ServerState
 SERVER_STATE_STARTING: ServerState
 SERVER_STATE_SERVING: ServerState
 SERVER_STATE_DRAINING: ServerState
 SERVER_STATE_STOPPED: ServerState
+SERVER_STATE_WAITING: ServerState
 MODE_UNSPECIFIED: Mode
 MODE_PS: Mode
 MODE_DDP: Mode
@@ -54,6 +63,10 @@ TRAINER_STATE_UNSPECIFIED: TrainerState
 TRAINER_STATE_ACTIVE: TrainerState
 TRAINER_STATE_LEFT: TrainerState
 TRAINER_STATE_LOST: TrainerState
+SERVER_PROCESS_STATE_UNSPECIFIED: ServerProcessState
+SERVER_PROCESS_STATE_SERVING: ServerProcessState
+SERVER_PROCESS_STATE_LOST: ServerProcessState
+SERVER_PROCESS_STATE_MISSING: ServerProcessState
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()
@@ -103,8 +116,28 @@ class CheckpointInfo(_message.Message):
     time: float
     def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ..., time: _Optional[float] = ...) -> None: ...
 
+class ServerProcess(_message.Message):
+    __slots__ = ("rank", "name", "host", "state", "num_params", "bytes", "updates_applied", "last_seen_age_seconds")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    name: str
+    host: str
+    state: ServerProcessState
+    num_params: int
+    bytes: int
+    updates_applied: int
+    last_seen_age_seconds: float
+    def __init__(self, rank: _Optional[int] = ..., name: _Optional[str] = ..., host: _Optional[str] = ..., state: _Optional[_Union[ServerProcessState, str]] = ..., num_params: _Optional[int] = ..., bytes: _Optional[int] = ..., updates_applied: _Optional[int] = ..., last_seen_age_seconds: _Optional[float] = ...) -> None: ...
+
 class ServerStatus(_message.Message):
-    __slots__ = ("version", "state", "mode", "started_at", "uptime_seconds", "model", "num_params", "update_mode", "sync_trainers", "global_step", "samples_seen", "updates_per_second", "samples_per_second", "mean_loss", "shards", "last_checkpoint", "server_time", "staleness", "nonfinite_gradients", "clipped_steps")
+    __slots__ = ("version", "state", "mode", "started_at", "uptime_seconds", "model", "num_params", "update_mode", "sync_trainers", "global_step", "samples_seen", "updates_per_second", "samples_per_second", "mean_loss", "shards", "last_checkpoint", "server_time", "staleness", "nonfinite_gradients", "clipped_steps", "servers")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +158,7 @@ class ServerStatus(_message.Message):
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     NONFINITE_GRADIENTS_FIELD_NUMBER: _ClassVar[int]
     CLIPPED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SERVERS_FIELD_NUMBER: _ClassVar[int]
     version: str
     state: ServerState
     mode: Mode
@@ -145,7 +179,8 @@ class ServerStatus(_message.Message):
     staleness: int
     nonfinite_gradients: int
     clipped_steps: int
-    def __init__(self, version: _Optional[str] = ..., state: _Optional[_Union[ServerState, str]] = ..., mode: _Optional[_Union[Mode, str]] = ..., started_at: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., model: _Optional[str] = ..., num_params: _Optional[int] = ..., update_mode: _Optional[_Union[UpdateMode, str]] = ..., sync_trainers: _Optional[int] = ..., global_step: _Optional[int] = ..., samples_seen: _Optional[int] = ..., updates_per_second: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., mean_loss: _Optional[float] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., server_time: _Optional[float] = ..., staleness: _Optional[int] = ..., nonfinite_gradients: _Optional[int] = ..., clipped_steps: _Optional[int] = ...) -> None: ...
+    servers: _containers.RepeatedCompositeFieldContainer[ServerProcess]
+    def __init__(self, version: _Optional[str] = ..., state: _Optional[_Union[ServerState, str]] = ..., mode: _Optional[_Union[Mode, str]] = ..., started_at: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., model: _Optional[str] = ..., num_params: _Optional[int] = ..., update_mode: _Optional[_Union[UpdateMode, str]] = ..., sync_trainers: _Optional[int] = ..., global_step: _Optional[int] = ..., samples_seen: _Optional[int] = ..., updates_per_second: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., mean_loss: _Optional[float] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., server_time: _Optional[float] = ..., staleness: _Optional[int] = ..., nonfinite_gradients: _Optional[int] = ..., clipped_steps: _Optional[int] = ..., servers: _Optional[_Iterable[_Union[ServerProcess, _Mapping]]] = ...) -> None: ...
 
 class Trainer(_message.Message):
     __slots__ = ("rank", "name", "host", "joined_at", "last_seen", "steps", "samples", "last_loss", "samples_per_second", "state", "clock", "staleness", "max_staleness", "step", "nonfinite", "clipped", "reason", "updates")

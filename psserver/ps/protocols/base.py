@@ -30,8 +30,15 @@ class Channel(Protocol):
     info: dict[str, Any]
     """The server's reply to the join (model, update mode, the server half's ``join_info``)."""
 
+    servers: list[str]
+    """RPC names of the server processes, server 0 first (more than one: ``--num-servers``)."""
+
     def call(self, op: str, *args: Any) -> Any:
         """Call ``op`` of this protocol's server half (synchronously, one RPC)."""
+        ...
+
+    def call_each(self, op: str, args: list[tuple]) -> list[Any]:
+        """Call ``op`` on every server process at once, ``args[i]`` for server i."""
         ...
 
 

@@ -21,20 +21,24 @@ from psserver.ps.protocols.trainer_compute import TrainerComputeHalf, TrainerCom
 class PushPullServer(TrainerComputeServer):
     ops = ("exchange", "parameters")
 
-    def exchange(self, trainer: str, grads: list[torch.Tensor] | None,
-                 samples: int | None) -> list[torch.Tensor] | None:
+    def exchange(self, trainer: str, grads: list[torch.Tensor] | None, samples: int | None,
+                 norm: float | None = None) -> list[torch.Tensor] | None:
         """Apply ``grads`` (the flat gradient of ``trainer``'s open step; None: none owed), then
-        return the flat parameters for its next step of ``samples`` (None: it is done)."""
-        return self.finish_then_start(trainer, lambda: grads is not None and self._push(trainer, grads),
+        return the flat parameters for its next step of ``samples`` (None: it is done). With
+        several server processes ``grads`` is this server's partition and ``norm`` the whole
+        gradient's norm."""
+        if norm is not None and not isinstance(norm, float):
+            raise ValueError(f"gradient norm must be a float, got {type(norm).__name__}")
+        return self.finish_then_start(trainer, lambda: grads is not None and self._push(trainer, grads, norm),
                                       None if samples is None else lambda: self._pull(trainer, samples))
 
-    def _push(self, trainer: str, grads: list[torch.Tensor]) -> None:
+    def _push(self, trainer: str, grads: list[torch.Tensor], norm: float | None) -> None:
         try:
             unflat = self.engine.grads_from_flat(grads)
         except BaseException:
             self.engine.drop_step(trainer)
             raise
-        self.engine.submit(trainer, unflat)
+        self.engine.submit(trainer, unflat, norm)
 
     def _pull(self, trainer: str, samples: int) -> list[torch.Tensor]:
         self.engine.open_step(trainer, samples)
@@ -44,20 +48,27 @@ class PushPullServer(TrainerComputeServer):
 class PushPullTrainer(TrainerComputeHalf):
     def __init__(self, channel) -> None:
         super().__init__(channel)
-        self._grads: list[torch.Tensor] | None = None  # owed to the server
+        self._grads: list[list[torch.Tensor]] | None = None  # owed to the server(s): one list per server
+
+    def _exchange(self, grads: list[list[torch.Tensor]] | None, samples: int | None) -> list | None:
+        """One ``exchange`` per server process, all in flight at once; their replies in order."""
+        if self.plan is None:
+            return [self.channel.call("exchange", None if grads is None else grads[0], samples)]
+        norm = None if grads is None else self.norm_of(grads)
+        return self.channel.call_each("exchange", [(None if grads is None else g, samples, norm) for g in
+                                                   (grads or [None] * len(self.channel.servers))])
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         grads, self._grads = self._grads, None  # sent once, whatever the call's fate
-        self.load(self.channel.call("exchange", grads, int(x.shape[0])))
+        self.load(self._exchange(grads, int(x.shape[0])))
         loss = F.cross_entropy(self.model(x), y)
-        params = [p for shard in self.shards for p in shard]
-        self._grads = self.flat_grads(list(torch.autograd.grad(loss, params, allow_unused=True)))
+        self._grads = self.flat_grads(list(torch.autograd.grad(loss, self.params, allow_unused=True)))
         return float(loss.detach())
 
     def flush(self) -> None:
         grads, self._grads = self._grads, None
         if grads is not None:
-            self.channel.call("exchange", grads, None)
+            self._exchange(grads, None)
 
 
 PROTOCOL = register(StepProtocol("pushpull", PushPullTrainer, PushPullServer))

@@ -14,7 +14,9 @@ import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from psserver.models import build_model
+from psserver.ps.guard import total_norm
 from psserver.ps.messages import JoinRequest
+from psserver.ps.partition import PartitionPlan
 from psserver.ps.protocols.base import ServerHalf, TrainerHalf
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -59,8 +61,10 @@ class TrainerComputeServer(ServerHalf):
 
 
 class TrainerComputeHalf(TrainerHalf):
-    """The trainer's replica: the model on ``channel.device``, its parameters grouped as the
-    server's shards (one flat buffer each on the wire)."""
+    """The trainer's replica: the model on ``channel.device``. On the wire its parameters go as
+    one flat buffer per server shard, or, with several server processes, one flat buffer per
+    server holding that server's pieces (``psserver.ps.partition``). Replies and gradients are
+    handled as one list of buffers per server process."""
 
     def __init__(self, channel) -> None:
         super().__init__(channel)
@@ -68,25 +72,45 @@ class TrainerComputeHalf(TrainerHalf):
         self.wire_dtype: torch.dtype = channel.wire_dtype
         self.model = build_model(channel.info["model"]).to(self.device)
         self.names = [n for n, _ in self.model.named_parameters()]
-        params = list(self.model.parameters())
+        self.params: list[torch.nn.Parameter] = list(self.model.parameters())
+        plan = channel.info.get("plan")
+        self.plan: PartitionPlan | None = PartitionPlan.from_dict(plan) if plan is not None else None
+        if self.plan is not None:
+            self.plan.check_model([p.numel() for p in self.params])
+        params = self.params
         self.shards: list[list[torch.nn.Parameter]] = []
         for n in channel.info["shard_params"]:
             self.shards.append(params[:n])
             params = params[n:]
         self._loaded = False  # the replica holds the server's current parameters
 
-    def load(self, flats: list[torch.Tensor]) -> None:
-        """Copy one flat buffer per shard (any dtype, on the CPU) into the replica."""
+    def load(self, replies: list[list[torch.Tensor]]) -> None:
+        """Copy the parameters (any dtype, on the CPU) into the replica: one reply per server
+        process, each its list of flat buffers."""
         with torch.no_grad():
-            for shard, flat in zip(self.shards, flats, strict=True):
+            if self.plan is not None:
+                flats = [reply[0].to(self.device, torch.float32, non_blocking=True) for reply in replies]
+                for p, value in zip(self.params, self.plan.gather(flats, self.params), strict=True):
+                    p.copy_(value)
+                return
+            for shard, flat in zip(self.shards, replies[0], strict=True):
                 vector_to_parameters(flat.to(self.device, torch.float32, non_blocking=True), shard)
 
-    def flat_grads(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
-        """One flat CPU buffer per shard in the wire dtype, from one gradient per parameter
-        (None: unused, zero)."""
-        by_param = dict(zip([p for shard in self.shards for p in shard], grads, strict=True))
-        return [parameters_to_vector([torch.zeros_like(p) if by_param[p] is None else by_param[p] for p in shard])
-                .to("cpu", self.wire_dtype) for shard in self.shards]
+    def flat_grads(self, grads: list[torch.Tensor | None]) -> list[list[torch.Tensor]]:
+        """The gradient (one per parameter; None: unused, zero) as flat CPU buffers in the wire
+        dtype, one list per server process."""
+        full = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads, strict=True)]
+        if self.plan is not None:
+            return [[flat.to("cpu", self.wire_dtype)] for flat in self.plan.split(full)]
+        by_param = dict(zip(self.params, full, strict=True))
+        return [[parameters_to_vector([by_param[p] for p in shard]).to("cpu", self.wire_dtype)
+                 for shard in self.shards]]
+
+    @staticmethod
+    def norm_of(grads: list[list[torch.Tensor]]) -> float:
+        """The L2 norm of a whole gradient spread over several servers' buffers: each server's
+        guard decides on it, so all drop or clip a step alike."""
+        return total_norm([g for server in grads for g in server])
 
     def batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.device.type == "cpu":
@@ -100,10 +124,16 @@ class TrainerComputeHalf(TrainerHalf):
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         raise NotImplementedError
 
+    def fetch_parameters(self) -> list[list[torch.Tensor]]:
+        """The current parameters from every server process (no step opens)."""
+        if self.plan is None:
+            return [self.channel.call("parameters")]
+        return self.channel.call_each("parameters", [() for _ in self.channel.servers])
+
     def evaluate(self, x: torch.Tensor) -> torch.Tensor:
         """Eval-mode outputs of the replica, loaded once with the server's current parameters."""
         if not self._loaded:
-            self.load(self.channel.call("parameters"))
+            self.load(self.fetch_parameters())
             self._loaded = True
         self.model.eval()
         try:

@@ -1,0 +1,258 @@
+"""``psserver serve --server-rank i`` for i > 0: one partition of the parameters, behind RPC.
+
+It holds the pieces of the model's parameters its rank gets in the partition plan
+(``psserver.ps.partition``) and applies the shared optimizer to them, as the step engine
+does for a whole model. Trainers call it directly, with the same RPC functions and step
+protocol as server 0 (``--step pushpull``), in parallel with their calls to the others.
+Everything else is server 0's (``psserver.ps.server_group``): admission, membership (a
+trainer is a member here once server 0 says it joined), the control plane, the checkpoint
+schedule (this server writes its partition when server 0 asks and loads the one it names).
+
+It watches server 0 too: when server 0 stops answering, this server stops (exit 3), as a
+trainer without ``--reconnect`` does; restarted, it registers again and loads what server 0
+says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+
+from psserver.config import OptimizerConfig, ServerConfig
+from psserver.errors import ServerLost, UsageError
+from psserver.ps import endpoint as rpc_endpoint
+from psserver.ps import peers, rendezvous, torch_rpc
+from psserver.ps.checkpointing import CheckpointPolicy
+from psserver.ps.endpoint import Endpoint
+from psserver.ps.engine import StepEngine, resolve_devices
+from psserver.ps.membership import Member
+from psserver.ps.messages import JoinRequest, ServerHello
+from psserver.ps.protocols import PROTOCOLS
+from psserver.telemetry import TrainerStatus
+from psserver.utils.memory import configure_host_allocator, freeze_long_lived
+
+log = logging.getLogger(__name__)
+
+WATCH_S = 1.0
+MISSED_TO_LOSE = 3
+"""Unanswered pings of server 0 in a row after which this server gives up on it."""
+STOP_WAIT_S = 120.0
+"""After SIGTERM while server 0 stops too: how long to wait for it to finish its final checkpoint."""
+
+
+class Roster:
+    """The trainers server 0 admitted, as the endpoint's membership (``seen``, ``is_member``):
+    joins and leaves come from server 0, so this server evicts no one itself."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.members: dict[str, Member] = {}
+
+    def add(self, request: JoinRequest, protocol: str) -> None:
+        now = time.time()
+        with self.lock:
+            self.members[request.name] = Member(TrainerStatus(request.rank, request.name, request.host, now, now,
+                                                              step=protocol), -1, protocol)
+
+    def remove(self, name: str) -> Member | None:
+        with self.lock:
+            return self.members.pop(name, None)
+
+    def seen(self, name: str) -> Member:
+        with self.lock:
+            return self.members[name]
+
+    def is_member(self, name: str) -> bool:
+        with self.lock:
+            return name in self.members
+
+    def evict(self, name: str, reason: str) -> None:
+        """Server 0's guard decides evictions (every server's guard sees the same norm)."""
+        log.debug("not evicting %s here (%s): server 0 decides", name, reason)
+
+    def mean_loss(self) -> float | None:
+        return None
+
+
+class PartitionServer:
+    """One partition server; ``peer_ops`` are what server 0 calls."""
+
+    peer_ops = ("trainer_joined", "trainer_gone", "status", "save", "load", "shutdown")
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.engine = StepEngine(config, resolve_devices(config.devices))
+        self.policy = CheckpointPolicy(config, self.engine)
+        try:
+            self.policy.restore()  # checks the directory; loads nothing until server 0 says what
+        except BaseException:
+            self.engine.close()
+            raise
+        self.halves = {name: p.server(self.engine) for name, p in PROTOCOLS.items()}
+        self.endpoint = Endpoint(config, self.engine, self.halves, after_call=lambda: None)
+        self.roster = Roster()
+        self._shutdown = threading.Event()
+        self._reason = ""
+        self.exit_code = 0
+        log.info("server %d of %d: %d of the %s's parameters on %s", config.server_rank, config.num_servers,
+                 self.engine.num_params, config.model, self.engine.devices[0])
+
+    # ---- start, serve, stop ---------------------------------------------------------------
+
+    def start(self) -> None:
+        cfg = self.config
+        host, port = cfg.coordinator_address
+        where = f"{host}:{port}"
+        torch_rpc.check_version()
+        torch_rpc.restrict_unpickler()
+        try:
+            token = cfg.join_token()
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        store, url = rendezvous.connect_store(host, port, 60.0, cfg.rpc_timeout, token, until_serving=False)
+        rpc_id, _ = rendezvous.request_admission(store, cfg.server_rank, where, server=True)
+        rendezvous.set_transport_interface(cfg.host, local=True)
+        peers.install(self)
+        rpc_endpoint.install(self.endpoint)
+        try:
+            rpc.init_rpc(rendezvous.server_name(cfg.server_rank), rank=rpc_id, world_size=None,
+                         rpc_backend_options=rendezvous.backend_options(url, cfg.rpc_timeout, cfg.rpc_threads))
+        except RuntimeError as e:
+            raise ServerLost(f"cannot join the RPC group of server 0 at {where}: {str(e).splitlines()[0]}") from None
+        hello = ServerHello(cfg.server_rank, cfg.num_servers, cfg.model, cfg.seed, socket.gethostname(), os.getpid(),
+                            self.engine.num_params, self.policy.directory is not None)
+        reply = rpc.rpc_sync(rendezvous.SERVER_NAME, peers.server_call, args=("register", (hello,)))
+        if "error" in reply:
+            self._leave_group()
+            raise UsageError(reply["error"])
+        if reply["optimizer"] is not None:
+            self.engine.agree_optimizer(OptimizerConfig(**reply["optimizer"]), "server 0")
+        if reply["resume"] is not None:
+            self.policy.load_partition(int(reply["resume"]["step"]), str(reply["resume"]["run"]))
+        self.endpoint.open(self.roster)  # type: ignore[arg-type]
+        log.info("server %d serving its partition on %s (server 0 at %s)", cfg.server_rank, cfg.host, where)
+
+    def serve_forever(self) -> None:
+        missed = 0
+        while not self._shutdown.wait(WATCH_S):
+            try:
+                rpc.rpc_sync(rendezvous.SERVER_NAME, rendezvous.ping, timeout=2.0)
+                missed = 0
+            except RuntimeError as e:
+                missed += 1
+                if missed >= MISSED_TO_LOSE:
+                    log.error("lost server 0 (%s): stopping (restart this server once server 0 is back)",
+                              str(e).splitlines()[0] if str(e) else type(e).__name__)
+                    self.exit_code = 3
+                    self.request_shutdown("lost server 0")
+
+    def request_shutdown(self, reason: str) -> None:
+        if not self._shutdown.is_set():
+            self._reason = reason
+            self._shutdown.set()
+
+    def on_signal(self, signum: int) -> None:
+        """SIGTERM, SIGINT: when server 0 stops too it has this server wait for its final
+        checkpoint, then stop; otherwise this server leaves now (server 0 waits for it)."""
+        name = signal.Signals(signum).name
+
+        def ask() -> None:
+            try:
+                answer = rpc.rpc_sync(rendezvous.SERVER_NAME, peers.server_call,
+                                      args=("stopping", (self.config.server_rank,)), timeout=5.0)
+            except RuntimeError:
+                answer = "go"
+            if answer == "wait":
+                log.info("received %s while server 0 stops: waiting for its final checkpoint", name)
+                threading.Timer(STOP_WAIT_S, self.request_shutdown, args=(f"received {name}",)).start()
+            else:
+                self.request_shutdown(f"received {name}")
+
+        threading.Thread(target=ask, name="psserver-stopping", daemon=True).start()
+
+    def stop(self) -> None:
+        log.info("stopping: %s", self._reason or "shutdown")
+        self.endpoint.drain()
+        self.engine.drain()
+        self.engine.wait_idle(5.0)
+        if self.policy.checkpointer is not None:
+            self.policy.checkpointer.wait()
+        for half in self.halves.values():
+            half.close()
+        self._leave_group()
+        self.engine.close()
+        log.info("server %d stopped", self.config.server_rank)
+
+    def _leave_group(self) -> None:
+        peers.install(None)
+        if torch_rpc.agent_is_set():
+            with contextlib.suppress(RuntimeError):
+                rpc.shutdown(graceful=False)
+        rpc_endpoint.install(None)
+
+    # ---- what server 0 calls ----------------------------------------------------------------
+
+    def trainer_joined(self, request: JoinRequest, protocol: str, optimizer: dict | None) -> None:
+        if optimizer is not None:
+            self.engine.agree_optimizer(OptimizerConfig(**optimizer), "server 0")
+        self.halves[protocol].join_info(request.name, request)
+        self.roster.add(request, protocol)
+        self.engine.trainer_joined(request.name)
+
+    def trainer_gone(self, name: str) -> None:
+        member = self.roster.remove(name)
+        if member is not None:
+            self.halves[member.protocol].trainer_gone(name, True)
+            self.engine.trainer_gone(name)
+
+    def status(self) -> dict[str, Any]:
+        return {"updates": self.engine.global_step, "bytes": sum(s.num_bytes for s in self.engine.shards)}
+
+    def save(self, step: int, run: str) -> str:
+        return self.policy.save_partition(step, run)
+
+    def load(self, step: int, run: str) -> None:
+        for name in list(self.roster.members):
+            self.trainer_gone(name)
+        self.policy.load_partition(step, run)
+
+    def shutdown(self, reason: str) -> None:
+        self.request_shutdown(reason)
+
+
+def run_partition_server(config: ServerConfig) -> int:
+    """``psserver serve --server-rank i`` (i > 0): 0 after a stop, 3 when server 0 was lost."""
+    torch.set_num_threads(config.compute_threads or os.cpu_count() or 1)
+    configure_host_allocator(config.allocator)
+    server = PartitionServer(config)
+    previous = {}
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        server.on_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous[sig] = signal.signal(sig, on_signal)
+    try:
+        try:
+            server.start()
+        except BaseException:
+            server.stop()
+            raise
+        freeze_long_lived()
+        server.serve_forever()
+        server.stop()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if server.exit_code:
+        raise ServerLost(f"server {config.server_rank} lost server 0 at {config.coordinator}")
+    return 0

@@ -1,0 +1,161 @@
+"""Several server processes hold one model (``--num-servers``), through the real CLI and RPC:
+the same weights as one server, accuracy with two trainers, the status of every server, a
+server killed and restarted, and the errors a misconfigured server gets."""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from psserver.checkpoint import checkpoint_path, list_checkpoints, read_checkpoint, step_of
+from psserver.control.client import ControlClient
+from psserver.ps.partition import PartitionPlan
+from tests.procs import MNIST_ARGS, Proc, ProcessGroup, accuracy, free_port, run
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+STEPS, BATCH, LR = 20, 256, 0.01
+LISTENING = re.compile(r"control plane listening on (\S+):(\d+)")
+
+
+def start_servers(procs: ProcessGroup, port: int, n: int, *extra: str, ckpt: Path | None = None,
+                  control: bool = False, per_server: dict[int, list[str]] | None = None) -> list[Proc]:
+    """Server 0 on ``port`` and servers 1..n-1 pointed at it; returns once all serve."""
+    ck = ["--checkpoint-dir", str(ckpt)] if ckpt is not None else []
+    s0 = procs.server(port, "--num-servers", str(n), "--server-rank", "0", *ck, *extra, *(per_server or {}).get(0, []),
+                      control_port=0 if control else None, wait=False)
+    servers = [s0]
+    for i in range(1, n):
+        servers.append(procs.start(["serve", "--num-servers", str(n), "--server-rank", str(i), "--coordinator",
+                                    f"127.0.0.1:{port}", "--port", str(free_port()), *ck, *extra,
+                                    *(per_server or {}).get(i, [])], f"server{i}-{port}"))
+    s0.wait_for(r"all \d+ server processes are serving", timeout=90)
+    return servers
+
+
+def gathered(ckpt: Path, n: int) -> list[torch.Tensor]:
+    """The whole model's parameters from each server's newest checkpoint file, in model order."""
+    newest = [list_checkpoints(ckpt / f"server-{i}")[0] for i in range(n)]
+    steps = {step_of(path) for path in newest}
+    assert len(steps) == 1, f"servers' newest checkpoints are of different steps: {steps}"
+    states = [read_checkpoint(path) for path in newest]
+    plan = PartitionPlan.from_dict(states[0]["partition"]["plan"])
+    buffers = [torch.cat([v.reshape(-1) for v in s["shards"][0]["module"].values()]) for s in states]
+    like = [torch.empty(n) for n in plan.sizes]
+    return plan.gather(buffers, like)
+
+
+@pytest.mark.timeout(240)
+def test_two_servers_give_the_weights_of_one_in_sync(procs, port, tmp_path):
+    """One trainer, ``--update sync --sync-trainers 1``, 20 Adam steps of ``mlp``: two server
+    processes end with the parameters one server ends with (to 1e-6)."""
+    common = ["--model", "mlp", "--update", "sync", "--sync-trainers", "1"]
+    train = ["--num-trainers", "1", "--epochs", "2", "--max-steps", str(STEPS), "--batch-size", str(BATCH),
+             "--optimizer", "adam", "--lr", str(LR)]
+    one = procs.server(port, *common, "--checkpoint-dir", str(tmp_path / "one"))
+    t = procs.trainer(port, 0, *train)
+    assert t.wait(120) == 0, t.tail()
+    assert procs.stop(one) == 0, one.tail()
+    single = read_checkpoint(list_checkpoints(tmp_path / "one")[0])
+    expected = list(single["shards"][0]["module"].values())
+
+    port2 = free_port()
+    servers = start_servers(procs, port2, 2, *common, ckpt=tmp_path / "two")
+    t2 = procs.trainer(port2, 0, *train)
+    assert t2.wait(120) == 0, t2.tail()
+    assert procs.stop(servers[0]) == 0, servers[0].tail()  # the final checkpoint, every partition of it
+    assert servers[1].wait(30) == 0, servers[1].tail()  # server 0 stopped it
+    got = gathered(tmp_path / "two", 2)
+    for i in range(2):
+        state = read_checkpoint(list_checkpoints(tmp_path / "two" / f"server-{i}")[0])
+        assert state["global_step"] == STEPS
+        assert state["partition"]["server_rank"] == i and state["partition"]["num_servers"] == 2
+    diffs = [float((g.reshape(-1) - e.reshape(-1)).abs().max()) for g, e in zip(got, expected, strict=True)]
+    assert max(diffs) <= 1e-6, diffs
+    assert float((expected[0] - single["shards"][0]["module"]["1.weight"]).abs().max()) == 0
+
+
+@pytest.mark.timeout(420)
+def test_two_servers_two_trainers_train_mnist_cnn_and_show_in_status(procs, port, mnist_dir, tmp_path):
+    """2 server processes + 2 trainers, ``mnist_cnn`` on the MNIST split, 3 epochs: accuracy
+    >= 0.97 on both; status lists both servers, each holding about half the bytes."""
+    servers = start_servers(procs, port, 2, "--model", "mnist_cnn", control=True)
+    address = "{}:{}".format(*servers[0].wait_for(LISTENING.pattern, timeout=30).groups())
+    trainers = [procs.trainer(port, r, "--num-trainers", "2", "--epochs", "3", "--lr", "0.001", *MNIST_ARGS)
+                for r in range(2)]
+    for t in trainers:
+        assert t.wait(360) == 0, t.tail()
+        assert accuracy(t) >= 0.97, t.tail()
+    client = ControlClient(address, timeout=10)
+    try:
+        status = client.get_status()
+    finally:
+        client.close()
+    assert [s.rank for s in status.servers] == [0, 1]
+    assert [s.name for s in status.servers] == ["psserver", "psserver_1"]
+    total = sum(s.bytes for s in status.servers)
+    assert total == status.num_params * 4
+    for s in status.servers:
+        assert abs(s.bytes / total - 0.5) <= 0.05, [(x.rank, x.bytes) for x in status.servers]
+        assert s.updates_applied > 0
+    # Both trainers' steps reached both servers: each applied one update per trainer step.
+    steps = sum(int(re.search(r"rank \d+: (\d+) steps", t.output()).group(1)) for t in trainers)
+    assert [s.updates_applied for s in status.servers] == [steps, steps]
+    done = run(["--log-level", "ERROR", "status", "--address", address], timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "psserver_1" in done.stdout
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_server_comes_back_and_every_server_returns_to_one_checkpoint(procs, port, tmp_path):
+    """SIGKILL server 1 mid-training: a trainer without ``--reconnect`` exits 3 naming it, one
+    with it waits; server 1 restarted with ``--resume``: every server loads the same complete
+    checkpoint and the trainer finishes."""
+    ckpt = tmp_path / "ckpt"
+    common = ["--model", "mlp", "--checkpoint-every", "20", "--trainer-timeout", "2"]
+    servers = start_servers(procs, port, 2, *common, ckpt=ckpt)
+    slow = {"PSSERVER_TEST_STEP_DELAY": "0.02"}
+    keeps = procs.trainer(port, 0, "--num-trainers", "2", "--epochs", "3", "--reconnect", env=slow)
+    quits = procs.trainer(port, 1, "--num-trainers", "2", "--epochs", "3", env=slow)
+    servers[0].wait_for(r"checkpoint step (\d+) written", timeout=90)
+    time.sleep(1.0)
+    servers[1].signal(signal.SIGKILL)
+    servers[1].wait(10)
+    servers[0].wait_for(r"server 1 \(psserver_1 on \S+\) lost", timeout=30)
+    assert quits.wait(60) == 3, quits.tail()
+    assert "server 1 (psserver_1)" in quits.output(), quits.tail()
+
+    back = procs.start(["serve", "--num-servers", "2", "--server-rank", "1", "--coordinator", f"127.0.0.1:{port}",
+                        "--port", str(free_port()), "--checkpoint-dir", str(ckpt), "--resume", *common], "server1-back")
+    step = int(servers[0].wait_for(r"every server goes back to checkpoint step (\d+)", timeout=60).group(1))
+    back.wait_for(r"resumed from \S+: global step", timeout=30)
+    assert f"loads checkpoint step {step}" in servers[0].output()
+    assert re.search(rf"resumed from \S+server-1/ckpt-0*{step}\.pt: global step", back.output()), back.tail()
+    assert (ckpt / "server-0" / checkpoint_path(Path(), step).name).is_file()
+    assert (ckpt / "server-1" / checkpoint_path(Path(), step).name).is_file()
+    assert keeps.wait(180) == 0, keeps.tail()
+    assert "reconnected as trainer_0_" in keeps.output()
+    assert procs.stop(servers[0]) == 0, servers[0].tail()
+    assert back.wait(30) == 0, back.tail()
+
+
+@pytest.mark.timeout(120)
+def test_misconfigured_servers_get_one_line(procs, port):
+    r = run(["serve", "--num-servers", "2", "--server-rank", "1"], timeout=30)
+    assert r.returncode == 2 and "needs --coordinator" in r.stderr and "Traceback" not in r.stderr
+    r = run(["serve", "--num-servers", "2", "--server-rank", "2", "--coordinator", "127.0.0.1:1"], timeout=30)
+    assert r.returncode == 2 and "--server-rank 2 must be in 0..1" in r.stderr
+    s0 = procs.server(port, "--model", "mlp", "--num-servers", "2", "--server-rank", "0", wait=False)
+    s0.wait_for(r"waiting for server process\(es\) 1 of 2", timeout=60)
+    r = run(["serve", "--model", "mnist_cnn", "--num-servers", "2", "--server-rank", "1", "--coordinator",
+             f"127.0.0.1:{port}", "--port", str(free_port())], timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "server 0 refused this server: model mnist_cnn" in r.stderr and "Traceback" not in r.stderr
+    # A trainer meanwhile waits for the missing server, then says so.
+    t = run(["train", "--server", f"127.0.0.1:{port}", "--rank", "0", "--connect-timeout", "3"], timeout=60)
+    assert t.returncode == 2 and "did not finish starting" in t.stderr, t.stderr
