@@ -112,10 +112,6 @@ class Endpoint:
         step = self._protocol_of(request)
         half = self.halves[step]
         cfg = self.config
-        if self.group is not None and cfg.update == "sync" and self.membership.active_count() >= cfg.sync_trainers:
-            # Every server must form the same rounds: with several, a round holds every live trainer.
-            raise ValueError(f"with --num-servers {cfg.num_servers} a sync round holds every live trainer, and "
-                             f"{cfg.sync_trainers} (--sync-trainers) are live already")
         requested = OptimizerConfig(**request.optimizer) if request.optimizer else None
         optimizer = self.engine.agree_optimizer(requested, request.name)
         join_info = half.join_info(request.name, request)

@@ -98,8 +98,8 @@ class StepEngine:
             self.shards = [Shard(i, m, d) for i, (m, d) in enumerate(zip(stages, self.devices, strict=True))]
         self.params: list[nn.Parameter] = [p for s in self.shards for p in s.params]
         self.trainable = [p for p in self.params if p.requires_grad]
-        self.updater = make_updater(self.config.update, self.shards, self._on_step, self.config.sync_trainers,
-                                    self.config.staleness)
+        self.updater = make_updater(cfg.update, self.shards, self._on_step, cfg.sync_trainers, cfg.staleness,
+                                    follower=cfg.server_rank > 0)
 
     # ---- the model ------------------------------------------------------------------------
 

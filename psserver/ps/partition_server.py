@@ -37,6 +37,7 @@ from psserver.ps.engine import StepEngine, resolve_devices
 from psserver.ps.membership import Member
 from psserver.ps.messages import JoinRequest, ServerHello
 from psserver.ps.protocols import PROTOCOLS
+from psserver.ps.updates import FollowerSyncUpdater
 from psserver.telemetry import TrainerStatus
 from psserver.utils.memory import configure_host_allocator, freeze_long_lived
 
@@ -86,7 +87,7 @@ class Roster:
 class PartitionServer:
     """One partition server; ``peer_ops`` are what server 0 calls."""
 
-    peer_ops = ("trainer_joined", "trainer_gone", "status", "save", "load", "shutdown")
+    peer_ops = ("trainer_joined", "trainer_gone", "status", "save", "load", "shutdown", "sync_round")
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
@@ -138,6 +139,7 @@ class PartitionServer:
             self.engine.agree_optimizer(OptimizerConfig(**reply["optimizer"]), "server 0")
         if reply["resume"] is not None:
             self.policy.load_partition(int(reply["resume"]["step"]), str(reply["resume"]["run"]))
+        self._follow_rounds(int(reply["rounds"]))
         self.endpoint.open(self.roster)  # type: ignore[arg-type]
         log.info("server %d serving its partition on %s (server 0 at %s)", cfg.server_rank, cfg.host, where)
 
@@ -220,10 +222,20 @@ class PartitionServer:
     def save(self, step: int, run: str) -> str:
         return self.policy.save_partition(step, run)
 
-    def load(self, step: int, run: str) -> None:
+    def load(self, step: int, run: str, rounds: int) -> None:
         for name in list(self.roster.members):
             self.trainer_gone(name)
         self.policy.load_partition(step, run)
+        self._follow_rounds(rounds)
+
+    def sync_round(self, round_no: int, contributors: list[str]) -> None:
+        updater = self.engine.updater
+        if isinstance(updater, FollowerSyncUpdater):
+            self.engine.compute.run(updater.decide, round_no, contributors)
+
+    def _follow_rounds(self, rounds: int) -> None:
+        if isinstance(self.engine.updater, FollowerSyncUpdater):
+            self.engine.updater.start_at(rounds)
 
     def shutdown(self, reason: str) -> None:
         self.request_shutdown(reason)

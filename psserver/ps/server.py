@@ -32,6 +32,7 @@ from psserver.ps.membership import Membership
 from psserver.ps.protocols import PROTOCOLS
 from psserver.ps.server_group import ServerGroup
 from psserver.ps.status import ServerView
+from psserver.ps.updates import SyncUpdater
 from psserver.utils.memory import configure_host_allocator, freeze_long_lived
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ class ParameterServer:
             self.policy.before_write = self.group.save_partitions
             self.endpoint.group = self.group
             self.view.group = self.group
+            if isinstance(self.engine.updater, SyncUpdater):
+                self.engine.updater.round_listeners.append(self.group.round_closed)
         self._shutdown = threading.Event()
         self._shutdown_reason = ""
         log.info("model %s (%d parameters%s) in %d stage(s) on %s%s", config.model, self.engine.model_params,

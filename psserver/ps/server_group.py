@@ -81,6 +81,7 @@ class ServerGroup:
         """The checkpoint server 0 started from: every server loads its partition of it."""
         self.draining = False
         self._complete_once = False  # all servers were there at least once (training may have begun)
+        self._serving: tuple[Peer, ...] = ()  # read without the lock (round_closed runs under the updater's)
         self.lock = threading.RLock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="psserver-servers", daemon=True)
@@ -154,6 +155,7 @@ class ServerGroup:
             peer.host, peer.pid, peer.rpc_id = hello.host, hello.pid, info.id
             peer.parameters, peer.missed, peer.last_seen = hello.parameters, 0, time.monotonic()
             peer.state = "SERVING"
+            self._serving = tuple(p for p in self.peers.values() if p.state == "SERVING")
             if self.membership is not None:
                 self.membership.peers.add(peer.name)
             log.info("server %d (%s) registered from %s, pid %d%s", peer.rank, peer.name, hello.host, hello.pid,
@@ -165,7 +167,22 @@ class ServerGroup:
             self.set_state(rendezvous.SERVING)
             log.info("all %d server processes are serving", cfg.num_servers)
         optimizer = self.engine.optimizer_config
-        return {"resume": resume, "optimizer": asdict(optimizer) if optimizer else None}
+        return {"resume": resume, "optimizer": asdict(optimizer) if optimizer else None, "rounds": self._rounds()}
+
+    def _rounds(self) -> int:
+        """Sync rounds server 0 has closed (0 in other modes)."""
+        return int(getattr(self.engine.updater, "rounds", 0))
+
+    def round_closed(self, round_no: int, contributors: list[str]) -> None:
+        """Server 0's sync round closed: the others apply the same one (``FollowerSyncUpdater``).
+        Runs under the updater's lock: only sends, never waits or takes the group's lock."""
+        for peer in self._serving:
+            try:
+                fut = rpc.rpc_async(peer.name, peers.server_call, args=("sync_round", (round_no, contributors)),
+                                    timeout=self.config.rpc_timeout)
+                fut.add_done_callback(lambda f, p=peer: _log_failure(f, p, f"sync round {round_no}"))
+            except RuntimeError as e:
+                log.debug("could not send sync round %d to server %d: %s", round_no, peer.rank, e)
 
     def _roll_back(self, returning: Peer) -> dict | None:
         """(lock held) A lost server is back: every server to the newest complete checkpoint.
@@ -185,7 +202,8 @@ class ServerGroup:
             return None
         resume = {"step": step, "run": self.policy.run_id}
         others = [p for p in self.peers.values() if p.state == "SERVING" and p is not returning]
-        for peer, result in self._call_all(others, "load", (step, self.policy.run_id), SAVE_TIMEOUT_S):
+        for peer, result in self._call_all(others, "load", (step, self.policy.run_id, self._rounds()),
+                                           SAVE_TIMEOUT_S):
             if isinstance(result, BaseException):
                 log.error("server %d could not load checkpoint step %d: %s", peer.rank, step, _first_line(result))
                 self._lose(peer, f"it could not load checkpoint step {step}")
@@ -298,6 +316,7 @@ class ServerGroup:
             if peer.state != "SERVING":
                 return
             peer.state = "LOST"
+            self._serving = tuple(p for p in self.peers.values() if p.state == "SERVING")
             if self.membership is not None:
                 self.membership.peers.discard(peer.name)
         log.error("server %d (%s on %s) lost: %s. The job's steps wait until it is back: restart it (it goes back, "

@@ -80,6 +80,28 @@ def test_two_servers_give_the_weights_of_one_in_sync(procs, port, tmp_path):
     assert float((expected[0] - single["shards"][0]["module"]["1.weight"]).abs().max()) == 0
 
 
+@pytest.mark.timeout(240)
+def test_sync_rounds_are_the_same_on_every_server(procs, port, tmp_path):
+    """Two trainers, ``--update sync --sync-trainers 2``, three servers (the second trainer
+    joins while the first trains): every server applies the rounds server 0 decides, so all
+    end at the same global step with the same optimizer step count."""
+    servers = start_servers(procs, port, 3, "--model", "mlp", "--update", "sync", "--sync-trainers", "2",
+                            ckpt=tmp_path)
+    trainers = [procs.trainer(port, r, "--num-trainers", "2", "--max-steps", "40", "--batch-size", "32")
+                for r in range(2)]
+    for t in trainers:
+        assert t.wait(120) == 0, t.tail()
+    assert procs.stop(servers[0]) == 0, servers[0].tail()
+    for s in servers[1:]:
+        assert s.wait(30) == 0, s.tail()
+    states = [read_checkpoint(list_checkpoints(tmp_path / f"server-{i}")[0]) for i in range(3)]
+    assert len({s["global_step"] for s in states}) == 1, [s["global_step"] for s in states]
+    assert len({s["samples_seen"] for s in states}) == 1
+    optimizer_steps = {int(v["step"]) for s in states for v in s["shards"][0]["optimizer"]["state"].values()}
+    assert optimizer_steps == {states[0]["global_step"]}
+    assert 40 <= states[0]["global_step"] <= 80
+
+
 @pytest.mark.timeout(420)
 def test_two_servers_two_trainers_train_mnist_cnn_and_show_in_status(procs, port, mnist_dir, tmp_path):
     """2 server processes + 2 trainers, ``mnist_cnn`` on the MNIST split, 3 epochs: accuracy

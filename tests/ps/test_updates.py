@@ -416,3 +416,46 @@ def test_sync_staleness_is_zero_when_every_trainer_is_in_the_round():
     for t, entered_at in (("a", 0), ("b", 1)):  # b took part once a had started its step 1
         p = up.progress(t)
         assert (p.clock, p.done, p.staleness, p.max_staleness) == (entered_at + 3, entered_at + 3, 0, 0)
+
+
+def test_a_follower_applies_the_rounds_server_0_decides_in_their_order():
+    """Several server processes, sync: server 0's rounds, whatever order gradients and
+    decisions arrive in here; a round waits for its gradients, never for a trainer that is gone."""
+    leader_shard, shard = make_shard(), make_shard()
+    leader_steps, steps = [], []
+    leader = SyncUpdater([leader_shard], lambda s, n: leader_steps.append((s, n)), k=2)
+    follower = make_updater("sync", [shard], lambda s, n: steps.append((s, n)), 2, follower=True)
+    decided = []
+    leader.round_listeners.append(lambda r, names: decided.append((r, names)))
+    for t in ("a", "b", "c"):
+        leader.trainer_joined(t)
+        follower.trainer_joined(t)
+    # Server 0: c and a make round 1; b waits for round 2.
+    for t, v in (("c", 3.0), ("a", 1.0), ("b", 5.0)):
+        leader.submit(t, grads(leader_shard, v), 4)
+    assert decided == [(1, ["a", "c"])]
+    # Here b's gradient arrives first, then round 1's decision, then a's and c's gradients.
+    follower.submit("b", grads(shard, 5.0), 4)
+    follower.decide(*decided[0])
+    assert steps == []
+    follower.submit("a", grads(shard, 1.0), 4)
+    assert steps == []  # c's is still on its way
+    follower.submit("c", grads(shard, 3.0), 4)
+    assert steps == [(1, 8)]
+    assert torch.equal(shard.params[0], leader_shard.params[0])
+    # a and c go on; round 2 is b's and a's. A decision ahead of its turn waits for round 2.
+    leader.submit("a", grads(leader_shard, 2.0), 4)
+    leader.trainer_gone("c")  # round 2 had a and b: complete
+    assert decided[1] == (2, ["a", "b"])
+    follower.trainer_gone("c")
+    # Round 3's decision comes early (it names x, which never reached this server): it waits.
+    follower.decide(3, ["b", "x"])
+    follower.submit("a", grads(shard, 2.0), 4)
+    follower.decide(*decided[1])
+    assert steps == [(1, 8), (2, 8)]
+    assert torch.equal(shard.params[0], leader_shard.params[0])
+    # wait_turn returns once a trainer's gradient is in an applied round.
+    follower.wait_turn("a", timeout=1.0)
+    # Round 3 applies once b's gradient is here, without x's.
+    follower.submit("b", grads(shard, 1.0), 4)
+    assert steps[-1] == (3, 4)
