@@ -39,6 +39,29 @@ def test_clipping_matches_clip_grad_norm():
     assert guard.check("t", small) is small  # under the bound: untouched, not copied
 
 
+def test_partitions_of_one_gradient_are_clipped_and_dropped_alike_with_its_whole_norm():
+    """Several server processes: each holds a partition of the gradient; with the whole
+    gradient's norm (the trainer sends it) every server clips by the same factor, which is
+    clip_grad_norm_ over the whole model, and drops a step that is not finite anywhere."""
+    model = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2))
+    grads = _grads(model, scale=10.0)
+    params = list(model.parameters())
+    whole = total_norm(list(grads.values()))
+    parts = [{p: grads[p] for p in params[:2]}, {p: grads[p] for p in params[2:]}]
+    guards = [GradientGuard(max_norm=1.0, max_nonfinite=3) for _ in parts]
+    clipped = {}
+    for guard, part in zip(guards, parts, strict=True):
+        clipped.update(guard.check("t", part, whole))
+    for p, g in grads.items():
+        p.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    for p in params:
+        torch.testing.assert_close(clipped[p], p.grad)
+    # A NaN on server 1's partition only: server 0 drops its (finite) part too.
+    assert guards[0].check("t", parts[0], float("nan")) is None
+    assert guards[0].counts("t").nonfinite == 1
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_a_non_finite_gradient_is_refused_and_counted_in_a_row(bad):
     model = nn.Linear(8, 4)

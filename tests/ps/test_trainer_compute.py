@@ -115,3 +115,62 @@ def test_a_narrow_wire_trains_close_to_fp32_and_the_server_stays_fp32(wire):
     full, narrow = run("fp32"), run(wire)
     assert narrow[-1] < narrow[0] * 0.5  # it learns
     assert narrow[-1] == pytest.approx(full[-1], rel=0.2, abs=0.05)
+
+
+class PartitionChannel:
+    """The channel of a trainer of several server processes: ``call_each`` hands each server
+    its arguments, in-process (one engine per server rank)."""
+
+    def __init__(self, halves: list[PushPullServer], plan: dict) -> None:
+        self.name = "t"
+        self.halves = halves
+        self.device = torch.device("cpu")
+        self.wire_dtype = torch.float32
+        self.servers = [f"server{i}" for i in range(len(halves))]
+        request = JoinRequest(0, "t", "h", 1, None, None, "trainer", "fp32")
+        self.info: dict[str, Any] = {"model": "mnist_cnn", **halves[0].join_info("t", request), "plan": plan}
+        for half in halves[1:]:
+            half.join_info("t", request)
+        self.sent: list[list[int]] = []
+
+    def call_each(self, op: str, args: list[tuple]) -> list[Any]:
+        if op == "exchange":
+            self.sent.append([0 if a[0] is None else a[0][0].numel() for a in args])
+        return [getattr(half, op)(self.name, *a) for half, a in zip(self.halves, args, strict=True)]
+
+
+def test_a_trainer_of_several_servers_trains_as_one_server():
+    """``mnist_cnn`` over 3 server processes (its 9216x128 layer cut across them): a trainer's
+    steps give the parameters of one server, each server gets only its slice of the gradient."""
+    opt = OptimizerConfig(name="adam", lr=0.01)
+    one = StepEngine(ServerConfig(model="mnist_cnn", devices=["cpu"], optimizer=opt), [torch.device("cpu")])
+    parts = [StepEngine(ServerConfig(model="mnist_cnn", devices=["cpu"], optimizer=opt, num_servers=3, server_rank=i,
+                                     coordinator=None if i == 0 else "127.0.0.1:1"), [torch.device("cpu")])
+             for i in range(3)]
+    try:
+        for e in (one, *parts):
+            e.trainer_joined("t")
+        plan = parts[0].plan
+        assert plan is not None and any(len({p.server for p in plan.pieces if p.param == i}) == 3
+                                        for i in range(len(plan.sizes)))
+        reference = Channel(PushPullServer(one), "cpu", "fp32")
+        reference.info["model"] = "mnist_cnn"
+        single = PushPullTrainer(reference)
+        channel = PartitionChannel([PushPullServer(e) for e in parts], plan.to_dict())
+        several = PushPullTrainer(channel)
+        for i, (x, y) in enumerate(batches(3)):
+            torch.manual_seed(i)  # the same dropout masks in both replicas
+            loss = several.step(x, y)
+            torch.manual_seed(i)
+            assert loss == pytest.approx(single.step(x, y), rel=1e-6)
+        single.flush()
+        several.flush()
+        assert channel.sent[1] == plan.elements_per_server()  # each server its slice, no more
+        got = plan.gather([e.flat_parameters()[0] for e in parts], one.params)
+        for p, q in zip(one.params, got, strict=True):
+            assert torch.allclose(p.detach(), q, atol=1e-6)
+        x = torch.randn(8, 1, 28, 28)
+        assert torch.allclose(several.evaluate(x), single.evaluate(x), atol=1e-5)
+    finally:
+        for e in (one, *parts):
+            e.close()
