@@ -2,8 +2,9 @@
 
 By size, as the parameter servers that run at scale do (MXNet's KVStore splits arrays above a
 bound across all servers; BytePS cuts tensors into 4 MB partitions; ps-lite gives each server
-a key range): a parameter larger than ``split_above`` elements is cut into one contiguous
-slice per server, so the largest tensors never pile onto one process; the smaller ones are
+a key range): a parameter larger than ``split_above`` elements, or than 1/``SHARE_FRACTION``
+of a server's share, is cut into one contiguous slice per server, so the largest tensors
+never pile onto one process; the smaller ones are
 packed whole, largest first, each onto the server holding the fewest elements so far. The
 plan is a pure function of the parameter sizes and the number of servers, so every process
 computes the same one; it is recorded in a checkpoint and checked against the model when one
@@ -22,7 +23,13 @@ import torch
 from torch import nn
 
 SPLIT_ABOVE = 1 << 20
-"""Elements above which a parameter is cut across the servers (4 MB in fp32: BytePS's partition size)."""
+"""Elements above which a parameter is always cut across the servers (4 MB in fp32: BytePS's
+partition size)."""
+SHARE_FRACTION = 16
+"""A parameter above 1/16 of a server's share of the model is cut too, whatever its size: the
+tensors packed whole are then small against each share, so the greedy packing keeps every
+server within about 1/16 of a share of the mean (a model of a few large tensors, say an MLP of
+two 1024-wide layers, would otherwise leave most of it on one or two servers)."""
 PLAN_FORMAT = 1
 
 
@@ -124,8 +131,9 @@ def make_plan(sizes: Sequence[int], num_servers: int, split_above: int = SPLIT_A
     load = [0] * num_servers
     pieces: list[Piece] = []
     small: list[int] = []
+    bound = min(split_above, max(1, sum(sizes) // (SHARE_FRACTION * num_servers)))
     for i, n in enumerate(sizes):
-        if n > split_above and num_servers > 1:
+        if n > bound and num_servers > 1:
             base, extra = divmod(n, num_servers)
             start = 0
             for s in range(num_servers):

@@ -13,9 +13,10 @@ def sizes_of(model: str) -> list[int]:
     return [p.numel() for p in build_model(model).parameters()]
 
 
-@pytest.mark.parametrize("servers", [1, 2, 3, 4])
-def test_every_element_is_held_once_and_the_load_is_balanced(servers):
-    sizes = sizes_of("mnist_cnn")
+@pytest.mark.parametrize("model", ["mnist_cnn", "mlp", "mlp_wide", "resnet18"])
+@pytest.mark.parametrize("servers", [1, 2, 3, 4, 8])
+def test_every_element_is_held_once_and_the_load_is_balanced(model, servers):
+    sizes = sizes_of(model)
     plan = make_plan(sizes, servers)
     covered = [torch.zeros(n, dtype=torch.int32) for n in sizes]
     for p in plan.pieces:
