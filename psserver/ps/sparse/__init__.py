@@ -1,0 +1,1 @@
+"""Sparse parameters: embedding tables that live only on the servers (issue 19)."""
