@@ -12,27 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from psserver.utils.hashing import mix64
+
 EMPTY, DELETED = -1, -2
 _MAX_LOAD = 0.5
-_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64
-_M1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
-_M2 = -7723592293110705685  # 0x94D049BB133111EB
-
-
-def mix64(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser on int64 (wrapping arithmetic): well-spread bits from any ids,
-    sequential ones included. Also the source of the rows' deterministic initial values."""
-    x = x + _GOLDEN
-    x = (x ^ _shr(x, 30)) * _M1
-    x = (x ^ _shr(x, 27)) * _M2
-    return x ^ _shr(x, 31)
-
-
-def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (x >> n) & ((1 << (64 - n)) - 1)
-
-
 class IdIndex:
     """Maps unique int64 ids to int64 values (row slots); batch operations only."""
 

@@ -13,12 +13,12 @@ memory per id.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
 
-from psserver.ps.sparse.index import IdIndex, mix64
+from psserver.ps.sparse.index import IdIndex
+from psserver.utils.hashing import mix64, normal_by_id
 
 log = logging.getLogger(__name__)
 
@@ -176,14 +176,7 @@ class EmbeddingTable:
     def initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Each id's initial row, N(0, init_std) from a hash of (seed, id, column): the same on
         every server and every time the row is created."""
-        dim = self.spec.dim
-        cols = torch.arange(dim, dtype=torch.int64)
-        base = mix64(ids.to(torch.int64) ^ (self.spec.seed * 0x2545F491))
-        bits = mix64(base.unsqueeze(1) * (dim + 1) + cols)  # two uniforms per value
-        u1 = ((_shr11(bits) + 1).to(torch.float64)) / float(1 << 53)
-        u2 = (_shr11(mix64(bits)).to(torch.float64)) / float(1 << 53)
-        normal = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2 * math.pi * u2)
-        return (normal * self.spec.init_std).to(torch.float32)
+        return normal_by_id(ids, self.spec.dim, self.spec.seed) * self.spec.init_std
 
     def _create(self, ids: torch.Tensor) -> torch.Tensor:
         overflow = self.num_rows + ids.numel() - self.spec.max_rows
@@ -284,6 +277,3 @@ class EmbeddingTable:
         self.counters = TableCounters(**state.get("counters", {}))
         self.counters.rows = self.num_rows
 
-
-def _shr11(x: torch.Tensor) -> torch.Tensor:
-    return (x >> 11) & ((1 << 53) - 1)
