@@ -397,6 +397,9 @@ def _join(config: TrainerConfig, position: Position | None, stop: StopSignals) -
         log.info("rejoining psserver %s (attempt %d)", where, attempt)
         try:
             session = Session(config, stop)
+        except JoinLost as e:  # init_rpc failed half-way: RPC cannot be initialised again in this process
+            log.warning("rejoin attempt %d failed (%s): rejoining in a fresh process", attempt, e)
+            reexec(position, stop)
         except (UsageError, RuntimeError) as e:
             log.warning("rejoin attempt %d failed (%s): retrying in %.1fs", attempt, _remote_message(e), delay)
             with stop.interruptible():
