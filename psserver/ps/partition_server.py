@@ -115,10 +115,7 @@ class PartitionServer:
         where = f"{host}:{port}"
         torch_rpc.check_version()
         torch_rpc.restrict_unpickler()
-        try:
-            token = cfg.join_token()
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+        token = rendezvous.join_token(cfg)
         store, url = rendezvous.connect_store(host, port, 60.0, cfg.rpc_timeout, token, until_serving=False)
         rpc_id, _ = rendezvous.request_admission(store, cfg.server_rank, where, server=True)
         rendezvous.set_transport_interface(cfg.host, local=True)

@@ -96,6 +96,15 @@ SERVER_REQUEST_PREFIX = "s"
 """An admission request ``s<rank>`` is a server process's, not a trainer's."""
 
 
+def join_token(config) -> str | None:
+    """The join token of a ``ServerConfig`` or ``TrainerConfig``, read once at start; an empty
+    or unreadable file is the user's mistake (``UsageError``)."""
+    try:
+        return config.join_token()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def namespace(token: str | None) -> str:
     """The job's key prefix in the store: derived from the join token, so only those who know
     it can read or write the job's keys; "" (no prefix) without a token."""

@@ -20,7 +20,6 @@ import torch.distributed.rpc as rpc
 from psserver import __version__
 from psserver.config import ServerConfig
 from psserver.control.server import ControlServer
-from psserver.errors import UsageError
 from psserver.metrics import start_exporters
 from psserver.ps import endpoint as rpc_endpoint
 from psserver.ps import rendezvous, torch_rpc
@@ -77,10 +76,7 @@ class ParameterServer:
         cfg = self.config
         torch_rpc.check_version()
         torch_rpc.restrict_unpickler()
-        try:
-            token = cfg.join_token()
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+        token = rendezvous.join_token(cfg)
         raw_store, self.store, url = rendezvous.create_server_store(cfg.host, cfg.port, cfg.rpc_timeout, token)
         self.published.set(self.store, rendezvous.KEY_SERVER_STATE, rendezvous.STARTING)
         rendezvous.set_transport_interface(cfg.host, local=True)

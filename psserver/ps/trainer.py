@@ -80,10 +80,7 @@ class Session:
         self.closed = False
         self.device = trainer_device(config.device)
         self.wire_dtype = WIRE_DTYPES[config.wire_dtype]
-        try:
-            token = config.join_token()
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+        token = rendezvous.join_token(config)
         with stop.interruptible() if stop is not None else contextlib.nullcontext():
             self.store, self.url = rendezvous.connect_store(
                 config.server_host, config.server_port, config.connect_timeout, config.rpc_timeout, token

@@ -38,19 +38,27 @@ class IdIndex:
     def _home(self, ids: torch.Tensor) -> torch.Tensor:
         return mix64(ids) & (self.capacity - 1)
 
-    def find(self, ids: torch.Tensor) -> torch.Tensor:
-        """The value of each id, -1 where it is absent."""
-        ids = ids.to(torch.int64)
-        out = torch.full_like(ids, -1)
+    def _locate(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(which of ``ids`` are present, their slots): one probe step for all per iteration."""
+        which, slots = [], []
         active = torch.arange(ids.numel())
         pos = self._home(ids)
         mask = self.capacity - 1
         while active.numel():
             keys = self._keys[pos]
             hit = keys == ids[active]
-            out[active[hit]] = self._vals[pos[hit]]
+            which.append(active[hit])
+            slots.append(pos[hit])
             go_on = ~(hit | (keys == EMPTY))
             active, pos = active[go_on], (pos[go_on] + 1) & mask
+        return torch.cat(which) if which else active, torch.cat(slots) if slots else active
+
+    def find(self, ids: torch.Tensor) -> torch.Tensor:
+        """The value of each id, -1 where it is absent."""
+        ids = ids.to(torch.int64)
+        out = torch.full_like(ids, -1)
+        which, slots = self._locate(ids)
+        out[which] = self._vals[slots]
         return out
 
     def insert(self, ids: torch.Tensor, values: torch.Tensor) -> None:
@@ -78,20 +86,11 @@ class IdIndex:
 
     def remove(self, ids: torch.Tensor) -> None:
         """Drop ``ids`` (absent ones are ignored)."""
-        ids = ids.to(torch.int64)
-        active = torch.arange(ids.numel())
-        pos = self._home(ids)
-        mask = self.capacity - 1
-        while active.numel():
-            keys = self._keys[pos]
-            hit = keys == ids[active]
-            where = pos[hit]
-            self._keys[where] = DELETED
-            self._vals[where] = -1
-            self.size -= int(hit.sum())
-            self._deleted += int(hit.sum())
-            go_on = ~(hit | (keys == EMPTY))
-            active, pos = active[go_on], (pos[go_on] + 1) & mask
+        _, slots = self._locate(ids.to(torch.int64))
+        self._keys[slots] = DELETED
+        self._vals[slots] = -1
+        self.size -= slots.numel()
+        self._deleted += slots.numel()
 
     def items(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every (id, value), in slot order."""
