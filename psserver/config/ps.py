@@ -8,6 +8,7 @@ from pathlib import Path
 
 from psserver.config.common import DataConfig, check_port, check_token_file, parse_host_port, read_join_token
 from psserver.config.control import ControlConfig, ObservabilityConfig
+from psserver.config.embedding import EmbeddingConfig
 from psserver.utils.memory import ALLOCATORS
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "rmsprop")
@@ -176,6 +177,8 @@ class ServerConfig:
     """``HOST:PORT`` of server 0's store (its ``--host``/``--port``), for a server of rank > 0."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint policy."""
+    embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    """The embedding tables of a recommendation model (ignored by a dense model)."""
     control: ControlConfig = field(default_factory=ControlConfig)
     """gRPC control plane."""
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
@@ -184,8 +187,10 @@ class ServerConfig:
     def __post_init__(self) -> None:
         from psserver.models import check_model_name
 
-        check_model_name(self.model)
+        spec = check_model_name(self.model)
         check_port(self.port, "--port")
+        if spec.sparse:
+            self._check_tables()
         self._check_servers()
         if self.update not in UPDATE_MODES:
             raise ValueError(f"--update must be one of {', '.join(UPDATE_MODES)}, got {self.update!r}")
@@ -238,6 +243,18 @@ class ServerConfig:
             if self.checkpoint.resume not in (None, "latest"):
                 raise ValueError(f"--resume PATH is for server 0; server {self.server_rank} loads the checkpoint "
                                  "server 0 resumes from (use --resume without a path, or none)")
+
+    def _check_tables(self) -> None:
+        """What a model with embedding tables on the servers cannot do (yet)."""
+        if self.update == "sync":
+            raise ValueError(f"model {self.model} keeps embedding tables on the servers: they are updated as each "
+                             "trainer's rows arrive (--update async or ssp), not in sync rounds")
+        if self.compute == "server":
+            raise ValueError(f"model {self.model} keeps embedding tables on the servers: trainers compute "
+                             "(--compute trainer)")
+        if self.devices is not None and len(self.devices) > 1:
+            raise ValueError(f"model {self.model}: the dense part of a model with embedding tables is one stage "
+                             "(one device per server process; use --num-servers for more)")
 
     @property
     def coordinator_address(self) -> tuple[str, int]:

@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from psserver.utils.hashing import mix64, normal_by_id
+from psserver.utils.metrics import auc  # re-exported: it lived here first
 
 
 @dataclass(frozen=True)
@@ -77,18 +78,4 @@ def make_synthetic_clicks(spec: ClickLogSpec, n_train: int, n_eval: int) -> tupl
     return make_click_log(spec, n_train, sample_seed=spec.seed), make_click_log(spec, n_eval, sample_seed=spec.seed + 1)
 
 
-def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """Area under the ROC curve (the Mann-Whitney statistic, ties counted half)."""
-    scores, labels = scores.double().reshape(-1), labels.reshape(-1) > 0.5
-    pos, neg = int(labels.sum()), int((~labels).sum())
-    if not pos or not neg:
-        raise ValueError("AUC needs both positive and negative samples")
-    order = torch.argsort(scores)
-    ranks = torch.empty_like(scores)
-    sorted_scores = scores[order]
-    # Average ranks over ties.
-    _, inverse, counts = torch.unique_consecutive(sorted_scores, return_inverse=True, return_counts=True)
-    ends = torch.cumsum(counts, 0).double()
-    mean_rank = ends - (counts.double() - 1) / 2
-    ranks[order] = mean_rank[inverse]
-    return float((ranks[labels].sum() - pos * (pos + 1) / 2) / (pos * neg))
+__all__ = ["ClickLogSpec", "auc", "click_logit", "field_ids", "make_click_log", "make_synthetic_clicks"]

@@ -190,13 +190,15 @@ class CheckpointPolicy:
     def snapshot(self) -> dict:
         """A consistent CPU copy of everything a resume needs (updates pause only for the copy)."""
         cfg, engine = self.config, self.engine
-        shards, step, samples = engine.copy_state()
+        shards, step, samples, tables = engine.copy_state()
         optimizer = engine.optimizer_config
         return {
             "model": cfg.model,
             "model_config": {"seed": cfg.seed, "stages": len(engine.shards), "input_shape": engine.spec.input_shape},
             "param_shapes": engine.param_shapes(),
             "shards": shards,
+            "tables": tables,
+            "embedding": None if tables is None else asdict(cfg.embedding),
             "optimizer_config": asdict(optimizer) if optimizer else None,
             "update": {"mode": cfg.update, "sync_trainers": cfg.sync_trainers},
             "partition": None if engine.plan is None else {
@@ -307,7 +309,11 @@ class CheckpointPolicy:
             optimizer = saved
         elif saved is not None and saved.name != optimizer.name:
             raise CheckpointError(f"checkpoint {path} was trained with {saved.name}, server asked for {optimizer.name}")
-        engine.load_state(state["shards"], optimizer, int(state["global_step"]), int(state["samples_seen"]))
+        try:
+            engine.load_state(state["shards"], optimizer, int(state["global_step"]), int(state["samples_seen"]),
+                              state.get("tables"))
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {path}: {e}") from None
         self._steps_at_checkpoint = engine.global_step
         if state.get("rng") is not None:
             torch.set_rng_state(state["rng"])

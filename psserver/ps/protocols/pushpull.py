@@ -7,62 +7,126 @@ parameters out at one step, both on its compute thread. The order of work is tha
 trip instead of three and no autograd context on either side. A last call without a batch
 hands in the final gradient, before the trainer evaluates or leaves; a trainer that dies in
 between contributes nothing for that step.
+
+A model with embedding tables (``psserver.ps.sparse``) rides the same call: it carries the row
+gradients of step *t* (the server remembers which ids it served) and the unique ids of step
+*t+1*'s batch that this server owns, and its reply carries their rows beside the dense
+parameters. One request per server per step, the rows' bytes grow with the batch, not the table.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from psserver.ps.protocols.base import StepProtocol, register
 from psserver.ps.protocols.trainer_compute import TrainerComputeHalf, TrainerComputeServer
+from psserver.ps.sparse.batch import RowBatch
+
+Rows = dict[str, torch.Tensor]
 
 
 class PushPullServer(TrainerComputeServer):
-    ops = ("exchange", "parameters")
+    ops = ("exchange", "parameters", "rows")
 
     def exchange(self, trainer: str, grads: list[torch.Tensor] | None, samples: int | None,
-                 norm: float | None = None) -> list[torch.Tensor] | None:
+                 norm: float | None = None, rows: dict | None = None):
         """Apply ``grads`` (the flat gradient of ``trainer``'s open step; None: none owed), then
         return the flat parameters for its next step of ``samples`` (None: it is done). With
         several server processes ``grads`` is this server's partition and ``norm`` the whole
-        gradient's norm."""
+        gradient's norm. With embedding tables ``rows`` is ``{"grads": {table: row gradients of
+        the open step} | None, "ids": {table: ids of the next step} | None}`` and the reply is
+        ``(parameters, {table: rows})``."""
         if norm is not None and not isinstance(norm, float):
             raise ValueError(f"gradient norm must be a float, got {type(norm).__name__}")
-        return self.finish_then_start(trainer, lambda: grads is not None and self._push(trainer, grads, norm),
-                                      None if samples is None else lambda: self._pull(trainer, samples))
+        row_grads, ids = self._row_request(rows)
+        return self.finish_then_start(
+            trainer, lambda: grads is not None and self._push(trainer, grads, norm, row_grads),
+            None if samples is None else lambda: self._pull(trainer, samples, ids))
 
-    def _push(self, trainer: str, grads: list[torch.Tensor], norm: float | None) -> None:
+    def _row_request(self, rows: dict | None) -> tuple[object, object]:
+        tables = self.engine.tables
+        if tables is None:
+            if rows is not None:
+                raise ValueError(f"model {self.engine.config.model} has no embedding tables")
+            return None, None
+        if not isinstance(rows, dict) or set(rows) != {"grads", "ids"}:
+            raise ValueError(f"model {self.engine.config.model} keeps embedding tables: a step carries "
+                             "{'grads': ..., 'ids': ...}")
+        return rows["grads"], rows["ids"]
+
+    def _push(self, trainer: str, grads: list[torch.Tensor], norm: float | None, row_grads: object) -> None:
         try:
-            unflat = self.engine.grads_from_flat(grads)
+            unflat: dict = self.engine.grads_from_flat(grads)
+            if self.engine.tables is not None:
+                unflat.update(self.engine.tables.row_grads(trainer, row_grads))
         except BaseException:
             self.engine.drop_step(trainer)
             raise
         self.engine.submit(trainer, unflat, norm)
 
-    def _pull(self, trainer: str, samples: int) -> list[torch.Tensor]:
+    def _pull(self, trainer: str, samples: int, ids: object):
+        tables = self.engine.tables
+        checked = tables.check_ids(ids) if tables is not None else None  # before the step opens
         self.engine.open_step(trainer, samples)
-        return self.engine.flat_parameters(self.wire_dtype(trainer))
+        params = self.engine.flat_parameters(self.wire_dtype(trainer))
+        if tables is None:
+            return params
+        wire = self.wire_dtype(trainer)
+        return params, {name: r.to(wire) for name, r in tables.serve(trainer, checked).items()}
+
+    def rows(self, trainer: str, ids: object) -> Rows:
+        """Rows for evaluation (nothing is created): after ``trainer``'s last update landed."""
+        tables = self.engine.tables
+        if tables is None:
+            raise ValueError(f"model {self.engine.config.model} has no embedding tables")
+        self.engine.wait_applied(trainer)
+        return self.engine.compute.run(tables.lookup, ids)
 
 
 class PushPullTrainer(TrainerComputeHalf):
     def __init__(self, channel) -> None:
         super().__init__(channel)
-        self._grads: list[list[torch.Tensor]] | None = None  # owed to the server(s): one list per server
+        # Owed to the server(s): the flat gradient, one list per server, and with tables the row
+        # gradients, one {table: rows} per server.
+        self._grads: tuple[list[list[torch.Tensor]], list[Rows] | None] | None = None
 
-    def _exchange(self, grads: list[list[torch.Tensor]] | None, samples: int | None) -> list | None:
+    def _exchange(self, grads: tuple[list[list[torch.Tensor]], list[Rows] | None] | None, samples: int | None,
+                  batch: RowBatch | None = None) -> list:
         """One ``exchange`` per server process, all in flight at once; their replies in order."""
-        if self.plan is None:
-            return [self.channel.call("exchange", None if grads is None else grads[0], samples)]
-        norm = None if grads is None else self.norm_of(grads)
-        return self.channel.call_each("exchange", [(None if grads is None else g, samples, norm) for g in
-                                                   (grads or [None] * len(self.channel.servers))])
+        dense, rows = grads if grads is not None else (None, None)
+        if self.plan is None and self.table_columns is None:
+            return [self.channel.call("exchange", None if dense is None else dense[0], samples)]
+        servers = len(self.channel.servers)
+        norm = None if dense is None else self.norm_of(dense, rows)
+        args = []
+        for i in range(servers):
+            a: tuple = (None if dense is None else dense[i], samples, norm)
+            if self.table_columns is not None:
+                a += ({"grads": None if rows is None else rows[i],
+                       "ids": None if batch is None else batch.requests[i]},)
+            args.append(a)
+        if servers == 1:
+            return [self.channel.call("exchange", *args[0])]
+        return self.channel.call_each("exchange", args)
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def train_step(self, x, y: torch.Tensor) -> float:
         grads, self._grads = self._grads, None  # sent once, whatever the call's fate
-        self.load(self._exchange(grads, int(x.shape[0])))
-        loss = F.cross_entropy(self.model(x), y)
-        self._grads = self.flat_grads(list(torch.autograd.grad(loss, self.params, allow_unused=True)))
+        if self.table_columns is None:
+            self.load(self._exchange(grads, int(x.shape[0])))
+            loss = self.loss_fn(self.model(x), y)
+            self._grads = self.flat_grads(list(torch.autograd.grad(loss, self.params, allow_unused=True))), None
+            return float(loss.detach())
+        ids, dense = x
+        batch = RowBatch(ids, self.table_columns, len(self.channel.servers))
+        replies = self._exchange(grads, int(ids.shape[0]), batch)
+        self.load([reply[0] for reply in replies])
+        rows = batch.assemble([reply[1] for reply in replies], self.device, requires_grad=True)
+        per_sample = batch.per_sample(rows)
+        loss = self.loss_fn(self.model(per_sample, dense), y) + self.model.penalty(per_sample)
+        got = torch.autograd.grad(loss, self.params + rows, allow_unused=True)
+        n = len(self.params)
+        row_grads = [torch.zeros_like(r) if g is None else g for r, g in zip(rows, got[n:], strict=True)]
+        self._grads = self.flat_grads(list(got[:n])), batch.split_grads(row_grads, self.wire_dtype)
         return float(loss.detach())
 
     def flush(self) -> None:

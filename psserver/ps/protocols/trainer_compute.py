@@ -13,11 +13,13 @@ import threading
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from psserver.models import build_model
+from psserver.models import build_model, get_model_spec
+from psserver.models.losses import get_loss
 from psserver.ps.guard import total_norm
 from psserver.ps.messages import JoinRequest
 from psserver.ps.partition import PartitionPlan
 from psserver.ps.protocols.base import ServerHalf, TrainerHalf
+from psserver.ps.sparse.batch import RowBatch
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -35,8 +37,10 @@ class TrainerComputeServer(ServerHalf):
 
     def join_info(self, trainer: str, request: JoinRequest) -> dict:
         self.set_wire_dtype(trainer, request.wire_dtype)
-        return {**super().join_info(trainer, request),
-                "shard_params": [len(s.params) for s in self.engine.shards]}
+        info = {**super().join_info(trainer, request), "shard_params": [len(s.params) for s in self.engine.shards]}
+        if self.engine.tables is not None:
+            info["tables"] = self.engine.tables.describe()
+        return info
 
     def set_wire_dtype(self, trainer: str, name: str) -> None:
         if name not in WIRE_DTYPES:
@@ -70,7 +74,16 @@ class TrainerComputeHalf(TrainerHalf):
         super().__init__(channel)
         self.device: torch.device = channel.device
         self.wire_dtype: torch.dtype = channel.wire_dtype
-        self.model = build_model(channel.info["model"]).to(self.device)
+        spec = get_model_spec(channel.info["model"])
+        self.loss_fn = get_loss(spec.loss)
+        tables = channel.info.get("tables")
+        self.model = build_model(spec.name, embedding_dim=tables["dim"] if tables else None).to(self.device)
+        self.table_columns: list[tuple[str, int]] | None = None
+        """(name, id column) of each embedding table, for a model with tables on the servers."""
+        if spec.sparse:
+            if not tables or {d.name: tables["dim"] + d.extra_dims for d in spec.tables} != tables["tables"]:
+                raise RuntimeError(f"the server's embedding tables {tables} do not fit model {spec.name}")
+            self.table_columns = [(d.name, d.column) for d in spec.tables]
         self.names = [n for n, _ in self.model.named_parameters()]
         self.params: list[torch.nn.Parameter] = list(self.model.parameters())
         plan = channel.info.get("plan")
@@ -107,15 +120,21 @@ class TrainerComputeHalf(TrainerHalf):
                  for shard in self.shards]]
 
     @staticmethod
-    def norm_of(grads: list[list[torch.Tensor]]) -> float:
-        """The L2 norm of a whole gradient spread over several servers' buffers: each server's
-        guard decides on it, so all drop or clip a step alike."""
-        return total_norm([g for server in grads for g in server])
+    def norm_of(grads: list[list[torch.Tensor]], rows: list[dict[str, torch.Tensor]] | None = None) -> float:
+        """The L2 norm of a whole gradient spread over several servers' buffers (and row
+        gradients): each server's guard decides on it, so all drop or clip a step alike."""
+        return total_norm([g for server in grads for g in server] +
+                          [g for server in rows or [] for g in server.values()])
 
-    def batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, x, y: torch.Tensor):
+        """The batch on the replica's device; a model with tables takes ``(ids, dense)``, whose
+        ids stay on the CPU (they go to the servers)."""
         if self.device.type == "cpu":
             return x, y
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        y = y.to(self.device, non_blocking=True)
+        if isinstance(x, tuple):
+            return (x[0], x[1].to(self.device, non_blocking=True)), y
+        return x.to(self.device, non_blocking=True), y
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         self._loaded = False
@@ -130,14 +149,24 @@ class TrainerComputeHalf(TrainerHalf):
             return [self.channel.call("parameters")]
         return self.channel.call_each("parameters", [() for _ in self.channel.servers])
 
-    def evaluate(self, x: torch.Tensor) -> torch.Tensor:
-        """Eval-mode outputs of the replica, loaded once with the server's current parameters."""
+    def evaluate(self, x) -> torch.Tensor:
+        """Eval-mode outputs of the replica, loaded once with the server's current parameters
+        (a model with tables: ``x`` is ``(ids, dense)``, whose rows are looked up, not created)."""
         if not self._loaded:
             self.load(self.fetch_parameters())
             self._loaded = True
         self.model.eval()
         try:
             with torch.no_grad():
-                return self.model(x.to(self.device)).float().to("cpu")
+                if self.table_columns is None:
+                    return self.model(x.to(self.device)).float().to("cpu")
+                ids, dense = x
+                batch = RowBatch(ids, self.table_columns, len(self.channel.servers))
+                if len(self.channel.servers) == 1:
+                    replies = [self.channel.call("rows", batch.requests[0])]
+                else:
+                    replies = self.channel.call_each("rows", [(r,) for r in batch.requests])
+                rows = batch.assemble(replies, self.device, requires_grad=False)
+                return self.model(batch.per_sample(rows), dense.to(self.device)).float().to("cpu")
         finally:
             self.model.train()

@@ -1,0 +1,48 @@
+"""The data flags: ``--id-space`` in the forms people type, and flags a dataset does not use."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from psserver.cli.args import add_data_arguments, data_from_args, id_count
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_data_arguments(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize(("text", "value"), [("1099511627776", 1 << 40), ("2^40", 1 << 40), ("2**40", 1 << 40),
+                                             (" 2 ^ 62 ", 1 << 62), ("20_000", 20_000), ("10**3", 1000)])
+def test_id_counts(text, value):
+    assert id_count(text) == value
+
+
+@pytest.mark.parametrize("text", ["2^x", "two", "2^-1", "2^65", "1e12", ""])
+def test_bad_id_counts_are_argparse_errors(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="2\\^"):
+        id_count(text)
+
+
+def test_the_flags_reach_the_config():
+    config = data_from_args(parse("--dataset", "synthetic_clicks", "--id-space", "2^30", "--click-vocab", "500",
+                                  "--train-samples", "1000", "--eval-samples", "100", "--data-seed", "5"))
+    assert (config.id_space, config.click_vocab, config.synthetic_train, config.synthetic_eval, config.seed) == \
+        (1 << 30, 500, 1000, 100, 5)
+    plain = data_from_args(parse())
+    assert (plain.dataset, plain.synthetic_train, plain.synthetic_eval, plain.id_space) == ("synthetic", None, None,
+                                                                                          1 << 40)
+
+
+def test_flags_of_other_datasets_and_bad_values_are_value_errors():
+    with pytest.raises(ValueError, match="--id-space applies to --dataset synthetic_clicks only, not synthetic"):
+        data_from_args(parse("--id-space", "2^40"))
+    with pytest.raises(ValueError, match="--train-samples applies to --dataset synthetic or synthetic_clicks only"):
+        data_from_args(parse("--dataset", "movielens100k", "--train-samples", "10"))
+    with pytest.raises(ValueError, match="--id-space must be between 2 and 2\\^62"):
+        data_from_args(parse("--dataset", "synthetic_clicks", "--id-space", "2^63"))
+    with pytest.raises(ValueError, match="unknown dataset 'cifar'"):
+        data_from_args(parse("--dataset", "cifar", "--train-samples", "10"))
