@@ -111,6 +111,7 @@ class StatusCollector(Collector):
             return
         yield from self._server_metrics(status)
         yield from self._server_process_metrics(status)
+        yield from self._embedding_metrics(status)
         refusals = CounterMetricFamily(f"{PREFIX}_control_refusals",
                                        "Control-plane calls refused (bad or missing token, admin calls without auth)",
                                        labels=["code"])
@@ -184,6 +185,38 @@ class StatusCollector(Collector):
             size.add_metric(lv, sp.parameter_bytes)
             updates.add_metric(lv, sp.updates_applied)
         yield from (up, size, updates)
+
+    def _embedding_metrics(self, s: ServerStatus) -> Iterator[Metric]:
+        """One sample per embedding table per server process (none for a dense model), labelled
+        by table and server rank. The counters are the tables' own (checkpoints keep them):
+        lookups/s is ``rate(psserver_embedding_lookups_total[1m])``."""
+        labels = ["table", "server"]
+        families = [
+            GaugeMetricFamily(f"{PREFIX}_embedding_rows",
+                              "Rows of the embedding table on the server process (ids admitted, not evicted)",
+                              labels=labels),
+            GaugeMetricFamily(f"{PREFIX}_embedding_max_rows",
+                              "Bound on the table's rows on the server process (--embedding-max-rows)", labels=labels),
+            GaugeMetricFamily(f"{PREFIX}_embedding_bytes",
+                              "Memory of the table's rows, optimizer state, index and admission sketch on the server "
+                              "process", labels=labels),
+            CounterMetricFamily(f"{PREFIX}_embedding_admissions", "Rows created (ids admitted) in the table",
+                                labels=labels),
+            CounterMetricFamily(f"{PREFIX}_embedding_refused",
+                                "Lookups of ids not admitted yet (they read the shared default row)", labels=labels),
+            CounterMetricFamily(f"{PREFIX}_embedding_evictions", "Rows evicted past the table's row bound",
+                                labels=labels),
+            CounterMetricFamily(f"{PREFIX}_embedding_expirations", "Rows evicted by the time-to-live", labels=labels),
+            CounterMetricFamily(f"{PREFIX}_embedding_lookups", "Row lookups the table served", labels=labels),
+            CounterMetricFamily(f"{PREFIX}_embedding_updates", "Row updates the table applied", labels=labels),
+        ]
+        fields = ("rows", "max_rows", "bytes", "admissions", "refused", "evictions", "expirations", "lookups",
+                  "updates")
+        by_key = {(t.server_rank, t.table): t for t in s.tables}  # one sample per label set, or the scrape fails
+        for (rank, name), t in sorted(by_key.items()):
+            for family, attr in zip(families, fields, strict=True):
+                family.add_metric([name, str(rank)], getattr(t, attr))
+        yield from families
 
     def _trainer_metrics(self, trainers: list[TrainerStatus]) -> Iterator[Metric]:
         now = time.time()

@@ -20,7 +20,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from psserver.config import ObservabilityConfig
 from psserver.errors import UsageError
-from psserver.telemetry import CheckpointInfo, ServerProcessStatus, ServerStatus, ShardStatus, TrainerStatus
+from psserver.telemetry import (
+    CheckpointInfo,
+    ServerProcessStatus,
+    ServerStatus,
+    ShardStatus,
+    TableStatus,
+    TrainerStatus,
+)
 from tests.procs import free_port
 
 # ---- helpers ---------------------------------------------------------------------------
@@ -64,6 +71,7 @@ class FakeTarget:
                                        last_loss=0.5, samples_per_s=100.0, clock=4, staleness=1, max_staleness=3)]
         self.last_checkpoint: CheckpointInfo | None = None
         self.servers: list[ServerProcessStatus] = []
+        self.tables: list[TableStatus] = []
 
     def get_status(self) -> ServerStatus:
         return ServerStatus(
@@ -71,7 +79,7 @@ class FakeTarget:
             num_params=1234, update_mode="async", sync_trainers=0, global_step=self.step,
             samples_seen=64 * self.step, updates_per_s=5.0, samples_per_s=320.0, mean_loss=self.loss,
             shards=[ShardStatus(0, "cpu", 1234, 4936, 1 << 20)], last_checkpoint=self.last_checkpoint,
-            servers=list(self.servers),
+            servers=list(self.servers), tables=list(self.tables),
         )
 
     def list_trainers(self) -> list[TrainerStatus]:
@@ -159,6 +167,52 @@ def test_server_process_metrics_follow_the_snapshot():
         assert of(s, "psserver_server_process_up") == {"0": 1, "1": 0}
         assert of(s, "psserver_server_process_updates_applied") == {"0": 12, "1": 13}
         assert of(s, "psserver_server_process_parameter_bytes") == {"0": 3600, "1": 1200}
+
+
+def test_embedding_metrics_follow_the_snapshot():
+    from psserver.metrics import start_exporters
+
+    def of(samples: dict, metric: str) -> dict[tuple[str, str], float]:
+        """{(table, server): value} of one metric."""
+        out = {}
+        for (name, labels), v in samples.items():
+            if name == metric:
+                d = dict(labels)
+                assert set(d) == {"table", "server"}, d
+                out[(d["table"], d["server"])] = v
+        return out
+
+    gauges = ("rows", "max_rows", "bytes")
+    counters = ("admissions", "refused", "evictions", "expirations", "lookups", "updates")
+    names = [f"psserver_embedding_{n}" for n in gauges] + [f"psserver_embedding_{n}_total" for n in counters]
+    target = FakeTarget()
+    with start_exporters(target, ObservabilityConfig(metrics_port=0)) as ex:
+        assert all(of(scrape(ex.metrics_port), n) == {} for n in names)  # a dense model: no samples
+        target.tables = [
+            TableStatus("users", 0, 1500, 2000, 16, 3 << 20, 1600, 250, 0, 100, 90000, 85000, lookups_per_s=12.0),
+            TableStatus("items", 0, 40, 2000, 8, 4096, 40, 7, 0, 0, 9000, 8800),
+            TableStatus("users", 1, 2000, 2000, 16, 4 << 20, 2600, 300, 600, 0, 95000, 90000),
+        ]
+        s = scrape(ex.metrics_port)
+        assert of(s, "psserver_embedding_rows") == {("users", "0"): 1500, ("items", "0"): 40, ("users", "1"): 2000}
+        assert of(s, "psserver_embedding_max_rows") == {("users", "0"): 2000, ("items", "0"): 2000,
+                                                        ("users", "1"): 2000}
+        assert of(s, "psserver_embedding_bytes") == {("users", "0"): 3 << 20, ("items", "0"): 4096,
+                                                     ("users", "1"): 4 << 20}
+        assert of(s, "psserver_embedding_admissions_total")[("users", "1")] == 2600
+        assert of(s, "psserver_embedding_refused_total") == {("users", "0"): 250, ("items", "0"): 7,
+                                                             ("users", "1"): 300}
+        assert of(s, "psserver_embedding_evictions_total")[("users", "1")] == 600
+        assert of(s, "psserver_embedding_expirations_total")[("users", "0")] == 100
+        assert of(s, "psserver_embedding_lookups_total") == {("users", "0"): 90000, ("items", "0"): 9000,
+                                                             ("users", "1"): 95000}
+        assert of(s, "psserver_embedding_updates_total")[("items", "0")] == 8800
+        assert value(s, "psserver_up") == 1
+
+        target.tables.append(target.tables[0])  # a duplicate label set must not fail the scrape
+        del target.tables[1]  # gone from the snapshot: gone from the scrape
+        s = scrape(ex.metrics_port)
+        assert set(of(s, "psserver_embedding_rows")) == {("users", "0"), ("users", "1")}
 
 
 def test_two_exporters_in_one_process_and_rpc_histogram():

@@ -2,8 +2,9 @@
 
 Kept apart from the service so the mapping (enum names, absent values, NaN) is written once
 and tested once; ``psserver status --json`` prints exactly what :func:`status_to_dict` and
-:func:`trainer_to_dict` return. Server processes also convert back to the dataclass
-(:func:`server_process_from_proto`), for clients that work on telemetry snapshots.
+:func:`trainer_to_dict` return. Server processes and embedding tables also convert back to the
+dataclasses (:func:`server_process_from_proto`, :func:`table_from_proto`), for clients that work
+on telemetry snapshots.
 """
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ import time
 from typing import Any
 
 from psserver.control.v1 import control_pb2 as pb
-from psserver.telemetry import CheckpointInfo, ServerProcessStatus, ServerStatus, ShardStatus, TrainerStatus
+from psserver.telemetry import (
+    CheckpointInfo,
+    ServerProcessStatus,
+    ServerStatus,
+    ShardStatus,
+    TableStatus,
+    TrainerStatus,
+)
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +102,49 @@ def server_process_from_proto(msg: pb.ServerProcess) -> ServerProcessStatus:
     )
 
 
+def _rate(x: float) -> float:
+    return float(x) if _finite(x) else 0.0
+
+
+def table_to_proto(t: TableStatus) -> pb.EmbeddingTable:
+    return pb.EmbeddingTable(
+        table=t.table,
+        server_rank=int(t.server_rank),
+        rows=int(t.rows),
+        max_rows=int(t.max_rows),
+        dim=int(t.dim),
+        bytes=int(t.bytes),
+        admissions=int(t.admissions),
+        refused=int(t.refused),
+        evictions=int(t.evictions),
+        expirations=int(t.expirations),
+        lookups=int(t.lookups),
+        updates=int(t.updates),
+        lookups_per_second=_rate(t.lookups_per_s),
+        updates_per_second=_rate(t.updates_per_s),
+    )
+
+
+def table_from_proto(msg: pb.EmbeddingTable) -> TableStatus:
+    """The inverse of :func:`table_to_proto`."""
+    return TableStatus(
+        table=msg.table,
+        server_rank=msg.server_rank,
+        rows=msg.rows,
+        max_rows=msg.max_rows,
+        dim=msg.dim,
+        bytes=msg.bytes,
+        admissions=msg.admissions,
+        refused=msg.refused,
+        evictions=msg.evictions,
+        expirations=msg.expirations,
+        lookups=msg.lookups,
+        updates=msg.updates,
+        lookups_per_s=msg.lookups_per_second,
+        updates_per_s=msg.updates_per_second,
+    )
+
+
 def status_to_proto(status: ServerStatus, now: float | None = None) -> pb.ServerStatus:
     now = time.time() if now is None else now
     msg = pb.ServerStatus(
@@ -116,6 +167,7 @@ def status_to_proto(status: ServerStatus, now: float | None = None) -> pb.Server
         nonfinite_gradients=int(status.nonfinite_gradients),
         clipped_steps=int(status.clipped_steps),
         servers=[server_process_to_proto(s) for s in status.servers],
+        tables=[table_to_proto(t) for t in status.tables],
     )
     if _finite(status.mean_loss):
         msg.mean_loss = float(status.mean_loss)
@@ -176,6 +228,25 @@ def server_process_to_dict(s: pb.ServerProcess) -> dict[str, Any]:
     }
 
 
+def table_to_dict(t: pb.EmbeddingTable) -> dict[str, Any]:
+    return {
+        "table": t.table,
+        "server_rank": t.server_rank,
+        "rows": t.rows,
+        "max_rows": t.max_rows,
+        "dim": t.dim,
+        "bytes": t.bytes,
+        "admissions": t.admissions,
+        "refused": t.refused,
+        "evictions": t.evictions,
+        "expirations": t.expirations,
+        "lookups": t.lookups,
+        "updates": t.updates,
+        "lookups_per_second": t.lookups_per_second,
+        "updates_per_second": t.updates_per_second,
+    }
+
+
 def status_to_dict(msg: pb.ServerStatus) -> dict[str, Any]:
     """Every field, enums by short name (``SERVING``), absent values as ``None``: valid JSON."""
     return {
@@ -208,6 +279,7 @@ def status_to_dict(msg: pb.ServerStatus) -> dict[str, Any]:
         ],
         "last_checkpoint": checkpoint_to_dict(msg.last_checkpoint) if msg.HasField("last_checkpoint") else None,
         "servers": [server_process_to_dict(s) for s in msg.servers],
+        "tables": [table_to_dict(t) for t in msg.tables],
         "server_time": msg.server_time,
     }
 

@@ -97,6 +97,9 @@ def render_status(status: pb.ServerStatus, trainers: Sequence[pb.Trainer] | None
     if len(status.servers) > 1:
         lines.append("")
         lines += render_servers(status.servers).splitlines()
+    if status.tables:
+        lines.append("")
+        lines += render_tables(status.tables).splitlines()
     if trainers is not None:
         lines.append("")
         lines += render_trainers(trainers, now).splitlines()
@@ -128,6 +131,35 @@ def render_servers(servers: Sequence[pb.ServerProcess]) -> str:
     ]
     head = ["SERVER", "NAME", "HOST", "STATE", "PARAMS", "SIZE", "SHARE", "UPDATES", "LAST SEEN"]
     return "\n".join([f"SERVERS     {summary}", *table(head, rows, numeric=(0, 4, 5, 6, 7))])
+
+
+def render_tables(tables: Sequence[pb.EmbeddingTable]) -> str:
+    """The embedding tables, one line per table per server process: a table at its row bound
+    evicts (EVICTED grows), and refused lookups are ids not admitted yet."""
+    names = {t.table for t in tables}
+    servers = {t.server_rank for t in tables}
+    summary = (f"{len(names)} table{'s' if len(names) != 1 else ''} on {len(servers)} "
+               f"server{'s' if len(servers) != 1 else ''}, {sum(t.rows for t in tables):,} rows, "
+               f"{human_bytes(sum(t.bytes for t in tables))}")
+    rows = [
+        [
+            t.table,
+            str(t.server_rank),
+            f"{t.rows:,}",
+            f"{t.max_rows:,}",
+            human_bytes(t.bytes),
+            f"{t.admissions:,}",
+            f"{t.refused:,}",
+            f"{t.evictions:,}",
+            f"{t.expirations:,}",
+            f"{t.lookups_per_second:,.1f}",
+            f"{t.updates_per_second:,.1f}",
+        ]
+        for t in tables
+    ]
+    head = ["TABLE", "SERVER", "ROWS", "MAX", "BYTES", "ADMITTED", "REFUSED", "EVICTED", "EXPIRED", "LOOKUPS/S",
+            "UPDATES/S"]
+    return "\n".join([f"TABLES      {summary}", *table(head, rows, numeric=tuple(range(1, len(head))))])
 
 
 def render_trainers(trainers: Sequence[pb.Trainer], now: float) -> str:

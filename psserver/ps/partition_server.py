@@ -16,6 +16,7 @@ says.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -214,7 +215,11 @@ class PartitionServer:
             self.engine.trainer_gone(name)
 
     def status(self) -> dict[str, Any]:
-        return {"updates": self.engine.global_step, "bytes": sum(s.num_bytes for s in self.engine.shards)}
+        """Server 0's watch: progress, bytes and the embedding tables, as plain types (server 0's
+        RPC unpickler takes nothing else)."""
+        tables = getattr(self.engine, "tables", None)
+        return {"updates": self.engine.global_step, "bytes": sum(s.num_bytes for s in self.engine.shards),
+                "tables": [dataclasses.asdict(t) for t in tables.status()] if tables is not None else []}
 
     def save(self, step: int, run: str) -> str:
         return self.policy.save_partition(step, run)

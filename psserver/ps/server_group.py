@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed.rpc as rpc
@@ -28,7 +28,7 @@ import torch.distributed.rpc as rpc
 from psserver.config import ServerConfig
 from psserver.ps import peers, rendezvous
 from psserver.ps.messages import JoinRequest, ServerHello
-from psserver.telemetry import ServerProcessStatus
+from psserver.telemetry import ServerProcessStatus, TableStatus
 
 if TYPE_CHECKING:
     from psserver.ps.checkpointing import CheckpointPolicy
@@ -59,6 +59,8 @@ class Peer:
     updates: int = 0
     last_seen: float | None = None
     missed: int = 0
+    tables: list[TableStatus] = field(default_factory=list)
+    """Its embedding tables as it last reported them (kept while it is lost)."""
 
 
 class ServerGroup:
@@ -109,6 +111,12 @@ class ServerGroup:
                                           float("nan") if p.last_seen is None else now - p.last_seen)
                       for p in sorted(self.peers.values(), key=lambda p: p.rank)]
         return [own, *others]
+
+    def table_statuses(self) -> list[TableStatus]:
+        """The embedding tables of the other server processes, by rank (their counters as of the
+        last watch; server 0's view adds the rates). Without the lock, as a step's listener reads
+        them: the peers are fixed and the watch replaces each one's list whole."""
+        return [t for p in sorted(self.peers.values(), key=lambda p: p.rank) for t in p.tables]
 
     # ---- admission and registration -------------------------------------------------------
 
@@ -301,6 +309,7 @@ class ServerGroup:
                 else:
                     peer.missed, peer.last_seen = 0, time.monotonic()
                     peer.updates, peer.parameter_bytes = int(result["updates"]), int(result["bytes"])
+                    peer.tables = _tables(result)
                     continue
             self._lose(peer, why)
 
@@ -343,6 +352,13 @@ class ServerGroup:
             except (RuntimeError, concurrent.futures.TimeoutError) as e:
                 out.append((peer, e))
         return out
+
+
+def _tables(reply: dict[str, Any]) -> list[TableStatus]:
+    """The tables of a peer's status reply (plain dicts: only those cross RPC), with the fields
+    this version knows."""
+    known = {f.name for f in fields(TableStatus)}
+    return [TableStatus(**{k: v for k, v in t.items() if k in known}) for t in reply.get("tables", ())]
 
 
 def _log_failure(fut, peer: Peer, what: str) -> None:

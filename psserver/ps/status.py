@@ -9,6 +9,7 @@ import dataclasses
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 import psutil
@@ -19,7 +20,62 @@ from psserver.ps.checkpointing import CheckpointPolicy
 from psserver.ps.endpoint import Endpoint
 from psserver.ps.engine import StepEngine
 from psserver.ps.server_group import ServerGroup
-from psserver.telemetry import CheckpointInfo, RateMeter, ServerStatus, ShardStatus, TrainerStatus
+from psserver.telemetry import CheckpointInfo, RateMeter, ServerStatus, ShardStatus, TableStatus, TrainerStatus
+
+
+class TableRates:
+    """Lookups/s and updates/s of every table on every server process, from successive reads of
+    their counters: the tables only count (no clock on the hot path), and the counters of the
+    other server processes arrive once a watch anyway. A rate spans from the newest kept read at
+    least ``window`` s old (else the oldest) to now: about the last ``window`` s, and never less
+    than ``min_span`` s (until then it reads 0). The reads kept are at least ``min_span`` s apart."""
+
+    def __init__(self, window: float = 10.0, min_span: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.window = window
+        self.min_span = min_span
+        self.clock = clock
+        self._lock = threading.Lock()  # the control plane and a metrics scrape read at once
+        self._reads: dict[tuple[int, str], deque[tuple[float, int, int]]] = {}
+        """(time, lookups, updates) reads per (server rank, table), at least ``min_span`` apart."""
+        self._rates: dict[tuple[int, str], tuple[float, float]] = {}
+        self._last = -float("inf")
+
+    def due(self) -> bool:
+        """Whether a read now would be kept (the last one is at least ``min_span`` old)."""
+        return self.clock() - self._last >= self.min_span
+
+    def observe(self, tables: list[TableStatus]) -> list[TableStatus]:
+        """``tables`` with their rates; tables absent from this read are forgotten."""
+        now = self.clock()
+        out = []
+        with self._lock:
+            if now - self._last >= self.min_span:
+                self._last = now
+            seen = set()
+            for t in tables:
+                key = (t.server_rank, t.table)
+                seen.add(key)
+                lookups, updates = self._rate(key, now, t.lookups, t.updates)
+                out.append(dataclasses.replace(t, lookups_per_s=lookups, updates_per_s=updates))
+            for key in set(self._reads) - seen:
+                del self._reads[key]
+                self._rates.pop(key, None)
+        return out
+
+    def _rate(self, key: tuple[int, str], now: float, lookups: int, updates: int) -> tuple[float, float]:
+        reads = self._reads.setdefault(key, deque())
+        if reads and (lookups < reads[-1][1] or updates < reads[-1][2]):
+            reads.clear()  # the counters went back: a restart, or every server went back to a checkpoint
+            self._rates.pop(key, None)
+        while len(reads) > 1 and now - reads[1][0] >= self.window:
+            reads.popleft()  # the oldest read left is the newest one at least a window old
+        if reads and now - reads[0][0] >= self.min_span:
+            t0, l0, u0 = reads[0]
+            self._rates[key] = ((lookups - l0) / (now - t0), (updates - u0) / (now - t0))
+        if not reads or now - reads[-1][0] >= self.min_span:
+            reads.append((now, lookups, updates))
+        return self._rates.get(key, (0.0, 0.0))
 
 
 class ServerView:
@@ -37,10 +93,13 @@ class ServerView:
         self.meter = RateMeter(window=10.0)
         self.group: ServerGroup | None = None
         """The other server processes, when there are several (``psserver.ps.server_group``)."""
+        self.table_rates = TableRates(window=10.0)
 
     def on_step(self, step: int, samples: int) -> None:  # noqa: ARG002 - a StepEngine listener
         membership = self.endpoint.membership
         self.meter.add(samples, membership.mean_loss() if membership is not None else None)
+        if getattr(self.engine, "tables", None) is not None and self.table_rates.due():
+            self._tables()  # a read a second while training: a status call that comes alone has its rates
 
     def get_status(self) -> ServerStatus:
         cfg, engine = self.config, self.engine
@@ -67,7 +126,16 @@ class ServerView:
             last_checkpoint=self.policy.last,
             accuracy=self._latest_accuracy(),
             servers=self.group.statuses() if self.group is not None else [],
+            tables=self._tables(),
         )
+
+    def _tables(self) -> list[TableStatus]:
+        """This process's embedding tables, then those the other server processes last reported."""
+        own = getattr(self.engine, "tables", None)
+        tables = own.status() if own is not None else []
+        if self.group is not None:
+            tables += self.group.table_statuses()
+        return self.table_rates.observe(tables)
 
     def _latest_accuracy(self) -> float:
         """The held-out accuracy the most recently seen trainer reported (NaN before any)."""

@@ -32,6 +32,7 @@ def normal_by_id(ids: torch.Tensor, dim: int, salt: int = 0) -> torch.Tensor:
     cols = torch.arange(dim, dtype=torch.int64)
     base = mix64(ids.to(torch.int64) ^ (salt * 0x2545F491))
     bits = mix64(base.unsqueeze(1) * (dim + 1) + cols)
-    u1 = ((_shr(bits, 11) + 1).to(torch.float64)) / float(1 << 53)
-    u2 = _shr(mix64(bits), 11).to(torch.float64) / float(1 << 53)
+    # Box-Muller on the two 32-bit halves of one hash (u1 in (0, 1], u2 in [0, 1)).
+    u1 = (_shr(bits, 32) + 1).to(torch.float64) / float(1 << 32)
+    u2 = (bits & 0xFFFFFFFF).to(torch.float64) / float(1 << 32)
     return (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2 * math.pi * u2)).to(torch.float32)

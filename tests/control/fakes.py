@@ -8,7 +8,15 @@ from pathlib import Path
 
 from psserver.config.control import ControlConfig
 from psserver.control.server import ControlServer
-from psserver.telemetry import CheckpointInfo, RateMeter, ServerProcessStatus, ServerStatus, ShardStatus, TrainerStatus
+from psserver.telemetry import (
+    CheckpointInfo,
+    RateMeter,
+    ServerProcessStatus,
+    ServerStatus,
+    ShardStatus,
+    TableStatus,
+    TrainerStatus,
+)
 
 TOKEN = "s3cret-token"
 
@@ -20,6 +28,20 @@ def two_servers() -> list[ServerProcessStatus]:
                             parameter_bytes=12000, updates_applied=40, last_seen_s=0.0),
         ServerProcessStatus(rank=1, name="ps_1", host="hostB", state="LOST", parameters=1000,
                             parameter_bytes=4000, updates_applied=38, last_seen_s=75.0),
+    ]
+
+
+def two_tables() -> list[TableStatus]:
+    """Table ``users`` on servers 0 and 1 (server 1's at its bound, evicting) and ``items`` on server 0."""
+    return [
+        TableStatus(table="users", server_rank=0, rows=1500, max_rows=2000, dim=16, bytes=3 << 20, admissions=1600,
+                    refused=250, evictions=0, expirations=100, lookups=90000, updates=85000, lookups_per_s=1234.5,
+                    updates_per_s=1200.5),
+        TableStatus(table="items", server_rank=0, rows=40, max_rows=2000, dim=8, bytes=4096, admissions=40, refused=7,
+                    evictions=0, expirations=0, lookups=9000, updates=8800, lookups_per_s=0.0, updates_per_s=0.0),
+        TableStatus(table="users", server_rank=1, rows=2000, max_rows=2000, dim=16, bytes=4 << 20, admissions=2600,
+                    refused=300, evictions=600, expirations=0, lookups=95000, updates=90000, lookups_per_s=1300.0,
+                    updates_per_s=1250.0),
     ]
 
 
@@ -40,6 +62,7 @@ class FakeTarget:
         self.checkpoints: list[CheckpointInfo] = []
         self.update_mode, self.sync_trainers, self.staleness = "sync", 2, 0
         self.servers: list[ServerProcessStatus] = []  # one process; see two_servers()
+        self.tables: list[TableStatus] = []  # a dense model; see two_tables()
         self._lock = threading.Lock()
         now = time.time()
         self.trainers = [
@@ -75,6 +98,7 @@ class FakeTarget:
             samples_seen=samples, updates_per_s=ups, samples_per_s=sps, mean_loss=loss, staleness=self.staleness,
             shards=[ShardStatus(0, "cpu", 1000, 4000, 50 << 20), ShardStatus(1, "cpu", 234, 936, 50 << 20)],
             last_checkpoint=self.checkpoints[-1] if self.checkpoints else None, servers=list(self.servers),
+            tables=list(self.tables),
         )
 
     def list_trainers(self) -> list[TrainerStatus]:

@@ -10,7 +10,7 @@ import pytest
 
 from psserver.cli import main
 
-from .fakes import TOKEN, serve, two_servers
+from .fakes import TOKEN, serve, two_servers, two_tables
 from .test_security import make_certificate
 
 pytestmark = pytest.mark.timeout(60)
@@ -94,6 +94,43 @@ def test_one_listed_server_process_is_no_table(server, target, capsys):
     assert rc == 0 and "SERVERS" not in out and "ps_0" not in out, err
 
 
+def test_status_table_of_embedding_tables(server, target, capsys):
+    target.servers, target.tables = two_servers(), two_tables()
+    rc, out, err = run(capsys, "status", "--address", server.address)
+    assert rc == 0, err
+    lines = out.splitlines()
+    at = lines.index("TABLES      2 tables on 2 servers, 3,540 rows, 7.0 MiB")
+    head = lines[at + 1]
+    assert head.split() == ["TABLE", "SERVER", "ROWS", "MAX", "BYTES", "ADMITTED", "REFUSED", "EVICTED", "EXPIRED",
+                            "LOOKUPS/S", "UPDATES/S"]
+    rows = [line.split() for line in lines[at + 2:at + 5]]
+    # table, server, rows, max, bytes (2 words), admitted, refused, evicted, expired, lookups/s, updates/s
+    assert rows[0] == ["users", "0", "1,500", "2,000", "3.0", "MiB", "1,600", "250", "0", "100", "1,234.5", "1,200.5"]
+    assert rows[1] == ["items", "0", "40", "2,000", "4.0", "KiB", "40", "7", "0", "0", "0.0", "0.0"]
+    assert rows[2] == ["users", "1", "2,000", "2,000", "4.0", "MiB", "2,600", "300", "600", "0", "1,300.0", "1,250.0"]
+    # Numbers right-aligned under their heading, text left-aligned.
+    assert lines[at + 3].index("40") + 2 == head.index("ROWS") + len("ROWS")
+    assert lines[at + 2].index("1,200.5") + len("1,200.5") == len(head)
+    assert lines[at + 3].startswith("items ")
+    # After the server processes, before the trainers.
+    assert lines.index(next(x for x in lines if x.startswith("SERVERS"))) < at < lines.index(
+        next(x for x in lines if x.startswith("TRAINERS")))
+
+    rc, out, err = run(capsys, "status", "--address", server.address, "--json")
+    assert rc == 0, err
+    tables = json.loads(out)["status"]["tables"]
+    assert [(t["table"], t["server_rank"], t["rows"], t["evictions"], t["lookups_per_second"]) for t in tables] == [
+        ("users", 0, 1500, 0, 1234.5), ("items", 0, 40, 0, 0.0), ("users", 1, 2000, 600, 1300.0)]
+
+
+def test_status_table_of_one_server_with_a_table(server, target, capsys):
+    target.tables = two_tables()[1:2]
+    rc, out, err = run(capsys, "status", "--address", server.address)
+    assert rc == 0, err
+    assert "TABLES      1 table on 1 server, 40 rows, 4.0 KiB" in out.splitlines()
+    assert "SERVERS" not in out
+
+
 def test_status_table_of_an_ssp_server(server, target, capsys):
     target.update_mode, target.sync_trainers, target.staleness = "ssp", 0, 3
     rc, out, err = run(capsys, "status", "--address", server.address)
@@ -124,6 +161,7 @@ def test_status_json(server, target, capsys):
     assert data["trainers"][1]["last_loss"] is None  # JSON null, not NaN
     assert st["staleness"] == 0  # S of ssp; this fake runs sync
     assert st["servers"] == []  # one server process
+    assert st["tables"] == [] and "TABLES" not in run(capsys, "status", "--address", server.address)[1]  # dense
     first = data["trainers"][0]
     assert (first["clock"], first["staleness"], first["max_staleness"], first["step"]) == (11, 2, 5, "pushpull")
 

@@ -15,9 +15,9 @@ from psserver.control import SERVICE_NAME, convert
 from psserver.control.client import ControlClient, ControlError
 from psserver.control.server import ControlServer
 from psserver.control.v1 import control_pb2 as pb
-from psserver.telemetry import ServerProcessStatus, ServerStatus, TrainerStatus
+from psserver.telemetry import ServerProcessStatus, ServerStatus, TableStatus, TrainerStatus
 
-from .fakes import TOKEN, FakeTarget, serve, two_servers
+from .fakes import TOKEN, FakeTarget, serve, two_servers, two_tables
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -140,6 +140,33 @@ def test_server_process_conversion_of_odd_values():
     assert convert.server_process_from_proto(newer).last_seen_s == 2.5
 
 
+def test_get_status_carries_every_embedding_table(server, target):
+    target.tables = two_tables()
+    with ControlClient(server.address) as client:
+        st = client.get_status()
+    assert [(t.table, t.server_rank, t.rows, t.max_rows, t.dim) for t in st.tables] == [
+        ("users", 0, 1500, 2000, 16), ("items", 0, 40, 2000, 8), ("users", 1, 2000, 2000, 16)]
+    assert [(t.admissions, t.refused, t.evictions, t.expirations) for t in st.tables] == [
+        (1600, 250, 0, 100), (40, 7, 0, 0), (2600, 300, 600, 0)]
+    assert st.tables[0].lookups_per_second == 1234.5 and st.tables[0].updates_per_second == 1200.5
+    # ... and back: the dataclasses the server reported, field for field.
+    assert [convert.table_from_proto(t) for t in st.tables] == two_tables()
+    d = convert.status_to_dict(st)
+    assert d["tables"][2] == {"table": "users", "server_rank": 1, "rows": 2000, "max_rows": 2000, "dim": 16,
+                              "bytes": 4 << 20, "admissions": 2600, "refused": 300, "evictions": 600,
+                              "expirations": 0, "lookups": 95000, "updates": 90000, "lookups_per_second": 1300.0,
+                              "updates_per_second": 1250.0}
+
+
+def test_table_conversion_of_odd_values():
+    fresh = TableStatus("t", 0, 0, 10, 4, 0, 0, 0, 0, 0, 0, 0)  # rates left at their default
+    assert convert.table_from_proto(convert.table_to_proto(fresh)) == fresh
+    odd = TableStatus("t", 2, 1, 10, 4, 64, 1, 0, 0, 0, 3, 3, lookups_per_s=math.nan, updates_per_s=math.inf)
+    msg = convert.table_to_proto(odd)
+    assert msg.lookups_per_second == 0.0 and msg.updates_per_second == 0.0  # valid JSON, never NaN
+    assert convert.table_to_dict(msg)["server_rank"] == 2
+
+
 def test_list_trainers(server):
     with ControlClient(server.address) as client:
         trainers = client.list_trainers()
@@ -174,7 +201,7 @@ def test_conversion_of_odd_values():
     d = convert.status_to_dict(msg)
     assert d["state"] == "UNSPECIFIED" and d["mode"] == "fsdp" and d["update_mode"] == "collective"
     assert d["mean_loss"] is None and d["updates_per_second"] == 0.0 and d["samples_per_second"] == 0.0
-    assert d["last_checkpoint"] is None and d["shards"] == [] and d["servers"] == []
+    assert d["last_checkpoint"] is None and d["shards"] == [] and d["servers"] == [] and d["tables"] == []
     t = convert.trainer_to_dict(convert.trainer_to_proto(TrainerStatus(3, "rank3", "h", now, now, state="LEFT")))
     assert t["state"] == "LEFT" and t["last_loss"] is None
     assert convert.enum_name(pb.ServerState, 42) == "UNKNOWN(42)"

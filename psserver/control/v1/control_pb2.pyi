@@ -136,8 +136,40 @@ class ServerProcess(_message.Message):
     last_seen_age_seconds: float
     def __init__(self, rank: _Optional[int] = ..., name: _Optional[str] = ..., host: _Optional[str] = ..., state: _Optional[_Union[ServerProcessState, str]] = ..., num_params: _Optional[int] = ..., bytes: _Optional[int] = ..., updates_applied: _Optional[int] = ..., last_seen_age_seconds: _Optional[float] = ...) -> None: ...
 
+class EmbeddingTable(_message.Message):
+    __slots__ = ("table", "server_rank", "rows", "max_rows", "dim", "bytes", "admissions", "refused", "evictions", "expirations", "lookups", "updates", "lookups_per_second", "updates_per_second")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    SERVER_RANK_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    ADMISSIONS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRATIONS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    server_rank: int
+    rows: int
+    max_rows: int
+    dim: int
+    bytes: int
+    admissions: int
+    refused: int
+    evictions: int
+    expirations: int
+    lookups: int
+    updates: int
+    lookups_per_second: float
+    updates_per_second: float
+    def __init__(self, table: _Optional[str] = ..., server_rank: _Optional[int] = ..., rows: _Optional[int] = ..., max_rows: _Optional[int] = ..., dim: _Optional[int] = ..., bytes: _Optional[int] = ..., admissions: _Optional[int] = ..., refused: _Optional[int] = ..., evictions: _Optional[int] = ..., expirations: _Optional[int] = ..., lookups: _Optional[int] = ..., updates: _Optional[int] = ..., lookups_per_second: _Optional[float] = ..., updates_per_second: _Optional[float] = ...) -> None: ...
+
 class ServerStatus(_message.Message):
-    __slots__ = ("version", "state", "mode", "started_at", "uptime_seconds", "model", "num_params", "update_mode", "sync_trainers", "global_step", "samples_seen", "updates_per_second", "samples_per_second", "mean_loss", "shards", "last_checkpoint", "server_time", "staleness", "nonfinite_gradients", "clipped_steps", "servers")
+    __slots__ = ("version", "state", "mode", "started_at", "uptime_seconds", "model", "num_params", "update_mode", "sync_trainers", "global_step", "samples_seen", "updates_per_second", "samples_per_second", "mean_loss", "shards", "last_checkpoint", "server_time", "staleness", "nonfinite_gradients", "clipped_steps", "servers", "tables")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +191,7 @@ class ServerStatus(_message.Message):
     NONFINITE_GRADIENTS_FIELD_NUMBER: _ClassVar[int]
     CLIPPED_STEPS_FIELD_NUMBER: _ClassVar[int]
     SERVERS_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
     version: str
     state: ServerState
     mode: Mode
@@ -180,7 +213,8 @@ class ServerStatus(_message.Message):
     nonfinite_gradients: int
     clipped_steps: int
     servers: _containers.RepeatedCompositeFieldContainer[ServerProcess]
-    def __init__(self, version: _Optional[str] = ..., state: _Optional[_Union[ServerState, str]] = ..., mode: _Optional[_Union[Mode, str]] = ..., started_at: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., model: _Optional[str] = ..., num_params: _Optional[int] = ..., update_mode: _Optional[_Union[UpdateMode, str]] = ..., sync_trainers: _Optional[int] = ..., global_step: _Optional[int] = ..., samples_seen: _Optional[int] = ..., updates_per_second: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., mean_loss: _Optional[float] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., server_time: _Optional[float] = ..., staleness: _Optional[int] = ..., nonfinite_gradients: _Optional[int] = ..., clipped_steps: _Optional[int] = ..., servers: _Optional[_Iterable[_Union[ServerProcess, _Mapping]]] = ...) -> None: ...
+    tables: _containers.RepeatedCompositeFieldContainer[EmbeddingTable]
+    def __init__(self, version: _Optional[str] = ..., state: _Optional[_Union[ServerState, str]] = ..., mode: _Optional[_Union[Mode, str]] = ..., started_at: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., model: _Optional[str] = ..., num_params: _Optional[int] = ..., update_mode: _Optional[_Union[UpdateMode, str]] = ..., sync_trainers: _Optional[int] = ..., global_step: _Optional[int] = ..., samples_seen: _Optional[int] = ..., updates_per_second: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., mean_loss: _Optional[float] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., server_time: _Optional[float] = ..., staleness: _Optional[int] = ..., nonfinite_gradients: _Optional[int] = ..., clipped_steps: _Optional[int] = ..., servers: _Optional[_Iterable[_Union[ServerProcess, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[EmbeddingTable, _Mapping]]] = ...) -> None: ...
 
 class Trainer(_message.Message):
     __slots__ = ("rank", "name", "host", "joined_at", "last_seen", "steps", "samples", "last_loss", "samples_per_second", "state", "clock", "staleness", "max_staleness", "step", "nonfinite", "clipped", "reason", "updates")

@@ -73,11 +73,14 @@ class IdIndex:
         while ids.numel():
             keys = self._keys[pos]
             free = (keys == EMPTY) | (keys == DELETED)
-            # Of several ids probing one free slot in this step, the first takes it.
-            first = torch.full((self.capacity,), ids.numel(), dtype=torch.int64)
-            order = torch.arange(ids.numel())
-            first.scatter_reduce_(0, pos[free], order[free], reduce="amin")
-            won = free & (first[pos] == order)
+            # Of several ids probing one free slot in this step, the first takes it (work in the
+            # ids probing, not in the capacity).
+            cand = free.nonzero().squeeze(1)
+            slots, inverse = torch.unique(pos[cand], return_inverse=True)
+            first = torch.full((slots.numel(),), ids.numel(), dtype=torch.int64)
+            first.scatter_reduce_(0, inverse, cand, reduce="amin")
+            won = torch.zeros(ids.numel(), dtype=torch.bool)
+            won[first] = True
             self._deleted -= int((keys[won] == DELETED).sum())
             self._keys[pos[won]] = ids[won]
             self._vals[pos[won]] = values[won]

@@ -153,16 +153,16 @@ class SparseTables:
     def prefill(self, rows: int) -> None:
         """Create ``rows`` rows in every table (ids this server owns, spread over a 2^40 space) as
         if trainers had touched them: benchmarks and tests of a server that holds many rows."""
-        done, start = 0, 0
-        while done < rows:
-            n = min(1 << 20, rows - done)
-            ids = mix64(torch.arange(start, start + 4 * n, dtype=torch.int64)) & ((1 << 40) - 1)
-            start += 4 * n
-            ids = torch.unique(ids[owner(ids, self.num_servers) == self.server_rank])[: rows - done]
-            for table in self.tables.values():
-                fresh = ids[table.index.find(ids) < 0]
+        start = 0
+        for table in self.tables.values():
+            while table.num_rows < rows:
+                n = min(1 << 20, rows - table.num_rows)
+                ids = mix64(torch.arange(start, start + 4 * n, dtype=torch.int64)) & ((1 << 40) - 1)
+                start += 4 * n
+                ids = torch.unique(ids[owner(ids, self.num_servers) == self.server_rank])
+                fresh = ids[table.index.find(ids) < 0][:n]
                 table._create(fresh)  # noqa: SLF001 - the table's own first-touch path
-            done += ids.numel()
+            start = 0
         log.info("prefilled %d rows in each of %d table(s)", rows, len(self.tables))
 
     def state_dict(self) -> dict:
