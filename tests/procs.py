@@ -228,6 +228,28 @@ class ProcessGroup:
             p.kill()
 
 
+def start_servers(procs: ProcessGroup, port: int, n: int, *extra: str, ckpt: Path | None = None,
+                  control: bool = False, per_server: dict[int, list[str]] | None = None) -> list[Proc]:
+    """Server 0 on ``port`` and servers 1..n-1 pointed at it; returns once all serve."""
+    ck = ["--checkpoint-dir", str(ckpt)] if ckpt is not None else []
+    s0 = procs.server(port, "--num-servers", str(n), "--server-rank", "0", *ck, *extra, *(per_server or {}).get(0, []),
+                      control_port=0 if control else None, wait=False)
+    servers = [s0]
+    for i in range(1, n):
+        servers.append(procs.start(["serve", "--num-servers", str(n), "--server-rank", str(i), "--coordinator",
+                                    f"127.0.0.1:{port}", "--port", str(free_port()), *ck, *extra,
+                                    *(per_server or {}).get(i, [])], f"server{i}-{port}"))
+    s0.wait_for(r"all \d+ server processes are serving", timeout=90)
+    return servers
+
+
+def metric(proc: Proc, name: str) -> float:
+    """The held-out metric a trainer printed at its end (``rank N <name> 0.xxxx``)."""
+    m = re.search(rf"rank \d+ {name} ([0-9.]+)", proc.output())
+    assert m, f"{proc.name} printed no {name}:\n{proc.tail()}"
+    return float(m.group(1))
+
+
 def accuracy(proc: Proc) -> float:
     m = re.search(r"rank \d+ accuracy ([0-9.]+)", proc.output())
     assert m, f"{proc.name} printed no accuracy:\n{proc.tail()}"

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import re
+import resource
 import signal
 import socket
 import sys
@@ -377,7 +378,9 @@ def _train(config: TrainerConfig, position: Position | None, stop: StopSignals) 
     if config.stats_out is not None:
         config.stats_out.write_text(json.dumps(
             {"rank": config.rank, "batch_size": config.batch_size, "start": pos.t_start, "step_ends": pos.step_ends,
-             "samples": pos.samples, "metric": spec.metric, spec.metric: score}))
+             "samples": pos.samples, "metric": spec.metric, spec.metric: score,
+             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+             "row_payload_bytes": getattr(session.protocol, "row_payload", None)}))
     print(f"rank {config.rank} {spec.metric} {score:.4f}", flush=True)
     return 0
 

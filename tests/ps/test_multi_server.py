@@ -15,27 +15,12 @@ import torch
 from psserver.checkpoint import checkpoint_path, list_checkpoints, read_checkpoint, step_of
 from psserver.control.client import ControlClient
 from psserver.ps.partition import PartitionPlan
-from tests.procs import MNIST_ARGS, Proc, ProcessGroup, accuracy, free_port, run
+from tests.procs import MNIST_ARGS, accuracy, free_port, run, start_servers
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 STEPS, BATCH, LR = 20, 256, 0.01
 LISTENING = re.compile(r"control plane listening on (\S+):(\d+)")
-
-
-def start_servers(procs: ProcessGroup, port: int, n: int, *extra: str, ckpt: Path | None = None,
-                  control: bool = False, per_server: dict[int, list[str]] | None = None) -> list[Proc]:
-    """Server 0 on ``port`` and servers 1..n-1 pointed at it; returns once all serve."""
-    ck = ["--checkpoint-dir", str(ckpt)] if ckpt is not None else []
-    s0 = procs.server(port, "--num-servers", str(n), "--server-rank", "0", *ck, *extra, *(per_server or {}).get(0, []),
-                      control_port=0 if control else None, wait=False)
-    servers = [s0]
-    for i in range(1, n):
-        servers.append(procs.start(["serve", "--num-servers", str(n), "--server-rank", str(i), "--coordinator",
-                                    f"127.0.0.1:{port}", "--port", str(free_port()), *ck, *extra,
-                                    *(per_server or {}).get(i, [])], f"server{i}-{port}"))
-    s0.wait_for(r"all \d+ server processes are serving", timeout=90)
-    return servers
 
 
 def gathered(ckpt: Path, n: int) -> list[torch.Tensor]:

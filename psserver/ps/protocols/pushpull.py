@@ -89,6 +89,9 @@ class PushPullTrainer(TrainerComputeHalf):
         # Owed to the server(s): the flat gradient, one list per server, and with tables the row
         # gradients, one {table: rows} per server.
         self._grads: tuple[list[list[torch.Tensor]], list[Rows] | None] | None = None
+        self.row_payload = 0
+        """Bytes of the tables' traffic its steps needed at least: each unique id once, its row
+        down and its gradient up (benchmarks compare what crossed the network with it)."""
 
     def _exchange(self, grads: tuple[list[list[torch.Tensor]], list[Rows] | None] | None, samples: int | None,
                   batch: RowBatch | None = None) -> list:
@@ -119,8 +122,10 @@ class PushPullTrainer(TrainerComputeHalf):
         ids, dense = x
         batch = RowBatch(ids, self.table_columns, len(self.channel.servers))
         replies = self._exchange(grads, int(ids.shape[0]), batch)
+        self.row_payload += batch.num_ids * 8
         self.load([reply[0] for reply in replies])
         rows = batch.assemble([reply[1] for reply in replies], self.device, requires_grad=True)
+        self.row_payload += 2 * sum(r.numel() for r in rows) * self.wire_dtype.itemsize
         per_sample = batch.per_sample(rows)
         loss = self.loss_fn(self.model(per_sample, dense), y) + self.model.penalty(per_sample)
         got = torch.autograd.grad(loss, self.params + rows, allow_unused=True)
