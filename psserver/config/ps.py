@@ -246,9 +246,6 @@ class ServerConfig:
 
     def _check_tables(self) -> None:
         """What a model with embedding tables on the servers cannot do (yet)."""
-        if self.update == "sync":
-            raise ValueError(f"model {self.model} keeps embedding tables on the servers: they are updated as each "
-                             "trainer's rows arrive (--update async or ssp), not in sync rounds")
         if self.compute == "server":
             raise ValueError(f"model {self.model} keeps embedding tables on the servers: trainers compute "
                              "(--compute trainer)")

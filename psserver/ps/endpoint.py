@@ -150,9 +150,9 @@ class Endpoint:
             step = request.step
         if step not in self.halves:
             raise ValueError(f"this server does not speak --step {step!r} (it speaks {', '.join(sorted(self.halves))})")
-        if self.engine.tables is not None and step != "pushpull":
+        if self.engine.tables is not None and step not in ("pushpull", "pull"):
             raise ValueError(f"model {self.config.model} keeps embedding tables on the servers: its rows and their "
-                             f"gradients travel with --step pushpull; the trainer asked for --step {step}")
+                             f"gradients travel with --step pushpull or pull; the trainer asked for --step {step}")
         if self.group is not None and step != "pushpull":
             raise ValueError(f"with --num-servers {self.config.num_servers} trainers speak --step pushpull (one "
                              f"exchange per server process per step); the trainer asked for --step {step}")

@@ -82,7 +82,7 @@ class Updater:
         self._closed = False
         self.tables = None
         """The embedding tables (``psserver.ps.sparse.tables.SparseTables``) that take a step's
-        row gradients, applied with its dense ones (async and ssp only)."""
+        row gradients, applied with its dense ones (sync: a round's, summed per id)."""
 
     def _split(self, grads: Grads) -> dict[Shard, Grads]:
         out: dict[Shard, Grads] = {s: {} for s in self.shards}
@@ -338,6 +338,8 @@ class SyncUpdater(Updater):
         if n:
             for shard, g in self._split(self._sums).items():
                 shard.apply(g, scale=1.0 / n)
+            if self.tables is not None:
+                self.tables.apply(self._sums, scale=1.0 / n)
         for listener in self.round_listeners:
             listener(self._round + 1, sorted(self._contributors))
         self._sums = {}
@@ -558,6 +560,8 @@ class FollowerSyncUpdater(Updater):
                         sums[p] = t if acc is None else acc.add_(t)
                 for shard, g in self._split(sums).items():
                     shard.apply(g, scale=1.0 / len(grads))
+                if self.tables is not None:
+                    self.tables.apply(sums, scale=1.0 / len(grads))
                 self.global_step += 1
                 applied.append((self.global_step, sum(s for g, s in taken if g is not None)))
             self._next += 1

@@ -41,10 +41,10 @@ def status_of(server) -> object:
 
 
 def table_states(ckpt: Path, n: int) -> list[dict]:
-    """Each server's tables in its newest checkpoint, rows sorted by id."""
+    """Each server's tables in its newest checkpoint (``ckpt`` itself for one server), rows sorted by id."""
     out = []
-    for i in range(n):
-        state = read_checkpoint(list_checkpoints(ckpt / f"server-{i}")[0])
+    for directory in [ckpt] if n == 1 else [ckpt / f"server-{i}" for i in range(n)]:
+        state = read_checkpoint(list_checkpoints(directory)[0])
         tables = {}
         for name, t in state["tables"]["tables"].items():
             order = torch.argsort(t["ids"])
@@ -165,3 +165,48 @@ def test_a_killed_server_restores_rows_and_their_optimizer_state_bit_for_bit(pro
                 got = a["tables"][name][key]
                 assert (got == value) if not isinstance(value, torch.Tensor) else torch.equal(got, value), (name, key)
         assert {"m", "v", "t"} <= {k.split(".", 1)[1] for k in b["tables"]["item"] if k.startswith("state.")}
+
+
+def merged_tables(states: list[dict]) -> dict[str, dict]:
+    """One table set from several servers' (each holds the ids its hash names), sorted by id."""
+    out = {}
+    for name in states[0]["tables"]:
+        parts = [s["tables"][name] for s in states]
+        ids = torch.cat([p["ids"] for p in parts])
+        order = torch.argsort(ids)
+        out[name] = {key: torch.cat([p[key] for p in parts])[order] for key in parts[0] if key != "step"}
+    return out
+
+
+@needs_movielens
+@pytest.mark.timeout(300)
+def test_the_reference_protocol_and_two_servers_train_the_rows_alike(procs, tmp_path):
+    """One trainer, 40 steps of ``mf`` with lazy Adam: ``--step pull`` (the rows' gradients come
+    back through ``dist_autograd``), ``--step pushpull``, and ``pushpull`` on two server processes
+    in sync rounds end with the same rows and optimizer state (to 1e-6)."""
+    runs = {"pushpull": ([], 1, "async"), "pull": (["--step", "pull"], 1, "async"),
+            "two servers": ([], 2, "sync")}
+    got = {}
+    for label, (step, n, update) in runs.items():
+        port = free_port()
+        ckpt = tmp_path / label.replace(" ", "-")
+        extra = [*MF, "--update", update, "--sync-trainers", "1"]
+        if n == 1:
+            servers = [procs.server(port, *extra, "--checkpoint-dir", str(ckpt))]
+        else:
+            servers = start_servers(procs, port, n, *extra, ckpt=ckpt)
+        t = procs.trainer(port, 0, "--num-trainers", "1", "--max-steps", "40", *MOVIELENS, *step)
+        assert t.wait(120) == 0, t.tail()
+        assert procs.stop(servers[0]) == 0, servers[0].tail()
+        for s in servers[1:]:
+            assert s.wait(30) == 0, s.tail()
+        got[label] = merged_tables(table_states(ckpt, n))
+    want = got.pop("pushpull")
+    assert want["user"]["ids"].numel() > 900 and want["item"]["ids"].numel() > 1000
+    for label, tables in got.items():
+        for name, table in want.items():
+            assert torch.equal(tables[name]["ids"], table["ids"]), (label, name)
+            for key in ("weights", "state.m", "state.v"):
+                diff = float((tables[name][key] - table[key]).abs().max())
+                assert diff <= 1e-6, (label, name, key, diff)
+            assert torch.equal(tables[name]["state.t"], table["state.t"]), (label, name)

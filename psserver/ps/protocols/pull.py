@@ -6,39 +6,96 @@ receives stay tied to them: it runs forward and backward on its own device,
 ``dist_autograd.backward`` delivers the parameters' gradients to the server, and
 ``DistributedOptimizer.step`` applies them there through the shared optimizer
 (``SharedOptimizer``, as ``--step plain``). Three round trips per step.
+
+A model with embedding tables pulls its batch's rows in the same call: the server returns
+each table's rows as a leaf of its own autograd graph, so ``dist_autograd.backward`` carries
+the rows' gradients back into the server's context, where the step's ``submit`` takes them
+(as rows, the ids served) beside the dense ones.
 """
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.distributed.autograd as dist_autograd
-import torch.nn.functional as F
+from torch import nn
 from torch.func import functional_call
 
+from psserver.ps import torch_rpc
 from psserver.ps.protocols.base import StepProtocol, register
 from psserver.ps.protocols.plain import PlainServer, PlainTrainer
 from psserver.ps.protocols.trainer_compute import TrainerComputeHalf, TrainerComputeServer
+from psserver.ps.sparse.batch import RowBatch
 
 
 class PullServer(TrainerComputeServer, PlainServer):
-    ops = ("pull", "parameters")
+    ops = ("pull", "parameters", "rows")
 
-    def pull(self, trainer: str, samples: int) -> list[torch.Tensor]:
-        """The parameters for a step of ``samples``, tied to the server's by autograd."""
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self._row_lock = threading.Lock()
+        self._row_steps: dict[str, tuple[int | None, dict[str, torch.Tensor]]] = {}  # trainer -> (context, leaves)
+
+    def pull(self, trainer: str, samples: int, ids: object = None) -> list[torch.Tensor]:
+        """The parameters for a step of ``samples``, tied to the server's by autograd; with
+        embedding tables, then the rows of ``ids`` (``{table: unique ids}``), one tensor per table."""
+        tables = self.engine.tables
+        if (tables is None) != (ids is None):
+            raise ValueError(f"model {self.engine.config.model} has no embedding tables" if tables is None else
+                             f"model {self.engine.config.model} keeps embedding tables: a pull carries the batch's ids")
+        checked = tables.check_ids(ids) if tables is not None else None  # before the step opens
         self.engine.wait_turn(trainer)
         self.engine.open_step(trainer, samples)
-        return self.engine.parameters(clone=self.engine.needs_clone(), dtype=self.wire_dtype(trainer))
+        wire = self.wire_dtype(trainer)
+        params = self.engine.parameters(clone=self.engine.needs_clone(), dtype=wire)
+        if tables is None:
+            return params
+        leaves = {name: rows.requires_grad_() for name, rows in tables.serve(trainer, checked).items()}
+        with self._row_lock:
+            self._row_steps[trainer] = (torch_rpc.current_autograd_context_id(), leaves)
+        return params + [leaf.view_as(leaf).to(wire) for leaf in leaves.values()]
+
+    def submit(self, trainer: str, grads: dict[nn.Parameter, torch.Tensor]) -> None:
+        """The trainer's whole gradient: the dense part from ``SharedOptimizer``, the rows' from
+        the step's autograd context."""
+        tables = self.engine.tables
+        if tables is not None:
+            with self._row_lock:
+                ctx, leaves = self._row_steps.pop(trainer, (None, {}))
+            try:
+                got = dist_autograd.get_gradients(ctx) if ctx is not None else {}
+                rows = {name: got.get(leaf, torch.zeros_like(leaf)) for name, leaf in leaves.items()}
+                grads = {**grads, **tables.row_grads(trainer, rows)}
+            except BaseException:
+                self.engine.drop_step(trainer)
+                raise
+        self.engine.submit(trainer, grads)
+
+    def trainer_gone(self, trainer: str, evicted: bool) -> None:
+        with self._row_lock:
+            self._row_steps.pop(trainer, None)
+        super().trainer_gone(trainer, evicted)
 
 
 class PullTrainer(TrainerComputeHalf, PlainTrainer):
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def train_step(self, x, y: torch.Tensor) -> float:
         assert self.optimizer is not None
+        batch = None if self.table_columns is None else RowBatch(x[0], self.table_columns, 1)
         with dist_autograd.context() as ctx:
-            params = self.channel.call("pull", int(x.shape[0]))
+            if batch is None:
+                params = self.channel.call("pull", int(x.shape[0]))
+            else:
+                got = self.channel.call("pull", int(y.shape[0]), batch.requests[0])
+                params, rows = got[:len(self.params)], got[len(self.params):]
             # Local copies (device, fp32) stay in the graph: their gradients go back in the wire dtype.
-            local = [p.to(self.device, torch.float32) for p in params]
-            out = functional_call(self.model, dict(zip(self.names, local, strict=True)), (x,))
-            loss = F.cross_entropy(out, y)
+            local = dict(zip(self.names, [p.to(self.device, torch.float32) for p in params], strict=True))
+            if batch is None:
+                loss = self.loss_fn(functional_call(self.model, local, (x,)), y)
+            else:
+                per_sample = batch.per_sample([r.to(self.device, torch.float32) for r in rows])
+                out = functional_call(self.model, local, (per_sample, x[1]))
+                loss = self.loss_fn(out, y) + self.model.penalty(per_sample)
             dist_autograd.backward(ctx, [loss])
             self.optimizer.step(ctx)
         return float(loss.detach())

@@ -74,14 +74,6 @@ class PushPullServer(TrainerComputeServer):
         wire = self.wire_dtype(trainer)
         return params, {name: r.to(wire) for name, r in tables.serve(trainer, checked).items()}
 
-    def rows(self, trainer: str, ids: object) -> Rows:
-        """Rows for evaluation (nothing is created): after ``trainer``'s last update landed."""
-        tables = self.engine.tables
-        if tables is None:
-            raise ValueError(f"model {self.engine.config.model} has no embedding tables")
-        self.engine.wait_applied(trainer)
-        return self.engine.compute.run(tables.lookup, ids)
-
 
 class PushPullTrainer(TrainerComputeHalf):
     def __init__(self, channel) -> None:

@@ -27,7 +27,7 @@ WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.floa
 class TrainerComputeServer(ServerHalf):
     """Remembers each trainer's wire dtype; serves the flat parameters for evaluation."""
 
-    ops = ("parameters",)
+    ops = ("parameters", "rows")
     compute_threads = 1  # an update and copies, on a host the trainers share (psserver.ps.compute)
 
     def __init__(self, engine) -> None:
@@ -57,6 +57,15 @@ class TrainerComputeServer(ServerHalf):
         opens: the trainer evaluates on them)."""
         self.engine.wait_applied(trainer)
         return self.engine.flat_parameters()
+
+    def rows(self, trainer: str, ids: object) -> dict[str, torch.Tensor]:
+        """Rows of an embedding table for evaluation (nothing is created), after ``trainer``'s
+        last update landed."""
+        tables = self.engine.tables
+        if tables is None:
+            raise ValueError(f"model {self.engine.config.model} has no embedding tables")
+        self.engine.wait_applied(trainer)
+        return tables.lookup(ids)
 
     def trainer_gone(self, trainer: str, evicted: bool) -> None:
         with self._wire_lock:

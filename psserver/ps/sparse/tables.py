@@ -51,6 +51,15 @@ class RowGrads:
         return f"RowGrads({self.table!r}, {self.ids.numel()} ids)"
 
 
+def _merged(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unique ids, summed gradients) of several (ids, gradients) of one table."""
+    if len(parts) == 1:
+        return parts[0]
+    ids, inverse = torch.unique(torch.cat([i for i, _ in parts]), return_inverse=True)
+    grads = torch.cat([g for _, g in parts])
+    return ids, torch.zeros(ids.numel(), grads.shape[1], dtype=grads.dtype).index_add_(0, inverse, grads)
+
+
 class SparseTables:
     """The tables of one server process: lookups, row-wise updates, state, status."""
 
@@ -66,6 +75,7 @@ class SparseTables:
                              config.admit_after, config.optimizer, config.lr, config.init_std,
                              seed=seed * 1_000_003 + i)
             self.tables[d.name] = EmbeddingTable(spec)
+        self._lock = threading.RLock()  # the rows: protocols serve them on RPC or compute threads
         self._served_lock = threading.Lock()
         self._served: dict[str, dict[str, torch.Tensor]] = {}  # trainer -> the ids of its open step
 
@@ -104,7 +114,8 @@ class SparseTables:
         """The rows of a step ``trainer`` opens (created on first touch, admission allowing); the
         ids are remembered for the gradients it hands in with its next call."""
         ids = self.check_ids(request)
-        rows = {name: self.tables[name].lookup(t, train=True) for name, t in ids.items()}
+        with self._lock:
+            rows = {name: self.tables[name].lookup(t, train=True) for name, t in ids.items()}
         with self._served_lock:
             self._served[trainer] = ids
         return rows
@@ -112,7 +123,8 @@ class SparseTables:
     def lookup(self, request: object) -> dict[str, torch.Tensor]:
         """Rows for evaluation: nothing is created or counted as a touch."""
         ids = self.check_ids(request)
-        return {name: self.tables[name].lookup(t, train=False) for name, t in ids.items()}
+        with self._lock:
+            return {name: self.tables[name].lookup(t, train=False) for name, t in ids.items()}
 
     def row_grads(self, trainer: str, grads: object) -> dict[RowGrads, torch.Tensor]:
         """The row gradients of ``trainer``'s open step, keyed for its gradient dict (``ValueError``
@@ -140,13 +152,19 @@ class SparseTables:
             self._served.pop(trainer, None)
 
     def apply(self, grads: dict, scale: float = 1.0) -> None:
-        """One row-wise optimizer step for every :class:`RowGrads` entry of a step's gradient
-        dict (the dense ones are the shards'), then the tables' clocks tick."""
+        """One row-wise optimizer step per table from the :class:`RowGrads` entries of a step's
+        gradient dict (the dense ones are the shards'), then the tables' clocks tick. A sync
+        round holds several trainers' entries: the gradients of an id they share are summed
+        into one step of its row, as for a dense parameter."""
+        by_table: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for key, g in grads.items():
             if isinstance(key, RowGrads):
-                self.tables[key.table].apply(key.ids, g, scale)
-        for table in self.tables.values():
-            table.end_step()
+                by_table.setdefault(key.table, []).append((key.ids, g))
+        with self._lock:
+            for name, parts in by_table.items():
+                self.tables[name].apply(*_merged(parts), scale)
+            for table in self.tables.values():
+                table.end_step()
 
     # ---- state ----------------------------------------------------------------------------------
 
@@ -166,14 +184,16 @@ class SparseTables:
         log.info("prefilled %d rows in each of %d table(s)", rows, len(self.tables))
 
     def state_dict(self) -> dict:
-        return {"dim": self.dim, "tables": {n: t.state_dict() for n, t in self.tables.items()}}
+        with self._lock:
+            return {"dim": self.dim, "tables": {n: t.state_dict() for n, t in self.tables.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         if int(state["dim"]) != self.dim or set(state["tables"]) != set(self.tables):
             raise ValueError(f"the checkpoint's tables ({', '.join(state['tables'])}, dim {state['dim']}) are not "
                              f"this server's ({', '.join(self.tables)}, dim {self.dim})")
-        for name, table in self.tables.items():
-            table.load_state_dict(state["tables"][name])
+        with self._lock:
+            for name, table in self.tables.items():
+                table.load_state_dict(state["tables"][name])
         with self._served_lock:
             self._served.clear()
 

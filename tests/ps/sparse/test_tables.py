@@ -122,3 +122,29 @@ def test_state_round_trips_bit_for_bit_and_prefill_creates_owned_rows() -> None:
         assert torch.equal(a["weights"][order_a], b["weights"][order_b])
     with pytest.raises(ValueError, match="not this server's"):
         tables(0, 2, dim=8).load_state_dict(state)
+
+
+def test_a_sync_round_sums_the_rows_trainers_share_into_one_step() -> None:
+    """Two trainers' row gradients in one sync round: an id both touched takes one lazy-Adam
+    step with the average of their gradients, as a dense parameter would."""
+    from psserver.ps.updates import SyncUpdater
+
+    t, ref = tables(optimizer="lazy_adam"), tables(optimizer="lazy_adam")
+    steps = []
+    updater = SyncUpdater([], lambda step, samples: steps.append(step), 2)
+    updater.tables = t
+    for name in ("a", "b"):
+        updater.trainer_joined(name)
+    ga, gb = torch.full((2, 5), 1.0), torch.full((2, 5), 3.0)
+    t.serve("a", {"user": torch.tensor([1, 2])})
+    t.serve("b", {"user": torch.tensor([2, 3])})
+    updater.submit("a", t.row_grads("a", {"user": ga}), 8)
+    assert t.status()[0].updates == 0  # the round waits for b
+    updater.submit("b", t.row_grads("b", {"user": gb}), 8)
+    assert steps == [1]
+    ref.serve("r", {"user": torch.tensor([1, 2, 3])})
+    ref.apply(ref.row_grads("r", {"user": torch.tensor([[1.0] * 5, [4.0] * 5, [3.0] * 5])}), scale=0.5)
+    got, want = t.state_dict()["tables"]["user"], ref.state_dict()["tables"]["user"]
+    for key in ("weights", "ids"):
+        assert torch.equal(got[key][torch.argsort(got["ids"])], want[key][torch.argsort(want["ids"])])
+    assert got["state"]["t"].tolist() == [1, 1, 1]
