@@ -38,7 +38,7 @@ from psserver.ps.engine import StepEngine, resolve_devices
 from psserver.ps.membership import Member
 from psserver.ps.messages import JoinRequest, ServerHello
 from psserver.ps.protocols import PROTOCOLS
-from psserver.ps.updates import FollowerSyncUpdater
+from psserver.ps.sync_updates import FollowerSyncUpdater
 from psserver.telemetry import TrainerStatus
 from psserver.utils.memory import configure_host_allocator, freeze_long_lived
 

@@ -31,7 +31,7 @@ from psserver.ps.membership import Membership
 from psserver.ps.protocols import PROTOCOLS
 from psserver.ps.server_group import ServerGroup
 from psserver.ps.status import ServerView
-from psserver.ps.updates import SyncUpdater
+from psserver.ps.sync_updates import SyncUpdater
 from psserver.utils.memory import configure_host_allocator, freeze_long_lived
 
 log = logging.getLogger(__name__)

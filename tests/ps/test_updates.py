@@ -11,7 +11,8 @@ from torch import nn
 
 from psserver.config import OptimizerConfig
 from psserver.ps.shard import Shard
-from psserver.ps.updates import AsyncUpdater, SSPUpdater, SyncUpdater, Updater, make_updater
+from psserver.ps.sync_updates import SyncUpdater
+from psserver.ps.updates import AsyncUpdater, SSPUpdater, Updater, make_updater
 
 
 def make_shard():
