@@ -1,0 +1,248 @@
+"""A trainer's session with the parameter server: one membership of its RPC group.
+
+The :class:`Session` is the join, the heartbeat, the leave, and the channel its step
+protocol's trainer half calls the server through (``psserver.ps.protocols``). Progress and
+liveness ride on every call as a :class:`~psserver.ps.messages.Report`; a low-rate heartbeat
+covers the time between steps. The training loop around it: ``psserver.ps.trainer``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import socket
+import threading
+from dataclasses import asdict
+
+import torch
+import torch.distributed.rpc as rpc
+
+from psserver.config import TrainerConfig
+from psserver.errors import ServerUnavailable, UsageError
+from psserver.ps import endpoint, rendezvous, torch_rpc
+from psserver.ps.engine import resolve_device
+from psserver.ps.messages import JoinRequest, Report
+from psserver.ps.protocols import TrainerHalf, get_protocol
+from psserver.ps.protocols.trainer_compute import WIRE_DTYPES
+from psserver.ps.stop_signals import StopSignals
+from psserver.utils.metrics import get_metric
+
+log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 10.0
+"""How long a trainer whose call failed waits for the server to say whether it is a member."""
+
+
+class JoinLost(ServerUnavailable):
+    """``init_rpc`` failed: the server or a member went away while this trainer joined."""
+
+
+class PartitionCallError(RuntimeError):
+    """A call to one of several server processes failed (``Session.call_each``)."""
+
+    def __init__(self, server: int, name: str, message: str) -> None:
+        super().__init__(message)
+        self.server = server
+        self.server_name = name
+
+
+class Session:
+    """One membership of the RPC group, at most one per process (``--reconnect`` re-executes the
+    trainer to rejoin: see the module's docstring)."""
+
+    def __init__(self, config: TrainerConfig, stop: StopSignals | None = None) -> None:
+        self.config = config
+        self.closed = False
+        self.device = trainer_device(config.device)
+        self.wire_dtype = WIRE_DTYPES[config.wire_dtype]
+        token = rendezvous.join_token(config)
+        with stop.interruptible() if stop is not None else contextlib.nullcontext():
+            self.store, self.url = rendezvous.connect_store(
+                config.server_host, config.server_port, config.connect_timeout, config.rpc_timeout, token
+            )
+        # Before joining the RPC group, whose join calls every member: the server evicts the
+        # dead ones (this rank's crashed holder, say) or refuses a rank whose holder is alive.
+        rpc_id, incarnation = rendezvous.request_admission(self.store, config.rank,
+                                                           f"{config.server_host}:{config.server_port}")
+        self.name = rendezvous.trainer_name(config.rank, incarnation)
+        rendezvous.set_transport_interface(config.server_host, local=False)
+        torch_rpc.check_version()
+        torch_rpc.restrict_unpickler()
+        _maybe_inject_join_fault()
+        try:
+            rpc.init_rpc(
+                self.name,
+                rank=rpc_id,
+                world_size=None,
+                rpc_backend_options=rendezvous.backend_options(self.url, config.rpc_timeout, 4),
+            )
+        except RuntimeError as e:  # the group or the server went away while this trainer joined
+            msg = str(e).splitlines()[0]
+            raise JoinLost(f"cannot join the RPC group of {config.server_host}:{config.server_port}: {msg}") from None
+        optimizer = asdict(config.optimizer) if config.optimizer else None
+        request = JoinRequest(config.rank, self.name, socket.gethostname(), os.getpid(), config.step, optimizer,
+                              config.compute, config.wire_dtype, config.device)
+        try:
+            self.info = rpc.rpc_sync(rendezvous.SERVER_NAME, endpoint.join, args=(request,))
+        except Exception as e:  # noqa: BLE001 - the server's refusal is the user's answer
+            self._shutdown(graceful=False)
+            raise UsageError(f"server refused the join: {remote_message(e)}") from None
+        if "error" in self.info:
+            refusal = self.info["error"]
+            self._shutdown(graceful=True)
+            raise UsageError(refusal)
+        self.report: Report | None = None
+        self.servers: list[str] = list(self.info.get("servers", [rendezvous.SERVER_NAME]))
+        """RPC names of the server processes, server 0 first (several: ``--num-servers``)."""
+        self.step_protocol: str = self.info["step"]
+        self.protocol: TrainerHalf = get_protocol(self.step_protocol).trainer(self)
+        self._stop = threading.Event()
+        self._hb = threading.Thread(target=self._heartbeat, name="psserver-heartbeat", daemon=True)
+        self._hb.start()
+        log.info("joined psserver %s:%d as %s (model %s, update %s, optimizer %s, --compute %s --step %s%s)",
+                 config.server_host, config.server_port, self.name, self.info["model"], self.info["update"],
+                 self.info["optimizer"]["name"], self.info["compute"], self.step_protocol,
+                 f" on {self.device}" if self.info["compute"] == "trainer" else "")
+
+    def call(self, op: str, *args):
+        """``op`` of the server half of this session's step protocol (the trainer half's channel);
+        what the server tells along (a step it dropped) is logged."""
+        result, notices = rpc.rpc_sync(rendezvous.SERVER_NAME, endpoint.call, args=(self.name, op, args, self.report))
+        for notice in notices:
+            log.warning("%s", notice)
+        return result
+
+    def call_each(self, op: str, args: list[tuple]) -> list:
+        """``op`` on every server process at once, ``args[i]`` for server i; their results in
+        order. When any failed (after all have answered), ``PartitionCallError`` naming it."""
+        futures = [rpc.rpc_async(name, endpoint.call, args=(self.name, op, a, self.report if i == 0 else None))
+                   for i, (name, a) in enumerate(zip(self.servers, args, strict=True))]
+        results, failed = [], None
+        for i, fut in enumerate(futures):
+            try:
+                result, notices = fut.wait()
+            except RuntimeError as e:
+                failed = failed or (i, e)
+                continue
+            if i == 0:
+                for notice in notices:
+                    log.warning("%s", notice)
+            results.append(result)
+        if failed is not None:
+            i, e = failed
+            raise PartitionCallError(i, self.servers[i], f"server {i} ({self.servers[i]}): {remote_message(e)}")
+        return results
+
+    def _heartbeat(self) -> None:
+        interval = float(self.info["heartbeat_interval"])
+        while not self._stop.wait(interval):
+            try:
+                rpc.rpc_async(rendezvous.SERVER_NAME, endpoint.heartbeat, args=(self.name, self.report),
+                              timeout=max(1.0, interval * 4))
+            except RuntimeError:  # the training loop reports a lost server
+                pass
+
+    def evaluate(self, dataset, batch_size: int, metric: str = "accuracy") -> float:
+        """The model's ``metric`` on ``dataset`` (its tensors: the inputs, then the targets)."""
+        self.protocol.flush()
+        *xs, y = dataset.tensors
+        outputs = [self.protocol.evaluate(batch_of(xs, slice(i, i + batch_size))) for i in range(0, len(y), batch_size)]
+        if not outputs:
+            return float("nan")
+        return get_metric(metric)(torch.cat(outputs), y)
+
+    def probe(self) -> str:
+        """The server's state, asked as a heartbeat (``endpoint.NOT_A_MEMBER`` once this trainer
+        was evicted); an RPC error when the server is gone."""
+        return rpc.rpc_sync(rendezvous.SERVER_NAME, endpoint.heartbeat, args=(self.name, self.report),
+                            timeout=min(self.config.rpc_timeout, PROBE_TIMEOUT_S))
+
+    def leave(self) -> None:
+        """Hand in what the protocol owes, leave the server and the RPC group (once)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._stop.set()
+        try:
+            self.protocol.flush()
+            rpc.rpc_sync(rendezvous.SERVER_NAME, endpoint.leave, args=(self.name, self.report), timeout=10)
+            self._shutdown(graceful=True)
+        except Exception:  # noqa: BLE001 - server already gone: leave locally
+            self._shutdown(graceful=False)
+        rendezvous.forget_store(self.url)
+
+    def abandon(self) -> None:
+        """Drop a session whose server is gone (or evicted it), without talking to it."""
+        if self.closed:
+            return
+        self.closed = True
+        self._stop.set()
+        self._shutdown(graceful=False)
+        rendezvous.forget_store(self.url)
+
+    def _shutdown(self, graceful: bool) -> None:
+        protocol = getattr(self, "protocol", None)
+        if protocol is not None:
+            protocol.close()
+        self.info = {}
+        if not torch_rpc.agent_is_set():
+            return
+        if graceful:
+            done = threading.Event()
+
+            def graceful_leave() -> None:
+                try:
+                    rpc.shutdown(graceful=True, timeout=10)
+                except Exception:  # noqa: BLE001
+                    log.debug("graceful RPC shutdown failed", exc_info=True)
+                finally:
+                    done.set()
+
+            threading.Thread(target=graceful_leave, daemon=True).start()
+            if done.wait(20):
+                return
+            log.warning("leaving the RPC group timed out; shutting down locally")
+        try:
+            rpc.shutdown(graceful=False)
+        except Exception:  # noqa: BLE001
+            log.debug("local RPC shutdown failed", exc_info=True)
+
+
+def trainer_device(name: str) -> torch.device:
+    """The device of ``--device``, made current for CUDA (``UsageError`` when this host does not have it)."""
+    dev = resolve_device(name, "--device")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return dev
+
+
+def _maybe_inject_join_fault() -> None:
+    """Tests only: ``PSSERVER_FAULT_INJECT=die-in-join`` kills this process inside
+    ``init_rpc`` while it holds the group's membership token, as a crash there would."""
+    if os.environ.get("PSSERVER_FAULT_INJECT") != "die-in-join":
+        return
+
+    def die(agent) -> None:  # noqa: ARG001
+        log.error("injected fault: dying inside init_rpc")
+        os._exit(9)
+
+    torch_rpc.die_inside_init_rpc(die)
+
+
+def remote_message(e: BaseException) -> str:
+    """The useful line of an RPC error: the remote exception's message, not its traceback.
+
+    Remote exceptions arrive as ``On WorkerInfo(...):\nValueError('...')\nTraceback ...``.
+    """
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    if lines and re.match(r"^(\w+: )?On WorkerInfo", lines[0]) and len(lines) >= 2:
+        m = re.match(r"^\w+\((['\"])(.*)\1\)$", lines[1])
+        return m.group(2) if m else lines[1]
+    return lines[0] if lines else type(e).__name__
+
+
+def batch_of(tensors: list[torch.Tensor], idx):
+    """A batch of the inputs: one tensor, or a tuple (a model with tables: ids and dense features)."""
+    return tensors[0][idx] if len(tensors) == 1 else tuple(t[idx] for t in tensors)
