@@ -17,7 +17,7 @@ from psserver.checkpoint import list_checkpoints, read_checkpoint
 from psserver.control.client import ControlClient
 from psserver.data.clicks import ClickLogSpec, make_click_log
 from psserver.ps.sparse.tables import owner
-from tests.procs import free_port, metric, start_servers
+from tests.procs import free_port, metric, run, start_servers
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -210,3 +210,18 @@ def test_the_reference_protocol_and_two_servers_train_the_rows_alike(procs, tmp_
                 diff = float((tables[name][key] - table[key]).abs().max())
                 assert diff <= 1e-6, (label, name, key, diff)
             assert torch.equal(tables[name]["state.t"], table["state.t"]), (label, name)
+
+
+@pytest.mark.timeout(120)
+def test_misuse_of_a_model_with_tables_gets_one_line(procs, port):
+    """Server compute, the wrong data set, a zero-width row: each one line, exit 2."""
+    r = run(["serve", "--model", "mf", "--compute", "server"], timeout=30)
+    assert r.returncode == 2 and "trainers compute" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = run(["serve", "--model", "mf", "--embedding-dim", "0"], timeout=30)
+    assert r.returncode == 2 and "--embedding-dim must be in 1..4096" in r.stderr, r.stderr
+    procs.server(port, "--model", "dlrm_tiny")
+    for extra, says in ((["--step", "chained"], "travel with --step pushpull or pull"),
+                        (["--dataset", "synthetic"], "classification task"),
+                        (["--dataset", "synthetic_clicks", "--click-vocab", "0"], "--click-vocab")):
+        t = run(["train", "--server", f"127.0.0.1:{port}", "--rank", "0", "--num-trainers", "1", *extra], timeout=60)
+        assert t.returncode == 2 and says in t.stderr and "Traceback" not in t.stderr, (extra, t.stderr)
