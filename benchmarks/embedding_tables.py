@@ -408,6 +408,7 @@ def rates_window(readings: list[Reading], lines: list[dict], ends: list[list[flo
             "server_cores": cores,
             "lookups_per_cpu_s": [None if c is None or not c or lk is None else lk / c
                                   for lk, c in zip(lookups, cores, strict=True)],
+            "server_ms_per_step": [None if c is None or not steps else 1e3 * c * dt / steps for c in cores],
             "machine_busy": 1 - idle / total_all if total_all else None,
             "bytes_per_s": moved / dt, "bytes_per_step": moved / steps if steps else None,
             "link_utilization": moved / dt / (servers * 2 * rate_mbit * 1e6 / 8),
@@ -478,7 +479,8 @@ def summarize_rates(counts: list[int], runs: dict[int, list[dict]]) -> dict:
                           for v, b in zip(values, runs.get(base, []), strict=False)]
                 row[f"x_{key}"] = ratios
                 row[f"median_x_{key}"] = _median(ratios)
-        for key in ("lookups_per_s", "updates_per_s", "server_cores", "lookups_per_cpu_s", "rows"):
+        for key in ("lookups_per_s", "updates_per_s", "server_cores", "lookups_per_cpu_s", "server_ms_per_step",
+                    "rows"):
             per = [leg.get(key) for leg in legs if leg.get(key) is not None]
             row[f"median_{key}"] = [_median(list(x)) for x in zip(*per, strict=True)] if per else None
         out["setups"][s] = row
@@ -541,7 +543,7 @@ def markdown(result: dict) -> str:
                          _f(row["median_x_baseline"], "{:.3f}"), _f(row["median_whole_run_ratio"], "{:.3f}"),
                          _f(row["median_samples_per_s"], "{:,.0f}")])
         lines += [report.md_table(
-            ["setup", "batch", "rows per table (status)", "server RSS MB", "ideal B/step", "measured B/step",
+            ["setup", "batch", "rows per table at the end (status)", "server RSS MB", "ideal B/step", "measured B/step",
              "bytes / ideal (median)", "per round", "up / down", "packets per step", "headers (of ideal)",
              "other payload B/step", "ratio x baseline (same round)", "whole run / ideal", "samples/s"], rows), ""]
         fit = a["summary"].get("fit")
@@ -574,11 +576,13 @@ def markdown(result: dict) -> str:
                          _f(row["median_samples_per_s"], "{:,.0f}"),
                          _fs(row["median_server_cores"], "{:.2f}", " / "),
                          _fs(row["median_lookups_per_cpu_s"], "{:,.0f}", " / "),
+                         _fs(row["median_server_ms_per_step"], "{:.2f}", " / "),
                          _f(row["median_link_utilization"], "{:.0%}"), _f(row["median_machine_busy"], "{:.0%}")])
         lines += [report.md_table(
             ["servers", "lookups/s, total (median)", "x 1 server", "per round", "lookups/s per server",
              "updates/s, total", "x 1 server", "updates/s per server", "samples/s", "server CPU (cores each)",
-             "lookups per server CPU-second", "server links busy", "machine CPU busy"], rows), ""]
+             "lookups per server CPU-second", "server CPU ms per trainer step", "server links busy",
+             "machine CPU busy"], rows), ""]
     for part, key in (("(A)", "bytes"), ("(B)", "rates")):
         if (result.get(key) or {}).get("error"):
             lines += [f"**{part} stopped early:** {result[key]['error']}", ""]
@@ -765,12 +769,6 @@ def measure_bytes(args: argparse.Namespace, deadline: scaling.Deadline, progress
             for setup in setups:
                 if args.warm_up_steps and setup["role"] == "rows":
                     run(setup, f"warm-up-{setup['name']}", args.warm_up_steps, measure_it=False)
-            for n, p in servers.items():
-                status = hosts.status_once(prefills.index(n), f"rows{n}-status")
-                rows = None if status is None else {t["table"]: t["rows"] for t in status["tables"]}
-                progress["servers"][n] = {"rows": rows, "rss_mb": _rss_mb(p.pid)}
-                log.info("[%5.0fs] (A) server %s: rows %s, RSS %s MB", elapsed(deadline), f"{n:,}", rows,
-                         _f(_rss_mb(p.pid), "{:,.0f}"))
             for r in range(args.bytes_rounds):
                 order = setups[r % len(setups):] + setups[:r % len(setups)]
                 progress["order_per_round"].append([s["name"] for s in order])
@@ -780,6 +778,12 @@ def measure_bytes(args: argparse.Namespace, deadline: scaling.Deadline, progress
                     log.info("[%5.0fs] (A) round %d/%d, %s: %s", elapsed(deadline), r + 1, args.bytes_rounds,
                              setup["label"], _bytes_line(leg))
                 progress["rounds_done"] = r + 1
+            for n, p in servers.items():  # what the tables held: the prefill and the rows the runs created
+                status = hosts.status_once(prefills.index(n), f"rows{n}-status")
+                rows = None if status is None else {t["table"]: t["rows"] for t in status["tables"]}
+                progress["servers"][n] = {"rows": rows, "rss_mb": _rss_mb(p.pid)}
+                log.info("[%5.0fs] (A) server prefilled with %s rows: rows per table %s, RSS %s MB", elapsed(deadline),
+                         f"{n:,}", rows, _f(_rss_mb(p.pid), "{:,.0f}"))
         finally:
             hosts.close()
 

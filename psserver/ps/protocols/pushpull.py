@@ -92,7 +92,8 @@ class PushPullTrainer(TrainerComputeHalf):
         if self.plan is None and self.table_columns is None:
             return [self.channel.call("exchange", None if dense is None else dense[0], samples)]
         servers = len(self.channel.servers)
-        norm = None if dense is None else self.norm_of(dense, rows)
+        # Several servers each see a part of the step: they all decide on the whole step's norm.
+        norm = None if dense is None or servers == 1 else self.norm_of(dense, rows)
         args = []
         for i in range(servers):
             a: tuple = (None if dense is None else dense[i], samples, norm)
