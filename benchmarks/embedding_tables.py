@@ -1,7 +1,7 @@
 """Embedding tables on the parameter servers: their bytes per step and their rows per second.
 
-    python -m benchmarks.embedding_tables --quick --results-dir /tmp/tables                  # < 90 s
-    timeout 14m python -m benchmarks.embedding_tables --timeout 780                         # ~9 min
+    python -m benchmarks.embedding_tables --quick --results-dir /tmp/tables                  # ~45 s
+    timeout 14m python -m benchmarks.embedding_tables --timeout 780                         # ~7 min
     python -m benchmarks.embedding_tables --skip-rates                                      # (A) only
 
 Two measurements (issue 19), each on hosts of its own (``benchmarks.multihost``: every server
@@ -82,6 +82,8 @@ CONTROL_PORT = 50051
 """Server 0's control plane, on the loopback of its own namespace (nothing else reaches it)."""
 WIRE_BYTES = 4
 """fp32 rows and row gradients (``--wire-dtype fp32``, the trainers' default)."""
+GATE_TIMEOUT_S = 180.0
+"""How long trainers wait for each other at their first step."""
 MAX_ROWS_SLACK = 1_000_000
 """Rows a table may hold beyond its prefill: nothing is evicted while the runs create rows."""
 
@@ -106,6 +108,27 @@ with ControlClient(address, timeout=5) as client:
         time.sleep(max(0.0, interval - (time.monotonic() - t0)))
 """
 """Runs in server 0's namespace: one JSON line per status read, ``t`` its monotonic time."""
+
+_GATE = r"""
+import os, sys, time
+ready, go, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
+from psserver.ps.protocols import trainer_compute
+first = trainer_compute.TrainerComputeHalf.step
+def gated(self, x, y):
+    trainer_compute.TrainerComputeHalf.step = first
+    open(ready, "w").close()
+    end = time.monotonic() + timeout
+    while not os.path.exists(go) and time.monotonic() < end:
+        time.sleep(0.005)
+    return first(self, x, y)
+trainer_compute.TrainerComputeHalf.step = gated
+from psserver.cli import main
+sys.exit(main(sys.argv[4:]))
+"""
+"""``psserver train ARGS`` whose first step waits (joined, its data loaded, heartbeats going) until
+the harness creates ``go``, once every trainer has created its ``ready``: all start stepping
+together. Eight trainers starting on two cores otherwise start seconds apart, and the first
+ones, alone on the links, may be nearly done before the last one's first step (no common window)."""
 
 
 # ---- command lines ---------------------------------------------------------------------------
@@ -291,6 +314,32 @@ def mf_columns(dim: int) -> list[tuple[int, int]]:
     return [(d.column, dim + d.extra_dims) for d in get_model_spec("mf").tables]
 
 
+def rpc_pickle_sizes(dim: int) -> dict:
+    """Bytes of the pickled parts of one ``exchange`` of ``mf`` (torch's RPC pickler, as the
+    trainer's ``rpc_sync`` makes them; tensors travel beside, so their sizes do not matter):
+    the call up (function, trainer name, op, arguments, the progress ``Report`` every call
+    carries) and the reply down. What else a step sends beyond the ideal is torch RPC's and
+    TensorPipe's framing of the two messages and their tensors, and the headers."""
+    import torch
+    from torch.distributed.rpc.internal import PythonUDF, _internal_rpc_pickler
+
+    from psserver.models import get_model_spec
+    from psserver.ps import endpoint
+    from psserver.ps.messages import Report
+
+    names = [d.name for d in get_model_spec("mf").tables]
+    rows = {"grads": {n: torch.zeros(10, dim + 1) for n in names},
+            "ids": {n: torch.zeros(10, dtype=torch.int64) for n in names}}
+    report = Report(steps=1234, samples=1_263_616, loss=0.8813, samples_per_s=106_496.2)
+    call = ("trainer_0_1", "exchange", ([torch.zeros(1)], 1024, None, rows))
+    up, up_tensors = _internal_rpc_pickler.serialize(PythonUDF(endpoint.call, (*call, report), {}))
+    bare, _ = _internal_rpc_pickler.serialize(PythonUDF(endpoint.call, (*call, None), {}))
+    down, down_tensors = _internal_rpc_pickler.serialize((([torch.zeros(1)], {n: torch.zeros(10, dim + 1)
+                                                                               for n in names}), []))
+    return {"request": len(up), "report": len(up) - len(bare), "reply": len(down),
+            "request_tensors": len(up_tensors), "reply_tensors": len(down_tensors)}
+
+
 # ---- (A): one run's analysis --------------------------------------------------------------------
 
 
@@ -312,6 +361,7 @@ def bytes_window(readings: list[Reading], node: int, ends: list[list[float]], id
     ca, cb = a.links[node], b.links[node]
     received, sent = cb.rx_bytes - ca.rx_bytes, cb.tx_bytes - ca.tx_bytes  # the server's
     packets = cb.packets - ca.packets
+    up_packets, down_packets = cb.rx_packets - ca.rx_packets, cb.tx_packets - ca.tx_packets
     total, ideal = received + sent, up + down
     headers = HEADER_BYTES * packets
     leg.update({
@@ -324,6 +374,10 @@ def bytes_window(readings: list[Reading], node: int, ends: list[list[float]], id
         "header_share": headers / ideal if ideal else None,
         "payload_overhead_per_step": (total - headers - ideal) / steps if steps else None,
         "payload_share": (total - headers - ideal) / ideal if ideal else None,
+        "up_packets_per_step": up_packets / steps if steps else None,
+        "down_packets_per_step": down_packets / steps if steps else None,
+        "payload_overhead_up_per_step": (received - HEADER_BYTES * up_packets - up) / steps if steps else None,
+        "payload_overhead_down_per_step": (sent - HEADER_BYTES * down_packets - down) / steps if steps else None,
     })
     return leg
 
@@ -434,7 +488,8 @@ def summarize_bytes(setups: list[dict], runs: dict[str, list[dict]]) -> dict:
         row: dict = {**s, "rounds": len(legs)}
         for key in ("ratio", "ratio_up", "ratio_down", "bytes_per_step", "ideal_per_step", "packets_per_step",
                     "header_share", "payload_share", "payload_overhead_per_step", "samples_per_s",
-                    "whole_run_ratio"):
+                    "whole_run_ratio", "up_packets_per_step", "down_packets_per_step", "payload_overhead_up_per_step",
+                    "payload_overhead_down_per_step"):
             row[key] = [leg.get(key) for leg in legs]
             row[f"median_{key}"] = _median(row[key])
         row["x_baseline"] = [None if a.get("ratio") is None or not b.get("ratio") else a["ratio"] / b["ratio"]
@@ -539,13 +594,23 @@ def markdown(result: dict) -> str:
                          f"{_f(row['median_ratio_up'], '{:.3f}')} / {_f(row['median_ratio_down'], '{:.3f}')}",
                          _f(row["median_packets_per_step"], "{:.1f}"),
                          _f(row["median_header_share"], "{:.1%}"),
-                         _f(row["median_payload_overhead_per_step"], "{:,.0f}"),
+                         f"{_f(row['median_payload_overhead_per_step'], '{:,.0f}')} "
+                         f"({_f(row['median_payload_overhead_up_per_step'], '{:,.0f}')} / "
+                         f"{_f(row['median_payload_overhead_down_per_step'], '{:,.0f}')})",
                          _f(row["median_x_baseline"], "{:.3f}"), _f(row["median_whole_run_ratio"], "{:.3f}"),
                          _f(row["median_samples_per_s"], "{:,.0f}")])
         lines += [report.md_table(
             ["setup", "batch", "rows per table at the end (status)", "server RSS MB", "ideal B/step", "measured B/step",
              "bytes / ideal (median)", "per round", "up / down", "packets per step", "headers (of ideal)",
-             "other payload B/step", "ratio x baseline (same round)", "whole run / ideal", "samples/s"], rows), ""]
+             "other payload B/step (up / down)", "ratio x baseline (same round)", "whole run / ideal",
+             "samples/s"], rows), ""]
+        pk = a.get("rpc_pickles")
+        if pk:
+            lines += [f"Pickled parts of one step's exchange (torch's RPC pickler, computed here): the call up "
+                      f"{pk['request']} B (of which the trainer's progress report, carried on every call, "
+                      f"{pk['report']} B), the reply down {pk['reply']} B; {pk['request_tensors']} tensors up and "
+                      f"{pk['reply_tensors']} down. The rest of the other payload is torch RPC's and TensorPipe's "
+                      "framing of the two messages and their tensors, and one heartbeat per trainer per second.", ""]
         fit = a["summary"].get("fit")
         if fit:
             lines += [f"Bytes per step = fixed + k x ideal, through batches {fit['batches'][0]} and "
@@ -661,13 +726,27 @@ class Hosts:
         return lines[-1] if lines else None
 
     def run_trainers(self, tag: str, jobs: list[tuple[int, list[str]]], servers: list[measure.Child]) -> None:
-        """Trainers ``(node, argv)`` until every one has exited 0 (``RuntimeError`` otherwise)."""
+        """Trainers ``(node, argv)``, started together at their first step (``_GATE``), until every
+        one has exited 0 (``RuntimeError`` otherwise)."""
         for p in servers:
             if not p.running():
                 raise RuntimeError(f"{p.name} exited:\n{p.tail()}")
-        procs = [self.start(node, scaling.trainer_command(argv), f"{tag}-trainer{r}")
-                 for r, (node, argv) in enumerate(jobs)]
+        go = self.work / f"{tag}.go"
+        ready = [self.work / f"{tag}-trainer{r}.ready" for r in range(len(jobs))]
+        procs = [self.start(node, [sys.executable, "-c", _GATE, str(ready[r]), str(go), str(GATE_TIMEOUT_S), *argv],
+                            f"{tag}-trainer{r}") for r, (node, argv) in enumerate(jobs)]
         try:
+            limit = time.monotonic() + GATE_TIMEOUT_S
+            while not all(f.exists() for f in ready):
+                for p in procs:
+                    if not p.running():
+                        raise RuntimeError(f"{p.name} exited with {p.wait(5)} before its first step:\n{p.tail()}")
+                if time.monotonic() > limit:
+                    raise RuntimeError(f"the trainers of {tag} were not all at their first step within "
+                                       f"{GATE_TIMEOUT_S:.0f} s")
+                self.deadline.left()
+                time.sleep(0.02)
+            go.touch()
             for p in procs:
                 code = p.wait(self.deadline.left())
                 if code is None:
@@ -717,7 +796,12 @@ def measure_bytes(args: argparse.Namespace, deadline: scaling.Deadline, progress
     prefills = list(args.rows)
     trainers = args.bytes_trainers
     runs: dict[str, list[dict]] = {s["name"]: [] for s in setups}
-    progress.update(setups=setups, runs=runs, order_per_round=[], servers={})
+    try:
+        pickles = rpc_pickle_sizes(args.bytes_dim)
+    except (ImportError, AttributeError, TypeError) as e:  # torch's private pickler moved: only the breakdown goes
+        log.warning("cannot size the pickled exchange: %s", e)
+        pickles = None
+    progress.update(setups=setups, runs=runs, order_per_round=[], servers={}, rpc_pickles=pickles)
     ids = movielens_ids()
     columns = mf_columns(args.bytes_dim)
     trainer_nodes = list(range(len(prefills), len(prefills) + trainers))
@@ -901,7 +985,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     b.add_argument("--qdisc", choices=multihost.QDISCS, default="tbf", help="tc shaper (default tbf)")
     b.add_argument("--dim", type=int, default=16, help="--embedding-dim (default 16, dlrm_tiny's)")
     b.add_argument("--batch-size", type=int, default=512, help="samples per trainer step (default 512)")
-    b.add_argument("--steps", type=int, default=None, help="steps per trainer and run (default 100; --quick 40)")
+    b.add_argument("--steps", type=int, default=None, help="steps per trainer and run (default 100; --quick 60)")
     b.add_argument("--skip", type=int, default=5, help="warm-up steps of each trainer left out (default 5)")
     b.add_argument("--rounds", type=int, default=None, help="paired rounds (default 3; --quick 1)")
     b.add_argument("--train-samples", type=int, default=50_000, help="synthetic_clicks samples (default 50000)")
@@ -914,7 +998,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.rows = _ints(args.rows or ("1e4,1e5" if q else "1e4,1e7"), "--rows", p)
     args.servers = _ints(args.servers or ("1,2" if q else "1,2,4"), "--servers", p)
     for name, full, quick in (("small_batch", 128, 0), ("bytes_steps", 400, 150), ("bytes_rounds", 3, 1),
-                              ("trainers", 8, 4), ("steps", 100, 40), ("rounds", 3, 1), ("warm_up_steps", 20, 0)):
+                              ("trainers", 8, 4), ("steps", 100, 60), ("rounds", 3, 1), ("warm_up_steps", 20, 0)):
         if getattr(args, name) is None:
             setattr(args, name, quick if q else full)
     if not args.rows or args.rows[0] < 0 or args.rows[-1] > 100_000_000:
@@ -1001,7 +1085,7 @@ def main(argv: list[str] | None = None) -> int:
                     "wall_s": time.monotonic() - t0, "config": _config(args), "method": METHOD, "error": error}
     if not args.skip_bytes:
         part: dict = {"error": errors["bytes"], "order_per_round": a.get("order_per_round", []),
-                      "runs": a.get("runs", {}), "servers": a.get("servers", {})}
+                      "runs": a.get("runs", {}), "servers": a.get("servers", {}), "rpc_pickles": a.get("rpc_pickles")}
         done = a.get("rounds_done", 0)
         if done:
             summary = summarize_bytes(a["setups"], {k: v[:done] for k, v in a["runs"].items()})
