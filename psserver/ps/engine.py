@@ -24,7 +24,8 @@ from psserver.ps.guard import GradientGuard
 from psserver.ps.partition import PartitionModule, PartitionPlan, plan_for_model
 from psserver.ps.shard import Shard
 from psserver.ps.sparse.tables import SparseTables
-from psserver.ps.updates import Grads, TrainerProgress, make_updater
+from psserver.ps.sync_updates import FollowerSyncUpdater, SyncUpdater
+from psserver.ps.updates import AsyncUpdater, Grads, OnStep, SSPUpdater, TrainerProgress, Updater
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,19 @@ def resolve_devices(devices: list[str] | None) -> list[torch.device]:
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return [torch.device(f"cuda:{i}") for i in range(n)] or [torch.device("cpu")]
     return [resolve_device(d, "--devices") for d in devices]
+
+
+def make_updater(mode: str, shards: list[Shard], on_step: OnStep, sync_trainers: int,
+                 staleness: int = 0, *, follower: bool = False) -> Updater:
+    """The updater of ``--update mode`` (``sync_trainers``: K of sync; ``staleness``: S of ssp;
+    ``follower``: a server process of rank > 0, whose sync rounds server 0 decides)."""
+    if mode == "sync":
+        return FollowerSyncUpdater(shards, on_step) if follower else SyncUpdater(shards, on_step, sync_trainers)
+    if mode == "ssp":
+        return SSPUpdater(shards, on_step, staleness)
+    if mode == "async":
+        return AsyncUpdater(shards, on_step)
+    raise ValueError(f"unknown update mode {mode!r}")
 
 
 class StepEngine:

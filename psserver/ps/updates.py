@@ -359,18 +359,3 @@ class SSPUpdater(AsyncUpdater):
         super().trainer_gone(trainer)
         with self._clocks:
             self._grant()  # it bounds nobody any more
-
-
-def make_updater(mode: str, shards: list[Shard], on_step: OnStep, sync_trainers: int,
-                 staleness: int = 0, *, follower: bool = False) -> Updater:
-    """The updater of ``--update mode`` (``sync_trainers``: K of sync; ``staleness``: S of ssp;
-    ``follower``: a server process of rank > 0, whose sync rounds server 0 decides)."""
-    if mode == "sync":
-        from psserver.ps.sync_updates import FollowerSyncUpdater, SyncUpdater  # they subclass Updater
-
-        return FollowerSyncUpdater(shards, on_step) if follower else SyncUpdater(shards, on_step, sync_trainers)
-    if mode == "ssp":
-        return SSPUpdater(shards, on_step, staleness)
-    if mode == "async":
-        return AsyncUpdater(shards, on_step)
-    raise ValueError(f"unknown update mode {mode!r}")

@@ -136,10 +136,11 @@ def _check_result(result: dict, md: str, png: Path, setups: list[str]) -> None:
 @pytest.mark.timeout(480)
 def test_quick_run_writes_json_table_and_chart(tmp_path):
     pytest.importorskip("matplotlib")
-    # About 2 minutes on the 2-core VM (one paired round: the table's shape, not its numbers,
+    # About 80 s on the 2-core VM (one paired round, short windows: the table's shape, not its numbers,
     # is checked here); the margin is for a machine that other jobs load.
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--rounds", "1", "--results-dir",
-                           str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--rounds", "1", "--seconds", "2",
+                           "--warmup", "0.5", "--idle-seconds", "1", "--round-steps", "10", "--round-skip", "2",
+                           "--results-dir", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=450, env=measure.child_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "latest.json").read_text())

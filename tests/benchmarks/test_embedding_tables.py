@@ -1,7 +1,7 @@
-"""``benchmarks.embedding_tables`` (issue 19): the pure parts always run; the quick run needs root,
-``ip`` and ``tc`` (namespaces, veth links, shapers) and is skipped, with the reason, where
-``multihost.available()`` says no. It only reaches the addresses of the topologies it builds, and
-leaves no namespace or process behind."""
+"""``benchmarks.embedding_tables`` (issue 19, with its ``embedding_*`` parts): the pure parts
+always run; the quick run needs root, ``ip`` and ``tc`` (namespaces, veth links, shapers) and is
+skipped, with the reason, where ``multihost.available()`` says no. It only reaches the addresses
+of the topologies it builds, and leaves no namespace or process behind."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ import sys
 
 import pytest
 
+from benchmarks import embedding_hosts as eh
+from benchmarks import embedding_measure as em
+from benchmarks import embedding_report as er
 from benchmarks import embedding_tables as et
 from benchmarks import measure, multihost
 
@@ -21,7 +24,7 @@ def _ours(pid: int) -> list[str]:
 
 def test_command_lines_carry_the_tables_flags():
     head = et.server_args(0, 2, host="10.1.2.1", coordinator="10.1.2.1", model="mf", dim=8, prefill=10_000)
-    assert "--no-control" not in head and head[head.index("--control-port") + 1] == str(et.CONTROL_PORT)
+    assert "--no-control" not in head and head[head.index("--control-port") + 1] == str(eh.CONTROL_PORT)
     assert head[head.index("--embedding-prefill") + 1] == "10000"
     assert int(head[head.index("--embedding-max-rows") + 1]) > 10_000  # nothing evicted
     other = et.server_args(1, 2, host="10.1.2.2", coordinator="10.1.2.1", model="dlrm_tiny", dim=16)
@@ -34,7 +37,7 @@ def test_command_lines_carry_the_tables_flags():
 def test_ideal_bytes_follow_the_trainers_batches():
     torch = pytest.importorskip("torch")
     ids = torch.stack([torch.arange(40) % 7, torch.arange(40) % 11], dim=1)
-    ideals = et.step_ideals(ids, rank=0, trainers=2, batch_size=8, steps=5, columns=[(0, 3), (1, 5)])
+    ideals = em.step_ideals(ids, rank=0, trainers=2, batch_size=8, steps=5, columns=[(0, 3), (1, 5)])
     assert len(ideals) == 5  # 20 samples per trainer: 3 steps per epoch, the last of 4
     for up, down in ideals:
         assert down % 4 == 0 and up > down
@@ -43,16 +46,16 @@ def test_ideal_bytes_follow_the_trainers_batches():
 
 
 def test_bytes_window_counts_the_steps_between_two_readings():
-    def reading(t: float, received: int, sent: int, packets: int) -> et.Reading:
-        return et.Reading(t, {0: et.Count(received, packets, sent, 0)}, {}, (0, 0))
+    def reading(t: float, received: int, sent: int, packets: int) -> em.Reading:
+        return em.Reading(t, {0: em.Count(received, packets, sent, 0)}, {}, (0, 0))
 
     ends = [[0.1 * i for i in range(1, 31)], [0.1 * i + 0.05 for i in range(1, 31)]]
     ideals = [[(600, 400)] * 30, [(600, 400)] * 30]
     readings = [reading(0.1 * i, 660 * i, 440 * i, 10 * i) for i in range(40)]  # 1100 B per 0.1 s: 2 steps
-    leg = et.bytes_window(readings, 0, ends, ideals, batch_size=4, skip=3)
+    leg = em.bytes_window(readings, 0, ends, ideals, batch_size=4, skip=3)
     assert leg["ratio"] == pytest.approx(0.55, rel=0.01)  # 1100 B per 2 steps of 1000
     assert leg["ratio_up"] == pytest.approx(0.55, rel=0.01) and leg["packets_per_step"] == pytest.approx(5, rel=0.01)
-    assert leg["header_share"] == pytest.approx(5 * et.HEADER_BYTES / 1000, rel=0.01)
+    assert leg["header_share"] == pytest.approx(5 * em.HEADER_BYTES / 1000, rel=0.01)
 
 
 def test_status_series_dates_the_other_servers_counters_by_their_age():
@@ -63,10 +66,10 @@ def test_status_series_dates_the_other_servers_counters_by_their_age():
                          {"server_rank": 1, "table": "a", "lookups": 50 * k, "updates": 50 * k, "rows": 7}]}
              for k in range(6)]
     lines.append(dict(lines[-1], t=lines[-1]["t"] + 0.1))  # the same watch again, 0.1 s later
-    series = et.status_series(lines)
+    series = em.status_series(lines)
     assert series[0][1] == (11.0, 200, 180, 10) and series[1][1] == (10.5, 50, 50, 7)
     assert len(series[1]) == 6
-    assert et.poll_lines('{"error": "x"}\n' + json.dumps(lines[0]) + '\n{"t": 1, "cut') == [lines[0]]
+    assert em.poll_lines('{"error": "x"}\n' + json.dumps(lines[0]) + '\n{"t": 1, "cut') == [lines[0]]
 
 
 def test_summaries_and_targets():
@@ -79,17 +82,17 @@ def test_summaries_and_targets():
 
     runs = {"a": [leg(1.08, 80_000), leg(1.09, 80_000)], "b": [leg(1.08, 80_000), leg(1.12, 80_000)],
             "c": [leg(1.30, 16_000), leg(1.30, 16_000)]}
-    summary = et.summarize_bytes(setups, runs)
+    summary = er.summarize_bytes(setups, runs)
     assert summary["setups"]["b"]["x_baseline"] == pytest.approx([1.0, 1.12 / 1.09])
     fit = summary["fit"]
     assert fit["fixed_bytes_per_step"] + fit["k"] * 16_000 == pytest.approx(1.30 * 16_000)
-    rows = {t["name"]: t for t in et.targets(summary)}
+    rows = {t["name"]: t for t in er.targets(summary)}
     assert rows["table bytes per trainer step / ideal, 10^4 rows"]["met"] is True
     assert rows["table bytes per trainer step / ideal, 10^7 rows"]["value"] == pytest.approx(1.10)
     assert len(rows) == 3  # no target for the small batch
     rates = {1: [{"total_lookups_per_s": 100.0, "lookups_per_s": [100.0], "samples_per_s": 10.0}],
              2: [{"total_lookups_per_s": 180.0, "lookups_per_s": [90.0, 90.0], "samples_per_s": 18.0}]}
-    s = et.summarize_rates([1, 2], rates)
+    s = er.summarize_rates([1, 2], rates)
     assert s["setups"][2]["median_x_total_lookups_per_s"] == pytest.approx(1.8)
     assert s["setups"][2]["median_lookups_per_s"] == [90.0, 90.0]
 
