@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict
 from typing import NoReturn
 
+import psutil
 import torch
 import torch.distributed.rpc as rpc
 from torch.utils.data import DistributedSampler
@@ -155,6 +156,7 @@ def _train(config: TrainerConfig, position: Position | None, stop: StopSignals) 
             {"rank": config.rank, "batch_size": config.batch_size, "start": pos.t_start, "step_ends": pos.step_ends,
              "samples": pos.samples, "metric": spec.metric, spec.metric: score,
              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+             "rss_bytes": psutil.Process().memory_info().rss,
              "row_payload_bytes": getattr(session.protocol, "row_payload", None)}))
     print(f"rank {config.rank} {spec.metric} {score:.4f}", flush=True)
     return 0
