@@ -146,13 +146,7 @@ class Hosts:
                 self.deadline.left()
                 time.sleep(0.02)
             go.touch()
-            for p in procs:
-                code = p.wait(self.deadline.left())
-                if code is None:
-                    self.deadline.left()  # raises when the global timeout is what ran out
-                    raise RuntimeError(f"{p.name} still running after {scaling.LEG_TIMEOUT_S:.0f} s:\n{p.tail()}")
-                if code != 0:
-                    raise RuntimeError(f"{p.name} exited with {code}:\n{p.tail()}")
+            scaling.wait_all(procs, self.deadline)
         finally:
             for p in procs:
                 p.stop()

@@ -240,6 +240,18 @@ class Deadline:
         return min(cap, left)
 
 
+def wait_all(procs: list, deadline: Deadline) -> None:
+    """Wait for every trainer of a run to exit 0 (``RuntimeError`` with its log's tail when one
+    fails or outlives the run; the deadline's own error when the global timeout ran out)."""
+    for p in procs:
+        code = p.wait(deadline.left())
+        if code is None:
+            deadline.left()  # raises when the global timeout is what ran out
+            raise RuntimeError(f"{p.name} still running after {LEG_TIMEOUT_S:.0f} s:\n{p.tail()}")
+        if code != 0:
+            raise RuntimeError(f"{p.name} exited with {code}:\n{p.tail()}")
+
+
 class Scaling:
     """The topology, the long-lived server groups and the runs of trainers (``close`` stops
     every process and removes the namespaces)."""
@@ -309,13 +321,7 @@ class Scaling:
                                                                 stats_out=stats[r])), f"{tag}-trainer{r}")
                  for r, node in enumerate(self.layout.trainers)]
         try:
-            for p in procs:
-                code = p.wait(self.deadline.left())
-                if code is None:
-                    self.deadline.left()  # raises when the global timeout is what ran out
-                    raise RuntimeError(f"{p.name} still running after {LEG_TIMEOUT_S:.0f} s:\n{p.tail()}")
-                if code != 0:
-                    raise RuntimeError(f"{p.name} exited with {code}:\n{p.tail()}")
+            wait_all(procs, self.deadline)
         finally:
             samples = probe.stop() if probe is not None else []
             for p in procs:

@@ -217,7 +217,7 @@ class PartitionServer:
     def status(self) -> dict[str, Any]:
         """Server 0's watch: progress, bytes and the embedding tables, as plain types (server 0's
         RPC unpickler takes nothing else)."""
-        tables = getattr(self.engine, "tables", None)
+        tables = self.engine.tables
         return {"updates": self.engine.global_step, "bytes": sum(s.num_bytes for s in self.engine.shards),
                 "tables": [dataclasses.asdict(t) for t in tables.status()] if tables is not None else []}
 

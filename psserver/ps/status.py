@@ -98,7 +98,7 @@ class ServerView:
     def on_step(self, step: int, samples: int) -> None:  # noqa: ARG002 - a StepEngine listener
         membership = self.endpoint.membership
         self.meter.add(samples, membership.mean_loss() if membership is not None else None)
-        if getattr(self.engine, "tables", None) is not None and self.table_rates.due():
+        if self.engine.tables is not None and self.table_rates.due():
             self._tables()  # a read a second while training: a status call that comes alone has its rates
 
     def get_status(self) -> ServerStatus:
@@ -131,7 +131,7 @@ class ServerView:
 
     def _tables(self) -> list[TableStatus]:
         """This process's embedding tables, then those the other server processes last reported."""
-        own = getattr(self.engine, "tables", None)
+        own = self.engine.tables
         tables = own.status() if own is not None else []
         if self.group is not None:
             tables += self.group.table_statuses()

@@ -113,8 +113,6 @@ def test_server_view_lists_its_own_tables_then_the_others():
     dense = ServerView(config=None, engine=SimpleNamespace(tables=None), endpoint=None, policy=None,  # type: ignore[arg-type]
                        shutdown=lambda reason: None)
     assert dense._tables() == []
-    assert ServerView(config=None, engine=SimpleNamespace(), endpoint=None, policy=None,  # type: ignore[arg-type]
-                      shutdown=lambda reason: None)._tables() == []  # an engine without the attribute
 
 
 def test_steps_read_the_tables_once_a_second():

@@ -44,14 +44,14 @@ class PullServer(TrainerComputeServer, PlainServer):
         if (tables is None) != (ids is None):
             raise ValueError(f"model {self.engine.config.model} has no embedding tables" if tables is None else
                              f"model {self.engine.config.model} keeps embedding tables: a pull carries the batch's ids")
-        checked = tables.check_ids(ids) if tables is not None else None  # before the step opens
         self.engine.wait_turn(trainer)
+        rows = tables.serve(trainer, ids) if tables is not None else None  # a bad request opens no step
         self.engine.open_step(trainer, samples)
         wire = self.wire_dtype(trainer)
         params = self.engine.parameters(clone=self.engine.needs_clone(), dtype=wire)
-        if tables is None:
+        if rows is None:
             return params
-        leaves = {name: rows.requires_grad_() for name, rows in tables.serve(trainer, checked).items()}
+        leaves = {name: r.requires_grad_() for name, r in rows.items()}
         with self._row_lock:
             self._row_steps[trainer] = (torch_rpc.current_autograd_context_id(), leaves)
         return params + [leaf.view_as(leaf).to(wire) for leaf in leaves.values()]

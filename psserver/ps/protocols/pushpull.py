@@ -66,13 +66,13 @@ class PushPullServer(TrainerComputeServer):
 
     def _pull(self, trainer: str, samples: int, ids: object):
         tables = self.engine.tables
-        checked = tables.check_ids(ids) if tables is not None else None  # before the step opens
+        rows = tables.serve(trainer, ids) if tables is not None else None  # a bad request opens no step
         self.engine.open_step(trainer, samples)
-        params = self.engine.flat_parameters(self.wire_dtype(trainer))
-        if tables is None:
-            return params
         wire = self.wire_dtype(trainer)
-        return params, {name: r.to(wire) for name, r in tables.serve(trainer, checked).items()}
+        params = self.engine.flat_parameters(wire)
+        if rows is None:
+            return params
+        return params, {name: r.to(wire) for name, r in rows.items()}
 
 
 class PushPullTrainer(TrainerComputeHalf):
