@@ -17,6 +17,11 @@ class DataError(UsageError, ValueError):
     ``ValueError``, as the data loaders documented before it existed)."""
 
 
+class UserCodeError(UsageError, ValueError):
+    """A ``MODULE:ATTR`` reference that does not resolve, arguments it does not take, or the
+    user's code failing while psserver calls it: one line naming which, exit code 2."""
+
+
 class ServerLost(Exception):
     """A trainer lost its server mid-training (exit code 3 unless ``--reconnect``)."""
 

@@ -14,6 +14,21 @@ from psserver.config.common import DataConfig, default_data_dir
 from psserver.config.control import ControlConfig, ObservabilityConfig
 from psserver.config.ps import OPTIMIZERS, OptimizerConfig
 from psserver.data import DATASETS
+from psserver.utils.references import parse_json_args
+
+MODEL_HELP = ("a model name (mnist_cnn, mlp, mlp_wide, resnet18, mf, dlrm_tiny, llama_tiny, or one a package "
+              "registers in the entry-point group psserver.models) or MODULE:ATTR, an nn.Module class or a "
+              "function returning one")
+
+
+def add_model_args_argument(parser: argparse.ArgumentParser) -> None:
+    """``--model-args JSON``, beside each verb's ``--model``."""
+    parser.add_argument("--model-args", default=None, metavar="JSON",
+                        help='keyword arguments of the model\'s class or function, a JSON object ({"width": 64})')
+
+
+def model_args_from_args(args: argparse.Namespace) -> dict:
+    return parse_json_args(args.model_args, "--model-args")
 
 
 def add_optimizer_arguments(parser: argparse.ArgumentParser, *, defaults_from_server: bool) -> None:

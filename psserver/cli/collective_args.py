@@ -19,7 +19,7 @@ import argparse
 import os
 from pathlib import Path
 
-from psserver.cli.args import control_from_args, data_from_args, optimizer_from_args
+from psserver.cli.args import control_from_args, data_from_args, model_args_from_args, optimizer_from_args
 from psserver.config import OptimizerConfig
 from psserver.config.collective import (
     BACKENDS,
@@ -111,6 +111,7 @@ def collective_config_from_args(args: argparse.Namespace) -> CollectiveConfig:
     return CollectiveConfig(
         mode=args.mode,
         model=args.model or "mnist_cnn",
+        model_args=model_args_from_args(args),
         seed=args.seed,
         epochs=args.epochs,
         batch_size=args.batch_size,

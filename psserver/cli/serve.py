@@ -8,7 +8,15 @@ import re
 import socket
 from pathlib import Path
 
-from psserver.cli.args import add_control_arguments, add_optimizer_arguments, control_from_args, optimizer_from_args
+from psserver.cli.args import (
+    MODEL_HELP,
+    add_control_arguments,
+    add_model_args_argument,
+    add_optimizer_arguments,
+    control_from_args,
+    model_args_from_args,
+    optimizer_from_args,
+)
 from psserver.cli.base import SubCommand, config_errors, env_int
 from psserver.config import CheckpointConfig, EmbeddingConfig, ServerConfig
 from psserver.config.embedding import EVICTION_POLICIES, ROW_OPTIMIZERS
@@ -24,7 +32,8 @@ class ServeCommand(SubCommand):
         parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
         parser.add_argument("--port", type=int, default=env_int("MASTER_PORT", 29500),
                             help="rendezvous port trainers connect to (default $MASTER_PORT or 29500)")
-        parser.add_argument("--model", default="mnist_cnn", help="model name (mnist_cnn, mlp, resnet18, ...)")
+        parser.add_argument("--model", default="mnist_cnn", help=MODEL_HELP + " (default mnist_cnn)")
+        add_model_args_argument(parser)
         parser.add_argument("--devices", default=None,
                             help="comma-separated devices, one model stage each (default: all GPUs, else cpu)")
         parser.add_argument("--update", choices=UPDATE_MODES, default="async",
@@ -153,6 +162,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         host=args.host,
         port=args.port,
         model=args.model,
+        model_args=model_args_from_args(args),
         devices=[d.strip() for d in args.devices.split(",")] if args.devices else None,
         update=args.update,
         sync_trainers=args.sync_trainers,

@@ -11,8 +11,10 @@ import argparse
 from pathlib import Path
 
 from psserver.cli.args import (
+    MODEL_HELP,
     add_control_arguments,
     add_data_arguments,
+    add_model_args_argument,
     add_optimizer_arguments,
     data_from_args,
     optimizer_from_args,
@@ -37,7 +39,8 @@ class TrainCommand(SubCommand):
         parser.add_argument("--mode", choices=["ps", "ddp", "fsdp"], default="ps",
                             help="ps: join a parameter server (default); ddp/fsdp: collective training")
         parser.add_argument("--model", default=None,
-                            help="model (ps mode: learnt from the server; ddp/fsdp: default mnist_cnn)")
+                            help="ps mode: learnt from the server; ddp/fsdp: " + MODEL_HELP + " (default mnist_cnn)")
+        add_model_args_argument(parser)
         parser.add_argument("--epochs", type=int, default=1, help="epochs over this trainer's shard")
         parser.add_argument("--batch-size", type=int, default=64, help="samples per step (default 64)")
         parser.add_argument("--max-steps", type=int, default=0, help="stop after N steps (0: all epochs)")
@@ -88,8 +91,8 @@ class TrainCommand(SubCommand):
 
 def trainer_config_from_args(args: argparse.Namespace) -> TrainerConfig:
     """The configuration of a ``--mode ps`` trainer."""
-    if args.model is not None:
-        raise UsageError("--model is chosen by the server in ps mode (psserver serve --model)")
+    if args.model is not None or args.model_args is not None:
+        raise UsageError("--model and --model-args are chosen by the server in ps mode (psserver serve --model)")
     host, port = parse_host_port(args.server, default_port=29500)
     return TrainerConfig(
         rank=args.rank if args.rank is not None else 0,

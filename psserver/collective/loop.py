@@ -95,8 +95,8 @@ class CollectiveTrainer:
     def __init__(self, config: CollectiveConfig, env: DistEnv, strategy: Strategy | None = None) -> None:
         self.config = config
         self.env = env
-        self.spec = get_model_spec(config.model)
-        model = build_model(config.model, config.seed)
+        self.spec = get_model_spec(config.model, config.model_args)
+        model = build_model(self.spec, config.seed)
         self.num_params = sum(p.numel() for p in model.parameters())
         torch.manual_seed(config.seed + 1000 + env.rank)  # dropout differs by rank, the weights do not
         self.strategy = strategy or create_strategy(config, env)

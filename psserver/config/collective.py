@@ -178,7 +178,9 @@ class CollectiveConfig:
     mode: str = "ddp"
     """``ddp`` (replicated model, all-reduced gradients) or ``fsdp`` (sharded with FSDP2)."""
     model: str = "mnist_cnn"
-    """Model name from the registry."""
+    """A model name (entry point of ``psserver.models``) or ``MODULE:ATTR``."""
+    model_args: dict = field(default_factory=dict)
+    """Keyword arguments of the model's class or function (``--model-args JSON``)."""
     seed: int = 0
     """Seed of the initial parameters (the same on every rank)."""
     epochs: int = 1
@@ -214,11 +216,11 @@ class CollectiveConfig:
 
     def __post_init__(self) -> None:
         # Imported here: the model registry needs torch, which the CLI's parser does not.
-        from psserver.models import check_model_name
+        from psserver.models import get_model_spec
 
         if self.mode not in MODES:
             raise ValueError(f"unknown --mode {self.mode!r}; collective modes: {', '.join(MODES)}")
-        spec = check_model_name(self.model)
+        spec = get_model_spec(self.model, self.model_args)
         if self.epochs < 1:
             raise ValueError(f"--epochs must be >= 1, got {self.epochs}")
         if self.batch_size < 1 or self.eval_batch_size < 1:
@@ -241,9 +243,9 @@ class CollectiveConfig:
                     f"world size {launch.world_size} is not divisible by --tp-size {fsdp.tp_size}"
                 )
             if spec.tp_plan is None:
-                from psserver.models import MODELS
+                from psserver.models import model_names, resolve_model
 
-                planned = ", ".join(sorted(name for name, m in MODELS.items() if m.tp_plan is not None))
+                planned = ", ".join(n for n in model_names() if resolve_model(n).tp_plan is not None)
                 raise ValueError(f"--tp-size needs a model with a tensor-parallel plan ({planned}), not {spec.name!r}")
             if spec.tp_max_degree is not None and spec.tp_max_degree % fsdp.tp_size:
                 raise ValueError(

@@ -123,7 +123,10 @@ class ServerConfig:
     port: int = 29500
     """Port of the RPC rendezvous store; trainers use ``--server HOST:PORT``."""
     model: str = "mnist_cnn"
-    """Model name from the registry (``psserver.models``)."""
+    """A model name (entry point of ``psserver.models``) or ``MODULE:ATTR`` (an ``nn.Module``
+    class or a function returning one)."""
+    model_args: dict = field(default_factory=dict)
+    """Keyword arguments of the model's class or function (``--model-args JSON``)."""
     devices: list[str] | None = None
     """One model stage per device, in order; None: every visible GPU, else ``cpu``."""
     update: str = "async"
@@ -185,9 +188,9 @@ class ServerConfig:
     """Prometheus and TensorBoard."""
 
     def __post_init__(self) -> None:
-        from psserver.models import check_model_name
+        from psserver.models import get_model_spec
 
-        spec = check_model_name(self.model)
+        spec = get_model_spec(self.model, self.model_args)
         check_port(self.port, "--port")
         if spec.sparse:
             self._check_tables()

@@ -53,23 +53,27 @@ def generated_sizes(config) -> tuple[int, int]:
     return train, held_out
 
 
-def load_dataset(config, input_shape: tuple[int, ...], num_classes: int, input_dtype=None):
-    """Build the train and eval splits that ``config`` (a ``DataConfig``) names.
+def load_dataset(config, input_shape: tuple[int, ...] | None, num_classes: int | None, input_dtype=None):
+    """Build the train and eval splits that ``config`` (a ``DataConfig``) names, for a model of
+    ``input_shape`` and ``num_classes`` (None: a user's model, which does not say).
 
     Raises ``DataError`` (a usage error and a ``ValueError``) with one readable line when the
     data does not exist or does not fit the model's input.
     """
+    if input_shape is None and config.dataset != "mnist":
+        raise DataError(f"--dataset {config.dataset} is made for psserver's own models (it needs to know the model's "
+                        "input); for your own model use --dataset mnist or MODULE:ATTR")
     if config.dataset in SPARSE_DATASETS:
         return _load_sparse(config, tuple(input_shape), input_dtype)
     if config.dataset == "mnist":
         train, test = load_mnist(config.data_dir, train_split=config.train_split, download=config.download)
         sample_shape = tuple(train.tensors[0].shape[1:])
-        if sample_shape != tuple(input_shape):
+        if input_shape is not None and sample_shape != tuple(input_shape):
             raise DataError(
                 f"dataset mnist has samples of shape {sample_shape}, the model expects {tuple(input_shape)}"
             )
         return train, test
-    if num_classes < 2:
+    if num_classes is None or num_classes < 2:
         # A single output is a recommendation model's (a rating or a click logit): synthetic
         # labels of one class would train it on nothing.
         raise DataError(f"dataset {config.dataset} is a classification task, the model has a single output "

@@ -1,29 +1,32 @@
-"""Model registry: every dense model is built as an ``nn.Sequential`` of blocks so the server can
-split it into consecutive stages, one per device; a recommendation model (``recsys``) is the
-dense part beside embedding tables that live on the servers.
+"""Models by name (entry points of ``psserver.models``) or by ``MODULE:ATTR`` reference.
 
-Register new models with :func:`register`; the CLI and the server only use names.
+psserver's own models are ``nn.Sequential`` stacks of blocks, so a server can split them into
+consecutive stages over several devices; a recommendation model (``recsys``) is the dense part
+beside embedding tables that live on the servers. A user's model is any ``nn.Module``.
 """
 
-from psserver.models import builtin, llama, recsys  # noqa: E402,F401 - each registers its models
 from psserver.models.registry import (
-    MODELS,
+    ENTRY_POINT_GROUP,
     ModelSpec,
     TableDef,
     build_model,
     check_model_name,
+    check_spec,
     get_model_spec,
-    register,
+    model_names,
+    resolve_model,
     split_stages,
 )
 
 __all__ = [
-    "MODELS",
+    "ENTRY_POINT_GROUP",
     "ModelSpec",
     "TableDef",
     "build_model",
     "check_model_name",
+    "check_spec",
     "get_model_spec",
-    "register",
+    "model_names",
+    "resolve_model",
     "split_stages",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from psserver.models.registry import MODELS, ModelSpec, register
+from psserver.models.registry import ModelSpec, check_spec
 
 
 def mnist_cnn() -> nn.Sequential:
@@ -69,9 +69,10 @@ def resnet18() -> nn.Sequential:
     )
 
 
-if "mnist_cnn" not in MODELS:
-    register(ModelSpec("mnist_cnn", mnist_cnn, (1, 28, 28), 10, "classic MNIST CNN (1.2M parameters)"))
-    register(ModelSpec("mlp", mlp, (1, 28, 28), 10, "784-256-128-10 MLP (0.2M parameters)"))
-    register(ModelSpec("mlp_wide", mlp_wide, (1, 28, 28), 10,
-                       "784-1024-1024-10 MLP (1.9M parameters, little compute: bandwidth benchmarks)"))
-    register(ModelSpec("resnet18", resnet18, (3, 32, 32), 10, "torchvision ResNet-18 for 3x32x32 (11M parameters)"))
+# Registered under their names in the entry-point group psserver.models (pyproject.toml).
+MNIST_CNN = check_spec(ModelSpec("mnist_cnn", mnist_cnn, (1, 28, 28), 10, "classic MNIST CNN (1.2M parameters)"))
+MLP = check_spec(ModelSpec("mlp", mlp, (1, 28, 28), 10, "784-256-128-10 MLP (0.2M parameters)"))
+MLP_WIDE = check_spec(ModelSpec("mlp_wide", mlp_wide, (1, 28, 28), 10,
+                                "784-1024-1024-10 MLP (1.9M parameters, little compute: bandwidth benchmarks)"))
+RESNET18 = check_spec(ModelSpec("resnet18", resnet18, (3, 32, 32), 10,
+                                "torchvision ResNet-18 for 3x32x32 (11M parameters)"))

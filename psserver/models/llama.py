@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from psserver.models.registry import MODELS, ModelSpec, register
+from psserver.models.registry import ModelSpec, check_spec
 
 VOCAB = 256
 SEQ_LEN = 32
@@ -132,11 +132,10 @@ def llama_tiny(
     )
 
 
-if "llama_tiny" not in MODELS:
-    register(ModelSpec(
-        "llama_tiny", llama_tiny, (SEQ_LEN,), NUM_CLASSES,
-        f"Llama-style decoder ({LAYERS} blocks, dim {DIM}, RoPE, SwiGLU) over {SEQ_LEN} tokens",
-        input_dtype=torch.long,
-        tp_plan=TP_PLAN,
-        tp_max_degree=HEADS,
-    ))
+LLAMA_TINY = check_spec(ModelSpec(
+    "llama_tiny", llama_tiny, (SEQ_LEN,), NUM_CLASSES,
+    f"Llama-style decoder ({LAYERS} blocks, dim {DIM}, RoPE, SwiGLU) over {SEQ_LEN} tokens",
+    input_dtype=torch.long,
+    tp_plan=TP_PLAN,
+    tp_max_degree=HEADS,
+))

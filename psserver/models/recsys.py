@@ -13,7 +13,7 @@ import logging
 import torch
 from torch import Tensor, nn
 
-from psserver.models.registry import MODELS, ModelSpec, TableDef, register
+from psserver.models.registry import ModelSpec, TableDef, check_spec
 
 log = logging.getLogger(__name__)
 
@@ -104,24 +104,23 @@ def dlrm_tiny(dim: int) -> TinyDLRM:
     return TinyDLRM(dim)
 
 
-if "mf" not in MODELS:
-    register(ModelSpec(
-        "mf", mf, (2,), 1,
-        "biased matrix factorisation for MovieLens ratings (user, item ids; mu + b_u + b_i + <p_u, q_i>)",
-        input_dtype=torch.long,
-        tables=(TableDef("user", 0, 1), TableDef("item", 1, 1)),
-        embedding_dim=32,
-        dense_features=0,
-        loss="mse",
-        metric="rmse",
-    ))
-    register(ModelSpec(
-        "dlrm_tiny", dlrm_tiny, (4,), 1,
-        "small DLRM for click logs (4 id fields, 4 dense features; dot interactions, MLPs)",
-        input_dtype=torch.long,
-        tables=tuple(TableDef(f"c{i}", i) for i in range(4)),
-        embedding_dim=16,
-        dense_features=4,
-        loss="bce",
-        metric="auc",
-    ))
+MF = check_spec(ModelSpec(
+    "mf", mf, (2,), 1,
+    "biased matrix factorisation for MovieLens ratings (user, item ids; mu + b_u + b_i + <p_u, q_i>)",
+    input_dtype=torch.long,
+    tables=(TableDef("user", 0, 1), TableDef("item", 1, 1)),
+    embedding_dim=32,
+    dense_features=0,
+    loss="mse",
+    metric="rmse",
+))
+DLRM_TINY = check_spec(ModelSpec(
+    "dlrm_tiny", dlrm_tiny, (4,), 1,
+    "small DLRM for click logs (4 id fields, 4 dense features; dot interactions, MLPs)",
+    input_dtype=torch.long,
+    tables=tuple(TableDef(f"c{i}", i) for i in range(4)),
+    embedding_dim=16,
+    dense_features=4,
+    loss="bce",
+    metric="auc",
+))

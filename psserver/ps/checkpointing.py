@@ -194,7 +194,8 @@ class CheckpointPolicy:
         optimizer = engine.optimizer_config
         return {
             "model": cfg.model,
-            "model_config": {"seed": cfg.seed, "stages": len(engine.shards), "input_shape": engine.spec.input_shape},
+            "model_config": {"seed": cfg.seed, "stages": len(engine.shards), "input_shape": engine.spec.input_shape,
+                             "model_args": cfg.model_args},
             "param_shapes": engine.param_shapes(),
             "shards": shards,
             "tables": tables,
@@ -287,6 +288,10 @@ class CheckpointPolicy:
         if state.get("model") != cfg.model:
             raise CheckpointError(
                 f"checkpoint {path} is for model {state.get('model')!r}, this server runs {cfg.model!r}")
+        saved_args = state.get("model_config", {}).get("model_args", {})
+        if saved_args != cfg.model_args:
+            raise CheckpointError(f"checkpoint {path} is for --model-args {saved_args}, this server runs "
+                                  f"{cfg.model_args}")
         if len(state["shards"]) != len(engine.shards):
             raise CheckpointError(
                 f"checkpoint {path} has {len(state['shards'])} stage(s), this server has {len(engine.shards)}: "

@@ -132,6 +132,7 @@ class Endpoint:
             "step": step,
             "compute": STEP_MODES[step].compute,
             "model": cfg.model,
+            "model_args": cfg.model_args,
             "update": cfg.update,
             "sync_trainers": cfg.sync_trainers,
             "optimizer": asdict(optimizer),

@@ -76,7 +76,7 @@ class StepEngine:
 
     def __init__(self, config: ServerConfig, devices: list[torch.device]) -> None:
         self.config = config
-        self.spec = get_model_spec(config.model)
+        self.spec = get_model_spec(config.model, config.model_args)
         self.devices = devices
         self.optimizer_config: OptimizerConfig | None = config.optimizer
         self.samples_seen = 0
@@ -101,7 +101,7 @@ class StepEngine:
 
     def _build(self) -> None:
         cfg = self.config
-        model = build_model(cfg.model, seed=cfg.seed, embedding_dim=cfg.embedding.dim)
+        model = build_model(self.spec, seed=cfg.seed, embedding_dim=cfg.embedding.dim)
         self.tables: SparseTables | None = None
         """The embedding tables' rows this server process holds (a model with tables)."""
         if self.spec.sparse:

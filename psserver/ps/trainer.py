@@ -84,7 +84,7 @@ def run_trainer(config: TrainerConfig) -> int:
 def _train(config: TrainerConfig, position: Position | None, stop: StopSignals) -> int:
     session = _join(config, position, stop)
     try:
-        spec = get_model_spec(session.info["model"])
+        spec = get_model_spec(session.info["model"], session.info.get("model_args"))
         num_shards = _shard_count(config, session.info)
         if config.rank >= num_shards:
             raise UsageError(f"--rank {config.rank} must be < number of trainers {num_shards}")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from psserver.models import MODELS, ModelSpec, TableDef, build_model, get_model_spec, register
+from psserver.models import ModelSpec, TableDef, build_model, check_spec, get_model_spec
 from psserver.models.recsys import MatrixFactorization, TinyDLRM
 
 
@@ -96,7 +96,7 @@ def test_rows_of_the_wrong_width_are_one_readable_error():
         build_model("dlrm_tiny", embedding_dim=8)([torch.zeros(2, 8)] * 3, torch.zeros(2, 4))
 
 
-def test_register_checks_loss_metric_and_tables():
+def test_spec_check_refuses_bad_loss_metric_and_tables():
     def spec(**kw) -> ModelSpec:
         fields = {"name": "test_recsys_bad", "build": lambda dim=0: nn.Linear(1, 1), "input_shape": (2,),
                   "num_classes": 1, "description": "", "input_dtype": torch.long, "embedding_dim": 4,
@@ -108,5 +108,4 @@ def test_register_checks_loss_metric_and_tables():
                       ({"tables": (TableDef("a", 0), TableDef("a", 1))}, "names must be distinct"),
                       ({"input_dtype": torch.float32}, "integer ids"), ({"embedding_dim": 0}, "embedding_dim")]:
         with pytest.raises(ValueError, match=match):
-            register(spec(**kw))
-    assert "test_recsys_bad" not in MODELS
+            check_spec(spec(**kw))

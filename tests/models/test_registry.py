@@ -1,7 +1,18 @@
+import sys
+
 import pytest
 import torch
 
-from psserver.models import build_model, check_model_name, get_model_spec, split_stages
+from psserver.errors import UserCodeError
+from psserver.models import (
+    ENTRY_POINT_GROUP,
+    build_model,
+    check_model_name,
+    get_model_spec,
+    model_names,
+    resolve_model,
+    split_stages,
+)
 
 
 @pytest.mark.parametrize("name", ["mnist_cnn", "mlp", "resnet18"])
@@ -61,3 +72,86 @@ def test_tensor_parallel_plan_is_part_of_the_spec():
     for name in ("mnist_cnn", "mlp", "resnet18"):
         assert get_model_spec(name).tp_plan is None and get_model_spec(name).tp_max_degree is None
     hash(spec)  # a frozen spec stays hashable with its plan
+
+
+USER_MODELS = '''
+import torch
+from torch import nn
+
+
+class TwoTower(nn.Module):
+    """Not a Sequential: two inputs, a dict of them, a keyword argument."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.a = nn.Linear(4, width)
+        self.b = nn.Linear(4, width)
+        self.bn = nn.BatchNorm1d(width)
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, left, right):
+        return self.head(self.bn(self.a(left) + self.b(right)))
+
+
+def make_tower(width=8):
+    return TwoTower(width=width)
+
+
+def not_a_model():
+    return 42
+
+
+INSTANCE = TwoTower()
+'''
+
+
+@pytest.fixture
+def user_models(tmp_path, monkeypatch):
+    (tmp_path / "mymodels.py").write_text(USER_MODELS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "mymodels"
+    sys.modules.pop("mymodels", None)
+
+
+@pytest.mark.parametrize("attr", ["TwoTower", "make_tower"])
+def test_a_user_model_by_reference(user_models, attr):
+    spec = resolve_model(f"mymodels:{attr}", {"width": 5})
+    assert spec.name == f"mymodels:{attr}" and spec.input_shape is None and spec.args == {"width": 5}
+    model = build_model(spec, seed=1)
+    assert type(model).__name__ == "TwoTower" and model.a.out_features == 5
+    again = build_model(spec, seed=1)
+    assert all(torch.equal(x, y) for x, y in zip(model.state_dict().values(), again.state_dict().values(),
+                                                 strict=True))
+    assert model(torch.randn(2, 4), torch.randn(2, 4)).shape == (2, 3)
+    assert split_stages(model, 1) == [model]
+    with pytest.raises(ValueError, match="a TwoTower is not an nn.Sequential of blocks: it runs as one stage"):
+        split_stages(model, 2)
+
+
+@pytest.mark.parametrize(("reference", "args", "match"), [
+    ("mymodels:TwoTower", {"depth": 3}, r"--model mymodels:TwoTower does not accept these arguments: got an "
+                                        r"unexpected keyword argument 'depth'"),
+    ("mymodels:INSTANCE", {}, r"--model mymodels:INSTANCE is a TwoTower, not an nn.Module class or a function"),
+    ("mymodels:Nope", {}, r"'mymodels' has no attribute 'Nope'"),
+    ("theirmodels:Net", {}, r"module 'theirmodels' is not importable"),
+])
+def test_bad_model_references(user_models, reference, args, match):
+    with pytest.raises(UserCodeError, match=match):
+        resolve_model(reference, args)
+
+
+def test_a_function_that_returns_no_module(user_models):
+    with pytest.raises(UserCodeError, match=r"--model mymodels:not_a_model returned a int, not an nn.Module"):
+        build_model(resolve_model("mymodels:not_a_model"))
+
+
+def test_built_in_models_are_entry_points_of_the_group():
+    from importlib.metadata import entry_points
+
+    group = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    assert set(model_names()) >= {"mnist_cnn", "mlp", "mlp_wide", "resnet18", "mf", "dlrm_tiny", "llama_tiny"}
+    assert set(model_names()) <= set(group)
+    for name in model_names():
+        assert resolve_model(name).name == name
+    # The same object by its reference as by its name.
+    assert resolve_model(group["mnist_cnn"]) is resolve_model("mnist_cnn")

@@ -83,10 +83,10 @@ class TrainerComputeHalf(TrainerHalf):
         super().__init__(channel)
         self.device: torch.device = channel.device
         self.wire_dtype: torch.dtype = channel.wire_dtype
-        spec = get_model_spec(channel.info["model"])
+        spec = get_model_spec(channel.info["model"], channel.info.get("model_args"))
         self.loss_fn = get_loss(spec.loss)
         tables = channel.info.get("tables")
-        self.model = build_model(spec.name, embedding_dim=tables["dim"] if tables else None).to(self.device)
+        self.model = build_model(spec, embedding_dim=tables["dim"] if tables else None).to(self.device)
         self.table_columns: list[tuple[str, int]] | None = None
         """(name, id column) of each embedding table, for a model with tables on the servers."""
         if spec.sparse:
