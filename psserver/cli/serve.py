@@ -20,7 +20,7 @@ from psserver.cli.args import (
 from psserver.cli.base import SubCommand, config_errors, env_int
 from psserver.config import CheckpointConfig, EmbeddingConfig, ServerConfig
 from psserver.config.embedding import EVICTION_POLICIES, ROW_OPTIMIZERS
-from psserver.config.ps import COMPUTE_MODES, UPDATE_MODES
+from psserver.config.ps import BUFFER_POLICIES, COMPUTE_MODES, UPDATE_MODES
 from psserver.utils.memory import ALLOCATORS
 
 
@@ -32,7 +32,9 @@ class ServeCommand(SubCommand):
         parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
         parser.add_argument("--port", type=int, default=env_int("MASTER_PORT", 29500),
                             help="rendezvous port trainers connect to (default $MASTER_PORT or 29500)")
-        parser.add_argument("--model", default="mnist_cnn", help=MODEL_HELP + " (default mnist_cnn)")
+        parser.add_argument("--model", default=None,
+                            help=MODEL_HELP + " (default: none; the server learns the model from the first trainer "
+                                 "that joins, its layout and initial values, and runs none of its code)")
         add_model_args_argument(parser)
         parser.add_argument("--devices", default=None,
                             help="comma-separated devices, one model stage each (default: all GPUs, else cpu)")
@@ -40,6 +42,10 @@ class ServeCommand(SubCommand):
                             help="async: apply updates as they arrive; sync: one step per K gradients, averaged; "
                                  "ssp: async, no trainer more than --staleness steps ahead of the slowest")
         parser.add_argument("--sync-trainers", type=int, default=2, help="K of --update sync (default 2)")
+        parser.add_argument("--buffers", choices=BUFFER_POLICIES, default=ServerConfig.buffers,
+                            help="the model's buffers (BatchNorm statistics) on the server: average of what the "
+                                 "trainers send with their updates (sync: each round's mean; default), or rank0's, as "
+                                 "DDP's broadcast_buffers; trainers load the server's every step")
         parser.add_argument("--staleness", type=int, default=ServerConfig.staleness,
                             help=f"S of --update ssp (0: bulk-synchronous; default {ServerConfig.staleness})")
         parser.add_argument("--compute", choices=list(COMPUTE_MODES), default=None,
@@ -165,6 +171,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         model_args=model_args_from_args(args),
         devices=[d.strip() for d in args.devices.split(",")] if args.devices else None,
         update=args.update,
+        buffers=args.buffers,
         sync_trainers=args.sync_trainers,
         staleness=args.staleness,
         compute=args.compute,

@@ -17,13 +17,13 @@ from psserver.cli.args import (
     add_model_args_argument,
     add_optimizer_arguments,
     data_from_args,
+    model_args_from_args,
     optimizer_from_args,
 )
 from psserver.cli.base import SubCommand, config_errors, default_rank, default_server_address, default_world_size
 from psserver.cli.collective_args import add_collective_arguments, collective_config_from_args
 from psserver.config import TrainerConfig, parse_host_port
 from psserver.config.ps import COMPUTE_MODES, STEP_MODES, WIRE_DTYPES
-from psserver.errors import UsageError
 
 COMPUTE_HELP = ("ps mode, where forward and backward run (default: the server's pin, else trainer): "
                 + "; ".join(f"{name} = {line}" for name, line in COMPUTE_MODES.items()))
@@ -39,7 +39,8 @@ class TrainCommand(SubCommand):
         parser.add_argument("--mode", choices=["ps", "ddp", "fsdp"], default="ps",
                             help="ps: join a parameter server (default); ddp/fsdp: collective training")
         parser.add_argument("--model", default=None,
-                            help="ps mode: learnt from the server; ddp/fsdp: " + MODEL_HELP + " (default mnist_cnn)")
+                            help=MODEL_HELP + " (ps mode: default the server's model, else mnist_cnn; ddp/fsdp: "
+                                 "default mnist_cnn)")
         add_model_args_argument(parser)
         parser.add_argument("--epochs", type=int, default=1, help="epochs over this trainer's shard")
         parser.add_argument("--batch-size", type=int, default=64, help="samples per step (default 64)")
@@ -91,8 +92,6 @@ class TrainCommand(SubCommand):
 
 def trainer_config_from_args(args: argparse.Namespace) -> TrainerConfig:
     """The configuration of a ``--mode ps`` trainer."""
-    if args.model is not None or args.model_args is not None:
-        raise UsageError("--model and --model-args are chosen by the server in ps mode (psserver serve --model)")
     host, port = parse_host_port(args.server, default_port=29500)
     return TrainerConfig(
         rank=args.rank if args.rank is not None else 0,
@@ -102,6 +101,8 @@ def trainer_config_from_args(args: argparse.Namespace) -> TrainerConfig:
         epochs=args.epochs,
         batch_size=args.batch_size,
         optimizer=optimizer_from_args(args),
+        model=args.model,
+        model_args=model_args_from_args(args) if args.model_args is not None else None,
         data=data_from_args(args),
         connect_timeout=args.connect_timeout,
         reconnect=args.reconnect,

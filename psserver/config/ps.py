@@ -14,6 +14,8 @@ from psserver.utils.memory import ALLOCATORS
 OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "rmsprop")
 UPDATE_MODES = ("async", "sync", "ssp")
 WIRE_DTYPES = ("fp32", "bf16", "fp16")
+BUFFER_POLICIES = ("average", "rank0")
+"""How the server's copy of the model's buffers follows the trainers' (``psserver.ps.buffers``)."""
 COMPUTE_MODES: dict[str, str] = {
     "trainer": "the trainer runs forward and backward on parameters it pulls; the server applies the "
                "gradient (default: adding trainers adds throughput)",
@@ -122,9 +124,11 @@ class ServerConfig:
     """Address the RPC rendezvous store and the RPC transport bind to (only this one)."""
     port: int = 29500
     """Port of the RPC rendezvous store; trainers use ``--server HOST:PORT``."""
-    model: str = "mnist_cnn"
+    model: str | None = None
     """A model name (entry point of ``psserver.models``) or ``MODULE:ATTR`` (an ``nn.Module``
-    class or a function returning one)."""
+    class or a function returning one), which pins the model and is imported here; None: the
+    server runs none of the model's code and learns it from the first trainer that joins (its
+    layout and initial values), or from the checkpoint it resumes."""
     model_args: dict = field(default_factory=dict)
     """Keyword arguments of the model's class or function (``--model-args JSON``)."""
     devices: list[str] | None = None
@@ -138,6 +142,9 @@ class ServerConfig:
     staleness: int = 4
     """S of ``ssp``: how many steps the fastest live trainer may run ahead of the slowest
     (0: bulk-synchronous)."""
+    buffers: str = "average"
+    """The model's buffers (BatchNorm statistics) on the server: ``average`` of what the
+    trainers send (a sync round's mean in sync mode), or ``rank0``'s (DDP's broadcast_buffers)."""
     compute: str | None = None
     """Pin where every trainer's step runs (``trainer`` or ``server``); None: each trainer
     chooses (``psserver train --compute``), trainer compute unless it says otherwise."""
@@ -190,13 +197,16 @@ class ServerConfig:
     def __post_init__(self) -> None:
         from psserver.models import get_model_spec
 
-        spec = get_model_spec(self.model, self.model_args)
         check_port(self.port, "--port")
-        if spec.sparse:
+        if self.model is None:
+            self._check_without_model()
+        elif get_model_spec(self.model, self.model_args).sparse:
             self._check_tables()
         self._check_servers()
         if self.update not in UPDATE_MODES:
             raise ValueError(f"--update must be one of {', '.join(UPDATE_MODES)}, got {self.update!r}")
+        if self.buffers not in BUFFER_POLICIES:
+            raise ValueError(f"--buffers must be one of {', '.join(BUFFER_POLICIES)}, got {self.buffers!r}")
         if self.sync_trainers < 1:
             raise ValueError(f"--sync-trainers must be >= 1, got {self.sync_trainers}")
         if self.staleness < 0:
@@ -247,6 +257,19 @@ class ServerConfig:
                 raise ValueError(f"--resume PATH is for server 0; server {self.server_rank} loads the checkpoint "
                                  "server 0 resumes from (use --resume without a path, or none)")
 
+    def _check_without_model(self) -> None:
+        """What a server that runs none of the model's code cannot do."""
+        if self.model_args:
+            raise ValueError("--model-args needs --model")
+        if self.compute == "server":
+            raise ValueError("--compute server runs the model on the server: it needs --model")
+        if self.num_servers > 1:
+            raise ValueError("several server processes need --model (the same on each) for now; a server without "
+                             "--model runs as one process")
+        if self.devices is not None and len(self.devices) > 1:
+            raise ValueError("--devices with several devices splits the model into stages, which needs its code: "
+                             "give --model, or one device")
+
     def _check_tables(self) -> None:
         """What a model with embedding tables on the servers cannot do (yet)."""
         if self.compute == "server":
@@ -286,6 +309,11 @@ class TrainerConfig:
     """Samples per step."""
     optimizer: OptimizerConfig | None = None
     """Requested server optimizer; must match the server's if it already has one."""
+    model: str | None = None
+    """This trainer's model, a name or ``MODULE:ATTR``; None: the server's (its ``--model``, or
+    the model the first trainer brought), else ``mnist_cnn``. Its layout must be the server's."""
+    model_args: dict | None = None
+    """Keyword arguments of ``model`` (``--model-args``); None: the server's, with the server's model."""
     data: DataConfig = field(default_factory=DataConfig)
     """Dataset and split."""
     connect_timeout: float = 60.0
@@ -321,7 +349,13 @@ class TrainerConfig:
     asks for one."""
 
     def __post_init__(self) -> None:
+        from psserver.models import get_model_spec
+
         check_token_file(self.join_token_file, "--join-token-file")
+        if self.model_args is not None and self.model is None:
+            raise ValueError("--model-args needs --model")
+        if self.model is not None:
+            get_model_spec(self.model, self.model_args)  # a reference that does not resolve: one line now
         if self.rank < 0:
             raise ValueError(f"--rank must be >= 0, got {self.rank}")
         check_port(self.server_port, "server port")

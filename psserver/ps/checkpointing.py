@@ -43,6 +43,7 @@ from psserver.checkpoint import (
     verify,
 )
 from psserver.config import OptimizerConfig, ServerConfig
+from psserver.models.layout import ModelLayout
 from psserver.ps.engine import StepEngine
 from psserver.telemetry import CheckpointInfo
 
@@ -140,6 +141,8 @@ class CheckpointPolicy:
     def save(self, *, wait: bool) -> CheckpointInfo:
         if self.checkpointer is None:
             raise RuntimeError("checkpoints are not configured (start the server with --checkpoint-dir)")
+        if not self.engine.has_model:
+            raise RuntimeError("no model yet: the first trainer that joins brings it")
         state = self.snapshot()
         self._steps_at_checkpoint = state["global_step"]
         self._last_time = time.monotonic()
@@ -187,18 +190,49 @@ class CheckpointPolicy:
         self._restore(state, header.path)
         return int(state["global_step"])
 
+    def _restore_model(self, state: dict, path: Path) -> None:
+        """Check the checkpoint's model against the server's; a server without ``--model`` that
+        holds none yet takes the checkpoint's layout (no user code needed to resume)."""
+        cfg, engine = self.config, self.engine
+        saved_args = (state.get("model_config") or {}).get("model_args") or {}
+        recorded = state.get("layout")
+        if cfg.model is not None:
+            if state.get("model") != cfg.model:
+                raise CheckpointError(
+                    f"checkpoint {path} is for model {state.get('model')!r}, this server runs {cfg.model!r}")
+            if saved_args != cfg.model_args:
+                raise CheckpointError(f"checkpoint {path} is for --model-args {saved_args}, this server runs "
+                                      f"{cfg.model_args}")
+        if recorded is None:
+            if engine.has_model:
+                return
+            raise CheckpointError(f"checkpoint {path} records no model layout (written by an older psserver): resume "
+                                  f"it with --model {state.get('model')}")
+        try:
+            layout = ModelLayout.from_dict(recorded)
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {path}: {e}") from None
+        if not engine.has_model:
+            engine.adopt(layout, None, state.get("model"), saved_args)
+        elif layout.fingerprint() != engine.layout.fingerprint():
+            raise CheckpointError(f"checkpoint {path} holds another model than this server's "
+                                  f"({engine.layout.difference(layout)})")
+
     def snapshot(self) -> dict:
         """A consistent CPU copy of everything a resume needs (updates pause only for the copy)."""
         cfg, engine = self.config, self.engine
-        shards, step, samples, tables = engine.copy_state()
+        shards, step, samples, tables, buffers = engine.copy_state()
         optimizer = engine.optimizer_config
         return {
-            "model": cfg.model,
-            "model_config": {"seed": cfg.seed, "stages": len(engine.shards), "input_shape": engine.spec.input_shape,
-                             "model_args": cfg.model_args},
+            "model": engine.model_ref,
+            "model_config": {"seed": cfg.seed, "stages": len(engine.shards),
+                             "input_shape": engine.spec.input_shape if engine.spec is not None else None,
+                             "model_args": engine.model_args},
+            "layout": engine.layout.to_dict() if engine.layout is not None else None,
             "param_shapes": engine.param_shapes(),
             "shards": shards,
             "tables": tables,
+            "buffers": buffers,
             "embedding": None if tables is None else asdict(cfg.embedding),
             "optimizer_config": asdict(optimizer) if optimizer else None,
             "update": {"mode": cfg.update, "sync_trainers": cfg.sync_trainers},
@@ -285,13 +319,7 @@ class CheckpointPolicy:
 
     def _restore(self, state: dict, path: Path) -> None:
         cfg, engine = self.config, self.engine
-        if state.get("model") != cfg.model:
-            raise CheckpointError(
-                f"checkpoint {path} is for model {state.get('model')!r}, this server runs {cfg.model!r}")
-        saved_args = state.get("model_config", {}).get("model_args", {})
-        if saved_args != cfg.model_args:
-            raise CheckpointError(f"checkpoint {path} is for --model-args {saved_args}, this server runs "
-                                  f"{cfg.model_args}")
+        self._restore_model(state, path)
         if len(state["shards"]) != len(engine.shards):
             raise CheckpointError(
                 f"checkpoint {path} has {len(state['shards'])} stage(s), this server has {len(engine.shards)}: "
@@ -316,7 +344,7 @@ class CheckpointPolicy:
             raise CheckpointError(f"checkpoint {path} was trained with {saved.name}, server asked for {optimizer.name}")
         try:
             engine.load_state(state["shards"], optimizer, int(state["global_step"]), int(state["samples_seen"]),
-                              state.get("tables"))
+                              state.get("tables"), state.get("buffers"))
         except ValueError as e:
             raise CheckpointError(f"checkpoint {path}: {e}") from None
         self._steps_at_checkpoint = engine.global_step

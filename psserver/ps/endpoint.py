@@ -25,6 +25,7 @@ from psserver import __version__
 from psserver.config import OptimizerConfig, ServerConfig
 from psserver.config.ps import COMPUTE_MODES, STEP_MODES, default_step
 from psserver.metrics import observe_rpc
+from psserver.models.layout import ModelLayout
 from psserver.ps.messages import JoinRequest, Report
 
 if TYPE_CHECKING:
@@ -63,6 +64,9 @@ class Endpoint:
         self.group: ServerGroup | None = None
         """Server 0 of several server processes: the others (``psserver.ps.server_group``)."""
         self.state = "STARTING"
+        self.on_model: Callable[[], None] = lambda: None
+        """Called once the server holds a model it learnt from a trainer (it publishes it)."""
+        self._model_lock = threading.Lock()
         # Metric labels: only names a protocol defines, never a caller's arbitrary string.
         self._ops = {"evaluate"} | {op for h in halves.values() for op in (*h.ops, *h.local_ops)}
         self._in_flight = 0
@@ -112,6 +116,7 @@ class Endpoint:
         step = self._protocol_of(request)
         half = self.halves[step]
         cfg = self.config
+        self._accept_model(request)
         requested = OptimizerConfig(**request.optimizer) if request.optimizer else None
         optimizer = self.engine.agree_optimizer(requested, request.name)
         join_info = half.join_info(request.name, request)
@@ -131,8 +136,9 @@ class Endpoint:
         return {
             "step": step,
             "compute": STEP_MODES[step].compute,
-            "model": cfg.model,
-            "model_args": cfg.model_args,
+            "model": self.engine.model_ref,
+            "model_args": self.engine.model_args,
+            "fingerprint": self.engine.layout.fingerprint() if self.engine.layout is not None else None,
             "update": cfg.update,
             "sync_trainers": cfg.sync_trainers,
             "optimizer": asdict(optimizer),
@@ -141,6 +147,21 @@ class Endpoint:
             "version": __version__,
             **join_info,
         }
+
+    def _accept_model(self, request: JoinRequest) -> None:
+        """Check the trainer's model against the server's; a server that holds none yet takes
+        it, with its initial values (``ValueError``: a model that differs, or no values)."""
+        if request.layout is None:
+            raise ValueError("this trainer sent no model layout (a psserver older than this server?)")
+        layout = ModelLayout.from_dict(request.layout)
+        with self._model_lock:  # two first trainers: one brings the model, the other is checked against it
+            if self.engine.has_model:
+                self.engine.check_layout(layout, f"trainer {request.rank}'s model ({request.model})")
+                return
+            if request.values is None:
+                raise ValueError("the server has no model yet and this trainer sent none: join again")
+            self.engine.adopt(layout, list(request.values), request.model, request.model_args or {})
+        self.on_model()
 
     def _protocol_of(self, request: JoinRequest) -> str:
         """The step protocol a joining trainer will speak (``ValueError``: one it may not)."""
@@ -158,6 +179,9 @@ class Endpoint:
             raise ValueError(f"with --num-servers {self.config.num_servers} trainers speak --step pushpull (one "
                              f"exchange per server process per step); the trainer asked for --step {step}")
         compute = STEP_MODES[step].compute
+        if compute == "server" and self.engine.spec is None:
+            raise ValueError("this server was started without --model: it holds the model's tensors, not its code, so "
+                             f"trainers compute (--compute trainer); the trainer asked for --step {step}")
         if pin is not None and compute != pin:
             raise ValueError(f"this server runs every step with --compute {pin}; the trainer asked for "
                              f"--compute {compute} (--step {step}): drop the flag or pass --compute {pin}")

@@ -18,9 +18,12 @@ from torch import nn
 
 from psserver.config import OptimizerConfig, ServerConfig
 from psserver.errors import UsageError
-from psserver.models import build_model, get_model_spec, split_stages
+from psserver.models import ModelSpec, build_model, get_model_spec, split_stages
+from psserver.models.layout import ModelLayout
+from psserver.ps.buffers import ServerBuffers, persistent_buffers
 from psserver.ps.compute import ComputeThread
 from psserver.ps.guard import GradientGuard
+from psserver.ps.held_model import HeldModel
 from psserver.ps.partition import PartitionModule, PartitionPlan, plan_for_model
 from psserver.ps.shard import Shard
 from psserver.ps.sparse.tables import SparseTables
@@ -76,7 +79,15 @@ class StepEngine:
 
     def __init__(self, config: ServerConfig, devices: list[torch.device]) -> None:
         self.config = config
-        self.spec = get_model_spec(config.model, config.model_args)
+        self.spec: ModelSpec | None = (get_model_spec(config.model, config.model_args)
+                                       if config.model is not None else None)
+        """The model's spec when the server was given ``--model``; None: it holds a model it
+        learnt from the first trainer (or a checkpoint) and runs none of its code."""
+        self.layout: ModelLayout | None = None
+        """The model's layout (None: no trainer has brought the model yet)."""
+        self.model_ref: str | None = config.model
+        """The model's reference: ``--model``, else the first trainer's (plain text)."""
+        self.model_args: dict = dict(config.model_args)
         self.devices = devices
         self.optimizer_config: OptimizerConfig | None = config.optimizer
         self.samples_seen = 0
@@ -95,34 +106,87 @@ class StepEngine:
         except BaseException:
             self.compute.close()
             raise
-        if self.optimizer_config is not None:
-            for s in self.shards:
-                s.init_optimizer(self.optimizer_config)
 
     def _build(self) -> None:
         cfg = self.config
-        model = build_model(self.spec, seed=cfg.seed, embedding_dim=cfg.embedding.dim)
         self.tables: SparseTables | None = None
         """The embedding tables' rows this server process holds (a model with tables)."""
+        self.plan: PartitionPlan | None = None
+        self.buffers: ServerBuffers | None = None
+        """The model's buffers (server 0 only; None: the model has none)."""
+        self.shards: list[Shard] = []
+        self.params: list[nn.Parameter] = []
+        self.trainable: list[nn.Parameter] = []
+        self.updater = make_updater(cfg.update, [], self._on_step, cfg.sync_trainers, cfg.staleness,
+                                    follower=cfg.server_rank > 0)
+        if self.spec is None:
+            return
+        model = build_model(self.spec, seed=cfg.seed, embedding_dim=cfg.embedding.dim)
         if self.spec.sparse:
             self.tables = SparseTables(self.spec.tables, cfg.embedding, self.spec.embedding_dim, seed=cfg.seed,
                                        server_rank=cfg.server_rank, num_servers=cfg.num_servers)
             if cfg.embedding.prefill_rows:
                 self.tables.prefill(cfg.embedding.prefill_rows)
-        self.plan: PartitionPlan | None = None
+            self.updater.tables = self.tables
+        self._hold(model, ModelLayout.of(model), split=True)
+
+    def _hold(self, model: nn.Module, layout: ModelLayout, *, split: bool) -> None:
+        """Place ``model`` (of ``layout``): a partition of its parameters (several server
+        processes), else the model in stages over the devices (``split``; else one stage on
+        the first)."""
+        cfg = self.config
+        self.layout = layout
         if cfg.num_servers > 1:
             # One partition of the parameters (psserver.ps.partition), on this server's first device.
             self.plan = plan_for_model(model, cfg.num_servers)
             self.devices = self.devices[:1]
-            self.shards = [Shard(0, PartitionModule(model, self.plan, cfg.server_rank), self.devices[0])]
-        else:
+            shards = [Shard(0, PartitionModule(model, self.plan, cfg.server_rank), self.devices[0])]
+        elif split:
             stages = split_stages(model, len(self.devices))
-            self.shards = [Shard(i, m, d) for i, (m, d) in enumerate(zip(stages, self.devices, strict=True))]
-        self.params: list[nn.Parameter] = [p for s in self.shards for p in s.params]
+            shards = [Shard(i, m, d) for i, (m, d) in enumerate(zip(stages, self.devices, strict=True))]
+        else:
+            self.devices = self.devices[:1]
+            shards = [Shard(0, model, self.devices[0])]
+        if self.optimizer_config is not None:
+            for shard in shards:
+                shard.init_optimizer(self.optimizer_config)
+        # The buffers: those the shards' modules hold (checkpointed with them, and what a
+        # server-compute forward updates), or with a partition of the parameters a copy of the
+        # model's, on server 0.
+        held = [b for s in shards for b in persistent_buffers(s.module)] if self.plan is None else \
+            [b.detach().clone() for b in persistent_buffers(model)]
+        if held and cfg.server_rank == 0:
+            self.buffers = self.updater.buffers = ServerBuffers(held, cfg.buffers)
+        self.shards = shards
+        self.params = [p for s in shards for p in s.params]
         self.trainable = [p for p in self.params if p.requires_grad]
-        self.updater = make_updater(cfg.update, self.shards, self._on_step, cfg.sync_trainers, cfg.staleness,
-                                    follower=cfg.server_rank > 0)
-        self.updater.tables = self.tables
+        self.updater.set_shards(shards)
+
+    @property
+    def has_model(self) -> bool:
+        """Whether the server holds a model (False: it waits for the first trainer's)."""
+        return self.layout is not None
+
+    def adopt(self, layout: ModelLayout, values: list[torch.Tensor] | None, reference: str | None,
+              args: dict) -> None:
+        """Hold the model of ``layout`` with ``values`` (None: zeros, a checkpoint's state is
+        loaded next), learnt from a trainer (or a checkpoint) by a server started without
+        ``--model``. ``ValueError`` for values that do not fit the layout."""
+        with self.updater.lock:
+            if self.layout is not None:
+                raise RuntimeError("the server holds a model already")
+            self.compute.run(lambda: self._hold(HeldModel(layout, values), layout, split=False))
+            self.model_ref, self.model_args = reference, dict(args)
+        log.info("model %s (%d parameters, %d buffer(s); fingerprint %s) learnt from %s", reference,
+                 self.model_params, len(layout.buffers), layout.fingerprint()[:12],
+                 "a checkpoint" if values is None else "the first trainer")
+
+    def check_layout(self, layout: ModelLayout, who: str) -> None:
+        """``ValueError`` naming the first keys that differ unless ``layout`` is the model's."""
+        assert self.layout is not None
+        if layout.fingerprint() != self.layout.fingerprint():
+            raise ValueError(f"{who} differs from the server's ({self.model_ref}): "
+                             f"{self.layout.difference(layout)}")
 
     # ---- the model ------------------------------------------------------------------------
 
@@ -160,6 +224,12 @@ class StepEngine:
         with self.updater.lock:
             return [p.clone() if p.device.type == "cpu" and dtype in (None, p.dtype) else p.to("cpu", dtype or p.dtype)
                     for p in params]
+
+    def flat_buffers(self) -> torch.Tensor:
+        """The model's buffers as one float64 CPU tensor (``psserver.ps.buffers``), at one step."""
+        assert self.buffers is not None
+        with self.updater.lock:
+            return self.buffers.flat()
 
     def flat_parameters(self, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         """Every shard's parameters as one flat CPU buffer each (in ``dtype``), copied at one step."""
@@ -224,6 +294,8 @@ class StepEngine:
         self.guard.forget(trainer)
         if self.tables is not None:
             self.tables.forget(trainer)
+        if self.buffers is not None:
+            self.buffers.forget(trainer)
         self.compute.run(self.updater.trainer_gone, trainer)
 
     def needs_clone(self) -> bool:
@@ -274,7 +346,8 @@ class StepEngine:
             self._open[trainer] = samples
         self.updater.step_opened(trainer)
 
-    def submit(self, trainer: str, grads: Grads, norm: float | None = None) -> None:
+    def submit(self, trainer: str, grads: Grads, norm: float | None = None,
+               buffers: torch.Tensor | None = None) -> None:
         """The whole gradient of ``trainer``'s open step: one update (async, ssp) or a share of
         one (sync); its staleness is recorded (``trainer_progress``). The guard drops a
         non-finite gradient (a sync round counts the trainer as arrived) and clips to
@@ -288,6 +361,8 @@ class StepEngine:
             checked = self.guard.check(trainer, grads, norm)
             if checked is None:
                 log.warning("dropped a step of %s: its gradient is not finite", trainer)
+            elif buffers is not None and self.buffers is not None and not self.buffers.receive(trainer, buffers):
+                log.warning("kept the step of %s but not its buffers: they are not finite", trainer)
             self.updater.submit(trainer, checked, samples)
         finally:  # closed once applied (a drain waits for the update, not just its arrival)
             self.drop_step(trainer)
@@ -321,19 +396,22 @@ class StepEngine:
             self._cond.wait_for(lambda: not self._open, timeout)
             return sorted(self._open)
 
-    def copy_state(self) -> tuple[list[dict], int, int, dict | None]:
-        """CPU copies of every shard, the global step, samples seen and the tables' rows (None:
-        no tables), all at one step."""
+    def copy_state(self) -> tuple[list[dict], int, int, dict | None, list[torch.Tensor] | None]:
+        """CPU copies of every shard, the global step, samples seen, the tables' rows (None: no
+        tables) and the buffers held outside the shards (server 0 of several; else None), all at
+        one step."""
 
-        def copy() -> tuple[list[dict], int, int, dict | None]:
+        def copy() -> tuple[list[dict], int, int, dict | None, list[torch.Tensor] | None]:
             with self.updater.lock:
                 tables = self.tables.state_dict() if self.tables is not None else None
-                return [s.state_dict() for s in self.shards], self.updater.global_step, self.samples_seen, tables
+                buffers = self.buffers.state() if self.buffers is not None and self.plan is not None else None
+                return ([s.state_dict() for s in self.shards], self.updater.global_step, self.samples_seen, tables,
+                        buffers)
 
         return self.compute.run(copy)
 
     def load_state(self, shards: list[dict], optimizer: OptimizerConfig | None, global_step: int,
-                   samples_seen: int, tables: dict | None = None) -> None:
+                   samples_seen: int, tables: dict | None = None, buffers: list[torch.Tensor] | None = None) -> None:
         if (tables is None) != (self.tables is None):
             raise ValueError("the checkpoint has embedding tables and this model has none" if tables is not None
                              else f"model {self.config.model} has embedding tables and the checkpoint holds none")
@@ -343,6 +421,8 @@ class StepEngine:
                 shard.load_state_dict(state, optimizer)
             if self.tables is not None:
                 self.tables.load_state_dict(tables)
+            if buffers is not None and self.buffers is not None and self.plan is not None:
+                self.buffers.load(buffers)
 
         self.optimizer_config = optimizer
         self.compute.run(load)

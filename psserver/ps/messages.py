@@ -35,6 +35,15 @@ class JoinRequest:
     """dtype of the parameters and gradients it exchanges (trainer compute)."""
     device: str = "cpu"
     """Where it runs the model (trainer compute)."""
+    model: str | None = None
+    """The reference of the trainer's model (``--model``), plain text the server only records."""
+    model_args: dict | None = None
+    """Its ``--model-args``."""
+    layout: dict | None = None
+    """The ``ModelLayout`` of its replica, as plain data, checked against the server's."""
+    values: list | None = None
+    """Its initial tensors in the layout's order, sent only while the server has no model (the
+    first trainer's become the model's, as Horovod's ``broadcast_parameters`` from rank 0)."""
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import datetime
 import hashlib
 import hmac
 import ipaddress
+import json
 import logging
 import os
 import socket
@@ -47,6 +48,11 @@ KEY_SERVER_STATE = "psserver/state"
 STARTING, SERVING, DRAINING = "STARTING", "SERVING", "DRAINING"
 WAITING = "WAITING"
 """Several server processes: one is missing (not registered yet, or lost); no steps meanwhile."""
+KEY_MODEL = "psserver/model"
+"""JSON: the server's model as a trainer needs it before joining: ``model`` (its reference,
+None while a server started without ``--model`` has learnt none), ``model_args``, ``seed``,
+``embedding_dim`` and ``fingerprint`` (None: no model yet, the first trainer sends its initial
+values)."""
 KEY_HELLO = "psserver/hello"
 """Public, outside any namespace: ``token`` or ``open``, so that a trainer without the right
 token is told so at once instead of waiting for a state it cannot see. Trusted for nothing
@@ -278,6 +284,20 @@ def connect_store(host: str, port: int, connect_timeout: float, op_timeout: floa
             delay = min(delay * 2, 2.0)
     reason = getattr(last, "strerror", None) or str(last).splitlines()[0] if last else "timed out"
     raise ServerUnavailable(f"cannot reach a psserver at {host}:{port} within {connect_timeout:g}s ({reason})")
+
+
+def model_info(store) -> dict:
+    """What the server published under ``KEY_MODEL`` (``UsageError`` for a server that did not:
+    a psserver older than this trainer)."""
+    if not store.check([KEY_MODEL]):
+        raise UsageError("the server publishes no model (a psserver older than this trainer?)")
+    try:
+        info = json.loads(store.get(KEY_MODEL))
+    except ValueError:
+        raise UsageError("the server's published model is not readable JSON") from None
+    if not isinstance(info, dict):
+        raise UsageError("the server's published model is not a JSON object")
+    return info
 
 
 def _wait_until_serving(store, job, token: str | None, where: str, deadline: float, connect_timeout: float,

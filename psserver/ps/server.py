@@ -9,6 +9,7 @@ halves of the step protocols (``protocols``), the RPC endpoint (``endpoint``), m
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -66,10 +67,14 @@ class ParameterServer:
                 self.engine.updater.round_listeners.append(self.group.round_closed)
         self._shutdown = threading.Event()
         self._shutdown_reason = ""
-        log.info("model %s (%d parameters%s) in %d stage(s) on %s%s", config.model, self.engine.model_params,
-                 f", {self.engine.num_params} in this server's partition" if self.engine.plan is not None else "",
-                 len(self.engine.shards), ", ".join(str(d) for d in self.engine.devices),
-                 f", resumed at step {resumed}" if resumed is not None else "")
+        if not self.engine.has_model:
+            log.info("no --model: the first trainer that joins brings the model (its layout and initial values)")
+        else:
+            log.info("model %s (%d parameters%s) in %d stage(s) on %s%s", self.engine.model_ref,
+                     self.engine.model_params,
+                     f", {self.engine.num_params} in this server's partition" if self.engine.plan is not None else "",
+                     len(self.engine.shards), ", ".join(str(d) for d in self.engine.devices),
+                     f", resumed at step {resumed}" if resumed is not None else "")
 
     def start(self) -> None:
         """Open the RPC endpoint; trainers can join once this returns."""
@@ -79,6 +84,8 @@ class ParameterServer:
         token = rendezvous.join_token(cfg)
         raw_store, self.store, url = rendezvous.create_server_store(cfg.host, cfg.port, cfg.rpc_timeout, token)
         self.published.set(self.store, rendezvous.KEY_SERVER_STATE, rendezvous.STARTING)
+        self.publish_model()
+        self.endpoint.on_model = self.publish_model
         rendezvous.set_transport_interface(cfg.host, local=True)
         rpc_endpoint.install(self.endpoint)
         rpc.init_rpc(rendezvous.SERVER_NAME, rank=0, world_size=None,
@@ -107,8 +114,17 @@ class ParameterServer:
             log.warning("no join token: any peer that reaches %s:%d can join this server and read or write its "
                         "store (--join-token-file or PSSERVER_JOIN_TOKEN)", cfg.host, cfg.port)
         self.view.ready.set()
-        log.info("psserver %s serving %s on %s:%d (update=%s%s)", __version__, cfg.model, cfg.host, cfg.port,
+        log.info("psserver %s serving %s on %s:%d (update=%s%s)", __version__,
+                 self.engine.model_ref or "<the-first-trainer's-model>", cfg.host, cfg.port,
                  cfg.update, f", K={cfg.sync_trainers}" if cfg.update == "sync" else "")
+
+    def publish_model(self) -> None:
+        """The model as joining trainers need it before they join (``rendezvous.KEY_MODEL``)."""
+        engine = self.engine
+        info = {"model": engine.model_ref, "model_args": engine.model_args, "seed": self.config.seed,
+                "embedding_dim": self.config.embedding.dim,
+                "fingerprint": engine.layout.fingerprint() if engine.layout is not None else None}
+        self.published.set(self.store, rendezvous.KEY_MODEL, json.dumps(info))
 
     def _set_state(self, state: str) -> None:
         """``SERVING``; with several server processes also ``STARTING`` or ``WAITING`` while one

@@ -21,6 +21,8 @@ import torch.distributed.rpc as rpc
 
 from psserver.config import TrainerConfig
 from psserver.errors import ServerUnavailable, UsageError
+from psserver.models import ModelSpec, build_model, get_model_spec
+from psserver.models.layout import ModelLayout, values_of
 from psserver.ps import endpoint, rendezvous, torch_rpc
 from psserver.ps.engine import resolve_device
 from psserver.ps.messages import JoinRequest, Report
@@ -62,6 +64,15 @@ class Session:
             self.store, self.url = rendezvous.connect_store(
                 config.server_host, config.server_port, config.connect_timeout, config.rpc_timeout, token
             )
+        published = rendezvous.model_info(self.store)
+        self.spec: ModelSpec = choose_model(config, published)
+        """This trainer's model: ``--model``, else the server's."""
+        self.model: torch.nn.Module = build_model(self.spec, seed=int(published.get("seed") or 0),
+                                                  embedding_dim=published.get("embedding_dim"))
+        """The replica, as built (on the CPU): its layout is checked at the join."""
+        layout = ModelLayout.of(self.model)
+        # While the server holds no model, the join brings this one's initial values.
+        values = values_of(self.model, layout) if published.get("fingerprint") is None else None
         # Before joining the RPC group, whose join calls every member: the server evicts the
         # dead ones (this rank's crashed holder, say) or refuses a rank whose holder is alive.
         rpc_id, incarnation = rendezvous.request_admission(self.store, config.rank,
@@ -83,7 +94,8 @@ class Session:
             raise JoinLost(f"cannot join the RPC group of {config.server_host}:{config.server_port}: {msg}") from None
         optimizer = asdict(config.optimizer) if config.optimizer else None
         request = JoinRequest(config.rank, self.name, socket.gethostname(), os.getpid(), config.step, optimizer,
-                              config.compute, config.wire_dtype, config.device)
+                              config.compute, config.wire_dtype, config.device, self.spec.name, self.spec.args,
+                              layout.to_dict(), values)
         try:
             self.info = rpc.rpc_sync(rendezvous.SERVER_NAME, endpoint.join, args=(request,))
         except Exception as e:  # noqa: BLE001 - the server's refusal is the user's answer
@@ -208,6 +220,25 @@ class Session:
             rpc.shutdown(graceful=False)
         except Exception:  # noqa: BLE001
             log.debug("local RPC shutdown failed", exc_info=True)
+
+
+DEFAULT_MODEL = "mnist_cnn"
+"""A trainer's model when neither it nor its server names one."""
+
+
+def choose_model(config: TrainerConfig, published: dict) -> ModelSpec:
+    """The trainer's model: its ``--model``, else the server's (pinned, or brought by the first
+    trainer), else ``mnist_cnn``; ``UsageError`` for a model a server without ``--model`` cannot hold."""
+    if config.model is not None:
+        spec = get_model_spec(config.model, config.model_args)
+    elif published.get("model"):
+        spec = get_model_spec(published["model"], published.get("model_args"))
+    else:
+        spec = get_model_spec(DEFAULT_MODEL)
+    if spec.sparse and published.get("model") is None:
+        raise UsageError(f"model {spec.name} keeps embedding tables on the servers, which a server started without "
+                         f"--model cannot hold: start psserver serve with --model {spec.name}")
+    return spec
 
 
 def trainer_device(name: str) -> torch.device:

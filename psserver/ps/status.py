@@ -109,7 +109,7 @@ class ServerView:
             state=self.endpoint.state,
             mode="ps",
             started_at=self.started_at,
-            model=cfg.model,
+            model=engine.model_ref or "(none yet: the first trainer brings it)",
             num_params=engine.model_params,
             update_mode=cfg.update,
             sync_trainers=cfg.sync_trainers if cfg.update == "sync" else 0,

@@ -106,6 +106,8 @@ class SyncUpdater(Updater):
                 shard.apply(g, scale=1.0 / n)
             if self.tables is not None:
                 self.tables.apply(self._sums, scale=1.0 / n)
+            if self.buffers is not None:
+                self.buffers.commit(self._contributors)
         for listener in self.round_listeners:
             listener(self._round + 1, sorted(self._contributors))
         self._sums = {}

@@ -35,7 +35,6 @@ from torch.utils.data import DistributedSampler
 from psserver.config import TrainerConfig
 from psserver.data import load_dataset
 from psserver.errors import Evicted, ServerLost, UsageError
-from psserver.models import get_model_spec
 from psserver.ps import endpoint, rendezvous
 from psserver.ps.messages import Report
 from psserver.ps.rejoin import Position, reexec, take_position
@@ -84,7 +83,7 @@ def run_trainer(config: TrainerConfig) -> int:
 def _train(config: TrainerConfig, position: Position | None, stop: StopSignals) -> int:
     session = _join(config, position, stop)
     try:
-        spec = get_model_spec(session.info["model"], session.info.get("model_args"))
+        spec = session.spec
         num_shards = _shard_count(config, session.info)
         if config.rank >= num_shards:
             raise UsageError(f"--rank {config.rank} must be < number of trainers {num_shards}")

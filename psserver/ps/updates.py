@@ -80,9 +80,17 @@ class Updater:
         self._progress: dict[str, TrainerProgress] = {}  # live, taking part
         self._departed: dict[str, TrainerProgress] = {}  # the last ones that left, as they left
         self._closed = False
+        self.buffers = None
+        """The model's buffers (``psserver.ps.buffers.ServerBuffers``), committed with each update
+        (sync: a round's contributors')."""
         self.tables = None
         """The embedding tables (``psserver.ps.sparse.tables.SparseTables``) that take a step's
         row gradients, applied with its dense ones (sync: a round's, summed per id)."""
+
+    def set_shards(self, shards: list[Shard]) -> None:
+        """The shards it updates (a server that learns its model from a trainer gets them then)."""
+        self.shards = shards
+        self._param_shard = {p: s for s in shards for p in s.params}
 
     def _split(self, grads: Grads) -> dict[Shard, Grads]:
         out: dict[Shard, Grads] = {s: {} for s in self.shards}
@@ -243,6 +251,8 @@ class AsyncUpdater(Updater):
                 shard.apply(g)
             if self.tables is not None:
                 self.tables.apply(grads)
+            if self.buffers is not None:
+                self.buffers.commit()
             self.global_step += 1
             step = self.global_step
         self._note_update(trainer, before)

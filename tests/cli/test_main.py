@@ -59,7 +59,11 @@ def test_slurm_env_is_a_fallback(monkeypatch):
         (["serve", "--resume", "--no-control"], "--resume without a path needs --checkpoint-dir"),
         (["train", "--rank", "2", "--num-trainers", "2"], "--rank 2 must be < --num-trainers 2"),
         (["train", "--epochs", "0"], "--epochs must be >= 1"),
-        (["train", "--model", "mlp"], "chosen by the server"),
+        (["train", "--model", "nopkg:Net"], "module 'nopkg' is not importable"),
+        (["train", "--model-args", '{"width": 3}'], "--model-args needs --model"),
+        (["serve", "--model-args", '{"width": 3}', "--no-control"], "--model-args needs --model"),
+        (["serve", "--compute", "server", "--no-control"], "--compute server runs the model on the server: it needs "
+                                                          "--model"),
     ],
 )
 def test_config_validation_is_one_line_exit_2(capsys, argv, fragment):

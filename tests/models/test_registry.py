@@ -124,7 +124,7 @@ def test_a_user_model_by_reference(user_models, attr):
                                                  strict=True))
     assert model(torch.randn(2, 4), torch.randn(2, 4)).shape == (2, 3)
     assert split_stages(model, 1) == [model]
-    with pytest.raises(ValueError, match="a TwoTower is not an nn.Sequential of blocks: it runs as one stage"):
+    with pytest.raises(ValueError, match=r"a TwoTower is not an nn.Sequential of blocks: it runs as one stage"):
         split_stages(model, 2)
 
 

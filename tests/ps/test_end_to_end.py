@@ -25,7 +25,7 @@ def _train_two(procs, port, *extra):
 def test_two_trainers_reach_accuracy_and_server_keeps_serving(procs, port, mnist_dir, update):
     """The reference protocol (``--step plain``: dist_autograd and DistributedOptimizer)."""
     extra = ["--update", update] + (["--sync-trainers", "2"] if update == "sync" else [])
-    server = procs.server(port, *extra)
+    server = procs.server(port, "--model", "mnist_cnn", *extra)  # server compute runs the model: --model
     for t in _train_two(procs, port, "--step", "plain"):
         assert accuracy(t) >= BAR, t.tail()
     assert server.running()
@@ -42,7 +42,8 @@ def test_two_trainers_reach_accuracy_and_server_keeps_serving(procs, port, mnist
 
 @pytest.mark.timeout(420)
 def test_adam_has_one_optimizer_state_per_shard(procs, port, mnist_dir, tmp_path):
-    server = procs.server(port, "--optimizer", "adam", "--checkpoint-dir", str(tmp_path), "--devices", "cpu,cpu")
+    server = procs.server(port, "--model", "mnist_cnn", "--optimizer", "adam", "--checkpoint-dir", str(tmp_path),
+                          "--devices", "cpu,cpu")
     trainers = [
         procs.trainer(port, r, "--num-trainers", "2", "--max-steps", "40", "--step", "plain", *MNIST_ARGS)
         for r in (0, 1)
@@ -69,7 +70,7 @@ def test_adam_has_one_optimizer_state_per_shard(procs, port, mnist_dir, tmp_path
 @pytest.mark.timeout(420)
 def test_two_stages_train_to_the_same_bar(procs, port, mnist_dir):
     """Two server shards with the default, trainer compute: one flat buffer per shard each way."""
-    server = procs.server(port, "--devices", "cpu,cpu")
+    server = procs.server(port, "--model", "mnist_cnn", "--devices", "cpu,cpu")  # stages need the model's code
     assert "in 2 stage(s) on cpu, cpu" in server.output()
     for t in _train_two(procs, port):
         assert "--compute trainer --step pushpull" in t.output(), t.tail()
@@ -85,7 +86,7 @@ def test_chained_steps_reach_the_same_bar(procs, port, mnist_dir, update):
     every update. Async: the server pins ``--compute server`` and the trainers pass nothing;
     sync: the trainers ask for ``--compute server``."""
     pin, ask = (["--compute", "server"], []) if update == "async" else ([], ["--compute", "server"])
-    server = procs.server(port, "--update", update, "--sync-trainers", "2", *pin)
+    server = procs.server(port, "--model", "mnist_cnn", "--update", update, "--sync-trainers", "2", *pin)
     for t in _train_two(procs, port, *ask):
         assert "--compute server --step chained" in t.output(), t.tail()
         assert accuracy(t) >= BAR, t.tail()

@@ -13,9 +13,10 @@ from psserver.config import OptimizerConfig, ServerConfig
 from psserver.ps.endpoint import Endpoint
 from psserver.ps.engine import StepEngine, resolve_devices
 from psserver.ps.membership import Member
-from psserver.ps.messages import JoinRequest, Report
+from psserver.ps.messages import Report
 from psserver.ps.protocols import PROTOCOLS
 from psserver.telemetry import TrainerStatus
+from tests.ps.joins import join_request
 
 
 class Members:
@@ -53,7 +54,7 @@ def endpoint():
 
 
 def join(ep: Endpoint, name: str, step: str = "chained", **kw) -> dict:
-    return ep.join(JoinRequest(rank=0, name=name, host="h", pid=1, step=step, optimizer=kw.get("optimizer")))
+    return ep.join(join_request(0, name, step=step, optimizer=kw.get("optimizer"), compute=None))
 
 
 def test_calls_reach_the_protocol_of_the_trainer_and_record_its_report(endpoint):
@@ -78,7 +79,7 @@ def test_only_the_ops_a_protocol_exposes_are_callable(endpoint):
 
 def test_a_trainer_that_names_no_protocol_gets_its_compute_modes_default(endpoint):
     assert join(endpoint, "a", step=None)["step"] == "pushpull"
-    reply = endpoint.join(JoinRequest(1, "b", "h", 1, None, None, compute="server"))
+    reply = endpoint.join(join_request(1, "b", compute="server"))
     assert (reply["step"], reply["compute"]) == ("chained", "server")
 
 
@@ -88,7 +89,7 @@ def test_a_pinned_compute_mode_refuses_the_other_and_is_every_silent_trainers_de
     refusal = join(endpoint, "b", step="pushpull")["error"]
     assert "runs every step with --compute server" in refusal and "--compute trainer" in refusal
     assert "b" not in endpoint.membership.members
-    refusal = endpoint.join(JoinRequest(2, "c", "h", 1, None, None, wire_dtype="bf16"))["error"]
+    refusal = endpoint.join(join_request(2, "c", compute=None, wire_dtype="bf16"))["error"]
     assert "--wire-dtype bf16 and --device cpu apply to trainer compute" in refusal
 
 

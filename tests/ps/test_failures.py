@@ -53,8 +53,8 @@ def test_lost_trainer_is_evicted_and_the_other_finishes(procs, port, mnist_dir, 
     ``pull``): the lost trainer is evicted, the other finishes and reaches the bar, the rank
     rejoins, and the server stops cleanly (no step of the lost trainer is left open)."""
     ctl = free_port()
-    server = procs.server(port, "--trainer-timeout", "2", "--update", update, "--sync-trainers", "2",
-                          "--checkpoint-dir", str(tmp_path), control_port=ctl)
+    server = procs.server(port, "--model", "mnist_cnn", "--trainer-timeout", "2", "--update", update,
+                          "--sync-trainers", "2", "--checkpoint-dir", str(tmp_path), control_port=ctl)
     common = ["--num-trainers", "2", *flags, *MNIST_ARGS]
     t0 = procs.trainer(port, 0, "--epochs", str(EPOCHS), *common)
     if how == DIE_MID_STEP:

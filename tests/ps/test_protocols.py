@@ -13,12 +13,12 @@ from torch import nn
 from psserver.config import OptimizerConfig, ServerConfig
 from psserver.models import build_model
 from psserver.ps.engine import ShuttingDown, StepEngine, resolve_devices
-from psserver.ps.messages import JoinRequest
 from psserver.ps.protocols import PROTOCOLS
 from psserver.ps.protocols.chained import ChainedServer
 from psserver.ps.protocols.plain import PlainServer
 from psserver.ps.protocols.pull import PullServer
 from psserver.ps.protocols.pushpull import PushPullServer
+from tests.ps.joins import join_request
 
 CUDA = pytest.param("cuda:0", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")])
@@ -59,10 +59,6 @@ def local_loop(data, lr: float = 0.01):
         opt.step()
         losses.append(float(loss.detach()))
     return losses, list(model.parameters())
-
-
-def join_request(wire_dtype: str = "fp32") -> JoinRequest:
-    return JoinRequest(0, "t", "host", 1, None, None, "trainer", wire_dtype)
 
 
 def output_grad(out: torch.Tensor, y: torch.Tensor) -> tuple[float, torch.Tensor]:
@@ -203,7 +199,7 @@ def test_pushpull_in_a_narrow_wire_dtype_keeps_fp32_master_weights(make_engine, 
     engine, _ = make_engine(optimizer="sgd", lr=0.1)
     engine.trainer_joined("t")
     half = PushPullServer(engine)
-    half.join_info("t", join_request(wire))
+    half.join_info("t", join_request(wire_dtype=wire))
     (flat,) = half.exchange("t", None, 8)
     assert flat.dtype == dtype
     master = torch.cat([p.detach().reshape(-1) for p in engine.params])

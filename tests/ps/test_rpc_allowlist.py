@@ -31,6 +31,7 @@ from psserver.ps.rpc_allowlist import RefusedCall
 from psserver.telemetry import RPC_REFUSALS, RefusalLog
 from tests.procs import ROOT, env, free_port
 from tests.ps import stranger
+from tests.ps.joins import join_request
 from tests.test_metrics import FakeTarget, scrape, value
 
 NOT_RPC = {"install", "current"}
@@ -126,8 +127,10 @@ def test_accepts_what_psserver_and_torch_send(read):
     msg = read(call(endpoint.call, "trainer_0_1", "exchange", ([x, None], 64), report))
     assert msg.func is endpoint.call
     assert msg.args[2][0][0].equal(x) and msg.args[3] == report
-    request = JoinRequest(0, "trainer_0_1", "host", 1, None, {"name": "adam", "lr": 0.01}, "trainer", "bf16", "cpu")
-    assert read(call(endpoint.join, request)).args == (request,)
+    request = join_request(0, "trainer_0_1", optimizer={"name": "adam", "lr": 0.01}, wire_dtype="bf16", values=True)
+    got = read(call(endpoint.join, request)).args[0]
+    assert isinstance(got, JoinRequest) and got.layout == request.layout and got.model == "mlp"
+    assert all(a.equal(b) for a, b in zip(got.values, request.values, strict=True))
     for fn in (endpoint.heartbeat, endpoint.leave, rendezvous.ping, _update_group_membership, _new_local_optimizer,
                _local_optimizer_step, endpoint.SharedOptimizer):
         assert read(call(fn)).func is fn

@@ -16,9 +16,9 @@ from torch import nn
 from psserver.config import OptimizerConfig, ServerConfig
 from psserver.models import build_model
 from psserver.ps.engine import StepEngine, resolve_devices
-from psserver.ps.messages import JoinRequest
 from psserver.ps.protocols.pushpull import PushPullServer, PushPullTrainer
 from psserver.ps.protocols.trainer_compute import WIRE_DTYPES
+from tests.ps.joins import give_replica, join_request
 
 CUDA = pytest.param("cuda:0", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")])
@@ -32,16 +32,16 @@ class Channel:
         self.half = half
         self.device = torch.device(device)
         self.wire_dtype = WIRE_DTYPES[wire]
-        self.info: dict[str, Any] = {"model": "mlp", **half.join_info("t", JoinRequest(0, "t", "h", 1, None, None,
-                                                                                      "trainer", wire))}
+        self.info: dict[str, Any] = {"model": "mlp", **half.join_info("t", join_request(wire_dtype=wire))}
+        give_replica(self, "mlp")
         self.calls: list[str] = []
 
     def call(self, op: str, *args: Any) -> Any:
         assert op in self.half.ops
         self.calls.append(op)
         out = getattr(self.half, op)(self.name, *args)
-        for t in out or ():  # what crosses RPC is on the CPU, in the wire dtype
-            assert t.device.type == "cpu" and t.dtype == self.wire_dtype
+        for t in out or ():  # what crosses RPC is on the CPU, in the wire dtype (the model's buffers: float64)
+            assert t.device.type == "cpu" and t.dtype in (self.wire_dtype, torch.float64)
         return out
 
 
@@ -127,8 +127,9 @@ class PartitionChannel:
         self.device = torch.device("cpu")
         self.wire_dtype = torch.float32
         self.servers = [f"server{i}" for i in range(len(halves))]
-        request = JoinRequest(0, "t", "h", 1, None, None, "trainer", "fp32")
+        request = join_request(model="mnist_cnn")
         self.info: dict[str, Any] = {"model": "mnist_cnn", **halves[0].join_info("t", request), "plan": plan}
+        give_replica(self, "mnist_cnn")
         for half in halves[1:]:
             half.join_info("t", request)
         self.sent: list[list[int]] = []
@@ -155,6 +156,7 @@ def test_a_trainer_of_several_servers_trains_as_one_server():
                                         for i in range(len(plan.sizes)))
         reference = Channel(PushPullServer(one), "cpu", "fp32")
         reference.info["model"] = "mnist_cnn"
+        give_replica(reference, "mnist_cnn")
         single = PushPullTrainer(reference)
         channel = PartitionChannel([PushPullServer(e) for e in parts], plan.to_dict())
         several = PushPullTrainer(channel)

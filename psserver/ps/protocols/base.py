@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
+from psserver.models import ModelSpec
 from psserver.ps.engine import StepEngine
 from psserver.ps.messages import JoinRequest
 
@@ -32,6 +33,10 @@ class Channel(Protocol):
 
     servers: list[str]
     """RPC names of the server processes, server 0 first (more than one: ``--num-servers``)."""
+    spec: ModelSpec
+    """The trainer's model (``--model``, else the server's)."""
+    model: torch.nn.Module
+    """Its replica, as built, its layout the server's (trainer compute runs it)."""
 
     def call(self, op: str, *args: Any) -> Any:
         """Call ``op`` of this protocol's server half (synchronously, one RPC)."""

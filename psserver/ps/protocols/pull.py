@@ -23,6 +23,7 @@ from torch import nn
 from torch.func import functional_call
 
 from psserver.ps import torch_rpc
+from psserver.ps.buffers import unflatten_into
 from psserver.ps.protocols.base import StepProtocol, register
 from psserver.ps.protocols.plain import PlainServer, PlainTrainer
 from psserver.ps.protocols.trainer_compute import TrainerComputeHalf, TrainerComputeServer
@@ -30,16 +31,22 @@ from psserver.ps.sparse.batch import RowBatch
 
 
 class PullServer(TrainerComputeServer, PlainServer):
-    ops = ("pull", "parameters", "rows")
+    ops = ("pull", "parameters", "rows", "push_buffers")
 
     def __init__(self, engine) -> None:
         super().__init__(engine)
         self._row_lock = threading.Lock()
         self._row_steps: dict[str, tuple[int | None, dict[str, torch.Tensor]]] = {}  # trainer -> (context, leaves)
 
-    def pull(self, trainer: str, samples: int, ids: object = None) -> list[torch.Tensor]:
+    def pull(self, trainer: str, samples: int, ids: object = None, buffers: object = None) -> list[torch.Tensor]:
         """The parameters for a step of ``samples``, tied to the server's by autograd; with
-        embedding tables, then the rows of ``ids`` (``{table: unique ids}``), one tensor per table."""
+        embedding tables, then the rows of ``ids`` (``{table: unique ids}``), one tensor per table;
+        with the model's buffers, last, the server's. ``buffers``: the trainer's after its last
+        step's forward (they reach the server one call after that step's gradient, and count from
+        the next update on)."""
+        flat = self.check_buffers(buffers)
+        if flat is not None:
+            self.engine.buffers.receive(trainer, flat)
         tables = self.engine.tables
         if (tables is None) != (ids is None):
             raise ValueError(f"model {self.engine.config.model} has no embedding tables" if tables is None else
@@ -49,12 +56,19 @@ class PullServer(TrainerComputeServer, PlainServer):
         self.engine.open_step(trainer, samples)
         wire = self.wire_dtype(trainer)
         params = self.engine.parameters(clone=self.engine.needs_clone(), dtype=wire)
-        if rows is None:
-            return params
-        leaves = {name: r.requires_grad_() for name, r in rows.items()}
-        with self._row_lock:
-            self._row_steps[trainer] = (torch_rpc.current_autograd_context_id(), leaves)
-        return params + [leaf.view_as(leaf).to(wire) for leaf in leaves.values()]
+        if rows is not None:
+            leaves = {name: r.requires_grad_() for name, r in rows.items()}
+            with self._row_lock:
+                self._row_steps[trainer] = (torch_rpc.current_autograd_context_id(), leaves)
+            params = params + [leaf.view_as(leaf).to(wire) for leaf in leaves.values()]
+        return self.with_buffers(params)
+
+    def push_buffers(self, trainer: str, buffers: object) -> None:
+        """The trainer's buffers after its last step (before it evaluates or leaves), kept now."""
+        flat = self.check_buffers(buffers)
+        if flat is not None and self.engine.buffers.receive(trainer, flat):
+            with self.engine.updater.lock:
+                self.engine.buffers.commit()
 
     def submit(self, trainer: str, grads: dict[nn.Parameter, torch.Tensor]) -> None:
         """The trainer's whole gradient: the dense part from ``SharedOptimizer``, the rows' from
@@ -79,15 +93,19 @@ class PullServer(TrainerComputeServer, PlainServer):
 
 
 class PullTrainer(TrainerComputeHalf, PlainTrainer):
+    _owed: torch.Tensor | None = None
+    """The replica's buffers after its last step, for the server (``psserver.ps.buffers``)."""
+
     def train_step(self, x, y: torch.Tensor) -> float:
         assert self.optimizer is not None
         batch = None if self.table_columns is None else RowBatch(x[0], self.table_columns, 1)
+        owed, self._owed = self._owed, None
         with dist_autograd.context() as ctx:
-            if batch is None:
-                params = self.channel.call("pull", int(x.shape[0]))
-            else:
-                got = self.channel.call("pull", int(y.shape[0]), batch.requests[0])
-                params, rows = got[:len(self.params)], got[len(self.params):]
+            got = self.channel.call("pull", int(y.shape[0]), None if batch is None else batch.requests[0], owed)
+            if self.buffers:
+                unflatten_into(got[-1], self.buffers)
+                got = got[:-1]
+            params, rows = got[:len(self.params)], got[len(self.params):]
             # Local copies (device, fp32) stay in the graph: their gradients go back in the wire dtype.
             local = dict(zip(self.names, [p.to(self.device, torch.float32) for p in params], strict=True))
             if batch is None:
@@ -98,7 +116,13 @@ class PullTrainer(TrainerComputeHalf, PlainTrainer):
                 loss = self.loss_fn(out, y) + self.model.penalty(per_sample)
             dist_autograd.backward(ctx, [loss])
             self.optimizer.step(ctx)
+        self._owed = self.owed_buffers()
         return float(loss.detach())
+
+    def flush(self) -> None:
+        owed, self._owed = self._owed, None
+        if owed is not None:
+            self.channel.call("push_buffers", owed)
 
 
 PROTOCOL = register(StepProtocol("pull", PullTrainer, PullServer))

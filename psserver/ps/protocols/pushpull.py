@@ -23,24 +23,29 @@ from psserver.ps.protocols.trainer_compute import TrainerComputeHalf, TrainerCom
 from psserver.ps.sparse.batch import RowBatch
 
 Rows = dict[str, torch.Tensor]
+Owed = tuple[list[list[torch.Tensor]], list[Rows] | None, torch.Tensor | None]
+"""What a trainer owes the servers after a step: the flat gradient (a list per server), the row
+gradients (a dict per server; None: no tables) and its buffers (None: none it sends)."""
 
 
 class PushPullServer(TrainerComputeServer):
     ops = ("exchange", "parameters", "rows")
 
     def exchange(self, trainer: str, grads: list[torch.Tensor] | None, samples: int | None,
-                 norm: float | None = None, rows: dict | None = None):
+                 norm: float | None = None, rows: dict | None = None, buffers: torch.Tensor | None = None):
         """Apply ``grads`` (the flat gradient of ``trainer``'s open step; None: none owed), then
         return the flat parameters for its next step of ``samples`` (None: it is done). With
         several server processes ``grads`` is this server's partition and ``norm`` the whole
         gradient's norm. With embedding tables ``rows`` is ``{"grads": {table: row gradients of
         the open step} | None, "ids": {table: ids of the next step} | None}`` and the reply is
-        ``(parameters, {table: rows})``."""
+        ``(parameters, {table: rows})``. With the model's buffers (server 0), ``buffers`` are the
+        trainer's after the open step's forward, and the parameters it gets end with the server's."""
         if norm is not None and not isinstance(norm, float):
             raise ValueError(f"gradient norm must be a float, got {type(norm).__name__}")
         row_grads, ids = self._row_request(rows)
+        buffers = self.check_buffers(buffers)
         return self.finish_then_start(
-            trainer, lambda: grads is not None and self._push(trainer, grads, norm, row_grads),
+            trainer, lambda: grads is not None and self._push(trainer, grads, norm, row_grads, buffers),
             None if samples is None else lambda: self._pull(trainer, samples, ids))
 
     def _row_request(self, rows: dict | None) -> tuple[object, object]:
@@ -54,7 +59,8 @@ class PushPullServer(TrainerComputeServer):
                              "{'grads': ..., 'ids': ...}")
         return rows["grads"], rows["ids"]
 
-    def _push(self, trainer: str, grads: list[torch.Tensor], norm: float | None, row_grads: object) -> None:
+    def _push(self, trainer: str, grads: list[torch.Tensor], norm: float | None, row_grads: object,
+              buffers: torch.Tensor | None) -> None:
         try:
             unflat: dict = self.engine.grads_from_flat(grads)
             if self.engine.tables is not None:
@@ -62,14 +68,14 @@ class PushPullServer(TrainerComputeServer):
         except BaseException:
             self.engine.drop_step(trainer)
             raise
-        self.engine.submit(trainer, unflat, norm)
+        self.engine.submit(trainer, unflat, norm, buffers)
 
     def _pull(self, trainer: str, samples: int, ids: object):
         tables = self.engine.tables
         rows = tables.serve(trainer, ids) if tables is not None else None  # a bad request opens no step
         self.engine.open_step(trainer, samples)
         wire = self.wire_dtype(trainer)
-        params = self.engine.flat_parameters(wire)
+        params = self.with_buffers(self.engine.flat_parameters(wire))
         if rows is None:
             return params
         return params, {name: r.to(wire) for name, r in rows.items()}
@@ -78,19 +84,19 @@ class PushPullServer(TrainerComputeServer):
 class PushPullTrainer(TrainerComputeHalf):
     def __init__(self, channel) -> None:
         super().__init__(channel)
-        # Owed to the server(s): the flat gradient, one list per server, and with tables the row
-        # gradients, one {table: rows} per server.
-        self._grads: tuple[list[list[torch.Tensor]], list[Rows] | None] | None = None
+        # Owed to the server(s): the flat gradient, one list per server, with tables the row
+        # gradients, one {table: rows} per server, and the replica's buffers (for server 0).
+        self._grads: Owed | None = None
         self.row_payload = 0
         """Bytes of the tables' traffic its steps needed at least: each unique id once, its row
         down and its gradient up (benchmarks compare what crossed the network with it)."""
 
-    def _exchange(self, grads: tuple[list[list[torch.Tensor]], list[Rows] | None] | None, samples: int | None,
-                  batch: RowBatch | None = None) -> list:
+    def _exchange(self, grads: Owed | None, samples: int | None, batch: RowBatch | None = None) -> list:
         """One ``exchange`` per server process, all in flight at once; their replies in order."""
-        dense, rows = grads if grads is not None else (None, None)
+        dense, rows, buffers = grads if grads is not None else (None, None, None)
         if self.plan is None and self.table_columns is None:
-            return [self.channel.call("exchange", None if dense is None else dense[0], samples)]
+            tail = () if buffers is None else (None, None, buffers)
+            return [self.channel.call("exchange", None if dense is None else dense[0], samples, *tail)]
         servers = len(self.channel.servers)
         # Several servers each see a part of the step: they all decide on the whole step's norm.
         norm = None if dense is None or servers == 1 else self.norm_of(dense, rows)
@@ -100,6 +106,8 @@ class PushPullTrainer(TrainerComputeHalf):
             if self.table_columns is not None:
                 a += ({"grads": None if rows is None else rows[i],
                        "ids": None if batch is None else batch.requests[i]},)
+            if i == 0 and buffers is not None:  # server 0 holds the buffers
+                a += (None,) * (4 - len(a)) + (buffers,)
             args.append(a)
         if servers == 1:
             return [self.channel.call("exchange", *args[0])]
@@ -110,7 +118,8 @@ class PushPullTrainer(TrainerComputeHalf):
         if self.table_columns is None:
             self.load(self._exchange(grads, int(x.shape[0])))
             loss = self.loss_fn(self.model(x), y)
-            self._grads = self.flat_grads(list(torch.autograd.grad(loss, self.params, allow_unused=True))), None
+            self._grads = (self.flat_grads(list(torch.autograd.grad(loss, self.params, allow_unused=True))), None,
+                           self.owed_buffers())
             return float(loss.detach())
         ids, dense = x
         batch = RowBatch(ids, self.table_columns, len(self.channel.servers))
@@ -124,7 +133,7 @@ class PushPullTrainer(TrainerComputeHalf):
         got = torch.autograd.grad(loss, self.params + rows, allow_unused=True)
         n = len(self.params)
         row_grads = [torch.zeros_like(r) if g is None else g for r, g in zip(rows, got[n:], strict=True)]
-        self._grads = self.flat_grads(list(got[:n])), batch.split_grads(row_grads, self.wire_dtype)
+        self._grads = self.flat_grads(list(got[:n])), batch.split_grads(row_grads, self.wire_dtype), self.owed_buffers()
         return float(loss.detach())
 
     def flush(self) -> None:

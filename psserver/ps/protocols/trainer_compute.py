@@ -13,8 +13,8 @@ import threading
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from psserver.models import build_model, get_model_spec
 from psserver.models.losses import get_loss
+from psserver.ps.buffers import flatten, persistent_buffers, unflatten_into
 from psserver.ps.guard import total_norm
 from psserver.ps.messages import JoinRequest
 from psserver.ps.partition import PartitionPlan
@@ -40,7 +40,25 @@ class TrainerComputeServer(ServerHalf):
         info = {**super().join_info(trainer, request), "shard_params": [len(s.params) for s in self.engine.shards]}
         if self.engine.tables is not None:
             info["tables"] = self.engine.tables.describe()
+        buffers = self.engine.buffers
+        if buffers is not None:
+            # rank0: only trainer 0's statistics reach the server (DDP's broadcast_buffers).
+            info["buffers"] = {"numel": buffers.numel, "send": buffers.policy == "average" or request.rank == 0}
         return info
+
+    def with_buffers(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A reply's parameters, and the model's buffers after them when this server holds any."""
+        if self.engine.buffers is None:
+            return params
+        return [*params, self.engine.flat_buffers()]
+
+    def check_buffers(self, buffers: object) -> torch.Tensor | None:
+        """A trainer's buffers as sent (None: none sent); ``ValueError`` for ones that do not fit."""
+        if buffers is None:
+            return None
+        if self.engine.buffers is None:
+            raise ValueError("this server holds no buffers of the model, yet a trainer sent some")
+        return self.engine.buffers.check(buffers)
 
     def set_wire_dtype(self, trainer: str, name: str) -> None:
         if name not in WIRE_DTYPES:
@@ -56,7 +74,7 @@ class TrainerComputeServer(ServerHalf):
         """Every shard's parameters as one flat fp32 CPU buffer, copied at one step (no step
         opens: the trainer evaluates on them)."""
         self.engine.wait_applied(trainer)
-        return self.engine.flat_parameters()
+        return self.with_buffers(self.engine.flat_parameters())
 
     def rows(self, trainer: str, ids: object) -> dict[str, torch.Tensor]:
         """Rows of an embedding table for evaluation (nothing is created), after ``trainer``'s
@@ -83,10 +101,10 @@ class TrainerComputeHalf(TrainerHalf):
         super().__init__(channel)
         self.device: torch.device = channel.device
         self.wire_dtype: torch.dtype = channel.wire_dtype
-        spec = get_model_spec(channel.info["model"], channel.info.get("model_args"))
+        spec = channel.spec
         self.loss_fn = get_loss(spec.loss)
         tables = channel.info.get("tables")
-        self.model = build_model(spec, embedding_dim=tables["dim"] if tables else None).to(self.device)
+        self.model = channel.model.to(self.device)
         self.table_columns: list[tuple[str, int]] | None = None
         """(name, id column) of each embedding table, for a model with tables on the servers."""
         if spec.sparse:
@@ -95,6 +113,14 @@ class TrainerComputeHalf(TrainerHalf):
             self.table_columns = [(d.name, d.column) for d in spec.tables]
         self.names = [n for n, _ in self.model.named_parameters()]
         self.params: list[torch.nn.Parameter] = list(self.model.parameters())
+        buffers = channel.info.get("buffers")
+        self.buffers: list[torch.Tensor] = persistent_buffers(self.model) if buffers else []
+        """The replica's buffers, loaded from the server with its parameters (``psserver.ps.buffers``)."""
+        if buffers and sum(b.numel() for b in self.buffers) != buffers["numel"]:
+            raise RuntimeError(f"the server holds {buffers['numel']} buffer values, this model "
+                               f"{sum(b.numel() for b in self.buffers)}")
+        self.send_buffers = bool(buffers and buffers["send"])
+        """Whether this trainer's buffers go up with its updates (``--buffers rank0``: rank 0's only)."""
         plan = channel.info.get("plan")
         self.plan: PartitionPlan | None = PartitionPlan.from_dict(plan) if plan is not None else None
         if self.plan is not None:
@@ -108,7 +134,11 @@ class TrainerComputeHalf(TrainerHalf):
 
     def load(self, replies: list[list[torch.Tensor]]) -> None:
         """Copy the parameters (any dtype, on the CPU) into the replica: one reply per server
-        process, each its list of flat buffers."""
+        process, each its list of flat buffers; server 0's ends with the model's buffers when
+        it has any."""
+        if self.buffers:
+            unflatten_into(replies[0][-1], self.buffers)
+            replies = [replies[0][:-1], *replies[1:]]
         with torch.no_grad():
             if self.plan is not None:
                 flats = [reply[0].to(self.device, torch.float32, non_blocking=True) for reply in replies]
@@ -127,6 +157,11 @@ class TrainerComputeHalf(TrainerHalf):
         by_param = dict(zip(self.params, full, strict=True))
         return [[parameters_to_vector([by_param[p] for p in shard]).to("cpu", self.wire_dtype)
                  for shard in self.shards]]
+
+    def owed_buffers(self) -> torch.Tensor | None:
+        """The replica's buffers after a step's forward, as they go up with its update (None:
+        this trainer sends none)."""
+        return flatten(self.buffers) if self.send_buffers else None
 
     @staticmethod
     def norm_of(grads: list[list[torch.Tensor]], rows: list[dict[str, torch.Tensor]] | None = None) -> float:

@@ -1,0 +1,78 @@
+"""A model's layout: what a server without the model's code knows of it, as plain data."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from psserver.models import build_model
+from psserver.models.layout import ModelLayout, values_of
+
+
+class Tied(nn.Module):
+    """Tied weights, a BatchNorm's buffers, a non-persistent buffer and a frozen parameter."""
+
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, width)
+        self.norm = nn.BatchNorm1d(width)
+        self.out = nn.Linear(width, 10)
+        self.out.weight = self.emb.weight
+        self.scale = nn.Parameter(torch.ones(1), requires_grad=False)
+        self.register_buffer("cache", torch.zeros(3), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.emb(ids))) * self.scale
+
+
+def test_parameters_in_training_order_then_persistent_buffers():
+    model = Tied()
+    layout = ModelLayout.of(model)
+    assert [e.key for e in layout.parameters] == [n for n, _ in model.named_parameters()]
+    assert [e.key for e in layout.buffers] == ["norm.running_mean", "norm.running_var", "norm.num_batches_tracked"]
+    assert layout.aliases == (("out.weight", "emb.weight"),)
+    # The module's own parameter (scale) first, then its children's, as parameters() gives them.
+    assert [e.requires_grad for e in layout.parameters] == [False, True, True, True, True]
+    assert layout.buffers[-1].dtype == "int64" and layout.buffers[0].shape == (4,)
+    # Back to the model's own keys, tied weights included: loads strictly into the model's class.
+    state = layout.state_dict(values_of(model, layout))
+    assert set(state) == set(model.state_dict())
+    Tied().load_state_dict(state, strict=True)
+
+
+def test_plain_data_round_trip_and_fingerprint():
+    layout = ModelLayout.of(build_model("resnet18"))
+    d = layout.to_dict()
+    assert ModelLayout.from_dict(d) == layout
+    assert ModelLayout.from_dict(d).fingerprint() == layout.fingerprint()
+    assert ModelLayout.of(build_model("resnet18", seed=5)).fingerprint() == layout.fingerprint()  # values are not in it
+    assert ModelLayout.of(build_model("mnist_cnn")).fingerprint() != layout.fingerprint()
+
+
+def test_a_difference_names_the_first_keys_that_differ():
+    server = ModelLayout.of(Tied(4))
+    assert server.difference(ModelLayout.of(Tied(4))) == ""
+    wider = server.difference(ModelLayout.of(Tied(6)))
+    assert wider.startswith("emb.weight is [10, 6] float32, the server's [10, 4] float32; norm.weight is [6]")
+    assert "(and " in wider and "\n" not in wider
+    other = server.difference(ModelLayout.of(nn.Linear(2, 2)))
+    assert other.startswith("scale is missing; weight is not in the server's model; emb.weight is missing")
+
+
+@pytest.mark.parametrize("bad", [None, [], {"format": 9, "entries": []}, {"format": 1},
+                                 {"format": 1, "entries": [["w", [2, -1], "float32", "parameter", True]]},
+                                 {"format": 1, "entries": [["w", [2], "nofloat", "parameter", True]]},
+                                 {"format": 1, "entries": [["w", [2], "float32", "weights", True]]},
+                                 {"format": 1, "entries": [["w", [2], "float32", "parameter", True]] * 2},
+                                 {"format": 1, "entries": [[1, 2]]}])
+def test_garbage_is_not_a_layout(bad):
+    with pytest.raises(ValueError, match="not a model layout"):
+        ModelLayout.from_dict(bad)
+
+
+def test_an_integer_parameter_is_refused():
+    model = nn.Module()
+    model.steps = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
+    with pytest.raises(ValueError, match=r"parameter steps is torch\.int64"):
+        ModelLayout.of(model)

@@ -1,0 +1,23 @@
+"""What a trainer brings to a join, for tests that drive the server's halves without RPC."""
+
+from __future__ import annotations
+
+from psserver.models import build_model, get_model_spec
+from psserver.models.layout import ModelLayout, values_of
+from psserver.ps.messages import JoinRequest
+
+
+def join_request(rank: int = 0, name: str = "t", *, model: str = "mlp", step: str | None = None,
+                 optimizer: dict | None = None, compute: str | None = "trainer", wire_dtype: str = "fp32",
+                 values: bool = False) -> JoinRequest:
+    """A join of a trainer of ``model`` (its layout; its initial values too with ``values``)."""
+    replica = build_model(model)
+    layout = ModelLayout.of(replica)
+    return JoinRequest(rank, name, "host", 1, step, optimizer, compute, wire_dtype, "cpu", model, {},
+                       layout.to_dict(), values_of(replica, layout) if values else None)
+
+
+def give_replica(channel, model: str) -> None:
+    """What a session gives its protocol's trainer half: the model's spec and its replica."""
+    channel.spec = get_model_spec(model)
+    channel.model = build_model(channel.spec)

@@ -1,0 +1,90 @@
+"""A user's own model on a server that runs none of its code, through the real CLI and RPC.
+
+The user's package lives in a directory only the trainers have on their ``PYTHONPATH``: the
+server learns the model from the first trainer (layout and initial values), checks every later
+trainer against it, and resumes from its checkpoint without the package."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+
+import pytest
+import torch
+
+from psserver.checkpoint import list_checkpoints, read_checkpoint
+from tests.procs import MNIST_ARGS, ROOT, accuracy
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+USER_NET = textwrap.dedent('''
+    """A user's CNN with BatchNorm: not an nn.Sequential, a keyword argument."""
+    import torch.nn.functional as F
+    from torch import nn
+
+
+    class BNNet(nn.Module):
+        def __init__(self, width: int = 32):
+            super().__init__()
+            self.conv1 = nn.Conv2d(1, width, 3)
+            self.bn1 = nn.BatchNorm2d(width)
+            self.conv2 = nn.Conv2d(width, 2 * width, 3)
+            self.bn2 = nn.BatchNorm2d(2 * width)
+            self.head = nn.Linear(2 * width * 5 * 5, 10)
+
+        def forward(self, x):
+            x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+            x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
+            return self.head(x.flatten(1))
+''')
+
+
+@pytest.fixture
+def user_path(tmp_path):
+    """A directory holding the user's package ``usernets``; the trainers' PYTHONPATH."""
+    pkg = tmp_path / "user" / "usernets"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "cnn.py").write_text(USER_NET)
+    return {"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path / 'user'}"}
+
+
+@pytest.mark.timeout(420)
+def test_a_server_without_the_users_code_trains_it_checks_it_and_resumes_it(procs, port, tmp_path, mnist_dir,
+                                                                            user_path):
+    ckpt = tmp_path / "ckpt"
+    server = procs.server(port, "--checkpoint-dir", str(ckpt), "--optimizer", "adam", "--lr", "0.003")
+    assert "usernets" not in os.environ.get("PYTHONPATH", "")
+    train = ["--num-trainers", "2", "--epochs", "1", "--batch-size", "64", *MNIST_ARGS]
+    first = procs.trainer(port, 0, "--model", "usernets.cnn:BNNet", *train, env=user_path)
+    server.wait_for(r"model usernets.cnn:BNNet \(\d+ parameters, 6 buffer\(s\); fingerprint \w+\) learnt from the "
+                    "first trainer", timeout=90)
+    second = procs.trainer(port, 1, *train, env=user_path)  # no --model: the server's
+    for t in (first, second):
+        assert t.wait(300) == 0, t.tail()
+        assert accuracy(t) >= 0.95, t.tail()
+    assert "model usernets.cnn:BNNet" in second.output() or "usernets.cnn:BNNet" in second.output()
+
+    # One layer wider: refused in one line naming it.
+    wider = procs.trainer(port, 0, "--model", "usernets.cnn:BNNet", "--model-args", '{"width": 48}', *train,
+                          env=user_path)
+    assert wider.wait(120) == 2
+    err = [line for line in wider.output().splitlines() if "error:" in line]
+    assert len(err) == 1 and "conv1.weight is [48, 1, 3, 3] float32, the server's [32, 1, 3, 3] float32" in err[0], \
+        wider.tail()
+    assert "Traceback" not in wider.output()
+
+    assert procs.stop(server) == 0, server.tail()
+    final = read_checkpoint(list_checkpoints(ckpt)[0])
+    assert final["model"] == "usernets.cnn:BNNet" and final["layout"]["entries"][0][0] == "conv1.weight"
+    held = final["shards"][0]["module"]  # under the model's own keys
+    # The server's BatchNorm statistics are the trainers' (--buffers average), not the initial ones.
+    assert not torch.allclose(held["bn1.running_var"], torch.ones(32)) and held["bn1.num_batches_tracked"] > 100
+
+    # Resumed without the user's package: the layout comes from the checkpoint.
+    again = procs.server(port, "--checkpoint-dir", str(ckpt), "--resume")
+    again.wait_for(r"model usernets.cnn:BNNet .* learnt from a checkpoint", timeout=30)
+    more = procs.trainer(port, 0, "--num-trainers", "2", "--max-steps", "20", *MNIST_ARGS, env=user_path)
+    assert more.wait(180) == 0, more.tail()
+    assert procs.stop(again) == 0, again.tail()
+    assert read_checkpoint(list_checkpoints(ckpt)[0])["global_step"] == final["global_step"] + 20
