@@ -81,6 +81,9 @@ class LRSchedule:
         self._param = torch.zeros(1, requires_grad=True)
         self.reference = make_optimizer([self._param], optimizer)
         self.scheduler = build_scheduler(self.reference, config)
+        # Once (no gradient: it changes nothing): a scheduler whose optimizer never stepped warns
+        # at its first step. Stepping it at every update would cost more than the schedule.
+        self.reference.step()
         self.keys = tuple(k for k in SCHEDULED_KEYS if k in self.reference.param_groups[0])
         self.steps = 0
         self._failed = False
@@ -123,7 +126,6 @@ class LRSchedule:
         if self._failed:
             return
         try:
-            self.reference.step()  # no gradient: changes nothing, but the scheduler expects it first
             self.scheduler.step()
         except Exception as e:  # noqa: BLE001 - the schedule's end must not stop the shared optimizer
             self._failed = True

@@ -21,6 +21,9 @@ from psserver.ps.lr_schedule import LRSchedule
 from psserver.ps.server import ParameterServer
 from psserver.ps.shard import Shard, make_optimizer
 
+# A scheduler stepped before its optimizer warns (torch would then skip a value): never here.
+pytestmark = pytest.mark.filterwarnings("error:Detected call of `lr_scheduler.step\\(\\)` before:UserWarning")
+
 TOL = 1e-9
 SGD = OptimizerConfig(name="sgd", lr=0.1)
 
