@@ -155,6 +155,9 @@ class StatusCollector(Collector):
         accuracy = getattr(s, "accuracy", None)
         if accuracy is not None and _finite(accuracy):
             yield _gauge("accuracy", "Last evaluation accuracy", accuracy)
+        lr = getattr(s, "learning_rate", None)
+        if lr is not None and _finite(lr):
+            yield _gauge("learning_rate", "Learning rate of the server's next optimizer update (--lr-schedule)", lr)
         shard_bytes = GaugeMetricFamily(f"{PREFIX}_shard_bytes", "Bytes of parameters per model shard",
                                         labels=["shard", "device"])
         shard_mem = GaugeMetricFamily(f"{PREFIX}_shard_device_memory_bytes",
@@ -355,6 +358,9 @@ class TensorBoardWriter:
         w.add_scalar("throughput/samples_per_s", status.samples_per_s, step)
         w.add_scalar("throughput/updates_per_s", status.updates_per_s, step)
         w.add_scalar("progress/samples_seen", status.samples_seen, step)
+        lr = getattr(status, "learning_rate", None)
+        if lr is not None and _finite(lr):
+            w.add_scalar("optimizer/learning_rate", lr, step)
         w.add_scalar("trainers/active", sum(1 for t in trainers if t.state == "ACTIVE"), step)
         for t in trainers:
             t_acc = getattr(t, "accuracy", None)

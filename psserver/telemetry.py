@@ -161,6 +161,11 @@ class ServerStatus:
     tables: list[TableStatus] = field(default_factory=list)
     """Every embedding table on every server process, server 0's first (empty for a dense model):
     a table's rows are spread over the servers, and each server holds them to its own bound."""
+    learning_rate: float = float("nan")
+    """Learning rate of the next optimizer update (``--lr-schedule`` sets it at every step); NaN
+    while the optimizer is not known, and in collective mode."""
+    lr_schedule: str = ""
+    """The learning-rate schedule, described in one line (empty: the learning rate is constant)."""
 
     @property
     def uptime_s(self) -> float:

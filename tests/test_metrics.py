@@ -72,6 +72,7 @@ class FakeTarget:
         self.last_checkpoint: CheckpointInfo | None = None
         self.servers: list[ServerProcessStatus] = []
         self.tables: list[TableStatus] = []
+        self.learning_rate = float("nan")
 
     def get_status(self) -> ServerStatus:
         return ServerStatus(
@@ -79,7 +80,7 @@ class FakeTarget:
             num_params=1234, update_mode="async", sync_trainers=0, global_step=self.step,
             samples_seen=64 * self.step, updates_per_s=5.0, samples_per_s=320.0, mean_loss=self.loss,
             shards=[ShardStatus(0, "cpu", 1234, 4936, 1 << 20)], last_checkpoint=self.last_checkpoint,
-            servers=list(self.servers), tables=list(self.tables),
+            servers=list(self.servers), tables=list(self.tables), learning_rate=self.learning_rate,
         )
 
     def list_trainers(self) -> list[TrainerStatus]:
@@ -116,9 +117,10 @@ def test_prometheus_endpoint_reads_status_at_scrape_time():
         assert value(s1, "psserver_trainer_staleness", rank="0", name="trainer_0_1") == 1
         assert value(s1, "psserver_trainer_max_staleness", rank="0", name="trainer_0_1") == 3
         assert ("psserver_checkpoint_age_seconds", ()) not in s1  # no checkpoint yet
+        assert ("psserver_learning_rate", ()) not in s1  # the optimizer is not known yet
         assert any(k[0] == "process_resident_memory_bytes" for k in s1)
 
-        target.step, target.loss = 7, float("nan")
+        target.step, target.loss, target.learning_rate = 7, float("nan"), 0.025
         target.trainers[0].state = "LOST"
         target.trainers.append(TrainerStatus(1, "trainer_1_1", "h", time.time(), time.time()))
         target.last_checkpoint = CheckpointInfo("/x/ckpt.pt", 5, time.time() - 30, duration_s=0.25)
@@ -131,6 +133,7 @@ def test_prometheus_endpoint_reads_status_at_scrape_time():
         assert 29 < value(s2, "psserver_checkpoint_age_seconds") < 60
         assert value(s2, "psserver_checkpoint_last_step") == 5
         assert value(s2, "psserver_checkpoint_duration_seconds") == 0.25
+        assert value(s2, "psserver_learning_rate") == 0.025
     finally:
         ex.close()
         ex.close()  # idempotent
@@ -268,7 +271,7 @@ def test_tensorboard_scalars_by_global_step(tmp_path):
     ex = start_exporters(target, ObservabilityConfig(tensorboard_dir=tmp_path / "tb"), tensorboard_interval_s=0.1)
     try:
         for step in (10, 20, 30):
-            target.step, target.loss = step, 1.0 / step
+            target.learning_rate, target.loss, target.step = 0.001 * step, 1.0 / step, step  # the step last
             time.sleep(0.35)
     finally:
         ex.close()
@@ -278,6 +281,8 @@ def test_tensorboard_scalars_by_global_step(tmp_path):
     assert loss[0][1] == pytest.approx(0.1)
     assert {"throughput/samples_per_s", "throughput/updates_per_s", "trainers/active"} <= set(scalars)
     assert scalars["throughput/samples_per_s"][0][1] == pytest.approx(320.0)
+    assert scalars["optimizer/learning_rate"][:3] == [(10, pytest.approx(0.01)), (20, pytest.approx(0.02)),
+                                                      (30, pytest.approx(0.03))]
 
 
 def test_tensorboard_missing_is_one_line(monkeypatch, tmp_path):

@@ -18,10 +18,11 @@ from psserver.cli.args import (
     optimizer_from_args,
 )
 from psserver.cli.base import SubCommand, config_errors, env_int
-from psserver.config import CheckpointConfig, EmbeddingConfig, ServerConfig
+from psserver.config import CheckpointConfig, EmbeddingConfig, LRScheduleConfig, ServerConfig
 from psserver.config.embedding import EVICTION_POLICIES, ROW_OPTIMIZERS
 from psserver.config.ps import BUFFER_POLICIES, COMPUTE_MODES, UPDATE_MODES
 from psserver.utils.memory import ALLOCATORS
+from psserver.utils.references import parse_json_args
 
 
 class ServeCommand(SubCommand):
@@ -52,6 +53,7 @@ class ServeCommand(SubCommand):
                             help="pin where every trainer's steps run, trainer or server (default: each "
                                  "trainer's choice, trainer unless it says otherwise)")
         add_optimizer_arguments(parser, defaults_from_server=False)
+        add_schedule_arguments(parser)
         g = parser.add_argument_group("guarding the shared model")
         g.add_argument("--max-grad-norm", type=float, default=None, metavar="NORM",
                        help="clip each trainer step's gradient to this L2 norm (default: no clipping; a gradient "
@@ -112,6 +114,31 @@ class ServeCommand(SubCommand):
         from psserver.ps.server import run_server
 
         return run_server(config)
+
+
+def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
+    """The server's learning-rate schedule: the server owns the optimizer, so it owns the schedule."""
+    g = parser.add_argument_group(
+        "learning-rate schedule",
+        "stepped once per optimizer update of the server (its global step; a sync round is one), in every "
+        "--update mode, from --lr; checkpoints keep it and --resume continues it (another schedule given at "
+        "--resume takes over at the resumed step, as if it had run from step 0). The embedding tables' rows keep "
+        "--embedding-lr.")
+    g.add_argument("--lr-schedule", default=None, metavar="NAME|MODULE:ATTR",
+                   help="a torch.optim.lr_scheduler class by name (CosineAnnealingLR, StepLR, MultiStepLR, LinearLR, "
+                        "ExponentialLR, PolynomialLR, OneCycleLR, CyclicLR, ...), or MODULE:ATTR: a scheduler class "
+                        "or a function (optimizer, **args) -> scheduler (default: none, the lr stays --lr)")
+    g.add_argument("--lr-schedule-args", default=None, metavar="JSON",
+                   help='keyword arguments of the scheduler beside the optimizer, a JSON object ({"T_max": 1000})')
+    g.add_argument("--warmup-steps", type=int, default=0, metavar="N",
+                   help="linear warm-up: the lr at step t < N is --lr * (t+1)/N, then the schedule from its own step "
+                        "0, as SequentialLR(opt, [LinearLR(opt, start_factor=1/N, end_factor=1.0, total_iters=N-1), "
+                        "schedule], milestones=[N]); without --lr-schedule the lr stays --lr after it (default 0)")
+
+
+def schedule_from_args(args: argparse.Namespace) -> LRScheduleConfig:
+    return LRScheduleConfig(name=args.lr_schedule, args=parse_json_args(args.lr_schedule_args, "--lr-schedule-args"),
+                            warmup_steps=args.warmup_steps)
 
 
 def add_embedding_arguments(parser: argparse.ArgumentParser) -> None:
@@ -176,6 +203,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         staleness=args.staleness,
         compute=args.compute,
         optimizer=optimizer_from_args(args),
+        lr_schedule=schedule_from_args(args),
         max_grad_norm=args.max_grad_norm,
         max_nonfinite_steps=args.max_nonfinite_steps,
         trainer_timeout=args.trainer_timeout,

@@ -9,6 +9,7 @@ from psserver.config.common import DataConfig, parse_host_port
 from psserver.config.control import ControlConfig, ObservabilityConfig
 from psserver.config.embedding import EmbeddingConfig
 from psserver.config.ps import CheckpointConfig, OptimizerConfig, ServerConfig, TrainerConfig
+from psserver.config.schedule import LRScheduleConfig
 
 __all__ = [
     "CheckpointConfig",
@@ -16,6 +17,7 @@ __all__ = [
     "ControlConfig",
     "DataConfig",
     "EmbeddingConfig",
+    "LRScheduleConfig",
     "ObservabilityConfig",
     "OptimizerConfig",
     "ServerConfig",

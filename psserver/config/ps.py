@@ -9,6 +9,7 @@ from pathlib import Path
 from psserver.config.common import DataConfig, check_port, check_token_file, parse_host_port, read_join_token
 from psserver.config.control import ControlConfig, ObservabilityConfig
 from psserver.config.embedding import EmbeddingConfig
+from psserver.config.schedule import LRScheduleConfig
 from psserver.utils.memory import ALLOCATORS
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "rmsprop")
@@ -150,6 +151,9 @@ class ServerConfig:
     chooses (``psserver train --compute``), trainer compute unless it says otherwise."""
     optimizer: OptimizerConfig | None = None
     """Server optimizer; None: taken from the first trainer (default adam, lr 1e-3)."""
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    """The learning rate of that optimizer over the server's global steps (the embedding
+    tables' row optimizers keep ``embedding.lr``)."""
     max_grad_norm: float | None = None
     """Clip each trainer step's whole gradient to this L2 norm before it is applied (None: no
     clipping). A gradient whose norm is NaN or inf is never applied, whatever this says."""

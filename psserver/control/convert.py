@@ -171,6 +171,9 @@ def status_to_proto(status: ServerStatus, now: float | None = None) -> pb.Server
     )
     if _finite(status.mean_loss):
         msg.mean_loss = float(status.mean_loss)
+    if _finite(status.learning_rate):
+        msg.learning_rate = float(status.learning_rate)
+    msg.lr_schedule = status.lr_schedule
     if status.last_checkpoint is not None:
         msg.last_checkpoint.CopyFrom(checkpoint_to_proto(status.last_checkpoint))
     return msg
@@ -267,6 +270,8 @@ def status_to_dict(msg: pb.ServerStatus) -> dict[str, Any]:
         "updates_per_second": msg.updates_per_second,
         "samples_per_second": msg.samples_per_second,
         "mean_loss": msg.mean_loss if msg.HasField("mean_loss") else None,
+        "learning_rate": msg.learning_rate if msg.HasField("learning_rate") else None,
+        "lr_schedule": msg.lr_schedule,
         "shards": [
             {
                 "index": s.index,

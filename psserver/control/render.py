@@ -80,6 +80,9 @@ def render_status(status: pb.ServerStatus, trainers: Sequence[pb.Trainer] | None
         f"{status.updates_per_second:.1f} updates/s, {status.samples_per_second:.1f} samples/s, "
         f"loss {_loss(status, 'mean_loss')}",
     ]
+    if status.HasField("learning_rate"):
+        lines.append(f"lr          {status.learning_rate:.6g}"
+                     f"{f' ({status.lr_schedule})' if status.lr_schedule else ' (constant)'}")
     if status.nonfinite_gradients or status.clipped_steps:
         lines.append(f"guard       {status.nonfinite_gradients:,} non-finite gradients dropped, "
                      f"{status.clipped_steps:,} steps clipped to --max-grad-norm")

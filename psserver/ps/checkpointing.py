@@ -221,7 +221,7 @@ class CheckpointPolicy:
     def snapshot(self) -> dict:
         """A consistent CPU copy of everything a resume needs (updates pause only for the copy)."""
         cfg, engine = self.config, self.engine
-        shards, step, samples, tables, buffers = engine.copy_state()
+        shards, step, samples, tables, lr_schedule, buffers = engine.copy_state()
         optimizer = engine.optimizer_config
         return {
             "model": engine.model_ref,
@@ -235,6 +235,7 @@ class CheckpointPolicy:
             "buffers": buffers,
             "embedding": None if tables is None else asdict(cfg.embedding),
             "optimizer_config": asdict(optimizer) if optimizer else None,
+            "lr_schedule": lr_schedule,
             "update": {"mode": cfg.update, "sync_trainers": cfg.sync_trainers},
             "partition": None if engine.plan is None else {
                 "server_rank": cfg.server_rank, "num_servers": cfg.num_servers, "plan": engine.plan.to_dict()},
@@ -344,7 +345,7 @@ class CheckpointPolicy:
             raise CheckpointError(f"checkpoint {path} was trained with {saved.name}, server asked for {optimizer.name}")
         try:
             engine.load_state(state["shards"], optimizer, int(state["global_step"]), int(state["samples_seen"]),
-                              state.get("tables"), state.get("buffers"))
+                              state.get("tables"), state.get("lr_schedule"), state.get("buffers"))
         except ValueError as e:
             raise CheckpointError(f"checkpoint {path}: {e}") from None
         self._steps_at_checkpoint = engine.global_step

@@ -24,6 +24,7 @@ from psserver.ps.buffers import ServerBuffers, persistent_buffers
 from psserver.ps.compute import ComputeThread
 from psserver.ps.guard import GradientGuard
 from psserver.ps.held_model import HeldModel
+from psserver.ps.lr_schedule import LRSchedule
 from psserver.ps.partition import PartitionModule, PartitionPlan, plan_for_model
 from psserver.ps.shard import Shard
 from psserver.ps.sparse.tables import SparseTables
@@ -98,6 +99,8 @@ class StepEngine:
         self._open: dict[str, int] = {}  # trainer -> samples of its step in flight
         self._draining = False
         self.guard = GradientGuard(config.max_grad_norm, config.max_nonfinite_steps)
+        self.lr_schedule: LRSchedule | None = None
+        """The learning-rate schedule (``--lr-schedule``, ``--warmup-steps``), once the optimizer is known."""
         # Every tensor op on one thread (psserver.ps.compute), the model's construction
         # included: an OpenMP team made here would throttle that thread's.
         self.compute = ComputeThread(inline=all(d.type == "cuda" for d in devices))
@@ -106,6 +109,15 @@ class StepEngine:
         except BaseException:
             self.compute.close()
             raise
+        try:
+            # A bad schedule fails here, at start; one that needs the optimizer a trainer chooses
+            # is tried on the default one now, and built when that trainer joins.
+            schedule = self._make_schedule(self.optimizer_config or OptimizerConfig())
+        except BaseException:
+            self.compute.close()
+            raise
+        if self.optimizer_config is not None:  # the shards' optimizers exist (_hold made them)
+            self._attach_schedule(schedule)
 
     def _build(self) -> None:
         cfg = self.config
@@ -203,6 +215,17 @@ class StepEngine:
     def global_step(self) -> int:
         return self.updater.global_step
 
+    @property
+    def learning_rate(self) -> float | None:
+        """The learning rate of the next update: the schedule's, else the shards' optimizer's
+        (as a checkpoint left it), else ``--lr``; None while the optimizer is not known."""
+        if self.lr_schedule is not None:
+            return self.lr_schedule.lr
+        for s in self.shards:
+            if s.optimizer is not None:
+                return float(s.optimizer.param_groups[0]["lr"])
+        return self.optimizer_config.lr if self.optimizer_config is not None else None
+
     def param_shapes(self) -> list[list[tuple[str, tuple[int, ...]]]]:
         return [[(n, tuple(p.shape)) for n, p in zip(s.names, s.params, strict=True)] for s in self.shards]
 
@@ -267,9 +290,12 @@ class StepEngine:
         """The shared optimizer: the first trainer's choice fixes it; another is refused."""
         with self.updater.lock:
             if self.optimizer_config is None:
-                self.optimizer_config = requested or OptimizerConfig()
+                chosen = requested or OptimizerConfig()
+                schedule = self._make_schedule(chosen)  # UserCodeError: the join is refused, nothing is set
+                self.optimizer_config = chosen
                 for s in self.shards:
                     s.init_optimizer(self.optimizer_config)
+                self._attach_schedule(schedule)
                 log.info("optimizer %s (set by %s)", self.optimizer_config.describe(), who)
             elif requested is not None and requested != self.optimizer_config:
                 raise ValueError(
@@ -277,6 +303,19 @@ class StepEngine:
                     f"trainer asked for {requested.describe()} (omit the optimizer flags to use the server's)"
                 )
             return self.optimizer_config
+
+    def _make_schedule(self, optimizer: OptimizerConfig) -> LRSchedule | None:
+        """The schedule of ``--lr-schedule`` on ``optimizer`` (None: none); ``UserCodeError``."""
+        return LRSchedule(self.config.lr_schedule, optimizer) if self.config.lr_schedule.enabled else None
+
+    def _attach_schedule(self, schedule: LRSchedule | None) -> None:
+        """From now on every update takes its learning rate from ``schedule``, at the current step."""
+        if schedule is None:
+            return
+        schedule.fast_forward(self.updater.global_step)
+        self.lr_schedule = self.updater.lr_schedule = schedule
+        log.info("learning-rate schedule %s, from lr %g at global step %d", schedule.describe(), schedule.lr,
+                 schedule.steps)
 
     # ---- trainers and their steps ---------------------------------------------------------
 
@@ -396,22 +435,26 @@ class StepEngine:
             self._cond.wait_for(lambda: not self._open, timeout)
             return sorted(self._open)
 
-    def copy_state(self) -> tuple[list[dict], int, int, dict | None, list[torch.Tensor] | None]:
+    def copy_state(self) -> tuple[list[dict], int, int, dict | None, dict | None, list[torch.Tensor] | None]:
         """CPU copies of every shard, the global step, samples seen, the tables' rows (None: no
-        tables) and the buffers held outside the shards (server 0 of several; else None), all at
-        one step."""
+        tables), the learning-rate schedule's state (None: none) and the buffers held outside the
+        shards (server 0 of several; else None), all at one step."""
 
-        def copy() -> tuple[list[dict], int, int, dict | None, list[torch.Tensor] | None]:
+        def copy() -> tuple[list[dict], int, int, dict | None, dict | None, list[torch.Tensor] | None]:
             with self.updater.lock:
                 tables = self.tables.state_dict() if self.tables is not None else None
+                schedule = self.lr_schedule.state_dict() if self.lr_schedule is not None else None
                 buffers = self.buffers.state() if self.buffers is not None and self.plan is not None else None
                 return ([s.state_dict() for s in self.shards], self.updater.global_step, self.samples_seen, tables,
-                        buffers)
+                        schedule, buffers)
 
         return self.compute.run(copy)
 
     def load_state(self, shards: list[dict], optimizer: OptimizerConfig | None, global_step: int,
-                   samples_seen: int, tables: dict | None = None, buffers: list[torch.Tensor] | None = None) -> None:
+                   samples_seen: int, tables: dict | None = None, lr_schedule: dict | None = None,
+                   buffers: list[torch.Tensor] | None = None) -> None:
+        """A checkpoint's state; ``lr_schedule``: its schedule's (``LRSchedule.restore`` says what
+        a different one does); ``buffers``: those held outside the shards."""
         if (tables is None) != (self.tables is None):
             raise ValueError("the checkpoint has embedding tables and this model has none" if tables is not None
                              else f"model {self.config.model} has embedding tables and the checkpoint holds none")
@@ -424,10 +467,22 @@ class StepEngine:
             if buffers is not None and self.buffers is not None and self.plan is not None:
                 self.buffers.load(buffers)
 
+        schedule = self._make_schedule(optimizer) if optimizer is not None else None
         self.optimizer_config = optimizer
         self.compute.run(load)
         self.updater.global_step = global_step
         self.samples_seen = samples_seen
+        if schedule is not None:
+            schedule.restore(lr_schedule, global_step)
+        elif lr_schedule is not None and optimizer is not None:
+            # The lr the checkpoint's optimizers hold is its schedule's last one: back to --lr.
+            log.warning("the checkpoint's learning-rate schedule was %s; this server has none: the learning rate is "
+                        "%g from global step %d", lr_schedule.get("describe"), optimizer.lr, global_step)
+            for s in self.shards:
+                for group in s.optimizer.param_groups if s.optimizer is not None else []:
+                    group["lr"] = optimizer.lr
+        self.lr_schedule = self.updater.lr_schedule = None
+        self._attach_schedule(schedule)
 
     def close(self) -> None:
         self.updater.close()

@@ -60,3 +60,5 @@ class ServerHello:
     """Elements of the partition it built: server 0 checks it against its own plan."""
     checkpoints: bool
     """Whether it has a ``--checkpoint-dir`` (needed when server 0 has one)."""
+    lr_schedule: dict | None = None
+    """Its learning-rate schedule (``LRScheduleConfig`` fields): every server steps server 0's."""

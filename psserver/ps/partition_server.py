@@ -128,7 +128,8 @@ class PartitionServer:
         except RuntimeError as e:
             raise ServerLost(f"cannot join the RPC group of server 0 at {where}: {str(e).splitlines()[0]}") from None
         hello = ServerHello(cfg.server_rank, cfg.num_servers, cfg.model, cfg.seed, socket.gethostname(), os.getpid(),
-                            self.engine.num_params, self.policy.directory is not None)
+                            self.engine.num_params, self.policy.directory is not None,
+                            dataclasses.asdict(cfg.lr_schedule))
         reply = rpc.rpc_sync(rendezvous.SERVER_NAME, peers.server_call, args=("register", (hello,)))
         if "error" in reply:
             self._leave_group()

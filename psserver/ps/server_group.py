@@ -16,6 +16,7 @@ not on others since then are undone together.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
 import threading
 import time
@@ -144,6 +145,10 @@ class ServerGroup:
                 hello.parameters != plan.elements_per_server()[hello.rank]:
             problems.append(f"a partition of {hello.parameters} parameters, the plan gives it "
                             f"{plan.elements_per_server()[hello.rank]}")
+        ours = asdict(cfg.lr_schedule)
+        if hello.lr_schedule is not None and hello.lr_schedule != ours:
+            problems.append(f"learning-rate schedule {_schedule_flags(hello.lr_schedule)}, server 0 steps "
+                            f"{_schedule_flags(ours)} (give every server the same flags)")
         if cfg.checkpoint.directory is not None and not hello.checkpoints:
             problems.append("no --checkpoint-dir, but server 0 writes checkpoints: every server writes its partition")
         if hello.rank not in self.peers:
@@ -359,6 +364,12 @@ def _tables(reply: dict[str, Any]) -> list[TableStatus]:
     this version knows."""
     known = {f.name for f in fields(TableStatus)}
     return [TableStatus(**{k: v for k, v in t.items() if k in known}) for t in reply.get("tables", ())]
+
+
+def _schedule_flags(d: dict[str, Any]) -> str:
+    """A learning-rate schedule (``LRScheduleConfig`` fields) as the flags that give it."""
+    return (f"--lr-schedule {d.get('name') or '(none)'} --lr-schedule-args '{json.dumps(d.get('args') or {})}' "
+            f"--warmup-steps {d.get('warmup_steps', 0)}")
 
 
 def _log_failure(fut, peer: Peer, what: str) -> None:

@@ -78,6 +78,10 @@ class TableRates:
         return self._rates.get(key, (0.0, 0.0))
 
 
+def _nan_if_none(x: float | None) -> float:
+    return float("nan") if x is None else float(x)
+
+
 class ServerView:
     """Implements :class:`psserver.telemetry.ControlTarget` for ``psserver serve``."""
 
@@ -127,6 +131,8 @@ class ServerView:
             accuracy=self._latest_accuracy(),
             servers=self.group.statuses() if self.group is not None else [],
             tables=self._tables(),
+            learning_rate=_nan_if_none(engine.learning_rate),
+            lr_schedule=cfg.lr_schedule.describe(),
         )
 
     def _tables(self) -> list[TableStatus]:

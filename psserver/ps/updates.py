@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from psserver.ps.lr_schedule import LRSchedule
 from psserver.ps.shard import Shard
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,23 @@ class Updater:
         self.tables = None
         """The embedding tables (``psserver.ps.sparse.tables.SparseTables``) that take a step's
         row gradients, applied with its dense ones (sync: a round's, summed per id)."""
+        self.lr_schedule: LRSchedule | None = None
+        """The learning-rate schedule (``psserver.ps.lr_schedule``): it sets the learning rate of
+        every update and steps once after it (the tables' rows keep theirs)."""
+
+    def _schedule_lr(self) -> None:
+        """(lock held) Before the update at ``global_step``: the schedule's learning rate into
+        every shard's optimizer; at DEBUG, the one the first optimizer will apply."""
+        optimizers = [s.optimizer for s in self.shards if s.optimizer is not None]
+        if self.lr_schedule is not None:
+            self.lr_schedule.apply(optimizers)
+        if optimizers and log.isEnabledFor(logging.DEBUG):
+            log.debug("learning rate at step %d: %r", self.global_step, optimizers[0].param_groups[0]["lr"])
+
+    def _step_lr(self) -> None:
+        """(lock held) After an update (``global_step`` counted it): the schedule's next step."""
+        if self.lr_schedule is not None:
+            self.lr_schedule.step()
 
     def set_shards(self, shards: list[Shard]) -> None:
         """The shards it updates (a server that learns its model from a trainer gets them then)."""
@@ -247,6 +265,7 @@ class AsyncUpdater(Updater):
             return
         with self._lock:
             before = self.global_step
+            self._schedule_lr()
             for shard, g in self._split(grads).items():
                 shard.apply(g)
             if self.tables is not None:
@@ -254,6 +273,7 @@ class AsyncUpdater(Updater):
             if self.buffers is not None:
                 self.buffers.commit()
             self.global_step += 1
+            self._step_lr()
             step = self.global_step
         self._note_update(trainer, before)
         self.step_closed(trainer)

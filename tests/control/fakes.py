@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from pathlib import Path
@@ -63,6 +64,7 @@ class FakeTarget:
         self.update_mode, self.sync_trainers, self.staleness = "sync", 2, 0
         self.servers: list[ServerProcessStatus] = []  # one process; see two_servers()
         self.tables: list[TableStatus] = []  # a dense model; see two_tables()
+        self.learning_rate, self.lr_schedule = math.nan, ""  # the optimizer not known yet
         self._lock = threading.Lock()
         now = time.time()
         self.trainers = [
@@ -98,7 +100,7 @@ class FakeTarget:
             samples_seen=samples, updates_per_s=ups, samples_per_s=sps, mean_loss=loss, staleness=self.staleness,
             shards=[ShardStatus(0, "cpu", 1000, 4000, 50 << 20), ShardStatus(1, "cpu", 234, 936, 50 << 20)],
             last_checkpoint=self.checkpoints[-1] if self.checkpoints else None, servers=list(self.servers),
-            tables=list(self.tables),
+            tables=list(self.tables), learning_rate=self.learning_rate, lr_schedule=self.lr_schedule,
         )
 
     def list_trainers(self) -> list[TrainerStatus]:

@@ -145,6 +145,20 @@ def test_status_table_of_an_ssp_server(server, target, capsys):
     assert "updates     ssp (bulk-synchronous: staleness 0)" in out
 
 
+def test_status_shows_the_learning_rate(server, target, capsys):
+    rc, out, _ = run(capsys, "status", "--address", server.address)
+    assert rc == 0 and "\nlr " not in out  # the optimizer is not known yet
+    st = json.loads(run(capsys, "status", "--address", server.address, "--json")[1])["status"]
+    assert st["learning_rate"] is None and st["lr_schedule"] == ""
+    target.learning_rate = 0.1
+    assert "lr          0.1 (constant)" in run(capsys, "status", "--address", server.address)[1]
+    target.learning_rate, target.lr_schedule = 0.0975528258147577, "CosineAnnealingLR(T_max=200)"
+    assert "lr          0.0975528 (CosineAnnealingLR(T_max=200))" in run(capsys, "status", "--address",
+                                                                       server.address)[1]
+    st = json.loads(run(capsys, "status", "--address", server.address, "--json")[1])["status"]
+    assert st["learning_rate"] == 0.0975528258147577 and st["lr_schedule"] == "CosineAnnealingLR(T_max=200)"
+
+
 def test_status_json(server, target, capsys):
     target.checkpoint_now()
     rc, out, err = run(capsys, "status", "--address", server.address, "--json")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -202,6 +203,10 @@ def test_conversion_of_odd_values():
     assert d["state"] == "UNSPECIFIED" and d["mode"] == "fsdp" and d["update_mode"] == "collective"
     assert d["mean_loss"] is None and d["updates_per_second"] == 0.0 and d["samples_per_second"] == 0.0
     assert d["last_checkpoint"] is None and d["shards"] == [] and d["servers"] == [] and d["tables"] == []
+    assert d["learning_rate"] is None and d["lr_schedule"] == ""  # NaN (collective): absent, JSON null
+    scheduled = dataclasses.replace(status, learning_rate=0.05, lr_schedule="StepLR(step_size=10)")
+    d = convert.status_to_dict(convert.status_to_proto(scheduled, now=now))
+    assert d["learning_rate"] == 0.05 and d["lr_schedule"] == "StepLR(step_size=10)"
     t = convert.trainer_to_dict(convert.trainer_to_proto(TrainerStatus(3, "rank3", "h", now, now, state="LEFT")))
     assert t["state"] == "LEFT" and t["last_loss"] is None
     assert convert.enum_name(pb.ServerState, 42) == "UNKNOWN(42)"
