@@ -26,6 +26,7 @@ from psserver.cli.base import SubCommand
 from psserver.cli.bench import BenchCommand
 from psserver.cli.control import CheckpointCommand, StatusCommand, StopCommand
 from psserver.cli.demo import DemoCommand
+from psserver.cli.export import ExportCommand
 from psserver.cli.serve import ServeCommand
 from psserver.cli.train import TrainCommand
 from psserver.errors import ServerLost, UsageError
@@ -38,6 +39,7 @@ VERBS: tuple[type[SubCommand], ...] = (
     StatusCommand,
     CheckpointCommand,
     StopCommand,
+    ExportCommand,
     DemoCommand,
     BenchCommand,
 )

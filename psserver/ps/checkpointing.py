@@ -229,6 +229,7 @@ class CheckpointPolicy:
                              "input_shape": engine.spec.input_shape if engine.spec is not None else None,
                              "model_args": engine.model_args},
             "layout": engine.layout.to_dict() if engine.layout is not None else None,
+            "state_keys": engine.state_keys,
             "param_shapes": engine.param_shapes(),
             "shards": shards,
             "tables": tables,

@@ -62,6 +62,14 @@ def resolve_devices(devices: list[str] | None) -> list[torch.device]:
     return [resolve_device(d, "--devices") for d in devices]
 
 
+def model_keys(model: nn.Module, part: nn.Module) -> dict[str, str]:
+    """``part``'s state_dict keys -> ``model``'s, for a part (a stage) that shares its tensors."""
+    by_tensor: dict[int, str] = {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        by_tensor.setdefault(id(t), key)
+    return {key: by_tensor[id(t)] for key, t in part.state_dict(keep_vars=True).items() if id(t) in by_tensor}
+
+
 def make_updater(mode: str, shards: list[Shard], on_step: OnStep, sync_trainers: int,
                  staleness: int = 0, *, follower: bool = False) -> Updater:
     """The updater of ``--update mode`` (``sync_trainers``: K of sync; ``staleness``: S of ssp;
@@ -126,6 +134,9 @@ class StepEngine:
         self.plan: PartitionPlan | None = None
         self.buffers: ServerBuffers | None = None
         """The model's buffers (server 0 only; None: the model has none)."""
+        self.state_keys: list[dict[str, str]] | None = None
+        """Per shard, its modules' state_dict keys -> the model's own (None: the same keys: one
+        stage, or a held model); checkpoints record it for ``psserver export``."""
         self.shards: list[Shard] = []
         self.params: list[nn.Parameter] = []
         self.trainable: list[nn.Parameter] = []
@@ -155,6 +166,8 @@ class StepEngine:
             shards = [Shard(0, PartitionModule(model, self.plan, cfg.server_rank), self.devices[0])]
         elif split:
             stages = split_stages(model, len(self.devices))
+            if len(stages) > 1:  # before Shard moves them (a GPU copy is another tensor)
+                self.state_keys = [model_keys(model, stage) for stage in stages]
             shards = [Shard(i, m, d) for i, (m, d) in enumerate(zip(stages, self.devices, strict=True))]
         else:
             self.devices = self.devices[:1]

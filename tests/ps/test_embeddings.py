@@ -16,6 +16,7 @@ import torch
 from psserver.checkpoint import list_checkpoints, read_checkpoint
 from psserver.control.client import ControlClient
 from psserver.data.clicks import ClickLogSpec, make_click_log
+from psserver.models import build_model
 from psserver.ps.sparse.tables import owner
 from tests.procs import free_port, metric, run, start_servers
 
@@ -181,6 +182,15 @@ def test_a_killed_server_restores_rows_and_their_optimizer_state_bit_for_bit(pro
                 got = a["tables"][name][key]
                 assert (got == value) if not isinstance(value, torch.Tensor) else torch.equal(got, value), (name, key)
         assert {"m", "v", "t"} <= {k.split(".", 1)[1] for k in b["tables"]["item"] if k.startswith("state.")}
+    # Exported: every row of both servers, by table, sorted by id; the dense part strictly loadable.
+    r = run(["export", str(ckpt), "--out", str(tmp_path / "mf.pt")], timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = torch.load(tmp_path / "mf.tables.pt", weights_only=True)
+    merged = merged_tables(after)
+    for name in ("user", "item"):
+        assert torch.equal(rows[f"{name}.ids"], merged[name]["ids"])
+        assert torch.equal(rows[f"{name}.rows"], merged[name]["weights"])
+    build_model("mf").load_state_dict(torch.load(tmp_path / "mf.pt", weights_only=True), strict=True)
 
 
 def merged_tables(states: list[dict]) -> dict[str, dict]:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from psserver.checkpoint import list_checkpoints, read_checkpoint
 from psserver.models import build_model
-from tests.procs import MNIST_ARGS, accuracy
+from tests.procs import MNIST_ARGS, accuracy, run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -65,6 +66,14 @@ def test_adam_has_one_optimizer_state_per_shard(procs, port, mnist_dir, tmp_path
         for st in opt["state"].values():
             assert int(st["step"]) == 80
             assert set(st) >= {"exp_avg", "exp_avg_sq"}
+    # Exported, the two stages' keys are the model's own again.
+    r = run(["export", str(tmp_path), "--out", str(tmp_path / "model.pt")], timeout=120)
+    assert r.returncode == 0, r.stderr
+    exported = torch.load(tmp_path / "model.pt", weights_only=True)
+    model = build_model("mnist_cnn")
+    model.load_state_dict(exported, strict=True)
+    stage1 = state["shards"][1]["module"]
+    assert torch.equal(exported["7.weight"], stage1[next(k for k in stage1 if k.endswith("weight"))])
 
 
 @pytest.mark.timeout(420)

@@ -1,0 +1,72 @@
+"""``psserver export``: a checkpoint as the trained model's plain state_dict, from one server
+process or gathered from several, loadable with ``strict=True`` into the model's own class."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from psserver.cli import main
+from tests.procs import MNIST_ARGS, free_port, run, start_servers
+from tests.ps.test_buffers import BN_MLP, BNMLP
+
+STEPS = 20
+
+
+def export(ckpt, out) -> dict[str, torch.Tensor]:
+    r = run(["export", str(ckpt), "--out", str(out)], timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"exported step {STEPS}:" in r.stdout
+    return load_file(out) if out.suffix == ".safetensors" else torch.load(out, weights_only=True)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_servers_export_what_one_server_exports(procs, port, tmp_path, mnist_dir):
+    """A user's model with BatchNorm, one trainer, ``--update sync``: the export of two server
+    processes (parameters gathered from both partitions, buffers from server 0) equals the
+    export of one server to 1e-6, and loads strictly into the user's class."""
+    common = ["--model", BN_MLP, "--update", "sync", "--sync-trainers", "1", "--optimizer", "adam", "--lr", "0.01"]
+    train = ["--num-trainers", "1", "--max-steps", str(STEPS), "--batch-size", "32", *MNIST_ARGS]
+    one = procs.server(port, *common, "--checkpoint-dir", str(tmp_path / "one"))
+    t = procs.trainer(port, 0, *train)
+    assert t.wait(120) == 0, t.tail()
+    assert procs.stop(one) == 0, one.tail()
+    port2 = free_port()
+    servers = start_servers(procs, port2, 2, *common, ckpt=tmp_path / "two")
+    t2 = procs.trainer(port2, 0, *train)
+    assert t2.wait(120) == 0, t2.tail()
+    assert procs.stop(servers[0]) == 0, servers[0].tail()
+    assert servers[1].wait(30) == 0, servers[1].tail()
+
+    single = export(tmp_path / "one", tmp_path / "one.safetensors")
+    several = export(tmp_path / "two", tmp_path / "two.pt")
+    assert set(single) == set(several) == set(BNMLP().state_dict())
+    for key, value in single.items():
+        assert torch.allclose(value.double(), several[key].double(), atol=1e-6, rtol=0), key
+    assert single["bn.num_batches_tracked"] == STEPS and not torch.allclose(single["bn.running_var"], torch.ones(16))
+    model = BNMLP()
+    model.load_state_dict(several, strict=True)
+    meta = json.loads((tmp_path / "two.json").read_text())
+    assert meta["model"] == BN_MLP and meta["step"] == STEPS and meta["tables"] is None
+    assert len(meta["fingerprint"]) == 64 and meta["format"] == "torch"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["{tmp}/nothere", "--out", "{tmp}/m.pt"], "{tmp}/nothere does not exist"),
+    (["{tmp}", "--out", "{tmp}/m.pt"], "{tmp} holds no valid checkpoint"),
+    (["{tmp}/empty.pt", "--out", "{tmp}/m.pt"], "{tmp}/empty.pt is not a psserver checkpoint"),
+    (["{tmp}", "--out", "{tmp}/m.bin"], "--out {tmp}/m.bin: name a .safetensors or a .pt file"),
+    (["{tmp}", "--out", "{tmp}/sub.pt"], "--out {tmp}/sub.pt is a directory"),
+    (["{tmp}", "--out", "{tmp}/no/m.pt"], "directory {tmp}/no does not exist"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
+    (tmp_path / "empty.pt").write_bytes(b"")
+    (tmp_path / "sub.pt").mkdir()
+    assert main(["export", *(a.format(tmp=tmp_path) for a in args)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message.format(tmp=tmp_path) in err[0], err
