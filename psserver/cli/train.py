@@ -115,6 +115,5 @@ def trainer_config_from_args(args: argparse.Namespace) -> TrainerConfig:
         device=args.device,
         wire_dtype=args.wire_dtype,
         join_token_file=args.join_token_file,
-        # One thread unless told: on a host of several trainers each runs the model on its own.
-        compute_threads=args.compute_threads or TrainerConfig.compute_threads,
+        compute_threads=args.compute_threads,
     )

@@ -326,9 +326,10 @@ class TrainerConfig:
     """On losing the server, retry with backoff until it is back and continue the epoch."""
     rpc_timeout: float = 60.0
     """Timeout of one RPC, seconds."""
-    compute_threads: int = 1
-    """torch intra-op threads of the trainer: one, as one of several trainers per host runs the
-    model (trainer compute), or as the server runs it (server compute)."""
+    compute_threads: int = 0
+    """torch intra-op threads of the trainer; 0: its share of the CPUs it may use (affinity and
+    cgroup quota, divided among the trainers the server knows on this host, followed as they
+    come and go) when it computes, one when the server does (server compute)."""
     device: str = "cpu"
     """Where trainer compute runs the model (``cpu`` or ``cuda:N``); tensors cross RPC on the CPU."""
     wire_dtype: str = "fp32"

@@ -256,6 +256,16 @@ class Endpoint:
             return NOT_A_MEMBER
         return self.state
 
+    def host_trainers(self, trainer: str) -> int:
+        """Live trainers on ``trainer``'s host, itself included (it takes its share of the
+        host's CPUs); 1 for a trainer that is not a member."""
+        try:
+            member = self._seen(trainer, None)
+        except NotAMember:
+            return 1
+        assert self.membership is not None
+        return max(1, self.membership.on_host(member.status.host))
+
     def leave(self, trainer: str, report: Report | None) -> None:
         with self._counted("leave"):
             try:
@@ -325,6 +335,10 @@ def heartbeat(trainer: str, report: Report | None) -> str:
 
 def leave(trainer: str, report: Report | None) -> None:
     current().leave(trainer, report)
+
+
+def host_trainers(trainer: str) -> int:
+    return current().host_trainers(trainer)
 
 
 class SharedOptimizer:

@@ -189,6 +189,11 @@ class Membership:
             current = [m.status for m in self.members.values()]
             return [*self.history, *current]
 
+    def on_host(self, host: str) -> int:
+        """Live trainers that joined from ``host``."""
+        with self.lock:
+            return sum(1 for m in self.members.values() if m.status.host == host)
+
     def active_count(self) -> int:
         with self.lock:
             return len(self.members)

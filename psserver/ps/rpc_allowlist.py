@@ -54,6 +54,7 @@ _OPTIM = "torch.distributed.optim.optimizer"
 ALLOWED: frozenset[tuple[str, str]] = frozenset({
     # psserver's RPC surface: what a trainer calls on the server (psserver.ps.trainer), ...
     (_ENDPOINT, "join"), (_ENDPOINT, "call"), (_ENDPOINT, "heartbeat"), (_ENDPOINT, "leave"),
+    (_ENDPOINT, "host_trainers"),
     # ... the local optimizer that DistributedOptimizer has the server build (--step plain, pull), ...
     (_ENDPOINT, "SharedOptimizer"),
     # ... and what the server calls on a trainer (Membership.admit); server processes call

@@ -165,6 +165,11 @@ class Session:
             return float("nan")
         return get_metric(metric)(torch.cat(outputs), y)
 
+    def host_trainers(self) -> int:
+        """Live trainers on this host as the server knows them, this one included."""
+        return int(rpc.rpc_sync(rendezvous.SERVER_NAME, endpoint.host_trainers, args=(self.name,),
+                                timeout=min(self.config.rpc_timeout, PROBE_TIMEOUT_S)))
+
     def probe(self) -> str:
         """The server's state, asked as a heartbeat (``endpoint.NOT_A_MEMBER`` once this trainer
         was evicted); an RPC error when the server is gone."""

@@ -40,6 +40,7 @@ from psserver.ps.messages import Report
 from psserver.ps.rejoin import Position, reexec, take_position
 from psserver.ps.session import PROBE_TIMEOUT_S, JoinLost, PartitionCallError, Session, batch_of, remote_message
 from psserver.ps.stop_signals import Stopped, StopSignals
+from psserver.utils.cpus import share, usable_cpus
 from psserver.utils.memory import freeze_long_lived
 from psserver.utils.progress import Progress
 
@@ -68,9 +69,40 @@ def _shard_count(config: TrainerConfig, info: dict) -> int:
     raise UsageError(f"rank {config.rank}: pass --num-trainers (or set WORLD_SIZE) so the data can be sharded")
 
 
+class ThreadShare:
+    """The trainer's torch threads: ``--compute-threads``, or its share of the host's usable
+    CPUs among the trainers there (``psserver.utils.cpus``), asked of the server at the start
+    and again every ``INTERVAL_S`` while training (trainers come and go); set on the training
+    thread, whose OpenMP team it sizes."""
+
+    INTERVAL_S = 10.0
+
+    def __init__(self, config: TrainerConfig) -> None:
+        self.fixed = config.compute_threads or None
+        self.cpus = usable_cpus()
+        self._next = 0.0
+        self.threads = self.fixed or 1
+        torch.set_num_threads(self.threads)
+
+    def update(self, session: Session, *, force: bool = False) -> None:
+        if self.fixed is not None or session.info.get("compute") != "trainer":
+            return
+        now = time.monotonic()
+        if not force and now < self._next:
+            return
+        self._next = now + self.INTERVAL_S
+        try:
+            threads = share(self.cpus, session.host_trainers())
+        except (RuntimeError, TimeoutError):  # the step's own call reports a lost server
+            return
+        if threads != self.threads:
+            log.info("%d torch thread(s): a share of the %d CPUs this trainer may use", threads, self.cpus)
+            self.threads = threads
+            torch.set_num_threads(threads)
+
+
 def run_trainer(config: TrainerConfig) -> int:
     """Train, evaluate and leave (0); after SIGTERM or SIGINT, 128 + its number, having left."""
-    torch.set_num_threads(config.compute_threads)
     position = take_position()
     with StopSignals() as stop:
         try:
@@ -103,6 +135,8 @@ def _train(config: TrainerConfig, position: Position | None, stop: StopSignals) 
         position = Position()
         log.info("rank %d/%d: %d training samples, %d steps", config.rank, num_shards, len(sampler), total)
     pos = position
+    threads = ThreadShare(config)
+    threads.update(session, force=True)
     progress = Progress(total, desc=f"trainer {config.rank}", enabled=config.progress)
     if pos.steps:
         progress.update(pos.steps)
@@ -118,6 +152,7 @@ def _train(config: TrainerConfig, position: Position | None, stop: StopSignals) 
                 xb, yb = batch_of(x_all, idx), y_all[idx]
                 if delay:
                     time.sleep(delay)
+                threads.update(session)
                 try:
                     pos.loss = session.protocol.step(xb, yb)
                 except (RuntimeError, TimeoutError) as e:
