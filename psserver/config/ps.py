@@ -267,9 +267,6 @@ class ServerConfig:
             raise ValueError("--model-args needs --model")
         if self.compute == "server":
             raise ValueError("--compute server runs the model on the server: it needs --model")
-        if self.num_servers > 1:
-            raise ValueError("several server processes need --model (the same on each) for now; a server without "
-                             "--model runs as one process")
         if self.devices is not None and len(self.devices) > 1:
             raise ValueError("--devices with several devices splits the model into stages, which needs its code: "
                              "give --model, or one device")

@@ -26,6 +26,7 @@ from psserver.config import OptimizerConfig, ServerConfig
 from psserver.config.ps import COMPUTE_MODES, STEP_MODES, default_step
 from psserver.metrics import observe_rpc
 from psserver.models.layout import ModelLayout
+from psserver.ps.held_model import check_values
 from psserver.ps.messages import JoinRequest, Report
 
 if TYPE_CHECKING:
@@ -160,7 +161,11 @@ class Endpoint:
                 return
             if request.values is None:
                 raise ValueError("the server has no model yet and this trainer sent none: join again")
-            self.engine.adopt(layout, list(request.values), request.model, request.model_args or {})
+            values = list(request.values)
+            check_values(layout, values)
+            if self.group is not None:  # the other server processes get their pieces first
+                self.group.give_model(layout, values, request.model, request.model_args or {})
+            self.engine.adopt(layout, values, request.model, request.model_args or {})
         self.on_model()
 
     def _protocol_of(self, request: JoinRequest) -> str:

@@ -25,7 +25,7 @@ from psserver.ps.compute import ComputeThread
 from psserver.ps.guard import GradientGuard
 from psserver.ps.held_model import HeldModel
 from psserver.ps.lr_schedule import LRSchedule
-from psserver.ps.partition import PartitionModule, PartitionPlan, plan_for_model
+from psserver.ps.partition import PartitionModule, PartitionPlan, make_plan, plan_for_model
 from psserver.ps.shard import Shard
 from psserver.ps.sparse.tables import SparseTables
 from psserver.ps.sync_updates import FollowerSyncUpdater, SyncUpdater
@@ -205,6 +205,36 @@ class StepEngine:
         log.info("model %s (%d parameters, %d buffer(s); fingerprint %s) learnt from %s", reference,
                  self.model_params, len(layout.buffers), layout.fingerprint()[:12],
                  "a checkpoint" if values is None else "the first trainer")
+
+    def adopt_partition(self, layout: ModelLayout, flat: torch.Tensor, reference: str | None, args: dict) -> None:
+        """Hold this server's partition of the model of ``layout`` (several server processes, no
+        ``--model``): its pieces as one flat buffer, from server 0, which took the model from the
+        first trainer (``ValueError``: pieces that do not fit the plan)."""
+        cfg = self.config
+        plan = make_plan([e.numel for e in layout.parameters], cfg.num_servers)
+
+        def hold() -> None:
+            module = PartitionModule.from_flat(plan, cfg.server_rank, flat.to(torch.float32))
+            self.plan = plan
+            self.devices = self.devices[:1]
+            shard = Shard(0, module, self.devices[0])
+            if self.optimizer_config is not None:
+                shard.init_optimizer(self.optimizer_config)
+            self.shards = [shard]
+            self.params = list(shard.params)
+            self.trainable = [p for p in self.params if p.requires_grad]
+            self.updater.set_shards(self.shards)
+            self.layout = layout
+
+        with self.updater.lock:
+            if self.layout is not None:
+                if self.layout.fingerprint() == layout.fingerprint():
+                    return  # told twice (server 0 retried): nothing to change
+                raise RuntimeError("this server holds another model already")
+            self.compute.run(hold)
+            self.model_ref, self.model_args = reference, dict(args)
+        log.info("partition of model %s learnt from server 0: %d of its %d parameters", reference, self.num_params,
+                 self.model_params)
 
     def check_layout(self, layout: ModelLayout, who: str) -> None:
         """``ValueError`` naming the first keys that differ unless ``layout`` is the model's."""

@@ -168,5 +168,19 @@ class PartitionModule(nn.Module):
         self.pieces = nn.ParameterList(
             [nn.Parameter(params[p.param][p.start:p.stop].clone()) for p in plan.for_server(server)])
 
+    @classmethod
+    def from_flat(cls, plan: PartitionPlan, server: int, flat: torch.Tensor) -> PartitionModule:
+        """The partition of ``server`` from its pieces as one flat buffer (what server 0 sends a
+        server that holds no model: only its pieces, never the whole model)."""
+        pieces = plan.for_server(server)
+        if flat.dim() != 1 or flat.numel() != sum(p.numel for p in pieces) or not flat.is_floating_point():
+            raise ValueError(f"{tuple(flat.shape)} {flat.dtype} values for a partition of "
+                             f"{sum(p.numel for p in pieces)} parameter elements")
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        sizes = [p.numel for p in pieces]
+        module.pieces = nn.ParameterList([nn.Parameter(t.clone()) for t in flat.split(sizes)])
+        return module
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("a partition of the parameters has no forward (--compute server needs --num-servers 1)")

@@ -30,6 +30,7 @@ import torch.distributed.rpc as rpc
 
 from psserver.config import OptimizerConfig, ServerConfig
 from psserver.errors import ServerLost, UsageError
+from psserver.models.layout import ModelLayout
 from psserver.ps import endpoint as rpc_endpoint
 from psserver.ps import peers, rendezvous, torch_rpc
 from psserver.ps.checkpointing import CheckpointPolicy
@@ -88,7 +89,7 @@ class Roster:
 class PartitionServer:
     """One partition server; ``peer_ops`` are what server 0 calls."""
 
-    peer_ops = ("trainer_joined", "trainer_gone", "status", "save", "load", "shutdown", "sync_round")
+    peer_ops = ("trainer_joined", "trainer_gone", "status", "save", "load", "shutdown", "sync_round", "adopt")
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
@@ -208,6 +209,10 @@ class PartitionServer:
         self.halves[protocol].join_info(request.name, request)
         self.roster.add(request, protocol)
         self.engine.trainer_joined(request.name)
+
+    def adopt(self, layout: dict, reference: str | None, args: dict, pieces: torch.Tensor) -> None:
+        """Server 0 took the model from the first trainer: this server's pieces of it."""
+        self.engine.adopt_partition(ModelLayout.from_dict(layout), pieces, reference, args or {})
 
     def trainer_gone(self, name: str) -> None:
         member = self.roster.remove(name)

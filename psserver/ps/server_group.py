@@ -24,11 +24,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed.rpc as rpc
 
 from psserver.config import ServerConfig
+from psserver.models.layout import PARAMETER, ModelLayout
 from psserver.ps import peers, rendezvous
 from psserver.ps.messages import JoinRequest, ServerHello
+from psserver.ps.partition import make_plan
 from psserver.telemetry import ServerProcessStatus, TableStatus
 
 if TYPE_CHECKING:
@@ -141,7 +144,9 @@ class ServerGroup:
         if hello.model != cfg.model or hello.seed != cfg.seed:
             problems.append(f"model {hello.model} (seed {hello.seed}), server 0 serves {cfg.model} (seed {cfg.seed})")
         plan = self.engine.plan
-        if plan is not None and 0 < hello.rank < cfg.num_servers and \
+        # A server without --model holds nothing until server 0 gives it its pieces, or it
+        # loads them from its partition of the checkpoint server 0 resumes from.
+        if plan is not None and 0 < hello.rank < cfg.num_servers and hello.model is not None and \
                 hello.parameters != plan.elements_per_server()[hello.rank]:
             problems.append(f"a partition of {hello.parameters} parameters, the plan gives it "
                             f"{plan.elements_per_server()[hello.rank]}")
@@ -232,6 +237,31 @@ class ServerGroup:
         if peer is not None:
             self._lose(peer, "it was stopped")
         return "go"
+
+    # ---- the model a trainer brought (no --model) -------------------------------------------
+
+    def give_model(self, layout: ModelLayout, values: list[torch.Tensor], reference: str | None,
+                   args: dict) -> None:
+        """Every other server process gets its pieces of the first trainer's model, under the
+        plan the layout gives (``RuntimeError`` when one did not take them: the join fails, and
+        server 0 holds no model until a trainer brings it again)."""
+        plan = make_plan([e.numel for e in layout.parameters], self.config.num_servers)
+        params = [v for v, e in zip(values, layout.entries, strict=True) if e.kind == PARAMETER]
+        flats = plan.split([v.to(torch.float32) for v in params])
+        with self.lock:
+            live = [p for p in self.peers.values() if p.state == "SERVING"]
+        calls = [(peer, (layout.to_dict(), reference, args, flats[peer.rank])) for peer in live]
+        failed = []
+        for peer, call_args in calls:  # one at a time: each carries only its own pieces
+            result = self._call_all([peer], "adopt", call_args, self.config.rpc_timeout)[0][1]
+            if isinstance(result, BaseException):
+                failed.append((peer, result))
+        if failed:
+            peer, error = failed[0]
+            raise RuntimeError(f"server {peer.rank} ({peer.name}) did not take its partition of the model: "
+                               f"{_first_line(error)}")
+        log.info("the other %d server process(es) hold their pieces of model %s (plan %s elements)", len(live),
+                 reference, plan.elements_per_server())
 
     # ---- trainers ------------------------------------------------------------------------------
 

@@ -27,11 +27,13 @@ def export(ckpt, out) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_servers_export_what_one_server_exports(procs, port, tmp_path, mnist_dir):
-    """A user's model with BatchNorm, one trainer, ``--update sync``: the export of two server
-    processes (parameters gathered from both partitions, buffers from server 0) equals the
-    export of one server to 1e-6, and loads strictly into the user's class."""
-    common = ["--model", BN_MLP, "--update", "sync", "--sync-trainers", "1", "--optimizer", "adam", "--lr", "0.01"]
-    train = ["--num-trainers", "1", "--max-steps", str(STEPS), "--batch-size", "32", *MNIST_ARGS]
+    """A user's model with BatchNorm brought by the trainer (the servers have no ``--model``), one
+    trainer, ``--update sync``: the export of two server processes (server 0 cut the model by
+    the plan and gave server 1 its pieces; parameters gathered from both partitions, buffers
+    from server 0) equals the export of one server to 1e-6, and loads strictly into the class."""
+    common = ["--update", "sync", "--sync-trainers", "1", "--optimizer", "adam", "--lr", "0.01"]
+    train = ["--model", BN_MLP, "--num-trainers", "1", "--max-steps", str(STEPS), "--batch-size", "32",
+             *MNIST_ARGS]
     one = procs.server(port, *common, "--checkpoint-dir", str(tmp_path / "one"))
     t = procs.trainer(port, 0, *train)
     assert t.wait(120) == 0, t.tail()
@@ -40,6 +42,8 @@ def test_two_servers_export_what_one_server_exports(procs, port, tmp_path, mnist
     servers = start_servers(procs, port2, 2, *common, ckpt=tmp_path / "two")
     t2 = procs.trainer(port2, 0, *train)
     assert t2.wait(120) == 0, t2.tail()
+    servers[1].wait_for(r"partition of model tests.ps.test_buffers:BNMLP learnt from server 0: \d+ of its \d+ "
+                        "parameters", timeout=10)
     assert procs.stop(servers[0]) == 0, servers[0].tail()
     assert servers[1].wait(30) == 0, servers[1].tail()
 
@@ -54,6 +58,18 @@ def test_two_servers_export_what_one_server_exports(procs, port, tmp_path, mnist
     meta = json.loads((tmp_path / "two.json").read_text())
     assert meta["model"] == BN_MLP and meta["step"] == STEPS and meta["tables"] is None
     assert len(meta["fingerprint"]) == 64 and meta["format"] == "torch"
+
+    # Resumed, each server takes the layout and its partition from its own checkpoint files.
+    port3 = free_port()
+    again = start_servers(procs, port3, 2, *common, "--resume", ckpt=tmp_path / "two")
+    again[1].wait_for(r"resumed from \S+: global step 20", timeout=30)
+    more = procs.trainer(port3, 0, "--num-trainers", "1", "--max-steps", "5", *MNIST_ARGS)  # the servers' model
+    assert more.wait(120) == 0, more.tail()
+    assert procs.stop(again[0]) == 0, again[0].tail()
+    assert again[1].wait(30) == 0, again[1].tail()
+    r = run(["export", str(tmp_path / "two"), "--out", str(tmp_path / "three.pt")], timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "three.json").read_text())["step"] == STEPS + 5
 
 
 @pytest.mark.parametrize(("args", "message"), [
