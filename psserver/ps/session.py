@@ -14,6 +14,7 @@ import os
 import re
 import socket
 import threading
+import time
 from dataclasses import asdict
 
 import torch
@@ -96,6 +97,7 @@ class Session:
         request = JoinRequest(config.rank, self.name, socket.gethostname(), os.getpid(), config.step, optimizer,
                               config.compute, config.wire_dtype, config.device, self.spec.name, self.spec.args,
                               layout.to_dict(), values)
+        t0 = time.perf_counter()
         try:
             self.info = rpc.rpc_sync(rendezvous.SERVER_NAME, endpoint.join, args=(request,))
         except Exception as e:  # noqa: BLE001 - the server's refusal is the user's answer
@@ -105,6 +107,9 @@ class Session:
             refusal = self.info["error"]
             self._shutdown(graceful=True)
             raise UsageError(refusal)
+        self.join_seconds = time.perf_counter() - t0
+        """How long the join call took (with the model's initial values when it brought them)."""
+        self.brought_model = values is not None
         self.report: Report | None = None
         self.servers: list[str] = list(self.info.get("servers", [rendezvous.SERVER_NAME]))
         """RPC names of the server processes, server 0 first (several: ``--num-servers``)."""
