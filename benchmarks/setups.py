@@ -140,10 +140,10 @@ def steps_for(setup: dict, index: int, steps: int) -> int:
 
 
 def process_env(setup: dict) -> dict[str, str]:
-    """Extra environment of a setup's trainers, ranks or loops: ``OMP_NUM_THREADS=1`` for
-    every process that runs one torch thread."""
-    one_thread = (trainer_compute(setup) or setup["kind"] == "ddp"
-                  or (setup["kind"] == "local" and setup.get("threads") == 1))
+    """Extra environment of a setup's ranks or loops: ``OMP_NUM_THREADS=1`` for every process
+    that runs one torch thread (PS trainers size their threads themselves: their share of the
+    host's CPUs, ``psserver.utils.cpus``)."""
+    one_thread = setup["kind"] == "ddp" or (setup["kind"] == "local" and setup.get("threads") == 1)
     return {"OMP_NUM_THREADS": "1"} if one_thread else {}
 
 
@@ -195,8 +195,8 @@ def server_argv(setup: dict, *, model: str, port: int, devices: str | None, tp_c
 def trainer_argv(setup: dict, rank: int, *, port: int, batch_size: int, steps: int, stats_out: str,
                  device: str | None = None) -> list[str]:
     """``psserver train`` for rank ``rank`` of a PS setup: synthetic data, ``steps`` steps, the
-    setup's ``--step`` always named (trainer compute is the default since issue 15), one torch
-    thread (the trainer's default); ``device``: the trainer's ``--device`` where it computes (None:
+    setup's ``--step`` always named (trainer compute is the default), the trainer's default
+    threads (its share of the CPUs); ``device``: the trainer's ``--device`` where it computes (None:
     its default)."""
     argv = ["train", "--server", f"127.0.0.1:{port}", "--rank", str(rank), "--num-trainers", str(setup["trainers"]),
             "--epochs", "1000000", "--batch-size", str(batch_size), "--max-steps", str(steps), "--dataset",

@@ -1,4 +1,4 @@
-"""Issue 15's harness pieces: the new setup names and their command lines, the straggler
+"""The benchmark harness's pieces: setup names and their command lines, the straggler
 throttle (cgroup cleanup, SIGSTOP duty cycling), the namespace byte counter, the per-step
 regression, and the arithmetic of the targets and of the server capacity table."""
 
@@ -38,7 +38,7 @@ def test_new_setup_names_parse_and_build_their_command_lines():
     assert _value(argv, "--step") == "pushpull" and _value(argv, "--wire-dtype") == "bf16"
     assert _value(argv, "--rank") == "1" and _value(argv, "--num-trainers") == "2"
     assert _value(argv, "--server") == "127.0.0.1:4242" and _value(argv, "--max-steps") == "80"
-    assert setups.process_env(pp) == {"OMP_NUM_THREADS": "1"}
+    assert setups.process_env(pp) == {}  # a PS trainer sizes its own threads
     assert setups.parse_setup("ps-pull-async-1")["wire"] == "fp32"
 
     ssp = setups.parse_setup("ps-pushpull-ssp4-2-straggler")
@@ -253,7 +253,7 @@ def _row(rates, **extra):
             **extra}
 
 
-def test_issue15_targets_and_capacity_from_paired_rounds():
+def test_trainer_compute_targets_and_capacity_from_paired_rounds():
     pbytes = targets.parameter_bytes("mnist_cnn")
     assert pbytes == 4 * 1199882 and targets.trainer_compute_floor("mnist_cnn", "bf16") == pbytes
     fabricated = {"rounds": 3, "bytes_method": "loopback", "setups": {

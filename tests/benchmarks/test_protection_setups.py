@@ -1,4 +1,4 @@
-"""Issue 17's harness pieces: ``-token`` and ``-open`` setups (the protections on and off) and
+"""The protection setups of the harness: ``-token`` and ``-open`` setups (the protections on and off) and
 the ratio between them."""
 
 from __future__ import annotations
