@@ -71,6 +71,14 @@ class TrainCommand(SubCommand):
                              "$PSSERVER_JOIN_TOKEN)")
         ps.add_argument("--stats-out", type=Path, default=None,
                         help="write per-step timings as JSON (for benchmarks)")
+        ps.add_argument("--loss", default=None, metavar="NAME|MODULE:ATTR",
+                        help="training loss: cross_entropy, mse, bce, or MODULE:ATTR (a callable (output, target) "
+                             "-> scalar, or an nn.Module class made without arguments); default: the model's "
+                             "(cross_entropy for a MODULE:ATTR model)")
+        ps.add_argument("--metric", default=None, metavar="NAME|MODULE:ATTR",
+                        help="held-out metric printed at the end: accuracy, rmse, auc, loss (mean held-out loss) "
+                             "or MODULE:ATTR (a callable (outputs, targets) -> float over the whole held-out set); "
+                             "default: the model's (accuracy for a MODULE:ATTR model)")
         add_collective_arguments(parser)
         add_optimizer_arguments(parser, defaults_from_server=True)
         add_data_arguments(parser)
@@ -115,5 +123,7 @@ def trainer_config_from_args(args: argparse.Namespace) -> TrainerConfig:
         device=args.device,
         wire_dtype=args.wire_dtype,
         join_token_file=args.join_token_file,
+        loss=args.loss,
+        metric=args.metric,
         compute_threads=args.compute_threads,
     )

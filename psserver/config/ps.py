@@ -349,15 +349,32 @@ class TrainerConfig:
     join_token_file: Path | None = None
     """File holding the job's join token (else ``$PSSERVER_JOIN_TOKEN``), for a server that
     asks for one."""
+    loss: str | None = None
+    """The training loss (``--loss``): a name of ``psserver.models.losses.LOSSES`` or
+    ``MODULE:ATTR``, a callable ``(output, target) -> scalar`` or an ``nn.Module`` class
+    (instantiated without arguments); None: the model spec's (cross-entropy for a user's model).
+    The protocols take it from ``psserver.models.losses.resolve_loss(loss, spec.loss)``."""
+    metric: str | None = None
+    """The held-out metric printed at the end (``--metric``): ``accuracy``, ``rmse``, ``auc``,
+    ``loss`` (the mean held-out loss under the training loss) or ``MODULE:ATTR``, a callable
+    ``(outputs, targets) -> float`` over the whole held-out set; None: the model spec's."""
 
     def __post_init__(self) -> None:
         from psserver.models import get_model_spec
+        from psserver.models.losses import resolve_loss
+        from psserver.utils.metrics import resolve_metric
 
         check_token_file(self.join_token_file, "--join-token-file")
         if self.model_args is not None and self.model is None:
             raise ValueError("--model-args needs --model")
         if self.model is not None:
             get_model_spec(self.model, self.model_args)  # a reference that does not resolve: one line now
+        # Resolved here so a bad reference is one line before the trainer joins (and again,
+        # from the module cache, where the trainer uses them).
+        if self.loss is not None:
+            resolve_loss(self.loss)
+        if self.metric is not None:
+            resolve_metric(self.metric, "accuracy")
         if self.rank < 0:
             raise ValueError(f"--rank must be >= 0, got {self.rank}")
         check_port(self.server_port, "server port")

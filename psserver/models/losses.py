@@ -1,13 +1,17 @@
-"""Training losses by name: a model's spec names its loss (``ModelSpec.loss``), so the trainers
-need no per-model code and a spec with a typo fails when it is registered."""
+"""Training losses by name or reference: a model's spec names its loss (``ModelSpec.loss``), so
+the trainers need no per-model code and a spec with a typo fails when it is registered; a user's
+``--loss MODULE:ATTR`` replaces it (:func:`resolve_loss`)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
 
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn import functional as F
+
+from psserver.errors import UserCodeError
+from psserver.utils.references import call_user, is_reference, load_reference
 
 log = logging.getLogger(__name__)
 
@@ -45,4 +49,33 @@ def get_loss(name: str) -> Callable[[Tensor, Tensor], Tensor]:
         raise ValueError(f"unknown loss {name!r}; known: {', '.join(sorted(LOSSES))}") from None
 
 
-__all__ = ["LOSSES", "bce", "cross_entropy", "get_loss", "mse"]
+def resolve_loss(reference: str | None, default: str = "cross_entropy") -> Callable[[Tensor, Tensor], Tensor]:
+    """The training loss of ``--loss`` (None: ``default``, the model spec's): a name of
+    :data:`LOSSES`, or ``MODULE:ATTR`` naming a callable ``(output, target) -> scalar`` or an
+    ``nn.Module`` class, which is instantiated without arguments (``nn.CrossEntropyLoss``).
+    ``ValueError`` of one line (a ``UserCodeError``) for anything else."""
+    name = default if reference is None else reference.strip()
+    if not is_reference(name):
+        if name not in LOSSES:
+            raise UserCodeError(f"unknown loss {name!r}; known: {', '.join(sorted(LOSSES))} (or MODULE:ATTR, a "
+                                "callable (output, target) -> scalar or an nn.Module class)")
+        return LOSSES[name]
+    target = load_reference(name, "--loss")
+    if isinstance(target, type):
+        if not issubclass(target, nn.Module):
+            raise UserCodeError(f"--loss {name} is the class {target.__name__}, not an nn.Module class (or a "
+                                "function (output, target) -> scalar)")
+        target = call_user(target, (), {}, f"--loss {name}")
+    if not callable(target):
+        raise UserCodeError(f"--loss {name} is a {type(target).__name__}, not a callable (output, target) -> "
+                            "scalar or an nn.Module class")
+    return target
+
+
+def loss_name(reference: str | None, default: str = "cross_entropy") -> str:
+    """What logs call the loss of ``--loss`` (its attribute's name for a reference)."""
+    name = default if reference is None else reference.strip()
+    return name.rpartition(":")[2].rpartition(".")[2] if is_reference(name) else name
+
+
+__all__ = ["LOSSES", "bce", "cross_entropy", "get_loss", "loss_name", "mse", "resolve_loss"]

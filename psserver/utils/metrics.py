@@ -2,7 +2,9 @@
 (``ModelSpec.metric``), so the trainers need no per-model code.
 
 Each metric takes the model's outputs and the targets of a whole evaluation set and returns a
-float. (Not ``psserver.metrics``: that is the Prometheus endpoint.)
+float. ``--metric`` may also name ``loss`` (the mean held-out loss under the training loss) or a
+user's ``MODULE:ATTR`` (:func:`resolve_metric`). (Not ``psserver.metrics``: that is the
+Prometheus endpoint.)
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
+
+from psserver.errors import UserCodeError
+from psserver.utils.references import call_user, is_reference, load_reference
 
 log = logging.getLogger(__name__)
 
@@ -68,4 +73,60 @@ def get_metric(name: str) -> Callable[[Tensor, Tensor], float]:
         raise ValueError(f"unknown metric {name!r}; known: {', '.join(sorted(METRICS))}") from None
 
 
-__all__ = ["METRICS", "accuracy", "auc", "get_metric", "rmse"]
+LOSS_METRIC = "loss"
+"""``--metric loss``: the mean held-out loss under the training loss (a language model's)."""
+
+
+def metric_names() -> list[str]:
+    """What ``--metric`` takes besides ``MODULE:ATTR``."""
+    return [*sorted(METRICS), LOSS_METRIC]
+
+
+Metric = Callable[[Tensor, Tensor], float]
+
+
+def resolve_metric(reference: str | None, default: str,
+                   loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None) -> tuple[str, Metric]:
+    """The name a trainer prints and the function of ``--metric`` (None: ``default``, the
+    model spec's): a name of :data:`METRICS`; ``loss``, the mean of ``loss_fn`` over the
+    held-out set (its outputs concatenated: a loss that averages over samples); or
+    ``MODULE:ATTR``, a callable ``(outputs, targets) -> float`` named by its attribute. A
+    user's metric runs through :func:`call_user`, so its failure is one line too. Without
+    ``loss_fn`` (at configuration time) ``loss`` is only checked as a name."""
+    name = default if reference is None else reference.strip()
+    if name == LOSS_METRIC:
+        return LOSS_METRIC, _mean_loss(loss_fn)
+    if not is_reference(name):
+        if name not in METRICS:
+            raise UserCodeError(f"unknown metric {name!r}; known: {', '.join(metric_names())} (or MODULE:ATTR, a "
+                                "callable (outputs, targets) -> float)")
+        return name, METRICS[name]
+    fn = load_reference(name, "--metric")
+    if isinstance(fn, type) or not callable(fn):
+        raise UserCodeError(f"--metric {name} is a {'class' if isinstance(fn, type) else type(fn).__name__}, not a "
+                            "callable (outputs, targets) -> float")
+    short = name.rpartition(":")[2].rpartition(".")[2]
+
+    def user_metric(outputs: Tensor, targets: Tensor) -> float:
+        value = call_user(fn, (outputs, targets), {}, f"--metric {name}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise UserCodeError(f"--metric {name} returned a {type(value).__name__}, not a number") from None
+
+    return short, user_metric
+
+
+def _mean_loss(loss_fn: Callable[[Tensor, Tensor], Tensor] | None) -> Callable[[Tensor, Tensor], float]:
+    def mean_loss(outputs: Tensor, targets: Tensor) -> float:
+        if loss_fn is None:
+            raise ValueError("--metric loss needs the training loss")
+        if not targets.numel():
+            return float("nan")
+        with torch.no_grad():
+            return float(loss_fn(outputs, targets))
+
+    return mean_loss
+
+
+__all__ = ["LOSS_METRIC", "METRICS", "accuracy", "auc", "get_metric", "metric_names", "resolve_metric", "rmse"]

@@ -66,3 +66,69 @@ def test_losses_take_float_targets_and_any_output_dtype():
     assert float(bce) == pytest.approx(math.log(2))
     ce = get_loss("cross_entropy")(torch.tensor([[10.0, -10.0]]), torch.tensor([0]))
     assert float(ce) < 1e-6
+
+
+METRIC_SOURCE = '''
+    import torch
+
+
+    def top2(outputs, targets):
+        return float((outputs.topk(2, dim=1).indices == targets[:, None]).any(1).double().mean())
+
+
+    def broken(outputs, targets):
+        raise ZeroDivisionError("division by zero")
+
+
+    def words(outputs, targets):
+        return "high"
+
+
+    class Metric:
+        pass
+'''
+
+
+@pytest.fixture
+def usermetric(tmp_path, monkeypatch):
+    from tests.userproject import write_package
+
+    monkeypatch.syspath_prepend(str(write_package(tmp_path, "usermetric", {"m": METRIC_SOURCE})))
+    return "usermetric.m"
+
+
+def test_metrics_by_name_loss_and_reference(usermetric):
+    from psserver.utils.metrics import resolve_metric
+
+    out, y = torch.tensor([[3.0, 2.0, 1.0], [1.0, 2.0, 3.0]]), torch.tensor([1, 0])
+    assert resolve_metric(None, "rmse") == ("rmse", rmse)
+    assert resolve_metric("accuracy", "rmse") == ("accuracy", accuracy)
+    name, fn = resolve_metric("loss", "accuracy", get_loss("cross_entropy"))
+    assert name == "loss" and fn(out, y) == pytest.approx(float(torch.nn.functional.cross_entropy(out, y)))
+    name, fn = resolve_metric(f"{usermetric}:top2", "accuracy")
+    assert name == "top2" and fn(out, y) == 0.5
+
+
+@pytest.mark.parametrize(("reference", "match"), [
+    ("f1", r"unknown metric 'f1'; known: accuracy, auc, rmse, loss \(or MODULE:ATTR"),
+    ("nowhere:top2", r"--metric nowhere:top2: module 'nowhere' is not importable"),
+    ("usermetric.m:Metric", r"--metric usermetric.m:Metric is a class, not a callable \(outputs, targets\) -> float"),
+])
+def test_bad_metrics_are_one_line_at_configuration(usermetric, reference, match):
+    from psserver.config import TrainerConfig
+    from psserver.errors import UserCodeError
+
+    with pytest.raises(UserCodeError, match=match):
+        TrainerConfig(metric=reference)
+
+
+def test_a_failing_user_metric_is_one_line(usermetric):
+    from psserver.errors import UserCodeError
+    from psserver.utils.metrics import resolve_metric
+
+    out, y = torch.zeros(2, 3), torch.tensor([1, 0])
+    with pytest.raises(UserCodeError, match=r"--metric usermetric.m:broken raised ZeroDivisionError: division by zero "
+                                           r"\(at .*m.py:\d+\)"):
+        resolve_metric("usermetric.m:broken", "accuracy")[1](out, y)
+    with pytest.raises(UserCodeError, match=r"--metric usermetric.m:words returned a str, not a number"):
+        resolve_metric("usermetric.m:words", "accuracy")[1](out, y)
