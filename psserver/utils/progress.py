@@ -10,7 +10,7 @@ log = logging.getLogger(__name__)
 
 
 class Progress:
-    def __init__(self, total: int, desc: str, enabled: bool | None = None, log_every_s: float = 10.0) -> None:
+    def __init__(self, total: int | None, desc: str, enabled: bool | None = None, log_every_s: float = 10.0) -> None:
         self.total = total
         self.desc = desc
         self.n = 0
@@ -42,7 +42,8 @@ class Progress:
                 extra += f" loss {loss:.4f}"
             if rate is not None:
                 extra += f" {rate:.0f} samples/s"
-            log.info("%s: step %d/%d%s", self.desc, self.n, self.total, extra)
+            of = "" if self.total is None else f"/{self.total}"  # None: a stream of unknown length
+            log.info("%s: step %d%s%s", self.desc, self.n, of, extra)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -46,3 +46,27 @@ def test_flags_of_other_datasets_and_bad_values_are_value_errors():
         data_from_args(parse("--dataset", "synthetic_clicks", "--id-space", "2^63"))
     with pytest.raises(ValueError, match="unknown dataset 'cifar'"):
         data_from_args(parse("--dataset", "cifar", "--train-samples", "10"))
+
+
+def test_dataset_args_workers_and_image_size_reach_the_config(tmp_path):
+    (tmp_path / "train" / "a").mkdir(parents=True)
+    config = data_from_args(parse("--dataset", "imagefolder", "--data-dir", str(tmp_path), "--data-workers", "3",
+                                  "--image-size", "32"))
+    assert (config.dataset, config.data_dir, config.workers, config.image_size) == ("imagefolder", tmp_path, 3, 32)
+    config = data_from_args(parse("--dataset", "torch.utils.data:TensorDataset", "--dataset-args", "{}"))
+    assert config.dataset_args == {} and config.workers is None
+
+
+def test_bad_data_flags_are_value_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"--dataset imagefolder needs --data-dir DIR"):
+        data_from_args(parse("--dataset", "imagefolder"))
+    with pytest.raises(ValueError, match=r"--dataset-args is not JSON"):
+        data_from_args(parse("--dataset", "x:y", "--dataset-args", "{n: 1}"))
+    with pytest.raises(ValueError, match=r"--dataset-args must be a JSON object"):
+        data_from_args(parse("--dataset", "x:y", "--dataset-args", "[1]"))
+    with pytest.raises(ValueError, match=r"--data-workers must be >= 0, got -1"):
+        data_from_args(parse("--data-workers", "-1"))
+    with pytest.raises(ValueError, match=r"--image-size applies to --dataset imagefolder, not synthetic"):
+        data_from_args(parse("--image-size", "32"))
+    with pytest.raises(ValueError, match=r"--dataset-args applies to --dataset MODULE:ATTR, not to --dataset mnist"):
+        data_from_args(parse("--dataset", "mnist", "--data-dir", str(tmp_path), "--dataset-args", '{"n": 1}'))
