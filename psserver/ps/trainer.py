@@ -19,29 +19,34 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import resource
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import NoReturn
 
 import psutil
 import torch
 import torch.distributed.rpc as rpc
-from torch.utils.data import DistributedSampler
 
 from psserver.config import TrainerConfig
-from psserver.data import load_dataset
-from psserver.errors import Evicted, ServerLost, UsageError
+from psserver.data import Batches, check_batch, default_workers, load_dataset
+from psserver.errors import DataError, Evicted, ServerLost, UsageError
+from psserver.models import ModelSpec
+from psserver.models.calling import describe_input, input_batch_size
+from psserver.models.losses import loss_name, resolve_loss
 from psserver.ps import endpoint, rendezvous
 from psserver.ps.messages import Report
 from psserver.ps.rejoin import Position, reexec, take_position
-from psserver.ps.session import PROBE_TIMEOUT_S, JoinLost, PartitionCallError, Session, batch_of, remote_message
+from psserver.ps.session import PROBE_TIMEOUT_S, JoinLost, PartitionCallError, Session, remote_message
 from psserver.ps.stop_signals import Stopped, StopSignals
 from psserver.utils.cpus import share, usable_cpus
 from psserver.utils.memory import freeze_long_lived
+from psserver.utils.metrics import resolve_metric
 from psserver.utils.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -120,20 +125,34 @@ def _train(config: TrainerConfig, position: Position | None, stop: StopSignals) 
         if config.rank >= num_shards:
             raise UsageError(f"--rank {config.rank} must be < number of trainers {num_shards}")
         train_set, eval_set = load_dataset(config.data, spec.input_shape, spec.num_classes, spec.input_dtype)
+        loss_fn = resolve_loss(config.loss, spec.loss)
+        metric, metric_fn = resolve_metric(config.metric, spec.metric, loss_fn)
+        data = _batches(config, train_set, session, rank=config.rank, num_replicas=num_shards)
     except BaseException:
         session.leave()
         raise
     freeze_long_lived()  # the data set and the RPC layer: no full collection rescans them mid-step
-    sampler = DistributedSampler(train_set, num_replicas=num_shards, rank=config.rank, shuffle=True,
-                                 seed=config.data.seed, drop_last=False)
-    *x_all, y_all = train_set.tensors
-    steps_per_epoch = (len(sampler) + config.batch_size - 1) // config.batch_size
-    total = steps_per_epoch * config.epochs
+    try:
+        return _run(config, session, data, eval_set, spec, metric, metric_fn, position, stop)
+    finally:
+        data.close()
+
+
+def _run(config: TrainerConfig, session: Session, data: Batches, eval_set, spec: ModelSpec, metric: str,
+         metric_fn: Callable, position: Position | None, stop: StopSignals) -> int:
+    """The training loop, evaluation and leave of :func:`_train`."""
+    steps_per_epoch = data.steps_per_epoch  # None: an IterableDataset, whose epoch ends with its stream
+    total: int | None = None if steps_per_epoch is None else steps_per_epoch * config.epochs
     if config.max_steps:
-        total = min(total, config.max_steps)
+        total = config.max_steps if total is None else min(total, config.max_steps)
     if position is None:
         position = Position()
-        log.info("rank %d/%d: %d training samples, %d steps", config.rank, num_shards, len(sampler), total)
+        if data.samples_per_epoch is None:
+            log.info("rank %d/%d: an IterableDataset (it shards itself), %s", config.rank, data.num_replicas,
+                     "until its stream ends" if total is None else f"at most {total} steps")
+        else:
+            log.info("rank %d/%d: %d training samples, %d steps", config.rank, data.num_replicas,
+                     data.samples_per_epoch, total)
     pos = position
     threads = ThreadShare(config)
     threads.update(session, force=True)
@@ -141,59 +160,125 @@ def _train(config: TrainerConfig, position: Position | None, stop: StopSignals) 
     if pos.steps:
         progress.update(pos.steps)
     delay = _test_step_delay()
+    first = True  # this process's first step: a failure there is the data not fitting the model
     try:
-        while pos.epoch < config.epochs and pos.steps < total:
-            sampler.set_epoch(pos.epoch)
-            indices = torch.tensor(list(iter(sampler)))
-            while pos.batch_idx < steps_per_epoch and pos.steps < total:
+        while pos.epoch < config.epochs and (total is None or pos.steps < total):
+            read = 0
+            for xb, yb in data.epoch(pos.epoch, pos.batch_idx):
                 if stop.signum is not None:
                     return _leave_on_signal(session, stop.signum, pos, progress)
-                idx = indices[pos.batch_idx * config.batch_size:(pos.batch_idx + 1) * config.batch_size]
-                xb, yb = batch_of(x_all, idx), y_all[idx]
+                if first:
+                    check_batch(xb, yb, config.data.dataset)
                 if delay:
                     time.sleep(delay)
                 threads.update(session)
                 try:
                     pos.loss = session.protocol.step(xb, yb)
-                except (RuntimeError, TimeoutError) as e:
-                    _recover(session, config, e, pos, stop)  # rejoins in a new process image, or raises
+                except Exception as e:
+                    if first:
+                        _first_step_failed(session, config, spec, e, xb, yb)  # raises when the data does not fit
+                    if not isinstance(e, RuntimeError | TimeoutError):
+                        raise
+                    _recover(session, config, e, pos, stop, data)  # rejoins in a new process image, or raises
+                first = False
+                read += 1
                 pos.steps += 1
-                pos.samples += len(idx)
+                pos.samples += _batch_len(xb, yb)
                 if config.stats_out is not None:
                     pos.step_ends.append(time.monotonic())
                 pos.batch_idx += 1
                 rate = pos.samples / max(1e-6, time.monotonic() - pos.t_start)
                 session.report = Report(pos.steps, pos.samples, pos.loss, rate)
                 progress.update(loss=pos.loss, rate=rate)
+                if total is not None and pos.steps >= total:
+                    break
+            if steps_per_epoch is None and read == 0 and pos.batch_idx == 0:
+                raise DataError(f"dataset {config.data.dataset} gave rank {config.rank} no samples in epoch "
+                                f"{pos.epoch} (an IterableDataset shards itself with psserver.data.shard_info())")
             pos.epoch += 1
             pos.batch_idx = 0
         progress.close()
         if stop.signum is not None:
             return _leave_on_signal(session, stop.signum, pos, progress)
         try:
-            score = session.evaluate(eval_set, config.eval_batch_size, spec.metric)
+            score = _evaluate(session, config, eval_set, metric, metric_fn)
         except (RuntimeError, TimeoutError) as e:
-            _recover(session, config, e, pos, stop)
+            _recover(session, config, e, pos, stop, data)
     except BaseException:
         progress.close()
         session.leave()
         raise
-    if session.report is not None and spec.metric == "accuracy":
+    if session.report is not None and metric == "accuracy":
         session.report = dataclasses.replace(session.report, accuracy=score)
     session.leave()
     elapsed = time.monotonic() - pos.t_start
     log.info("rank %d: %d steps, %d samples in %.1fs (%.1f samples/s), final loss %.4f, %s %.4f",
-             config.rank, pos.steps, pos.samples, elapsed, pos.samples / max(elapsed, 1e-6), pos.loss, spec.metric,
+             config.rank, pos.steps, pos.samples, elapsed, pos.samples / max(elapsed, 1e-6), pos.loss, metric,
              score)
     if config.stats_out is not None:
         config.stats_out.write_text(json.dumps(
             {"rank": config.rank, "batch_size": config.batch_size, "start": pos.t_start, "step_ends": pos.step_ends,
-             "samples": pos.samples, "metric": spec.metric, spec.metric: score,
+             "samples": pos.samples, "metric": metric, metric: score,
              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
              "rss_bytes": psutil.Process().memory_info().rss,
              "row_payload_bytes": getattr(session.protocol, "row_payload", None)}))
-    print(f"rank {config.rank} {spec.metric} {score:.4f}", flush=True)
+    print(f"rank {config.rank} {metric} {score:.4f}", flush=True)
     return 0
+
+
+def _batches(config: TrainerConfig, dataset, session: Session, *, rank: int = 0, num_replicas: int = 1,
+             evaluate: bool = False) -> Batches:
+    """The DataLoader of a trainer's shard (or of the whole held-out set, in order)."""
+    workers = config.data.workers if config.data.workers is not None else default_workers(config.data)
+    return Batches(dataset, name=config.data.dataset, batch_size=config.eval_batch_size if evaluate else
+                   config.batch_size, rank=rank, num_replicas=num_replicas, shuffle=not evaluate,
+                   seed=config.data.seed, workers=workers, pin_memory=session.device.type == "cuda")
+
+
+def _evaluate(session: Session, config: TrainerConfig, eval_set, metric: str, metric_fn: Callable) -> float:
+    """``metric`` over the whole held-out set (NaN, said in a log line, when there is none):
+    the outputs of every batch concatenated, against the targets."""
+    if eval_set is None:
+        log.warning("dataset %s has no held-out set: evaluation skipped (%s nan)", config.data.dataset, metric)
+        return math.nan
+    session.protocol.flush()
+    batches = _batches(config, eval_set, session, evaluate=True)
+    outputs, targets = [], []
+    try:
+        for x, y in batches.epoch(0):
+            outputs.append(session.protocol.evaluate(x))
+            targets.append(y)
+    finally:
+        batches.close()
+    if not outputs:
+        return math.nan
+    if not all(isinstance(t, torch.Tensor) for t in targets):
+        raise DataError(f"dataset {config.data.dataset}: held-out targets must be tensors to compute {metric}")
+    return metric_fn(torch.cat(outputs), torch.cat(targets))
+
+
+def _batch_len(x, y) -> int:
+    return int(y.shape[0]) if isinstance(y, torch.Tensor) and y.dim() else input_batch_size(x)
+
+
+def _first_step_failed(session: Session, config: TrainerConfig, spec: ModelSpec, error: Exception, x, y) -> None:
+    """The first step failed: raise one line when the batch does not fit the model (its
+    forward, or the loss, failed: locally, or on a server that is serving this trainer);
+    return when the server is the problem (lost, or evicted this trainer: recovered as any step)."""
+    if isinstance(error, UsageError):
+        raise error
+    if isinstance(error, RuntimeError | TimeoutError) and _diagnose(session, error) != FAILED:
+        return
+    text = str(error).strip()
+    first_line = text.splitlines()[0] if text else ""
+    line = remote_message(error)  # raised on the server: its message, without the RPC's wrapping
+    if line == first_line or not text:  # raised here
+        line = f"{type(error).__name__}: {first_line}"
+    log.debug("the first step failed", exc_info=error)
+    loss = loss_name(config.loss, spec.loss)
+    raise DataError(f"dataset {config.data.dataset} gives inputs of shape {describe_input(x)} and targets of shape "
+                    f"{describe_input(y)} that model {spec.name} with loss {loss} cannot "
+                    f"take: {line}") from None
 
 
 def _join(config: TrainerConfig, position: Position | None, stop: StopSignals) -> Session:
@@ -263,7 +348,7 @@ def _diagnose(session: Session, error: BaseException | None = None) -> str:
 
 
 def _recover(session: Session, config: TrainerConfig, error: BaseException, pos: Position,
-             stop: StopSignals) -> NoReturn:
+             stop: StopSignals, data: Batches | None = None) -> NoReturn:
     """After a failed call: a failure of a live membership is a bug (raised); an eviction or a lost
     server ends the trainer (exit 3), or with ``--reconnect`` it rejoins under a fresh name and
     continues with the same batch (the failed step's update was not applied)."""
@@ -287,6 +372,8 @@ def _recover(session: Session, config: TrainerConfig, error: BaseException, pos:
         log.warning("server at %s lost (%s): reconnecting", where, reason)
     pos.reconnects += 1
     pos.report = asdict(session.report) if session.report is not None else None
+    if data is not None:
+        data.close()  # its worker processes would outlive this process image
     reexec(pos, stop)
 
 
