@@ -62,7 +62,7 @@ def test_rgb_images_have_three_channels_and_image_size_resizes(tmp_path):
         for c in ("a", "b"):
             (tmp_path / split / c).mkdir(parents=True)
             Image.fromarray(np.full((40, 30, 3), 200, np.uint8)).save(tmp_path / split / c / "x.jpg")
-    train, val = load_imagefolder(tmp_path)
+    train, _ = load_imagefolder(tmp_path)
     assert train[0][0].shape == (3, 40, 30)
     train, _ = load_imagefolder(tmp_path, image_size=16)
     assert train[0][0].shape == (3, 16, 16)

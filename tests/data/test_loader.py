@@ -81,7 +81,7 @@ def test_a_tensor_dataset_is_indexed_once_per_batch_and_gives_its_inputs():
     assert [len(y) for _, y in one] == [4, 4, 2] and torch.equal(one[0][0], x[:4])
     # Several input tensors (ids and dense features of a recommendation set): a tuple.
     ids, dense = torch.arange(20).view(10, 2), torch.randn(10, 5)
-    (xb, yb), *_ = Batches(TensorDataset(ids, dense, torch.ones(10)), name="t", batch_size=4, shuffle=False).epoch(0)
+    (xb, _), *_ = Batches(TensorDataset(ids, dense, torch.ones(10)), name="t", batch_size=4, shuffle=False).epoch(0)
     assert isinstance(xb, tuple) and torch.equal(xb[0], ids[:4]) and torch.equal(xb[1], dense[:4])
 
 

@@ -147,6 +147,6 @@ def test_what_the_user_code_gives_is_checked_when_called(userdata, attr, match):
 
 
 def test_the_samples_are_read_as_given(userdata):
-    train, held_out = load_user_dataset(f"{userdata}:pair", {"n": 3})
+    train, _ = load_user_dataset(f"{userdata}:pair", {"n": 3})
     x, y = train[2]
     assert torch.equal(x, torch.full((3,), 2.0)) and y == 0
