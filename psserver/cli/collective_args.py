@@ -104,6 +104,9 @@ def collective_config_from_args(args: argparse.Namespace) -> CollectiveConfig:
         world = args.nproc_per_node or 1
         if args.rank not in (None, 0):
             raise UsageError("--rank is set by the launcher in collective mode (use --nproc-per-node or torchrun)")
+    if getattr(args, "loss", None) is not None or getattr(args, "metric", None) is not None:
+        raise UsageError(f"--loss and --metric apply to --mode ps (--mode {args.mode} trains with cross-entropy and "
+                         "reports accuracy)")
     if args.num_trainers is not None and args.num_trainers != world:
         raise UsageError(f"--num-trainers {args.num_trainers} does not match the world size {world} "
                          f"({'WORLD_SIZE' if torchrun else '--nproc-per-node'})")

@@ -1,7 +1,9 @@
 """The collective training loop: the same models, data and metrics as the parameter server.
 
-Every rank runs :func:`train_worker`. Each reads its data-parallel shard through a
-``DistributedSampler`` (``set_epoch`` each epoch), steps its local optimizer on gradients the
+Every rank runs :func:`train_worker`. Each reads its data-parallel shard through a DataLoader
+with ``DistributedSampler`` semantics (``set_epoch`` each epoch; ``psserver.data.Batches``, as
+a parameter-server trainer; a map-style dataset only: every rank must take the same number of
+steps), steps its local optimizer on gradients the
 strategy synchronises, and every ``SYNC_EVERY`` steps all ranks exchange one small row
 (progress and rank 0's control requests) so a checkpoint or drain asked for over gRPC runs
 on all ranks at the same step. At the end all ranks evaluate a shard of the held-out split
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.data import DistributedSampler
+from torch.utils.data import IterableDataset, TensorDataset
 
 # The built-in strategies register themselves (by name) on import; the base never imports them.
 from psserver.collective import ddp, fsdp  # noqa: F401
@@ -31,8 +33,10 @@ from psserver.collective.launcher import DistEnv
 from psserver.collective.status import ROW, SYNC_EVERY, CollectiveStatus, control_server, metrics_endpoint
 from psserver.config.collective import CollectiveConfig
 from psserver.config.ps import OptimizerConfig
-from psserver.data import load_dataset
+from psserver.data import Batches, check_batch, default_workers, load_dataset
+from psserver.errors import DataError
 from psserver.models import build_model, get_model_spec
+from psserver.models.calling import call_model, input_batch_size, move_input
 from psserver.utils.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -108,10 +112,10 @@ class CollectiveTrainer:
     def train_step(self, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
         """Forward, backward (gradients synchronised by the strategy), optimizer step."""
         device = self.env.device
-        xb = xb.to(device, non_blocking=True)
+        xb = move_input(xb, device, non_blocking=True)
         yb = yb.to(device, non_blocking=True)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(self.module(xb).float(), yb)
+        loss = F.cross_entropy(call_model(self.module, xb).float(), yb)
         loss.backward()
         self.optimizer.step()
         self.global_step += 1
@@ -142,6 +146,26 @@ class CollectiveTrainer:
         return float(correct[0] / correct[1]) if correct[1] > 0 else float("nan")
 
 
+def _in_memory(dataset, name: str, batch_size: int) -> TensorDataset:
+    """A held-out set as tensors (every rank evaluates a contiguous part of it: the same number
+    of forwards on every rank, which FSDP needs): read whole through a DataLoader unless it is
+    a ``TensorDataset`` of one input tensor already."""
+    if isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2:
+        return dataset
+    xs, ys = [], []
+    batches = Batches(dataset, name=f"{name} (held out)", batch_size=batch_size, shuffle=False)
+    try:
+        for x, y in batches.epoch(0):
+            if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+                raise DataError(f"dataset {name}: --mode ddp|fsdp evaluates held-out samples whose input and target "
+                                "are tensors")
+            xs.append(x)
+            ys.append(y)
+    finally:
+        batches.close()
+    return TensorDataset(torch.cat(xs), torch.cat(ys))
+
+
 def train_worker(config: CollectiveConfig, env: DistEnv) -> int:
     """Body of every rank (see ``psserver.collective.launcher.launch``)."""
     trainer = CollectiveTrainer(config, env)
@@ -157,9 +181,15 @@ class Fit:
         self.config, self.env, self.strategy = config, env, trainer.strategy
         self.train_set, self.eval_set = load_dataset(
             config.data, self.t.spec.input_shape, self.t.spec.num_classes, self.t.spec.input_dtype)
-        self.sampler = DistributedSampler(self.train_set, num_replicas=self.strategy.dp_size,
-                                          rank=self.strategy.dp_rank, shuffle=True, seed=config.data.seed)
-        self.steps_per_epoch = -(-len(self.sampler) // config.batch_size)
+        if isinstance(self.train_set, IterableDataset):
+            raise DataError(f"--mode {config.mode} needs a map-style dataset (every rank takes the same number of "
+                            f"steps); {config.data.dataset} is an IterableDataset: train it with --mode ps")
+        workers = config.data.workers if config.data.workers is not None else default_workers(config.data)
+        self.data = Batches(self.train_set, name=config.data.dataset, batch_size=config.batch_size,
+                            rank=self.strategy.dp_rank, num_replicas=self.strategy.dp_size, seed=config.data.seed,
+                            workers=workers, pin_memory=env.device.type == "cuda")
+        assert self.data.steps_per_epoch is not None
+        self.steps_per_epoch = self.data.steps_per_epoch
         self.total = self.steps_per_epoch * config.epochs
         if config.max_steps:
             self.total = min(self.total, config.max_steps)
@@ -196,7 +226,7 @@ class Fit:
                 batch = 0
         log.info("%s: %d ranks, %s (%d parameters), %d training samples per rank, %d steps per epoch, "
                  "%d steps to go", self.strategy.describe(), env.world_size, config.model, self.t.num_params,
-                 len(self.sampler), self.steps_per_epoch, max(0, self.total - self.t.global_step))
+                 self.data.samples_per_epoch, self.steps_per_epoch, max(0, self.total - self.t.global_step))
         self.status.global_step = self.t.global_step
         self.status.ready.set()
         self.status.set_state("SERVING")
@@ -207,6 +237,7 @@ class Fit:
             self._epochs(epoch, batch, progress)
         finally:
             progress.close()
+            self.data.close()
         elapsed = time.monotonic() - t0
         self.status.set_state("DRAINING")
         if self.ckpt.enabled and (self.ckpt.last is None or self.ckpt.last.step != self.t.global_step):
@@ -215,7 +246,11 @@ class Fit:
             log.warning("stopped on request at step %d", self.t.global_step)
             self._write_result(float("nan"), elapsed)
             return 0
-        accuracy = self.t.evaluate(self.eval_set)
+        if self.eval_set is None:
+            log.warning("dataset %s has no held-out set: evaluation skipped (accuracy nan)", config.data.dataset)
+            accuracy = float("nan")
+        else:
+            accuracy = self.t.evaluate(_in_memory(self.eval_set, config.data.dataset, config.eval_batch_size))
         self._write_result(accuracy, elapsed)
         if env.rank == 0:
             rate = self.samples * self.strategy.dp_size / max(elapsed, 1e-6)
@@ -228,17 +263,18 @@ class Fit:
 
     def _epochs(self, epoch: int, batch: int, progress: Progress) -> None:
         config = self.config
-        x_all, y_all = self.train_set.tensors
-        bs = config.batch_size
         self._epoch = epoch
+        first = True
         while epoch < config.epochs and self.t.global_step < self.total and not self.stop:
-            self.sampler.set_epoch(epoch)
-            indices = torch.tensor(list(iter(self.sampler)))
-            while batch < self.steps_per_epoch and self.t.global_step < self.total:
-                idx = indices[batch * bs:(batch + 1) * bs]
+            for xb, yb in self.data.epoch(epoch, batch):  # a resumed epoch starts at its next batch
+                if self.t.global_step >= self.total:
+                    break
+                if first:
+                    check_batch(xb, yb, config.data.dataset)
+                    first = False
                 batch += 1
                 self._epoch, self._batch = epoch, batch
-                if self.step(x_all[idx], y_all[idx], progress, boundary=batch == self.steps_per_epoch):
+                if self.step(xb, yb, progress, boundary=batch == self.steps_per_epoch):
                     break
             if self.stop or batch < self.steps_per_epoch:
                 break  # stopped mid-epoch (request or --max-steps): the position stays in it
@@ -250,8 +286,9 @@ class Fit:
              boundary: bool = False) -> bool:
         """One training step with its bookkeeping (what the benchmark times); True: stop now."""
         self._pending.append(self.t.train_step(xb, yb))
-        self.samples += len(xb)
-        self.status.on_step(self.t.global_step, len(xb) * self.strategy.dp_size, None)
+        n = input_batch_size(xb)
+        self.samples += n
+        self.status.on_step(self.t.global_step, n * self.strategy.dp_size, None)
         if self.config.result_file and self.config.mode == "ddp":
             self.hash_history.append(parameter_hash(self.strategy.unwrapped))
         step = self.t.global_step
