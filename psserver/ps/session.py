@@ -24,13 +24,13 @@ from psserver.config import TrainerConfig
 from psserver.errors import ServerUnavailable, UsageError
 from psserver.models import ModelSpec, build_model, get_model_spec
 from psserver.models.layout import ModelLayout, values_of
+from psserver.models.losses import resolve_loss
 from psserver.ps import endpoint, rendezvous, torch_rpc
 from psserver.ps.engine import resolve_device
 from psserver.ps.messages import JoinRequest, Report
 from psserver.ps.protocols import TrainerHalf, get_protocol
 from psserver.ps.protocols.trainer_compute import WIRE_DTYPES
 from psserver.ps.stop_signals import StopSignals
-from psserver.utils.metrics import get_metric
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,8 @@ class Session:
         published = rendezvous.model_info(self.store)
         self.spec: ModelSpec = choose_model(config, published)
         """This trainer's model: ``--model``, else the server's."""
+        self.loss_fn = resolve_loss(config.loss, self.spec.loss)
+        """The training loss (``--loss``, else the model's), which the trainer half computes."""
         self.model: torch.nn.Module = build_model(self.spec, seed=int(published.get("seed") or 0),
                                                   embedding_dim=published.get("embedding_dim"))
         """The replica, as built (on the CPU): its layout is checked at the join."""
@@ -160,15 +162,6 @@ class Session:
                               timeout=max(1.0, interval * 4))
             except RuntimeError:  # the training loop reports a lost server
                 pass
-
-    def evaluate(self, dataset, batch_size: int, metric: str = "accuracy") -> float:
-        """The model's ``metric`` on ``dataset`` (its tensors: the inputs, then the targets)."""
-        self.protocol.flush()
-        *xs, y = dataset.tensors
-        outputs = [self.protocol.evaluate(batch_of(xs, slice(i, i + batch_size))) for i in range(0, len(y), batch_size)]
-        if not outputs:
-            return float("nan")
-        return get_metric(metric)(torch.cat(outputs), y)
 
     def host_trainers(self) -> int:
         """Live trainers on this host as the server knows them, this one included."""
@@ -282,8 +275,3 @@ def remote_message(e: BaseException) -> str:
         m = re.match(r"^\w+\((['\"])(.*)\1\)$", lines[1])
         return m.group(2) if m else lines[1]
     return lines[0] if lines else type(e).__name__
-
-
-def batch_of(tensors: list[torch.Tensor], idx):
-    """A batch of the inputs: one tensor, or a tuple (a model with tables: ids and dense features)."""
-    return tensors[0][idx] if len(tensors) == 1 else tuple(t[idx] for t in tensors)

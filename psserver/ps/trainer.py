@@ -38,7 +38,7 @@ from psserver.data import Batches, check_batch, default_workers, load_dataset
 from psserver.errors import DataError, Evicted, ServerLost, UsageError
 from psserver.models import ModelSpec
 from psserver.models.calling import describe_input, input_batch_size
-from psserver.models.losses import loss_name, resolve_loss
+from psserver.models.losses import loss_name
 from psserver.ps import endpoint, rendezvous
 from psserver.ps.messages import Report
 from psserver.ps.rejoin import Position, reexec, take_position
@@ -125,8 +125,7 @@ def _train(config: TrainerConfig, position: Position | None, stop: StopSignals) 
         if config.rank >= num_shards:
             raise UsageError(f"--rank {config.rank} must be < number of trainers {num_shards}")
         train_set, eval_set = load_dataset(config.data, spec.input_shape, spec.num_classes, spec.input_dtype)
-        loss_fn = resolve_loss(config.loss, spec.loss)
-        metric, metric_fn = resolve_metric(config.metric, spec.metric, loss_fn)
+        metric, metric_fn = resolve_metric(config.metric, spec.metric, session.loss_fn)
         data = _batches(config, train_set, session, rank=config.rank, num_replicas=num_shards)
     except BaseException:
         session.leave()

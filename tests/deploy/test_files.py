@@ -83,7 +83,7 @@ def test_commands_found_everywhere():
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c.source)
 def test_command_line_accepted_by_the_cli(command: Command):
     args = parse(command.argv)
-    assert args.command in ("serve", "train", "status", "checkpoint", "stop", "demo", "bench")
+    assert args.command in ("serve", "train", "status", "checkpoint", "stop", "export", "demo", "bench")
 
 
 def test_extraction_handles_wrappers_and_variables():

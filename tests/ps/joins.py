@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from psserver.models import build_model, get_model_spec
 from psserver.models.layout import ModelLayout, values_of
+from psserver.models.losses import get_loss
 from psserver.ps.messages import JoinRequest
 
 
@@ -18,6 +19,7 @@ def join_request(rank: int = 0, name: str = "t", *, model: str = "mlp", step: st
 
 
 def give_replica(channel, model: str) -> None:
-    """What a session gives its protocol's trainer half: the model's spec and its replica."""
+    """What a session gives its protocol's trainer half: the model's spec, its replica and loss."""
     channel.spec = get_model_spec(model)
     channel.model = build_model(channel.spec)
+    channel.loss_fn = get_loss(channel.spec.loss)

@@ -37,6 +37,8 @@ class Channel(Protocol):
     """The trainer's model (``--model``, else the server's)."""
     model: torch.nn.Module
     """Its replica, as built, its layout the server's (trainer compute runs it)."""
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
+    """The training loss (``--loss``, else the model's), computed on the trainer in every protocol."""
 
     def call(self, op: str, *args: Any) -> Any:
         """Call ``op`` of this protocol's server half (synchronously, one RPC)."""

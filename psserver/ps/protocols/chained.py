@@ -20,7 +20,6 @@ from __future__ import annotations
 import threading
 
 import torch
-import torch.nn.functional as F
 
 from psserver.ps.protocols.base import ServerHalf, StepProtocol, TrainerHalf, register
 
@@ -90,7 +89,7 @@ class ChainedTrainer(TrainerHalf):
         grad_out, self._grad_out = self._grad_out, None  # sent once, whatever the call's fate
         out = self.channel.call("step", grad_out, x)
         out.requires_grad_(True)
-        loss = F.cross_entropy(out, y)
+        loss = self.channel.loss_fn(out, y)
         (self._grad_out,) = torch.autograd.grad(loss, (out,))
         return float(loss.detach())
 

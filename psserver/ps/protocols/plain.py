@@ -21,7 +21,6 @@ import threading
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.optim import DistributedOptimizer
 
@@ -104,7 +103,7 @@ class PlainTrainer(TrainerHalf):
         assert self.optimizer is not None
         with dist_autograd.context() as ctx:
             out = self.channel.call("forward", x)
-            loss = F.cross_entropy(out, y)
+            loss = self.channel.loss_fn(out, y)
             dist_autograd.backward(ctx, [loss])
             self.optimizer.step(ctx)
         return float(loss.detach())

@@ -22,6 +22,7 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 from torch.func import functional_call
 
+from psserver.models.calling import input_batch_size, model_arguments
 from psserver.ps import torch_rpc
 from psserver.ps.buffers import unflatten_into
 from psserver.ps.protocols.base import StepProtocol, register
@@ -101,7 +102,8 @@ class PullTrainer(TrainerComputeHalf, PlainTrainer):
         batch = None if self.table_columns is None else RowBatch(x[0], self.table_columns, 1)
         owed, self._owed = self._owed, None
         with dist_autograd.context() as ctx:
-            got = self.channel.call("pull", int(y.shape[0]), None if batch is None else batch.requests[0], owed)
+            samples = input_batch_size(x) if batch is None else int(y.shape[0])
+            got = self.channel.call("pull", samples, None if batch is None else batch.requests[0], owed)
             if self.buffers:
                 unflatten_into(got[-1], self.buffers)
                 got = got[:-1]
@@ -109,7 +111,8 @@ class PullTrainer(TrainerComputeHalf, PlainTrainer):
             # Local copies (device, fp32) stay in the graph: their gradients go back in the wire dtype.
             local = dict(zip(self.names, [p.to(self.device, torch.float32) for p in params], strict=True))
             if batch is None:
-                loss = self.loss_fn(functional_call(self.model, local, (x,)), y)
+                args, kwargs = model_arguments(x)
+                loss = self.loss_fn(functional_call(self.model, local, args, kwargs), y)
             else:
                 per_sample = batch.per_sample([r.to(self.device, torch.float32) for r in rows])
                 out = functional_call(self.model, local, (per_sample, x[1]))

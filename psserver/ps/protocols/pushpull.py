@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from psserver.models.calling import call_model, input_batch_size
 from psserver.ps.protocols.base import StepProtocol, register
 from psserver.ps.protocols.trainer_compute import TrainerComputeHalf, TrainerComputeServer
 from psserver.ps.sparse.batch import RowBatch
@@ -116,8 +117,8 @@ class PushPullTrainer(TrainerComputeHalf):
     def train_step(self, x, y: torch.Tensor) -> float:
         grads, self._grads = self._grads, None  # sent once, whatever the call's fate
         if self.table_columns is None:
-            self.load(self._exchange(grads, int(x.shape[0])))
-            loss = self.loss_fn(self.model(x), y)
+            self.load(self._exchange(grads, input_batch_size(x)))
+            loss = self.loss_fn(call_model(self.model, x), y)
             self._grads = (self.flat_grads(list(torch.autograd.grad(loss, self.params, allow_unused=True))), None,
                            self.owed_buffers())
             return float(loss.detach())

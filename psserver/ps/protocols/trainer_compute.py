@@ -13,7 +13,7 @@ import threading
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from psserver.models.losses import get_loss
+from psserver.models.calling import call_model, move_input
 from psserver.ps.buffers import flatten, persistent_buffers, unflatten_into
 from psserver.ps.guard import total_norm
 from psserver.ps.messages import JoinRequest
@@ -102,7 +102,7 @@ class TrainerComputeHalf(TrainerHalf):
         self.device: torch.device = channel.device
         self.wire_dtype: torch.dtype = channel.wire_dtype
         spec = channel.spec
-        self.loss_fn = get_loss(spec.loss)
+        self.loss_fn = channel.loss_fn
         tables = channel.info.get("tables")
         self.model = channel.model.to(self.device)
         self.table_columns: list[tuple[str, int]] | None = None
@@ -171,14 +171,14 @@ class TrainerComputeHalf(TrainerHalf):
                           [g for server in rows or [] for g in server.values()])
 
     def batch(self, x, y: torch.Tensor):
-        """The batch on the replica's device; a model with tables takes ``(ids, dense)``, whose
-        ids stay on the CPU (they go to the servers)."""
+        """The batch on the replica's device (a tensor, tuple or dict input: ``psserver.models.calling``);
+        a model with tables takes ``(ids, dense)``, whose ids stay on the CPU (they go to the servers)."""
         if self.device.type == "cpu":
             return x, y
-        y = y.to(self.device, non_blocking=True)
-        if isinstance(x, tuple):
+        y = move_input(y, self.device, non_blocking=True)
+        if self.table_columns is not None:
             return (x[0], x[1].to(self.device, non_blocking=True)), y
-        return x.to(self.device, non_blocking=True), y
+        return move_input(x, self.device, non_blocking=True), y
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         self._loaded = False
@@ -203,7 +203,7 @@ class TrainerComputeHalf(TrainerHalf):
         try:
             with torch.no_grad():
                 if self.table_columns is None:
-                    return self.model(x.to(self.device)).float().to("cpu")
+                    return _outputs_to_cpu(call_model(self.model, move_input(x, self.device)))
                 ids, dense = x
                 batch = RowBatch(ids, self.table_columns, len(self.channel.servers))
                 if len(self.channel.servers) == 1:
@@ -214,3 +214,15 @@ class TrainerComputeHalf(TrainerHalf):
                 return self.model(batch.per_sample(rows), dense.to(self.device)).float().to("cpu")
         finally:
             self.model.train()
+
+
+def _outputs_to_cpu(out):
+    """A model's outputs for the held-out metric: floating tensors as float32 on the CPU (a
+    tuple or dict of them kept as it is)."""
+    if isinstance(out, torch.Tensor):
+        return out.detach().float().to("cpu") if out.is_floating_point() else out.detach().to("cpu")
+    if isinstance(out, dict):
+        return {k: _outputs_to_cpu(v) for k, v in out.items()}
+    if isinstance(out, tuple | list):
+        return type(out)(_outputs_to_cpu(v) for v in out)
+    return out
