@@ -79,7 +79,8 @@ def test_a_server_without_the_users_code_trains_it_checks_it_and_resumes_it(proc
     assert final["model"] == "usernets.cnn:BNNet" and final["layout"]["entries"][0][0] == "conv1.weight"
     held = final["shards"][0]["module"]  # under the model's own keys
     # The server's BatchNorm statistics are the trainers' (--buffers average), not the initial ones.
-    assert not torch.allclose(held["bn1.running_var"], torch.ones(32)) and held["bn1.num_batches_tracked"] > 100
+    # (async: the mean of each trainer's latest, so num_batches_tracked grows about once per two steps)
+    assert not torch.allclose(held["bn1.running_var"], torch.ones(32)) and held["bn1.num_batches_tracked"] > 20
 
     # Resumed without the user's package: the layout comes from the checkpoint.
     again = procs.server(port, "--checkpoint-dir", str(ckpt), "--resume")

@@ -1,0 +1,131 @@
+"""A user's project end to end: its own CNN with BatchNorm and its own Dataset of PNG files, in
+a package only the trainers can import, trained by a server that runs none of its code, then
+exported and evaluated where psserver is not installed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from psserver.checkpoint import list_checkpoints, read_checkpoint
+from tests.procs import MNIST_DIR, accuracy, env, run
+from tests.userproject import PNG_DATASET, pythonpath, write_mnist_pngs, write_package
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+BAR = 0.97
+
+BN_CNN = '''
+    """A user's CNN with BatchNorm (not an nn.Sequential)."""
+    import torch.nn.functional as F
+    from torch import nn
+
+
+    class BNNet(nn.Module):
+        def __init__(self, width: int = 32):
+            super().__init__()
+            self.conv1 = nn.Conv2d(1, width, 3)
+            self.bn1 = nn.BatchNorm2d(width)
+            self.conv2 = nn.Conv2d(width, 2 * width, 3)
+            self.bn2 = nn.BatchNorm2d(2 * width)
+            self.head = nn.Linear(2 * width * 5 * 5, 10)
+
+        def forward(self, x):
+            x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+            x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
+            return self.head(x.flatten(1))
+'''
+
+EVALUATE = '''
+import json, sys
+import torch
+from safetensors.torch import load_file
+try:
+    import psserver
+    print(json.dumps({"error": "psserver is importable: " + psserver.__file__}))
+    sys.exit(1)
+except ImportError:
+    pass
+from digits.data import PngDigits
+from digits.model import BNNet
+model = BNNet()
+model.load_state_dict(load_file(sys.argv[1]), strict=True)
+model.eval()
+val = PngDigits(sys.argv[2], "val")
+loader = torch.utils.data.DataLoader(val, batch_size=500)
+right = total = 0
+with torch.no_grad():
+    for x, y in loader:
+        right += int((model(x).argmax(1) == y).sum())
+        total += len(y)
+print(json.dumps({"accuracy": right / total}))
+'''
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """8000 training and 2000 held-out MNIST PNGs, and the package ``digits`` (model, data)."""
+    if not (MNIST_DIR / "t10k-images-idx3-ubyte.gz").is_file():
+        pytest.skip(f"real MNIST split not found at {MNIST_DIR}")
+    root = tmp_path_factory.mktemp("project")
+    write_mnist_pngs(root / "images", 8000, 2000)
+    write_package(root / "code", "digits", {"data": PNG_DATASET, "model": BN_CNN})
+    return root
+
+
+def evaluate_without_psserver(project, weights) -> float:
+    """The exported model's held-out accuracy in a fresh interpreter that has torch, PIL and the
+    user's package but not psserver (no site hooks: the editable install's path file is unread)."""
+    site = sysconfig.get_paths()["purelib"]
+    code = ("import sys; sys.path[:0] = [" + repr(str(project / "code")) + "]; sys.path.append(" + repr(site) + ")\n"
+            + EVALUATE)
+    out = subprocess.run([sys.executable, "-S", "-c", code, str(weights), str(project / "images")],
+                         capture_output=True, text=True, timeout=300, env={"PATH": "/usr/bin:/bin"}, cwd=project,
+                         check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])["accuracy"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("update", ["async", "sync"])
+def test_the_users_model_and_data_train_export_and_load_without_psserver(procs, port, tmp_path, project, update):
+    ckpt = tmp_path / "ckpt"
+    server_env = env()
+    assert str(project) not in server_env["PYTHONPATH"]
+    r = subprocess.run([sys.executable, "-c", "import digits"], env=server_env, capture_output=True, timeout=60,
+                       check=False)
+    assert r.returncode != 0  # the server's environment cannot import the user's package
+    server = procs.server(port, "--update", update, "--sync-trainers", "2", "--optimizer", "adam", "--lr", "0.002",
+                          "--checkpoint-dir", str(ckpt))
+    user = {"PYTHONPATH": pythonpath(project / "code")}
+    data = ["--dataset", "digits.data:splits", "--dataset-args", json.dumps({"root": str(project / "images")}),
+            "--data-workers", "2"]
+    trainers = [procs.trainer(port, rank, "--num-trainers", "2", "--epochs", "2", "--model", "digits.model:BNNet",
+                              *data, env=user) for rank in (0, 1)]
+    for t in trainers:
+        assert t.wait(420) == 0, t.tail()
+    scores = [accuracy(t) for t in trainers]
+    assert min(scores) >= BAR, [t.tail() for t in trainers]
+    assert "learnt from the first trainer" in server.output()
+    assert procs.stop(server) == 0, server.tail()
+
+    out = tmp_path / "bnnet.safetensors"
+    r = run(["export", str(ckpt), "--out", str(out)], timeout=120)
+    assert r.returncode == 0, r.stderr
+    exported = load_file(out)
+    held = read_checkpoint(list_checkpoints(ckpt)[0])["shards"][0]["module"]
+    for key in ("bn1.running_mean", "bn1.running_var", "bn1.num_batches_tracked", "bn2.running_var"):
+        assert torch.equal(exported[key], held[key]), key  # the server's statistics, as they are
+    assert not torch.allclose(exported["bn2.running_var"], torch.ones(64))
+    got = evaluate_without_psserver(project, out)
+    # Both trainers evaluated the server's parameters and statistics at their end; the export
+    # holds the final ones: within 0.005 of the trainer that evaluated last (sync: of both).
+    last = max(range(2), key=lambda i: trainers[i].output().rfind("accuracy"))
+    assert abs(got - scores[last]) <= 0.005 or (update == "sync" and all(abs(got - s) <= 0.005 for s in scores)), \
+        (got, scores)
