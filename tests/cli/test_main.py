@@ -62,6 +62,10 @@ def test_slurm_env_is_a_fallback(monkeypatch):
         (["train", "--model", "nopkg:Net"], "module 'nopkg' is not importable"),
         (["train", "--model-args", '{"width": 3}'], "--model-args needs --model"),
         (["serve", "--model-args", '{"width": 3}', "--no-control"], "--model-args needs --model"),
+        (["serve", "--model", "mlp", "--model-args", "{width: 3}", "--no-control"], "--model-args is not JSON"),
+        (["serve", "--model", "mlp", "--model-args", '{"width": 3}', "--no-control"],
+         "--model mlp does not accept these arguments: got an unexpected keyword argument 'width'"),
+        (["train", "--model", "torch.nn:Module.nope"], "'torch.nn:Module' has no attribute 'nope'"),
         (["serve", "--compute", "server", "--no-control"], "--compute server runs the model on the server: it needs "
                                                           "--model"),
     ],
