@@ -21,6 +21,17 @@ def mnist_dir():
     return MNIST_DIR
 
 
+@pytest.fixture(scope="session")
+def mnist_pngs(tmp_path_factory):
+    """8000 training and 2000 held-out MNIST images as PNG files in the imagefolder layout
+    (``tests.userproject.write_mnist_pngs``), written once for the whole run."""
+    if not (MNIST_DIR / "t10k-images-idx3-ubyte.gz").is_file():
+        pytest.skip(f"real MNIST split not found at {MNIST_DIR}")
+    from tests.userproject import write_mnist_pngs
+
+    return write_mnist_pngs(tmp_path_factory.mktemp("mnist-pngs"), 8000, 2000)
+
+
 @pytest.fixture
 def procs():
     """Processes started through this fixture are killed (whole group) after the test."""

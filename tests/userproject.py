@@ -101,3 +101,27 @@ PNG_DATASET = '''
 '''
 """Source of a user module (``write_package(root, "digits", {"data": PNG_DATASET})``): a
 ``Dataset`` class ``PngDigits(root, split)`` and ``splits(root)``, its train and val pair."""
+
+
+BN_CNN = '''
+    """A user's CNN with BatchNorm (not an nn.Sequential), for 1x28x28 digits."""
+    import torch.nn.functional as F
+    from torch import nn
+
+
+    class BNNet(nn.Module):
+        def __init__(self, width: int = 32):
+            super().__init__()
+            self.conv1 = nn.Conv2d(1, width, 3)
+            self.bn1 = nn.BatchNorm2d(width)
+            self.conv2 = nn.Conv2d(width, 2 * width, 3)
+            self.bn2 = nn.BatchNorm2d(2 * width)
+            self.head = nn.Linear(2 * width * 5 * 5, 10)
+
+        def forward(self, x):
+            x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+            x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
+            return self.head(x.flatten(1))
+'''
+"""Source of a user module (``write_package(root, "nets", {"cnn": BN_CNN})``): ``BNNet(width)``."""
+

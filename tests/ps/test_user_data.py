@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from tests.procs import MNIST_DIR, accuracy, metric
-from tests.userproject import PNG_DATASET, pythonpath, write_mnist_pngs, write_package
+from tests.procs import accuracy, metric
+from tests.userproject import PNG_DATASET, pythonpath, write_package
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -34,12 +34,10 @@ EXTRA = '''
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory):
-    """8000 training and 2000 held-out MNIST PNGs, and the package ``digits`` that reads them."""
-    if not (MNIST_DIR / "t10k-images-idx3-ubyte.gz").is_file():
-        pytest.skip(f"real MNIST split not found at {MNIST_DIR}")
+def project(tmp_path_factory, mnist_pngs):
+    """The MNIST PNGs (``images``) and the package ``digits`` that reads them (``code``)."""
     root = tmp_path_factory.mktemp("project")
-    write_mnist_pngs(root / "images", 8000, 2000)
+    (root / "images").symlink_to(mnist_pngs)
     write_package(root / "code", "digits", {"data": PNG_DATASET, "extra": EXTRA})
     return root
 

@@ -7,46 +7,20 @@ trainer against it, and resumes from its checkpoint without the package."""
 from __future__ import annotations
 
 import os
-import textwrap
 
 import pytest
 import torch
 
 from psserver.checkpoint import list_checkpoints, read_checkpoint
-from tests.procs import MNIST_ARGS, ROOT, accuracy
+from tests.procs import MNIST_ARGS, accuracy
+from tests.userproject import BN_CNN, pythonpath, write_package
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
-
-USER_NET = textwrap.dedent('''
-    """A user's CNN with BatchNorm: not an nn.Sequential, a keyword argument."""
-    import torch.nn.functional as F
-    from torch import nn
-
-
-    class BNNet(nn.Module):
-        def __init__(self, width: int = 32):
-            super().__init__()
-            self.conv1 = nn.Conv2d(1, width, 3)
-            self.bn1 = nn.BatchNorm2d(width)
-            self.conv2 = nn.Conv2d(width, 2 * width, 3)
-            self.bn2 = nn.BatchNorm2d(2 * width)
-            self.head = nn.Linear(2 * width * 5 * 5, 10)
-
-        def forward(self, x):
-            x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
-            x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
-            return self.head(x.flatten(1))
-''')
-
 
 @pytest.fixture
 def user_path(tmp_path):
     """A directory holding the user's package ``usernets``; the trainers' PYTHONPATH."""
-    pkg = tmp_path / "user" / "usernets"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "cnn.py").write_text(USER_NET)
-    return {"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path / 'user'}"}
+    return {"PYTHONPATH": pythonpath(write_package(tmp_path / "user", "usernets", {"cnn": BN_CNN}))}
 
 
 @pytest.mark.timeout(420)

@@ -14,33 +14,12 @@ import torch
 from safetensors.torch import load_file
 
 from psserver.checkpoint import list_checkpoints, read_checkpoint
-from tests.procs import MNIST_DIR, accuracy, env, run
-from tests.userproject import PNG_DATASET, pythonpath, write_mnist_pngs, write_package
+from tests.procs import accuracy, env, run
+from tests.userproject import BN_CNN, PNG_DATASET, pythonpath, write_package
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 BAR = 0.97
-
-BN_CNN = '''
-    """A user's CNN with BatchNorm (not an nn.Sequential)."""
-    import torch.nn.functional as F
-    from torch import nn
-
-
-    class BNNet(nn.Module):
-        def __init__(self, width: int = 32):
-            super().__init__()
-            self.conv1 = nn.Conv2d(1, width, 3)
-            self.bn1 = nn.BatchNorm2d(width)
-            self.conv2 = nn.Conv2d(width, 2 * width, 3)
-            self.bn2 = nn.BatchNorm2d(2 * width)
-            self.head = nn.Linear(2 * width * 5 * 5, 10)
-
-        def forward(self, x):
-            x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
-            x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
-            return self.head(x.flatten(1))
-'''
 
 EVALUATE = '''
 import json, sys
@@ -69,12 +48,10 @@ print(json.dumps({"accuracy": right / total}))
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory):
-    """8000 training and 2000 held-out MNIST PNGs, and the package ``digits`` (model, data)."""
-    if not (MNIST_DIR / "t10k-images-idx3-ubyte.gz").is_file():
-        pytest.skip(f"real MNIST split not found at {MNIST_DIR}")
+def project(tmp_path_factory, mnist_pngs):
+    """The MNIST PNGs (``images``) and the package ``digits`` (``code``: its model and data)."""
     root = tmp_path_factory.mktemp("project")
-    write_mnist_pngs(root / "images", 8000, 2000)
+    (root / "images").symlink_to(mnist_pngs)
     write_package(root / "code", "digits", {"data": PNG_DATASET, "model": BN_CNN})
     return root
 
