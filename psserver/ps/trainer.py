@@ -53,6 +53,10 @@ log = logging.getLogger(__name__)
 
 EVICTED, LOST, FAILED = "evicted", "lost", "failed"
 """Why a call failed (:func:`_diagnose`)."""
+PROBE_TRIES, PROBE_RETRY_S = 2, 0.5
+"""Asking the server after a failed call: once more after a pause when the first question
+fails, since a server that evicted this trainer has just closed its pipe (the next call opens
+a new one; seen under load, where the first probe failed and an eviction read as a lost server)."""
 
 def _test_step_delay() -> float:
     """Tests only: ``PSSERVER_TEST_STEP_DELAY`` seconds of sleep per step, a slow trainer."""
@@ -337,10 +341,15 @@ def _diagnose(session: Session, error: BaseException | None = None) -> str:
             rpc.rpc_sync(error.server_name, rendezvous.ping, timeout=PROBE_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - no answer: that server process is gone
             return LOST
-    try:
-        state = session.probe()
-    except Exception:  # noqa: BLE001 - no answer: the server is gone
-        return LOST
+    state = None
+    for attempt in range(PROBE_TRIES):
+        try:
+            state = session.probe()
+            break
+        except Exception:  # noqa: BLE001 - no answer: the server is gone, or the pipe it just closed is
+            if attempt + 1 == PROBE_TRIES:
+                return LOST
+            time.sleep(PROBE_RETRY_S)
     if state == endpoint.NOT_A_MEMBER:
         return EVICTED
     return FAILED if state == "SERVING" else LOST
