@@ -24,6 +24,7 @@ from psserver.cli.base import SubCommand, config_errors, default_rank, default_s
 from psserver.cli.collective_args import add_collective_arguments, collective_config_from_args
 from psserver.config import TrainerConfig, parse_host_port
 from psserver.config.ps import COMPUTE_MODES, STEP_MODES, WIRE_DTYPES
+from psserver.utils.memory import ALLOCATORS
 
 COMPUTE_HELP = ("ps mode, where forward and backward run (default: the server's pin, else trainer): "
                 + "; ".join(f"{name} = {line}" for name, line in COMPUTE_MODES.items()))
@@ -66,6 +67,9 @@ class TrainCommand(SubCommand):
                         help="if the server goes away or evicts this trainer, rejoin under a fresh name (retrying "
                              "with backoff) and continue where it was; without it, exit code 3")
         ps.add_argument("--rpc-timeout", type=float, default=60.0, help="RPC timeout in seconds")
+        ps.add_argument("--allocator", choices=ALLOCATORS, default=TrainerConfig.allocator,
+                        help="host memory: cached keeps a step's freed buffers for the next one (default), system "
+                             "returns them to the kernel at once (each step maps and zero-fills them again)")
         ps.add_argument("--join-token-file", type=Path, default=None,
                         help="file holding the job's join token, for a server that asks for one (else "
                              "$PSSERVER_JOIN_TOKEN)")
@@ -126,4 +130,5 @@ def trainer_config_from_args(args: argparse.Namespace) -> TrainerConfig:
         loss=args.loss,
         metric=args.metric,
         compute_threads=args.compute_threads,
+        allocator=args.allocator,
     )

@@ -323,6 +323,9 @@ class TrainerConfig:
     """On losing the server, retry with backoff until it is back and continue the epoch."""
     rpc_timeout: float = 60.0
     """Timeout of one RPC, seconds."""
+    allocator: str = "cached"
+    """Host memory policy of the trainer, as the server's ``--allocator``: ``cached`` keeps the
+    step's freed buffers for the next step instead of mapping and zero-filling them again."""
     compute_threads: int = 0
     """torch intra-op threads of the trainer; 0: its share of the CPUs it may use (affinity and
     cgroup quota, divided among the trainers the server knows on this host, followed as they
@@ -365,6 +368,8 @@ class TrainerConfig:
         from psserver.utils.metrics import resolve_metric
 
         check_token_file(self.join_token_file, "--join-token-file")
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"--allocator must be one of {', '.join(ALLOCATORS)}, got {self.allocator!r}")
         if self.model_args is not None and self.model is None:
             raise ValueError("--model-args needs --model")
         if self.model is not None:
