@@ -504,12 +504,13 @@ def markdown(result: dict) -> str:
               f"{_f(row['median_worker_cpu_ms_per_step'], '{:.1f}')}")
         lines.append(f"| {name} | {row['median_samples_per_s']:.0f} | {row['median_x_baseline']:.3f} | "
                      f"{row['rounds_at_or_above_target']}/{n} | {per} | {row['median_step_ms']:.1f} | {cores} | "
-                     f"{ms} | {_f(row['median_trainer_minor_faults_per_step'], '{:.0f}')} |")
-    lines += ["", "| round | order | 1-min load at start (waited s) | quiet | load before/after each run (1 min) |",
-              "|---|---|---|---|---|"]
+                     f"{ms} | {_f(row.get('median_trainer_minor_faults_per_step'), '{:.0f}')} |")
+    lines += ["", "| round | order | 1-min load at start (waited s) | quiet | each run: 1-min load before/after, "
+              "cores other users took while it was measured |", "|---|---|---|---|---|"]
     for r, info in enumerate(s["per_round"]):
-        loads = ", ".join(f"{name} {s['runs'][name][r]['load_before'][0]:.2f}/{s['runs'][name][r]['load_after'][0]:.2f}"
-                          for name in info["order"])
+        runs = [(name, s["runs"][name][r]) for name in info["order"]]
+        loads = ", ".join(f"{name} {run['load_before'][0]:.2f}/{run['load_after'][0]:.2f} "
+                          f"({_f((run.get('cpu') or {}).get('other_cores'), '{:.2f}')})" for name, run in runs)
         lines.append(f"| {r + 1} | {' '.join(info['order'])} | {info['load_at_start'][0]:.2f} ({info['waited_s']:.0f}) "
                      f"| {'yes' if info['quiet'] else 'no'} | {loads} |")
     lines += ["", f"Load average before the measurement {result['load_before']}, after {result['load_after']} "

@@ -141,7 +141,8 @@ def test_ratios_are_taken_round_by_round_and_reported():
     md = dl.markdown(result)
     assert "| user-dataset-w1 | 1470 | 0.975 | 2/3 | 0.975 0.900 0.980 | 87.1 | 1.90 / 0.05 / 0.10 / 1.70 / 0.05 " \
            "| 70.0 + 2.0 | 12 |" in md
-    assert "| 2 | user-dataset-w1 in-memory | 0.40 (12) | no | user-dataset-w1 0.50/1.50, in-memory 0.50/1.50 |" in md
+    assert "| 2 | user-dataset-w1 in-memory | 0.40 (12) | no | user-dataset-w1 0.50/1.50 (0.05), in-memory 0.50/1.50 " \
+           "(0.05) |" in md
 
 
 def test_the_users_dataset_gives_the_in_memory_samples(tmp_path):
