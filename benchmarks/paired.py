@@ -366,18 +366,18 @@ def markdown_rows(paired: dict) -> list[str]:
     return lines
 
 
-def issue17_markdown(rows: list[dict]) -> list[str]:
+def protection_markdown(rows: list[dict]) -> list[str]:
     from benchmarks import report
 
     if not rows:
         return []
     return ["### Targets (issue 17, from the paired rounds)", "",
             report.md_table(["ratio", "measured", "from", "per round", "target", "met"],
-                            report.issue15_target_rows(rows)), ""]
+                            report.trainer_compute_target_rows(rows)), ""]
 
 
-def issue15_markdown(rows: list[dict], cost: dict | None) -> list[str]:
-    """Issue 15's targets (``targets.issue15_ratios``) and the server's capacity table
+def trainer_compute_markdown(rows: list[dict], cost: dict | None) -> list[str]:
+    """Issue 15's targets (``targets.trainer_compute_ratios``) and the server's capacity table
     (``capacity.from_paired``), where the rounds held their setups."""
     from benchmarks import capacity, report
 
@@ -385,7 +385,7 @@ def issue15_markdown(rows: list[dict], cost: dict | None) -> list[str]:
     if rows:
         out += ["### Targets (issue 15, from the paired rounds)", "",
                 report.md_table(["ratio", "measured", "from", "per round", "target", "met"],
-                                report.issue15_target_rows(rows)), ""]
+                                report.trainer_compute_target_rows(rows)), ""]
     if cost:
         out += capacity.markdown(cost)
     return out
@@ -498,8 +498,8 @@ def _main(args: argparse.Namespace) -> int:
               "paired": paired}
     from benchmarks import capacity, targets
 
-    result["issue15_targets"] = targets.issue15_ratios(paired, args.model, args.batch_size)
-    result["issue17_targets"] = targets.issue17_ratios(paired)
+    result["trainer_compute_targets"] = targets.trainer_compute_ratios(paired, args.model, args.batch_size)
+    result["protection_targets"] = targets.protection_ratios(paired)
     result["server_capacity"] = capacity.from_paired(paired, args.model, args.batch_size)
     args.results_dir.mkdir(parents=True, exist_ok=True)
     stem = args.results_dir / f"paired-{args.model}-b{args.batch_size}"
@@ -512,8 +512,8 @@ def _main(args: argparse.Namespace) -> int:
     md = "\n".join([f"## Paired rounds: {args.model}, batch {args.batch_size}", "",
                     f"`{command}` ({result['time']}, {result['wall_s'] / 60:.1f} min)", "",
                     *markdown_rows(paired), "", *([" ".join(notes), ""] if notes else []),
-                    *issue15_markdown(result["issue15_targets"], result["server_capacity"]),
-                    *issue17_markdown(result["issue17_targets"])]).rstrip() + "\n"
+                    *trainer_compute_markdown(result["trainer_compute_targets"], result["server_capacity"]),
+                    *protection_markdown(result["protection_targets"])]).rstrip() + "\n"
     stem.with_suffix(".md").write_text(md)
     sys.stdout.write(md)
     return 0

@@ -71,7 +71,7 @@ def target_rows(result: dict) -> list[list[str]]:
     return rows
 
 
-def issue15_target_rows(rows: list[dict]) -> list[list[str]]:
+def trainer_compute_target_rows(rows: list[dict]) -> list[list[str]]:
     out = []
     for r in rows:
         value = "-" if r["value"] is None else f"{r['value']:.3g}"
@@ -121,7 +121,9 @@ def markdown(result: dict) -> str:
                   *paired.markdown_rows(pr), ""]
     elif pr:
         parts += [f"- paired rounds failed: {pr['error'].splitlines()[0]}"]
-    parts += paired.issue15_markdown(result.get("issue15_targets") or [], result.get("server_capacity"))
+    # Results written before the key was renamed hold "issue15_targets".
+    targets = result.get("trainer_compute_targets") or result.get("issue15_targets") or []
+    parts += paired.trainer_compute_markdown(targets, result.get("server_capacity"))
     failed = [s for s in result["setups"] if s.get("error")]
     for s in failed:
         parts.append(f"- {s['name']} failed: {s['error'].splitlines()[0]}")

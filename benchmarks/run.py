@@ -61,7 +61,7 @@ from benchmarks.setups import (
     straggler_index,
     trainer_argv,
 )
-from benchmarks.targets import issue15_ratios, lower_bound, ratios, trainer_compute_floor
+from benchmarks.targets import lower_bound, ratios, trainer_compute_floor, trainer_compute_ratios
 
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
 FULL_SETUPS = ("local,local-1t,local-cached,local-1t-x2,ps-async-1,ps-async-2,ps-async-4,ps-sync-1,ps-sync-2,ps-sync-4,"
@@ -586,7 +586,7 @@ def _run_args(args: argparse.Namespace, command: str, setups: list[dict]) -> int
         "wall_s": time.monotonic() - t_start,
     }
     result["ratios"] = ratios(result)
-    result["issue15_targets"] = issue15_ratios(paired_result, args.model, args.batch_size)
+    result["trainer_compute_targets"] = trainer_compute_ratios(paired_result, args.model, args.batch_size)
     result["server_capacity"] = capacity.from_paired(paired_result, args.model, args.batch_size)
     md = report.markdown(result)
     files = {}

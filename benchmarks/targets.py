@@ -102,7 +102,7 @@ def _check(row: dict) -> dict:
     return row
 
 
-def issue15_ratios(paired: dict | None, model: str, batch_size: int) -> list[dict]:
+def trainer_compute_ratios(paired: dict | None, model: str, batch_size: int) -> list[dict]:
     """Issue 15's targets from paired rounds (``benchmarks.paired``): each throughput ratio is
     taken round by round between two setups of the same round, then the median; bytes per step
     are the medians over rounds over the model's fp32 parameter bytes. Only the rows whose
@@ -152,7 +152,7 @@ def issue15_ratios(paired: dict | None, model: str, batch_size: int) -> list[dic
     return rows
 
 
-def issue17_ratios(paired: dict | None) -> list[dict]:
+def protection_ratios(paired: dict | None) -> list[dict]:
     """Issue 17's target: throughput with the protections on (a join token and the RPC
     allow-list, ``-token`` setups) within 3 % of without (``-open``: neither), round by round
     between the two setups of each pair, then the median."""

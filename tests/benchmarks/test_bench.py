@@ -116,7 +116,7 @@ def _check_result(result: dict, md: str, png: Path, setups: list[str]) -> None:
     assert all(len(order) == len(paired_names) for order in paired["order_per_round"])
     assert "### Paired rounds" in md
     # Issue 15: trainer compute against the side-by-side loops and DDP, bytes, the server's cost.
-    issue15 = {r["name"]: r for r in result["issue15_targets"]}
+    issue15 = {r["name"]: r for r in result["trainer_compute_targets"]}
     side = next(r for n, r in issue15.items() if "local loops side by side" in n)
     assert side["from"].startswith("ps-pushpull-async-2 / local-1t-x2, paired rounds")
     assert len(side["per_round"]) == rounds

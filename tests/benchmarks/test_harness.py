@@ -269,7 +269,7 @@ def test_trainer_compute_targets_and_capacity_from_paired_rounds():
         "ddp-2-straggler": _row([700, 600, 650]),
         "ps-pushpull-async-2-straggler": _row([1050, 900, 800]),
         "ps-pushpull-ssp4-2-straggler": _row([800, 800, 800])}}
-    rows = {r["name"]: r for r in targets.issue15_ratios(fabricated, "mnist_cnn", 64)}
+    rows = {r["name"]: r for r in targets.trainer_compute_ratios(fabricated, "mnist_cnn", 64)}
 
     def row(prefix):
         return next(r for n, r in rows.items() if n.startswith(prefix))
@@ -297,11 +297,11 @@ def test_trainer_compute_targets_and_capacity_from_paired_rounds():
     assert cost["tables"][0]["rows"] == capacity.capacity(2.01 * pbytes, 0.007, 12.0, 2)
     md = "\n".join(capacity.markdown(cost))
     assert "| ps-pushpull-async-1 | 10 Gbit/s |" in md and "x parameter bytes" in md
-    assert targets.issue15_ratios(None, "mnist_cnn", 64) == [] and capacity.from_paired(None, "mnist_cnn", 64) is None
+    assert targets.trainer_compute_ratios(None, "mnist_cnn", 64) == [] and capacity.from_paired(None, "mnist_cnn", 64) is None
     # Setups whose tensors crossed outside the sockets (cma) carry no bytes: no bytes rows, no table.
     cma = {**fabricated, "setups": {n: {k: v for k, v in r.items() if "bytes" not in k}
                                     for n, r in fabricated["setups"].items()}}
-    assert not any(r["name"].startswith("bytes") for r in targets.issue15_ratios(cma, "mnist_cnn", 64))
+    assert not any(r["name"].startswith("bytes") for r in targets.trainer_compute_ratios(cma, "mnist_cnn", 64))
     assert capacity.from_paired(cma, "mnist_cnn", 64) is None
 
 

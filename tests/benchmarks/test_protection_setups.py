@@ -44,9 +44,9 @@ def test_the_protections_ratio_pairs_each_token_setup_with_its_open_twin():
     paired = {"setups": {"ps-a-token": {"samples_per_s": [98.0, 99.0, 97.0]},
                          "ps-a-open": {"samples_per_s": [100.0, 100.0, 100.0]},
                          "ps-b-token": {"samples_per_s": [90.0]}}}
-    (row,) = targets.issue17_ratios(paired)
+    (row,) = targets.protection_ratios(paired)
     assert row["value"] == pytest.approx(0.98) and row["target"] == 0.97 and row["met"]
-    assert targets.issue17_ratios({"error": "x"}) == []
+    assert targets.protection_ratios({"error": "x"}) == []
 
 
 def test_the_allowlist_cost_benchmark_reads_both_messages_with_both_unpicklers(capsys):
