@@ -297,7 +297,8 @@ def test_trainer_compute_targets_and_capacity_from_paired_rounds():
     assert cost["tables"][0]["rows"] == capacity.capacity(2.01 * pbytes, 0.007, 12.0, 2)
     md = "\n".join(capacity.markdown(cost))
     assert "| ps-pushpull-async-1 | 10 Gbit/s |" in md and "x parameter bytes" in md
-    assert targets.trainer_compute_ratios(None, "mnist_cnn", 64) == [] and capacity.from_paired(None, "mnist_cnn", 64) is None
+    assert targets.trainer_compute_ratios(None, "mnist_cnn", 64) == []
+    assert capacity.from_paired(None, "mnist_cnn", 64) is None
     # Setups whose tensors crossed outside the sockets (cma) carry no bytes: no bytes rows, no table.
     cma = {**fabricated, "setups": {n: {k: v for k, v in r.items() if "bytes" not in k}
                                     for n, r in fabricated["setups"].items()}}
