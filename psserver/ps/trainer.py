@@ -16,6 +16,7 @@ why).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -55,8 +56,8 @@ EVICTED, LOST, FAILED = "evicted", "lost", "failed"
 """Why a call failed (:func:`_diagnose`)."""
 PROBE_TRIES, PROBE_RETRY_S = 2, 0.5
 """Asking the server after a failed call: once more after a pause when the first question
-fails, since a server that evicted this trainer has just closed its pipe (the next call opens
-a new one; seen under load, where the first probe failed and an eviction read as a lost server)."""
+fails, since a server that evicted this trainer may just have closed its pipe (the next call
+opens a new one)."""
 
 def _test_step_delay() -> float:
     """Tests only: ``PSSERVER_TEST_STEP_DELAY`` seconds of sleep per step, a slow trainer."""
@@ -339,7 +340,17 @@ def _diagnose(session: Session, error: BaseException | None = None) -> str:
     ``RuntimeError``, and a step of ``--step plain`` or ``pull`` fails inside torch's
     ``dist_autograd`` ("Could not find autograd context") before any call of ours can say why.
     A call that failed on another server process (several) is ``LOST`` when that one does not
-    answer a ping: server 0 may not have noticed yet."""
+    answer a ping: server 0 may not have noticed yet.
+
+    The questions go from a thread of their own: when the server released this trainer's
+    autograd context (an eviction does), the ``with dist_autograd.context()`` of the failed step
+    could not release it, and torch leaves the stale id current on the failed thread, where
+    every RPC then fails ("Couldn't find autograd context data")."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="psserver-probe") as pool:
+        return pool.submit(_ask_server, session, error).result()
+
+
+def _ask_server(session: Session, error: BaseException | None) -> str:
     if isinstance(error, PartitionCallError) and error.server > 0:
         try:
             rpc.rpc_sync(error.server_name, rendezvous.ping, timeout=PROBE_TIMEOUT_S)
@@ -350,7 +361,8 @@ def _diagnose(session: Session, error: BaseException | None = None) -> str:
         try:
             state = session.probe()
             break
-        except Exception:  # noqa: BLE001 - no answer: the server is gone, or the pipe it just closed is
+        except Exception as e:  # noqa: BLE001 - no answer: the server is gone, or the pipe it just closed is
+            log.debug("asking the server after a failed call (attempt %d): %s", attempt + 1, e)
             if attempt + 1 == PROBE_TRIES:
                 return LOST
             time.sleep(PROBE_RETRY_S)
