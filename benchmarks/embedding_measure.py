@@ -152,7 +152,7 @@ def step_ideals(ids, *, rank: int, trainers: int, batch_size: int, steps: int, c
     table (8 bytes) and its row gradient; down, its row (``columns``: (id column, row width) of
     each table). The batches are the trainer's: ``DistributedSampler(shuffle=True, seed)`` over
     the training set, ``set_epoch`` per epoch, consecutive slices of ``batch_size``
-    (``psserver.ps.trainer``); ``ids`` is the training set's id tensor."""
+    (``psserver.trainer.loop``); ``ids`` is the training set's id tensor."""
     import torch
     from torch.utils.data import DistributedSampler
 

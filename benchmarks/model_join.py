@@ -30,7 +30,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "model-join"
 _JOIN = r"""
 import json, sys, time
 from psserver.config import TrainerConfig
-from psserver.ps.session import Session
+from psserver.trainer.session import Session
 port, rank, model = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 t0 = time.perf_counter()
 s = Session(TrainerConfig(rank=rank, server_port=port, num_trainers=2, model=model))

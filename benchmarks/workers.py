@@ -4,7 +4,7 @@
   and batch, Adam, synthetic data in memory, torch threads = cores (or ``cuda:0``), the C
   library's allocator unless ``--allocator cached`` (the server's policy). Writes the
   same ``--stats-out`` JSON as ``psserver train`` (``step_ends``: monotonic end of each step).
-- ``idle``: a real PS trainer that joins (``psserver.ps.session.Session``: RPC group,
+- ``idle``: a real PS trainer that joins (``psserver.trainer.session.Session``: RPC group,
   ``DistributedOptimizer``, heartbeats) and then waits without stepping until SIGTERM, when
   it leaves cleanly. It is how the harness measures a server with trainers connected and idle.
 - ``psserver --channels basic ARGS``: ``psserver ARGS`` with TensorPipe's channels restricted,
@@ -80,7 +80,7 @@ def run_idle(args: argparse.Namespace) -> int:
     import torch
 
     from psserver.config import TrainerConfig
-    from psserver.ps.session import Session
+    from psserver.trainer.session import Session
 
     torch.set_num_threads(1)
     stop = threading.Event()

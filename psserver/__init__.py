@@ -1,3 +1,61 @@
-"""psserver: a parameter-server service for PyTorch."""
+"""psserver: a parameter-server service for PyTorch, a library first and a command second.
+
+The library (a training loop of your own)::
+
+    import psserver
+    with psserver.connect("10.0.0.5:29500", rank=0, num_trainers=2) as ps:
+        model = ps.replica(MyNet())
+        loader = DataLoader(ds, batch_size=64, sampler=ps.sampler(ds))
+        for epoch in range(ps.epoch, 3):
+            loader.sampler.set_epoch(epoch)
+            for x, y in loader:
+                loss_fn(model(x), y).backward()
+                ps.step()
+
+Public names:
+
+- ``connect(address, *, rank, num_trainers, reconnect, ...)``: join a ``psserver serve`` job
+  as a trainer; returns a ``Connection``.
+- ``Connection``: ``replica(model)``, ``sampler(dataset)``, ``step()``, ``evaluate(data)``,
+  ``lr``, ``global_step``, ``staleness``, ``epoch``, ``parameter_rrefs()`` and ``forward(x)``
+  (PyTorch's RPC tutorial loop), ``close()``.
+- ``DistributedOptimizer(ps, named_parameters, backward_passes_per_step=1)``: Horovod's and
+  BytePS's optimizer wrapper, with ``synchronize()`` and ``skip_synchronize()`` for AMP.
+- ``UsageError``, ``ServerLost``, ``Evicted``: what the library raises.
+
+The command line: ``psserver serve``, ``psserver train`` (``--entry MODULE:FUNCTION`` runs a
+loop function of yours with a connected ``ps``), ``psserver status``, ``psserver demo``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 __version__ = "0.1.0"
+
+__all__ = ["Connection", "DistributedOptimizer", "Evicted", "ServerLost", "UsageError", "connect"]
+
+_LAZY = {
+    "connect": "psserver.trainer.connection",
+    "Connection": "psserver.trainer.connection",
+    "DistributedOptimizer": "psserver.trainer.optimizer",
+    "UsageError": "psserver.errors",
+    "ServerLost": "psserver.errors",
+    "Evicted": "psserver.errors",
+}
+
+def __getattr__(name: str) -> Any:
+    """The library's names, imported on first use: the command line (``psserver --help``) does
+    not pay for torch's RPC stack."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'psserver' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

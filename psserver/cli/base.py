@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from psserver.config.env import default_rank, default_server_address, default_world_size, env_int
 from psserver.errors import UsageError
+
+__all__ = ["SubCommand", "config_errors", "default_rank", "default_server_address", "default_world_size",
+           "env_int"]
 
 
 class SubCommand(ABC):
@@ -43,30 +46,3 @@ def config_errors() -> Iterator[None]:
         raise
     except ValueError as e:
         raise UsageError(str(e)) from e
-
-
-def env_int(name: str, default: int | None) -> int | None:
-    """An int from the environment (torchrun / Slurm variables), else ``default``."""
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        return default
-
-
-def default_rank() -> int | None:
-    """RANK (torchrun), else SLURM_PROCID."""
-    return env_int("RANK", env_int("SLURM_PROCID", None))
-
-
-def default_world_size() -> int | None:
-    return env_int("WORLD_SIZE", env_int("SLURM_NTASKS", None))
-
-
-def default_server_address(default_port: int = 29500) -> str:
-    """MASTER_ADDR:MASTER_PORT when set, else 127.0.0.1:29500."""
-    host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
-    port = env_int("MASTER_PORT", default_port)
-    return f"{host}:{port}"

@@ -3,7 +3,7 @@
 
 A ``--mode ps`` trainer exits 0 when done, 2 for bad input (a rank whose holder is alive), 3
 when its server is lost or evicts it (unless ``--reconnect``), 143 / 130 after leaving on
-SIGTERM / SIGINT (``psserver.ps.trainer``)."""
+SIGTERM / SIGINT (``psserver.trainer.loop``)."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ class TrainCommand(SubCommand):
             with config_errors():
                 config = collective_config_from_args(args)
             return run_collective(config)
-        from psserver.ps.trainer import run_trainer
+        from psserver.trainer.loop import run_trainer
 
         with config_errors():
             config = trainer_config_from_args(args)

@@ -179,7 +179,7 @@ def _load_sparse(config, input_shape: tuple[int, ...], input_dtype) -> tuple[Ten
 def _check_fit(name: str, train: Dataset, input_shape: tuple[int, ...] | None, num_classes: int | None) -> None:
     """For psserver's own models (which say what they take): the first sample's input shape
     and, for an image folder, its number of classes. A user's model is checked by its first
-    step instead (``psserver.ps.trainer``)."""
+    step instead (``psserver.trainer.loop``)."""
     if input_shape is None or isinstance(train, IterableDataset):
         return
     x = train[0][0]

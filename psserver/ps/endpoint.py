@@ -42,6 +42,11 @@ NOT_A_MEMBER = "NOT_A_MEMBER"
 """What :func:`heartbeat` answers a trainer that is not a member (evicted, or never joined)."""
 
 
+Progress = tuple[int, float | None, int]
+"""What every call's reply says besides its result: the global step, the learning rate of the
+next update (None: the server holds no model yet) and the staleness of the caller's last update."""
+
+
 class NotAMember(RuntimeError):
     """A call from a trainer that is not a member (evicted, or never joined).
 
@@ -195,9 +200,10 @@ class Endpoint:
                              f"compute; this trainer would speak --step {step} (server compute)")
         return step
 
-    def call(self, trainer: str, op: str, args: tuple, report: Report | None) -> tuple[Any, list[str]]:
-        """``op`` of the server half of ``trainer``'s protocol (or ``evaluate``): its result and
-        what the trainer should be told (a step the guard dropped; its eviction)."""
+    def call(self, trainer: str, op: str, args: tuple, report: Report | None) -> tuple[Any, list[str], Progress]:
+        """``op`` of the server half of ``trainer``'s protocol (or ``evaluate``): its result, what
+        the trainer should be told (a step the guard dropped; its eviction) and where the server
+        is after the call (:data:`Progress`: what the library shows its user)."""
         with self._counted(op if op in self._ops else "unknown"):
             member = self._seen(trainer, None)
             if self.state == "WAITING":
@@ -215,7 +221,11 @@ class Endpoint:
                 self._unless_member(member)
             self.after_call()
             notices = self._guard_notices(trainer)
-        return result, notices
+        return result, notices, self._progress(trainer)
+
+    def _progress(self, trainer: str) -> Progress:
+        mine = self.engine.trainer_progress(trainer)
+        return self.engine.global_step, self.engine.learning_rate, mine.staleness if mine is not None else 0
 
     def _unless_member(self, member: Member) -> None:
         """A call that waited (sync, ssp) while its trainer was evicted may have opened a step
@@ -330,7 +340,7 @@ def join(request: JoinRequest) -> dict[str, Any]:
     return current().join(request)
 
 
-def call(trainer: str, op: str, args: tuple, report: Report | None) -> Any:
+def call(trainer: str, op: str, args: tuple, report: Report | None) -> tuple[Any, list[str], Progress]:
     return current().call(trainer, op, args, report)
 
 

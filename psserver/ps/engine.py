@@ -428,6 +428,13 @@ class StepEngine:
             self._open[trainer] = samples
         self.updater.step_opened(trainer)
 
+    def set_samples(self, trainer: str, samples: int) -> None:
+        """The samples of ``trainer``'s open step, known only once it ran (a library trainer
+        opens its next step before its user's loop has read the next batch)."""
+        with self._cond:
+            if trainer in self._open:
+                self._open[trainer] = samples
+
     def submit(self, trainer: str, grads: Grads, norm: float | None = None,
                buffers: torch.Tensor | None = None) -> None:
         """The whole gradient of ``trainer``'s open step: one update (async, ssp) or a share of

@@ -7,7 +7,7 @@ the torch release they were written for: ``torch.distributed.rpc`` is in mainten
 they are unlikely to move, but if they do this is the one module to read.
 
 What psserver does *not* do is initialise RPC twice in one process (a trainer re-executes
-itself to rejoin, ``psserver.ps.trainer``). Read in torch 2.14: ``init_rpc`` initialises the
+itself to rejoin, ``psserver.trainer.loop``). Read in torch 2.14: ``init_rpc`` initialises the
 ``dist_autograd`` container with the worker id, once per process ("Container is already
 initialized with worker_id"); the RRef context is a process-wide singleton that keeps the
 first agent, so RRefs a later agent sends name the first id as their parent ("could not find

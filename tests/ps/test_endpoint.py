@@ -60,7 +60,7 @@ def join(ep: Endpoint, name: str, step: str = "chained", **kw) -> dict:
 def test_calls_reach_the_protocol_of_the_trainer_and_record_its_report(endpoint):
     reply = join(endpoint, "t")
     assert reply["model"] == "mlp" and reply["optimizer"]["name"] == "adam" and "error" not in reply
-    out, notices = endpoint.call("t", "step", (None, torch.randn(4, 1, 28, 28)), Report(3, 192, 0.5, 100.0))
+    out, notices, _ = endpoint.call("t", "step", (None, torch.randn(4, 1, 28, 28)), Report(3, 192, 0.5, 100.0))
     assert out.shape == (4, 10) and notices == []
     status = endpoint.membership.seen("t").status
     assert (status.steps, status.samples, status.last_loss) == (3, 192, 0.5)
@@ -124,11 +124,11 @@ def test_a_non_finite_gradient_is_dropped_told_and_its_sender_evicted_at_the_lim
     engine = endpoint.engine
     before = [p.detach().clone() for p in engine.params]
     bad = torch.full((4, 1, 28, 28), float("nan"))
-    out, notices = endpoint.call("t", "step", (None, bad), None)  # forward of step 1
+    out, notices, _ = endpoint.call("t", "step", (None, bad), None)  # forward of step 1
     limit = engine.config.max_nonfinite_steps
     for i in range(1, limit + 1):
         # Backward and update of step i (its gradient is NaN), forward of step i + 1.
-        out, notices = endpoint.call("t", "step", (torch.ones_like(out), bad), None)
+        out, notices, _ = endpoint.call("t", "step", (torch.ones_like(out), bad), None)
         assert len(notices) == (1 if i < limit else 2), notices
         assert "dropped a step" in notices[0] and f"{i} non-finite in a row" in notices[0]
     assert "evicted by the server: sent 3 non-finite gradients in a row" in notices[-1]

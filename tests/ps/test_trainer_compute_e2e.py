@@ -31,7 +31,7 @@ STEPS, BATCH, LR = 20, 256, 0.01
 
 def local_loop(model_name: str, steps: int, batch_size: int, lr: float, data: DataConfig) -> dict[str, torch.Tensor]:
     """The parameters after ``steps`` Adam steps of a plain loop over the batches a single
-    trainer (``psserver.ps.trainer.run_trainer``, one shard) feeds, in its order: the server's
+    trainer (``psserver.trainer.loop.run_trainer``, one shard) feeds, in its order: the server's
     initial parameters (seed 0), the trainer's sampler and slicing, one thread as the trainer."""
     spec = get_model_spec(model_name)
     train_set, _ = load_dataset(data, spec.input_shape, spec.num_classes, spec.input_dtype)

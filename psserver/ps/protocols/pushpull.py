@@ -33,18 +33,25 @@ class PushPullServer(TrainerComputeServer):
     ops = ("exchange", "parameters", "rows")
 
     def exchange(self, trainer: str, grads: list[torch.Tensor] | None, samples: int | None,
-                 norm: float | None = None, rows: dict | None = None, buffers: torch.Tensor | None = None):
+                 norm: float | None = None, rows: dict | None = None, buffers: torch.Tensor | None = None,
+                 done: int | None = None):
         """Apply ``grads`` (the flat gradient of ``trainer``'s open step; None: none owed), then
         return the flat parameters for its next step of ``samples`` (None: it is done). With
         several server processes ``grads`` is this server's partition and ``norm`` the whole
         gradient's norm. With embedding tables ``rows`` is ``{"grads": {table: row gradients of
         the open step} | None, "ids": {table: ids of the next step} | None}`` and the reply is
         ``(parameters, {table: rows})``. With the model's buffers (server 0), ``buffers`` are the
-        trainer's after the open step's forward, and the parameters it gets end with the server's."""
+        trainer's after the open step's forward, and the parameters it gets end with the server's.
+        ``done``: the samples of the open step, for a trainer that learnt them only after opening
+        it (the library's, which opens its next step before its user reads the next batch)."""
         if norm is not None and not isinstance(norm, float):
             raise ValueError(f"gradient norm must be a float, got {type(norm).__name__}")
+        if done is not None and (not isinstance(done, int) or done < 0):
+            raise ValueError(f"a step's samples must be an int >= 0, got {done!r}")
         row_grads, ids = self._row_request(rows)
         buffers = self.check_buffers(buffers)
+        if done is not None and grads is not None:
+            self.engine.set_samples(trainer, done)
         return self.finish_then_start(
             trainer, lambda: grads is not None and self._push(trainer, grads, norm, row_grads, buffers),
             None if samples is None else lambda: self._pull(trainer, samples, ids))
@@ -92,11 +99,13 @@ class PushPullTrainer(TrainerComputeHalf):
         """Bytes of the tables' traffic its steps needed at least: each unique id once, its row
         down and its gradient up (benchmarks compare what crossed the network with it)."""
 
-    def _exchange(self, grads: Owed | None, samples: int | None, batch: RowBatch | None = None) -> list:
-        """One ``exchange`` per server process, all in flight at once; their replies in order."""
+    def _exchange(self, grads: Owed | None, samples: int | None, batch: RowBatch | None = None,
+                  done: int | None = None) -> list:
+        """One ``exchange`` per server process, all in flight at once; their replies in order
+        (``done``: the samples of the step whose gradient goes, when not said at its start)."""
         dense, rows, buffers = grads if grads is not None else (None, None, None)
         if self.plan is None and self.table_columns is None:
-            tail = () if buffers is None else (None, None, buffers)
+            tail: tuple = () if buffers is None and done is None else (None, None, buffers, done)
             return [self.channel.call("exchange", None if dense is None else dense[0], samples, *tail)]
         servers = len(self.channel.servers)
         # Several servers each see a part of the step: they all decide on the whole step's norm.
@@ -107,8 +116,8 @@ class PushPullTrainer(TrainerComputeHalf):
             if self.table_columns is not None:
                 a += ({"grads": None if rows is None else rows[i],
                        "ids": None if batch is None else batch.requests[i]},)
-            if i == 0 and buffers is not None:  # server 0 holds the buffers
-                a += (None,) * (4 - len(a)) + (buffers,)
+            if i == 0 and (buffers is not None or done is not None):  # server 0 holds the buffers
+                a += (None,) * (4 - len(a)) + (buffers, done)
             args.append(a)
         if servers == 1:
             return [self.channel.call("exchange", *args[0])]
@@ -141,6 +150,26 @@ class PushPullTrainer(TrainerComputeHalf):
         grads, self._grads = self._grads, None
         if grads is not None:
             self._exchange(grads, None)
+
+    # ---- the library's step (psserver.trainer.connection): its user runs forward and backward
+
+    def open(self) -> None:
+        """Start the first step: the server's parameters (and buffers) into the replica."""
+        self.load(self._exchange(None, 0))
+        self._loaded = False
+
+    def push_pull(self, samples: int) -> None:
+        """End the open step with the gradient its user's backward left in ``.grad`` (of
+        ``samples`` samples) and start the next on the parameters that come back; the gradients
+        are zeroed. A model with embedding tables has no library step (its rows come with the
+        batch: ``psserver train``'s loop)."""
+        if self.table_columns is not None:
+            raise RuntimeError("a model with embedding tables on the servers trains through psserver train's loop")
+        grads = (self.flat_grads([p.grad for p in self.params]), None, self.owed_buffers())
+        for p in self.params:
+            p.grad = None
+        self.load(self._exchange(grads, 0, done=samples))
+        self._loaded = False
 
 
 PROTOCOL = register(StepProtocol("pushpull", PushPullTrainer, PushPullServer))

@@ -3,7 +3,7 @@
 The :class:`Session` is the join, the heartbeat, the leave, and the channel its step
 protocol's trainer half calls the server through (``psserver.ps.protocols``). Progress and
 liveness ride on every call as a :class:`~psserver.ps.messages.Report`; a low-rate heartbeat
-covers the time between steps. The training loop around it: ``psserver.ps.trainer``.
+covers the time between steps. The training loop around it: ``psserver.trainer.loop``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from psserver.ps.engine import resolve_device
 from psserver.ps.messages import JoinRequest, Report
 from psserver.ps.protocols import TrainerHalf, get_protocol
 from psserver.ps.protocols.trainer_compute import WIRE_DTYPES
-from psserver.ps.stop_signals import StopSignals
+from psserver.trainer.stop_signals import StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,8 @@ class Session:
     """One membership of the RPC group, at most one per process (``--reconnect`` re-executes the
     trainer to rejoin: see the module's docstring)."""
 
-    def __init__(self, config: TrainerConfig, stop: StopSignals | None = None) -> None:
+    def __init__(self, config: TrainerConfig, stop: StopSignals | None = None,
+                 model: torch.nn.Module | None = None) -> None:
         self.config = config
         self.closed = False
         self.device = trainer_device(config.device)
@@ -66,13 +67,13 @@ class Session:
                 config.server_host, config.server_port, config.connect_timeout, config.rpc_timeout, token
             )
         published = rendezvous.model_info(self.store)
-        self.spec: ModelSpec = choose_model(config, published)
-        """This trainer's model: ``--model``, else the server's."""
+        self.spec: ModelSpec = choose_model(config, published) if model is None else instance_spec(model)
+        """This trainer's model: the library's instance, else ``--model``, else the server's."""
         self.loss_fn = resolve_loss(config.loss, self.spec.loss)
         """The training loss (``--loss``, else the model's), which the trainer half computes."""
-        self.model: torch.nn.Module = build_model(self.spec, seed=int(published.get("seed") or 0),
-                                                  embedding_dim=published.get("embedding_dim"))
-        """The replica, as built (on the CPU): its layout is checked at the join."""
+        self.model: torch.nn.Module = model if model is not None else build_model(
+            self.spec, seed=int(published.get("seed") or 0), embedding_dim=published.get("embedding_dim"))
+        """The replica (the library's instance, or as built, on the CPU): its layout is checked at the join."""
         layout = ModelLayout.of(self.model)
         # While the server holds no model, the join brings this one's initial values.
         values = values_of(self.model, layout) if published.get("fingerprint") is None else None
@@ -113,6 +114,9 @@ class Session:
         """How long the join call took (with the model's initial values when it brought them)."""
         self.brought_model = values is not None
         self.report: Report | None = None
+        self.progress: tuple[int, float | None, int] = (int(self.info["global_step"]), None, 0)
+        """What server 0 said with its last reply: its global step, learning rate and the
+        staleness of this trainer's last update."""
         self.servers: list[str] = list(self.info.get("servers", [rendezvous.SERVER_NAME]))
         """RPC names of the server processes, server 0 first (several: ``--num-servers``)."""
         self.step_protocol: str = self.info["step"]
@@ -128,7 +132,8 @@ class Session:
     def call(self, op: str, *args):
         """``op`` of the server half of this session's step protocol (the trainer half's channel);
         what the server tells along (a step it dropped) is logged."""
-        result, notices = rpc.rpc_sync(rendezvous.SERVER_NAME, endpoint.call, args=(self.name, op, args, self.report))
+        result, notices, self.progress = rpc.rpc_sync(rendezvous.SERVER_NAME, endpoint.call,
+                                                      args=(self.name, op, args, self.report))
         for notice in notices:
             log.warning("%s", notice)
         return result
@@ -141,11 +146,12 @@ class Session:
         results, failed = [], None
         for i, fut in enumerate(futures):
             try:
-                result, notices = fut.wait()
+                result, notices, progress = fut.wait()
             except RuntimeError as e:
                 failed = failed or (i, e)
                 continue
             if i == 0:
+                self.progress = progress
                 for notice in notices:
                     log.warning("%s", notice)
             results.append(result)
@@ -242,6 +248,16 @@ def choose_model(config: TrainerConfig, published: dict) -> ModelSpec:
         raise UsageError(f"model {spec.name} keeps embedding tables on the servers, which a server started without "
                          f"--model cannot hold: start psserver serve with --model {spec.name}")
     return spec
+
+
+def instance_spec(model: torch.nn.Module) -> ModelSpec:
+    """The spec of a model the library was handed as an instance (``Connection.replica``): named
+    by its class, its loss and metric the defaults of a user's model."""
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"ps.replica takes an nn.Module, got {type(model).__name__}")
+    cls = type(model)
+    return ModelSpec(name=f"{cls.__module__}:{cls.__qualname__}", build=lambda: model, input_shape=None,
+                     num_classes=None, description=f"the {cls.__qualname__} instance this trainer brought")
 
 
 def trainer_device(name: str) -> torch.device:

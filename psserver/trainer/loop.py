@@ -1,7 +1,7 @@
 """``psserver train --rank N``: join the server, train, evaluate, leave.
 
 The session with the server (join, heartbeat, leave, the channel of the step protocol) is
-``psserver.ps.session``; this module is the training loop around it and its recovery.
+``psserver.trainer.session``; this module is the training loop around it and its recovery.
 
 How a trainer's run ends early:
 - SIGTERM (Kubernetes, Slurm: preemption) or SIGINT: the step in flight finishes, what the
@@ -10,13 +10,12 @@ How a trainer's run ends early:
   ``--trainer-timeout``, or evicted by the server's guard), or the server is gone: exit 3, or
   with ``--reconnect`` the trainer rejoins under a fresh name and continues where it was.
 
-A rejoin runs in a fresh process image of the same command line (``psserver.ps.rejoin`` says
+A rejoin runs in a fresh process image of the same command line (``psserver.trainer.rejoin`` says
 why).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -27,24 +26,21 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict
-from typing import NoReturn
 
 import psutil
 import torch
-import torch.distributed.rpc as rpc
 
 from psserver.config import TrainerConfig
 from psserver.data import Batches, check_batch, default_workers, load_dataset
-from psserver.errors import DataError, Evicted, ServerLost, UsageError
+from psserver.errors import DataError, UsageError
 from psserver.models import ModelSpec
 from psserver.models.calling import describe_input, input_batch_size
 from psserver.models.losses import loss_name
-from psserver.ps import endpoint, rendezvous
 from psserver.ps.messages import Report
-from psserver.ps.rejoin import Position, reexec, take_position
-from psserver.ps.session import PROBE_TIMEOUT_S, JoinLost, PartitionCallError, Session, remote_message
-from psserver.ps.stop_signals import Stopped, StopSignals
+from psserver.trainer.recovery import FAILED, diagnose, join, recover, shard_count
+from psserver.trainer.rejoin import Position, take_position
+from psserver.trainer.session import Session, remote_message
+from psserver.trainer.stop_signals import Stopped, StopSignals
 from psserver.utils.cpus import share, usable_cpus
 from psserver.utils.memory import configure_host_allocator, freeze_long_lived
 from psserver.utils.metrics import resolve_metric
@@ -52,31 +48,12 @@ from psserver.utils.progress import Progress
 
 log = logging.getLogger(__name__)
 
-EVICTED, LOST, FAILED = "evicted", "lost", "failed"
-"""Why a call failed (:func:`_diagnose`)."""
-PROBE_TRIES, PROBE_RETRY_S = 2, 0.5
-"""Asking the server after a failed call: once more after a pause when the first question
-fails, since a server that evicted this trainer may just have closed its pipe (the next call
-opens a new one)."""
-
 def _test_step_delay() -> float:
     """Tests only: ``PSSERVER_TEST_STEP_DELAY`` seconds of sleep per step, a slow trainer."""
     try:
         return max(0.0, float(os.environ.get("PSSERVER_TEST_STEP_DELAY", "0")))
     except ValueError:
         return 0.0
-
-
-def _shard_count(config: TrainerConfig, info: dict) -> int:
-    if config.num_trainers is not None:
-        return config.num_trainers
-    if info["update"] == "sync":
-        n = int(info["sync_trainers"])
-        if config.rank < n:
-            return n
-    if config.rank == 0:
-        return 1
-    raise UsageError(f"rank {config.rank}: pass --num-trainers (or set WORLD_SIZE) so the data can be sharded")
 
 
 class ThreadShare:
@@ -127,10 +104,10 @@ def run_trainer(config: TrainerConfig) -> int:
 
 
 def _train(config: TrainerConfig, position: Position | None, stop: StopSignals) -> int:
-    session = _join(config, position, stop)
+    session = join(config, position, stop)
     try:
         spec = session.spec
-        num_shards = _shard_count(config, session.info)
+        num_shards = shard_count(config, session.info)
         if config.rank >= num_shards:
             raise UsageError(f"--rank {config.rank} must be < number of trainers {num_shards}")
         train_set, eval_set = load_dataset(config.data, spec.input_shape, spec.num_classes, spec.input_dtype)
@@ -187,7 +164,7 @@ def _run(config: TrainerConfig, session: Session, data: Batches, eval_set, spec:
                         _first_step_failed(session, config, spec, e, xb, yb)  # raises when the data does not fit
                     if not isinstance(e, RuntimeError | TimeoutError):
                         raise
-                    _recover(session, config, e, pos, stop, data)  # rejoins in a new process image, or raises
+                    recover(session, config, e, pos, stop, data.close)  # rejoins in a new process image, or raises
                 first = False
                 read += 1
                 pos.steps += 1
@@ -211,7 +188,7 @@ def _run(config: TrainerConfig, session: Session, data: Batches, eval_set, spec:
         try:
             score = _evaluate(session, config, eval_set, metric, metric_fn)
         except (RuntimeError, TimeoutError) as e:
-            _recover(session, config, e, pos, stop, data)
+            recover(session, config, e, pos, stop, data.close)
     except BaseException:
         progress.close()
         session.leave()
@@ -275,7 +252,7 @@ def _first_step_failed(session: Session, config: TrainerConfig, spec: ModelSpec,
     return when the server is the problem (lost, or evicted this trainer: recovered as any step)."""
     if isinstance(error, UsageError):
         raise error
-    if isinstance(error, RuntimeError | TimeoutError) and _diagnose(session, error) != FAILED:
+    if isinstance(error, RuntimeError | TimeoutError) and diagnose(session, error) != FAILED:
         return
     text = str(error).strip()
     first_line = text.splitlines()[0] if text else ""
@@ -289,41 +266,6 @@ def _first_step_failed(session: Session, config: TrainerConfig, spec: ModelSpec,
                     f"take: {line}") from None
 
 
-def _join(config: TrainerConfig, position: Position | None, stop: StopSignals) -> Session:
-    """The first join; or, in a trainer re-executed to rejoin, the rejoin, tried until the
-    server takes it (each try waits up to ``--connect-timeout`` for a server that is starting)."""
-    if position is None:
-        if not config.reconnect:
-            return Session(config, stop)
-        try:
-            return Session(config, stop)
-        except JoinLost as e:  # --reconnect: a server lost during the first join is waited for too
-            log.warning("joining failed (%s): rejoining in a fresh process", e)
-            reexec(Position(), stop)  # RPC is never initialised twice in one process (psserver.ps.torch_rpc)
-    where = f"{config.server_host}:{config.server_port}"
-    delay = 0.5
-    attempt = 0
-    while True:
-        attempt += 1
-        log.info("rejoining psserver %s (attempt %d)", where, attempt)
-        try:
-            session = Session(config, stop)
-        except JoinLost as e:  # init_rpc failed half-way: RPC cannot be initialised again in this process
-            log.warning("rejoin attempt %d failed (%s): rejoining in a fresh process", attempt, e)
-            reexec(position, stop)
-        except (UsageError, RuntimeError) as e:
-            log.warning("rejoin attempt %d failed (%s): retrying in %.1fs", attempt, remote_message(e), delay)
-            with stop.interruptible():
-                time.sleep(delay)
-            delay = min(delay * 2, 10.0)
-            continue
-        if position.report is not None:
-            session.report = Report(**position.report)
-        log.info("reconnected as %s at global step %d (attempt %d)", session.name, session.info["global_step"],
-                 attempt)
-        return session
-
-
 def _leave_on_signal(session: Session, signum: int, pos: Position, progress: Progress) -> int:
     progress.close()
     code = 128 + signum
@@ -331,74 +273,6 @@ def _leave_on_signal(session: Session, signum: int, pos: Position, progress: Pro
                 pos.steps, code)
     session.leave()
     return code
-
-
-def _diagnose(session: Session, error: BaseException | None = None) -> str:
-    """Why a call failed: ``EVICTED`` (the server says this trainer is no member), ``LOST`` (no
-    answer, or a server that is stopping), ``FAILED`` (the call itself, for a member of a serving
-    server). The server is asked, whatever ``error`` says: a remote exception arrives as a bare
-    ``RuntimeError``, and a step of ``--step plain`` or ``pull`` fails inside torch's
-    ``dist_autograd`` ("Could not find autograd context") before any call of ours can say why.
-    A call that failed on another server process (several) is ``LOST`` when that one does not
-    answer a ping: server 0 may not have noticed yet.
-
-    The questions go from a thread of their own: when the server released this trainer's
-    autograd context (an eviction does), the ``with dist_autograd.context()`` of the failed step
-    could not release it, and torch leaves the stale id current on the failed thread, where
-    every RPC then fails ("Couldn't find autograd context data")."""
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="psserver-probe") as pool:
-        return pool.submit(_ask_server, session, error).result()
-
-
-def _ask_server(session: Session, error: BaseException | None) -> str:
-    if isinstance(error, PartitionCallError) and error.server > 0:
-        try:
-            rpc.rpc_sync(error.server_name, rendezvous.ping, timeout=PROBE_TIMEOUT_S)
-        except Exception:  # noqa: BLE001 - no answer: that server process is gone
-            return LOST
-    state = None
-    for attempt in range(PROBE_TRIES):
-        try:
-            state = session.probe()
-            break
-        except Exception as e:  # noqa: BLE001 - no answer: the server is gone, or the pipe it just closed is
-            log.debug("asking the server after a failed call (attempt %d): %s", attempt + 1, e)
-            if attempt + 1 == PROBE_TRIES:
-                return LOST
-            time.sleep(PROBE_RETRY_S)
-    if state == endpoint.NOT_A_MEMBER:
-        return EVICTED
-    return FAILED if state == "SERVING" else LOST
-
-
-def _recover(session: Session, config: TrainerConfig, error: BaseException, pos: Position,
-             stop: StopSignals, data: Batches | None = None) -> NoReturn:
-    """After a failed call: a failure of a live membership is a bug (raised); an eviction or a lost
-    server ends the trainer (exit 3), or with ``--reconnect`` it rejoins under a fresh name and
-    continues with the same batch (the failed step's update was not applied)."""
-    what = _diagnose(session, error)
-    reason = remote_message(error)
-    where = f"{config.server_host}:{config.server_port}"
-    if what == FAILED:
-        session.leave()
-        raise RuntimeError(f"training step failed on the server: {reason}")
-    name = session.name
-    session.abandon()
-    stop.check("after its eviction" if what == EVICTED else "after losing its server")
-    if not config.reconnect:
-        if what == EVICTED:
-            raise Evicted(f"{name} was evicted by the psserver at {where} (no sign of life within its "
-                          "--trainer-timeout, or a gradient it would not keep); use --reconnect to rejoin")
-        raise ServerLost(f"lost the server at {where} ({reason}); use --reconnect to wait for it")
-    if what == EVICTED:
-        log.warning("%s was evicted by the psserver at %s: rejoining under a fresh name", name, where)
-    else:
-        log.warning("server at %s lost (%s): reconnecting", where, reason)
-    pos.reconnects += 1
-    pos.report = asdict(session.report) if session.report is not None else None
-    if data is not None:
-        data.close()  # its worker processes would outlive this process image
-    reexec(pos, stop)
 
 
 if __name__ == "__main__":  # pragma: no cover

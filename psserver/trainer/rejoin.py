@@ -19,11 +19,12 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any, NoReturn
 
 from psserver.errors import ServerLost, UsageError
-from psserver.ps.stop_signals import StopSignals
+from psserver.trainer.stop_signals import StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -42,16 +43,18 @@ class Position:
     loss: float = math.nan
     t_start: float = dataclasses.field(default_factory=time.monotonic)
     """``time.monotonic()`` when the run started: one clock for the whole system, across ``exec``."""
+    epoch_samples: int = 0
+    """Samples trained on in ``epoch`` (the library's sampler skips them after a rejoin)."""
     step_ends: list[float] = dataclasses.field(default_factory=list)
     report: dict[str, Any] | None = None
     """The last :class:`Report`'s fields."""
     reconnects: int = 0
 
 
-def reexec(pos: Position, stop: StopSignals) -> NoReturn:
-    """Continue in a fresh process image of the same command line, which rejoins (see the
-    module's docstring for why not in this one)."""
-    argv = command_line()
+def reexec(pos: Position, stop: StopSignals, argv: Sequence[str] | None = None) -> NoReturn:
+    """Continue in a fresh process image of ``argv`` (default: the same ``psserver train``
+    command line), which rejoins (see the module's docstring for why not in this one)."""
+    argv = list(argv) if argv is not None else command_line()
     if argv is None:
         raise ServerLost("cannot rejoin: this trainer is not the psserver command line (only `psserver train` "
                          "re-executes itself to rejoin)")
@@ -80,6 +83,16 @@ def command_line() -> list[str] | None:
     if "train" not in sys.argv[1:]:
         return None
     return [sys.executable, *sys.orig_argv[1:]]
+
+
+def script_command_line() -> list[str] | None:
+    """This process's own command line, to re-execute a library trainer's script (``python
+    train.py ...``, ``python -m pkg``, ``python -c ...``); None for an interactive interpreter,
+    which has no command to run again."""
+    args = sys.orig_argv[1:]
+    if not args or args == ["-i"] or (sys.flags.interactive and not sys.argv[0]):
+        return None
+    return [sys.executable, *args]
 
 
 def take_position() -> Position | None:

@@ -1,0 +1,379 @@
+"""psserver as a library: :func:`connect` gives a :class:`Connection`, this process's membership
+of a parameter server, and the user's own loop trains through it.
+
+::
+
+    with psserver.connect("10.0.0.5:29500", rank=0, num_trainers=2) as ps:
+        model = ps.replica(MyNet())          # the server's parameters and buffers loaded
+        loader = DataLoader(ds, batch_size=64, sampler=ps.sampler(ds))
+        for epoch in range(ps.epoch, 3):
+            loader.sampler.set_epoch(epoch)
+            for x, y in loader:
+                loss_fn(model(x), y).backward()
+                ps.step()                    # gradient up, fresh parameters down, grads zeroed
+
+The connection is the same membership ``psserver train`` has (``psserver.trainer.session``):
+a heartbeat thread keeps it alive while the user's code is busy between steps, SIGTERM and
+SIGINT leave after the step in flight, and a failed step is diagnosed by asking the server.
+RPC cannot be set up twice in one process, so with ``reconnect=True`` a trainer that was
+evicted or lost its server re-executes its own script, which connects again and continues
+from :attr:`Connection.epoch` (and the sampler skips what that epoch already trained on).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import math
+import signal
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from psserver.config import TrainerConfig, parse_host_port
+from psserver.config.env import default_rank, default_server_address, default_world_size
+from psserver.errors import UsageError
+from psserver.models.calling import input_batch_size
+from psserver.models.losses import resolve_loss
+from psserver.ps.messages import Report
+from psserver.trainer.recovery import join, recover, shard_count
+from psserver.trainer.rejoin import Position, script_command_line, take_position
+from psserver.trainer.sampler import ResumableSampler
+from psserver.trainer.session import Session
+from psserver.trainer.stop_signals import StopSignals
+from psserver.utils.memory import configure_host_allocator
+from psserver.utils.metrics import resolve_metric
+
+log = logging.getLogger(__name__)
+
+
+class Connection:
+    """This process's membership of a psserver job, for a training loop of the user's own.
+
+    Made by :func:`psserver.connect`; use it as a context manager, which leaves the server on
+    the way out (after an exception too, saying so). It joins at :meth:`replica` (the model's
+    layout is part of the join), or at :meth:`parameter_rrefs` for the RPC tutorial's loop.
+    """
+
+    def __init__(self, config: TrainerConfig, *, handle_signals: bool = True) -> None:
+        self.config = config
+        configure_host_allocator(config.allocator)
+        self._stop = StopSignals()
+        if handle_signals:
+            self._stop.__enter__()
+        resumed = take_position()
+        self.resumed = resumed is not None
+        """Whether this process continues a trainer that rejoined (``reconnect=True``)."""
+        self._pos = resumed or Position()
+        self._argv = script_command_line()
+        self.session: Session | None = None
+        self.model: nn.Module | None = None
+        """The replica :meth:`replica` was given (None before)."""
+        self._counted = 0  # samples the replica's training forwards saw since the last step
+        self._hook: Any = None
+        self._closed = False
+        atexit.register(self._at_exit)
+
+    # ---- joining ---------------------------------------------------------------------------
+
+    def replica(self, model: nn.Module) -> nn.Module:
+        """Join the server with ``model`` and return it, holding the server's parameters and
+        buffers: its layout (names, shapes, dtypes of its ``state_dict``) must be the server's,
+        or it becomes the server's when the server holds none yet (its values the initial ones).
+        It moves to the connection's ``device``. Batches are counted from its training forwards."""
+        if self.session is not None:
+            raise UsageError("this connection has joined already: one replica per connection (and per process)")
+        if self.config.step not in (None, "pushpull"):
+            raise UsageError(f"ps.replica trains with step='pushpull' (the trainer computes); "
+                             f"step={self.config.step!r} is psserver train's own loop")
+        self.session = self._join(model)
+        if self.session.step_protocol != "pushpull":
+            self.session.leave()
+            raise UsageError(f"the server answered with --step {self.session.step_protocol}: ps.step needs pushpull "
+                             "(a server that runs every step with --compute server cannot serve a replica)")
+        half = self.session.protocol
+        self.model = half.model  # the same module, on the connection's device
+        try:
+            self._call(half.open)
+        except BaseException:
+            self._leave(None)
+            raise
+        self._hook = self.model.register_forward_pre_hook(self._count, with_kwargs=True)
+        return self.model
+
+    def parameter_rrefs(self) -> list[torch.distributed.rpc.RRef]:
+        """RRefs to the server's parameters, for PyTorch's RPC tutorial loop: ``with
+        dist_autograd.context() as ctx``, ``out = ps.forward(x)``, ``dist_autograd.backward(ctx,
+        [loss])``, and a ``torch.distributed.optim.DistributedOptimizer`` over these RRefs whose
+        ``step(ctx)`` goes through the server's one shared optimizer (any optimizer class it
+        names: the server's ``--optimizer`` applies). The server must hold the model's code
+        (``psserver serve --model``), since it runs the forward."""
+        if self.session is None:
+            if self.config.step not in (None, "plain"):
+                raise UsageError(f"ps.parameter_rrefs speaks step='plain'; this connection asked for "
+                                 f"{self.config.step!r}")
+            self.config = dataclasses.replace(self.config, step="plain", compute=None)
+            self.session = self._join(None)
+        if self.session.step_protocol != "plain":
+            raise UsageError(f"ps.parameter_rrefs needs step='plain'; this connection trains with "
+                             f"{self.session.step_protocol!r} (ps.replica)")
+        return list(self.session.info["param_rrefs"])
+
+    def forward(self, x: Any) -> torch.Tensor:
+        """The server's model on ``x`` (the RPC tutorial's remote forward), inside the caller's
+        ``dist_autograd`` context: its backward reaches the server's parameters."""
+        session = self._joined("forward")
+        if session.step_protocol != "plain":
+            raise UsageError("ps.forward is the RPC tutorial's path: call ps.parameter_rrefs() first (no ps.replica)")
+        n = input_batch_size(x)
+        out = self._call(lambda: session.call("forward", x))
+        self._advance(n, None)
+        return out
+
+    def _join(self, model: nn.Module | None) -> Session:
+        session = join(self.config, self._pos if self.resumed else None, self._stop, model, self._argv)
+        if self._pos.report is not None:
+            session.report = Report(**self._pos.report)
+        return session
+
+    # ---- training --------------------------------------------------------------------------
+
+    def sampler(self, dataset: Dataset, *, shuffle: bool = True, seed: int = 0,
+                drop_last: bool = False) -> ResumableSampler:
+        """This trainer's shard of ``dataset``: a ``DistributedSampler`` over ``num_trainers``
+        shards at this rank (call its ``set_epoch`` each epoch), which after a rejoin resumes
+        the epoch it was in without the samples already trained on."""
+        resume = (self._pos.epoch, self._pos.epoch_samples) if self.resumed else None
+        return ResumableSampler(dataset, num_replicas=self.num_trainers, rank=self.config.rank, shuffle=shuffle,
+                                seed=seed, drop_last=drop_last, on_epoch=self._on_epoch, resume=resume)
+
+    def step(self, *, samples: int | None = None, loss: float | torch.Tensor | None = None) -> None:
+        """End this step: the gradient in the replica's ``.grad`` goes to the server (one update,
+        or this trainer's share of a sync round), the server's fresh parameters and buffers come
+        back into the replica, and its gradients are zeroed. ``samples``: the step's samples
+        (default: counted from the replica's training forwards since the last step); ``loss``:
+        shown by ``psserver status`` for this trainer.
+
+        Raises :class:`~psserver.errors.Evicted` or :class:`~psserver.errors.ServerLost` when the
+        server evicted this trainer or is gone (with ``reconnect=True`` the script re-executes
+        instead); after SIGTERM or SIGINT, the step done, it leaves and exits 128 + the signal."""
+        session = self._joined("step")
+        if self.model is None:
+            raise UsageError("ps.step trains a replica: call ps.replica(model) first")
+        n = self._counted if samples is None else int(samples)
+        self._counted = 0
+        half = session.protocol
+        self._call(lambda: half.push_pull(n))
+        self._advance(n, loss)
+
+    def _advance(self, samples: int, loss: float | torch.Tensor | None) -> None:
+        """Count a step done; leave after it when a signal asked to."""
+        pos = self._pos
+        pos.steps += 1
+        pos.samples += samples
+        pos.epoch_samples += samples
+        if loss is not None:
+            pos.loss = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        rate = pos.samples / max(1e-6, time.monotonic() - pos.t_start)
+        assert self.session is not None
+        self.session.report = Report(pos.steps, pos.samples, pos.loss, rate)
+        if self._stop.signum is not None:
+            code = 128 + self._stop.signum
+            log.warning("received %s: step %d done, leaving psserver (exit %d)",
+                        signal.Signals(self._stop.signum).name, pos.steps, code)
+            self._leave(None)
+            raise SystemExit(code)
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """A call of the step; a failed one is diagnosed by asking the server (evicted, lost:
+        :func:`~psserver.trainer.recovery.recover`; a failure of the call itself is raised)."""
+        assert self.session is not None
+        try:
+            return fn()
+        except (RuntimeError, TimeoutError) as e:
+            self._pos.report = asdict(self.session.report) if self.session.report is not None else None
+            self._unhook()
+            recover(self.session, self.config, e, self._pos, self._stop, argv=self._argv)
+
+    def _count(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if module.training and torch.is_grad_enabled():
+            x = args[0] if len(args) == 1 else (args if args else kwargs)
+            try:
+                self._counted += input_batch_size(x)
+            except (TypeError, ValueError, IndexError):
+                pass  # an input whose batch size cannot be read: pass samples= to step()
+
+    def _on_epoch(self, epoch: int) -> None:
+        if epoch != self._pos.epoch:
+            self._pos.epoch = epoch
+            self._pos.epoch_samples = 0
+
+    # ---- what the server says --------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self.config.rank
+
+    @property
+    def num_trainers(self) -> int:
+        """The number of data shards: ``num_trainers`` (``$WORLD_SIZE``), else the server's sync
+        K, else 1 for rank 0."""
+        info = self.session.info if self.session is not None else {"update": None}
+        return shard_count(self.config, info)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch to start from: 0, or after a rejoin the epoch the trainer was in."""
+        return self._pos.epoch
+
+    @property
+    def steps(self) -> int:
+        """Steps this trainer has done (across rejoins)."""
+        return self._pos.steps
+
+    @property
+    def global_step(self) -> int:
+        """The server's optimizer steps, as of this trainer's last call."""
+        return self._joined("global_step").progress[0]
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the server's next update (its ``--lr-schedule``), as of this
+        trainer's last call."""
+        session = self._joined("lr")
+        lr = session.progress[1]
+        return float(session.info["optimizer"]["lr"]) if lr is None else float(lr)
+
+    @property
+    def staleness(self) -> int:
+        """How many other updates landed between this trainer's last read of the parameters
+        and its last update (0 in sync mode)."""
+        return self._joined("staleness").progress[2]
+
+    @property
+    def update_mode(self) -> str:
+        """The server's ``--update``: async, sync or ssp."""
+        return str(self._joined("update_mode").info["update"])
+
+    def evaluate(self, data: Dataset | Iterable, *, metric: str | Callable | None = None,
+                 loss_fn: Callable | None = None, batch_size: int = 1000) -> float:
+        """``metric`` (default accuracy; a name of ``psserver.utils.metrics``, ``"loss"`` with
+        ``loss_fn``, or a callable ``(outputs, targets) -> float``) of the replica on the
+        server's current parameters, over ``data``: a ``Dataset`` of ``(input, target)`` or an
+        iterable of such batches. The replica is loaded from the server first (after this
+        trainer's last update landed: sync waits for its round), and left in training mode."""
+        session = self._joined("evaluate")
+        if callable(metric):
+            fn = metric
+        else:
+            loss = resolve_loss(None, "cross_entropy") if loss_fn is None else loss_fn
+            _, fn = resolve_metric(metric, "accuracy", loss)
+        batches = DataLoader(data, batch_size=batch_size) if isinstance(data, Dataset) else data
+        outputs, targets = [], []
+        for x, y in batches:
+            outputs.append(self._call(lambda x=x: session.protocol.evaluate(x)))
+            targets.append(y)
+        if not outputs:
+            log.warning("ps.evaluate: no batches to evaluate on")
+            return math.nan
+        return float(fn(torch.cat(outputs), torch.cat(targets)))
+
+    # ---- leaving ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Leave the server (once): what this trainer owes is handed in, the server marks it
+        LEFT, and the process leaves the RPC group."""
+        self._leave(None)
+
+    def _leave(self, error: BaseException | None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._unhook()
+        if self.session is not None:
+            if error is not None:
+                log.warning("leaving psserver: the training loop raised %s: %s", type(error).__name__, error)
+            self.session.leave()
+        self._stop.__exit__(None, None, None)
+        atexit.unregister(self._at_exit)
+
+    def _unhook(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def _at_exit(self) -> None:
+        if not self._closed and self.session is not None:
+            log.warning("leaving psserver at exit (use the connection as a context manager, or call close())")
+        self._leave(None)
+
+    def _joined(self, what: str) -> Session:
+        if self._closed:
+            raise UsageError(f"ps.{what}: this connection has left the server")
+        if self.session is None:
+            raise UsageError(f"ps.{what}: join first (ps.replica(model), or ps.parameter_rrefs())")
+        return self.session
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        quiet = exc is None or (isinstance(exc, SystemExit) and exc.code in (0, None))
+        self._leave(None if quiet else exc)
+
+    def __repr__(self) -> str:
+        name = self.session.name if self.session is not None else "not joined"
+        return f"<psserver.Connection {self.config.server_host}:{self.config.server_port} rank {self.rank} ({name})>"
+
+
+def connect(address: str | None = None, *, rank: int | None = None, num_trainers: int | None = None,
+            reconnect: bool = False, token_file: str | None = None, device: str = "cpu", wire_dtype: str = "fp32",
+            connect_timeout: float = 60.0, rpc_timeout: float = 60.0, step: str | None = None,
+            handle_signals: bool = True, config: TrainerConfig | None = None) -> Connection:
+    """Connect this process to the psserver at ``address`` (``HOST:PORT``) as trainer ``rank``.
+
+    Defaults come from the environment as for ``psserver train``: ``address`` from
+    ``$MASTER_ADDR:$MASTER_PORT`` (else 127.0.0.1:29500), ``rank`` from ``$RANK`` or
+    ``$SLURM_PROCID`` (else 0), ``num_trainers`` (the data shards) from ``$WORLD_SIZE`` or
+    ``$SLURM_NTASKS`` (else the server's sync K), the join token from ``token_file`` or
+    ``$PSSERVER_JOIN_TOKEN``. ``reconnect``: when the server evicts this trainer or goes away,
+    re-execute this script, which rejoins and continues (:attr:`Connection.epoch`); without it,
+    :class:`~psserver.errors.Evicted` or :class:`~psserver.errors.ServerLost`. ``device`` and
+    ``wire_dtype`` as ``psserver train``'s flags. ``handle_signals``: SIGTERM and SIGINT leave
+    after the step in flight (main thread only). ``config``: a whole ``TrainerConfig`` instead
+    (``psserver train --entry`` passes its own); the other arguments are then ignored.
+
+    Bad arguments raise :class:`~psserver.errors.UsageError`. Nothing is sent before
+    :meth:`Connection.replica` (or :meth:`Connection.parameter_rrefs`), which joins."""
+    if config is None:
+        config = _config(address, rank=rank, num_trainers=num_trainers, reconnect=reconnect, token_file=token_file,
+                         device=device, wire_dtype=wire_dtype, connect_timeout=connect_timeout,
+                         rpc_timeout=rpc_timeout, step=step)
+    return Connection(config, handle_signals=handle_signals)
+
+
+def _config(address: str | None, **kw: Any) -> TrainerConfig:
+    try:
+        host, port = parse_host_port(address or default_server_address(), default_port=29500)
+    except ValueError as e:
+        raise UsageError(f"psserver.connect: {e}") from None
+    rank = kw.pop("rank")
+    num_trainers = kw.pop("num_trainers")
+    token_file = kw.pop("token_file")
+    step = kw.pop("step")
+    try:
+        return TrainerConfig(rank=rank if rank is not None else (default_rank() or 0), server_host=host,
+                             server_port=port, num_trainers=num_trainers if num_trainers is not None
+                             else default_world_size(), join_token_file=Path(token_file) if token_file else None,
+                             step=step, progress=False, **kw)
+    except ValueError as e:
+        raise UsageError(f"psserver.connect: {e}") from None
