@@ -24,7 +24,9 @@ from psserver.cli.base import SubCommand, config_errors, default_rank, default_s
 from psserver.cli.collective_args import add_collective_arguments, collective_config_from_args
 from psserver.config import TrainerConfig, parse_host_port
 from psserver.config.ps import COMPUTE_MODES, STEP_MODES, WIRE_DTYPES
+from psserver.errors import UsageError
 from psserver.utils.memory import ALLOCATORS
+from psserver.utils.references import parse_json_args
 
 COMPUTE_HELP = ("ps mode, where forward and backward run (default: the server's pin, else trainer): "
                 + "; ".join(f"{name} = {line}" for name, line in COMPUTE_MODES.items()))
@@ -83,22 +85,36 @@ class TrainCommand(SubCommand):
                         help="held-out metric printed at the end: accuracy, rmse, auc, loss (mean held-out loss) "
                              "or MODULE:ATTR (a callable (outputs, targets) -> float over the whole held-out set); "
                              "default: the model's (accuracy for a MODULE:ATTR model)")
+        ps.add_argument("--entry", default=None, metavar="MODULE:FUNCTION",
+                        help="run your own training loop: FUNCTION(ps) with ps a connected psserver.Connection "
+                             "(rank, server, token, --reconnect and the rest from these flags; ps.config holds them)")
+        ps.add_argument("--entry-args", default=None, metavar="JSON",
+                        help="keyword arguments of the --entry function, a JSON object")
         add_collective_arguments(parser)
         add_optimizer_arguments(parser, defaults_from_server=True)
         add_data_arguments(parser)
         add_control_arguments(parser, "--mode ddp|fsdp: served by rank 0, as by psserver serve")
 
     def run(self, args: argparse.Namespace) -> int:
+        if args.mode != "ps" and (args.entry is not None or args.entry_args is not None):
+            raise UsageError(f"--entry runs a loop against a parameter server (--mode ps), not --mode {args.mode}")
         if args.mode != "ps":
             from psserver.collective.run import run_collective
 
             with config_errors():
                 config = collective_config_from_args(args)
             return run_collective(config)
-        from psserver.trainer.loop import run_trainer
-
         with config_errors():
             config = trainer_config_from_args(args)
+            entry_args = parse_json_args(args.entry_args, "--entry-args") if args.entry_args is not None else None
+        if args.entry_args is not None and args.entry is None:
+            raise UsageError("--entry-args needs --entry")
+        if args.entry is not None:
+            from psserver.trainer.entry import run_entry
+
+            return run_entry(config, args.entry, entry_args)
+        from psserver.trainer.loop import run_trainer
+
         return run_trainer(config)
 
 

@@ -18,7 +18,6 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 
 from psserver import __version__
@@ -26,8 +25,10 @@ from psserver.config import OptimizerConfig, ServerConfig
 from psserver.config.ps import COMPUTE_MODES, STEP_MODES, default_step
 from psserver.metrics import observe_rpc
 from psserver.models.layout import ModelLayout
+from psserver.ps import torch_rpc
 from psserver.ps.held_model import check_values
 from psserver.ps.messages import JoinRequest, Report
+from psserver.ps.rpc_allowlist import is_optimizer_class
 
 if TYPE_CHECKING:
     from psserver.ps.engine import StepEngine
@@ -290,6 +291,17 @@ class Endpoint:
             assert self.membership is not None
             self.membership.leave(trainer)
 
+    def trainer_of_context(self, context_id: int) -> str:
+        """The member whose RPC worker created dist_autograd context ``context_id`` (torch
+        puts the worker's id in its top 16 bits); ``NotAMember`` when none is."""
+        if self.membership is None:
+            raise RuntimeError(f"psserver is {self.state.lower()}")
+        worker = torch_rpc.context_worker(context_id)
+        for name in self.membership.names():
+            if torch_rpc.worker_id(name) == worker:
+                return name
+        raise NotAMember(f"autograd context {context_id} is not a member's: rejoin")
+
     def _seen(self, trainer: str, report: Report | None) -> Member:
         if self.membership is None:
             raise RuntimeError(f"psserver is {self.state.lower()}")
@@ -357,26 +369,61 @@ def host_trainers(trainer: str) -> int:
 
 
 class SharedOptimizer:
-    """The local optimizer ``DistributedOptimizer`` builds on the server (``_LocalOptimizer``),
-    one per trainer of a protocol that steps through it (``--step plain``): torch's RPC calls
-    it, so it belongs to the RPC surface. Its ``step`` hands the trainer's whole gradient to
-    the protocol's ``submit``, counted like every call."""
+    """The local optimizer ``DistributedOptimizer`` builds on the server (``_LocalOptimizer``):
+    a handle, no state. torch's RPC calls it, so it belongs to the RPC surface.
 
-    def __init__(self, params: list[nn.Parameter], trainer: str) -> None:
+    ``--step plain`` builds it for its trainer by name. A user's own ``DistributedOptimizer``
+    (the RPC tutorial's loop, ``Connection.parameter_rrefs``) names a ``torch.optim`` class:
+    :func:`new_local_optimizer` builds this handle instead, for no trainer in particular, so
+    that every trainer's step goes through the server's one shared optimizer. Its steps arrive
+    through :func:`local_optimizer_step`, which finds the trainer from the step's autograd
+    context (torch numbers contexts by the worker that created them) and hands the gradient
+    to the protocol's ``submit``, counted like every call."""
+
+    def __init__(self, params: list[nn.Parameter], trainer: str | None = None,
+                 requested: str | None = None) -> None:
         self.params = params
         self.trainer = trainer
+        self.requested = requested
+        """The optimizer the user's ``DistributedOptimizer`` named (the server's applies)."""
         self.param_groups = [{"params": params}]
         self.state: dict = {}
+        self._mine = {id(p) for p in params}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
             p.grad = None
 
-    @torch.no_grad()
     def step(self, closure=None) -> None:
-        # _LocalOptimizer has put this trainer's gradients from its autograd context into
-        # .grad (under its global lock); take them out before another trainer's step does.
-        grads = {p: p.grad for p in self.params if p.grad is not None}
-        for p in self.params:
-            p.grad = None
-        current().call_local(self.trainer, "submit", grads)  # the guard's notices ride on its next call
+        raise RuntimeError("psserver's shared optimizer steps through DistributedOptimizer.step(context_id)")
+
+    def submit(self, context_id: int) -> None:
+        """The gradient of ``context_id`` (this server's parameters) as its trainer's step."""
+        grads = {p: g for p, g in torch_rpc.autograd_gradients(context_id).items() if id(p) in self._mine}
+        endpoint = current()
+        trainer = self.trainer if self.trainer is not None else endpoint.trainer_of_context(context_id)
+        endpoint.call_local(trainer, "submit", grads)  # the guard's notices ride on its next call
+
+
+def new_local_optimizer(optim_cls: type, local_params_rref: list, *args: Any, **kwargs: Any) -> Any:
+    """``torch.distributed.optim``'s ``_new_local_optimizer`` as the server runs it: the
+    :class:`SharedOptimizer` handle, whatever ``torch.optim`` class the caller named."""
+    if optim_cls is SharedOptimizer:
+        return torch_rpc.new_local_optimizer(SharedOptimizer, local_params_rref, *args, **kwargs)
+    if not is_optimizer_class(optim_cls):
+        raise ValueError(f"DistributedOptimizer names {optim_cls!r}, not a torch.optim optimizer")
+    arguments = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    requested = f"{optim_cls.__name__.removeprefix('_Functional')}({arguments})"
+    engine = current().engine
+    log.info("a trainer's DistributedOptimizer names %s: its steps go through the server's shared optimizer "
+             "(%s, lr %s)", requested, engine.optimizer_config.name if engine.optimizer_config else "?",
+             engine.learning_rate)
+    return torch_rpc.new_local_optimizer(SharedOptimizer, local_params_rref, requested=requested)
+
+
+def local_optimizer_step(local_optim_rref: Any, autograd_ctx_id: int) -> None:
+    """``torch.distributed.optim``'s ``_local_optimizer_step`` as the server runs it."""
+    optimizer = torch_rpc.local_optimizer_of(local_optim_rref)
+    if not isinstance(optimizer, SharedOptimizer):
+        raise ValueError("psserver steps only its shared optimizer")
+    optimizer.submit(int(autograd_ctx_id))

@@ -167,6 +167,11 @@ class Membership:
             m.status.last_seen = time.time()
             return m
 
+    def names(self) -> list[str]:
+        """The live members' RPC names."""
+        with self.lock:
+            return list(self.members)
+
     def is_member(self, name: str) -> bool:
         with self.lock:
             return name in self.members

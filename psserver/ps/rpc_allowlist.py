@@ -15,6 +15,8 @@ installs it):
   ``MESSAGE_MODULES``, torch's dtype, layout and memory-format constants, and exception
   classes of modules already imported (a remote exception names its type; only building it
   from its message is what the caller does with it);
+- the ``torch.optim`` optimizer classes and their functional twins, which a
+  ``DistributedOptimizer`` names (the server never instantiates them: ``REPLACED``);
 - ``builtins.getattr``, which the RPC pickler uses to name its own receivers (a tensor of the
   message's tensor table, an RRef), comes back as :func:`rpc_getattr`, which gives only those.
 
@@ -69,11 +71,21 @@ ALLOWED: frozenset[tuple[str, str]] = frozenset({
     ("torch.distributed.rpc._utils", "_update_group_membership"),
     ("torch.distributed.rpc.backend_registry", "_get_device_infos"),
     ("torch.distributed.rpc.api", "_rref_typeof_on_owner"),
-    (_OPTIM, "_new_local_optimizer"), (_OPTIM, "_local_optimizer_step"),
     # Data: a parameter (its tensor rides in the tensor table), devices (of a group's device
     # maps), sizes, ordered dicts. Lists, dicts, tuples, sets, strings and numbers need no global.
     ("torch._utils", "_rebuild_parameter"), ("torch", "device"), ("torch", "Size"), ("collections", "OrderedDict"),
 })
+
+REPLACED: dict[tuple[str, str], tuple[str, str]] = {
+    # DistributedOptimizer's two calls run as psserver's: whatever torch.optim class a trainer's
+    # DistributedOptimizer names, the server builds its shared optimizer's handle, and a step
+    # goes through it (psserver.ps.endpoint.SharedOptimizer).
+    (_OPTIM, "_new_local_optimizer"): (_ENDPOINT, "new_local_optimizer"),
+    (_OPTIM, "_local_optimizer_step"): (_ENDPOINT, "local_optimizer_step"),
+    (_OPTIM, "_new_functional_local_optimizer"): (_ENDPOINT, "new_local_optimizer"),
+    (_OPTIM, "_functional_local_optimizer_step"): (_ENDPOINT, "local_optimizer_step"),
+}
+"""Globals a message names that the server runs as a function of its own instead."""
 
 RECEIVERS: frozenset[tuple[str, str, str]] = frozenset({
     (_INTERNAL, "_InternalRPCPickler", "_tensor_receiver"),  # a tensor, from the message's tensor table
@@ -85,6 +97,8 @@ receivers, class methods, as ``getattr(class, name)``)."""
 MESSAGE_MODULES: frozenset[str] = frozenset({"psserver.ps.messages"})
 """Modules whose dataclasses are messages: each one defined there may be sent."""
 
+_TORCH_OPTIM = "torch.optim."
+_FUNCTIONAL_OPTIM = "torch.distributed.optim.functional_"
 _TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
 _GETATTR = ("builtins", "getattr")
 
@@ -102,6 +116,8 @@ def find_global(module: str, name: str) -> Any:
     key = (module, name)
     if key in ALLOWED:
         return _load(module, name)
+    if key in REPLACED:
+        return _load(*REPLACED[key])
     if key == _GETATTR:
         return rpc_getattr
     found = _family_member(module, name)
@@ -161,11 +177,23 @@ def _family_member(module: str, name: str) -> Any | None:
     obj = mod.__dict__.get(name)
     if module in MESSAGE_MODULES:
         ok = isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == module
+    elif module.startswith((_TORCH_OPTIM, _FUNCTIONAL_OPTIM)):
+        ok = is_optimizer_class(obj) and obj.__module__ == module  # never instantiated: REPLACED
     elif module == "torch":
         ok = isinstance(obj, _TORCH_CONSTANTS) or _is_exception(obj)
     else:
         ok = _is_exception(obj)
     return obj if ok else None
+
+
+def is_optimizer_class(obj: Any) -> bool:
+    """A ``torch.optim`` optimizer class, or the functional twin ``DistributedOptimizer`` sends
+    in its place (``torch.distributed.optim.functional_*``)."""
+    if not isinstance(obj, type):
+        return False
+    if issubclass(obj, torch.optim.Optimizer):
+        return True
+    return obj.__module__.startswith(_FUNCTIONAL_OPTIM) and obj.__name__.startswith("_Functional")
 
 
 def _is_exception(obj: Any) -> bool:

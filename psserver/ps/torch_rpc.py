@@ -31,6 +31,7 @@ import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 import torch.distributed.rpc.internal as rpc_internal
+from torch.distributed.optim.optimizer import _LocalOptimizer
 
 from psserver.ps import rpc_allowlist
 
@@ -98,6 +99,41 @@ def release_autograd_context(context_id: int) -> None:
         dist_autograd._release_context(context_id)
     except RuntimeError:
         pass
+
+
+_CONTEXT_ID_BITS = 48
+"""torch numbers a dist_autograd context ``worker_id << 48 | counter`` (``DistAutogradContainer``)."""
+
+
+def context_worker(context_id: int) -> int:
+    """The RPC worker id that created ``context_id``."""
+    return context_id >> _CONTEXT_ID_BITS
+
+
+def worker_id(name: str) -> int | None:
+    """The RPC id of worker ``name``; None when the agent does not know it."""
+    try:
+        return rpc.get_worker_info(name).id
+    except RuntimeError:
+        return None
+
+
+def autograd_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
+    """The gradients ``context_id`` accumulated for this process's tensors."""
+    return dist_autograd.get_gradients(context_id)
+
+
+def new_local_optimizer(optim_cls: type, local_params_rref: list, *args: Any, **kwargs: Any) -> rpc.RRef:
+    """``DistributedOptimizer``'s remote constructor (an RRef to a ``_LocalOptimizer``)."""
+    return rpc.RRef(_LocalOptimizer(optim_cls, local_params_rref, *args, **kwargs))
+
+
+def local_optimizer_of(local_optim_rref: rpc.RRef) -> Any:
+    """The optimizer inside the ``_LocalOptimizer`` an RRef of :func:`new_local_optimizer` holds."""
+    local = local_optim_rref.local_value()
+    if not isinstance(local, _LocalOptimizer):
+        raise ValueError("not a local optimizer")
+    return local.optim
 
 
 class RestrictedUnpickler(pickle.Unpickler):

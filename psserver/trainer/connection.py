@@ -133,9 +133,9 @@ class Connection:
         session = self._joined("forward")
         if session.step_protocol != "plain":
             raise UsageError("ps.forward is the RPC tutorial's path: call ps.parameter_rrefs() first (no ps.replica)")
-        n = input_batch_size(x)
+        self._leave_if_stopped()  # the step before ended with its optimizer's step(ctx)
         out = self._call(lambda: session.call("forward", x))
-        self._advance(n, None)
+        self._count_step(input_batch_size(x), None)
         return out
 
     def _join(self, model: nn.Module | None) -> Session:
@@ -176,6 +176,19 @@ class Connection:
 
     def _advance(self, samples: int, loss: float | torch.Tensor | None) -> None:
         """Count a step done; leave after it when a signal asked to."""
+        self._count_step(samples, loss)
+        self._leave_if_stopped()
+
+    def _leave_if_stopped(self) -> None:
+        """After SIGTERM or SIGINT: leave at this step boundary, exit 128 + the signal."""
+        if self._stop.signum is not None:
+            code = 128 + self._stop.signum
+            log.warning("received %s: step %d done, leaving psserver (exit %d)",
+                        signal.Signals(self._stop.signum).name, self._pos.steps, code)
+            self._leave(None)
+            raise SystemExit(code)
+
+    def _count_step(self, samples: int, loss: float | torch.Tensor | None) -> None:
         pos = self._pos
         pos.steps += 1
         pos.samples += samples
@@ -185,12 +198,6 @@ class Connection:
         rate = pos.samples / max(1e-6, time.monotonic() - pos.t_start)
         assert self.session is not None
         self.session.report = Report(pos.steps, pos.samples, pos.loss, rate)
-        if self._stop.signum is not None:
-            code = 128 + self._stop.signum
-            log.warning("received %s: step %d done, leaving psserver (exit %d)",
-                        signal.Signals(self._stop.signum).name, pos.steps, code)
-            self._leave(None)
-            raise SystemExit(code)
 
     def _call(self, fn: Callable[[], Any]) -> Any:
         """A call of the step; a failed one is diagnosed by asking the server (evicted, lost:

@@ -104,8 +104,14 @@ def call_user(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], what:
     try:
         return fn(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - the user's code failed: say where, in one line
-        log.debug("%s failed", what, exc_info=True)
-        raise UserCodeError(f"{what} raised {_one_line(e)}{_where(e)}") from None
+        raise user_code_failed(what, e) from None
+
+
+def user_code_failed(what: str, e: BaseException) -> UserCodeError:
+    """The one line for an exception ``e`` raised inside the user's code (``what`` names the
+    flag): its type, first line and where it was raised; the traceback goes to the debug log."""
+    log.debug("%s failed", what, exc_info=e)
+    return UserCodeError(f"{what} raised {_one_line(e)}{_where(e)}")
 
 
 def _finite(value: Any) -> bool:
@@ -132,4 +138,4 @@ def _where(e: BaseException) -> str:
     return f" (at {last.filename}:{last.lineno})"
 
 
-__all__ = ["call_user", "check_arguments", "is_reference", "load_reference", "parse_json_args"]
+__all__ = ["call_user", "check_arguments", "is_reference", "load_reference", "parse_json_args", "user_code_failed"]

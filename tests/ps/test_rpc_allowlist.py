@@ -22,7 +22,13 @@ from collections import OrderedDict
 import pytest
 import torch
 import torch.distributed.rpc.internal as rpc_internal
-from torch.distributed.optim.optimizer import _local_optimizer_step, _new_local_optimizer
+from torch.distributed.optim.functional_adam import _FunctionalAdam
+from torch.distributed.optim.optimizer import (
+    _functional_local_optimizer_step,
+    _local_optimizer_step,
+    _new_functional_local_optimizer,
+    _new_local_optimizer,
+)
 from torch.distributed.rpc._utils import _update_group_membership
 
 from psserver.ps import endpoint, rendezvous, rpc_allowlist, torch_rpc
@@ -131,9 +137,14 @@ def test_accepts_what_psserver_and_torch_send(read):
     got = read(call(endpoint.join, request)).args[0]
     assert isinstance(got, JoinRequest) and got.layout == request.layout and got.model == "mlp"
     assert all(a.equal(b) for a, b in zip(got.values, request.values, strict=True))
-    for fn in (endpoint.heartbeat, endpoint.leave, rendezvous.ping, _update_group_membership, _new_local_optimizer,
-               _local_optimizer_step, endpoint.SharedOptimizer):
+    for fn in (endpoint.heartbeat, endpoint.leave, rendezvous.ping, _update_group_membership, endpoint.SharedOptimizer):
         assert read(call(fn)).func is fn
+    # DistributedOptimizer's calls run as the server's own (its one shared optimizer), whatever class they name
+    assert read(call(_new_local_optimizer)).func is endpoint.new_local_optimizer
+    assert read(call(_new_functional_local_optimizer)).func is endpoint.new_local_optimizer
+    assert read(call(_local_optimizer_step)).func is endpoint.local_optimizer_step
+    assert read(call(_functional_local_optimizer_step)).func is endpoint.local_optimizer_step
+    assert read([torch.optim.SGD, _FunctionalAdam]) == [torch.optim.SGD, _FunctionalAdam]
     data = [torch.nn.Parameter(torch.ones(2)), torch.bfloat16, torch.device("cpu"), torch.Size([2, 3]),
             OrderedDict(a=1), {"step": "pushpull", "ids": {1, 2}}, (b"\x00", 1.5, None, True)]
     got = read(data)
@@ -155,6 +166,7 @@ def test_every_public_endpoint_function_is_rpc_surface_or_deliberately_not():
     public = {name for name, fn in inspect.getmembers(endpoint, inspect.isfunction)
               if fn.__module__ == endpoint.__name__ and not name.startswith("_")}
     surface = {name for module, name in rpc_allowlist.ALLOWED if module == endpoint.__name__}
+    surface |= {name for module, name in rpc_allowlist.REPLACED.values() if module == endpoint.__name__}
     assert public - NOT_RPC == surface - {"SharedOptimizer"}, "a new endpoint function: allow it, or add it to NOT_RPC"
     assert not NOT_RPC & surface
 

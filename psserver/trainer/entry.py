@@ -1,0 +1,44 @@
+"""``psserver train --entry MODULE:FUNCTION``: a loop function of the user's, run with a
+connected ``ps`` (``psserver.trainer.connection``) built from the usual flags.
+
+The function is called as ``FUNCTION(ps, **entry_args)``; ``ps.config`` holds the flags
+(batch size, epochs, data set) for a loop that wants them. It returns nothing, or an exit
+code. psserver's own errors (an eviction, a lost server, bad input) pass through as
+themselves; any other exception in the user's code leaves the server and becomes one line
+naming it and where it was raised (exit 2).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from psserver.config import TrainerConfig
+from psserver.errors import ServerLost, UsageError, UserCodeError
+from psserver.trainer.connection import connect
+from psserver.utils.references import check_arguments, load_reference, user_code_failed
+
+log = logging.getLogger(__name__)
+
+
+def run_entry(config: TrainerConfig, reference: str, args: dict[str, Any] | None = None) -> int:
+    """Run the loop ``reference`` names with a connection; its exit code (0 when it returns None)."""
+    fn = load_reference(reference, "--entry")
+    what = f"--entry {reference}"
+    if isinstance(fn, type) or not callable(fn):
+        raise UserCodeError(f"{what} is a {'class' if isinstance(fn, type) else type(fn).__name__}, not a function "
+                            "taking ps")
+    kwargs = dict(args or {})
+    check_arguments(fn, (None,), kwargs, what)
+    with connect(config=config) as ps:
+        try:
+            result = fn(ps, **kwargs)
+        except (UsageError, ServerLost):
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's loop failed: one line, after leaving
+            raise user_code_failed(what, e) from None
+    if result is None:
+        return 0
+    if isinstance(result, bool) or not isinstance(result, int):
+        raise UserCodeError(f"{what} returned {type(result).__name__}: return None or an exit code")
+    return result
