@@ -247,6 +247,11 @@ class Connection:
         return self._pos.steps
 
     @property
+    def samples(self) -> int:
+        """Samples this trainer has trained on (across rejoins)."""
+        return self._pos.samples
+
+    @property
     def global_step(self) -> int:
         """The server's optimizer steps, as of this trainer's last call."""
         return self._joined("global_step").progress[0]

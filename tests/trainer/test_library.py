@@ -1,0 +1,151 @@
+"""psserver as a library: a user's own loop (``tests/trainer/loops.py``) against a real server.
+
+The three ways a loop reaches the server (``ps.step()``, the Horovod-style wrapper, and the
+RPC tutorial's RRefs with ``dist_autograd``) each give the parameters of a plain local loop;
+membership holds as for ``psserver train`` (eviction, SIGTERM, an exception, a long
+validation, a rejoin that continues the epoch).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.procs import free_port, run
+from tests.trainer import loops
+
+ENTRY = "tests.trainer.loops"
+SCRIPT = [sys.executable, "-m", ENTRY]
+SYNC_ADAM = ["--update", "sync", "--sync-trainers", "1", "--optimizer", "adam", "--lr", str(loops.LR)]
+
+
+def entry(procs, port: int, name: str, *extra: str, args: dict | None = None, **options):
+    """``psserver train --entry tests.trainer.loops:NAME`` as rank 0 of one shard."""
+    more = ["--entry-args", json.dumps(args)] if args else []
+    return procs.trainer(port, 0, "--num-trainers", "1", "--entry", f"{ENTRY}:{name}", *more, *extra, **options)
+
+
+def same(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    assert state.keys() == reference.keys()
+    return max(float((state[k] - reference[k]).abs().max()) for k in state)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("loop", ["through_step", "through_wrapper", "through_rrefs"])
+def test_twenty_adam_steps_equal_a_local_loop(procs, port, tmp_path, loop):
+    """One trainer, sync: 20 Adam steps through each path give the local loop's parameters
+    to 1e-6 (the RRef path runs the model on the server: it holds the model's code)."""
+    pinned = ["--model", f"{ENTRY}:tiny_net"] if loop == "through_rrefs" else []
+    server = procs.server(port, *SYNC_ADAM, *pinned)
+    out = tmp_path / "state.pt"
+    t = entry(procs, port, loop, args={"out": str(out)})
+    assert t.wait(120) == 0, t.tail()
+    assert same(torch.load(out), loops.local_adam()) < 1e-6
+    counters = json.loads(t.output().strip().splitlines()[-1])
+    assert counters["steps"] == loops.STEPS, counters
+    if loop == "through_step":
+        assert counters == {"steps": 20, "global_step": 20, "lr": loops.LR, "staleness": 0}
+    if loop == "through_wrapper":
+        assert counters["lr"] == loops.LR and counters["samples"] == 20 * loops.BATCH
+    server.wait_for(rf"left after {loops.STEPS} steps", timeout=10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_four_micro_batches_through_the_wrapper_are_one_batch_of_64(procs, port, tmp_path):
+    procs.server(port, *SYNC_ADAM)
+    out = tmp_path / "state.pt"
+    t = entry(procs, port, "through_wrapper", args={"out": str(out), "accumulate": 4})
+    assert t.wait(120) == 0, t.tail()
+    assert same(torch.load(out), loops.local_adam(batch=4 * loops.BATCH)) < 1e-6
+    counters = json.loads(t.output().strip().splitlines()[-1])
+    assert counters["steps"] == loops.STEPS and counters["samples"] == 20 * 64, counters  # one update per 4 passes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_killed_library_trainer_is_evicted_and_its_rank_rejoins(procs, port):
+    server = procs.server(port, "--trainer-timeout", "2")
+    first = entry(procs, port, "slow_steps")
+    first.wait_for(r"step 5 ", timeout=60)
+    first.signal(signal.SIGKILL)
+    server.wait_for(r"trainer trainer_0_1 missed heartbeats .* marking it LOST", timeout=30)
+    again = entry(procs, port, "slow_steps", args={"steps": 5})
+    assert again.wait(60) == 0, again.tail()
+    server.wait_for(r"trainer trainer_0_2 \(rank 0\) left after 5 steps", timeout=10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_sigterm_leaves_after_the_step_in_flight_and_status_says_left(procs, port):
+    control = free_port()
+    server = procs.server(port, control_port=control)
+    t = entry(procs, port, "slow_steps")
+    t.wait_for(r"step 3 ", timeout=60)
+    t.signal(signal.SIGTERM)
+    assert t.wait(30) == 143, t.tail()
+    steps = int(re.search(r"received SIGTERM: step (\d+) done, leaving psserver \(exit 143\)", t.output()).group(1))
+    server.wait_for(rf"trainer_0_1 \(rank 0\) left after {steps} steps", timeout=10)
+    done = run(["--log-level", "ERROR", "status", "--address", f"127.0.0.1:{control}", "--json"], timeout=60)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)["trainers"]
+    assert [(r["name"], r["state"], r["steps"]) for r in rows] == [("trainer_0_1", "LEFT", steps)], rows
+    assert "Traceback" not in t.output()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_an_exception_in_the_users_loop_leaves_and_says_so(procs, port):
+    server = procs.server(port)
+    t = entry(procs, port, "slow_steps", args={"steps": 4, "validate_after": 2, "validate_s": "oops"})
+    assert t.wait(60) == 2, t.tail()
+    out = t.output()
+    assert "leaving psserver: the training loop raised UserCodeError" in out, out
+    lines = [line for line in out.splitlines() if line.startswith("psserver train: error:")]
+    assert len(lines) == 1 and "TypeError" in lines[0] and "loops.py:" in lines[0], out
+    assert "Traceback" not in out
+    server.wait_for(r"trainer_0_1 \(rank 0\) left after 2 steps", timeout=10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_validation_three_times_the_trainer_timeout_is_not_an_eviction(procs, port):
+    server = procs.server(port, "--trainer-timeout", "2")
+    t = entry(procs, port, "slow_steps", args={"steps": 6, "validate_s": 6.0, "delay": 0.0})
+    assert t.wait(90) == 0, t.tail()
+    assert "validated" in t.output()
+    server.wait_for(r"trainer_0_1 \(rank 0\) left after 6 steps", timeout=10)
+    assert "LOST" not in server.output() and "evict" not in server.output(), server.output()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_script_evicted_with_reconnect_rejoins_and_its_sampler_continues_the_epoch(procs, port, tmp_path):
+    """SIGSTOP past the timeout: the script re-executes itself, connects again, and ``ps.epoch``
+    with ``ps.sampler`` continue where it was: every sample of both epochs once."""
+    server = procs.server(port, "--trainer-timeout", "2")
+    seen = tmp_path / "seen.jsonl"
+    t = procs.start(["shard_epochs", str(port), "reconnect", f"out={seen}", "delay=0.1"], "script", prefix=SCRIPT)
+    t.wait_for(r"joined psserver", timeout=60)
+    while not seen.exists() or len(seen.read_text().splitlines()) < 6:
+        assert t.running(), t.tail()
+        time.sleep(0.2)
+    t.signal(signal.SIGSTOP)
+    server.wait_for(r"trainer trainer_0_1 missed heartbeats .* marking it LOST", timeout=30)
+    t.signal(signal.SIGCONT)
+    assert t.wait(120) == 0, t.tail()
+    out = t.output()
+    assert "trainer_0_1 was evicted by the psserver" in out and "reconnected as trainer_0_2" in out, out
+    assert "resumed True" in out, out
+    steps = [json.loads(line) for line in seen.read_text().splitlines()]
+    assert len({s["pid"] for s in steps}) == 1  # one process: re-executed in place
+    for epoch in (0, 1):
+        ids = sorted(i for s in steps if s["epoch"] == epoch for i in s["ids"])
+        assert ids == list(range(256)), (epoch, len(ids))
