@@ -26,7 +26,7 @@ Paired rounds, as ``benchmarks.paired``: every server group stays up for the who
 unmeasured warm-up run of the trainers against each first); each round runs every setup once,
 back to back, in an order that rotates by one each round, ``--steps`` steps per trainer of
 which the first ``--skip`` of every trainer are warm-up. A run's interval is the one in which
-every trainer steps (``paired.leg_rate``). Within it, the bytes over the server links (both
+every trainer steps (``paired_stats.leg_rate``). Within it, the bytes over the server links (both
 directions, Ethernet/IP/TCP headers included; read from the bridge side of each link every
 0.1 s) give, by least squares against time, the aggregate push/pull bandwidth, and over the
 trainers' step rate, the bytes per trainer step summed over all servers. Each is divided by
@@ -52,7 +52,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks import measure, multihost, paired
+from benchmarks import measure, multihost, paired, paired_stats
 
 log = logging.getLogger(__name__)
 
@@ -330,7 +330,7 @@ class Scaling:
         if not measure_it:
             return {}
         ends = [json.loads(f.read_text())["step_ends"] for f in stats]
-        leg = paired.leg_rate(ends, self.batch_size, self.skip)
+        leg = paired_stats.leg_rate(ends, self.batch_size, self.skip)
         leg.update(measure.per_step(samples, ends, leg["start"], leg["end"]))
         after = self.topo.counters()
         moved = [after[k].total - before[k].total for k in server_nodes]
