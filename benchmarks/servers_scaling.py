@@ -1,8 +1,10 @@
 """Aggregate push/pull bandwidth against the number of server processes, across rate-limited links.
 
-    python -m benchmarks.servers_scaling --results-dir benchmarks/results/issue18            # 1, 2 and 4 servers
-    python -m benchmarks.servers_scaling --quick --results-dir /tmp/scaling                  # 1 and 2 servers, ~1 min
-    timeout 15m python -m benchmarks.servers_scaling --timeout 840 --results-dir benchmarks/results/issue18  # ~9 min
+    python -m benchmarks.servers_scaling                                      # 1, 2 and 4 servers
+    python -m benchmarks.servers_scaling --quick --results-dir /tmp/scaling   # 1 and 2 servers, ~1 min
+    timeout 15m python -m benchmarks.servers_scaling --timeout 840            # ~9 min
+
+Results go to ``--results-dir`` (default ``benchmarks/results/servers-scaling``).
 
 Every server and every trainer is a host of its own (``benchmarks.multihost``: a network
 namespace behind a veth link to one bridge, limited with ``tc`` to ``--rate`` Mbit/s each way),
@@ -64,7 +66,7 @@ READY_OTHER = r"\bserving\b"
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 TARGETS = {2: 1.8, 4: 3.2}
 BYTES_TARGET = 1.05
-DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "issue18"
+DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "servers-scaling"
 LEG_TIMEOUT_S = 600.0
 
 

@@ -1,5 +1,6 @@
 """The harness's modules import one way: no module of ``benchmarks`` imports, through any
-chain, a module that imports it (``tests/test_layers.py`` holds psserver to the same)."""
+chain, a module that imports it (``tests/test_layers.py`` holds psserver to the same), and
+none imports the test suite."""
 
 from __future__ import annotations
 
@@ -12,6 +13,15 @@ from tests.imports import import_cycles
 def test_no_import_cycles():
     cycles = import_cycles("benchmarks")
     assert not cycles, "\n".join(cycles)
+
+
+@pytest.mark.timeout(120)
+def test_the_harness_imports_nothing_of_the_tests():
+    import grimp
+
+    graph = grimp.build_graph("benchmarks", include_external_packages=True, cache_dir=None)
+    importers = graph.find_modules_that_directly_import("tests") if "tests" in graph.modules else set()
+    assert not importers, sorted(importers)
 
 
 @pytest.mark.timeout(120)
