@@ -13,6 +13,9 @@ from __future__ import annotations
 import math
 import os
 
+from benchmarks.setups import parse_setup
+from benchmarks.targets import parameter_bytes
+
 LINKS_GBIT = (10, 25, 100)
 
 
@@ -35,9 +38,6 @@ def from_paired(paired: dict | None, model: str, batch_size: int, cores: float |
     """The cost per trainer step of every trainer-compute setup the rounds measured (no
     stragglers), and the capacity table of the one with the fewest trainers per step protocol,
     wire dtype and server thread count (at its own trainer step rate)."""
-    from benchmarks.setups import parse_setup
-    from benchmarks.targets import parameter_bytes
-
     if not paired or paired.get("error"):
         return None  # (setups whose tensors crossed outside the sockets have no bytes: -sock setups do)
     cores = cores or os.cpu_count() or 1

@@ -25,7 +25,7 @@ Setups (``SETUPS``):
   into a file it loads (one ``(x, y)`` per ``__getitem__``, collated by the DataLoader);
   ``--data-workers 1``.
 - ``user-png-w1`` (``-w2``): a user's ``Dataset`` reading the same images as PNG files with PIL
-  (``tests.userproject.PNG_DATASET``, the issue's must-show project), 1 (2) workers.
+  (``benchmarks.userproject.PNG_DATASET``, the issue's must-show project), 1 (2) workers.
 
 Why ``--compute-threads 1`` (``--trainer-threads``; 0: the trainer's default): the default is a
 share of the host's CPUs among the trainers the server knows there, re-asked every 10 s; the
@@ -56,6 +56,7 @@ import time
 from pathlib import Path
 
 from benchmarks import measure
+from benchmarks.userproject import MNIST_TRAIN_SPLIT, PNG_DATASET, write_mnist_pngs, write_package
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,6 @@ def write_project(root: Path, data_dir: Path, train_split: int, *, pngs: bool) -
     import torch
 
     from psserver.data.idx import load_mnist
-    from tests.userproject import MNIST_TRAIN_SPLIT, PNG_DATASET, write_mnist_pngs, write_package
 
     root = Path(root)
     src = write_package(root / "src", PACKAGE, {"tensors": TENSOR_DATASET, "pngs": PNG_DATASET})
@@ -147,7 +147,7 @@ def write_project(root: Path, data_dir: Path, train_split: int, *, pngs: bool) -
     png_root = None
     if pngs:
         if train_split != MNIST_TRAIN_SPLIT:
-            raise ValueError(f"the PNG setups write the split tests.userproject knows: --train-split "
+            raise ValueError(f"the PNG setups write the split of benchmarks.userproject: --train-split "
                              f"{MNIST_TRAIN_SPLIT}")
         png_root = write_mnist_pngs(root / "pngs", train_split, len(held_out), data_dir)
     return Project(src, tensors, png_root, Path(data_dir), train_split)

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks import measure, multihost, paired
+from benchmarks import measure, multihost, paired_stats
 
 log = logging.getLogger(__name__)
 
@@ -225,9 +225,9 @@ def rpc_pickle_sizes(dim: int) -> dict:
 def bytes_window(readings: list[Reading], node: int, ends: list[list[float]], ideals: list[list[tuple[int, int]]],
                  batch_size: int, skip: int) -> dict:
     """Bytes over ``node``'s link against the ideal of the steps that end between the first and
-    last readings inside the run's window (``paired.leg_rate``: every trainer steps, ``skip``
+    last readings inside the run's window (``paired_stats.leg_rate``: every trainer steps, ``skip``
     steps each left out). ``ideals``: (up, down) of each trainer's steps, in order."""
-    leg = paired.leg_rate(ends, batch_size, skip)
+    leg = paired_stats.leg_rate(ends, batch_size, skip)
     pair = inside(readings, leg["start"], leg["end"])
     if pair is None:
         raise RuntimeError("fewer than two counter readings inside the run's window (raise --bytes-steps)")
@@ -309,7 +309,7 @@ def rates_window(readings: list[Reading], lines: list[dict], ends: list[list[flo
     """Lookups and updates per second of every server process (counter deltas between its first
     and last readings inside the run's window over the time between them), their totals, each
     server's CPU, the machine's busy fraction and the server links' bytes in the same window."""
-    leg = paired.leg_rate(ends, batch_size, skip)
+    leg = paired_stats.leg_rate(ends, batch_size, skip)
     t0, t1 = leg["start"], leg["end"]
     series = status_series(lines)
     lookups, updates, rows = [], [], []

@@ -48,7 +48,7 @@ fraction (``/proc/stat``) over the window shows where the cores bound the others
 
 Trainers and servers run one torch thread (``OMP_NUM_THREADS=1``, ``--compute-threads 1``),
 ``--step pushpull``, ``--update async``. Results: ``--results-dir`` (default
-``benchmarks/results/issue19/``), ``embedding-tables.json`` and ``.md``.
+``benchmarks/results/embedding-tables/``), ``embedding-tables.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ from benchmarks.embedding_report import (
 
 log = logging.getLogger(__name__)
 
-DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "issue19"
+DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "embedding-tables"
 MAX_ROWS_SLACK = 1_000_000
 """Rows a table may hold beyond its prefill: nothing is evicted while the runs create rows."""
 

@@ -33,19 +33,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
 import logging
 import os
 import signal
-import statistics
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from benchmarks import measure, netns, throttle
+from benchmarks import capacity, measure, netns, targets, throttle
+from benchmarks.paired_stats import leg_rate, summarize
+from benchmarks.report import markdown_rows, protection_markdown, trainer_compute_markdown
 from benchmarks.setups import (
     READY,
     STRAGGLER_SHARE,
@@ -84,73 +84,6 @@ LEG_TIMEOUT_S = 600.0
 def pairable(setup: dict) -> bool:
     """Local loops, PS setups and DDP; FSDP is left out."""
     return setup["kind"] in ("local", "ps", "ddp")
-
-
-def leg_rate(step_ends: list[list[float]], batch_size: int, skip: int) -> dict:
-    """Throughput of one run: step ends of every process after its first ``skip`` steps, over
-    the interval in which all of them step (a trainer that finishes early would otherwise
-    leave the other one alone and fast)."""
-    first = [min(e) if e else None for e in step_ends]
-    ends = [sorted(e)[skip:] for e in step_ends]
-    if any(len(e) < 6 for e in ends):
-        raise RuntimeError(f"a run has {min(len(e) for e in ends)} steps after the {skip} skipped: too few to time "
-                           "(raise --steps)")
-    start, end = max(e[0] for e in ends), min(e[-1] for e in ends)
-    per_process = [sum(1 for t in e if start < t <= end) for e in ends]
-    count = sum(per_process)
-    if end <= start or count < 5:
-        raise RuntimeError("the processes of a run never stepped together after their warm-up (raise --steps)")
-    gaps = [[b - a for a, b in itertools.pairwise(e) if start < b <= end] for e in ends]
-    return {"samples_per_s": count * batch_size / (end - start),
-            "step_ms": 1000 * statistics.median(g for p in gaps for g in p),
-            "steps": count, "seconds": end - start, "start": start, "end": end, "steps_per_process": per_process,
-            "step_ms_per_process": [1000 * statistics.median(p) if p else None for p in gaps],
-            "steps_per_s_per_process": count / (end - start) / len(ends),
-            "first_step_skew_s": [f - min(first) for f in first]}
-
-
-def _median(values: list) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
-def summarize(setups: list[dict], runs: dict[str, list[dict]]) -> dict:
-    """Per-round ratios to the best single local loop of the round, and their medians; the
-    medians of bytes and server CPU per step where the runs measured them."""
-    locals_ = [s["name"] for s in setups if is_ceiling(s)]
-    rounds = len(next(iter(runs.values())))
-    out: dict = {"ceiling_per_round": [], "setups": {}}
-    best = []
-    for r in range(rounds):
-        if locals_:
-            name = max(locals_, key=lambda n: runs[n][r]["samples_per_s"])
-            out["ceiling_per_round"].append(name)
-            best.append(runs[name][r]["samples_per_s"])
-    for s in setups:
-        legs = runs[s["name"]]
-        rates = [leg["samples_per_s"] for leg in legs]
-        row = {"samples_per_s": rates, "step_ms": [leg["step_ms"] for leg in legs],
-               "median_samples_per_s": statistics.median(rates)}
-        if best:
-            row["x_local"] = [a / b for a, b in zip(rates, best, strict=True)]
-            row["median_x_local"] = statistics.median(row["x_local"])
-            row["rounds_at_or_above_0.90"] = sum(x >= 0.90 for x in row["x_local"])
-        for key in ("steps_per_s_per_process", "bytes_per_step", "server_cpu_ms_per_step", "server_cpu_cores"):
-            values = [leg.get(key) for leg in legs]
-            if any(v is not None for v in values):
-                row[key] = values
-                row[f"median_{key}"] = _median(values)
-        out["setups"][s["name"]] = row
-    return out
-
-
-def ratio_between(paired: dict, num: str, den: str) -> dict | None:
-    """samples/s of ``num`` over ``den``, round by round, and the median (None: one is missing)."""
-    a, b = paired["setups"].get(num), paired["setups"].get(den)
-    if a is None or b is None:
-        return None
-    per = [x / y for x, y in zip(a["samples_per_s"], b["samples_per_s"], strict=True)]
-    return {"per_round": per, "median": statistics.median(per)}
 
 
 class Rounds:
@@ -347,50 +280,6 @@ def measure_rounds(setups: list[dict], *, rounds: int, use_netns: str = "auto", 
     return out
 
 
-def _num(v, fmt: str) -> str:
-    return "-" if v is None else fmt.format(v)
-
-
-def markdown_rows(paired: dict) -> list[str]:
-    lines = ["| setup | samples/s (median over rounds) | x best local (median over rounds) | rounds >= 0.90 "
-             "| x best local, per round | step ms (median over rounds) | MB/step (median) "
-             "| server CPU ms/step (median) |",
-             "|---|---|---|---|---|---|---|---|"]
-    for name, row in paired["setups"].items():
-        per = " ".join(f"{x:.3f}" for x in row.get("x_local", []))
-        mb = row.get("median_bytes_per_step")
-        lines.append(f"| {name} | {row['median_samples_per_s']:.0f} | {row.get('median_x_local', float('nan')):.3f} | "
-                     f"{row.get('rounds_at_or_above_0.90', '-')}/{paired['rounds']} | {per} | "
-                     f"{statistics.median(row['step_ms']):.1f} | {_num(None if mb is None else mb / 1e6, '{:.2f}')} | "
-                     f"{_num(row.get('median_server_cpu_ms_per_step'), '{:.1f}')} |")
-    return lines
-
-
-def protection_markdown(rows: list[dict]) -> list[str]:
-    from benchmarks import report
-
-    if not rows:
-        return []
-    return ["### Targets (issue 17, from the paired rounds)", "",
-            report.md_table(["ratio", "measured", "from", "per round", "target", "met"],
-                            report.trainer_compute_target_rows(rows)), ""]
-
-
-def trainer_compute_markdown(rows: list[dict], cost: dict | None) -> list[str]:
-    """Issue 15's targets (``targets.trainer_compute_ratios``) and the server's capacity table
-    (``capacity.from_paired``), where the rounds held their setups."""
-    from benchmarks import capacity, report
-
-    out = []
-    if rows:
-        out += ["### Targets (issue 15, from the paired rounds)", "",
-                report.md_table(["ratio", "measured", "from", "per round", "target", "met"],
-                                report.trainer_compute_target_rows(rows)), ""]
-    if cost:
-        out += capacity.markdown(cost)
-    return out
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.paired", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="mnist_cnn", help="model the server hosts (default mnist_cnn)")
@@ -496,8 +385,6 @@ def _main(args: argparse.Namespace) -> int:
                          "trainer_device": args.trainer_device, "netns": args.netns,
                          "throttle": args.throttle, "cores": os.cpu_count(), "load_avg": os.getloadavg()},
               "paired": paired}
-    from benchmarks import capacity, targets
-
     result["trainer_compute_targets"] = targets.trainer_compute_ratios(paired, args.model, args.batch_size)
     result["protection_targets"] = targets.protection_ratios(paired)
     result["server_capacity"] = capacity.from_paired(paired, args.model, args.batch_size)

@@ -1,10 +1,12 @@
-"""Markdown table and PNG chart of one harness run (``benchmarks/run.py`` result dict)."""
+"""Markdown tables and PNG chart of one harness run (``benchmarks/run.py`` result dict), and
+the tables of paired rounds (``benchmarks/paired.py``) both of them write."""
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
-from benchmarks import paired
+from benchmarks import capacity
 
 COLUMNS = ["setup", "samples/s", "x local", "x local, paired", "step p50 ms", "step p95 ms", "bytes/step",
            "x lower bound", "server CPU idle (% core)", "server CPU training (% core)", "peak RSS MB"]
@@ -81,6 +83,44 @@ def trainer_compute_target_rows(rows: list[dict]) -> list[list[str]]:
     return out
 
 
+def markdown_rows(paired: dict) -> list[str]:
+    """The table of paired rounds (``paired_stats.summarize`` plus ``rounds``): one row per setup."""
+    lines = ["| setup | samples/s (median over rounds) | x best local (median over rounds) | rounds >= 0.90 "
+             "| x best local, per round | step ms (median over rounds) | MB/step (median) "
+             "| server CPU ms/step (median) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, row in paired["setups"].items():
+        per = " ".join(f"{x:.3f}" for x in row.get("x_local", []))
+        mb = row.get("median_bytes_per_step")
+        lines.append(f"| {name} | {row['median_samples_per_s']:.0f} | {row.get('median_x_local', float('nan')):.3f} | "
+                     f"{row.get('rounds_at_or_above_0.90', '-')}/{paired['rounds']} | {per} | "
+                     f"{statistics.median(row['step_ms']):.1f} | {_num(None if mb is None else mb / 1e6, '{:.2f}')} | "
+                     f"{_num(row.get('median_server_cpu_ms_per_step'), '{:.1f}')} |")
+    return lines
+
+
+def protection_markdown(rows: list[dict]) -> list[str]:
+    """Issue 17's targets (``targets.protection_ratios``), where the rounds held their setups."""
+    if not rows:
+        return []
+    return ["### Targets (issue 17, from the paired rounds)", "",
+            md_table(["ratio", "measured", "from", "per round", "target", "met"], trainer_compute_target_rows(rows)),
+            ""]
+
+
+def trainer_compute_markdown(rows: list[dict], cost: dict | None) -> list[str]:
+    """Issue 15's targets (``targets.trainer_compute_ratios``) and the server's capacity table
+    (``capacity.from_paired``), where the rounds held their setups."""
+    out = []
+    if rows:
+        out += ["### Targets (issue 15, from the paired rounds)", "",
+                md_table(["ratio", "measured", "from", "per round", "target", "met"],
+                         trainer_compute_target_rows(rows)), ""]
+    if cost:
+        out += capacity.markdown(cost)
+    return out
+
+
 def markdown(result: dict) -> str:
     m, c = result["machine"], result["config"]
     lb = result["lower_bound"]
@@ -118,12 +158,12 @@ def markdown(result: dict) -> str:
                   f"({pr['skip']} skipped)", "",
                   "Each round runs every setup once, back to back, in an order that rotates each round; "
                   "`x best local` divides by the best local loop of the same round.", "",
-                  *paired.markdown_rows(pr), ""]
+                  *markdown_rows(pr), ""]
     elif pr:
         parts += [f"- paired rounds failed: {pr['error'].splitlines()[0]}"]
     # Results written before the key was renamed hold "issue15_targets".
     targets = result.get("trainer_compute_targets") or result.get("issue15_targets") or []
-    parts += paired.trainer_compute_markdown(targets, result.get("server_capacity"))
+    parts += trainer_compute_markdown(targets, result.get("server_capacity"))
     failed = [s for s in result["setups"] if s.get("error")]
     for s in failed:
         parts.append(f"- {s['name']} failed: {s['error'].splitlines()[0]}")

@@ -1,8 +1,10 @@
 """Aggregate push/pull bandwidth against the number of server processes, across rate-limited links.
 
-    python -m benchmarks.servers_scaling --results-dir benchmarks/results/issue18            # 1, 2 and 4 servers
-    python -m benchmarks.servers_scaling --quick --results-dir /tmp/scaling                  # 1 and 2 servers, ~1 min
-    timeout 15m python -m benchmarks.servers_scaling --timeout 840 --results-dir benchmarks/results/issue18  # ~9 min
+    python -m benchmarks.servers_scaling                                      # 1, 2 and 4 servers
+    python -m benchmarks.servers_scaling --quick --results-dir /tmp/scaling   # 1 and 2 servers, ~1 min
+    timeout 15m python -m benchmarks.servers_scaling --timeout 840            # ~9 min
+
+Results go to ``--results-dir`` (default ``benchmarks/results/servers-scaling``).
 
 Every server and every trainer is a host of its own (``benchmarks.multihost``: a network
 namespace behind a veth link to one bridge, limited with ``tc`` to ``--rate`` Mbit/s each way),
@@ -26,7 +28,7 @@ Paired rounds, as ``benchmarks.paired``: every server group stays up for the who
 unmeasured warm-up run of the trainers against each first); each round runs every setup once,
 back to back, in an order that rotates by one each round, ``--steps`` steps per trainer of
 which the first ``--skip`` of every trainer are warm-up. A run's interval is the one in which
-every trainer steps (``paired.leg_rate``). Within it, the bytes over the server links (both
+every trainer steps (``paired_stats.leg_rate``). Within it, the bytes over the server links (both
 directions, Ethernet/IP/TCP headers included; read from the bridge side of each link every
 0.1 s) give, by least squares against time, the aggregate push/pull bandwidth, and over the
 trainers' step rate, the bytes per trainer step summed over all servers. Each is divided by
@@ -52,7 +54,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks import measure, multihost, paired
+from benchmarks import measure, multihost, paired, paired_stats
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +66,7 @@ READY_OTHER = r"\bserving\b"
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 TARGETS = {2: 1.8, 4: 3.2}
 BYTES_TARGET = 1.05
-DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "issue18"
+DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "servers-scaling"
 LEG_TIMEOUT_S = 600.0
 
 
@@ -330,7 +332,7 @@ class Scaling:
         if not measure_it:
             return {}
         ends = [json.loads(f.read_text())["step_ends"] for f in stats]
-        leg = paired.leg_rate(ends, self.batch_size, self.skip)
+        leg = paired_stats.leg_rate(ends, self.batch_size, self.skip)
         leg.update(measure.per_step(samples, ends, leg["start"], leg["end"]))
         after = self.topo.counters()
         moved = [after[k].total - before[k].total for k in server_nodes]

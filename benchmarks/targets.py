@@ -8,6 +8,9 @@ import functools
 import itertools
 import math
 
+from benchmarks.paired_stats import ratio_between
+from benchmarks.setups import parse_setup
+
 # (model, batch) -> minimum of PS 1 trainer / local.
 ONE_TRAINER_TARGETS = {("mnist_cnn", 64): 0.90, ("resnet18", 32): 0.85}
 
@@ -34,8 +37,6 @@ def trainer_compute_floor(model: str, wire: str = "fp32") -> int:
 def ratios(result: dict) -> list[dict]:
     """Issue 6's targets. Throughput ratios read the paired rounds' median where the run has
     them (``method``); the one-window ratio is kept beside it."""
-    from benchmarks.setups import parse_setup
-
     by = {s["name"]: s for s in result["setups"] if not s.get("error")}
     c = result["config"]
     key = (c["model"], c["batch_size"])
@@ -107,9 +108,6 @@ def trainer_compute_ratios(paired: dict | None, model: str, batch_size: int) -> 
     taken round by round between two setups of the same round, then the median; bytes per step
     are the medians over rounds over the model's fp32 parameter bytes. Only the rows whose
     setups the rounds hold."""
-    from benchmarks.paired import ratio_between
-    from benchmarks.setups import parse_setup
-
     if not paired or paired.get("error") or not paired.get("setups"):
         return []
     setups = paired["setups"]
@@ -156,8 +154,6 @@ def protection_ratios(paired: dict | None) -> list[dict]:
     """Issue 17's target: throughput with the protections on (a join token and the RPC
     allow-list, ``-token`` setups) within 3 % of without (``-open``: neither), round by round
     between the two setups of each pair, then the median."""
-    from benchmarks.paired import ratio_between
-
     if not paired or paired.get("error") or not paired.get("setups"):
         return []
     rows = []

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.imports import import_cycles
 from tests.procs import ROOT
 
 LINT_IMPORTS = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-imports"))
@@ -37,13 +38,5 @@ def test_config_importing_the_parameter_server_breaks_the_contracts(tmp_path):
 def test_no_import_cycles():
     """No module of psserver imports, through any chain, a module that imports it (lazy
     imports inside functions included: grimp reads them too)."""
-    import grimp
-
-    graph = grimp.build_graph("psserver", cache_dir=None)
-    cycles = set()
-    for importer in graph.modules:
-        for imported in graph.find_modules_directly_imported_by(importer):
-            back = graph.find_shortest_chain(importer=imported, imported=importer)
-            if back is not None:
-                cycles.add(" -> ".join((importer, *back)))
-    assert not cycles, "\n".join(sorted(cycles))
+    cycles = import_cycles("psserver")
+    assert not cycles, "\n".join(cycles)

@@ -1,5 +1,5 @@
-"""Paired rounds (``benchmarks.paired``): the arithmetic on fabricated step times, the flags,
-and one short real measurement against live servers."""
+"""Paired rounds (``benchmarks.paired``): the arithmetic on fabricated step times
+(``benchmarks.paired_stats``), the flags, and one short real measurement against live servers."""
 
 from __future__ import annotations
 
@@ -11,23 +11,23 @@ import subprocess
 import psutil
 import pytest
 
-from benchmarks import netns, paired, setups
+from benchmarks import netns, paired, paired_stats, report, setups
 
 
 def test_leg_rate_counts_only_while_every_process_steps():
     # Trainer 0 steps every 0.1 s for 2 s; trainer 1 starts at 0.5 s and stops at 1.5 s.
     t0 = [0.1 * i for i in range(1, 21)]
     t1 = [0.5 + 0.1 * i for i in range(1, 11)]
-    leg = paired.leg_rate([t0, t1], batch_size=10, skip=2)
+    leg = paired_stats.leg_rate([t0, t1], batch_size=10, skip=2)
     # After 2 skipped steps each: trainer 0 from 0.3 s, trainer 1 from 0.8 s; together until 1.5 s.
     assert leg["seconds"] == pytest.approx(0.7)
     assert leg["steps"] == 14  # 7 steps each in (0.8, 1.5]
     assert leg["samples_per_s"] == pytest.approx(14 * 10 / 0.7)
     assert leg["step_ms"] == pytest.approx(100.0)
     with pytest.raises(RuntimeError, match="too few"):
-        paired.leg_rate([t0[:7]], batch_size=10, skip=2)
+        paired_stats.leg_rate([t0[:7]], batch_size=10, skip=2)
     with pytest.raises(RuntimeError, match="never stepped together"):
-        paired.leg_rate([t0[:10], [5 + t for t in t0]], batch_size=10, skip=0)
+        paired_stats.leg_rate([t0[:10], [5 + t for t in t0]], batch_size=10, skip=0)
 
 
 def _leg(rate: float) -> dict:
@@ -39,7 +39,7 @@ def test_summarize_divides_by_the_best_local_loop_of_each_round():
     runs = {"local": [_leg(1000), _leg(800), _leg(900)],
             "local-cached": [_leg(950), _leg(1000), _leg(880)],
             "ps-async-1": [_leg(940), _leg(850), _leg(855)]}
-    out = paired.summarize(names, runs)
+    out = paired_stats.summarize(names, runs)
     assert out["ceiling_per_round"] == ["local", "local-cached", "local"]
     ps = out["setups"]["ps-async-1"]
     assert ps["x_local"] == pytest.approx([0.94, 0.85, 0.95])
@@ -47,7 +47,7 @@ def test_summarize_divides_by_the_best_local_loop_of_each_round():
     assert ps["median_samples_per_s"] == 855
     assert ps["rounds_at_or_above_0.90"] == 2
     assert out["setups"]["local"]["x_local"] == pytest.approx([1.0, 0.8, 1.0])
-    table = "\n".join(paired.markdown_rows({**out, "rounds": 3}))
+    table = "\n".join(report.markdown_rows({**out, "rounds": 3}))
     assert "| ps-async-1 | 855 | 0.940 | 2/3 | 0.940 0.850 0.950 |" in table
 
 
