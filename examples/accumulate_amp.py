@@ -7,7 +7,7 @@ accumulation and mixed precision (bf16 autocast on the CPU, fp16 on a GPU, with 
 Each optimizer step is ``--accumulate`` micro-batches of ``--micro-batch`` (one update on the
 server). The loop is the one Horovod documents for AMP (horovod#1089): synchronize, unscale,
 clip, then ``scaler.step`` inside ``skip_synchronize``. It prints ``rank R accuracy A``
-(about 0.96 with the defaults).
+(about 0.94 with the defaults).
 """
 
 from __future__ import annotations

@@ -1,0 +1,58 @@
+"""Each script of ``examples/`` runs to the result its docstring states, against a
+``psserver serve`` the test starts (as its docstring starts it)."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+
+from tests.procs import MNIST_DIR, ROOT
+
+EXAMPLES = ROOT / "examples"
+
+
+def example(procs, name: str, port: int, rank: int, trainers: int, *extra: str):
+    return procs.start(["--server", f"127.0.0.1:{port}", "--rank", str(rank), "--num-trainers", str(trainers),
+                        "--data-dir", str(MNIST_DIR), *extra], f"{name}-{rank}",
+                       prefix=[sys.executable, str(EXAMPLES / f"{name}.py")])
+
+
+def accuracy(proc, rank: int) -> float:
+    m = re.search(rf"^rank {rank} accuracy (\d\.\d+)$", proc.output(), re.M)
+    assert m, proc.tail()
+    return float(m.group(1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_custom_cnn_with_its_own_loop_two_trainers(procs, port):
+    """The server learns SmallCNN (BatchNorm and all) from the first trainer; both reach 0.95."""
+    server = procs.server(port)
+    trainers = [example(procs, "custom_cnn", port, r, 2) for r in range(2)]
+    for r, t in enumerate(trainers):
+        assert t.wait(240) == 0, t.tail()
+        assert accuracy(t, r) >= 0.95
+    assert "learnt from the first trainer" in server.output()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_wrapper_with_accumulation_and_amp(procs, port):
+    procs.server(port)
+    t = example(procs, "accumulate_amp", port, 0, 1)
+    assert t.wait(240) == 0, t.tail()
+    assert accuracy(t, 0) >= 0.90
+    assert "Traceback" not in t.output()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_rpc_tutorial_loop_against_psserver_serve(procs, port):
+    server = procs.server(port, "--model", "mnist_cnn", "--optimizer", "sgd", "--lr", "0.05")
+    trainers = [example(procs, "rpc_tutorial", port, r, 2) for r in range(2)]
+    for r, t in enumerate(trainers):
+        assert t.wait(240) == 0, t.tail()
+        assert accuracy(t, r) >= 0.93
+    assert "its steps go through the server's shared optimizer" in server.output()
