@@ -1,5 +1,5 @@
 """What the RPC allow-list costs per message: torch's own unpickling against psserver's
-restricted one (``psserver.ps.torch_rpc.restrict_unpickler``), in-process, in paired rounds.
+restricted one (``psserver.ps.rpc.torch_rpc.restrict_unpickler``), in-process, in paired rounds.
 
 The messages are those of a ``pushpull`` step: the trainer's call (``endpoint.call`` of
 ``exchange`` with the flat gradient) read by the server, and the server's reply (the flat
@@ -21,7 +21,8 @@ import torch
 import torch.distributed.rpc.internal as rpc_internal
 
 from psserver.models import build_model
-from psserver.ps import endpoint, rpc_allowlist, torch_rpc
+from psserver.ps.rpc import rpc_allowlist, torch_rpc
+from psserver.ps.server import endpoint
 
 
 def messages(model: str) -> list[tuple[bytes, list[torch.Tensor]]]:

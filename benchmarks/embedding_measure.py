@@ -203,8 +203,8 @@ def rpc_pickle_sizes(dim: int) -> dict:
     from torch.distributed.rpc.internal import PythonUDF, _internal_rpc_pickler
 
     from psserver.models import get_model_spec
-    from psserver.ps import endpoint
-    from psserver.ps.messages import Report
+    from psserver.ps.rpc.messages import Report
+    from psserver.ps.server import endpoint
 
     names = [d.name for d in get_model_spec("mf").tables]
     rows = {"grads": {n: torch.zeros(10, dim + 1) for n in names},

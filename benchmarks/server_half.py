@@ -20,10 +20,10 @@ def measure(model: str, steps: int, wire_dtype: str, threads: int) -> tuple[floa
     import torch
 
     from psserver.config import OptimizerConfig, ServerConfig
-    from psserver.ps.engine import StepEngine, resolve_devices
-    from psserver.ps.messages import JoinRequest
+    from psserver.ps.engine.engine import StepEngine, resolve_devices
     from psserver.ps.protocols.pushpull import PushPullServer
     from psserver.ps.protocols.trainer_compute import WIRE_DTYPES
+    from psserver.ps.rpc.messages import JoinRequest
 
     torch.set_num_threads(threads)
     cfg = ServerConfig(model=model, devices=["cpu"], optimizer=OptimizerConfig())

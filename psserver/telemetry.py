@@ -281,4 +281,4 @@ class RefusalLog:
 CONTROL_REFUSALS = RefusalLog()
 """The process's control-plane refusals (one control plane per process)."""
 RPC_REFUSALS = RefusalLog(max_keys=50, key_chars=100)
-"""Globals the process's RPC layer refused to unpickle, by name (``psserver.ps.rpc_allowlist``)."""
+"""Globals the process's RPC layer refused to unpickle, by name (``psserver.ps.rpc.rpc_allowlist``)."""

@@ -24,7 +24,7 @@ class ExportCommand(SubCommand):
                                  "<table>.rows")
 
     def run(self, args: argparse.Namespace) -> int:
-        from psserver.ps.export import export
+        from psserver.ps.server.export import export
 
         done = export(args.checkpoint, args.out)
         sys.stdout.write(f"exported step {done.step}: {done.tensors} tensors to {done.model}"

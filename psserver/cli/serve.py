@@ -108,10 +108,10 @@ class ServeCommand(SubCommand):
         with config_errors():
             config = server_config_from_args(args)
         if config.supervise:
-            from psserver.ps.supervisor import supervise
+            from psserver.ps.server.supervisor import supervise
 
             return supervise(args.argv, config.max_restarts)
-        from psserver.ps.server import run_server
+        from psserver.ps.server.server import run_server
 
         return run_server(config)
 

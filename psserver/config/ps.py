@@ -16,7 +16,7 @@ OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "rmsprop")
 UPDATE_MODES = ("async", "sync", "ssp")
 WIRE_DTYPES = ("fp32", "bf16", "fp16")
 BUFFER_POLICIES = ("average", "rank0")
-"""How the server's copy of the model's buffers follows the trainers' (``psserver.ps.buffers``)."""
+"""How the server's copy of the model's buffers follows the trainers' (``psserver.ps.engine.buffers``)."""
 COMPUTE_MODES: dict[str, str] = {
     "trainer": "the trainer runs forward and backward on parameters it pulls; the server applies the "
                "gradient (default: adding trainers adds throughput)",
@@ -183,7 +183,7 @@ class ServerConfig:
     control plane's token file."""
     num_servers: int = 1
     """Server processes that together hold the model's parameters, each a partition
-    (``psserver.ps.partition``); trainers push to and pull from all of them."""
+    (``psserver.ps.group.partition``); trainers push to and pull from all of them."""
     server_rank: int = 0
     """This process's place among them: 0 coordinates (store, membership, control plane,
     checkpoint schedule), the others hold their partition and follow it."""

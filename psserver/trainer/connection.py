@@ -43,7 +43,7 @@ from psserver.config.env import default_rank, default_server_address, default_wo
 from psserver.errors import UsageError
 from psserver.models.calling import input_batch_size
 from psserver.models.losses import resolve_loss
-from psserver.ps.messages import Report
+from psserver.ps.rpc.messages import Report
 from psserver.trainer.recovery import join, recover, shard_count
 from psserver.trainer.rejoin import Position, script_command_line, take_position
 from psserver.trainer.sampler import ResumableSampler

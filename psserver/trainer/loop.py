@@ -36,7 +36,7 @@ from psserver.errors import DataError, UsageError
 from psserver.models import ModelSpec
 from psserver.models.calling import describe_input, input_batch_size
 from psserver.models.losses import loss_name
-from psserver.ps.messages import Report
+from psserver.ps.rpc.messages import Report
 from psserver.trainer.recovery import FAILED, diagnose, join, recover, shard_count
 from psserver.trainer.rejoin import Position, take_position
 from psserver.trainer.session import Session, remote_message

@@ -20,8 +20,9 @@ import torch.distributed.rpc as rpc
 
 from psserver.config import TrainerConfig
 from psserver.errors import Evicted, ServerLost, UsageError
-from psserver.ps import endpoint, rendezvous
-from psserver.ps.messages import Report
+from psserver.ps.rpc import rendezvous
+from psserver.ps.rpc.messages import Report
+from psserver.ps.server import endpoint
 from psserver.trainer.rejoin import Position, reexec
 from psserver.trainer.session import PROBE_TIMEOUT_S, JoinLost, PartitionCallError, Session, remote_message
 from psserver.trainer.stop_signals import StopSignals
@@ -58,7 +59,7 @@ def join(config: TrainerConfig, position: Position | None, stop: StopSignals, mo
             return Session(config, stop, model)
         except JoinLost as e:  # --reconnect: a server lost during the first join is waited for too
             log.warning("joining failed (%s): rejoining in a fresh process", e)
-            reexec(Position(), stop, argv)  # RPC is never initialised twice in one process (psserver.ps.torch_rpc)
+            reexec(Position(), stop, argv)  # RPC is never initialised twice in one process (psserver.ps.rpc.torch_rpc)
     where = f"{config.server_host}:{config.server_port}"
     delay = 0.5
     attempt = 0

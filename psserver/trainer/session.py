@@ -2,7 +2,7 @@
 
 The :class:`Session` is the join, the heartbeat, the leave, and the channel its step
 protocol's trainer half calls the server through (``psserver.ps.protocols``). Progress and
-liveness ride on every call as a :class:`~psserver.ps.messages.Report`; a low-rate heartbeat
+liveness ride on every call as a :class:`~psserver.ps.rpc.messages.Report`; a low-rate heartbeat
 covers the time between steps. The training loop around it: ``psserver.trainer.loop``.
 """
 
@@ -25,11 +25,12 @@ from psserver.errors import ServerUnavailable, UsageError
 from psserver.models import ModelSpec, build_model, get_model_spec
 from psserver.models.layout import ModelLayout, values_of
 from psserver.models.losses import resolve_loss
-from psserver.ps import endpoint, rendezvous, torch_rpc
-from psserver.ps.engine import resolve_device
-from psserver.ps.messages import JoinRequest, Report
+from psserver.ps.engine.engine import resolve_device
 from psserver.ps.protocols import TrainerHalf, get_protocol
 from psserver.ps.protocols.trainer_compute import WIRE_DTYPES
+from psserver.ps.rpc import rendezvous, torch_rpc
+from psserver.ps.rpc.messages import JoinRequest, Report
+from psserver.ps.server import endpoint
 from psserver.trainer.stop_signals import StopSignals
 
 log = logging.getLogger(__name__)

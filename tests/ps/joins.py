@@ -5,7 +5,7 @@ from __future__ import annotations
 from psserver.models import build_model, get_model_spec
 from psserver.models.layout import ModelLayout, values_of
 from psserver.models.losses import get_loss
-from psserver.ps.messages import JoinRequest
+from psserver.ps.rpc.messages import JoinRequest
 
 
 def join_request(rank: int = 0, name: str = "t", *, model: str = "mlp", step: str | None = None,

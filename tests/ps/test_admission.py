@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from psserver.ps import admission, rendezvous
-from psserver.ps.admission import AdmissionDesk, PublishedKeys
-from psserver.ps.rendezvous import (
+from psserver.ps.rpc import rendezvous
+from psserver.ps.rpc.rendezvous import (
     ADMITTED,
     KEY_ADMIT_ANSWER,
     KEY_ADMIT_REQUEST,
@@ -20,6 +19,8 @@ from psserver.ps.rendezvous import (
     namespace,
     scoped,
 )
+from psserver.ps.server import admission
+from psserver.ps.server.admission import AdmissionDesk, PublishedKeys
 
 
 def announce(store, rank) -> int:

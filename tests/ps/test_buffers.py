@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from psserver.config import OptimizerConfig, ServerConfig
-from psserver.ps.buffers import ServerBuffers, flatten, persistent_buffers, unflatten_into
-from psserver.ps.engine import StepEngine
+from psserver.ps.engine.buffers import ServerBuffers, flatten, persistent_buffers, unflatten_into
+from psserver.ps.engine.engine import StepEngine
 from psserver.ps.protocols.pull import PullServer
 from psserver.ps.protocols.pushpull import PushPullServer, PushPullTrainer
 from tests.ps.joins import give_replica, join_request

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from psserver.config import OptimizerConfig, ServerConfig
-from psserver.ps.endpoint import Endpoint
-from psserver.ps.engine import StepEngine, resolve_devices
-from psserver.ps.membership import Member
-from psserver.ps.messages import Report
+from psserver.ps.engine.engine import StepEngine, resolve_devices
 from psserver.ps.protocols import PROTOCOLS
+from psserver.ps.rpc.messages import Report
+from psserver.ps.server.endpoint import Endpoint
+from psserver.ps.server.membership import Member
 from psserver.telemetry import TrainerStatus
 from tests.ps.joins import join_request
 

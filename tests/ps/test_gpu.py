@@ -32,7 +32,7 @@ def test_trainer_device_without_cuda_is_a_clear_error():
 @needs_gpu
 def test_shard_runs_on_its_device():
     from psserver.config import OptimizerConfig
-    from psserver.ps.shard import Shard
+    from psserver.ps.engine.shard import Shard
 
     shard = Shard(0, torch.nn.Sequential(torch.nn.Linear(8, 4)), torch.device("cuda:0"))
     shard.init_optimizer(OptimizerConfig())

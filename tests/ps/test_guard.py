@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from psserver.config import OptimizerConfig
-from psserver.ps.engine import make_updater
-from psserver.ps.guard import GradientGuard, total_norm
-from psserver.ps.shard import Shard
+from psserver.ps.engine.engine import make_updater
+from psserver.ps.engine.guard import GradientGuard, total_norm
+from psserver.ps.engine.shard import Shard
 
 
 def _grads(model: nn.Module, scale: float = 1.0) -> dict[nn.Parameter, torch.Tensor]:

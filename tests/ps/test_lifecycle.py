@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch.distributed as dist
 
-from psserver.ps.rendezvous import request_admission
+from psserver.ps.rpc.rendezvous import request_admission
 from tests.procs import Proc, ProcessGroup, free_port
 
 pytestmark = pytest.mark.multiprocess

@@ -16,10 +16,10 @@ from torch.optim import lr_scheduler as L
 from psserver.checkpoint import load_checkpoint, write_checkpoint
 from psserver.config import CheckpointConfig, LRScheduleConfig, OptimizerConfig, ServerConfig
 from psserver.errors import UserCodeError
-from psserver.ps.engine import StepEngine, make_updater
-from psserver.ps.lr_schedule import LRSchedule
-from psserver.ps.server import ParameterServer
-from psserver.ps.shard import Shard, make_optimizer
+from psserver.ps.engine.engine import StepEngine, make_updater
+from psserver.ps.engine.lr_schedule import LRSchedule
+from psserver.ps.engine.shard import Shard, make_optimizer
+from psserver.ps.server.server import ParameterServer
 
 # A scheduler stepped before its optimizer warns (torch would then skip a value): never here.
 pytestmark = pytest.mark.filterwarnings("error:Detected call of `lr_scheduler.step\\(\\)` before:UserWarning")
@@ -137,7 +137,7 @@ def test_another_schedule_at_resume_takes_over_as_if_from_step_0(caplog):
     drive(old, 30)
     new_config = LRScheduleConfig("CosineAnnealingLR", {"T_max": 100}, 10)
     new = LRSchedule(new_config, SGD)
-    with caplog.at_level(logging.WARNING, logger="psserver.ps.lr_schedule"):
+    with caplog.at_level(logging.WARNING, logger="psserver.ps.engine.lr_schedule"):
         new.restore(old.state_dict(), 30)
     assert "takes over at global step 30 as if it had run from step 0" in caplog.text
     assert "StepLR(step_size=5)" in caplog.text
@@ -154,7 +154,7 @@ def test_another_schedule_at_resume_takes_over_as_if_from_step_0(caplog):
 def test_a_schedule_that_ends_keeps_its_last_lr(caplog):
     """OneCycleLR raises past its total_steps: the server keeps training at the last lr."""
     schedule = LRSchedule(LRScheduleConfig("OneCycleLR", {"max_lr": 0.5, "total_steps": 10}), SGD)
-    with caplog.at_level(logging.ERROR, logger="psserver.ps.lr_schedule"):
+    with caplog.at_level(logging.ERROR, logger="psserver.ps.engine.lr_schedule"):
         lrs = [d["lr"] for d in drive(schedule, 15)]
     assert lrs[:10] == pytest.approx([d["lr"] for d in local_lrs(schedule.config, SGD, 10)], abs=TOL)
     assert lrs[11:] == [lrs[10]] * 4  # torch's step 10 still gives one; its 11th raises
@@ -267,7 +267,7 @@ def test_every_update_mode_applies_the_schedule_once_per_update(mode, caplog):
     up.lr_schedule = LRSchedule(config, SGD)
     for t in ("a", "b"):
         up.trainer_joined(t)
-    with caplog.at_level(logging.DEBUG, logger="psserver.ps.updates"):
+    with caplog.at_level(logging.DEBUG, logger="psserver.ps.engine.updates"):
         rounds = 0
         while up.global_step < 40:
             before = [p.detach().clone() for s in shards for p in s.params]
@@ -370,7 +370,7 @@ def test_a_resume_without_the_schedule_goes_back_to_the_optimizers_lr(tmp_path, 
         server.engine.close()
     plain = dataclasses.replace(scheduled, lr_schedule=LRScheduleConfig(),
                                 checkpoint=CheckpointConfig(resume=str(path)))
-    with caplog.at_level(logging.WARNING, logger="psserver.ps.engine"):
+    with caplog.at_level(logging.WARNING, logger="psserver.ps.engine.engine"):
         resumed = ParameterServer(plain)
     try:
         assert resumed.engine.learning_rate == 0.1

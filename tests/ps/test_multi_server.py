@@ -14,7 +14,7 @@ import torch
 
 from psserver.checkpoint import checkpoint_path, list_checkpoints, read_checkpoint, step_of
 from psserver.control.client import ControlClient
-from psserver.ps.partition import PartitionPlan
+from psserver.ps.group.partition import PartitionPlan
 from tests.procs import MNIST_ARGS, accuracy, free_port, run, start_servers
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from psserver.models import build_model
-from psserver.ps.partition import SPLIT_ABOVE, PartitionPlan, Piece, make_plan
+from psserver.ps.group.partition import SPLIT_ABOVE, PartitionPlan, Piece, make_plan
 
 
 def sizes_of(model: str) -> list[int]:

@@ -12,7 +12,7 @@ from torch import nn
 
 from psserver.config import OptimizerConfig, ServerConfig
 from psserver.models import build_model
-from psserver.ps.engine import ShuttingDown, StepEngine, resolve_devices
+from psserver.ps.engine.engine import ShuttingDown, StepEngine, resolve_devices
 from psserver.ps.protocols import PROTOCOLS
 from psserver.ps.protocols.chained import ChainedServer
 from psserver.ps.protocols.plain import PlainServer

@@ -9,7 +9,7 @@ import pytest
 from psserver.checkpoint import checkpoint_path, write_checkpoint
 from psserver.cli import main
 from psserver.config import ServerConfig
-from psserver.ps.server import ParameterServer
+from psserver.ps.server.server import ParameterServer
 
 
 def make_checkpoint(tmp_path, model: str, devices: list[str]):

@@ -1,5 +1,5 @@
-"""The RPC layer's allow-list (``psserver.ps.rpc_allowlist``, installed by
-``psserver.ps.torch_rpc.restrict_unpickler``).
+"""The RPC layer's allow-list (``psserver.ps.rpc.rpc_allowlist``, installed by
+``psserver.ps.rpc.torch_rpc.restrict_unpickler``).
 
 Unit tests read pickles through the restricted deserializer in this process, as torch's C++
 handler would; the end-to-end test has a stranger join the RPC group of a real server while a
@@ -31,9 +31,10 @@ from torch.distributed.optim.optimizer import (
 )
 from torch.distributed.rpc._utils import _update_group_membership
 
-from psserver.ps import endpoint, rendezvous, rpc_allowlist, torch_rpc
-from psserver.ps.messages import JoinRequest, Report
-from psserver.ps.rpc_allowlist import RefusedCall
+from psserver.ps.rpc import rendezvous, rpc_allowlist, torch_rpc
+from psserver.ps.rpc.messages import JoinRequest, Report
+from psserver.ps.rpc.rpc_allowlist import RefusedCall
+from psserver.ps.server import endpoint
 from psserver.telemetry import RPC_REFUSALS, RefusalLog
 from tests.procs import ROOT, env, free_port
 from tests.ps import stranger
@@ -119,7 +120,7 @@ def test_refuses_a_hostile_pickle_inside_the_arguments(read):
         (Reduced(_load_from_bytes, b"x"), "torch.storage._load_from_bytes"),
         (Reduced(getattr, pickler, "_script_module_receiver"),
          "builtins.getattr(torch.distributed.rpc.internal._InternalRPCPickler, '_script_module_receiver')"),
-        (Reduced(getattr, Report, "__init__"), "builtins.getattr(psserver.ps.messages.Report, '__init__')"),
+        (Reduced(getattr, Report, "__init__"), "builtins.getattr(psserver.ps.rpc.messages.Report, '__init__')"),
         (Reduced(getattr, "x", "upper"), "builtins.getattr(<builtins.str object>, 'upper')"),
         (Reduced(_local_invoke, None, "step", (), {}), "torch.distributed.rpc.rref_proxy._local_invoke"),
     ]:
@@ -234,7 +235,7 @@ def test_a_stranger_in_the_rpc_group_runs_nothing(procs, port, tmp_path):
         assert value(samples, "psserver_rpc_refusals_total", name=name) == 1
     assert trainer.wait(90) == 0, trainer.tail()
     assert procs.stop(server) == 0, server.tail()
-    logged = re.findall(r"WARNING psserver\.ps\.rpc_allowlist: refused an RPC message naming '([^']+)'",
+    logged = re.findall(r"WARNING psserver\.ps\.rpc\.rpc_allowlist: refused an RPC message naming '([^']+)'",
                         server.output())
     assert logged == ["posix.getpid", "builtins.exec", "posix.system", "pathlib.Path.write_text",
                       "functools.partial"], server.tail()  # 5 a minute: builtins.getattr was counted, not logged

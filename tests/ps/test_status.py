@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from psserver.ps import server_group
-from psserver.ps.partition_server import PartitionServer
-from psserver.ps.status import ServerView, TableRates
-from psserver.ps.torch_rpc import RestrictedUnpickler
+from psserver.ps.group import server_group
+from psserver.ps.group.partition_server import PartitionServer
+from psserver.ps.rpc.torch_rpc import RestrictedUnpickler
+from psserver.ps.server.status import ServerView, TableRates
 from psserver.telemetry import TableStatus
 
 

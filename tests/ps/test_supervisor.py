@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from psserver.ps.supervisor import describe, resume_argv, server_argv
+from psserver.ps.server.supervisor import describe, resume_argv, server_argv
 from tests.procs import accuracy
 
 JOINED = r"joined psserver \S+ as (trainer_\d+_\d+)"

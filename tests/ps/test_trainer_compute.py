@@ -15,7 +15,7 @@ from torch import nn
 
 from psserver.config import OptimizerConfig, ServerConfig
 from psserver.models import build_model
-from psserver.ps.engine import StepEngine, resolve_devices
+from psserver.ps.engine.engine import StepEngine, resolve_devices
 from psserver.ps.protocols.pushpull import PushPullServer, PushPullTrainer
 from psserver.ps.protocols.trainer_compute import WIRE_DTYPES
 from tests.ps.joins import give_replica, join_request
@@ -66,7 +66,7 @@ def test_the_replica_trains_on_its_device_like_a_local_loop(engine, device):
     # The reference computes on the same device: a CPU loop would differ from the GPU's kernels by
     # rounding that Adam turns into steps of size lr wherever a gradient is near zero.
     ref = build_model("mlp", seed=0).to(device)
-    opt = torch.optim.Adam(ref.parameters(), lr=0.01, fused=True)  # as the server's (psserver.ps.shard)
+    opt = torch.optim.Adam(ref.parameters(), lr=0.01, fused=True)  # as the server's (psserver.ps.engine.shard)
     for x, y in batches(5):
         loss = trainer.step(x, y)
         opt.zero_grad()

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from psserver.config import OptimizerConfig
-from psserver.ps.engine import make_updater
-from psserver.ps.shard import Shard
-from psserver.ps.sync_updates import SyncUpdater
-from psserver.ps.updates import AsyncUpdater, SSPUpdater, Updater
+from psserver.ps.engine.engine import make_updater
+from psserver.ps.engine.shard import Shard
+from psserver.ps.engine.sync_updates import SyncUpdater
+from psserver.ps.engine.updates import AsyncUpdater, SSPUpdater, Updater
 
 
 def make_shard():

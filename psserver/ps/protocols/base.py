@@ -3,9 +3,9 @@
 Each protocol is one module with a trainer half and a server half, registered by name
 (Lightning's strategies; ps-lite's swappable request handler behind a fixed transport). The
 transport is fixed: the trainer half reaches the server through its :class:`Channel`
-(``psserver.trainer.session.Session``), the server's endpoint (``psserver.ps.endpoint``) checks
+(``psserver.trainer.session.Session``), the server's endpoint (``psserver.ps.server.endpoint``) checks
 membership and dispatches to the server half's ``ops``, and the server half does its tensor
-work through the :class:`~psserver.ps.engine.StepEngine`. This module never imports a
+work through the :class:`~psserver.ps.engine.engine.StepEngine`. This module never imports a
 protocol: ``psserver.ps.protocols`` imports every module of the package, which registers it.
 """
 
@@ -19,8 +19,8 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from psserver.models import ModelSpec
-from psserver.ps.engine import StepEngine
-from psserver.ps.messages import JoinRequest
+from psserver.ps.engine.engine import StepEngine
+from psserver.ps.rpc.messages import JoinRequest
 
 
 class Channel(Protocol):

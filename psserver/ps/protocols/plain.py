@@ -8,7 +8,7 @@ gradient it holds).
 
 ``DistributedOptimizer`` builds one local optimizer per trainer on the parameters' owner, so
 with N trainers Adam would keep N sets of moments. Its local optimizer here is the
-endpoint's :class:`~psserver.ps.endpoint.SharedOptimizer`: a handle that passes the trainer's
+endpoint's :class:`~psserver.ps.server.endpoint.SharedOptimizer`: a handle that passes the trainer's
 complete gradient to ``submit`` below, and so to the engine, whose one optimizer per shard
 every trainer shares.
 """
@@ -24,9 +24,9 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.distributed.optim import DistributedOptimizer
 
-from psserver.ps import torch_rpc
-from psserver.ps.endpoint import SharedOptimizer
 from psserver.ps.protocols.base import ServerHalf, StepProtocol, TrainerHalf, register
+from psserver.ps.rpc import torch_rpc
+from psserver.ps.server.endpoint import SharedOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class PlainServer(ServerHalf):
         self.engine.open_step(trainer, int(x.shape[0]))
         try:
             # On this RPC thread, not the compute thread: dist_autograd runs the backward on
-            # threads of its own anyway (psserver.ps.compute); a hand-off only adds latency.
+            # threads of its own anyway (psserver.ps.engine.compute); a hand-off only adds latency.
             return self.engine.forward(x, clone=self.engine.needs_clone()).to("cpu")
         except BaseException:
             self.engine.drop_step(trainer)

@@ -23,11 +23,11 @@ from torch import nn
 from torch.func import functional_call
 
 from psserver.models.calling import input_batch_size, model_arguments
-from psserver.ps import torch_rpc
-from psserver.ps.buffers import unflatten_into
+from psserver.ps.engine.buffers import unflatten_into
 from psserver.ps.protocols.base import StepProtocol, register
 from psserver.ps.protocols.plain import PlainServer, PlainTrainer
 from psserver.ps.protocols.trainer_compute import TrainerComputeHalf, TrainerComputeServer
+from psserver.ps.rpc import torch_rpc
 from psserver.ps.sparse.batch import RowBatch
 
 
@@ -95,7 +95,7 @@ class PullServer(TrainerComputeServer, PlainServer):
 
 class PullTrainer(TrainerComputeHalf, PlainTrainer):
     _owed: torch.Tensor | None = None
-    """The replica's buffers after its last step, for the server (``psserver.ps.buffers``)."""
+    """The replica's buffers after its last step, for the server (``psserver.ps.engine.buffers``)."""
 
     def train_step(self, x, y: torch.Tensor) -> float:
         assert self.optimizer is not None

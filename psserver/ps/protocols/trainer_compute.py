@@ -14,11 +14,11 @@ import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from psserver.models.calling import call_model, move_input
-from psserver.ps.buffers import flatten, persistent_buffers, unflatten_into
-from psserver.ps.guard import total_norm
-from psserver.ps.messages import JoinRequest
-from psserver.ps.partition import PartitionPlan
+from psserver.ps.engine.buffers import flatten, persistent_buffers, unflatten_into
+from psserver.ps.engine.guard import total_norm
+from psserver.ps.group.partition import PartitionPlan
 from psserver.ps.protocols.base import ServerHalf, TrainerHalf
+from psserver.ps.rpc.messages import JoinRequest
 from psserver.ps.sparse.batch import RowBatch
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -28,7 +28,7 @@ class TrainerComputeServer(ServerHalf):
     """Remembers each trainer's wire dtype; serves the flat parameters for evaluation."""
 
     ops = ("parameters", "rows")
-    compute_threads = 1  # an update and copies, on a host the trainers share (psserver.ps.compute)
+    compute_threads = 1  # an update and copies, on a host the trainers share (psserver.ps.engine.compute)
 
     def __init__(self, engine) -> None:
         super().__init__(engine)
@@ -94,7 +94,7 @@ class TrainerComputeServer(ServerHalf):
 class TrainerComputeHalf(TrainerHalf):
     """The trainer's replica: the model on ``channel.device``. On the wire its parameters go as
     one flat buffer per server shard, or, with several server processes, one flat buffer per
-    server holding that server's pieces (``psserver.ps.partition``). Replies and gradients are
+    server holding that server's pieces (``psserver.ps.group.partition``). Replies and gradients are
     handled as one list of buffers per server process."""
 
     def __init__(self, channel) -> None:
@@ -115,7 +115,7 @@ class TrainerComputeHalf(TrainerHalf):
         self.params: list[torch.nn.Parameter] = list(self.model.parameters())
         buffers = channel.info.get("buffers")
         self.buffers: list[torch.Tensor] = persistent_buffers(self.model) if buffers else []
-        """The replica's buffers, loaded from the server with its parameters (``psserver.ps.buffers``)."""
+        """The replica's buffers, loaded from the server with its parameters (``psserver.ps.engine.buffers``)."""
         if buffers and sum(b.numel() for b in self.buffers) != buffers["numel"]:
             raise RuntimeError(f"the server holds {buffers['numel']} buffer values, this model "
                                f"{sum(b.numel() for b in self.buffers)}")

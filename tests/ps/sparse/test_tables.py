@@ -7,7 +7,7 @@ import torch
 
 from psserver.config import EmbeddingConfig
 from psserver.models import TableDef
-from psserver.ps.guard import GradientGuard
+from psserver.ps.engine.guard import GradientGuard
 from psserver.ps.sparse.batch import RowBatch
 from psserver.ps.sparse.tables import RowGrads, SparseTables, owner
 
@@ -127,7 +127,7 @@ def test_state_round_trips_bit_for_bit_and_prefill_creates_owned_rows() -> None:
 def test_a_sync_round_sums_the_rows_trainers_share_into_one_step() -> None:
     """Two trainers' row gradients in one sync round: an id both touched takes one lazy-Adam
     step with the average of their gradients, as a dense parameter would."""
-    from psserver.ps.sync_updates import SyncUpdater
+    from psserver.ps.engine.sync_updates import SyncUpdater
 
     t, ref = tables(optimizer="lazy_adam"), tables(optimizer="lazy_adam")
     steps = []

@@ -10,7 +10,7 @@ A join cannot wait for the heartbeats: ``init_rpc`` calls every member, and a tr
 restarted at once after a crash (Kubernetes restarts a failed pod of an Indexed Job with the
 same index) finds its dead predecessor still a member. So a joining trainer first asks the
 server to make room (``rendezvous.request_admission``, through the store and the admission
-desk, ``psserver.ps.admission``, which asks :meth:`Membership.admit`): the server pings
+desk, ``psserver.ps.server.admission``, which asks :meth:`Membership.admit`): the server pings
 its members, evicts those whose pipe is broken, and the rank's holder if it does not answer in
 a couple of seconds; a holder that answers keeps its rank.
 """
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import torch.distributed.rpc as rpc
 
-from psserver.ps import torch_rpc
-from psserver.ps.rendezvous import ADMITTED, SERVER_NAME, ping
-from psserver.ps.torch_rpc import ALL_WORKERS_KEY, TOKEN_KEY, worker_key
+from psserver.ps.rpc import torch_rpc
+from psserver.ps.rpc.rendezvous import ADMITTED, SERVER_NAME, ping
+from psserver.ps.rpc.torch_rpc import ALL_WORKERS_KEY, TOKEN_KEY, worker_key
 from psserver.telemetry import TrainerStatus
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 Server 0 calls ops of the partition servers (a trainer joined or left, write or load a
 partition of a checkpoint, status, stop); a partition server calls ops of server 0 (register,
 stopping). Each process installs the one object that answers its ops; the work is there
-(``psserver.ps.server_group`` on server 0, ``psserver.ps.partition_server`` on the others),
+(``psserver.ps.group.server_group`` on server 0, ``psserver.ps.group.partition_server`` on the others),
 none here.
 """
 

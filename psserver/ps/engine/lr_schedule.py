@@ -29,7 +29,7 @@ from torch.optim.lr_scheduler import LinearLR, LRScheduler, ReduceLROnPlateau, S
 from psserver.config import OptimizerConfig
 from psserver.config.schedule import LRScheduleConfig, resolve_scheduler
 from psserver.errors import UserCodeError
-from psserver.ps.shard import make_optimizer
+from psserver.ps.engine.shard import make_optimizer
 from psserver.utils.references import call_user
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Server 0's side of a parameter server spread over several processes (``--num-servers``).
 
-Server 0 coordinates; the others (``psserver.ps.partition_server``) each hold a partition of
+Server 0 coordinates; the others (``psserver.ps.group.partition_server``) each hold a partition of
 the parameters with its optimizer state. Server 0 admits them (the admission desk hands them
 RPC ids as it does trainers), answers their registration with what they must load, tells them
 which trainers joined and left (a partition server keeps no membership of its own), watches
@@ -29,15 +29,16 @@ import torch.distributed.rpc as rpc
 
 from psserver.config import ServerConfig
 from psserver.models.layout import PARAMETER, ModelLayout
-from psserver.ps import peers, rendezvous
-from psserver.ps.messages import JoinRequest, ServerHello
-from psserver.ps.partition import make_plan
+from psserver.ps.group import peers
+from psserver.ps.group.partition import make_plan
+from psserver.ps.rpc import rendezvous
+from psserver.ps.rpc.messages import JoinRequest, ServerHello
 from psserver.telemetry import ServerProcessStatus, TableStatus
 
 if TYPE_CHECKING:
-    from psserver.ps.checkpointing import CheckpointPolicy
-    from psserver.ps.engine import StepEngine
-    from psserver.ps.membership import Membership
+    from psserver.ps.engine.engine import StepEngine
+    from psserver.ps.server.checkpointing import CheckpointPolicy
+    from psserver.ps.server.membership import Membership
 
 log = logging.getLogger(__name__)
 

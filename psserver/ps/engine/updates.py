@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from psserver.ps.lr_schedule import LRSchedule
-from psserver.ps.shard import Shard
+from psserver.ps.engine.lr_schedule import LRSchedule
+from psserver.ps.engine.shard import Shard
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +82,13 @@ class Updater:
         self._departed: dict[str, TrainerProgress] = {}  # the last ones that left, as they left
         self._closed = False
         self.buffers = None
-        """The model's buffers (``psserver.ps.buffers.ServerBuffers``), committed with each update
+        """The model's buffers (``psserver.ps.engine.buffers.ServerBuffers``), committed with each update
         (sync: a round's contributors')."""
         self.tables = None
         """The embedding tables (``psserver.ps.sparse.tables.SparseTables``) that take a step's
         row gradients, applied with its dense ones (sync: a round's, summed per id)."""
         self.lr_schedule: LRSchedule | None = None
-        """The learning-rate schedule (``psserver.ps.lr_schedule``): it sets the learning rate of
+        """The learning-rate schedule (``psserver.ps.engine.lr_schedule``): it sets the learning rate of
         every update and steps once after it (the tables' rows keep theirs)."""
 
     def _schedule_lr(self) -> None:

@@ -44,7 +44,7 @@ from psserver.checkpoint import (
 )
 from psserver.config import OptimizerConfig, ServerConfig
 from psserver.models.layout import ModelLayout
-from psserver.ps.engine import StepEngine
+from psserver.ps.engine.engine import StepEngine
 from psserver.telemetry import CheckpointInfo
 
 log = logging.getLogger(__name__)

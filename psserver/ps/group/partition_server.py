@@ -1,10 +1,10 @@
 """``psserver serve --server-rank i`` for i > 0: one partition of the parameters, behind RPC.
 
 It holds the pieces of the model's parameters its rank gets in the partition plan
-(``psserver.ps.partition``) and applies the shared optimizer to them, as the step engine
+(``psserver.ps.group.partition``) and applies the shared optimizer to them, as the step engine
 does for a whole model. Trainers call it directly, with the same RPC functions and step
 protocol as server 0 (``--step pushpull``), in parallel with their calls to the others.
-Everything else is server 0's (``psserver.ps.server_group``): admission, membership (a
+Everything else is server 0's (``psserver.ps.group.server_group``): admission, membership (a
 trainer is a member here once server 0 says it joined), the control plane, the checkpoint
 schedule (this server writes its partition when server 0 asks and loads the one it names).
 
@@ -31,15 +31,16 @@ import torch.distributed.rpc as rpc
 from psserver.config import OptimizerConfig, ServerConfig
 from psserver.errors import ServerLost, UsageError
 from psserver.models.layout import ModelLayout
-from psserver.ps import endpoint as rpc_endpoint
-from psserver.ps import peers, rendezvous, torch_rpc
-from psserver.ps.checkpointing import CheckpointPolicy
-from psserver.ps.endpoint import Endpoint
-from psserver.ps.engine import StepEngine, resolve_devices
-from psserver.ps.membership import Member
-from psserver.ps.messages import JoinRequest, ServerHello
+from psserver.ps.engine.engine import StepEngine, resolve_devices
+from psserver.ps.engine.sync_updates import FollowerSyncUpdater
+from psserver.ps.group import peers
 from psserver.ps.protocols import PROTOCOLS
-from psserver.ps.sync_updates import FollowerSyncUpdater
+from psserver.ps.rpc import rendezvous, torch_rpc
+from psserver.ps.rpc.messages import JoinRequest, ServerHello
+from psserver.ps.server import endpoint as rpc_endpoint
+from psserver.ps.server.checkpointing import CheckpointPolicy
+from psserver.ps.server.endpoint import Endpoint
+from psserver.ps.server.membership import Member
 from psserver.telemetry import TrainerStatus
 from psserver.utils.memory import configure_host_allocator, freeze_long_lived
 

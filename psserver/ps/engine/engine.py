@@ -20,16 +20,16 @@ from psserver.config import OptimizerConfig, ServerConfig
 from psserver.errors import UsageError
 from psserver.models import ModelSpec, build_model, get_model_spec, split_stages
 from psserver.models.layout import ModelLayout
-from psserver.ps.buffers import ServerBuffers, persistent_buffers
-from psserver.ps.compute import ComputeThread
-from psserver.ps.guard import GradientGuard
-from psserver.ps.held_model import HeldModel
-from psserver.ps.lr_schedule import LRSchedule
-from psserver.ps.partition import PartitionModule, PartitionPlan, make_plan, plan_for_model
-from psserver.ps.shard import Shard
+from psserver.ps.engine.buffers import ServerBuffers, persistent_buffers
+from psserver.ps.engine.compute import ComputeThread
+from psserver.ps.engine.guard import GradientGuard
+from psserver.ps.engine.held_model import HeldModel
+from psserver.ps.engine.lr_schedule import LRSchedule
+from psserver.ps.engine.shard import Shard
+from psserver.ps.engine.sync_updates import FollowerSyncUpdater, SyncUpdater
+from psserver.ps.engine.updates import AsyncUpdater, Grads, OnStep, SSPUpdater, TrainerProgress, Updater
+from psserver.ps.group.partition import PartitionModule, PartitionPlan, make_plan, plan_for_model
 from psserver.ps.sparse.tables import SparseTables
-from psserver.ps.sync_updates import FollowerSyncUpdater, SyncUpdater
-from psserver.ps.updates import AsyncUpdater, Grads, OnStep, SSPUpdater, TrainerProgress, Updater
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class StepEngine:
         self.guard = GradientGuard(config.max_grad_norm, config.max_nonfinite_steps)
         self.lr_schedule: LRSchedule | None = None
         """The learning-rate schedule (``--lr-schedule``, ``--warmup-steps``), once the optimizer is known."""
-        # Every tensor op on one thread (psserver.ps.compute), the model's construction
+        # Every tensor op on one thread (psserver.ps.engine.compute), the model's construction
         # included: an OpenMP team made here would throttle that thread's.
         self.compute = ComputeThread(inline=all(d.type == "cuda" for d in devices))
         try:
@@ -160,7 +160,7 @@ class StepEngine:
         cfg = self.config
         self.layout = layout
         if cfg.num_servers > 1:
-            # One partition of the parameters (psserver.ps.partition), on this server's first device.
+            # One partition of the parameters (psserver.ps.group.partition), on this server's first device.
             self.plan = plan_for_model(model, cfg.num_servers)
             self.devices = self.devices[:1]
             shards = [Shard(0, PartitionModule(model, self.plan, cfg.server_rank), self.devices[0])]
@@ -292,7 +292,7 @@ class StepEngine:
                     for p in params]
 
     def flat_buffers(self) -> torch.Tensor:
-        """The model's buffers as one float64 CPU tensor (``psserver.ps.buffers``), at one step."""
+        """The model's buffers as one float64 CPU tensor (``psserver.ps.engine.buffers``), at one step."""
         assert self.buffers is not None
         with self.updater.lock:
             return self.buffers.flat()
@@ -440,7 +440,7 @@ class StepEngine:
         """The whole gradient of ``trainer``'s open step: one update (async, ssp) or a share of
         one (sync); its staleness is recorded (``trainer_progress``). The guard drops a
         non-finite gradient (a sync round counts the trainer as arrived) and clips to
-        ``--max-grad-norm`` (``psserver.ps.guard``); ``norm``: that of the whole step's gradient
+        ``--max-grad-norm`` (``psserver.ps.engine.guard``); ``norm``: that of the whole step's gradient
         when ``grads`` is one partition of it."""
         with self._cond:
             samples = self._open.get(trainer)

@@ -16,10 +16,10 @@ import psutil
 
 from psserver import __version__
 from psserver.config import ServerConfig
-from psserver.ps.checkpointing import CheckpointPolicy
-from psserver.ps.endpoint import Endpoint
-from psserver.ps.engine import StepEngine
-from psserver.ps.server_group import ServerGroup
+from psserver.ps.engine.engine import StepEngine
+from psserver.ps.group.server_group import ServerGroup
+from psserver.ps.server.checkpointing import CheckpointPolicy
+from psserver.ps.server.endpoint import Endpoint
 from psserver.telemetry import CheckpointInfo, RateMeter, ServerStatus, ShardStatus, TableStatus, TrainerStatus
 
 
@@ -96,7 +96,7 @@ class ServerView:
         self.started_at = time.time()
         self.meter = RateMeter(window=10.0)
         self.group: ServerGroup | None = None
-        """The other server processes, when there are several (``psserver.ps.server_group``)."""
+        """The other server processes, when there are several (``psserver.ps.group.server_group``)."""
         self.table_rates = TableRates(window=10.0)
 
     def on_step(self, step: int, samples: int) -> None:  # noqa: ARG002 - a StepEngine listener

@@ -17,7 +17,7 @@ dropped when a worker leaves, so calls to an id that joins again go down the dea
 
 RPC also runs whatever function a message names: :func:`restrict_unpickler` puts an unpickler
 in front of it that knows only psserver's RPC surface (the policy is
-``psserver.ps.rpc_allowlist``).
+``psserver.ps.rpc.rpc_allowlist``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch.distributed.rpc as rpc
 import torch.distributed.rpc.internal as rpc_internal
 from torch.distributed.optim.optimizer import _LocalOptimizer
 
-from psserver.ps import rpc_allowlist
+from psserver.ps.rpc import rpc_allowlist
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def _restricted_deserialize(binary_data: bytes, tensor_table: list[torch.Tensor]
 
 
 def restrict_unpickler() -> None:
-    """Make the RPC layer unpickle only psserver's RPC surface (``psserver.ps.rpc_allowlist``).
+    """Make the RPC layer unpickle only psserver's RPC surface (``psserver.ps.rpc.rpc_allowlist``).
 
     Called before ``init_rpc``, so that no message is ever read without it; idempotent. Every
     incoming Python call, reply and remote exception goes through ``internal.deserialize``,

@@ -1,6 +1,6 @@
 """``--update sync``: one optimizer step per round of K gradients, averaged (:class:`SyncUpdater`),
 and, on a server process of rank > 0, the same rounds as server 0 decides them
-(:class:`FollowerSyncUpdater`). The base class and the other modes: ``psserver.ps.updates``.
+(:class:`FollowerSyncUpdater`). The base class and the other modes: ``psserver.ps.engine.updates``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from psserver.ps.shard import Shard
-from psserver.ps.updates import Grads, OnStep, Updater
+from psserver.ps.engine.shard import Shard
+from psserver.ps.engine.updates import Grads, OnStep, Updater
 
 
 class SyncUpdater(Updater):

@@ -26,7 +26,7 @@ from psserver import __version__
 from psserver.checkpoint import CheckpointError, Header, checkpoint_path, find_latest, load_checkpoint
 from psserver.errors import UsageError
 from psserver.models.layout import ModelLayout
-from psserver.ps.partition import PartitionPlan
+from psserver.ps.group.partition import PartitionPlan
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from psserver.ps.rendezvous import (
+from psserver.ps.rpc.rendezvous import (
     ADMITTED,
     KEY_ADMIT_ANSWER,
     KEY_ADMIT_REQUEST,

@@ -6,7 +6,7 @@ receiver unpickles whatever a pickle names: anyone who can join the RPC group (t
 store listens on the network) could have the server or a trainer run ``os.system``,
 ``builtins.exec`` or ``open(...).write``. So every global an incoming message names (the
 function of a call, the classes of its arguments, a reply's contents, the type of a remote
-exception) goes through :func:`find_global` (``psserver.ps.torch_rpc.restrict_unpickler``
+exception) goes through :func:`find_global` (``psserver.ps.rpc.torch_rpc.restrict_unpickler``
 installs it):
 
 - ``ALLOWED``: explicit ``(module, name)`` pairs, what psserver and torch's RPC plumbing send
@@ -49,7 +49,7 @@ from psserver.telemetry import RPC_REFUSALS
 
 log = logging.getLogger(__name__)
 
-_ENDPOINT = "psserver.ps.endpoint"
+_ENDPOINT = "psserver.ps.server.endpoint"
 _INTERNAL = "torch.distributed.rpc.internal"
 _OPTIM = "torch.distributed.optim.optimizer"
 
@@ -60,8 +60,8 @@ ALLOWED: frozenset[tuple[str, str]] = frozenset({
     # ... the local optimizer that DistributedOptimizer has the server build (--step plain, pull), ...
     (_ENDPOINT, "SharedOptimizer"),
     # ... and what the server calls on a trainer (Membership.admit); server processes call
-    # each other through one function (psserver.ps.peers).
-    ("psserver.ps.rendezvous", "ping"), ("psserver.ps.peers", "server_call"),
+    # each other through one function (psserver.ps.group.peers).
+    ("psserver.ps.rpc.rendezvous", "ping"), ("psserver.ps.group.peers", "server_call"),
     # torch's RPC plumbing: the envelopes of a call and of a remote exception; the pickler's
     # class (its receivers, through rpc_getattr); a dynamic group's join and leave (and
     # psserver's evictions, torch_rpc.tell_worker_removed); DistributedOptimizer's two calls;
@@ -79,7 +79,7 @@ ALLOWED: frozenset[tuple[str, str]] = frozenset({
 REPLACED: dict[tuple[str, str], tuple[str, str]] = {
     # DistributedOptimizer's two calls run as psserver's: whatever torch.optim class a trainer's
     # DistributedOptimizer names, the server builds its shared optimizer's handle, and a step
-    # goes through it (psserver.ps.endpoint.SharedOptimizer).
+    # goes through it (psserver.ps.server.endpoint.SharedOptimizer).
     (_OPTIM, "_new_local_optimizer"): (_ENDPOINT, "new_local_optimizer"),
     (_OPTIM, "_local_optimizer_step"): (_ENDPOINT, "local_optimizer_step"),
     (_OPTIM, "_new_functional_local_optimizer"): (_ENDPOINT, "new_local_optimizer"),
@@ -94,7 +94,7 @@ RECEIVERS: frozenset[tuple[str, str, str]] = frozenset({
 """``(module, class, attribute)``: what :func:`rpc_getattr` gives (the pickler pickles its own
 receivers, class methods, as ``getattr(class, name)``)."""
 
-MESSAGE_MODULES: frozenset[str] = frozenset({"psserver.ps.messages"})
+MESSAGE_MODULES: frozenset[str] = frozenset({"psserver.ps.rpc.messages"})
 """Modules whose dataclasses are messages: each one defined there may be sent."""
 
 _TORCH_OPTIM = "torch.optim."

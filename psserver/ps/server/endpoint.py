@@ -25,16 +25,16 @@ from psserver.config import OptimizerConfig, ServerConfig
 from psserver.config.ps import COMPUTE_MODES, STEP_MODES, default_step
 from psserver.metrics import observe_rpc
 from psserver.models.layout import ModelLayout
-from psserver.ps import torch_rpc
-from psserver.ps.held_model import check_values
-from psserver.ps.messages import JoinRequest, Report
-from psserver.ps.rpc_allowlist import is_optimizer_class
+from psserver.ps.engine.held_model import check_values
+from psserver.ps.rpc import torch_rpc
+from psserver.ps.rpc.messages import JoinRequest, Report
+from psserver.ps.rpc.rpc_allowlist import is_optimizer_class
 
 if TYPE_CHECKING:
-    from psserver.ps.engine import StepEngine
-    from psserver.ps.membership import Member, Membership
+    from psserver.ps.engine.engine import StepEngine
+    from psserver.ps.group.server_group import ServerGroup
     from psserver.ps.protocols import ServerHalf
-    from psserver.ps.server_group import ServerGroup
+    from psserver.ps.server.membership import Member, Membership
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class Endpoint:
         """Run after each call, outside every lock (a checkpoint the call's step made due)."""
         self.membership: Membership | None = None
         self.group: ServerGroup | None = None
-        """Server 0 of several server processes: the others (``psserver.ps.server_group``)."""
+        """Server 0 of several server processes: the others (``psserver.ps.group.server_group``)."""
         self.state = "STARTING"
         self.on_model: Callable[[], None] = lambda: None
         """Called once the server holds a model it learnt from a trainer (it publishes it)."""

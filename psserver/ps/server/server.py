@@ -22,17 +22,17 @@ from psserver import __version__
 from psserver.config import ServerConfig
 from psserver.control.server import ControlServer
 from psserver.metrics import start_exporters
-from psserver.ps import endpoint as rpc_endpoint
-from psserver.ps import rendezvous, torch_rpc
-from psserver.ps.admission import AdmissionDesk, PublishedKeys
-from psserver.ps.checkpointing import CheckpointPolicy
-from psserver.ps.endpoint import Endpoint
-from psserver.ps.engine import StepEngine, resolve_devices
-from psserver.ps.membership import Membership
+from psserver.ps.engine.engine import StepEngine, resolve_devices
+from psserver.ps.engine.sync_updates import SyncUpdater
+from psserver.ps.group.server_group import ServerGroup
 from psserver.ps.protocols import PROTOCOLS
-from psserver.ps.server_group import ServerGroup
-from psserver.ps.status import ServerView
-from psserver.ps.sync_updates import SyncUpdater
+from psserver.ps.rpc import rendezvous, torch_rpc
+from psserver.ps.server import endpoint as rpc_endpoint
+from psserver.ps.server.admission import AdmissionDesk, PublishedKeys
+from psserver.ps.server.checkpointing import CheckpointPolicy
+from psserver.ps.server.endpoint import Endpoint
+from psserver.ps.server.membership import Membership
+from psserver.ps.server.status import ServerView
 from psserver.utils.memory import configure_host_allocator, freeze_long_lived
 
 log = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ class ParameterServer:
 def run_server(config: ServerConfig) -> int:
     """``psserver serve``: returns the exit code (1 when the final checkpoint failed)."""
     if config.server_rank > 0:
-        from psserver.ps.partition_server import run_partition_server
+        from psserver.ps.group.partition_server import run_partition_server
 
         return run_partition_server(config)
     torch.set_num_threads(config.compute_threads or os.cpu_count() or 1)
