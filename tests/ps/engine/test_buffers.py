@@ -17,7 +17,7 @@ from psserver.ps.protocols.pull import PullServer
 from psserver.ps.protocols.pushpull import PushPullServer, PushPullTrainer
 from tests.ps.joins import give_replica, join_request
 
-BN_MLP = "tests.ps.test_buffers:BNMLP"
+BN_MLP = "tests.ps.engine.test_buffers:BNMLP"
 
 
 class BNMLP(nn.Module):
