@@ -203,6 +203,7 @@ __all__ = [
     "IN_MEMORY_WORKERS",
     "SPARSE_DATASETS",
     "Batches",
+    "ClickLogSpec",
     "ShardInfo",
     "check_batch",
     "check_dataset",

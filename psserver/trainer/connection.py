@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from psserver.config import TrainerConfig, parse_host_port
 from psserver.config.env import default_rank, default_server_address, default_world_size
-from psserver.errors import UsageError
+from psserver.errors import DataError, UsageError
 from psserver.models.calling import input_batch_size
 from psserver.models.losses import resolve_loss
 from psserver.ps.rpc.messages import Report
@@ -63,8 +63,14 @@ class Connection:
     layout is part of the join), or at :meth:`parameter_rrefs` for the RPC tutorial's loop.
     """
 
-    def __init__(self, config: TrainerConfig, *, handle_signals: bool = True) -> None:
+    def __init__(self, config: TrainerConfig, *, handle_signals: bool = True, announce_errors: bool = True,
+                 rejoin_command: Callable[[], list[str] | None] = script_command_line) -> None:
+        """``announce_errors``: log that the connection leaves because of an exception (a
+        command that reports the exception itself says False). ``rejoin_command``: the command
+        line a rejoin re-executes (default: this script's own; ``psserver train``'s, which is
+        None inside a program that runs the CLI in-process, so that it is never re-executed)."""
         self.config = config
+        self._announce = announce_errors
         configure_host_allocator(config.allocator)
         self._stop = StopSignals()
         if handle_signals:
@@ -73,28 +79,41 @@ class Connection:
         self.resumed = resumed is not None
         """Whether this process continues a trainer that rejoined (``reconnect=True``)."""
         self._pos = resumed or Position()
-        self._argv = script_command_line()
+        self._argv = rejoin_command()
         self.session: Session | None = None
         self.model: nn.Module | None = None
         """The replica :meth:`replica` was given (None before)."""
         self._counted = 0  # samples the replica's training forwards saw since the last step
         self._hook: Any = None
+        self._rejoin_hooks: list[Callable[[], None]] = []
         self._closed = False
         atexit.register(self._at_exit)
 
     # ---- joining ---------------------------------------------------------------------------
+
+    def join(self, model: nn.Module | None = None) -> Session:
+        """Join the server: with ``model``, or with the model of the connection's config (its
+        ``--model``, else the server's). :meth:`replica` and :meth:`parameter_rrefs` join
+        through it; ``psserver train``'s own loop calls it and steps with :meth:`train_step`."""
+        if self.session is not None:
+            raise UsageError("this connection has joined already: one replica per connection (and per process)")
+        if self._closed:
+            raise UsageError("this connection has left the server")
+        self.session = self._join(model)
+        return self.session
 
     def replica(self, model: nn.Module) -> nn.Module:
         """Join the server with ``model`` and return it, holding the server's parameters and
         buffers: its layout (names, shapes, dtypes of its ``state_dict``) must be the server's,
         or it becomes the server's when the server holds none yet (its values the initial ones).
         It moves to the connection's ``device``. Batches are counted from its training forwards."""
-        if self.session is not None:
-            raise UsageError("this connection has joined already: one replica per connection (and per process)")
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"ps.replica takes an nn.Module, got {type(model).__name__}")
         if self.config.step not in (None, "pushpull"):
             raise UsageError(f"ps.replica trains with step='pushpull' (the trainer computes); "
                              f"step={self.config.step!r} is psserver train's own loop")
-        self.session = self._join(model)
+        self.join(model)
+        assert self.session is not None
         if self.session.step_protocol != "pushpull":
             self.session.leave()
             raise UsageError(f"the server answered with --step {self.session.step_protocol}: ps.step needs pushpull "
@@ -121,7 +140,8 @@ class Connection:
                 raise UsageError(f"ps.parameter_rrefs speaks step='plain'; this connection asked for "
                                  f"{self.config.step!r}")
             self.config = dataclasses.replace(self.config, step="plain", compute=None)
-            self.session = self._join(None)
+            self.join()
+        assert self.session is not None
         if self.session.step_protocol != "plain":
             raise UsageError(f"ps.parameter_rrefs needs step='plain'; this connection trains with "
                              f"{self.session.step_protocol!r} (ps.replica)")
@@ -174,16 +194,52 @@ class Connection:
         self._call(lambda: half.push_pull(n))
         self._advance(n, loss)
 
+    def rows(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """With embedding tables on the servers (``psserver serve --model`` of a model that has
+        them): the rows of a batch's ids (``[batch, tables]`` integers, column t for table t of
+        :attr:`tables`), one ``[batch, width]`` tensor per table, as the model's ``forward(rows,
+        dense)`` takes them; their gradients go up with the next :meth:`step` (sparsely: only
+        the rows this batch used)."""
+        session = self._joined("rows")
+        if self.model is None:
+            raise UsageError("ps.rows feeds a replica: call ps.replica(model) first")
+        try:
+            return self._call(lambda: session.protocol.rows(ids))
+        except ValueError as e:
+            raise UsageError(f"ps.rows: {e}") from None
+
+    @property
+    def tables(self) -> list[str]:
+        """The embedding tables on the servers, in the order of the ids' columns (empty: none)."""
+        described = self._joined("tables").info.get("tables")
+        return list(described["tables"]) if described else []
+
+    def train_step(self, x: Any, y: Any, *, samples: int,
+                   on_failure: Callable[[Exception], None] | None = None) -> float:
+        """``psserver train``'s step, for any ``--step``: the step protocol runs forward, the
+        loss and backward on ``(x, y)`` (on the trainer, or on the server) and hands the update
+        in; the batch's loss. ``on_failure`` sees a failed step's exception first (the first
+        step's: data that does not fit the model is the user's error, not a lost server)."""
+        session = self._joined("train_step")
+        loss = self._call(lambda: session.protocol.step(x, y), on_failure)
+        self._count_step(samples, loss)
+        return loss
+
     def _advance(self, samples: int, loss: float | torch.Tensor | None) -> None:
         """Count a step done; leave after it when a signal asked to."""
         self._count_step(samples, loss)
+        self._leave_if_stopped()
+
+    def leave_on_signal(self) -> None:
+        """After SIGTERM or SIGINT (:attr:`stop_signal`): hand in what is owed, leave, and exit
+        128 + the signal's number (``SystemExit``). ``ps.step`` does it by itself."""
         self._leave_if_stopped()
 
     def _leave_if_stopped(self) -> None:
         """After SIGTERM or SIGINT: leave at this step boundary, exit 128 + the signal."""
         if self._stop.signum is not None:
             code = 128 + self._stop.signum
-            log.warning("received %s: step %d done, leaving psserver (exit %d)",
+            log.warning("received %s: handing in step %d and leaving psserver (exit %d)",
                         signal.Signals(self._stop.signum).name, self._pos.steps, code)
             self._leave(None)
             raise SystemExit(code)
@@ -199,16 +255,29 @@ class Connection:
         assert self.session is not None
         self.session.report = Report(pos.steps, pos.samples, pos.loss, rate)
 
-    def _call(self, fn: Callable[[], Any]) -> Any:
+    def _call(self, fn: Callable[[], Any], on_failure: Callable[[Exception], None] | None = None) -> Any:
         """A call of the step; a failed one is diagnosed by asking the server (evicted, lost:
         :func:`~psserver.trainer.recovery.recover`; a failure of the call itself is raised)."""
         assert self.session is not None
         try:
             return fn()
-        except (RuntimeError, TimeoutError) as e:
+        except Exception as e:
+            if on_failure is not None:
+                on_failure(e)
+            if not isinstance(e, RuntimeError | TimeoutError):
+                raise
             self._pos.report = asdict(self.session.report) if self.session.report is not None else None
             self._unhook()
-            recover(self.session, self.config, e, self._pos, self._stop, argv=self._argv)
+            recover(self.session, self.config, e, self._pos, self._stop, self._run_before_rejoin, self._argv)
+
+    def before_rejoin(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` before this process re-executes itself to rejoin (``reconnect=True``):
+        close what would outlive the process image, such as a DataLoader's worker processes."""
+        self._rejoin_hooks.append(fn)
+
+    def _run_before_rejoin(self) -> None:
+        for fn in self._rejoin_hooks:
+            fn()
 
     def _count(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if module.training and torch.is_grad_enabled():
@@ -245,6 +314,21 @@ class Connection:
     def steps(self) -> int:
         """Steps this trainer has done (across rejoins)."""
         return self._pos.steps
+
+    @property
+    def position(self) -> Position:
+        """Where this trainer is in its run (epoch, steps, samples; ``psserver train`` keeps
+        its batch index there): what a rejoined process continues from."""
+        return self._pos
+
+    @property
+    def stop_signal(self) -> int | None:
+        """SIGTERM or SIGINT once one arrived (the loop leaves at its next step boundary)."""
+        return self._stop.signum
+
+    @property
+    def stop_signals(self) -> StopSignals:
+        return self._stop
 
     @property
     def samples(self) -> int:
@@ -289,6 +373,7 @@ class Connection:
             loss = resolve_loss(None, "cross_entropy") if loss_fn is None else loss_fn
             _, fn = resolve_metric(metric, "accuracy", loss)
         batches = DataLoader(data, batch_size=batch_size) if isinstance(data, Dataset) else data
+        self._call(session.protocol.flush)
         outputs, targets = [], []
         for x, y in batches:
             outputs.append(self._call(lambda x=x: session.protocol.evaluate(x)))
@@ -296,6 +381,8 @@ class Connection:
         if not outputs:
             log.warning("ps.evaluate: no batches to evaluate on")
             return math.nan
+        if not all(isinstance(t, torch.Tensor) for t in targets):
+            raise DataError("held-out targets must be tensors to compute a metric")
         return float(fn(torch.cat(outputs), torch.cat(targets)))
 
     # ---- leaving ---------------------------------------------------------------------------
@@ -311,7 +398,7 @@ class Connection:
         self._closed = True
         self._unhook()
         if self.session is not None:
-            if error is not None:
+            if error is not None and self._announce:
                 log.warning("leaving psserver: the training loop raised %s: %s", type(error).__name__, error)
             self.session.leave()
         self._stop.__exit__(None, None, None)

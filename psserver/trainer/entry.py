@@ -15,7 +15,8 @@ from typing import Any
 
 from psserver.config import TrainerConfig
 from psserver.errors import ServerLost, UsageError, UserCodeError
-from psserver.trainer.connection import connect
+from psserver.trainer.connection import Connection
+from psserver.trainer.rejoin import command_line
 from psserver.utils.references import check_arguments, load_reference, user_code_failed
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ def run_entry(config: TrainerConfig, reference: str, args: dict[str, Any] | None
                             "taking ps")
     kwargs = dict(args or {})
     check_arguments(fn, (None,), kwargs, what)
-    with connect(config=config) as ps:
+    with Connection(config, rejoin_command=command_line) as ps:
         try:
             result = fn(ps, **kwargs)
         except (UsageError, ServerLost):

@@ -36,13 +36,13 @@ from psserver.errors import DataError, UsageError
 from psserver.models import ModelSpec
 from psserver.models.calling import describe_input, input_batch_size
 from psserver.models.losses import loss_name
-from psserver.ps.rpc.messages import Report
-from psserver.trainer.recovery import FAILED, diagnose, join, recover, shard_count
-from psserver.trainer.rejoin import Position, take_position
+from psserver.trainer.connection import Connection
+from psserver.trainer.recovery import FAILED, diagnose
+from psserver.trainer.rejoin import command_line
 from psserver.trainer.session import Session, remote_message
-from psserver.trainer.stop_signals import Stopped, StopSignals
+from psserver.trainer.stop_signals import Stopped
 from psserver.utils.cpus import share, usable_cpus
-from psserver.utils.memory import configure_host_allocator, freeze_long_lived
+from psserver.utils.memory import freeze_long_lived
 from psserver.utils.metrics import resolve_metric
 from psserver.utils.progress import Progress
 
@@ -92,53 +92,54 @@ class ThreadShare:
 
 
 def run_trainer(config: TrainerConfig) -> int:
-    """Train, evaluate and leave (0); after SIGTERM or SIGINT, 128 + its number, having left."""
-    configure_host_allocator(config.allocator)  # before the RPC agent's and the DataLoader's threads
-    position = take_position()
-    with StopSignals() as stop:
-        try:
-            return _train(config, position, stop)
-        except Stopped as s:
-            log.warning("received %s %s: exiting (exit %d)", signal.Signals(s.signum).name, s.why, s.code)
-            return s.code
-
-
-def _train(config: TrainerConfig, position: Position | None, stop: StopSignals) -> int:
-    session = join(config, position, stop)
+    """Train, evaluate and leave (0); after SIGTERM or SIGINT, 128 + its number, having left.
+    The loop is a user of the library's :class:`~psserver.trainer.connection.Connection`, as
+    any user's own loop is: one membership, one recovery, one way to leave."""
     try:
-        spec = session.spec
-        num_shards = shard_count(config, session.info)
-        if config.rank >= num_shards:
-            raise UsageError(f"--rank {config.rank} must be < number of trainers {num_shards}")
-        train_set, eval_set = load_dataset(config.data, spec.input_shape, spec.num_classes, spec.input_dtype)
-        metric, metric_fn = resolve_metric(config.metric, spec.metric, session.loss_fn)
-        data = _batches(config, train_set, session, rank=config.rank, num_replicas=num_shards)
-    except BaseException:
-        session.leave()
-        raise
+        with Connection(config, announce_errors=False, rejoin_command=command_line) as ps:
+            return _train(ps)
+    except Stopped as s:
+        log.warning("received %s %s: exiting (exit %d)", signal.Signals(s.signum).name, s.why, s.code)
+        return s.code
+    except SystemExit as e:  # the connection left after a signal, at a step boundary
+        return e.code if isinstance(e.code, int) else 1
+
+
+def _train(ps: Connection) -> int:
+    config = ps.config
+    session = ps.join()
+    spec = session.spec
+    num_shards = ps.num_trainers
+    if config.rank >= num_shards:
+        raise UsageError(f"--rank {config.rank} must be < number of trainers {num_shards}")
+    train_set, eval_set = load_dataset(config.data, spec.input_shape, spec.num_classes, spec.input_dtype)
+    metric, metric_fn = resolve_metric(config.metric, spec.metric, session.loss_fn)
+    data = _batches(config, train_set, session, rank=config.rank, num_replicas=num_shards)
+    ps.before_rejoin(data.close)  # its worker processes would outlive this process image
     freeze_long_lived()  # the data set and the RPC layer: no full collection rescans them mid-step
     try:
-        return _run(config, session, data, eval_set, spec, metric, metric_fn, position, stop)
+        return _run(ps, data, eval_set, metric, metric_fn)
     finally:
         data.close()
 
 
-def _run(config: TrainerConfig, session: Session, data: Batches, eval_set, spec: ModelSpec, metric: str,
-         metric_fn: Callable, position: Position | None, stop: StopSignals) -> int:
+def _run(ps: Connection, data: Batches, eval_set, metric: str, metric_fn: Callable) -> int:
     """The training loop, evaluation and leave of :func:`_train`."""
+    config, session = ps.config, ps.session
+    assert session is not None
+    spec = session.spec
     steps_per_epoch = data.steps_per_epoch  # None: an IterableDataset, whose epoch ends with its stream
     total: int | None = None if steps_per_epoch is None else steps_per_epoch * config.epochs
     if config.max_steps:
         total = config.max_steps if total is None else min(total, config.max_steps)
-    if position is None:
-        position = Position()
+    if not ps.resumed:
         if data.samples_per_epoch is None:
             log.info("rank %d/%d: an IterableDataset (it shards itself), %s", config.rank, data.num_replicas,
                      "until its stream ends" if total is None else f"at most {total} steps")
         else:
             log.info("rank %d/%d: %d training samples, %d steps", config.rank, data.num_replicas,
                      data.samples_per_epoch, total)
-    pos = position
+    pos = ps.position
     threads = ThreadShare(config)
     threads.update(session, force=True)
     progress = Progress(total, desc=f"trainer {config.rank}", enabled=config.progress)
@@ -150,31 +151,22 @@ def _run(config: TrainerConfig, session: Session, data: Batches, eval_set, spec:
         while pos.epoch < config.epochs and (total is None or pos.steps < total):
             read = 0
             for xb, yb in data.epoch(pos.epoch, pos.batch_idx):
-                if stop.signum is not None:
-                    return _leave_on_signal(session, stop.signum, pos, progress)
+                if ps.stop_signal is not None:
+                    progress.close()
+                    ps.leave_on_signal()
                 if first:
                     check_batch(xb, yb, config.data.dataset)
                 if delay:
                     time.sleep(delay)
                 threads.update(session)
-                try:
-                    pos.loss = session.protocol.step(xb, yb)
-                except Exception as e:
-                    if first:
-                        _first_step_failed(session, config, spec, e, xb, yb)  # raises when the data does not fit
-                    if not isinstance(e, RuntimeError | TimeoutError):
-                        raise
-                    recover(session, config, e, pos, stop, data.close)  # rejoins in a new process image, or raises
+                check = (lambda e, x=xb, y=yb: _first_step_failed(session, config, spec, e, x, y)) if first else None
+                loss = ps.train_step(xb, yb, samples=_batch_len(xb, yb), on_failure=check)
                 first = False
                 read += 1
-                pos.steps += 1
-                pos.samples += _batch_len(xb, yb)
                 if config.stats_out is not None:
                     pos.step_ends.append(time.monotonic())
                 pos.batch_idx += 1
-                rate = pos.samples / max(1e-6, time.monotonic() - pos.t_start)
-                session.report = Report(pos.steps, pos.samples, pos.loss, rate)
-                progress.update(loss=pos.loss, rate=rate)
+                progress.update(loss=loss, rate=pos.samples / max(1e-6, time.monotonic() - pos.t_start))
                 if total is not None and pos.steps >= total:
                     break
             if steps_per_epoch is None and read == 0 and pos.batch_idx == 0:
@@ -182,20 +174,16 @@ def _run(config: TrainerConfig, session: Session, data: Batches, eval_set, spec:
                                 f"{pos.epoch} (an IterableDataset shards itself with psserver.data.shard_info())")
             pos.epoch += 1
             pos.batch_idx = 0
+            pos.epoch_samples = 0
         progress.close()
-        if stop.signum is not None:
-            return _leave_on_signal(session, stop.signum, pos, progress)
-        try:
-            score = _evaluate(session, config, eval_set, metric, metric_fn)
-        except (RuntimeError, TimeoutError) as e:
-            recover(session, config, e, pos, stop, data.close)
-    except BaseException:
+        if ps.stop_signal is not None:
+            ps.leave_on_signal()
+        score = _evaluate(ps, eval_set, metric, metric_fn)
+    finally:
         progress.close()
-        session.leave()
-        raise
     if session.report is not None and metric == "accuracy":
         session.report = dataclasses.replace(session.report, accuracy=score)
-    session.leave()
+    ps.close()
     elapsed = time.monotonic() - pos.t_start
     log.info("rank %d: %d steps, %d samples in %.1fs (%.1f samples/s), final loss %.4f, %s %.4f",
              config.rank, pos.steps, pos.samples, elapsed, pos.samples / max(elapsed, 1e-6), pos.loss, metric,
@@ -220,26 +208,21 @@ def _batches(config: TrainerConfig, dataset, session: Session, *, rank: int = 0,
                    seed=config.data.seed, workers=workers, pin_memory=session.device.type == "cuda")
 
 
-def _evaluate(session: Session, config: TrainerConfig, eval_set, metric: str, metric_fn: Callable) -> float:
+def _evaluate(ps: Connection, eval_set, metric: str, metric_fn: Callable) -> float:
     """``metric`` over the whole held-out set (NaN, said in a log line, when there is none):
     the outputs of every batch concatenated, against the targets."""
+    config, session = ps.config, ps.session
+    assert session is not None
     if eval_set is None:
         log.warning("dataset %s has no held-out set: evaluation skipped (%s nan)", config.data.dataset, metric)
         return math.nan
-    session.protocol.flush()
     batches = _batches(config, eval_set, session, evaluate=True)
-    outputs, targets = [], []
     try:
-        for x, y in batches.epoch(0):
-            outputs.append(session.protocol.evaluate(x))
-            targets.append(y)
+        return ps.evaluate(batches.epoch(0), metric=metric_fn)
+    except DataError as e:
+        raise DataError(f"dataset {config.data.dataset}: {e} ({metric})") from None
     finally:
         batches.close()
-    if not outputs:
-        return math.nan
-    if not all(isinstance(t, torch.Tensor) for t in targets):
-        raise DataError(f"dataset {config.data.dataset}: held-out targets must be tensors to compute {metric}")
-    return metric_fn(torch.cat(outputs), torch.cat(targets))
 
 
 def _batch_len(x, y) -> int:
@@ -264,15 +247,6 @@ def _first_step_failed(session: Session, config: TrainerConfig, spec: ModelSpec,
     raise DataError(f"dataset {config.data.dataset} gives inputs of shape {describe_input(x)} and targets of shape "
                     f"{describe_input(y)} that model {spec.name} with loss {loss} cannot "
                     f"take: {line}") from None
-
-
-def _leave_on_signal(session: Session, signum: int, pos: Position, progress: Progress) -> int:
-    progress.close()
-    code = 128 + signum
-    log.warning("received %s: handing in step %d and leaving psserver (exit %d)", signal.Signals(signum).name,
-                pos.steps, code)
-    session.leave()
-    return code
 
 
 if __name__ == "__main__":  # pragma: no cover

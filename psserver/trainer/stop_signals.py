@@ -21,6 +21,10 @@ from typing import Any, NoReturn
 log = logging.getLogger(__name__)
 
 
+_DONE = 0
+"""Written to the wakeup pipe when the signals are handed back: no signal has number 0."""
+
+
 class Stopped(BaseException):
     """SIGTERM or SIGINT where the trainer cannot leave (it waits for a server, or lost it): it
     exits at once with 128 + the signal's number. A ``BaseException``, as ``KeyboardInterrupt``:
@@ -83,7 +87,11 @@ class StopSignals:
             signal.set_wakeup_fd(self._old_wakeup_fd)
             r, w = self._wakeup
             self._wakeup = None
-            os.close(w)  # the watchdog reads the end of the pipe and returns
+            # A byte that is no signal's number tells the watchdog to return: the end of the
+            # pipe alone may never come (DataLoader workers forked meanwhile hold its write end).
+            with contextlib.suppress(OSError):
+                os.write(w, bytes([_DONE]))
+            os.close(w)
             if self._watchdog is not None:
                 self._watchdog.join(1.0)
             os.close(r)
@@ -114,12 +122,15 @@ class StopSignals:
         deadline = math.inf
         while True:
             wait = None if first is None else max(0.0, deadline - time.monotonic())
-            ready, _, _ = select.select([fd], [], [], wait)
-            if not ready:
-                self._force(first, f"still not gone {self.GRACE_S:g}s after {signal.Signals(first).name}")
-            data = os.read(fd, 64)
-            if not data:
-                return  # closed: the trainer is done
+            try:
+                ready, _, _ = select.select([fd], [], [], wait)
+                if not ready:
+                    self._force(first, f"still not gone {self.GRACE_S:g}s after {signal.Signals(first).name}")
+                data = os.read(fd, 64)
+            except OSError:
+                return  # closed under it: the trainer is done
+            if not data or _DONE in data:
+                return  # the trainer is done
             for signum in data:
                 if signum not in self.SIGNALS:
                     continue

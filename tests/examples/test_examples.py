@@ -56,3 +56,17 @@ def test_the_rpc_tutorial_loop_against_psserver_serve(procs, port):
         assert t.wait(240) == 0, t.tail()
         assert accuracy(t, r) >= 0.93
     assert "its steps go through the server's shared optimizer" in server.output()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_recommendation_model_with_tables_on_the_server_from_its_own_loop(procs, port):
+    procs.server(port, "--model", "dlrm_tiny", "--embedding-optimizer", "lazy_adam", "--embedding-lr", "0.01",
+                 "--lr", "0.003")
+    trainers = [procs.start(["--server", f"127.0.0.1:{port}", "--rank", str(r), "--num-trainers", "2"],
+                            f"recommendation-{r}", prefix=[sys.executable, str(EXAMPLES / "recommendation.py")])
+                for r in range(2)]
+    for r, t in enumerate(trainers):
+        assert t.wait(300) == 0, t.tail()
+        m = re.search(rf"^rank {r} auc (\d\.\d+)$", t.output(), re.M)
+        assert m and float(m.group(1)) >= 0.75, t.tail()

@@ -146,4 +146,4 @@ def test_a_rejoin_with_workers_continues_its_epoch(procs, port, project):
     again = re.search(r"reconnected as (trainer_\d+_\d+)", t.output())
     assert again, t.tail()
     server.wait_for(rf"trainer {again.group(1)} \(rank 0\) left after 32 steps", timeout=20)
-    assert "Traceback" not in t.output()
+    assert "Traceback" not in t.output(), t.output()

@@ -27,7 +27,8 @@ def user_path(tmp_path):
 def test_a_server_without_the_users_code_trains_it_checks_it_and_resumes_it(procs, port, tmp_path, mnist_dir,
                                                                             user_path):
     ckpt = tmp_path / "ckpt"
-    server = procs.server(port, "--checkpoint-dir", str(ckpt), "--optimizer", "adam", "--lr", "0.003")
+    server = procs.server(port, "--checkpoint-dir", str(ckpt), "--optimizer", "adam", "--lr", "0.003",
+                          "--update", "sync", "--sync-trainers", "2")
     assert "usernets" not in os.environ.get("PYTHONPATH", "")
     train = ["--num-trainers", "2", "--epochs", "1", "--batch-size", "64", *MNIST_ARGS]
     first = procs.trainer(port, 0, "--model", "usernets.cnn:BNNet", *train, env=user_path)
@@ -53,7 +54,7 @@ def test_a_server_without_the_users_code_trains_it_checks_it_and_resumes_it(proc
     assert final["model"] == "usernets.cnn:BNNet" and final["layout"]["entries"][0][0] == "conv1.weight"
     held = final["shards"][0]["module"]  # under the model's own keys
     # The server's BatchNorm statistics are the trainers' (--buffers average), not the initial ones.
-    # (async: the mean of each trainer's latest, so num_batches_tracked grows about once per two steps)
+    # (sync: the mean of a round's contributors, once per round)
     assert not torch.allclose(held["bn1.running_var"], torch.ones(32)) and held["bn1.num_batches_tracked"] > 20
 
     # Resumed without the user's package: the layout comes from the checkpoint.

@@ -91,7 +91,8 @@ def test_sigterm_leaves_after_the_step_in_flight_and_status_says_left(procs, por
     t.wait_for(r"step 3 ", timeout=60)
     t.signal(signal.SIGTERM)
     assert t.wait(30) == 143, t.tail()
-    steps = int(re.search(r"received SIGTERM: step (\d+) done, leaving psserver \(exit 143\)", t.output()).group(1))
+    left = re.search(r"received SIGTERM: handing in step (\d+) and leaving psserver \(exit 143\)", t.output())
+    steps = int(left.group(1))
     server.wait_for(rf"trainer_0_1 \(rank 0\) left after {steps} steps", timeout=10)
     done = run(["--log-level", "ERROR", "status", "--address", f"127.0.0.1:{control}", "--json"], timeout=60)
     assert done.returncode == 0, done.stderr

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from psserver.errors import UsageError
 from psserver.models.calling import call_model, input_batch_size
 from psserver.ps.protocols.base import StepProtocol, register
 from psserver.ps.protocols.trainer_compute import TrainerComputeHalf, TrainerComputeServer
@@ -95,6 +96,7 @@ class PushPullTrainer(TrainerComputeHalf):
         # Owed to the server(s): the flat gradient, one list per server, with tables the row
         # gradients, one {table: rows} per server, and the replica's buffers (for server 0).
         self._grads: Owed | None = None
+        self._open_rows: tuple[RowBatch, list[torch.Tensor]] | None = None  # the library's batch of rows
         self.row_payload = 0
         """Bytes of the tables' traffic its steps needed at least: each unique id once, its row
         down and its gradient up (benchmarks compare what crossed the network with it)."""
@@ -154,22 +156,48 @@ class PushPullTrainer(TrainerComputeHalf):
     # ---- the library's step (psserver.trainer.connection): its user runs forward and backward
 
     def open(self) -> None:
-        """Start the first step: the server's parameters (and buffers) into the replica."""
-        self.load(self._exchange(None, 0))
-        self._loaded = False
+        """Start the first step: the server's parameters (and buffers) into the replica. With
+        embedding tables the first :meth:`rows` does it (a step opens with its batch's ids)."""
+        if self.table_columns is None:
+            self.load(self._exchange(None, 0))
+            self._loaded = False
 
     def push_pull(self, samples: int) -> None:
         """End the open step with the gradient its user's backward left in ``.grad`` (of
         ``samples`` samples) and start the next on the parameters that come back; the gradients
-        are zeroed. A model with embedding tables has no library step (its rows come with the
-        batch: ``psserver train``'s loop)."""
-        if self.table_columns is not None:
-            raise RuntimeError("a model with embedding tables on the servers trains through psserver train's loop")
-        grads = (self.flat_grads([p.grad for p in self.params]), None, self.owed_buffers())
+        are zeroed. With embedding tables the gradient (the rows' too) is owed instead, and the
+        next :meth:`rows` hands it in with the next batch's ids: one round trip per step still."""
+        dense = self.flat_grads([p.grad for p in self.params])
         for p in self.params:
             p.grad = None
-        self.load(self._exchange(grads, 0, done=samples))
+        if self.table_columns is None:
+            self.load(self._exchange((dense, None, self.owed_buffers()), 0, done=samples))
+            self._loaded = False
+            return
+        if self._open_rows is None:
+            raise UsageError("ps.step with embedding tables: ask ps.rows(ids) for the batch's rows first")
+        batch, rows = self._open_rows
+        self._open_rows = None
+        row_grads = [torch.zeros_like(r) if r.grad is None else r.grad for r in rows]
+        self._grads = dense, batch.split_grads(row_grads, self.wire_dtype), self.owed_buffers()
+
+    def rows(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """The rows of a batch's ids (``[batch, tables]`` int64, column t for table t) as the
+        model takes them, one ``[batch, width]`` tensor per table; this exchange hands in the
+        gradient owed, starts the batch's step and loads the fresh dense parameters."""
+        if self.table_columns is None:
+            raise UsageError("this server holds no embedding tables")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] < len(self.table_columns) \
+                or ids.dtype.is_floating_point:
+            raise ValueError(f"ids must be an integer tensor [batch, {len(self.table_columns)}] (column t: table t)")
+        grads, self._grads = self._grads, None
+        batch = RowBatch(ids, self.table_columns, len(self.channel.servers))
+        replies = self._exchange(grads, int(ids.shape[0]), batch)
+        self.load([reply[0] for reply in replies])
         self._loaded = False
+        rows = batch.assemble([reply[1] for reply in replies], self.device, requires_grad=True)
+        self._open_rows = batch, rows
+        return batch.per_sample(rows)
 
 
 PROTOCOL = register(StepProtocol("pushpull", PushPullTrainer, PushPullServer))

@@ -111,6 +111,8 @@ class TrainerComputeHalf(TrainerHalf):
             if not tables or {d.name: tables["dim"] + d.extra_dims for d in spec.tables} != tables["tables"]:
                 raise RuntimeError(f"the server's embedding tables {tables} do not fit model {spec.name}")
             self.table_columns = [(d.name, d.column) for d in spec.tables]
+        elif tables:  # the library's replica of the dense part: column t of a batch's ids is table t
+            self.table_columns = [(name, t) for t, name in enumerate(tables["tables"])]
         self.names = [n for n, _ in self.model.named_parameters()]
         self.params: list[torch.nn.Parameter] = list(self.model.parameters())
         buffers = channel.info.get("buffers")
