@@ -296,6 +296,7 @@ class Connection:
 
     @property
     def rank(self) -> int:
+        """This trainer's rank (its data shard)."""
         return self.config.rank
 
     @property
@@ -325,10 +326,6 @@ class Connection:
     def stop_signal(self) -> int | None:
         """SIGTERM or SIGINT once one arrived (the loop leaves at its next step boundary)."""
         return self._stop.signum
-
-    @property
-    def stop_signals(self) -> StopSignals:
-        return self._stop
 
     @property
     def samples(self) -> int:

@@ -108,6 +108,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the replica's gradients and the count of backward passes."""
         super().zero_grad(set_to_none)
         self._passes.clear()
 

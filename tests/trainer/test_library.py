@@ -150,3 +150,31 @@ def test_a_script_evicted_with_reconnect_rejoins_and_its_sampler_continues_the_e
     for epoch in (0, 1):
         ids = sorted(i for s in steps if s["epoch"] == epoch for i in s["ids"])
         assert ids == list(range(256)), (epoch, len(ids))
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")
+def test_a_replica_on_the_gpu_trains_as_the_local_loop(procs, port, tmp_path):
+    """``connect(device="cuda:0")``: the replica, its forward and backward on the GPU, the
+    parameters and gradients through the wire as on the CPU; a local loop's parameters to 1e-5."""
+    procs.server(port, *SYNC_ADAM)
+    out = tmp_path / "state.pt"
+    t = entry(procs, port, "through_step", "--device", "cuda:0", args={"out": str(out)})
+    assert t.wait(120) == 0, t.tail()
+    state = {k: v.cpu() for k, v in torch.load(out).items()}
+    assert same(state, loops.local_adam()) < 1e-5
+
+
+def test_help_lists_the_librarys_names():
+    import pydoc
+
+    import psserver
+
+    text = pydoc.render_doc(psserver, renderer=pydoc.plaintext)
+    for name in ("connect", "Connection", "DistributedOptimizer", "replica", "sampler", "parameter_rrefs",
+                 "backward_passes_per_step", "Evicted", "ServerLost", "UsageError"):
+        assert name in text, name
+    for name in psserver.__all__:
+        assert getattr(psserver, name).__doc__, name
