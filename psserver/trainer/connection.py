@@ -72,14 +72,14 @@ class Connection:
         self.config = config
         self._announce = announce_errors
         configure_host_allocator(config.allocator)
-        self._stop = StopSignals()
-        if handle_signals:
-            self._stop.__enter__()
         resumed = take_position()
         self.resumed = resumed is not None
         """Whether this process continues a trainer that rejoined (``reconnect=True``)."""
         self._pos = resumed or Position()
         self._argv = rejoin_command()
+        self._stop = StopSignals()
+        if handle_signals:
+            self._stop.__enter__()
         self.session: Session | None = None
         self.model: nn.Module | None = None
         """The replica :meth:`replica` was given (None before)."""
