@@ -115,14 +115,17 @@ def _check_result(result: dict, md: str, png: Path, setups: list[str]) -> None:
         assert next(s for s in result["setups"] if s["name"] == name)["paired_x_local"] == row["median_x_local"]
     assert all(len(order) == len(paired_names) for order in paired["order_per_round"])
     assert "### Paired rounds" in md
-    # Issue 15: trainer compute against the side-by-side loops and DDP, bytes, the server's cost.
-    issue15 = {r["name"]: r for r in result["trainer_compute_targets"]}
-    side = next(r for n, r in issue15.items() if "local loops side by side" in n)
+    # Trainer compute against the side-by-side loops and DDP, bytes, the server's cost.
+    targets = {r["name"]: r for r in result["trainer_compute_targets"]}
+    side = next(r for n, r in targets.items() if "local loops side by side" in n)
     assert side["from"].startswith("ps-pushpull-async-2 / local-1t-x2, paired rounds")
     assert len(side["per_round"]) == rounds
-    assert any("/ DDP 2 ranks" in n for n in issue15)
-    nbytes = next(r for n, r in issue15.items() if n.startswith("bytes per trainer step"))
-    assert 1.9 < nbytes["value"] < 2.3  # the gradient up and the parameters down, fp32
+    assert any("/ DDP 2 ranks" in n for n in targets)
+    nbytes = next(r for n, r in targets.items() if n.startswith("bytes per trainer step"))
+    # The gradient up and the parameters down, fp32: 2x. Counted between two socket snapshots
+    # of a window of about 8 steps, a step half in it moves the ratio by up to 2/8 (seen: 1.74
+    # on a loaded machine); the long runs of benchmarks/results measure 2.006.
+    assert 1.6 < nbytes["value"] < 2.3
     cost = result["server_capacity"]
     assert [t["setup"] for t in cost["tables"]] == ["ps-pushpull-async-2"]
     assert [r["link_gbit"] for r in cost["tables"][0]["rows"]] == [10, 25, 100]
