@@ -3,7 +3,7 @@
     python -m benchmarks.paired --rounds 10        # the local loops and PS 1 and 2 trainers, plain and chained
     python -m benchmarks.paired --setups local-cached,ps-async-2,ps-chained-async-2 --rounds 6
     python -m benchmarks.paired --model resnet18 --batch-size 32 --steps 30 --skip 6 --rounds 4
-    python -m benchmarks.paired --setups issue15 --rounds 6   # trainer compute, DDP, stragglers, bytes, server cost
+    python -m benchmarks.paired --setups trainer-compute --rounds 6  # trainer compute, DDP, stragglers, bytes, cost
 
 Why: the PS step variants differ by a round trip or two (1-3 ms of a ~50 ms step), while the
 speed of the 2-core VM drifts by 10-30% from one minute to the next, so one window per setup,
@@ -66,17 +66,18 @@ from benchmarks.setups import (
 log = logging.getLogger(__name__)
 
 DEFAULT_SETUPS = "local,local-cached,ps-async-1,ps-chained-async-1,ps-async-2,ps-chained-async-2"
-ISSUE15_SETUPS = ("local-cached,local-1t,local-1t-x2,ddp-2,ps-pushpull-async-1,ps-pushpull-async-2,"
+TRAINER_COMPUTE_SETUPS = ("local-cached,local-1t,local-1t-x2,ddp-2,ps-pushpull-async-1,ps-pushpull-async-2,"
                   "ps-pushpull-bf16-async-1,ps-pushpull-bf16-async-2,ps-pull-async-1,ps-pull-async-2,"
                   "ddp-2-straggler,ps-pushpull-async-2-straggler,ps-pushpull-ssp4-2-straggler,"
                   "ps-pushpull-async-2-sock,ps-pushpull-bf16-async-2-sock")
-"""Issue 15's targets (``--setups issue15``): trainer compute against the side-by-side local
+"""The trainer-compute targets (``--setups trainer-compute``): trainer compute against the side-by-side local
 loops and DDP, with a straggler, the reference ``pull``; the bytes of each wire dtype and the
 server's cost per step from the ``-sock`` setups, whose tensors cross the sockets as between
 hosts."""
-ISSUE17_SETUPS = "local-1t,ps-pushpull-async-2-token,ps-pushpull-async-2-open,ps-async-2-token,ps-async-2-open"
-"""Issue 17's target (``--setups issue17``): the protections' cost, trainer and server compute."""
-SETUP_ALIASES = {"issue15": ISSUE15_SETUPS, "issue17": ISSUE17_SETUPS}
+PROTECTION_SETUPS = "local-1t,ps-pushpull-async-2-token,ps-pushpull-async-2-open,ps-async-2-token,ps-async-2-open"
+"""The protection target (``--setups protection``): the join token's and the allow-list's cost,
+trainer and server compute."""
+SETUP_ALIASES = {"trainer-compute": TRAINER_COMPUTE_SETUPS, "protection": PROTECTION_SETUPS}
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
 LEG_TIMEOUT_S = 600.0
 
@@ -285,8 +286,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="mnist_cnn", help="model the server hosts (default mnist_cnn)")
     p.add_argument("--batch-size", type=int, default=64, help="samples per step and trainer (default 64)")
     p.add_argument("--setups", default=DEFAULT_SETUPS,
-                   help=f"comma-separated local, PS and DDP setups, or issue15 ({ISSUE15_SETUPS}), or issue17 "
-                        f"({ISSUE17_SETUPS}) (default {DEFAULT_SETUPS})")
+                   help=f"comma-separated local, PS and DDP setups, or trainer-compute ({TRAINER_COMPUTE_SETUPS}), or "
+                        f"protection "
+                        f"({PROTECTION_SETUPS}) (default {DEFAULT_SETUPS})")
     p.add_argument("--rounds", type=int, default=6, help="rounds of every setup (default 6)")
     p.add_argument("--steps", type=int, default=80, help="steps per run and trainer (default 80)")
     p.add_argument("--skip", type=int, default=20, help="warm-up steps left out of each run (default 20)")

@@ -161,8 +161,7 @@ def markdown(result: dict) -> str:
                   *markdown_rows(pr), ""]
     elif pr:
         parts += [f"- paired rounds failed: {pr['error'].splitlines()[0]}"]
-    # Results written before the key was renamed hold "issue15_targets".
-    targets = result.get("trainer_compute_targets") or result.get("issue15_targets") or []
+    targets = result.get("trainer_compute_targets") or []
     parts += trainer_compute_markdown(targets, result.get("server_capacity"))
     failed = [s for s in result["setups"] if s.get("error")]
     for s in failed:

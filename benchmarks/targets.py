@@ -84,7 +84,7 @@ def ratios(result: dict) -> list[dict]:
 
 # ---- issue 15: trainers that compute -----------------------------------------------------------
 
-ISSUE15_BYTES_TARGETS = {"fp32": 2.05, "bf16": 1.05, "fp16": 1.05}
+BYTES_PER_STEP_TARGETS = {"fp32": 2.05, "bf16": 1.05, "fp16": 1.05}
 """Bytes per trainer step / the model's parameter bytes at fp32: the floor is the gradient up
 and the parameters down once each (2x at fp32, 1x at 16 bits)."""
 
@@ -145,7 +145,7 @@ def trainer_compute_ratios(paired: dict | None, model: str, batch_size: int) -> 
         worst = max(values, key=lambda v: v[1])
         rows.append(_check({"name": f"bytes per trainer step / parameter bytes (fp32), --wire-dtype {wire} "
                                     f"(worst of {len(values)}: {worst[0]})",
-                            "value": worst[1], "op": "<=", "target": ISSUE15_BYTES_TARGETS[wire],
+                            "value": worst[1], "op": "<=", "target": BYTES_PER_STEP_TARGETS[wire],
                             "per_round": None, "from": f"{paired.get('bytes_method') or 'bytes'}, median over rounds"}))
     return rows
 

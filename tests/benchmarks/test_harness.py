@@ -76,7 +76,8 @@ def test_new_setup_names_parse_and_build_their_command_lines():
                 "fsdp-2-straggler", "ps-pushpull-ssp-2", "ps-pushpull-fp8-async-2"):
         with pytest.raises(ValueError):
             setups.parse_setup(bad)
-    assert [s["name"] for s in setups.parse_setups(paired.ISSUE15_SETUPS)] == paired.ISSUE15_SETUPS.split(",")
+    named = paired.TRAINER_COMPUTE_SETUPS
+    assert [s["name"] for s in setups.parse_setups(named)] == named.split(",")
     assert all(paired.pairable(s) for s in setups.parse_setups(run.FULL_SETUPS) if s["kind"] != "fsdp")
 
 
@@ -88,8 +89,8 @@ def test_run_and_paired_flags(capsys):
         assert e.value.code == 2, argv
         err = capsys.readouterr().err
         assert "error:" in err and "Traceback" not in err, argv
-    args = paired.parse_args(["--setups", "issue15", "--warm-up-steps", "0"])
-    assert [s["name"] for s in args.setups] == paired.ISSUE15_SETUPS.split(",") and args.warm_up_steps == 0
+    args = paired.parse_args(["--setups", "trainer-compute", "--warm-up-steps", "0"])
+    assert [s["name"] for s in args.setups] == paired.TRAINER_COMPUTE_SETUPS.split(",") and args.warm_up_steps == 0
     for argv in (["--setups", "local-1t-x2,ps-pushpull-async-2"], ["--warm-up-steps", "-1"]):
         with pytest.raises(SystemExit) as e:  # the pair is no ceiling; negative warm-up
             paired.parse_args(argv)
