@@ -7,11 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from psserver.config.env import default_rank, default_server_address, default_world_size, env_int
 from psserver.errors import UsageError
-
-__all__ = ["SubCommand", "config_errors", "default_rank", "default_server_address", "default_world_size",
-           "env_int"]
 
 
 class SubCommand(ABC):

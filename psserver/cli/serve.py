@@ -17,9 +17,10 @@ from psserver.cli.args import (
     model_args_from_args,
     optimizer_from_args,
 )
-from psserver.cli.base import SubCommand, config_errors, env_int
+from psserver.cli.base import SubCommand, config_errors
 from psserver.config import CheckpointConfig, EmbeddingConfig, LRScheduleConfig, ServerConfig
 from psserver.config.embedding import EVICTION_POLICIES, ROW_OPTIMIZERS
+from psserver.config.env import env_int
 from psserver.config.ps import BUFFER_POLICIES, COMPUTE_MODES, UPDATE_MODES
 from psserver.utils.memory import ALLOCATORS
 from psserver.utils.references import parse_json_args

@@ -20,9 +20,10 @@ from psserver.cli.args import (
     model_args_from_args,
     optimizer_from_args,
 )
-from psserver.cli.base import SubCommand, config_errors, default_rank, default_server_address, default_world_size
+from psserver.cli.base import SubCommand, config_errors
 from psserver.cli.collective_args import add_collective_arguments, collective_config_from_args
 from psserver.config import TrainerConfig, parse_host_port
+from psserver.config.env import default_rank, default_server_address, default_world_size
 from psserver.config.ps import COMPUTE_MODES, STEP_MODES, WIRE_DTYPES
 from psserver.errors import UsageError
 from psserver.utils.memory import ALLOCATORS

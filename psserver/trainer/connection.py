@@ -99,6 +99,8 @@ class Connection:
             raise UsageError("this connection has joined already: one replica per connection (and per process)")
         if self._closed:
             raise UsageError("this connection has left the server")
+        if model is not None and not isinstance(model, nn.Module):
+            raise UsageError(f"ps.replica takes an nn.Module, got {type(model).__name__}")
         self.session = self._join(model)
         return self.session
 
@@ -107,8 +109,6 @@ class Connection:
         buffers: its layout (names, shapes, dtypes of its ``state_dict``) must be the server's,
         or it becomes the server's when the server holds none yet (its values the initial ones).
         It moves to the connection's ``device``. Batches are counted from its training forwards."""
-        if not isinstance(model, nn.Module):
-            raise UsageError(f"ps.replica takes an nn.Module, got {type(model).__name__}")
         if self.config.step not in (None, "pushpull"):
             raise UsageError(f"ps.replica trains with step='pushpull' (the trainer computes); "
                              f"step={self.config.step!r} is psserver train's own loop")
@@ -153,7 +153,7 @@ class Connection:
         session = self._joined("forward")
         if session.step_protocol != "plain":
             raise UsageError("ps.forward is the RPC tutorial's path: call ps.parameter_rrefs() first (no ps.replica)")
-        self._leave_if_stopped()  # the step before ended with its optimizer's step(ctx)
+        self.leave_on_signal()  # the step before ended with its optimizer's step(ctx)
         out = self._call(lambda: session.call("forward", x))
         self._count_step(input_batch_size(x), None)
         return out
@@ -228,15 +228,12 @@ class Connection:
     def _advance(self, samples: int, loss: float | torch.Tensor | None) -> None:
         """Count a step done; leave after it when a signal asked to."""
         self._count_step(samples, loss)
-        self._leave_if_stopped()
+        self.leave_on_signal()
 
     def leave_on_signal(self) -> None:
         """After SIGTERM or SIGINT (:attr:`stop_signal`): hand in what is owed, leave, and exit
-        128 + the signal's number (``SystemExit``). ``ps.step`` does it by itself."""
-        self._leave_if_stopped()
-
-    def _leave_if_stopped(self) -> None:
-        """After SIGTERM or SIGINT: leave at this step boundary, exit 128 + the signal."""
+        128 + the signal's number (``SystemExit``); nothing before a signal. ``ps.step`` and
+        ``ps.forward`` call it at their step boundary."""
         if self._stop.signum is not None:
             code = 128 + self._stop.signum
             log.warning("received %s: handing in step %d and leaving psserver (exit %d)",

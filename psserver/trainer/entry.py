@@ -10,7 +10,6 @@ naming it and where it was raised (exit 2).
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from psserver.config import TrainerConfig
@@ -18,8 +17,6 @@ from psserver.errors import ServerLost, UsageError, UserCodeError
 from psserver.trainer.connection import Connection
 from psserver.trainer.rejoin import command_line
 from psserver.utils.references import check_arguments, load_reference, user_code_failed
-
-log = logging.getLogger(__name__)
 
 
 def run_entry(config: TrainerConfig, reference: str, args: dict[str, Any] | None = None) -> int:

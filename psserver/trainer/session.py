@@ -254,8 +254,6 @@ def choose_model(config: TrainerConfig, published: dict) -> ModelSpec:
 def instance_spec(model: torch.nn.Module) -> ModelSpec:
     """The spec of a model the library was handed as an instance (``Connection.replica``): named
     by its class, its loss and metric the defaults of a user's model."""
-    if not isinstance(model, torch.nn.Module):
-        raise UsageError(f"ps.replica takes an nn.Module, got {type(model).__name__}")
     cls = type(model)
     return ModelSpec(name=f"{cls.__module__}:{cls.__qualname__}", build=lambda: model, input_shape=None,
                      num_classes=None, description=f"the {cls.__qualname__} instance this trainer brought")
