@@ -33,7 +33,10 @@ def test_status_checkpoint_and_stop_over_grpc(tmp_path, capsys, procs, port):
             assert proc.running(), proc.tail()
             try:
                 status = client.get_status()
-                if status.global_step >= 10 and status.state == pb.SERVER_STATE_SERVING:
+                # Each rank reports its own steps; rank 1's report may trail rank 0's.
+                ranks = client.list_trainers()
+                if (status.global_step >= 10 and status.state == pb.SERVER_STATE_SERVING
+                        and len(ranks) == 2 and all(t.steps >= 10 for t in ranks)):
                     break
             except ControlError:
                 pass
