@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +32,19 @@ def mnist_pngs(tmp_path_factory):
     from tests.userproject import write_mnist_pngs
 
     return write_mnist_pngs(tmp_path_factory.mktemp("mnist-pngs"), 8000, 2000)
+
+
+@pytest.fixture
+def state_dir():
+    """A directory for the server's state in memory, on the memory filesystem where it lives in
+    production (``/dev/shm``), removed after the test."""
+    import shutil
+    import uuid
+
+    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    path = root / f"psserver-test-{uuid.uuid4().hex[:12]}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -136,16 +136,22 @@ class Proc:
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def wait_for(self, pattern: str, timeout: float = 60.0) -> re.Match:
-        """The first match of ``pattern`` in the output; fails if the process exits or time runs out first."""
+    def wait_for(self, pattern: str, timeout: float = 60.0, *, nth: int = 1) -> re.Match:
+        """The ``nth`` match of ``pattern`` in the output (the first by default); fails if the
+        process exits or time runs out first."""
         deadline = time.monotonic() + timeout
         rx = re.compile(pattern)
+
+        def find() -> re.Match | None:
+            found = list(rx.finditer(self.output()))
+            return found[nth - 1] if len(found) >= nth else None
+
         while time.monotonic() < deadline:
-            m = rx.search(self.output())
+            m = find()
             if m:
                 return m
             if self.popen.poll() is not None:
-                m = rx.search(self.output())
+                m = find()
                 if m:
                     return m
                 raise AssertionError(

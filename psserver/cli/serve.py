@@ -18,10 +18,10 @@ from psserver.cli.args import (
     optimizer_from_args,
 )
 from psserver.cli.base import SubCommand, config_errors
-from psserver.config import CheckpointConfig, EmbeddingConfig, LRScheduleConfig, ServerConfig
+from psserver.config import CheckpointConfig, EmbeddingConfig, LRScheduleConfig, MemoryStateConfig, ServerConfig
 from psserver.config.embedding import EVICTION_POLICIES, ROW_OPTIMIZERS
 from psserver.config.env import env_int
-from psserver.config.ps import BUFFER_POLICIES, COMPUTE_MODES, UPDATE_MODES
+from psserver.config.ps import BUFFER_POLICIES, COMPUTE_MODES, DEFAULT_STATE_DIR, UPDATE_MODES
 from psserver.utils.memory import ALLOCATORS
 from psserver.utils.references import parse_json_args
 
@@ -76,8 +76,9 @@ class ServeCommand(SubCommand):
                                  "$PSSERVER_JOIN_TOKEN; neither: anyone who reaches --port can join). It may be the "
                                  "control plane's --auth-token-file")
         parser.add_argument("--supervise", action="store_true",
-                            help="run the server under a supervisor that restarts it with --resume if it dies by a "
-                                 "signal (a crash inside TensorPipe, say); needs --checkpoint-dir")
+                            help="run the server under a supervisor that restarts it if it dies by a signal (SIGKILL, "
+                                 "the OOM killer, a crash inside TensorPipe): from its state in shared memory "
+                                 f"(--state-dir, default {DEFAULT_STATE_DIR} here), else its last checkpoint")
         parser.add_argument("--max-restarts", type=int, default=ServerConfig.max_restarts, metavar="N",
                             help="supervised: give up after N restarts within ten minutes "
                                  f"(default {ServerConfig.max_restarts})")
@@ -103,6 +104,18 @@ class ServeCommand(SubCommand):
         c.add_argument("--new-run", action="store_true",
                        help="start a new run in a --checkpoint-dir that holds another run's checkpoints, leaving "
                             "their files alone (without it or --resume, such a start is refused)")
+        s = parser.add_argument_group("state in shared memory")
+        s.add_argument("--state-dir", default=os.environ.get("PSSERVER_STATE_DIR"), metavar="DIR|off",
+                       help="keep the model's live state (parameters, buffers, optimizer state, step) in files "
+                            "under DIR, a memory filesystem, so a server process that dies comes back with every "
+                            "update it had applied (default $PSSERVER_STATE_DIR, else "
+                            f"{DEFAULT_STATE_DIR} with --supervise, else off)")
+        s.add_argument("--state-key", default=os.environ.get("PSSERVER_STATE_KEY"), metavar="KEY",
+                       help="the run that state belongs to: a server maps only its own key's state (default "
+                            "$PSSERVER_STATE_KEY; none: a new run's key; --supervise keeps one across restarts)")
+        s.add_argument("--remove-stale-state", action="store_true",
+                       help="delete the state that jobs whose processes are gone left in --state-dir (it is "
+                            "reported either way)")
         add_control_arguments(parser)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -111,7 +124,8 @@ class ServeCommand(SubCommand):
         if config.supervise:
             from psserver.ps.server.supervisor import supervise
 
-            return supervise(args.argv, config.max_restarts)
+            return supervise(args.argv, config.max_restarts, resume=config.checkpoint.directory is not None,
+                             state=config.memory_state)
         from psserver.ps.server.server import run_server
 
         return run_server(config)
@@ -227,7 +241,18 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             resume=args.resume,
             new_run=args.new_run,
         ),
+        memory_state=memory_state_from_args(args),
         embedding=embedding_from_args(args),
         control=control,
         observability=obs,
     )
+
+
+def memory_state_from_args(args: argparse.Namespace) -> MemoryStateConfig:
+    directory = args.state_dir
+    if directory is None and args.supervise:
+        directory = DEFAULT_STATE_DIR
+    if directory is not None and directory.strip().lower() in ("off", "none", ""):
+        directory = None
+    return MemoryStateConfig(directory=Path(directory) if directory else None, key=args.state_key,
+                             remove_stale=args.remove_stale_state)

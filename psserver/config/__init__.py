@@ -8,7 +8,7 @@ from psserver.config.collective import CollectiveConfig
 from psserver.config.common import DataConfig, parse_host_port
 from psserver.config.control import ControlConfig, ObservabilityConfig
 from psserver.config.embedding import EmbeddingConfig
-from psserver.config.ps import CheckpointConfig, OptimizerConfig, ServerConfig, TrainerConfig
+from psserver.config.ps import CheckpointConfig, MemoryStateConfig, OptimizerConfig, ServerConfig, TrainerConfig
 from psserver.config.schedule import LRScheduleConfig
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "DataConfig",
     "EmbeddingConfig",
     "LRScheduleConfig",
+    "MemoryStateConfig",
     "ObservabilityConfig",
     "OptimizerConfig",
     "ServerConfig",

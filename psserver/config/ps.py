@@ -117,6 +117,43 @@ class CheckpointConfig:
             raise ValueError("--new-run needs --checkpoint-dir")
 
 
+DEFAULT_STATE_DIR = "/dev/shm/psserver"
+"""Where ``--supervise`` keeps the state when ``--state-dir`` is not given (Linux's shared memory)."""
+STATE_KEY_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+@dataclass
+class MemoryStateConfig:
+    """The server's live state in named shared memory, which outlives the process: a server
+    process that dies (any signal) and comes back maps it again and loses no applied update."""
+
+    directory: Path | None = None
+    """Where the state files live: a memory filesystem (``/dev/shm/psserver``, a Kubernetes
+    ``emptyDir`` with ``medium: Memory``); None: the state lives in the process only."""
+    key: str | None = None
+    """The run the state belongs to. A server maps only the state of its own key; a server
+    given none (a fresh run) makes one. ``--supervise`` hands its key to every restart; in
+    Kubernetes the pod's UID keeps it across container restarts."""
+    remove_stale: bool = False
+    """Delete the state left behind by jobs whose processes are gone (they are reported either way)."""
+
+    def __post_init__(self) -> None:
+        if self.directory is not None:
+            self.directory = Path(self.directory)
+            if self.directory.exists() and not self.directory.is_dir():
+                raise ValueError(f"--state-dir {self.directory} is not a directory")
+        if self.key is not None and (not self.key or len(self.key) > 128 or set(self.key) - STATE_KEY_CHARS
+                                     or self.key.startswith(".")):
+            raise ValueError(f"--state-key must be 1-128 letters, digits, '-', '_' or '.', not starting with '.', "
+                             f"got {self.key!r}")
+        if self.remove_stale and self.directory is None:
+            raise ValueError("--remove-stale-state needs a --state-dir")
+
+    @property
+    def enabled(self) -> bool:
+        return self.directory is not None
+
+
 @dataclass
 class ServerConfig:
     """``psserver serve``: the long-running parameter server (RPC rank 0)."""
@@ -173,8 +210,8 @@ class ServerConfig:
     seed: int = 0
     """Seed of the model's initial parameters."""
     supervise: bool = False
-    """Run the server as the child of a supervisor that restarts it with ``--resume`` when it
-    dies by a signal (needs ``checkpoint.directory``)."""
+    """Run the server as the child of a supervisor that restarts it when it dies by a signal:
+    from its state in shared memory (``memory_state``), else its last checkpoint."""
     max_restarts: int = 5
     """Restarts the supervisor allows within ten minutes before it gives up."""
     join_token_file: Path | None = None
@@ -191,6 +228,8 @@ class ServerConfig:
     """``HOST:PORT`` of server 0's store (its ``--host``/``--port``), for a server of rank > 0."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint policy."""
+    memory_state: MemoryStateConfig = field(default_factory=MemoryStateConfig)
+    """The live state in shared memory (what a restarted server process continues from)."""
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     """The embedding tables of a recommendation model (ignored by a dense model)."""
     control: ControlConfig = field(default_factory=ControlConfig)
@@ -237,8 +276,9 @@ class ServerConfig:
         if self.allocator not in ALLOCATORS:
             raise ValueError(f"--allocator must be one of {', '.join(ALLOCATORS)}, got {self.allocator!r}")
         check_token_file(self.join_token_file, "--join-token-file")
-        if self.supervise and self.checkpoint.directory is None:
-            raise ValueError("--supervise needs --checkpoint-dir: a restarted server resumes from its last checkpoint")
+        if self.supervise and self.checkpoint.directory is None and not self.memory_state.enabled:
+            raise ValueError("--supervise needs a --state-dir or a --checkpoint-dir: what a restarted server "
+                             "continues from")
         if self.max_restarts < 1:
             raise ValueError(f"--max-restarts must be >= 1, got {self.max_restarts}")
 

@@ -160,11 +160,15 @@ class LRSchedule:
         """
         same = (saved is not None and saved.get("config") == asdict(self.config)
                 and saved.get("optimizer") == asdict(self.optimizer_config))
-        if same and saved.get("scheduler") is not None and saved.get("steps") == global_step and self.steps == 0:
+        if (same and saved.get("scheduler") is not None and self.steps == 0
+                and 0 <= int(saved.get("steps", -1)) <= global_step):
+            # Saved at global_step (a checkpoint), or before it (the state in memory records the
+            # schedule when its tensors were placed, and its steps since are replayed).
             self.reference.load_state_dict(saved["reference"])
             self.scheduler.load_state_dict(saved["scheduler"])
-            self.steps = global_step
+            self.steps = int(saved["steps"])
             self._failed = bool(saved.get("failed", False))
+            self.fast_forward(global_step)
             return
         if saved is not None and not same:
             log.warning("the checkpoint's learning-rate schedule was %s on %s; this server's is %s on %s: it takes "

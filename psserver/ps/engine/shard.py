@@ -134,6 +134,12 @@ class Shard:
                 "optimizer": _to_cpu(self.optimizer.state_dict()) if self.optimizer is not None else None,
             }
 
+    def live_state(self) -> dict:
+        """``state_dict``'s structure holding this shard's own tensors, not copies (the caller
+        holds the lock that keeps updates out)."""
+        return {"module": dict(self.module.state_dict(keep_vars=True)),
+                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
+
     def load_state_dict(self, state: dict, optimizer_config: OptimizerConfig | None) -> None:
         with self.lock:
             self.module.load_state_dict(state["module"])

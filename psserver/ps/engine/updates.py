@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -34,6 +35,17 @@ log = logging.getLogger(__name__)
 
 Grads = dict[nn.Parameter, torch.Tensor]
 OnStep = Callable[[int, int], None]
+
+
+class UpdateJournal(Protocol):
+    """Told around every update, under the updater's lock (``psserver.ps.server.memory_state``
+    keeps the state where a restarted process finds it)."""
+
+    def begin(self) -> None:
+        """An update is about to be applied in place."""
+
+    def commit(self, global_step: int, samples: int) -> None:
+        """That update is whole: ``global_step`` counts it, it trained on ``samples``."""
 
 _DEPARTED_KEPT = 256
 """Trainers that left whose last progress is kept for status (as membership keeps its history)."""
@@ -90,6 +102,18 @@ class Updater:
         self.lr_schedule: LRSchedule | None = None
         """The learning-rate schedule (``psserver.ps.engine.lr_schedule``): it sets the learning rate of
         every update and steps once after it (the tables' rows keep theirs)."""
+        self.journal: UpdateJournal | None = None
+        """Told before and after every update (None: nobody)."""
+
+    def _begin_update(self) -> None:
+        """(lock held) Before an update touches any tensor."""
+        if self.journal is not None:
+            self.journal.begin()
+
+    def _end_update(self, samples: int) -> None:
+        """(lock held) After the update: every tensor holds it, ``global_step`` counts it."""
+        if self.journal is not None:
+            self.journal.commit(self.global_step, samples)
 
     def _schedule_lr(self) -> None:
         """(lock held) Before the update at ``global_step``: the schedule's learning rate into
@@ -265,6 +289,7 @@ class AsyncUpdater(Updater):
             return
         with self._lock:
             before = self.global_step
+            self._begin_update()
             self._schedule_lr()
             for shard, g in self._split(grads).items():
                 shard.apply(g)
@@ -274,6 +299,7 @@ class AsyncUpdater(Updater):
                 self.buffers.commit()
             self.global_step += 1
             self._step_lr()
+            self._end_update(samples)
             step = self.global_step
         self._note_update(trainer, before)
         self.step_closed(trainer)

@@ -220,8 +220,21 @@ class CheckpointPolicy:
 
     def snapshot(self) -> dict:
         """A consistent CPU copy of everything a resume needs (updates pause only for the copy)."""
+        shards, step, samples, tables, lr_schedule, buffers = self.engine.copy_state()
+        return self._describe(shards, step, samples, tables, lr_schedule, buffers)
+
+    def live_snapshot(self) -> dict:
+        """(the updater's lock held) ``snapshot``'s structure holding the engine's own tensors,
+        without the tables and the RNG (``psserver.ps.server.memory_state`` maps it)."""
+        shards, step, samples, lr_schedule, buffers = self.engine.live_state()
+        state = self._describe(shards, step, samples, None, lr_schedule, buffers)
+        state["rng"] = state["cuda_rng"] = None
+        state["run"] = self.run_id
+        return state
+
+    def _describe(self, shards: list[dict], step: int, samples: int, tables: dict | None, lr_schedule: dict | None,
+                  buffers: list[torch.Tensor] | None) -> dict:
         cfg, engine = self.config, self.engine
-        shards, step, samples, tables, lr_schedule, buffers = engine.copy_state()
         optimizer = engine.optimizer_config
         return {
             "model": engine.model_ref,
@@ -248,13 +261,22 @@ class CheckpointPolicy:
             "version": __version__,
         }
 
-    def restore(self) -> int | None:
-        """Start the run: check the directory, then a fresh start, ``--new-run`` or ``--resume``;
-        the global step resumed at, or None for a fresh start."""
+    def restore(self, memory: tuple[dict, Path] | None = None) -> int | None:
+        """Start the run: check the directory, then continue from ``memory`` (the state a dead
+        process of this run left in shared memory, and where), else a fresh start,
+        ``--new-run`` or ``--resume``; the global step resumed at, or None for a fresh start."""
         ck, directory = self.config.checkpoint, self.directory
         if directory is not None:
             check_writable(directory)
             remove_stale_temporaries(directory)
+        if memory is not None:
+            state, where = memory
+            self._restore(state, where, checkpoint=False)
+            self.run_id = state["run"]
+            if self.checkpointer is not None:
+                self.checkpointer.run = self.run_id
+            log.info("continuing run %s from its state in memory (%s)", self.run_id, where)
+            return self.engine.global_step
         if self.config.server_rank > 0:
             return None  # a partition server loads what server 0 says (load_partition)
         if ck.resume is None:
@@ -319,7 +341,7 @@ class CheckpointPolicy:
                 continue
         return None
 
-    def _restore(self, state: dict, path: Path) -> None:
+    def _restore(self, state: dict, path: Path, *, checkpoint: bool = True) -> None:
         cfg, engine = self.config, self.engine
         self._restore_model(state, path)
         if len(state["shards"]) != len(engine.shards):
@@ -352,7 +374,7 @@ class CheckpointPolicy:
         self._steps_at_checkpoint = engine.global_step
         if state.get("rng") is not None:
             torch.set_rng_state(state["rng"])
-        if self.checkpointer is not None:
+        if self.checkpointer is not None and checkpoint:
             self.checkpointer.last = CheckpointInfo(str(path), engine.global_step, state.get("time", 0.0))
         log.info("resumed from %s: global step %d, %d samples seen", path, engine.global_step, engine.samples_seen)
 

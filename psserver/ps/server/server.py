@@ -32,6 +32,7 @@ from psserver.ps.server.admission import AdmissionDesk, PublishedKeys
 from psserver.ps.server.checkpointing import CheckpointPolicy
 from psserver.ps.server.endpoint import Endpoint
 from psserver.ps.server.membership import Membership
+from psserver.ps.server.memory_state import MemoryState
 from psserver.ps.server.status import ServerView
 from psserver.utils.memory import configure_host_allocator, freeze_long_lived
 
@@ -43,8 +44,15 @@ class ParameterServer:
         self.config = config
         self.engine = StepEngine(config, resolve_devices(config.devices))
         self.policy = CheckpointPolicy(config, self.engine)
+        self.memory = MemoryState(config.memory_state, config.server_rank) if config.memory_state.enabled else None
         try:
-            resumed = self.policy.restore()
+            found = None
+            if self.memory is not None:
+                self.memory.prepare()
+                found = self.memory.load()
+            resumed = self.policy.restore(found)
+            if self.memory is not None:
+                self.memory.attach(self.engine, self.policy.live_snapshot, self.policy.run_id)
         except BaseException:
             self.engine.close()
             raise
@@ -212,4 +220,8 @@ def run_server(config: ServerConfig) -> int:
             signal.signal(sig, handler)
         if metrics is not None:
             metrics.close()
-    return 0 if server.policy.final_ok else 1  # a failed final checkpoint: logged as it happened
+    if not server.policy.final_ok:
+        return 1  # a failed final checkpoint: logged as it happened (the state in memory stays)
+    if server.memory is not None:
+        server.memory.release()
+    return 0

@@ -1,4 +1,6 @@
-"""``psserver serve --supervise``: a server that dies by a signal comes back from its last checkpoint.
+"""``psserver serve --supervise``: a server that dies by a signal comes back, from its state in
+shared memory (``psserver.ps.server.memory_state``: no applied update is lost), else from its
+last checkpoint.
 
 A few bytes sent to one of TensorPipe's listening ports (sixteen zero bytes; ``GET /
 HTTP/1.0``) crash the server inside libtorch's C++ (a segfault, or an abort on
@@ -8,19 +10,24 @@ strangers away from those ports is the first defence (``--host`` on a private in
 WireGuard mesh and NetworkPolicy in ``deploy/``); this is the second. The supervisor is a
 parent process without RPC, tensors or listening ports of its own: it runs the server as its
 child, forwards SIGTERM and SIGINT to it, and when the child dies by a signal it starts it
-again with ``--resume``. Trainers started with ``--reconnect`` rejoin; at most the steps since
-the last checkpoint are lost.
+again. It gives every child one state key (``$PSSERVER_STATE_KEY``), so the restarted one maps
+the memory its predecessor wrote; with checkpoints it adds ``--resume``, which a restart uses
+when that memory is gone. Trainers started with ``--reconnect`` rejoin.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections import deque
 from collections.abc import Sequence
+
+from psserver.config import MemoryStateConfig
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +35,9 @@ RESTART_WINDOW_S = 600.0
 """Restarts are counted over this window: a server that keeps dying is given up."""
 STOP_GRACE_S = 120.0
 """How long a stopping supervisor waits for its server (a final checkpoint) before killing it."""
+KEY_ENV = "PSSERVER_STATE_KEY"
+SUPERVISOR_ENV = "PSSERVER_SUPERVISOR_PID"
+"""Set for the child: the process that owns its state in memory across restarts."""
 
 
 def server_argv(argv: Sequence[str]) -> list[str]:
@@ -52,10 +62,17 @@ def describe(code: int) -> str:
     return f"exit code {code}"
 
 
-def supervise(argv: Sequence[str], max_restarts: int) -> int:
+def supervise(argv: Sequence[str], max_restarts: int, *, resume: bool = True,
+              state: MemoryStateConfig | None = None) -> int:
     """Run ``psserver serve argv`` until it stops on its own or is told to; its exit code
-    (1 when it kept dying: ``max_restarts`` restarts within ``RESTART_WINDOW_S``)."""
+    (1 when it kept dying: ``max_restarts`` restarts within ``RESTART_WINDOW_S``). ``resume``:
+    restarts add ``--resume`` (a checkpoint directory is set); ``state``: the memory state."""
     command = server_argv(argv)
+    env = dict(os.environ, **{SUPERVISOR_ENV: str(os.getpid())})
+    in_memory = state is not None and state.enabled
+    if in_memory:
+        env[KEY_ENV] = state.key or uuid.uuid4().hex[:16]
+        log.info("supervised server's state in memory: %s/%s", state.directory, env[KEY_ENV])
     child: subprocess.Popen | None = None
     stopping: list[int] = []
 
@@ -68,7 +85,7 @@ def supervise(argv: Sequence[str], max_restarts: int) -> int:
     restarts: deque[float] = deque()
     try:
         while True:
-            child = subprocess.Popen(command)
+            child = subprocess.Popen(command, env=env)
             log.info("supervising psserver serve (pid %d)", child.pid)
             code = _wait(child, stopping)
             if stopping or code >= 0:
@@ -77,13 +94,17 @@ def supervise(argv: Sequence[str], max_restarts: int) -> int:
             while restarts and now - restarts[0] > RESTART_WINDOW_S:
                 restarts.popleft()
             if len(restarts) >= max_restarts:
-                log.error("the server died of %s again (%d deaths in %.0f min): giving up", describe(code),
-                          len(restarts) + 1, RESTART_WINDOW_S / 60)
+                log.error("the server died of %s again (%d deaths in %.0f min): giving up%s", describe(code),
+                          len(restarts) + 1, RESTART_WINDOW_S / 60,
+                          f"; its state stays in {state.directory}/{env[KEY_ENV]} (serve --state-key "
+                          f"{env[KEY_ENV]} continues from it)" if in_memory else "")
                 return 1
             restarts.append(now)
-            command = resume_argv(command)
-            log.error("the server died of %s: restarting it from its last checkpoint (restart %d, at most %d in "
-                      "%.0f min)", describe(code), len(restarts), max_restarts, RESTART_WINDOW_S / 60)
+            if resume:
+                command = resume_argv(command)
+            source = "its state in memory" if in_memory else "its last checkpoint"
+            log.error("the server died of %s: restarting it from %s (restart %d, at most %d in %.0f min)",
+                      describe(code), source, len(restarts), max_restarts, RESTART_WINDOW_S / 60)
             time.sleep(0.5)  # let the kernel release its ports
     finally:
         for sig, handler in previous.items():

@@ -1,0 +1,368 @@
+"""The server's live state in shared memory: a server process that dies loses no applied update.
+
+Why memory and not a checkpoint per step: a checkpoint copies the whole state each time; here
+the state *is* the file. The parameters, buffers and optimizer state are placed in one file on
+a memory filesystem (``state_arena``) and every update writes them where they are, so the
+restarted process maps the file again and goes on from the last update that completed. The
+pages outlive the process (SIGKILL, the OOM killer, a segfault in libtorch), not the host:
+for that, checkpoints stay.
+
+A segment is ``<--state-dir>/<key>/server-<rank>/``:
+
+- ``tensors-<generation>.bin``: the tensors, after a header holding the update journal
+  (``begin``/``end`` around each update, the global step, the samples).
+- ``meta.pkl``: what the tensors are (the checkpoint's structure, each tensor replaced by its
+  slot) and which generation is current; replaced atomically. The set of tensors changes a
+  few times in a run (a model learnt from a trainer, an optimizer's state made by its first
+  step): each time a new generation is written beside the old one, which goes once ``meta``
+  names the new one, so a death at any moment leaves one whole generation.
+- ``owner.json``: the processes that own it (the server, its supervisor), so a segment whose
+  owners are gone is told apart from one in use.
+
+The key names the run: a server maps only its own key's state (``--state-key``; the
+supervisor gives its key to every restart, a Kubernetes pod its UID), so a fresh run never
+maps another's. Segments of other keys whose owners are gone are reported as stale and, with
+``--remove-stale-state``, deleted. A clean stop deletes the server's segment.
+
+A torn update: a process killed while an update was being applied leaves ``begin != end``.
+The optimizers update element by element in place, so then any subset of the elements of the
+parameters and of the optimizer state hold that update and the others do not; the restarted
+server counts it as not applied (the global step and samples are those before it) and the
+trainers, rejoining, send that step again, so those elements get it twice (one step's update,
+at most once more). It is logged as such.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import pickle
+import shutil
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from psserver.config import MemoryStateConfig
+from psserver.errors import UsageError
+from psserver.ps.engine.engine import StepEngine
+from psserver.ps.server.state_arena import Arena, ArenaError, Journal, Slot
+
+log = logging.getLogger(__name__)
+
+META, OWNER = "meta.pkl", "owner.json"
+FORMAT = 1
+SUPERVISOR_ENV = "PSSERVER_SUPERVISOR_PID"
+_TENSOR = "__psserver_tensor__"
+
+
+class MemoryStateError(UsageError):
+    """A segment that cannot be used (its files are torn or of another format)."""
+
+
+@dataclass
+class Segment:
+    """One server process's state in ``--state-dir``."""
+
+    path: Path
+    key: str
+    owner: dict | None
+
+    @property
+    def alive(self) -> bool:
+        """Whether a process that owns it still runs on this host (since this boot)."""
+        o = self.owner
+        if not o or o.get("boot_id") != _boot_id():
+            return False
+        return any(_running(pid, start) for pid, start in ((o.get("pid"), o.get("pid_start")),
+                                                            (o.get("supervisor"), o.get("supervisor_start"))))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.stat().st_size for f in self.path.glob("tensors-*.bin"))
+
+    def describe(self) -> str:
+        o = self.owner or {}
+        return (f"{self.path} ({self.nbytes / 2**20:.1f} MiB, run {o.get('run', '?')}, left by pid "
+                f"{o.get('pid', '?')} on {time.strftime('%Y-%m-%d %H:%M', time.localtime(o.get('started', 0)))})")
+
+
+def scan(root: Path) -> list[Segment]:
+    """Every segment under ``root`` (whatever its key)."""
+    out = []
+    if not root.is_dir():
+        return out
+    for key_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+        for seg in sorted(p for p in key_dir.iterdir() if p.is_dir() and p.name.startswith("server-")):
+            out.append(Segment(seg, key_dir.name, _read_owner(seg)))
+    return out
+
+
+class MemoryState:
+    """This server's segment: restore from it, keep it current, release it."""
+
+    def __init__(self, config: MemoryStateConfig, server_rank: int) -> None:
+        assert config.directory is not None
+        self.config = config
+        self.root = config.directory
+        self.key = config.key or uuid.uuid4().hex[:16]
+        self.dir = self.root / self.key / f"server-{server_rank}"
+        self.stale: list[Segment] = []
+        """Segments of other runs whose processes are gone (reported; deleted with ``remove_stale``)."""
+        self.arena: Arena | None = None
+        self._slots: list[Slot] = []
+        self._seq = 0
+        self._samples = 0
+        self._signature: tuple | None = None
+        self._engine: StepEngine | None = None
+        self._snapshot: Callable[[], dict] | None = None
+        self.disabled: str | None = None
+        """Why this server keeps no state in memory after all (None: it does)."""
+
+    # ---- start ---------------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Report (or delete) other runs' dead segments."""
+        for seg in scan(self.root):
+            if seg.key == self.key or seg.alive:
+                continue
+            if self.config.remove_stale:
+                shutil.rmtree(seg.path, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    seg.path.parent.rmdir()
+                log.warning("removed the stale state of a job that is gone: %s", seg.describe())
+            else:
+                self.stale.append(seg)
+                log.warning("stale state of a job that is gone: %s; remove it with psserver serve "
+                            "--remove-stale-state (or rm -r %s)", seg.describe(), seg.path.parent)
+
+    def load(self) -> tuple[dict, Path] | None:
+        """The state this run's previous process left (checkpoint structure, tensors mapped), or
+        None when it left none."""
+        meta_path = self.dir / META
+        if not meta_path.exists():
+            return None
+        try:
+            with open(meta_path, "rb") as f:
+                meta = _PlainUnpickler(f).load()
+            if meta.get("format") != FORMAT:
+                raise MemoryStateError(f"format {meta.get('format')!r}, this psserver reads {FORMAT}")
+            arena = Arena.open(self.dir / meta["file"])
+            journal = arena.journal()
+            if journal.generation != meta["generation"]:
+                raise MemoryStateError(f"{arena.path} is generation {journal.generation}, meta names "
+                                       f"{meta['generation']}")
+            slots = [Slot(o, d, tuple(s)) for o, d, s in meta["slots"]]
+            views = [arena.view(slot) for slot in slots]
+        except (OSError, pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError, ArenaError) as e:
+            raise MemoryStateError(f"the state in {self.dir} cannot be read ({e}); move it away to start "
+                                   "without it") from None
+        state = _fill(meta["state"], views)
+        state["global_step"], state["samples_seen"] = journal.global_step, journal.samples
+        if journal.torn:
+            log.warning("the server died while applying the update after global step %d: some elements of the "
+                        "parameters and optimizer state hold it, the others do not; it counts as not applied, and "
+                        "the trainers send that step again", journal.global_step)
+        log.info("found the state of run %s in memory: %s, generation %d, global step %d, %d samples",
+                 state.get("run"), self.dir, journal.generation, journal.global_step, journal.samples)
+        self.arena, self._slots = arena, slots  # kept mapped until the next generation replaces it
+        self._seq = journal.end
+        return state, self.dir
+
+    def attach(self, engine: StepEngine, snapshot: Callable[[], dict], run: str) -> None:
+        """Keep ``engine``'s state in the segment from now on (``snapshot``: the checkpoint
+        structure of its live tensors, taken under the updater's lock; ``run``: its run id)."""
+        why = _unsupported(engine)
+        if why is not None:
+            self.disabled = why
+            log.warning("state in memory: off, %s; a restarted server resumes from its last checkpoint", why)
+            return
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise MemoryStateError(f"--state-dir {self.root}: cannot create {self.dir} ({e.strerror})") from None
+        self._engine, self._snapshot = engine, snapshot
+        self._write_owner(run)
+        with engine.updater.lock:
+            self._samples = engine.samples_seen
+            engine.updater.journal = self
+            if engine.has_model:
+                self._bind()
+
+    # ---- the journal (the updater's lock held) -------------------------------------------------
+
+    def begin(self) -> None:
+        if self.arena is not None:
+            self._seq += 1
+            self.arena.begin(self._seq)
+
+    def commit(self, global_step: int, samples: int) -> None:
+        self._samples += samples
+        if self.arena is not None:
+            self.arena.end(self._seq, global_step, self._samples)
+        assert self._engine is not None
+        if self._engine.state_signature() != self._signature:
+            self._bind()
+
+    # ---- generations ---------------------------------------------------------------------------
+
+    def _bind(self) -> None:
+        """(lock held) A new generation holding the engine's tensors, each then a view of it."""
+        engine, snapshot = self._engine, self._snapshot
+        assert engine is not None and snapshot is not None
+        started = time.perf_counter()
+        state = snapshot()
+        tensors: list[torch.Tensor] = []
+        structure = _refs(state, tensors, {})
+        generation = (self.arena.generation + 1) if self.arena is not None else 1
+        journal = Journal(generation, self._seq, self._seq, engine.global_step, self._samples)
+        name = f"tensors-{generation}.bin"
+        path = self.dir / name
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # a generation a dead process began and never named
+        try:
+            arena, slots = Arena.create(path, tensors, journal)
+        except OSError as e:
+            path.unlink(missing_ok=True)
+            need = Arena.plan(tensors)[1]
+            free = shutil.disk_usage(self.dir).free
+            self._give_up(f"cannot write {path} ({e.strerror or e}; it needs {need / 2**20:.1f} MiB, "
+                          f"{free / 2**20:.1f} MiB free there)")
+            return
+        meta = {"format": FORMAT, "generation": generation, "file": name, "key": self.key,
+                "slots": [(s.offset, s.dtype, s.shape) for s in slots], "state": structure}
+        tmp = self.dir / f"{META}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(meta, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, self.dir / META)
+        old = self.arena
+        self.arena, self._slots = arena, slots
+        self._signature = engine.state_signature()
+        for f in self.dir.glob("tensors-*.bin"):
+            if f.name != name:
+                f.unlink(missing_ok=True)  # the old mapping lives on until its last view goes
+        log.info("state in memory: %s, generation %d, %d tensors, %.1f MiB (%.0f ms)%s", path, generation,
+                 len(tensors), arena.size / 2**20, (time.perf_counter() - started) * 1e3,
+                 "" if old is None else f", replacing generation {old.generation}")
+
+    def _give_up(self, why: str) -> None:
+        self.disabled = why
+        if self._engine is not None:
+            self._engine.updater.journal = None
+        log.error("state in memory: off from now on, %s; a restarted server resumes from its last checkpoint", why)
+
+    # ---- stop ----------------------------------------------------------------------------------
+
+    def release(self) -> None:
+        """The server stopped cleanly: its segment goes."""
+        if self._engine is not None:
+            self._engine.updater.journal = None
+        self.arena = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            self.dir.parent.rmdir()  # the key's directory, once no server of it has a segment
+        log.info("state in memory released: %s", self.dir)
+
+    def _write_owner(self, run: str) -> None:
+        supervisor = os.environ.get(SUPERVISOR_ENV)
+        sup = int(supervisor) if supervisor and supervisor.isdigit() else None
+        owner = {"pid": os.getpid(), "pid_start": _start_time(os.getpid()), "supervisor": sup,
+                 "supervisor_start": _start_time(sup) if sup else None, "boot_id": _boot_id(),
+                 "host": socket.gethostname(), "key": self.key, "started": time.time(),
+                 "run": run}
+        tmp = self.dir / f"{OWNER}.tmp"
+        tmp.write_text(json.dumps(owner))
+        os.replace(tmp, self.dir / OWNER)
+
+
+def _unsupported(engine: StepEngine) -> str | None:
+    if engine.tables is not None:
+        return "the embedding tables are not kept there yet"
+    if engine.plan is not None:
+        return "several server processes do not keep it there yet"
+    if any(d.type != "cpu" for d in engine.devices):
+        return f"the model lives on {', '.join(str(d) for d in engine.devices)}, not in host memory"
+    return None
+
+
+def _refs(obj: Any, tensors: list[torch.Tensor], seen: dict[int, int]) -> Any:
+    """``obj`` with each tensor replaced by its index in ``tensors`` (one per tensor object)."""
+    if isinstance(obj, torch.Tensor):
+        index = seen.get(id(obj))
+        if index is None:
+            if obj.device.type != "cpu":
+                raise TypeError(f"a tensor on {obj.device} cannot be kept in shared memory")
+            index = seen[id(obj)] = len(tensors)
+            tensors.append(obj)
+        return (_TENSOR, index)
+    if isinstance(obj, dict):
+        return {k: _refs(v, tensors, seen) for k, v in obj.items()}
+    if isinstance(obj, torch.Size):
+        return tuple(obj)
+    if isinstance(obj, (list, tuple)):
+        out = [_refs(v, tensors, seen) for v in obj]
+        return out if isinstance(obj, list) else tuple(out)
+    return obj
+
+
+def _fill(obj: Any, views: list[torch.Tensor]) -> Any:
+    if isinstance(obj, tuple) and len(obj) == 2 and obj[0] == _TENSOR:
+        return views[obj[1]]
+    if isinstance(obj, dict):
+        return {k: _fill(v, views) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_fill(v, views) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_fill(v, views) for v in obj)
+    return obj
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Builtin containers and scalars only: a segment's metadata names no class."""
+
+    def find_class(self, module: str, name: str):  # noqa: ARG002
+        raise pickle.UnpicklingError(f"{module}.{name} in a state segment's metadata")
+
+
+def _read_owner(seg: Path) -> dict | None:
+    try:
+        return json.loads((seg / OWNER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _start_time(pid: int | None) -> int | None:
+    """The process's start time in clock ticks since boot (a reused pid has another)."""
+    if pid is None:
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _running(pid: int | None, start: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return start is None or _start_time(pid) in (None, start)

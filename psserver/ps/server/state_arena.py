@@ -1,0 +1,163 @@
+"""One file of tensors that outlives the process: the server's live state, mapped shared.
+
+The file lives on a memory filesystem (``/dev/shm``, a Kubernetes ``emptyDir`` with
+``medium: Memory``). :meth:`Arena.create` copies tensors into it and points each tensor at its
+place there (``tensor.data = view``: the same Python object, so the optimizer, the modules and
+every other holder keep working, and no autograd version changes), so an update applied in
+place is written to the file by the update itself: no second copy of the state per step. The
+pages belong to the file, not to the process: a SIGKILL loses nothing that was written.
+
+A small header at the start carries the update journal: ``begin`` is written before an update
+is applied and ``end`` (with the global step and samples it made) after it, so a reader tells
+a clean file (``begin == end``) from one whose last update was interrupted mid-apply.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+MAGIC = b"PSSTATE1"
+HEADER_BYTES = 4096
+ALIGN = 64
+_FIELDS = struct.Struct("<8sqqqqq")  # magic, generation, begin, end, global_step, samples
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one tensor lives in the file (plain data: it goes into the segment's metadata)."""
+
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * _DTYPES[self.dtype].itemsize
+
+
+_DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool)}
+
+
+@dataclass(frozen=True)
+class Journal:
+    """The header's counters."""
+
+    generation: int
+    begin: int
+    end: int
+    global_step: int
+    samples: int
+
+    @property
+    def torn(self) -> bool:
+        """An update was being applied when the writer died: some tensors may hold it, some not."""
+        return self.begin != self.end
+
+
+class ArenaError(RuntimeError):
+    """The file is not a whole arena (missing, truncated, another format)."""
+
+
+class Arena:
+    """A mapped file of tensors plus the journal header."""
+
+    def __init__(self, path: Path, mm: mmap.mmap, generation: int) -> None:
+        self.path = path
+        self._mm = mm
+        self._bytes = torch.frombuffer(mm, dtype=torch.uint8)
+        self.generation = generation
+
+    # ---- making and opening ------------------------------------------------------------------
+
+    @staticmethod
+    def plan(tensors: list[torch.Tensor]) -> tuple[list[Slot], int]:
+        """Each tensor's slot, and the file's size."""
+        slots, offset = [], HEADER_BYTES
+        for t in tensors:
+            if t.dtype not in _DTYPES.values():
+                raise TypeError(f"a tensor of {t.dtype} cannot be kept in shared memory")
+            slot = Slot(offset, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+            slots.append(slot)
+            offset += -(-max(slot.nbytes, 1) // ALIGN) * ALIGN
+        return slots, offset
+
+    @classmethod
+    def create(cls, path: Path, tensors: list[torch.Tensor], journal: Journal) -> tuple[Arena, list[Slot]]:
+        """A new file at ``path`` holding ``tensors`` (CPU, any layout), each tensor then a view
+        of its place in it; the header holds ``journal``."""
+        slots, size = cls.plan(tensors)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            # Reserved now: a memory filesystem that fills up fails here (ENOSPC), not with a
+            # SIGBUS at some later write into the mapping.
+            os.posix_fallocate(fd, 0, size)
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        arena = cls(path, mm, journal.generation)
+        arena.write_journal(journal)
+        with torch.no_grad():
+            for t, slot in zip(tensors, slots, strict=True):
+                view = arena.view(slot)
+                view.copy_(t.detach())
+                t.data = view
+        return arena, slots
+
+    @classmethod
+    def open(cls, path: Path) -> Arena:
+        """An existing file (``ArenaError`` when it is not one)."""
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as e:
+            raise ArenaError(f"{path}: {e.strerror}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER_BYTES:
+                raise ArenaError(f"{path}: {size} bytes, shorter than its header")
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        magic, generation, *_ = _FIELDS.unpack_from(mm, 0)
+        if magic != MAGIC:
+            mm.close()
+            raise ArenaError(f"{path}: not a psserver state file")
+        return cls(path, mm, generation)
+
+    # ---- use -----------------------------------------------------------------------------------
+
+    @property
+    def size(self) -> int:
+        return len(self._mm)
+
+    def view(self, slot: Slot) -> torch.Tensor:
+        if slot.offset < HEADER_BYTES or slot.offset + slot.nbytes > self.size:
+            raise ArenaError(f"{self.path}: a tensor at {slot.offset}+{slot.nbytes} is outside the file's "
+                             f"{self.size} bytes")
+        return self._bytes[slot.offset:slot.offset + slot.nbytes].view(_DTYPES[slot.dtype]).view(slot.shape)
+
+    def journal(self) -> Journal:
+        _, generation, begin, end, step, samples = _FIELDS.unpack_from(self._mm, 0)
+        return Journal(generation, begin, end, step, samples)
+
+    def write_journal(self, j: Journal) -> None:
+        _FIELDS.pack_into(self._mm, 0, MAGIC, j.generation, j.begin, j.end, j.global_step, j.samples)
+
+    def begin(self, seq: int) -> None:
+        """An update is about to be applied in place."""
+        struct.pack_into("<q", self._mm, 16, seq)
+
+    def end(self, seq: int, global_step: int, samples: int) -> None:
+        """That update is whole: its step and samples, then the mark that closes it."""
+        struct.pack_into("<qq", self._mm, 32, global_step, samples)
+        struct.pack_into("<q", self._mm, 24, seq)

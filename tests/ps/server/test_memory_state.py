@@ -1,0 +1,210 @@
+"""The server's state in shared memory, in-process: a server built again on the segment a
+dead one left holds every update it had applied, bit for bit; a torn update, another run's
+segment and a stale one are told apart."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+from psserver.cli import main
+from psserver.config import LRScheduleConfig, MemoryStateConfig, OptimizerConfig, ServerConfig
+from psserver.ps.server.memory_state import MemoryState, MemoryStateError, scan
+from psserver.ps.server.server import ParameterServer
+from psserver.ps.server.state_arena import Arena, ArenaError, Journal
+
+
+def server_config(state_dir, key="run-a", **kw) -> ServerConfig:
+    kw.setdefault("optimizer", OptimizerConfig("adam", 0.01))
+    return ServerConfig(model="mlp", devices=["cpu"], memory_state=MemoryStateConfig(state_dir, key), **kw)
+
+
+def train(server: ParameterServer, steps: int, seed: int = 0) -> None:
+    engine = server.engine
+    engine.trainer_joined("t")
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        engine.open_step("t", 8)
+        engine.submit("t", {p: torch.randn(p.shape, generator=g) for p in engine.trainable})
+
+
+def state_of(server: ParameterServer) -> dict:
+    """What the server holds. The optimizers' ``lr`` is left out: the schedule writes it before
+    every update (the learning rate of the next one is ``learning_rate``, compared)."""
+    shards, step, samples, _, schedule, _ = server.engine.copy_state()
+    for shard in shards:
+        for group in shard["optimizer"]["param_groups"]:
+            group.pop("lr")
+    return {"shards": shards, "step": step, "samples": samples, "lr": server.engine.learning_rate,
+            "schedule": None if schedule is None else schedule["steps"]}
+
+
+def assert_same(a, b) -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, list):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+def test_the_arena_holds_the_tensors_themselves(tmp_path):
+    p = torch.nn.Parameter(torch.randn(5, 3))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    buf = opt.state[p]["momentum_buffer"]
+    before, version = (p.detach().clone(), buf.clone()), p._version
+    arena, slots = Arena.create(tmp_path / "a.bin", [p, buf, torch.tensor(7)], Journal(1, 0, 0, 3, 24))
+    # The same objects, their values, and no in-place change autograd would see.
+    assert torch.equal(p.detach(), before[0]) and torch.equal(buf, before[1]) and p._version == version
+    p.grad = torch.ones_like(p)
+    opt.step()  # in place: into the file
+    again = Arena.open(tmp_path / "a.bin")
+    assert torch.equal(again.view(slots[0]), p.detach()) and torch.equal(again.view(slots[1]), buf)
+    assert again.view(slots[2]).item() == 7
+    assert again.journal() == Journal(1, 0, 0, 3, 24) and not again.journal().torn
+    arena.begin(1)
+    assert again.journal().torn
+    arena.end(1, 4, 32)
+    assert again.journal() == Journal(1, 1, 1, 4, 32)
+    (tmp_path / "junk.bin").write_bytes(b"\0" * 8192)
+    with pytest.raises(ArenaError, match="not a psserver state file"):
+        Arena.open(tmp_path / "junk.bin")
+    (tmp_path / "short.bin").write_bytes(b"PSSTATE1")
+    with pytest.raises(ArenaError, match="shorter than its header"):
+        Arena.open(tmp_path / "short.bin")
+
+
+@pytest.mark.parametrize("update", ["async", "sync"])
+def test_a_server_built_again_on_a_dead_ones_segment_holds_every_applied_update(state_dir, update):
+    """The first server is abandoned as a SIGKILL would leave it (no stop, no release)."""
+    config = server_config(state_dir, update=update, sync_trainers=1,
+                           lr_schedule=LRScheduleConfig("StepLR", {"step_size": 3, "gamma": 0.5}))
+    first = ParameterServer(config)
+    train(first, 7)
+    want = state_of(first)
+    assert want["step"] == 7 and want["samples"] == 56
+    files = sorted(p.name for p in (state_dir / "run-a" / "server-0").iterdir())
+    assert files == ["meta.pkl", "owner.json", "tensors-2.bin"]  # the model; its optimizer state (step 1)
+    first.engine.compute.close()  # (its threads only: the segment stays as a dead process leaves it)
+
+    second = ParameterServer(config)
+    try:
+        assert_same(state_of(second), want)
+        assert second.engine.samples_seen == 56
+        train(second, 5, seed=1)  # and it goes on writing there
+        want = state_of(second)
+    finally:
+        second.engine.compute.close()
+    third = ParameterServer(config)
+    try:
+        assert_same(state_of(third), want)
+        assert third.engine.global_step == 12 and third.engine.learning_rate == 0.01 * 0.5 ** 4
+    finally:
+        third.engine.close()
+
+
+def test_a_torn_update_counts_as_not_applied_and_says_so(state_dir, caplog):
+    config = server_config(state_dir)
+    first = ParameterServer(config)
+    train(first, 3)
+    first.memory.begin()  # killed mid-apply: begin written, end never
+    first.engine.compute.close()
+    with caplog.at_level(logging.WARNING):
+        second = ParameterServer(config)
+    try:
+        assert second.engine.global_step == 3 and second.engine.samples_seen == 24
+        assert "the server died while applying the update after global step 3" in caplog.text
+        train(second, 1)
+        assert not second.memory.arena.journal().torn
+    finally:
+        second.engine.close()
+
+
+def test_a_fresh_run_never_maps_another_runs_state_and_reports_it_stale(state_dir, caplog):
+    first = ParameterServer(server_config(state_dir, key="old-run"))
+    train(first, 2)
+    first.engine.compute.close()
+    owner = state_dir / "old-run" / "server-0" / "owner.json"
+    dead = json.loads(owner.read_text())
+    dead.update(pid=2**22 + 1, supervisor=None)  # beyond pid_max: no such process
+    owner.write_text(json.dumps(dead))
+    with caplog.at_level(logging.WARNING):
+        fresh = ParameterServer(server_config(state_dir, key=None))
+    try:
+        assert fresh.engine.global_step == 0
+        (stale,) = fresh.memory.stale
+        assert stale.key == "old-run" and not stale.alive
+        assert "stale state of a job that is gone" in caplog.text and "--remove-stale-state" in caplog.text
+        assert {s.key for s in scan(state_dir)} == {"old-run", fresh.memory.key}
+    finally:
+        fresh.engine.close()
+    cleaner = ParameterServer(dataclasses.replace(
+        server_config(state_dir, key=None), memory_state=MemoryStateConfig(state_dir, None, remove_stale=True)))
+    try:
+        assert not (state_dir / "old-run").exists() and cleaner.memory.stale == []
+    finally:
+        cleaner.engine.close()
+
+
+def test_a_live_runs_segment_is_left_alone(state_dir):
+    first = ParameterServer(server_config(state_dir, key="live-run"))  # this process owns it
+    try:
+        other = MemoryState(MemoryStateConfig(state_dir, "other"), 0)
+        other.prepare()
+        assert other.stale == [] and (state_dir / "live-run").exists()
+    finally:
+        first.engine.close()
+
+
+def test_a_clean_stop_releases_the_segment(state_dir):
+    server = ParameterServer(server_config(state_dir))
+    train(server, 2)
+    server.engine.close()
+    server.memory.release()
+    assert not (state_dir / "run-a").exists()
+
+
+def test_an_unreadable_segment_is_one_line(state_dir):
+    first = ParameterServer(server_config(state_dir))
+    first.engine.close()
+    seg = state_dir / "run-a" / "server-0"
+    (seg / "meta.pkl").write_bytes(b"\x80\x05not a pickle")
+    with pytest.raises(MemoryStateError, match=r"cannot be read .*move it away"):
+        ParameterServer(server_config(state_dir))
+
+
+def test_the_state_flags(tmp_path, port):
+    (tmp_path / "file").write_text("")
+    assert main(["serve", "--port", str(port), "--state-dir", str(tmp_path / "file"), "--no-control"]) == 2
+    assert main(["serve", "--port", str(port), "--state-dir", str(tmp_path), "--state-key", "../x",
+                 "--no-control"]) == 2
+    assert main(["serve", "--port", str(port), "--remove-stale-state", "--no-control"]) == 2
+
+
+def test_a_full_memory_filesystem_turns_the_state_off_not_the_server(state_dir, caplog, monkeypatch):
+    def full(fd, offset, size):  # noqa: ARG001
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with caplog.at_level(logging.ERROR):
+        server = ParameterServer(server_config(state_dir))
+    try:
+        assert server.memory.disabled.startswith("cannot write")
+        assert "No space left on device; it needs" in caplog.text
+        train(server, 2)  # trains on, in the process's own memory
+        assert server.engine.global_step == 2 and server.engine.updater.journal is None
+    finally:
+        server.engine.close()
