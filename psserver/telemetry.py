@@ -129,6 +129,17 @@ class TableStatus:
 
 
 @dataclass
+class StaleStateStatus:
+    """State a job that is gone left in ``--state-dir`` (``psserver.ps.server.memory_state``)."""
+
+    path: str
+    bytes: int
+    run: str
+    pid: int
+    started_at: float
+
+
+@dataclass
 class ServerStatus:
     version: str
     state: str
@@ -166,6 +177,10 @@ class ServerStatus:
     while the optimizer is not known, and in collective mode."""
     lr_schedule: str = ""
     """The learning-rate schedule, described in one line (empty: the learning rate is constant)."""
+    memory_state: str = ""
+    """Where the live state is kept in shared memory, or ``off: <why>`` (empty: no ``--state-dir``)."""
+    stale_state: list[StaleStateStatus] = field(default_factory=list)
+    """State that jobs whose processes are gone left in ``--state-dir``."""
 
     @property
     def uptime_s(self) -> float:

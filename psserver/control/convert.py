@@ -174,6 +174,9 @@ def status_to_proto(status: ServerStatus, now: float | None = None) -> pb.Server
     if _finite(status.learning_rate):
         msg.learning_rate = float(status.learning_rate)
     msg.lr_schedule = status.lr_schedule
+    msg.memory_state = status.memory_state
+    msg.stale_state.extend(pb.StaleState(path=x.path, bytes=int(x.bytes), run=x.run, pid=int(x.pid),
+                                         started_at=float(x.started_at)) for x in status.stale_state)
     if status.last_checkpoint is not None:
         msg.last_checkpoint.CopyFrom(checkpoint_to_proto(status.last_checkpoint))
     return msg
@@ -272,6 +275,9 @@ def status_to_dict(msg: pb.ServerStatus) -> dict[str, Any]:
         "mean_loss": msg.mean_loss if msg.HasField("mean_loss") else None,
         "learning_rate": msg.learning_rate if msg.HasField("learning_rate") else None,
         "lr_schedule": msg.lr_schedule,
+        "memory_state": msg.memory_state,
+        "stale_state": [{"path": x.path, "bytes": x.bytes, "run": x.run, "pid": x.pid, "started_at": x.started_at}
+                        for x in msg.stale_state],
         "shards": [
             {
                 "index": s.index,

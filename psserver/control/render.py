@@ -91,6 +91,12 @@ def render_status(status: pb.ServerStatus, trainers: Sequence[pb.Trainer] | None
         lines.append(f"checkpoint  {ck.path} (step {ck.step:,}, {_ago(ck.time, now)})")
     else:
         lines.append("checkpoint  none")
+    if status.memory_state:
+        lines.append(f"memory      {status.memory_state}")
+    for x in status.stale_state:
+        lines.append(f"stale       {x.path} ({human_bytes(x.bytes)}, run {x.run or '?'}, pid {x.pid}, "
+                     f"{_ago(x.started_at, now)}): a job that is gone left it; psserver serve "
+                     "--remove-stale-state deletes it")
     lines.append("")
     rows = [
         [str(s.index), s.device, f"{s.num_params:,}", human_bytes(s.bytes), human_bytes(s.device_memory_bytes)]

@@ -169,7 +169,7 @@ class EmbeddingTable(_message.Message):
     def __init__(self, table: _Optional[str] = ..., server_rank: _Optional[int] = ..., rows: _Optional[int] = ..., max_rows: _Optional[int] = ..., dim: _Optional[int] = ..., bytes: _Optional[int] = ..., admissions: _Optional[int] = ..., refused: _Optional[int] = ..., evictions: _Optional[int] = ..., expirations: _Optional[int] = ..., lookups: _Optional[int] = ..., updates: _Optional[int] = ..., lookups_per_second: _Optional[float] = ..., updates_per_second: _Optional[float] = ...) -> None: ...
 
 class ServerStatus(_message.Message):
-    __slots__ = ("version", "state", "mode", "started_at", "uptime_seconds", "model", "num_params", "update_mode", "sync_trainers", "global_step", "samples_seen", "updates_per_second", "samples_per_second", "mean_loss", "shards", "last_checkpoint", "server_time", "staleness", "nonfinite_gradients", "clipped_steps", "servers", "tables", "learning_rate", "lr_schedule")
+    __slots__ = ("version", "state", "mode", "started_at", "uptime_seconds", "model", "num_params", "update_mode", "sync_trainers", "global_step", "samples_seen", "updates_per_second", "samples_per_second", "mean_loss", "shards", "last_checkpoint", "server_time", "staleness", "nonfinite_gradients", "clipped_steps", "servers", "tables", "learning_rate", "lr_schedule", "memory_state", "stale_state")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +194,8 @@ class ServerStatus(_message.Message):
     TABLES_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     LR_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_STATE_FIELD_NUMBER: _ClassVar[int]
+    STALE_STATE_FIELD_NUMBER: _ClassVar[int]
     version: str
     state: ServerState
     mode: Mode
@@ -218,7 +220,23 @@ class ServerStatus(_message.Message):
     tables: _containers.RepeatedCompositeFieldContainer[EmbeddingTable]
     learning_rate: float
     lr_schedule: str
-    def __init__(self, version: _Optional[str] = ..., state: _Optional[_Union[ServerState, str]] = ..., mode: _Optional[_Union[Mode, str]] = ..., started_at: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., model: _Optional[str] = ..., num_params: _Optional[int] = ..., update_mode: _Optional[_Union[UpdateMode, str]] = ..., sync_trainers: _Optional[int] = ..., global_step: _Optional[int] = ..., samples_seen: _Optional[int] = ..., updates_per_second: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., mean_loss: _Optional[float] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., server_time: _Optional[float] = ..., staleness: _Optional[int] = ..., nonfinite_gradients: _Optional[int] = ..., clipped_steps: _Optional[int] = ..., servers: _Optional[_Iterable[_Union[ServerProcess, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[EmbeddingTable, _Mapping]]] = ..., learning_rate: _Optional[float] = ..., lr_schedule: _Optional[str] = ...) -> None: ...
+    memory_state: str
+    stale_state: _containers.RepeatedCompositeFieldContainer[StaleState]
+    def __init__(self, version: _Optional[str] = ..., state: _Optional[_Union[ServerState, str]] = ..., mode: _Optional[_Union[Mode, str]] = ..., started_at: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., model: _Optional[str] = ..., num_params: _Optional[int] = ..., update_mode: _Optional[_Union[UpdateMode, str]] = ..., sync_trainers: _Optional[int] = ..., global_step: _Optional[int] = ..., samples_seen: _Optional[int] = ..., updates_per_second: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., mean_loss: _Optional[float] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., server_time: _Optional[float] = ..., staleness: _Optional[int] = ..., nonfinite_gradients: _Optional[int] = ..., clipped_steps: _Optional[int] = ..., servers: _Optional[_Iterable[_Union[ServerProcess, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[EmbeddingTable, _Mapping]]] = ..., learning_rate: _Optional[float] = ..., lr_schedule: _Optional[str] = ..., memory_state: _Optional[str] = ..., stale_state: _Optional[_Iterable[_Union[StaleState, _Mapping]]] = ...) -> None: ...
+
+class StaleState(_message.Message):
+    __slots__ = ("path", "bytes", "run", "pid", "started_at")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    bytes: int
+    run: str
+    pid: int
+    started_at: float
+    def __init__(self, path: _Optional[str] = ..., bytes: _Optional[int] = ..., run: _Optional[str] = ..., pid: _Optional[int] = ..., started_at: _Optional[float] = ...) -> None: ...
 
 class Trainer(_message.Message):
     __slots__ = ("rank", "name", "host", "joined_at", "last_seen", "steps", "samples", "last_loss", "samples_per_second", "state", "clock", "staleness", "max_staleness", "step", "nonfinite", "clipped", "reason", "updates")

@@ -126,6 +126,15 @@ class MemoryState:
         self.disabled: str | None = None
         """Why this server keeps no state in memory after all (None: it does)."""
 
+    def describe(self) -> str:
+        """One line for ``psserver status``."""
+        if self.disabled is not None:
+            return f"off: {self.disabled}"
+        arena = self.arena
+        if arena is None or self._engine is None:
+            return f"{self.dir} (written at the first update)"
+        return f"{self.dir}, generation {arena.generation}, {arena.size / 2**20:.1f} MiB"
+
     # ---- start ---------------------------------------------------------------------------------
 
     def prepare(self) -> None:

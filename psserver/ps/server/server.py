@@ -59,6 +59,7 @@ class ParameterServer:
         self.halves = {name: p.server(self.engine) for name, p in PROTOCOLS.items()}
         self.endpoint = Endpoint(config, self.engine, self.halves, after_call=self.policy.maybe_save)
         self.view = ServerView(config, self.engine, self.endpoint, self.policy, self.request_shutdown)
+        self.view.memory = self.memory
         self.engine.listeners += [self.policy.note_step, self.view.on_step]
         self.membership: Membership | None = None
         self.desk: AdmissionDesk | None = None

@@ -20,7 +20,16 @@ from psserver.ps.engine.engine import StepEngine
 from psserver.ps.group.server_group import ServerGroup
 from psserver.ps.server.checkpointing import CheckpointPolicy
 from psserver.ps.server.endpoint import Endpoint
-from psserver.telemetry import CheckpointInfo, RateMeter, ServerStatus, ShardStatus, TableStatus, TrainerStatus
+from psserver.ps.server.memory_state import MemoryState
+from psserver.telemetry import (
+    CheckpointInfo,
+    RateMeter,
+    ServerStatus,
+    ShardStatus,
+    StaleStateStatus,
+    TableStatus,
+    TrainerStatus,
+)
 
 
 class TableRates:
@@ -96,6 +105,8 @@ class ServerView:
         self.started_at = time.time()
         self.meter = RateMeter(window=10.0)
         self.group: ServerGroup | None = None
+        self.memory: MemoryState | None = None
+        """The state in shared memory (``--state-dir``), for its line and the stale segments."""
         """The other server processes, when there are several (``psserver.ps.group.server_group``)."""
         self.table_rates = TableRates(window=10.0)
 
@@ -133,6 +144,11 @@ class ServerView:
             tables=self._tables(),
             learning_rate=_nan_if_none(engine.learning_rate),
             lr_schedule=cfg.lr_schedule.describe(),
+            memory_state=self.memory.describe() if self.memory is not None else "",
+            stale_state=[StaleStateStatus(str(x.path), x.nbytes, (x.owner or {}).get("run") or "",
+                                          int((x.owner or {}).get("pid") or 0),
+                                          float((x.owner or {}).get("started") or 0.0))
+                         for x in self.memory.stale] if self.memory is not None else [],
         )
 
     def _tables(self) -> list[TableStatus]:

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from psserver.cli import main
+from psserver.control.convert import status_to_proto
+from psserver.control.render import render_status
 from psserver.config import LRScheduleConfig, MemoryStateConfig, OptimizerConfig, ServerConfig
 from psserver.ps.server.memory_state import MemoryState, MemoryStateError, scan
 from psserver.ps.server.server import ParameterServer
@@ -148,6 +150,12 @@ def test_a_fresh_run_never_maps_another_runs_state_and_reports_it_stale(state_di
         (stale,) = fresh.memory.stale
         assert stale.key == "old-run" and not stale.alive
         assert "stale state of a job that is gone" in caplog.text and "--remove-stale-state" in caplog.text
+        status = status_to_proto(fresh.view.get_status())
+        (shown,) = status.stale_state
+        assert shown.path == str(state_dir / "old-run" / "server-0") and shown.bytes > 0 and shown.pid == 2**22 + 1
+        assert status.memory_state.startswith(f"{state_dir / fresh.memory.key / 'server-0'}, generation 1, ")
+        text = render_status(status)
+        assert f"stale       {shown.path} (" in text and "--remove-stale-state deletes it" in text
         assert {s.key for s in scan(state_dir)} == {"old-run", fresh.memory.key}
     finally:
         fresh.engine.close()
