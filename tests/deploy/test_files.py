@@ -494,6 +494,26 @@ def test_statefulset_checkpoints_and_secret():
             assert f"--from-literal={key}=" in command, f"{key} missing from: {command}"
 
 
+def test_statefulset_keeps_the_state_in_a_memory_volume_keyed_by_the_pod():
+    """A container restart keeps the state (an emptyDir outlives the container); a new pod has a
+    new UID, so it never maps another pod's state."""
+    sts = _k8s("StatefulSet", "psserver")
+    c = _server_container()
+    argv = _argv(c)
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    state = volumes[mounts[option(argv, "--state-dir")]]
+    assert state["emptyDir"]["medium"] == "Memory" and state["emptyDir"]["sizeLimit"]
+    assert option(c["args"], "--state-key") == "$(POD_UID)"  # (argv_of fills in placeholders)
+    env = {e["name"]: e for e in c["env"]}
+    assert env["POD_UID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.uid"
+
+
+def test_compose_gives_the_state_room_in_dev_shm():
+    server = _compose()["services"]["server"]
+    assert "--supervise" in _argv(server) and server["shm_size"]
+
+
 CONTROL_KEY, JOIN_KEY = "token", "join-token"
 
 
@@ -724,6 +744,7 @@ def test_every_ps_deployment_uses_a_join_token():
 
 
 def test_supervise_comes_with_a_checkpoint_dir():
+    """The state in memory survives a server process, not a host: every deployment checkpoints too."""
     supervised = [c for c in COMMANDS if c.argv[0] == "serve" and "--supervise" in c.argv]
     assert supervised
     for c in supervised:

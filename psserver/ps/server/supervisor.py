@@ -35,7 +35,7 @@ RESTART_WINDOW_S = 600.0
 """Restarts are counted over this window: a server that keeps dying is given up."""
 STOP_GRACE_S = 120.0
 """How long a stopping supervisor waits for its server (a final checkpoint) before killing it."""
-KEY_ENV = "PSSERVER_STATE_KEY"
+KEY_ENV, STATE_DIR_ENV = "PSSERVER_STATE_KEY", "PSSERVER_STATE_DIR"
 SUPERVISOR_ENV = "PSSERVER_SUPERVISOR_PID"
 """Set for the child: the process that owns its state in memory across restarts."""
 
@@ -71,6 +71,7 @@ def supervise(argv: Sequence[str], max_restarts: int, *, resume: bool = True,
     env = dict(os.environ, **{SUPERVISOR_ENV: str(os.getpid())})
     in_memory = state is not None and state.enabled
     if in_memory:
+        env[STATE_DIR_ENV] = str(state.directory)  # the child runs without --supervise, which implies it
         env[KEY_ENV] = state.key or uuid.uuid4().hex[:16]
         log.info("supervised server's state in memory: %s/%s", state.directory, env[KEY_ENV])
     child: subprocess.Popen | None = None
