@@ -4,6 +4,7 @@
     python -m benchmarks.paired --setups local-cached,ps-async-2,ps-chained-async-2 --rounds 6
     python -m benchmarks.paired --model resnet18 --batch-size 32 --steps 30 --skip 6 --rounds 4
     python -m benchmarks.paired --setups trainer-compute --rounds 6  # trainer compute, DDP, stragglers, bytes, cost
+    python -m benchmarks.paired --setups memory-state --rounds 8     # the state in /dev/shm against in the process
 
 Why: the PS step variants differ by a round trip or two (1-3 ms of a ~50 ms step), while the
 speed of the 2-core VM drifts by 10-30% from one minute to the next, so one window per setup,
@@ -77,7 +78,11 @@ hosts."""
 PROTECTION_SETUPS = "local-1t,ps-pushpull-async-2-token,ps-pushpull-async-2-open,ps-async-2-token,ps-async-2-open"
 """The protection target (``--setups protection``): the join token's and the allow-list's cost,
 trainer and server compute."""
-SETUP_ALIASES = {"trainer-compute": TRAINER_COMPUTE_SETUPS, "protection": PROTECTION_SETUPS}
+MEMORY_STATE_SETUPS = "local-1t,ps-pushpull-async-2,ps-pushpull-async-2-shm"
+"""The state in shared memory's target (``--setups memory-state``): steps/s with the server's state
+in ``/dev/shm`` against the same setup without, 2 pushpull trainers."""
+SETUP_ALIASES = {"trainer-compute": TRAINER_COMPUTE_SETUPS, "protection": PROTECTION_SETUPS,
+                 "memory-state": MEMORY_STATE_SETUPS}
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
 LEG_TIMEOUT_S = 600.0
 
@@ -287,8 +292,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=64, help="samples per step and trainer (default 64)")
     p.add_argument("--setups", default=DEFAULT_SETUPS,
                    help=f"comma-separated local, PS and DDP setups, or trainer-compute ({TRAINER_COMPUTE_SETUPS}), or "
-                        f"protection "
-                        f"({PROTECTION_SETUPS}) (default {DEFAULT_SETUPS})")
+                        f"protection ({PROTECTION_SETUPS}), or memory-state ({MEMORY_STATE_SETUPS}) "
+                        f"(default {DEFAULT_SETUPS})")
     p.add_argument("--rounds", type=int, default=6, help="rounds of every setup (default 6)")
     p.add_argument("--steps", type=int, default=80, help="steps per run and trainer (default 80)")
     p.add_argument("--skip", type=int, default=20, help="warm-up steps left out of each run (default 20)")
@@ -389,6 +394,7 @@ def _main(args: argparse.Namespace) -> int:
               "paired": paired}
     result["trainer_compute_targets"] = targets.trainer_compute_ratios(paired, args.model, args.batch_size)
     result["protection_targets"] = targets.protection_ratios(paired)
+    result["memory_state_targets"] = targets.memory_state_ratios(paired)
     result["server_capacity"] = capacity.from_paired(paired, args.model, args.batch_size)
     args.results_dir.mkdir(parents=True, exist_ok=True)
     stem = args.results_dir / f"paired-{args.model}-b{args.batch_size}"
@@ -402,7 +408,8 @@ def _main(args: argparse.Namespace) -> int:
                     f"`{command}` ({result['time']}, {result['wall_s'] / 60:.1f} min)", "",
                     *markdown_rows(paired), "", *([" ".join(notes), ""] if notes else []),
                     *trainer_compute_markdown(result["trainer_compute_targets"], result["server_capacity"]),
-                    *protection_markdown(result["protection_targets"])]).rstrip() + "\n"
+                    *protection_markdown(result["protection_targets"]),
+                    *protection_markdown(result["memory_state_targets"], "the state in shared memory")]).rstrip() + "\n"
     stem.with_suffix(".md").write_text(md)
     sys.stdout.write(md)
     return 0

@@ -99,11 +99,12 @@ def markdown_rows(paired: dict) -> list[str]:
     return lines
 
 
-def protection_markdown(rows: list[dict]) -> list[str]:
-    """Issue 17's targets (``targets.protection_ratios``), where the rounds held their setups."""
+def protection_markdown(rows: list[dict], title: str = "the protections' cost") -> list[str]:
+    """Ratio targets between paired setups (``targets.protection_ratios``,
+    ``targets.memory_state_ratios``), where the rounds held their setups."""
     if not rows:
         return []
-    return ["### Targets (issue 17, from the paired rounds)", "",
+    return [f"### Targets: {title} (from the paired rounds)", "",
             md_table(["ratio", "measured", "from", "per round", "target", "met"], trainer_compute_target_rows(rows)),
             ""]
 

@@ -16,7 +16,9 @@ Names:
   the last trainer is held to half a core (``benchmarks.throttle``). ``-sock``: the server's
   TensorPipe uses its ``basic`` channel, so tensors cross the sockets as between hosts and the
   harness can count their bytes (on one host TensorPipe otherwise moves them with ``cma``,
-  process to process, outside any socket: the way psserver runs there).
+  process to process, outside any socket: the way psserver runs there). ``-shm``: the server
+  keeps its state in shared memory (``--state-dir`` under ``/dev/shm``), against the same setup
+  without (its state in the process only).
 - ``ddp-N[-straggler]``: N DDP ranks of one torch thread each (psserver's collective loop),
   the last one held to half a core with ``-straggler``. ``fsdp-N``: FSDP2, N ranks.
 
@@ -38,9 +40,11 @@ STRAGGLER_SHARE = 0.5
 """CPU share the straggler of a ``-straggler`` setup is held to (cores)."""
 
 _PS = re.compile(r"ps-(?:(chained|pull|pushpull)-)?(?:(bf16|fp16)-)?(async|sync|ssp(\d+))-(\d+)(?:-server(\d+)t)?"
-                 r"(-straggler)?(-sock)?(?:-(token|open))?")
+                 r"(-straggler)?(-sock)?(?:-(token|open))?(-shm)?")
 _HELP = ("use local, local-cached, local-Nt, local-Nt-xK, ps-[chained-|pull-|pushpull-][bf16-|fp16-]"
-         "{async|sync|sspS}-N[-serverTt][-straggler][-sock][-token|-open], ddp-N[-straggler], fsdp-N")
+         "{async|sync|sspS}-N[-serverTt][-straggler][-sock][-token|-open][-shm], ddp-N[-straggler], fsdp-N")
+SHM_STATE_DIR = "/dev/shm/psserver-bench"
+"""``--state-dir`` of ``-shm`` setups' servers (each server a run key of its own, released at its stop)."""
 BENCH_TOKEN = "benchmark-join-token-0123456789abcdef"
 """The join token of ``-token`` setups (server and trainers)."""
 
@@ -61,7 +65,7 @@ def parse_setup(name: str) -> dict:
                 "allocator": "system", "procs": procs}
     m = _PS.fullmatch(name)
     if m:
-        step, wire, update, staleness, n, server_threads, straggler, sock, guard = m.groups()
+        step, wire, update, staleness, n, server_threads, straggler, sock, guard, shm = m.groups()
         step = step or "plain"  # the reference; the trainer's default changed (issue 15), so it is always passed
         trainers = int(n)
         if wire and step not in TRAINER_COMPUTE:
@@ -83,6 +87,8 @@ def parse_setup(name: str) -> dict:
             out["sock"] = True
         if guard:  # token: a join token on top of the RPC allow-list; open: neither (the baseline)
             out["guard"] = guard
+        if shm:
+            out["shm"] = True
         return out
     m = re.fullmatch(r"(ddp|fsdp)-(\d+)(-straggler)?", name)
     if m:
@@ -162,7 +168,8 @@ def server_key(setup: dict) -> tuple:
     """Setups that can share one long-lived server (paired rounds): same update mode, sync K,
     staleness and step protocol (wire dtype and stragglers are the trainers' business)."""
     return (setup["update"], setup["trainers"] if setup["update"] == "sync" else 0, setup.get("staleness", 0),
-            setup["step"], setup.get("server_threads", 0), bool(setup.get("sock")), setup.get("guard", ""))
+            setup["step"], setup.get("server_threads", 0), bool(setup.get("sock")), setup.get("guard", ""),
+            bool(setup.get("shm")))
 
 
 def guard_flags(setup: dict) -> list[str]:
@@ -186,6 +193,8 @@ def server_argv(setup: dict, *, model: str, port: int, devices: str | None, tp_c
         argv += ["--compute-threads", str(setup["server_threads"])]
     if devices:
         argv += ["--devices", devices]
+    if setup.get("shm"):
+        argv += ["--state-dir", SHM_STATE_DIR]
     flags = guard_flags(setup) + (["--channels", tp_channels] if tp_channels != "default" else [])
     if flags:
         return measure.worker_argv("psserver", *flags, "--", *argv)

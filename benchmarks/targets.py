@@ -154,16 +154,27 @@ def protection_ratios(paired: dict | None) -> list[dict]:
     """Issue 17's target: throughput with the protections on (a join token and the RPC
     allow-list, ``-token`` setups) within 3 % of without (``-open``: neither), round by round
     between the two setups of each pair, then the median."""
+    return _pair_ratios(paired, "-token", "-open", "protections on / off", 0.97)
+
+
+def memory_state_ratios(paired: dict | None) -> list[dict]:
+    """The state in shared memory's target: throughput with it (``-shm`` setups) within 2 % of
+    the same setup without, round by round between the two, then the median."""
+    return _pair_ratios(paired, "-shm", "", "state in shared memory / in the process", 0.98)
+
+
+def _pair_ratios(paired: dict | None, suffix: str, base_suffix: str, label: str, target: float) -> list[dict]:
+    """``<base><suffix> / <base><base_suffix>`` for every such pair the rounds held."""
     if not paired or paired.get("error") or not paired.get("setups"):
         return []
     rows = []
     for name in paired["setups"]:
-        base = name.removesuffix("-token")
-        if name.endswith("-token") and f"{base}-open" in paired["setups"]:
-            r = ratio_between(paired, name, f"{base}-open")
+        base = name.removesuffix(suffix)
+        if name.endswith(suffix) and f"{base}{base_suffix}" in paired["setups"]:
+            r = ratio_between(paired, name, f"{base}{base_suffix}")
             if r is not None:
-                rows.append(_check({"name": f"protections on / off, {base}", "value": r["median"], "op": ">=",
-                                    "target": 0.97, "per_round": r["per_round"],
-                                    "from": f"{name} / {base}-open, paired rounds, median"}))
+                rows.append(_check({"name": f"{label}, {base}", "value": r["median"], "op": ">=",
+                                    "target": target, "per_round": r["per_round"],
+                                    "from": f"{name} / {base}{base_suffix}, paired rounds, median"}))
     return rows
 

@@ -126,8 +126,11 @@ class ServeCommand(SubCommand):
 
             return supervise(args.argv, config.max_restarts, resume=config.checkpoint.directory is not None,
                              state=config.memory_state)
-        from psserver.ps.server.server import run_server
+        from psserver.ps.server.server import run_server  # (imports torch: what a standby has done ahead)
+        from psserver.ps.server.supervisor import STANDBY_ENV, standby_wait
 
+        if os.environ.get(STANDBY_ENV) and not standby_wait():
+            return 0
         return run_server(config)
 
 

@@ -13,6 +13,11 @@ child, forwards SIGTERM and SIGINT to it, and when the child dies by a signal it
 again. It gives every child one state key (``$PSSERVER_STATE_KEY``), so the restarted one maps
 the memory its predecessor wrote; with checkpoints it adds ``--resume``, which a restart uses
 when that memory is gone. Trainers started with ``--reconnect`` rejoin.
+
+A restart does not wait for Python to import torch: beside the server the supervisor keeps a
+*standby*, the same command started ahead with everything imported, blocked on its stdin
+(``standby_wait``). When the server dies the standby is told to go on and a new standby is
+started; it costs the memory of one idle interpreter with torch loaded.
 """
 
 from __future__ import annotations
@@ -36,6 +41,11 @@ RESTART_WINDOW_S = 600.0
 STOP_GRACE_S = 120.0
 """How long a stopping supervisor waits for its server (a final checkpoint) before killing it."""
 KEY_ENV, STATE_DIR_ENV = "PSSERVER_STATE_KEY", "PSSERVER_STATE_DIR"
+STANDBY_ENV = "PSSERVER_STANDBY"
+"""Set for the standby: it imports what the server needs, then waits for the word to go on."""
+GO = b"go\n"
+STANDBY_DELAY_S = 15.0
+"""The standby is started this long after the server (or its restart) started."""
 SUPERVISOR_ENV = "PSSERVER_SUPERVISOR_PID"
 """Set for the child: the process that owns its state in memory across restarts."""
 
@@ -75,20 +85,33 @@ def supervise(argv: Sequence[str], max_restarts: int, *, resume: bool = True,
         env[KEY_ENV] = state.key or uuid.uuid4().hex[:16]
         log.info("supervised server's state in memory: %s/%s", state.directory, env[KEY_ENV])
     child: subprocess.Popen | None = None
+    spare: subprocess.Popen | None = None
     stopping: list[int] = []
+    restart_command = resume_argv(command) if resume else command
 
     def forward(signum, frame):  # noqa: ARG001
         stopping.append(signum)
         if child is not None and child.poll() is None:
             child.send_signal(signum)
 
+    def standby() -> subprocess.Popen:
+        return subprocess.Popen(restart_command, env={**env, STANDBY_ENV: "1"}, stdin=subprocess.PIPE)
+
+    started = time.monotonic()
+
+    def tick() -> None:
+        nonlocal spare
+        # Started once the server had time to start: never competing with its imports for the CPU.
+        if spare is None and not stopping and time.monotonic() - started > STANDBY_DELAY_S:
+            spare = standby()
+
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     restarts: deque[float] = deque()
     try:
+        child = subprocess.Popen(command, env=env)
+        log.info("supervising psserver serve (pid %d)", child.pid)
         while True:
-            child = subprocess.Popen(command, env=env)
-            log.info("supervising psserver serve (pid %d)", child.pid)
-            code = _wait(child, stopping)
+            code = _wait(child, stopping, tick)
             if stopping or code >= 0:
                 return code if code >= 0 else 128 - code
             now = time.monotonic()
@@ -101,24 +124,65 @@ def supervise(argv: Sequence[str], max_restarts: int, *, resume: bool = True,
                           f"{env[KEY_ENV]} continues from it)" if in_memory else "")
                 return 1
             restarts.append(now)
-            if resume:
-                command = resume_argv(command)
             source = "its state in memory" if in_memory else "its last checkpoint"
             log.error("the server died of %s: restarting it from %s (restart %d, at most %d in %.0f min)",
                       describe(code), source, len(restarts), max_restarts, RESTART_WINDOW_S / 60)
             time.sleep(0.5)  # let the kernel release its ports
+            promoted = _promote(spare)
+            child, spare = promoted or subprocess.Popen(restart_command, env=env), None
+            started = time.monotonic()
+            log.info("supervising psserver serve (pid %d%s)", child.pid, ", the standby" if promoted else "")
     finally:
+        if spare is not None:
+            _retire(spare)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def _wait(child: subprocess.Popen, stopping: list[int]) -> int:
-    """The child's exit code; once told to stop, kill it if it outlives ``STOP_GRACE_S``."""
+def _promote(spare: subprocess.Popen | None) -> subprocess.Popen | None:
+    """The standby, told to go on; None when it is gone (then a fresh process is started)."""
+    if spare is None or spare.poll() is not None or spare.stdin is None:
+        return None
+    try:
+        spare.stdin.write(GO)
+        spare.stdin.close()
+    except OSError:
+        return None
+    return spare
+
+
+def _retire(spare: subprocess.Popen) -> None:
+    """A standby that is not needed: its stdin closes, it exits."""
+    try:
+        if spare.stdin is not None:
+            spare.stdin.close()
+        spare.wait(timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        spare.kill()
+        spare.wait()
+
+
+def standby_wait() -> bool:
+    """In a standby: wait for the supervisor's word (True: go on, as the server; False: the
+    supervisor is done with it, or gone)."""
+    os.environ.pop(STANDBY_ENV, None)
+    log.info("standby server ready (pid %d)", os.getpid())
+    try:
+        word = sys.stdin.buffer.readline()
+    except (KeyboardInterrupt, OSError):  # Ctrl-C reaches the whole process group: the supervisor decides
+        return False
+    return word == GO
+
+
+def _wait(child: subprocess.Popen, stopping: list[int], tick=lambda: None) -> int:
+    """The child's exit code; once told to stop, kill it if it outlives ``STOP_GRACE_S``
+    (``tick`` is called about once a second meanwhile)."""
     while True:
         try:
             return child.wait(timeout=1.0)
         except subprocess.TimeoutExpired:
             pass
+        tick()
         if stopping:
             try:
                 return child.wait(timeout=STOP_GRACE_S)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from psserver.cli import main
+from psserver.config import LRScheduleConfig, MemoryStateConfig, OptimizerConfig, ServerConfig
 from psserver.control.convert import status_to_proto
 from psserver.control.render import render_status
-from psserver.config import LRScheduleConfig, MemoryStateConfig, OptimizerConfig, ServerConfig
 from psserver.ps.server.memory_state import MemoryState, MemoryStateError, scan
 from psserver.ps.server.server import ParameterServer
 from psserver.ps.server.state_arena import Arena, ArenaError, Journal

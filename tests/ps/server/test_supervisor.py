@@ -4,6 +4,7 @@ memory with every update it had applied, and its trainers finish."""
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import time
@@ -34,8 +35,9 @@ def frozen(trainers: list[Proc], ctl: int) -> tuple[int, int]:
             time.sleep(0.3)
 
 
-def server_child(supervisor: Proc) -> psutil.Process:
-    (child,) = psutil.Process(supervisor.pid).children()
+def server_child(supervisor: Proc, port: int) -> psutil.Process:
+    """The supervisor's server (not its standby): the child that listens on ``port``."""
+    (child,) = [c for c in psutil.Process(supervisor.pid).children() if port in listening_ports(c)]
     return child
 
 
@@ -77,15 +79,16 @@ def test_a_server_killed_three_times_loses_no_update(procs, port, state_dir):
     checkpoint directory is involved."""
     ctl = free_port()
     sup = procs.server(port, "--model", "mnist_cnn", "--supervise", "--state-dir", str(state_dir), control_port=ctl)
-    trainers = [procs.trainer(port, r, "--num-trainers", "2", "--epochs", "3", "--reconnect", *MNIST_ARGS)
+    trainers = [procs.trainer(port, r, "--num-trainers", "2", "--epochs", "4", "--reconnect", *MNIST_ARGS)
                 for r in (0, 1)]
     for t in trainers:
         t.wait_for(JOINED, timeout=90)
+    standby = int(sup.wait_for(r"standby server ready \(pid (\d+)\)", timeout=60)[1])
     for kill in range(1, 4):
         time.sleep(3)
         assert all(t.running() for t in trainers), "training ended before the third kill"
         before = frozen(trainers, ctl)
-        child = server_child(sup)
+        child = server_child(sup, port)
         child.kill()
         assert dead(child)
         for t in trainers:
@@ -98,8 +101,11 @@ def test_a_server_killed_three_times_loses_no_update(procs, port, state_dir):
         assert accuracy(t) >= 0.97
         assert "reconnected as" in t.output()
     assert sup.output().count("the server died of SIGKILL: restarting it from its state in memory") == 3
+    assert f"supervising psserver serve (pid {standby}, the standby)" in sup.output()  # no imports to wait for
     assert procs.stop(sup) == 0, sup.tail()
     assert not any(state_dir.rglob("*.bin")), "a clean stop releases the state"
+    standbys = [int(m) for m in re.findall(r"standby server ready \(pid (\d+)\)", sup.output())]
+    assert not [p for p in standbys if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
 @pytest.mark.multiprocess
@@ -118,7 +124,7 @@ def test_a_server_killed_by_bytes_on_its_tensorpipe_port_loses_no_update(procs, 
             assert time.monotonic() < deadline, t.tail()
             time.sleep(0.2)
     before = frozen([t], ctl)
-    child = server_child(sup)
+    child = server_child(sup, port)
     for p in (p for p in listening_ports(child) if p != port):  # TensorPipe's listeners
         with socket.create_connection(("127.0.0.1", p), timeout=5) as s:
             s.sendall(b"\0" * 16)
