@@ -50,6 +50,16 @@ def env(**overrides: str | None) -> dict[str, str]:
     return _environment(overrides)
 
 
+HOOKS = ROOT / "tests" / "hooks"
+
+
+def die_after_update(n: int, once: Path) -> dict[str, str]:
+    """Environment of a server process that SIGKILLs itself right after its ``n``-th update,
+    before the replies (``tests/hooks/sitecustomize.py``), once (``once`` records it)."""
+    return {"PYTHONPATH": os.pathsep.join([str(HOOKS), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            "PSSERVER_TEST_DIE_AFTER_UPDATE": str(n), "PSSERVER_TEST_DIE_ONCE": str(once)}
+
+
 def _environment(overrides: Mapping[str, str | None] | None) -> dict[str, str]:
     e = dict(os.environ)
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")

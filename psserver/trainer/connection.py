@@ -86,6 +86,9 @@ class Connection:
         self._counted = 0  # samples the replica's training forwards saw since the last step
         self._hook: Any = None
         self._rejoin_hooks: list[Callable[[], None]] = []
+        self.steps_per_epoch: int | None = None
+        """Set by a loop that knows it (``psserver train``'s): a step made again after a lost server
+        may then be the last of the epoch before."""
         self._closed = False
         atexit.register(self._at_exit)
 
@@ -263,9 +266,31 @@ class Connection:
                 on_failure(e)
             if not isinstance(e, RuntimeError | TimeoutError):
                 raise
+            owed = getattr(self.session.protocol, "owed_samples", lambda: None)()
+            if owed is not None:
+                self._roll_back(owed)
             self._pos.report = asdict(self.session.report) if self.session.report is not None else None
             self._unhook()
             recover(self.session, self.config, e, self._pos, self._stop, self._run_before_rejoin, self._argv)
+
+    def _roll_back(self, samples: int) -> None:
+        """A failed call did not hand in the gradient of the last step counted (of ``samples``):
+        that step is made again after the rejoin, under the same number, so the server applies
+        it once, whether the process that died had applied it or not."""
+        pos = self._pos
+        if pos.epoch_samples >= samples:
+            pos.epoch_samples -= samples
+            pos.batch_idx = max(0, pos.batch_idx - 1)
+        elif pos.epoch > 0 and self.steps_per_epoch:  # the last step of the epoch before
+            pos.epoch -= 1
+            pos.batch_idx = self.steps_per_epoch - 1
+            pos.epoch_samples = 0  # (psserver train's loop, the one that sets steps_per_epoch, resumes by batch_idx)
+        else:
+            log.warning("the gradient of step %d was not handed in and cannot be made again (it ended an epoch of "
+                        "unknown length): it is lost", pos.steps)
+            return
+        pos.steps -= 1
+        pos.samples -= samples
 
     def before_rejoin(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` before this process re-executes itself to rejoin (``reconnect=True``):

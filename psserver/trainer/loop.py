@@ -129,6 +129,7 @@ def _run(ps: Connection, data: Batches, eval_set, metric: str, metric_fn: Callab
     assert session is not None
     spec = session.spec
     steps_per_epoch = data.steps_per_epoch  # None: an IterableDataset, whose epoch ends with its stream
+    ps.steps_per_epoch = steps_per_epoch
     total: int | None = None if steps_per_epoch is None else steps_per_epoch * config.epochs
     if config.max_steps:
         total = config.max_steps if total is None else min(total, config.max_steps)

@@ -67,7 +67,7 @@ def join(config: TrainerConfig, position: Position | None, stop: StopSignals, mo
         attempt += 1
         log.info("rejoining psserver %s (attempt %d)", where, attempt)
         try:
-            session = Session(config, stop, model)
+            session = Session(config, stop, model, position.steps)
         except JoinLost as e:  # init_rpc failed half-way: RPC cannot be initialised again in this process
             log.warning("rejoin attempt %d failed (%s): rejoining in a fresh process", attempt, e)
             reexec(position, stop, argv)

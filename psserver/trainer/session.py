@@ -57,8 +57,10 @@ class Session:
     trainer to rejoin: see the module's docstring)."""
 
     def __init__(self, config: TrainerConfig, stop: StopSignals | None = None,
-                 model: torch.nn.Module | None = None) -> None:
+                 model: torch.nn.Module | None = None, steps: int = 0) -> None:
         self.config = config
+        self.steps_before = steps
+        """Steps this rank trained before this join (its position; 0 for a fresh trainer)."""
         self.closed = False
         self.device = trainer_device(config.device)
         self.wire_dtype = WIRE_DTYPES[config.wire_dtype]
@@ -100,7 +102,7 @@ class Session:
         optimizer = asdict(config.optimizer) if config.optimizer else None
         request = JoinRequest(config.rank, self.name, socket.gethostname(), os.getpid(), config.step, optimizer,
                               config.compute, config.wire_dtype, config.device, self.spec.name, self.spec.args,
-                              layout.to_dict(), values)
+                              layout.to_dict(), values, steps)
         t0 = time.perf_counter()
         try:
             self.info = rpc.rpc_sync(rendezvous.SERVER_NAME, endpoint.join, args=(request,))

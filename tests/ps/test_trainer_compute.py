@@ -29,6 +29,7 @@ class Channel:
 
     def __init__(self, half: PushPullServer, device: str, wire: str) -> None:
         self.name = "t"
+        self.steps_before = 0
         self.half = half
         self.device = torch.device(device)
         self.wire_dtype = WIRE_DTYPES[wire]
@@ -123,6 +124,7 @@ class PartitionChannel:
 
     def __init__(self, halves: list[PushPullServer], plan: dict) -> None:
         self.name = "t"
+        self.steps_before = 0
         self.halves = halves
         self.device = torch.device("cpu")
         self.wire_dtype = torch.float32

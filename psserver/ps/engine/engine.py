@@ -25,6 +25,7 @@ from psserver.ps.engine.compute import ComputeThread
 from psserver.ps.engine.guard import GradientGuard
 from psserver.ps.engine.held_model import HeldModel
 from psserver.ps.engine.lr_schedule import LRSchedule
+from psserver.ps.engine.sequences import GradientSequences
 from psserver.ps.engine.shard import Shard
 from psserver.ps.engine.sync_updates import FollowerSyncUpdater, SyncUpdater
 from psserver.ps.engine.updates import AsyncUpdater, Grads, OnStep, SSPUpdater, TrainerProgress, Updater
@@ -109,6 +110,8 @@ class StepEngine:
         self.guard = GradientGuard(config.max_grad_norm, config.max_nonfinite_steps)
         self.lr_schedule: LRSchedule | None = None
         """The learning-rate schedule (``--lr-schedule``, ``--warmup-steps``), once the optimizer is known."""
+        self.sequences = GradientSequences()
+        """Each trainer's gradients by number: one sent again after a restart is applied once."""
         # Every tensor op on one thread (psserver.ps.engine.compute), the model's construction
         # included: an OpenMP team made here would throttle that thread's.
         self.compute = ComputeThread(inline=all(d.type == "cuda" for d in devices))
@@ -142,6 +145,7 @@ class StepEngine:
         self.trainable: list[nn.Parameter] = []
         self.updater = make_updater(cfg.update, [], self._on_step, cfg.sync_trainers, cfg.staleness,
                                     follower=cfg.server_rank > 0)
+        self.updater.journal = self.sequences
         if self.spec is None:
             return
         model = build_model(self.spec, seed=cfg.seed, embedding_dim=cfg.embedding.dim)
@@ -374,6 +378,7 @@ class StepEngine:
             self._open.pop(trainer, None)
             self._cond.notify_all()
         self.guard.forget(trainer)
+        self.sequences.gone(trainer)
         if self.tables is not None:
             self.tables.forget(trainer)
         if self.buffers is not None:
@@ -427,6 +432,26 @@ class StepEngine:
                 raise ShuttingDown("psserver is shutting down")
             self._open[trainer] = samples
         self.updater.step_opened(trainer)
+
+    def take_gradient(self, trainer: str, number: int, samples: int) -> bool:
+        """``trainer``'s gradient of its step ``number`` arrives (on the RPC thread, before the
+        update is handed to the compute thread). False: that gradient was applied before (sent
+        again after the server process restarted), so its open step, if any, just closes. True:
+        apply it; a trainer that rejoined a restarted server has no open step here, so the step
+        its gradient ends (of ``samples``) is opened for it."""
+        if self.sequences.applied_before(trainer, number):
+            with self._cond:
+                was_open = trainer in self._open
+            if was_open:
+                self.drop_step(trainer)
+            log.info("%s sent the gradient of its step %d again: applied before this server process started, not "
+                     "again", trainer, number)
+            return False
+        with self._cond:
+            opened = trainer in self._open
+        if not opened:
+            self.open_step(trainer, samples)
+        return True
 
     def set_samples(self, trainer: str, samples: int) -> None:
         """The samples of ``trainer``'s open step, known only once it ran (a library trainer

@@ -102,7 +102,7 @@ class SyncUpdater(Updater):
             return None
         n, samples = self._gradients, self._samples
         if n:
-            self._begin_update()
+            self._begin_update(samples, sorted(self._contributors))
             self._schedule_lr()
             for shard, g in self._split(self._sums).items():
                 shard.apply(g, scale=1.0 / n)
@@ -122,7 +122,7 @@ class SyncUpdater(Updater):
             return None
         self.global_step += 1
         self._step_lr()
-        self._end_update(samples)
+        self._end_update()
         return self.global_step, samples
 
     def _report(self, applied: tuple[int, int] | None) -> None:
@@ -220,7 +220,7 @@ class FollowerSyncUpdater(Updater):
                         acc = sums.get(p)
                         sums[p] = t if acc is None else acc.add_(t)
                 samples = sum(s for g, s in taken if g is not None)
-                self._begin_update()
+                self._begin_update(samples, names)
                 self._schedule_lr()
                 for shard, g in self._split(sums).items():
                     shard.apply(g, scale=1.0 / len(grads))
@@ -228,7 +228,7 @@ class FollowerSyncUpdater(Updater):
                     self.tables.apply(sums, scale=1.0 / len(grads))
                 self.global_step += 1
                 self._step_lr()
-                self._end_update(samples)
+                self._end_update()
                 applied.append((self.global_step, samples))
             self._next += 1
             self._cond.notify_all()

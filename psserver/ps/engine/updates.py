@@ -38,14 +38,16 @@ OnStep = Callable[[int, int], None]
 
 
 class UpdateJournal(Protocol):
-    """Told around every update, under the updater's lock (``psserver.ps.server.memory_state``
+    """Told around every update, under the updater's lock (the engine, which keeps each
+    trainer's last gradient applied, and through it ``psserver.ps.server.memory_state``, which
     keeps the state where a restarted process finds it)."""
 
-    def begin(self) -> None:
-        """An update is about to be applied in place."""
+    def begin(self, global_step: int, samples: int, trainers: list[str]) -> None:
+        """The update that will be ``global_step``, of ``samples`` samples, from ``trainers``'
+        gradients, is about to be applied in place."""
 
-    def commit(self, global_step: int, samples: int) -> None:
-        """That update is whole: ``global_step`` counts it, it trained on ``samples``."""
+    def commit(self) -> None:
+        """That update is whole."""
 
 _DEPARTED_KEPT = 256
 """Trainers that left whose last progress is kept for status (as membership keeps its history)."""
@@ -105,15 +107,15 @@ class Updater:
         self.journal: UpdateJournal | None = None
         """Told before and after every update (None: nobody)."""
 
-    def _begin_update(self) -> None:
-        """(lock held) Before an update touches any tensor."""
+    def _begin_update(self, samples: int, trainers: list[str]) -> None:
+        """(lock held) Before an update touches any tensor (``global_step`` does not count it yet)."""
         if self.journal is not None:
-            self.journal.begin()
+            self.journal.begin(self.global_step + 1, samples, trainers)
 
-    def _end_update(self, samples: int) -> None:
+    def _end_update(self) -> None:
         """(lock held) After the update: every tensor holds it, ``global_step`` counts it."""
         if self.journal is not None:
-            self.journal.commit(self.global_step, samples)
+            self.journal.commit()
 
     def _schedule_lr(self) -> None:
         """(lock held) Before the update at ``global_step``: the schedule's learning rate into
@@ -289,7 +291,7 @@ class AsyncUpdater(Updater):
             return
         with self._lock:
             before = self.global_step
-            self._begin_update()
+            self._begin_update(samples, [trainer])
             self._schedule_lr()
             for shard, g in self._split(grads).items():
                 shard.apply(g)
@@ -299,7 +301,7 @@ class AsyncUpdater(Updater):
                 self.buffers.commit()
             self.global_step += 1
             self._step_lr()
-            self._end_update(samples)
+            self._end_update()
             step = self.global_step
         self._note_update(trainer, before)
         self.step_closed(trainer)

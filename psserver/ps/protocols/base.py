@@ -39,6 +39,8 @@ class Channel(Protocol):
     """Its replica, as built, its layout the server's (trainer compute runs it)."""
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
     """The training loss (``--loss``, else the model's), computed on the trainer in every protocol."""
+    steps_before: int
+    """Steps this rank trained before this join (0: a fresh trainer); its gradients are numbered on from there."""
 
     def call(self, op: str, *args: Any) -> Any:
         """Call ``op`` of this protocol's server half (synchronously, one RPC)."""

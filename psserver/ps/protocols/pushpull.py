@@ -8,6 +8,10 @@ trip instead of three and no autograd context on either side. A last call withou
 hands in the final gradient, before the trainer evaluates or leaves; a trainer that dies in
 between contributes nothing for that step.
 
+Each gradient carries its number, the trainer's step it ends (``psserver.ps.engine.sequences``):
+a trainer whose server process died rejoins the restarted one and sends again the gradient
+whose reply it never got, which is applied only if the dead process had not applied it.
+
 A model with embedding tables (``psserver.ps.sparse``) rides the same call: it carries the row
 gradients of step *t* (the server remembers which ids it served) and the unique ids of step
 *t+1*'s batch that this server owns, and its reply carries their rows beside the dense
@@ -33,9 +37,14 @@ gradients (a dict per server; None: no tables) and its buffers (None: none it se
 class PushPullServer(TrainerComputeServer):
     ops = ("exchange", "parameters", "rows")
 
+    def join_info(self, trainer: str, request) -> dict:
+        info = super().join_info(trainer, request)
+        self.engine.sequences.joined(trainer, request.rank, request.steps)
+        return info
+
     def exchange(self, trainer: str, grads: list[torch.Tensor] | None, samples: int | None,
                  norm: float | None = None, rows: dict | None = None, buffers: torch.Tensor | None = None,
-                 done: int | None = None):
+                 done: int | None = None, number: int | None = None):
         """Apply ``grads`` (the flat gradient of ``trainer``'s open step; None: none owed), then
         return the flat parameters for its next step of ``samples`` (None: it is done). With
         several server processes ``grads`` is this server's partition and ``norm`` the whole
@@ -44,13 +53,19 @@ class PushPullServer(TrainerComputeServer):
         ``(parameters, {table: rows})``. With the model's buffers (server 0), ``buffers`` are the
         trainer's after the open step's forward, and the parameters it gets end with the server's.
         ``done``: the samples of the open step, for a trainer that learnt them only after opening
-        it (the library's, which opens its next step before its user reads the next batch)."""
+        it (the library's, which opens its next step before its user reads the next batch).
+        ``number``: the trainer's step that ``grads`` ends (None: not numbered): one applied
+        before, sent again after this server process restarted, is not applied again."""
         if norm is not None and not isinstance(norm, float):
             raise ValueError(f"gradient norm must be a float, got {type(norm).__name__}")
         if done is not None and (not isinstance(done, int) or done < 0):
             raise ValueError(f"a step's samples must be an int >= 0, got {done!r}")
+        if number is not None and (not isinstance(number, int) or number < 1):
+            raise ValueError(f"a gradient's number must be an int >= 1, got {number!r}")
         row_grads, ids = self._row_request(rows)
         buffers = self.check_buffers(buffers)
+        if grads is not None and number is not None and not self.engine.take_gradient(trainer, number, done or 0):
+            grads = row_grads = buffers = None
         if done is not None and grads is not None:
             self.engine.set_samples(trainer, done)
         return self.finish_then_start(
@@ -96,18 +111,40 @@ class PushPullTrainer(TrainerComputeHalf):
         # Owed to the server(s): the flat gradient, one list per server, with tables the row
         # gradients, one {table: rows} per server, and the replica's buffers (for server 0).
         self._grads: Owed | None = None
+        self._owed: tuple[int, int] | None = None  # (number, samples) of the step whose gradient is owed
+        self._in_flight: tuple[int, int] | None = None  # the same, of the gradient in the call under way
+        self.seq = channel.steps_before
+        """The number of the last gradient made: the rank's steps, across rejoins."""
         self._open_rows: tuple[RowBatch, list[torch.Tensor]] | None = None  # the library's batch of rows
         self.row_payload = 0
         """Bytes of the tables' traffic its steps needed at least: each unique id once, its row
         down and its gradient up (benchmarks compare what crossed the network with it)."""
 
+    def owed_samples(self) -> int | None:
+        """The samples of the step whose gradient was not handed in (owed, or in the call that
+        failed; None: none): a trainer that loses its server counts that step as not done, and
+        makes it again."""
+        owed = self._owed if self._grads is not None else self._in_flight
+        return None if owed is None else owed[1]
+
+    def _take_owed(self) -> tuple[Owed | None, int | None, int | None]:
+        """The owed gradient, its number and samples, now in flight: sent once, whatever the
+        call's fate (``_handed_in`` once the call returned)."""
+        grads, owed, self._grads, self._owed = self._grads, self._owed, None, None
+        self._in_flight = owed if grads is not None else None
+        return (grads, *owed) if grads is not None and owed is not None else (grads, None, None)
+
+    def _handed_in(self) -> None:
+        self._in_flight = None
+
     def _exchange(self, grads: Owed | None, samples: int | None, batch: RowBatch | None = None,
-                  done: int | None = None) -> list:
+                  done: int | None = None, number: int | None = None) -> list:
         """One ``exchange`` per server process, all in flight at once; their replies in order
-        (``done``: the samples of the step whose gradient goes, when not said at its start)."""
+        (``done``: the samples of the step whose gradient goes; ``number``: that step's number)."""
         dense, rows, buffers = grads if grads is not None else (None, None, None)
         if self.plan is None and self.table_columns is None:
-            tail: tuple = () if buffers is None and done is None else (None, None, buffers, done)
+            tail: tuple = () if buffers is None and done is None and number is None else (None, None, buffers, done,
+                                                                                         number)
             return [self.channel.call("exchange", None if dense is None else dense[0], samples, *tail)]
         servers = len(self.channel.servers)
         # Several servers each see a part of the step: they all decide on the whole step's norm.
@@ -120,22 +157,27 @@ class PushPullTrainer(TrainerComputeHalf):
                        "ids": None if batch is None else batch.requests[i]},)
             if i == 0 and (buffers is not None or done is not None):  # server 0 holds the buffers
                 a += (None,) * (4 - len(a)) + (buffers, done)
+            if number is not None:  # every server dedupes its own part
+                a += (None,) * (6 - len(a)) + (number,)
             args.append(a)
         if servers == 1:
             return [self.channel.call("exchange", *args[0])]
         return self.channel.call_each("exchange", args)
 
     def train_step(self, x, y: torch.Tensor) -> float:
-        grads, self._grads = self._grads, None  # sent once, whatever the call's fate
+        grads, number, done = self._take_owed()
         if self.table_columns is None:
-            self.load(self._exchange(grads, input_batch_size(x)))
+            samples = input_batch_size(x)
+            self.load(self._exchange(grads, samples, done=done, number=number))
+            self._handed_in()
             loss = self.loss_fn(call_model(self.model, x), y)
-            self._grads = (self.flat_grads(list(torch.autograd.grad(loss, self.params, allow_unused=True))), None,
-                           self.owed_buffers())
+            self._owe((self.flat_grads(list(torch.autograd.grad(loss, self.params, allow_unused=True))), None,
+                       self.owed_buffers()), samples)
             return float(loss.detach())
         ids, dense = x
         batch = RowBatch(ids, self.table_columns, len(self.channel.servers))
-        replies = self._exchange(grads, int(ids.shape[0]), batch)
+        replies = self._exchange(grads, int(ids.shape[0]), batch, done=done, number=number)
+        self._handed_in()
         self.row_payload += batch.num_ids * 8
         self.load([reply[0] for reply in replies])
         rows = batch.assemble([reply[1] for reply in replies], self.device, requires_grad=True)
@@ -145,13 +187,20 @@ class PushPullTrainer(TrainerComputeHalf):
         got = torch.autograd.grad(loss, self.params + rows, allow_unused=True)
         n = len(self.params)
         row_grads = [torch.zeros_like(r) if g is None else g for r, g in zip(rows, got[n:], strict=True)]
-        self._grads = self.flat_grads(list(got[:n])), batch.split_grads(row_grads, self.wire_dtype), self.owed_buffers()
+        self._owe((self.flat_grads(list(got[:n])), batch.split_grads(row_grads, self.wire_dtype),
+                   self.owed_buffers()), int(ids.shape[0]))
         return float(loss.detach())
 
+    def _owe(self, grads: Owed, samples: int) -> None:
+        """The gradient of the step just made (of ``samples``), handed in with the next call."""
+        self.seq += 1
+        self._grads, self._owed = grads, (self.seq, samples)
+
     def flush(self) -> None:
-        grads, self._grads = self._grads, None
+        grads, number, done = self._take_owed()
         if grads is not None:
-            self._exchange(grads, None)
+            self._exchange(grads, None, done=done, number=number)
+            self._handed_in()
 
     # ---- the library's step (psserver.trainer.connection): its user runs forward and backward
 
@@ -171,7 +220,12 @@ class PushPullTrainer(TrainerComputeHalf):
         for p in self.params:
             p.grad = None
         if self.table_columns is None:
-            self.load(self._exchange((dense, None, self.owed_buffers()), 0, done=samples))
+            self.seq += 1  # the user's loop makes this step again if the call fails (its position is not counted)
+            try:
+                self.load(self._exchange((dense, None, self.owed_buffers()), 0, done=samples, number=self.seq))
+            except BaseException:
+                self.seq -= 1
+                raise
             self._loaded = False
             return
         if self._open_rows is None:
@@ -179,7 +233,7 @@ class PushPullTrainer(TrainerComputeHalf):
         batch, rows = self._open_rows
         self._open_rows = None
         row_grads = [torch.zeros_like(r) if r.grad is None else r.grad for r in rows]
-        self._grads = dense, batch.split_grads(row_grads, self.wire_dtype), self.owed_buffers()
+        self._owe((dense, batch.split_grads(row_grads, self.wire_dtype), self.owed_buffers()), samples)
 
     def rows(self, ids: torch.Tensor) -> list[torch.Tensor]:
         """The rows of a batch's ids (``[batch, tables]`` int64, column t for table t) as the
@@ -190,9 +244,10 @@ class PushPullTrainer(TrainerComputeHalf):
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] < len(self.table_columns) \
                 or ids.dtype.is_floating_point:
             raise ValueError(f"ids must be an integer tensor [batch, {len(self.table_columns)}] (column t: table t)")
-        grads, self._grads = self._grads, None
+        grads, number, done = self._take_owed()
         batch = RowBatch(ids, self.table_columns, len(self.channel.servers))
-        replies = self._exchange(grads, int(ids.shape[0]), batch)
+        replies = self._exchange(grads, int(ids.shape[0]), batch, done=done, number=number)
+        self._handed_in()
         self.load([reply[0] for reply in replies])
         self._loaded = False
         rows = batch.assemble([reply[1] for reply in replies], self.device, requires_grad=True)

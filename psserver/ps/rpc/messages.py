@@ -44,6 +44,9 @@ class JoinRequest:
     values: list | None = None
     """Its initial tensors in the layout's order, sent only while the server has no model (the
     first trainer's become the model's, as Horovod's ``broadcast_parameters`` from rank 0)."""
+    steps: int = 0
+    """Steps this rank trained before this join: 0 for a fresh trainer, its position for one
+    that rejoins (its gradients are numbered by step across rejoins)."""
 
 
 @dataclass(frozen=True)

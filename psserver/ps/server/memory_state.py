@@ -24,12 +24,16 @@ supervisor gives its key to every restart, a Kubernetes pod its UID), so a fresh
 maps another's. Segments of other keys whose owners are gone are reported as stale and, with
 ``--remove-stale-state``, deleted. A clean stop deletes the server's segment.
 
+The header also keeps, per rank, the number of the last gradient applied
+(``psserver.ps.engine.sequences``): a trainer that rejoins sends again the gradient whose reply
+it never got, and the restarted server applies it only if the dead one had not.
+
 A torn update: a process killed while an update was being applied leaves ``begin != end``.
 The optimizers update element by element in place, so then any subset of the elements of the
-parameters and of the optimizer state hold that update and the others do not; the restarted
-server counts it as not applied (the global step and samples are those before it) and the
-trainers, rejoining, send that step again, so those elements get it twice (one step's update,
-at most once more). It is logged as such.
+parameters and of the optimizer state hold that update and the others do not. The restarted
+server counts it as applied (its step, its samples, its gradients' numbers, all written before
+it began): its trainers do not send it again, and the elements it had not reached never get
+it (one step's update, partly missing). It is logged as such.
 """
 
 from __future__ import annotations
@@ -121,6 +125,9 @@ class MemoryState:
         self._seq = 0
         self._samples = 0
         self._signature: tuple | None = None
+        self._next = (0, 0)
+        self.ranks: dict[int, int] = {}
+        """Rank -> its last gradient applied, as the state found in memory records it."""
         self._engine: StepEngine | None = None
         self._snapshot: Callable[[], dict] | None = None
         self.disabled: str | None = None
@@ -174,15 +181,18 @@ class MemoryState:
             raise MemoryStateError(f"the state in {self.dir} cannot be read ({e}); move it away to start "
                                    "without it") from None
         state = _fill(meta["state"], views)
-        state["global_step"], state["samples_seen"] = journal.global_step, journal.samples
+        step, samples = journal.global_step, journal.samples
         if journal.torn:
-            log.warning("the server died while applying the update after global step %d: some elements of the "
-                        "parameters and optimizer state hold it, the others do not; it counts as not applied, and "
-                        "the trainers send that step again", journal.global_step)
+            step, samples = journal.next_step, journal.next_samples
+            log.warning("the server died while applying the update of global step %d: some elements of the "
+                        "parameters and optimizer state hold it, the others do not; it counts as applied (its "
+                        "trainers do not send it again)", step)
+        state["global_step"], state["samples_seen"] = step, samples
         log.info("found the state of run %s in memory: %s, generation %d, global step %d, %d samples",
-                 state.get("run"), self.dir, journal.generation, journal.global_step, journal.samples)
+                 state.get("run"), self.dir, journal.generation, step, samples)
         self.arena, self._slots = arena, slots  # kept mapped until the next generation replaces it
-        self._seq = journal.end
+        self._seq = journal.begin
+        self.ranks = arena.ranks()
         return state, self.dir
 
     def attach(self, engine: StepEngine, snapshot: Callable[[], dict], run: str) -> None:
@@ -201,24 +211,30 @@ class MemoryState:
         self._write_owner(run)
         with engine.updater.lock:
             self._samples = engine.samples_seen
-            engine.updater.journal = self
+            engine.sequences.applied.update(self.ranks)
+            engine.sequences.durable = self
             if engine.has_model:
                 self._bind()
 
-    # ---- the journal (the updater's lock held) -------------------------------------------------
+    # ---- the journal (psserver.ps.engine.sequences; the updater's lock held) -------------------
 
-    def begin(self) -> None:
+    def begin(self, global_step: int, samples: int, applied: list[tuple[int, int]]) -> None:
+        self._next = (global_step, self._samples + samples)
         if self.arena is not None:
             self._seq += 1
-            self.arena.begin(self._seq)
+            self.arena.begin(self._seq, *self._next, applied)
 
-    def commit(self, global_step: int, samples: int) -> None:
-        self._samples += samples
+    def commit(self) -> None:
+        global_step, self._samples = self._next
         if self.arena is not None:
             self.arena.end(self._seq, global_step, self._samples)
         assert self._engine is not None
         if self._engine.state_signature() != self._signature:
             self._bind()
+
+    def forget_rank(self, rank: int) -> None:
+        if self.arena is not None:
+            self.arena.set_rank(rank, 0)
 
     # ---- generations ---------------------------------------------------------------------------
 
@@ -231,13 +247,15 @@ class MemoryState:
         tensors: list[torch.Tensor] = []
         structure = _refs(state, tensors, {})
         generation = (self.arena.generation + 1) if self.arena is not None else 1
-        journal = Journal(generation, self._seq, self._seq, engine.global_step, self._samples)
+        journal = Journal(generation, self._seq, self._seq, engine.global_step, self._samples, engine.global_step,
+                          self._samples)
         name = f"tensors-{generation}.bin"
         path = self.dir / name
         with contextlib.suppress(FileNotFoundError):
             path.unlink()  # a generation a dead process began and never named
         try:
             arena, slots = Arena.create(path, tensors, journal)
+            arena.write_ranks(engine.sequences.applied)
         except OSError as e:
             path.unlink(missing_ok=True)
             need = Arena.plan(tensors)[1]
@@ -264,7 +282,7 @@ class MemoryState:
     def _give_up(self, why: str) -> None:
         self.disabled = why
         if self._engine is not None:
-            self._engine.updater.journal = None
+            self._engine.sequences.durable = None
         log.error("state in memory: off from now on, %s; a restarted server resumes from its last checkpoint", why)
 
     # ---- stop ----------------------------------------------------------------------------------
@@ -272,7 +290,7 @@ class MemoryState:
     def release(self) -> None:
         """The server stopped cleanly: its segment goes."""
         if self._engine is not None:
-            self._engine.updater.journal = None
+            self._engine.sequences.durable = None
         self.arena = None
         shutil.rmtree(self.dir, ignore_errors=True)
         with contextlib.suppress(OSError):

@@ -7,9 +7,10 @@ every other holder keep working, and no autograd version changes), so an update 
 place is written to the file by the update itself: no second copy of the state per step. The
 pages belong to the file, not to the process: a SIGKILL loses nothing that was written.
 
-A small header at the start carries the update journal: ``begin`` is written before an update
-is applied and ``end`` (with the global step and samples it made) after it, so a reader tells
-a clean file (``begin == end``) from one whose last update was interrupted mid-apply.
+A header at the start carries the update journal. Before an update is applied: the step and
+samples it will make, the number of each trainer's gradient in it (one slot per rank), then
+``begin``; after it: the global step and samples, then ``end``. A reader tells a clean file
+(``begin == end``) from one whose last update was interrupted mid-apply.
 """
 
 from __future__ import annotations
@@ -22,10 +23,14 @@ from pathlib import Path
 
 import torch
 
-MAGIC = b"PSSTATE1"
-HEADER_BYTES = 4096
+MAGIC = b"PSSTATE2"
+HEADER_BYTES = 16384
 ALIGN = 64
-_FIELDS = struct.Struct("<8sqqqqq")  # magic, generation, begin, end, global_step, samples
+_FIELDS = struct.Struct("<8sqqqqqqq")  # magic, generation, begin, end, global_step, samples, next step, next samples
+_RANKS_AT = 64
+MAX_RANKS = (HEADER_BYTES - _RANKS_AT) // 8
+"""Ranks whose last gradient number the header keeps (a higher rank's gradients are not deduplicated
+across a restart)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,9 @@ class Journal:
     end: int
     global_step: int
     samples: int
+    next_step: int = 0
+    """The global step of the update begun last (its own, once it ended)."""
+    next_samples: int = 0
 
     @property
     def torn(self) -> bool:
@@ -147,14 +155,30 @@ class Arena:
         return self._bytes[slot.offset:slot.offset + slot.nbytes].view(_DTYPES[slot.dtype]).view(slot.shape)
 
     def journal(self) -> Journal:
-        _, generation, begin, end, step, samples = _FIELDS.unpack_from(self._mm, 0)
-        return Journal(generation, begin, end, step, samples)
+        return Journal(*_FIELDS.unpack_from(self._mm, 0)[1:])
 
     def write_journal(self, j: Journal) -> None:
-        _FIELDS.pack_into(self._mm, 0, MAGIC, j.generation, j.begin, j.end, j.global_step, j.samples)
+        _FIELDS.pack_into(self._mm, 0, MAGIC, j.generation, j.begin, j.end, j.global_step, j.samples, j.next_step,
+                          j.next_samples)
 
-    def begin(self, seq: int) -> None:
-        """An update is about to be applied in place."""
+    def ranks(self) -> dict[int, int]:
+        """Rank -> the number of its last gradient in an update (begun or whole)."""
+        values = struct.unpack_from(f"<{MAX_RANKS}q", self._mm, _RANKS_AT)
+        return {rank: n for rank, n in enumerate(values) if n}
+
+    def write_ranks(self, ranks: dict[int, int]) -> None:
+        for rank, n in ranks.items():
+            self.set_rank(rank, n)
+
+    def set_rank(self, rank: int, number: int) -> None:
+        if 0 <= rank < MAX_RANKS:
+            struct.pack_into("<q", self._mm, _RANKS_AT + 8 * rank, number)
+
+    def begin(self, seq: int, global_step: int, samples: int, applied: list[tuple[int, int]]) -> None:
+        """An update is about to be applied in place: what it will be, then the mark that opens it."""
+        struct.pack_into("<qq", self._mm, 48, global_step, samples)
+        for rank, number in applied:
+            self.set_rank(rank, number)
         struct.pack_into("<q", self._mm, 16, seq)
 
     def end(self, seq: int, global_step: int, samples: int) -> None:

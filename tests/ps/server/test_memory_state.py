@@ -77,11 +77,11 @@ def test_the_arena_holds_the_tensors_themselves(tmp_path):
     assert torch.equal(again.view(slots[0]), p.detach()) and torch.equal(again.view(slots[1]), buf)
     assert again.view(slots[2]).item() == 7
     assert again.journal() == Journal(1, 0, 0, 3, 24) and not again.journal().torn
-    arena.begin(1)
-    assert again.journal().torn
+    arena.begin(1, 4, 32, [(0, 4), (5, 2)])
+    assert again.journal().torn and again.ranks() == {0: 4, 5: 2}
     arena.end(1, 4, 32)
-    assert again.journal() == Journal(1, 1, 1, 4, 32)
-    (tmp_path / "junk.bin").write_bytes(b"\0" * 8192)
+    assert again.journal() == Journal(1, 1, 1, 4, 32, 4, 32)
+    (tmp_path / "junk.bin").write_bytes(b"\0" * 32768)
     with pytest.raises(ArenaError, match="not a psserver state file"):
         Arena.open(tmp_path / "junk.bin")
     (tmp_path / "short.bin").write_bytes(b"PSSTATE1")
@@ -118,17 +118,18 @@ def test_a_server_built_again_on_a_dead_ones_segment_holds_every_applied_update(
         third.engine.close()
 
 
-def test_a_torn_update_counts_as_not_applied_and_says_so(state_dir, caplog):
+def test_a_torn_update_counts_as_applied_and_says_so(state_dir, caplog):
     config = server_config(state_dir)
     first = ParameterServer(config)
     train(first, 3)
-    first.memory.begin()  # killed mid-apply: begin written, end never
+    first.memory.begin(4, 8, [(0, 9)])  # killed mid-apply: begin written, end never
     first.engine.compute.close()
     with caplog.at_level(logging.WARNING):
         second = ParameterServer(config)
     try:
-        assert second.engine.global_step == 3 and second.engine.samples_seen == 24
-        assert "the server died while applying the update after global step 3" in caplog.text
+        assert second.engine.global_step == 4 and second.engine.samples_seen == 32
+        assert second.engine.sequences.applied == {0: 9}  # its trainer's gradient is not taken again
+        assert "the server died while applying the update of global step 4" in caplog.text
         train(second, 1)
         assert not second.memory.arena.journal().torn
     finally:
@@ -213,6 +214,42 @@ def test_a_full_memory_filesystem_turns_the_state_off_not_the_server(state_dir, 
         assert server.memory.disabled.startswith("cannot write")
         assert "No space left on device; it needs" in caplog.text
         train(server, 2)  # trains on, in the process's own memory
-        assert server.engine.global_step == 2 and server.engine.updater.journal is None
+        assert server.engine.global_step == 2 and server.engine.sequences.durable is None
     finally:
         server.engine.close()
+
+
+def test_a_gradient_sent_again_after_a_restart_is_applied_once(state_dir):
+    """A trainer's step 3 was applied, then the process died before its reply: the trainer
+    rejoins (its position: 2 steps) and sends step 3's gradient again."""
+    config = server_config(state_dir, update="sync", sync_trainers=1)
+    first = ParameterServer(config)
+    engine = first.engine
+    engine.trainer_joined("trainer_0_1")
+    engine.sequences.joined("trainer_0_1", 0, 0)
+    g = torch.Generator().manual_seed(0)
+    for number in (1, 2, 3):
+        engine.open_step("trainer_0_1", 8)
+        assert engine.take_gradient("trainer_0_1", number, 8)
+        engine.submit("trainer_0_1", {p: torch.randn(p.shape, generator=g) for p in engine.trainable})
+    want = state_of(first)
+    engine.compute.close()
+
+    second = ParameterServer(config)
+    try:
+        engine = second.engine
+        assert engine.sequences.applied == {0: 3}
+        engine.trainer_joined("trainer_0_2")
+        engine.sequences.joined("trainer_0_2", 0, 2)
+        assert not engine.take_gradient("trainer_0_2", 3, 8)  # no step opened, nothing applied
+        assert_same(state_of(second), want)
+        assert engine.take_gradient("trainer_0_2", 4, 8)  # its step opened here, on its behalf
+        engine.submit("trainer_0_2", {p: torch.randn(p.shape, generator=g) for p in engine.trainable})
+        assert engine.global_step == 4 and engine.sequences.applied == {0: 4}
+        engine.trainer_gone("trainer_0_2")
+        engine.trainer_joined("trainer_0_3")
+        engine.sequences.joined("trainer_0_3", 0, 0)  # a fresh trainer of rank 0: its numbers start again
+        assert engine.sequences.applied == {} and second.memory.arena.ranks() == {}
+        assert engine.take_gradient("trainer_0_3", 1, 8)
+    finally:
+        engine.close()

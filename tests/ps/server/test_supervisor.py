@@ -11,10 +11,12 @@ import time
 
 import psutil
 import pytest
+import torch
 
+from psserver.checkpoint import find_latest
 from psserver.control.client import ControlClient
 from psserver.ps.server.supervisor import describe, resume_argv, server_argv
-from tests.procs import MNIST_ARGS, Proc, accuracy, free_port
+from tests.procs import MNIST_ARGS, Proc, accuracy, die_after_update, free_port
 
 JOINED = r"joined psserver \S+ as (trainer_\d+_\d+)"
 FOUND = r"found the state of run \S+ in memory: \S+, generation \d+, global step (\d+), (\d+) samples"
@@ -141,3 +143,53 @@ def test_a_server_killed_by_bytes_on_its_tensorpipe_port_loses_no_update(procs, 
     assert accuracy(t) > 0.5
     assert procs.stop(sup) == 0, sup.tail()
     assert "Traceback" not in t.output()
+
+
+SYNC_STEPS = 60  # within one epoch of the 8000 samples split over 2 trainers (62 steps each)
+
+
+def sync_run(procs, port: int, ckpt, *server_flags: str, server_env: dict | None = None,
+             kill_mid_round_at: int | None = None) -> dict[str, torch.Tensor]:
+    """2 trainers, sync K=2, mlp on MNIST, one torch thread each (so that two runs compute the
+    same numbers): the weights the server's final checkpoint holds. ``kill_mid_round_at``: once
+    the global step reaches it, trainer 1 is stopped until trainer 0's gradient waits in a round,
+    and the server process is SIGKILLed."""
+    ctl = free_port()
+    sup = procs.server(port, "--model", "mlp", "--update", "sync", "--sync-trainers", "2", "--checkpoint-dir",
+                       str(ckpt), *server_flags, control_port=ctl, env=server_env)
+    trainers = [procs.trainer(port, r, "--num-trainers", "2", "--max-steps", str(SYNC_STEPS), "--compute-threads", "1",
+                              "--reconnect", *MNIST_ARGS, env={"PSSERVER_TEST_STEP_DELAY": "0.05"}) for r in (0, 1)]
+    if kill_mid_round_at is not None:
+        with ControlClient(f"127.0.0.1:{ctl}", timeout=5) as client:
+            deadline = time.monotonic() + 120
+            while client.get_status().global_step < kill_mid_round_at:
+                assert time.monotonic() < deadline, sup.tail()
+                time.sleep(0.05)
+        trainers[1].signal(signal.SIGSTOP)
+        time.sleep(1.0)  # trainer 0's next gradient is in the round, which waits for trainer 1's
+        child = server_child(sup, port)
+        child.kill()
+        assert dead(child)
+        trainers[1].signal(signal.SIGCONT)
+    for t in trainers:
+        assert t.wait(240) == 0, t.tail()
+    assert procs.stop(sup) == 0, sup.tail()
+    _, state = find_latest(ckpt)
+    assert state["global_step"] == SYNC_STEPS, f"{sup.tail(60)}\n{trainers[0].tail(30)}\n{trainers[1].tail(30)}"
+    return state["shards"][0]["module"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_sync_run_killed_twice_ends_with_the_weights_of_a_run_without_a_kill(procs, state_dir, tmp_path):
+    """Killed once with a round half-gathered (its gradients sent again, applied once the round
+    is whole again) and once right after an update was applied, before its replies (its
+    gradients sent again and not applied twice): every update lands exactly once."""
+    want = sync_run(procs, free_port(), tmp_path / "plain")
+    got = sync_run(procs, free_port(), tmp_path / "killed", "--supervise", "--state-dir", str(state_dir),
+                   server_env=die_after_update(30, tmp_path / "died"), kill_mid_round_at=15)
+    assert (tmp_path / "died").exists()
+    assert want.keys() == got.keys()
+    for key in want:
+        assert torch.allclose(want[key], got[key], rtol=0, atol=1e-6), f"{key}: {(want[key] - got[key]).abs().max()}"

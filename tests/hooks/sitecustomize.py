@@ -1,0 +1,34 @@
+"""Tests only: Python loads this module at start-up in every process whose ``PYTHONPATH``
+holds this directory (``tests.procs.DIE_AFTER_UPDATE_ENV``).
+
+With ``$PSSERVER_TEST_DIE_AFTER_UPDATE=N`` and ``$PSSERVER_TEST_DIE_ONCE=FILE``, a server
+process SIGKILLs itself right after its N-th update is whole, before any reply to the trainers
+whose gradients made it leaves: the moment at which a lost reply would have them send those
+gradients again. Once only: FILE is written first, and a process that finds it does not die.
+"""
+
+from __future__ import annotations
+
+import os
+
+_AFTER = os.environ.get("PSSERVER_TEST_DIE_AFTER_UPDATE")
+_ONCE = os.environ.get("PSSERVER_TEST_DIE_ONCE")
+
+if _AFTER and _ONCE:
+    import signal
+
+    from psserver.ps.engine.sequences import GradientSequences
+
+    _commit = GradientSequences.commit
+    _count = [0]
+
+    def commit(self) -> None:
+        _commit(self)
+        _count[0] += 1
+        if _count[0] == int(_AFTER) and not os.path.exists(_ONCE):
+            with open(_ONCE, "w") as f:
+                f.write(f"died after update {_count[0]} of pid {os.getpid()}\n")
+            print(f"dying after update {_count[0]}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    GradientSequences.commit = commit
