@@ -19,7 +19,7 @@ from tests.procs import Proc, free_port, run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
-LIFE_S = 20.0  # of each of the server's three lives
+LIFE_S = 15.0  # of each of the server's three lives
 KEEP = 3
 RSS_GROWTH_BOUND = 150e6  # bytes, over the last life, once trainers have come and gone
 
