@@ -329,6 +329,13 @@ def cpu_percent(samples: list[Sample], role: str, t0: float, t1: float) -> float
     return 100.0 * (inside[-1].cpu[role] - inside[0].cpu[role]) / (inside[-1].t - inside[0].t)
 
 
+def cpu_between(a: Sample, b: Sample, role: str) -> float | None:
+    """CPU use of ``role`` between two samples, in percent of one core (None: not in both)."""
+    if role not in a.cpu or role not in b.cpu or b.t <= a.t:
+        return None
+    return 100.0 * (b.cpu[role] - a.cpu[role]) / (b.t - a.t)
+
+
 def measure_cpu(pid: int, seconds: float) -> float:
     """CPU use of one process (and its descendants) over ``seconds``, percent of one core."""
     s = Sampler(interval=seconds)

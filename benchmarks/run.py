@@ -276,9 +276,11 @@ class Run:
               sampler: measure.Sampler) -> dict:
         """Server CPU alone, then with N real trainers joined and waiting (they leave afterwards)."""
         time.sleep(1.0)
-        t0 = time.monotonic()
+        # Samples taken at the window's edges: the sampler's own (every 0.5 s) may leave fewer
+        # than two inside a short window on a loaded machine.
+        a = sampler.sample_now(False)
         time.sleep(self.idle_s)
-        alone = measure.cpu_percent(sampler.snapshot(), "server", t0, time.monotonic())
+        alone = measure.cpu_between(a, sampler.sample_now(False), "server")
         idle = []
         for r in range(n):
             c = children.start(measure.worker_argv("idle", "--server", f"127.0.0.1:{port}", "--rank", str(r),
@@ -288,12 +290,11 @@ class Run:
         for c in idle:
             c.wait_for(r"idle trainer \d+ joined", 120)
         time.sleep(1.5)  # past the joins' own work
-        t0 = time.monotonic()
+        a = sampler.sample_now(False)
         time.sleep(self.idle_s)
-        t1 = time.monotonic()
-        samples = sampler.snapshot()
-        with_trainers = measure.cpu_percent(samples, "server", t0, t1)
-        trainers_cpu = [measure.cpu_percent(samples, f"idle{r}", t0, t1) for r in range(n)]
+        b = sampler.sample_now(False)
+        with_trainers = measure.cpu_between(a, b, "server")
+        trainers_cpu = [measure.cpu_between(a, b, f"idle{r}") for r in range(n)]
         for r, c in enumerate(idle):
             c.stop(timeout=30)
             sampler.untrack(f"idle{r}")

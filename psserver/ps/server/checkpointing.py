@@ -49,6 +49,9 @@ from psserver.telemetry import CheckpointInfo
 
 log = logging.getLogger(__name__)
 
+PARTITION_CATCH_UP_S = 10.0
+"""How long a server of rank > 0 waits for its own part of the step server 0 checkpoints."""
+
 
 class CheckpointPolicy:
     """Snapshots and restores the engine, on a step count, a timer, a request and at stop."""
@@ -159,6 +162,14 @@ class CheckpointPolicy:
         if self.checkpointer is None:
             raise RuntimeError(f"server {self.config.server_rank} has no --checkpoint-dir")
         self.run_id = self.checkpointer.run = run
+        # A trainer's update goes to every server at once: this one's part of step ``step`` may
+        # still be on its way when server 0 has applied its own.
+        deadline = time.monotonic() + PARTITION_CATCH_UP_S
+        while self.engine.global_step < step and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if self.engine.global_step != step:
+            log.warning("partition of checkpoint step %d written at this server's global step %d", step,
+                        self.engine.global_step)
         info = self.checkpointer.save(step, self.snapshot(), wait=True)
         return info.path
 
