@@ -77,7 +77,7 @@ class Membership:
     def join(self, rank: int, name: str, host: str, protocol: str) -> None:
         """Make ``name`` a member as ``rank``. The rank's holder keeps it while it answers a ping
         (``ValueError``); one that does not is evicted first."""
-        info = rpc.get_worker_info(name)
+        info = _worker_info(name)
         for _ in range(3):  # a holder evicted here is replaced by no one else but a racing join
             now = time.time()
             with self.lock:
@@ -363,3 +363,19 @@ def _registered_workers(rpc_store) -> list[tuple[str, int]]:
             name, _, wid = item.rpartition("-")
             out.append((name, int(wid)))
     return out
+
+
+WORKER_INFO_WAIT_S = 2.0
+"""How long a join waits for the server's RPC agent to learn the joining worker (the group's
+update and the join are handled on different RPC threads; seen once under store tampering)."""
+
+
+def _worker_info(name: str):
+    deadline = time.monotonic() + WORKER_INFO_WAIT_S
+    while True:
+        try:
+            return rpc.get_worker_info(name)
+        except RuntimeError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)
