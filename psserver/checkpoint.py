@@ -36,6 +36,7 @@ import torch
 
 from psserver.errors import UsageError
 from psserver.telemetry import CheckpointInfo
+from psserver.utils.processes import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -323,18 +324,6 @@ def check_writable(directory: Path) -> None:
         raise CheckpointDirError(f"--checkpoint-dir {directory} is not writable: {e.strerror or e}") from None
 
 
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
-
-
 def remove_stale_temporaries(directory: Path) -> list[Path]:
     """Remove the temporary files of writes that died (their writer's pid, in the name, is
     gone, or is this process, which has written nothing yet); a live writer's are left."""
@@ -347,7 +336,7 @@ def remove_stale_temporaries(directory: Path) -> list[Path]:
         if not m:
             continue
         pid = int(m.group(1))
-        if pid != os.getpid() and _alive(pid):
+        if pid != os.getpid() and pid_alive(pid):
             log.warning("leaving %s alone: its writer (pid %d) is still running", path, pid)
             continue
         if _unlink_quietly(path):

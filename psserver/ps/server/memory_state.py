@@ -58,12 +58,13 @@ from psserver.config import MemoryStateConfig
 from psserver.errors import UsageError
 from psserver.ps.engine.engine import StepEngine
 from psserver.ps.server.state_arena import Arena, ArenaError, Journal, Slot
+from psserver.ps.server.supervisor import SUPERVISOR_ENV
+from psserver.utils.processes import running, start_time
 
 log = logging.getLogger(__name__)
 
 META, OWNER = "meta.pkl", "owner.json"
 FORMAT = 1
-SUPERVISOR_ENV = "PSSERVER_SUPERVISOR_PID"
 _TENSOR = "__psserver_tensor__"
 
 
@@ -85,7 +86,7 @@ class Segment:
         o = self.owner
         if not o or o.get("boot_id") != _boot_id():
             return False
-        return any(_running(pid, start) for pid, start in ((o.get("pid"), o.get("pid_start")),
+        return any(running(pid, start) for pid, start in ((o.get("pid"), o.get("pid_start")),
                                                             (o.get("supervisor"), o.get("supervisor_start"))))
 
     @property
@@ -283,6 +284,9 @@ class MemoryState:
         self.disabled = why
         if self._engine is not None:
             self._engine.sequences.durable = None
+        # The tensors may still be views of the last generation and change without its journal:
+        # no restart may map it.
+        (self.dir / META).unlink(missing_ok=True)
         log.error("state in memory: off from now on, %s; a restarted server resumes from its last checkpoint", why)
 
     # ---- stop ----------------------------------------------------------------------------------
@@ -295,13 +299,14 @@ class MemoryState:
         shutil.rmtree(self.dir, ignore_errors=True)
         with contextlib.suppress(OSError):
             self.dir.parent.rmdir()  # the key's directory, once no server of it has a segment
-        log.info("state in memory released: %s", self.dir)
+        if self.disabled is None:
+            log.info("state in memory released: %s", self.dir)
 
     def _write_owner(self, run: str) -> None:
         supervisor = os.environ.get(SUPERVISOR_ENV)
         sup = int(supervisor) if supervisor and supervisor.isdigit() else None
-        owner = {"pid": os.getpid(), "pid_start": _start_time(os.getpid()), "supervisor": sup,
-                 "supervisor_start": _start_time(sup) if sup else None, "boot_id": _boot_id(),
+        owner = {"pid": os.getpid(), "pid_start": start_time(os.getpid()), "supervisor": sup,
+                 "supervisor_start": start_time(sup) if sup else None, "boot_id": _boot_id(),
                  "host": socket.gethostname(), "key": self.key, "started": time.time(),
                  "run": run}
         tmp = self.dir / f"{OWNER}.tmp"
@@ -370,26 +375,3 @@ def _boot_id() -> str | None:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         return None
-
-
-def _start_time(pid: int | None) -> int | None:
-    """The process's start time in clock ticks since boot (a reused pid has another)."""
-    if pid is None:
-        return None
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
-
-
-def _running(pid: int | None, start: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return start is None or _start_time(pid) in (None, start)

@@ -219,6 +219,30 @@ def test_a_full_memory_filesystem_turns_the_state_off_not_the_server(state_dir, 
         server.engine.close()
 
 
+def test_a_filesystem_full_at_a_later_generation_leaves_nothing_to_map(state_dir, monkeypatch):
+    """Generation 1 was placed; the optimizer's state (after step 1) no longer fits. The tensors
+    still live in generation 1 and change without its journal: a restart must not map it."""
+    server = ParameterServer(server_config(state_dir))
+    allocate = os.posix_fallocate
+
+    def full(fd, offset, size):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    try:
+        train(server, 3)
+        assert server.memory.disabled.startswith("cannot write") and server.engine.global_step == 3
+        assert not (state_dir / "run-a" / "server-0" / "meta.pkl").exists()
+    finally:
+        server.engine.compute.close()
+    monkeypatch.setattr(os, "posix_fallocate", allocate)
+    again = ParameterServer(server_config(state_dir))
+    try:
+        assert again.engine.global_step == 0  # a fresh start (or the checkpoint), not a torn map
+    finally:
+        again.engine.close()
+
+
 def test_a_gradient_sent_again_after_a_restart_is_applied_once(state_dir):
     """A trainer's step 3 was applied, then the process died before its reply: the trainer
     rejoins (its position: 2 steps) and sends step 3's gradient again."""
