@@ -22,7 +22,9 @@ def _train_two(procs, port, *extra):
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("update", ["async", "sync"])
+# Sync only: async plain trainers reach the same bar, and a rank rejoins as a new incarnation, in
+# tests/ps/test_failures.py's hang-async case, with a trainer lost on top.
+@pytest.mark.parametrize("update", ["sync"])
 def test_two_trainers_reach_accuracy_and_server_keeps_serving(procs, port, mnist_dir, update):
     """The reference protocol (``--step plain``: dist_autograd and DistributedOptimizer)."""
     extra = ["--update", update] + (["--sync-trainers", "2"] if update == "sync" else [])
@@ -110,7 +112,9 @@ GLOBAL_STEPS = {"async": 378, "sync": 189, "ssp": 378}
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("update", ["async", "sync", "ssp"])
+# Async, the default, trains mnist_cnn to this bar with two trainers, its steps and samples
+# counted exactly across three server deaths, in tests/ps/server/test_supervisor.py.
+@pytest.mark.parametrize("update", ["sync", "ssp"])
 def test_trainer_compute_reaches_the_bar(procs, port, mnist_dir, update):
     """``--compute trainer`` (its default protocol, ``pushpull``): each trainer runs the model
     on flat parameters it gets back for its flat gradient; the server only applies the

@@ -26,6 +26,7 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import socket
 import tempfile
 import threading
@@ -90,6 +91,11 @@ register_rendezvous_handler(SCHEME, _handler)
 
 def trainer_name(rank: int, incarnation: int) -> str:
     return f"trainer_{rank}_{incarnation}"
+
+
+def is_trainer_name(name: str) -> bool:
+    """Whether ``name`` is a trainer's RPC name (one incarnation's, never used again)."""
+    return re.fullmatch(r"trainer_\d+_\d+", name) is not None
 
 
 def server_name(server_rank: int) -> str:

@@ -3,7 +3,8 @@
 PyTorch's dynamic RPC groups leave failures to the user: a dead worker stays a
 member forever, a join that dies holding the group's membership token blocks every later
 join, leave and the server's own shutdown. The server fixes both here: heartbeats find dead
-or hung trainers, eviction removes them from the agent and the store, and a janitor frees a
+or hung trainers, eviction removes them from the group (the store, the other trainers' view;
+the server's own agent keeps their address, see ``Membership._evict``), and a janitor frees a
 membership token whose holder is gone.
 
 A join cannot wait for the heartbeats: ``init_rpc`` calls every member, and a trainer
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 import torch.distributed.rpc as rpc
 
 from psserver.ps.rpc import torch_rpc
-from psserver.ps.rpc.rendezvous import ADMITTED, SERVER_NAME, ping
+from psserver.ps.rpc.rendezvous import ADMITTED, SERVER_NAME, is_trainer_name, ping
 from psserver.ps.rpc.torch_rpc import ALL_WORKERS_KEY, TOKEN_KEY, worker_key
 from psserver.telemetry import TrainerStatus
 
@@ -61,6 +62,8 @@ class Membership:
         self.store = store
         self.timeout = timeout
         self.on_gone = on_gone
+        self._retired: set[str] = set()
+        """Evicted trainers this RPC agent still knows (see ``_evict``): not members, not strangers."""
         self.lock = threading.Lock()
         self.members: dict[str, Member] = {}
         self.history: list[TrainerStatus] = []  # trainers that left or were lost (bounded)
@@ -90,7 +93,7 @@ class Membership:
                 raise ValueError(f"rank {rank} is already taken by live trainer {old}")
         else:
             raise ValueError(f"rank {rank} is contended by several joins at once: try again")
-        log.info("trainer %s (rank %d) joined from %s; RPC members: %s", name, rank, host, rpc_members())
+        log.info("trainer %s (rank %d) joined from %s; RPC members: %s", name, rank, host, self.rpc_members())
 
     def admit(self, rank: int) -> str:
         """Make room for a join of ``rank`` before it joins the RPC group: ``ADMITTED``, or why not.
@@ -276,12 +279,24 @@ class Membership:
             info = agent.get_worker_info(name)
         except Exception:  # noqa: BLE001 - it left the agent on its own meanwhile
             info = None
-        if info is not None and info.id == rpc_id:
-            torch_rpc.remove_worker(agent, info)
+        if info is not None and info.id == rpc_id and not self._is_retired(name):
+            if is_trainer_name(name):
+                # This agent and the other server processes keep knowing a dead trainer. torch
+                # retries its RRef messages to it (the acceptance of an RRef the trainer passed
+                # back, sent at every step of the plain protocol) with a growing backoff for as
+                # long as the process lives, and each retry addresses the worker by a reference
+                # into the agent's map: a trainer removed from that map makes the next retry
+                # read freed memory, and the server die of SIGSEGV (seen once the evicted trainer,
+                # SIGSTOPped, was SIGKILLed). A trainer name is never used twice, and the store no
+                # longer lists it, so no join reaches it; what is kept is a name and an address.
+                with self.lock:
+                    self._retired.add(name)
+            else:  # a server process comes back under its own name: it must leave the map
+                torch_rpc.remove_worker(agent, info)
             # Live trainers still list the dead one; their own leave would try to reach it.
             # Tell them, exactly as a worker leaving cleanly would have.
             for other in agent.get_worker_infos():
-                if other.name != SERVER_NAME:
+                if is_trainer_name(other.name) and other.name != name and not self._is_retired(other.name):
                     torch_rpc.tell_worker_removed(other, info)
         rpc_store = agent.store
         try:
@@ -291,7 +306,18 @@ class Membership:
             _delete_if(rpc_store, worker_key(rpc_id), name)
         except Exception:  # noqa: BLE001
             log.warning("could not remove %s from the RPC store", name, exc_info=True)
-        log.info("evicted %s from the RPC group; RPC members: %s", name, rpc_members())
+        log.info("evicted %s from the RPC group; RPC members: %s", name, self.rpc_members())
+
+    def _is_retired(self, name: str) -> bool:
+        with self.lock:
+            return name in self._retired
+
+    def rpc_members(self) -> str:
+        """The RPC group's live members, as this server sees them (evicted ones excluded)."""
+        with self.lock:
+            retired = set(self._retired)
+        agent = torch_rpc.current_agent()
+        return ",".join(sorted(w.name for w in agent.get_worker_infos() if w.name not in retired))
 
     def _janitor(self) -> None:
         """Free the group's membership token when its holder died holding it, and evict RPC
@@ -301,7 +327,9 @@ class Membership:
         with self.lock:
             known = set(self.members)
         rpc_store = agent.store
-        workers = {w.name: w.id for w in agent.get_worker_infos()}
+        with self.lock:
+            retired = set(self._retired)
+        workers = {w.name: w.id for w in agent.get_worker_infos() if w.name not in retired}
         workers.update(dict(_registered_workers(rpc_store)))
         for name, wid in workers.items():
             if name == SERVER_NAME or name in known or name in self.peers:
@@ -347,11 +375,6 @@ def _delete_if(store, key: str, value: str) -> None:
     """Delete ``key`` only while it still holds ``value`` (never another worker's entry)."""
     if store.check([key]) and store.get(key) == value.encode():
         store.delete_key(key)
-
-
-def rpc_members() -> str:
-    agent = torch_rpc.current_agent()
-    return ",".join(sorted(w.name for w in agent.get_worker_infos()))
 
 
 def _registered_workers(rpc_store) -> list[tuple[str, int]]:
