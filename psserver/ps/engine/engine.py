@@ -525,17 +525,22 @@ class StepEngine:
 
         return self.compute.run(copy)
 
-    def live_state(self) -> tuple[list[dict], int, int, dict | None, list[torch.Tensor] | None]:
-        """(updater's lock held) What ``copy_state`` gives, less the tables, with the engine's own
-        tensors instead of copies: the tensors every update writes to."""
+    def live_state(self) -> tuple[list[dict], int, int, dict | None, dict | None, list[torch.Tensor] | None]:
+        """(updater's lock held, and the tables' lock) What ``copy_state`` gives, with the
+        engine's own tensors instead of copies: the tensors every update writes to (the tables'
+        in ``SparseTables.live_state``'s form)."""
+        tables = self.tables.live_state() if self.tables is not None else None
         schedule = self.lr_schedule.state_dict() if self.lr_schedule is not None else None
         buffers = list(self.buffers.tensors) if self.buffers is not None and self.plan is not None else None
-        return ([s.live_state() for s in self.shards], self.updater.global_step, self.samples_seen, schedule, buffers)
+        return ([s.live_state() for s in self.shards], self.updater.global_step, self.samples_seen, tables, schedule,
+                buffers)
 
     def state_signature(self) -> tuple:
         """(updater's lock held) Changes when the set of tensors ``live_state`` holds changes
-        (a model learnt, an optimizer made, its state made by its first step)."""
-        return (self.layout is not None, *(-1 if s.optimizer is None else len(s.optimizer.state) for s in self.shards))
+        (a model learnt, an optimizer made, its state made by its first step, a table grown)."""
+        tables = self.tables.signature() if self.tables is not None else ()
+        return (self.layout is not None, *(-1 if s.optimizer is None else len(s.optimizer.state) for s in self.shards),
+                *tables)
 
     def load_state(self, shards: list[dict], optimizer: OptimizerConfig | None, global_step: int,
                    samples_seen: int, tables: dict | None = None, lr_schedule: dict | None = None,

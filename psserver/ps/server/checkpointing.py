@@ -235,10 +235,10 @@ class CheckpointPolicy:
         return self._describe(shards, step, samples, tables, lr_schedule, buffers)
 
     def live_snapshot(self) -> dict:
-        """(the updater's lock held) ``snapshot``'s structure holding the engine's own tensors,
-        without the tables and the RNG (``psserver.ps.server.memory_state`` maps it)."""
-        shards, step, samples, lr_schedule, buffers = self.engine.live_state()
-        state = self._describe(shards, step, samples, None, lr_schedule, buffers)
+        """(the updater's and the tables' locks held) ``snapshot``'s structure holding the
+        engine's own tensors, without the RNG (``psserver.ps.server.memory_state`` maps it)."""
+        shards, step, samples, tables, lr_schedule, buffers = self.engine.live_state()
+        state = self._describe(shards, step, samples, tables, lr_schedule, buffers)
         state["rng"] = state["cuda_rng"] = None
         state["run"] = self.run_id
         return state

@@ -220,6 +220,9 @@ class MemoryState:
     # ---- the journal (psserver.ps.engine.sequences; the updater's lock held) -------------------
 
     def begin(self, global_step: int, samples: int, applied: list[tuple[int, int]]) -> None:
+        assert self._engine is not None
+        if self.arena is not None and self._engine.state_signature() != self._signature:
+            self._bind()  # a table grew since the last update (a lookup created rows)
         self._next = (global_step, self._samples + samples)
         if self.arena is not None:
             self._seq += 1
@@ -227,11 +230,14 @@ class MemoryState:
 
     def commit(self) -> None:
         global_step, self._samples = self._next
-        if self.arena is not None:
-            self.arena.end(self._seq, global_step, self._samples)
         assert self._engine is not None
         if self._engine.state_signature() != self._signature:
+            # Some of the update went to tensors outside the segment (an optimizer's first
+            # state, a table grown by a lookup while it was applied): a new generation holds it
+            # all, the end of this update included.
             self._bind()
+        elif self.arena is not None:
+            self.arena.end(self._seq, global_step, self._samples)
 
     def forget_rank(self, rank: int) -> None:
         if self.arena is not None:
@@ -243,6 +249,12 @@ class MemoryState:
         """(lock held) A new generation holding the engine's tensors, each then a view of it."""
         engine, snapshot = self._engine, self._snapshot
         assert engine is not None and snapshot is not None
+        # Lookups create rows in the tables outside the updater's lock: they wait while the
+        # tables' tensors are copied and moved.
+        with engine.tables.lock if engine.tables is not None else contextlib.nullcontext():
+            self._bind_locked(engine, snapshot)
+
+    def _bind_locked(self, engine: StepEngine, snapshot: Callable[[], dict]) -> None:
         started = time.perf_counter()
         state = snapshot()
         tensors: list[torch.Tensor] = []
@@ -315,8 +327,6 @@ class MemoryState:
 
 
 def _unsupported(engine: StepEngine) -> str | None:
-    if engine.tables is not None:
-        return "the embedding tables are not kept there yet"
     if engine.plan is not None:
         return "several server processes do not keep it there yet"
     if any(d.type != "cpu" for d in engine.devices):

@@ -92,6 +92,10 @@ class EmbeddingTable:
         self.sketch = torch.zeros(_SKETCH_DEPTH, spec.sketch_width, dtype=torch.int32) if spec.admit_after > 1 \
             else None
         self.step = 0
+        self.clock = torch.zeros(1, dtype=torch.int64)
+        """``step``, where a memory-mapped copy of the table's tensors can see it."""
+        self.grown = 0
+        """Times the slot tensors were replaced by larger ones (their set of tensors changed)."""
         self.counters = TableCounters()
         self.default = torch.zeros(spec.dim)
 
@@ -153,6 +157,7 @@ class EmbeddingTable:
     def end_step(self) -> None:
         """A step of the job ended: the clock of LRU and of the time-to-live ticks; expired rows go."""
         self.step += 1
+        self.clock[0] = self.step
         ttl = self.spec.ttl_steps
         if ttl and self.step % max(1, ttl // 4) == 0:
             live = self.ids >= 0
@@ -183,12 +188,14 @@ class EmbeddingTable:
         if overflow > 0:
             self._evict(max(overflow, self.num_rows + ids.numel() - int(0.95 * self.spec.max_rows)))
         slots = self._take_slots(ids.numel())
-        self.ids[slots] = ids
         self.weights[slots] = self.initial_rows(ids)
         self.last_step[slots] = self.step
         self.hits[slots] = 0
         for t in self.state.values():
             t[slots] = 0
+        # Last: a slot holds a row once its id is written (a process killed before that left a
+        # free slot, see from_live_state).
+        self.ids[slots] = ids
         self.index.insert(ids, slots)
         self.counters.created += ids.numel()
         return slots
@@ -205,7 +212,7 @@ class EmbeddingTable:
 
     def _drop(self, slots: torch.Tensor) -> None:
         self.index.remove(self.ids[slots])
-        self.ids[slots] = -1
+        self.ids[slots] = -1  # the slot is free from here (see from_live_state)
         self._free.extend(slots.tolist())
 
     def _take_slots(self, n: int) -> torch.Tensor:
@@ -227,6 +234,7 @@ class EmbeddingTable:
         grown = self._new_state(extra)
         self.state = {k: torch.cat([v, grown[k]]) for k, v in self.state.items()}
         self._free[:0] = range(cap - 1, old - 1, -1)
+        self.grown += 1
 
     def _new_state(self, n: int) -> dict[str, torch.Tensor]:
         if self.spec.optimizer == "rowwise_adagrad":
@@ -258,6 +266,21 @@ class EmbeddingTable:
                 "sketch": None if self.sketch is None else self.sketch.clone(),
                 "counters": dict(vars(self.counters))}
 
+    def live_state(self) -> dict:
+        """The tensors every lookup and update writes to, every slot (free ones hold id -1): what
+        a memory-mapped copy of the table keeps (``psserver.ps.server.memory_state``). The id
+        index is not among them: it follows from ``ids``."""
+        return {"ids": self.ids, "weights": self.weights, "last_step": self.last_step, "hits": self.hits,
+                "state": dict(self.state), "clock": self.clock, "sketch": self.sketch}
+
+    @staticmethod
+    def from_live_state(live: dict) -> dict:
+        """``live_state``'s tensors as ``state_dict`` gives them: the slots that hold a row."""
+        rows = (live["ids"] >= 0).nonzero().squeeze(1)
+        return {"ids": live["ids"][rows], "weights": live["weights"][rows], "last_step": live["last_step"][rows],
+                "hits": live["hits"][rows], "state": {k: v[rows] for k, v in live["state"].items()},
+                "step": int(live["clock"][0]), "sketch": live["sketch"], "counters": {}}
+
     def load_state_dict(self, state: dict) -> None:
         n = int(state["ids"].numel())
         fresh = EmbeddingTable(self.spec, initial_capacity=max(16, n))
@@ -272,6 +295,7 @@ class EmbeddingTable:
             fresh.index.insert(state["ids"], slots)
         self.__dict__.update(fresh.__dict__)
         self.step = int(state["step"])
+        self.clock[0] = self.step
         if state.get("sketch") is not None:
             self.sketch = state["sketch"].clone()
         self.counters = TableCounters(**state.get("counters", {}))

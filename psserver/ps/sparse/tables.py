@@ -187,7 +187,24 @@ class SparseTables:
         with self._lock:
             return {"dim": self.dim, "tables": {n: t.state_dict() for n, t in self.tables.items()}}
 
+    @property
+    def lock(self) -> threading.RLock:
+        """Held while the rows change (lookups create rows, updates write them)."""
+        return self._lock
+
+    def live_state(self) -> dict:
+        """(``lock`` held) Every table's ``live_state``: the tensors themselves, not copies."""
+        return {"dim": self.dim, "live": True, "tables": {n: t.live_state() for n, t in self.tables.items()}}
+
+    def signature(self) -> tuple[int, ...]:
+        """Changes when a table's tensors are replaced by larger ones."""
+        return tuple(t.grown for t in self.tables.values())
+
     def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's tables, or ``live_state``'s (the slots that hold rows are taken)."""
+        if state.get("live"):
+            state = {"dim": state["dim"],
+                     "tables": {n: EmbeddingTable.from_live_state(t) for n, t in state["tables"].items()}}
         if int(state["dim"]) != self.dim or set(state["tables"]) != set(self.tables):
             raise ValueError(f"the checkpoint's tables ({', '.join(state['tables'])}, dim {state['dim']}) are not "
                              f"this server's ({', '.join(self.tables)}, dim {self.dim})")

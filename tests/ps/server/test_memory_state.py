@@ -23,7 +23,8 @@ from psserver.ps.server.state_arena import Arena, ArenaError, Journal
 
 def server_config(state_dir, key="run-a", **kw) -> ServerConfig:
     kw.setdefault("optimizer", OptimizerConfig("adam", 0.01))
-    return ServerConfig(model="mlp", devices=["cpu"], memory_state=MemoryStateConfig(state_dir, key), **kw)
+    kw.setdefault("model", "mlp")
+    return ServerConfig(devices=["cpu"], memory_state=MemoryStateConfig(state_dir, key), **kw)
 
 
 def train(server: ParameterServer, steps: int, seed: int = 0) -> None:
@@ -277,3 +278,82 @@ def test_a_gradient_sent_again_after_a_restart_is_applied_once(state_dir):
         assert engine.take_gradient("trainer_0_3", 1, 8)
     finally:
         engine.close()
+
+
+def train_tables(server: ParameterServer, steps: int, seed: int = 0, ids: int = 4000) -> None:
+    """Steps of an embedding model: rows served (created on first touch), their gradients and
+    the dense ones applied, as a trainer's steps go through the engine."""
+    engine, tables = server.engine, server.engine.tables
+    engine.trainer_joined("t")
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        engine.open_step("t", 8)
+        request = {n: torch.unique(torch.randint(0, ids, (600,), generator=g)) for n in tables.tables}
+        tables.serve("t", request)
+        grads = {p: torch.randn(p.shape, generator=g) for p in engine.trainable}
+        grads.update(tables.row_grads("t", {n: torch.randn(request[n].numel(), t.spec.dim, generator=g)
+                                            for n, t in tables.tables.items()}))
+        engine.submit("t", grads)
+
+
+def rows_of(server: ParameterServer) -> dict:
+    """Every row with its optimizer state and clocks, by id (slots may differ)."""
+    out = {}
+    for name, t in server.engine.tables.state_dict()["tables"].items():
+        order = torch.argsort(t["ids"])
+        out[name] = {"ids": t["ids"][order], "weights": t["weights"][order], "last_step": t["last_step"][order],
+                     "hits": t["hits"][order], "state": {k: v[order] for k, v in t["state"].items()},
+                     "step": t["step"], "sketch": t["sketch"]}
+    return out
+
+
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "lazy_adam"])
+def test_embedding_rows_and_their_optimizer_state_outlive_the_process(state_dir, optimizer):
+    """mf's tables grow from 1024 slots as lookups create rows (new generations), and a server
+    built again on the segment holds every row, its optimizer state and the tables' clocks,
+    bit for bit, and the admission sketch."""
+    config = server_config(state_dir, model="mf", embedding=dataclasses.replace(
+        ServerConfig(model="mf").embedding, optimizer=optimizer, admit_after=2))
+    first = ParameterServer(config)
+    train_tables(first, 12)
+    want, dense = rows_of(first), state_of(first)
+    assert want["user"]["ids"].numel() > 1024  # grown: the segment was rebound to larger tensors
+    assert first.memory.arena.generation > 2
+    first.engine.compute.close()  # abandoned as a SIGKILL leaves it
+
+    second = ParameterServer(config)
+    try:
+        assert_same(rows_of(second), want)
+        assert_same(state_of(second), dense)
+        train_tables(second, 3, seed=1)
+        want = rows_of(second)
+    finally:
+        second.engine.compute.close()
+    third = ParameterServer(config)
+    try:
+        assert_same(rows_of(third), want)
+        assert third.engine.global_step == 15
+    finally:
+        third.engine.close()
+
+
+def test_a_row_whose_creation_was_cut_short_is_a_free_slot(state_dir):
+    """A lookup killed while creating rows wrote their values but not yet their ids: after a
+    restart those slots are free, and the rows are created again, from the same initial values,
+    at their next touch."""
+    config = server_config(state_dir, model="mf")
+    first = ParameterServer(config)
+    train_tables(first, 2)
+    table = first.engine.tables.tables["user"]
+    fresh = torch.tensor([10_000_001, 10_000_002])
+    slots = table._take_slots(2)  # noqa: SLF001 - what _create does up to the ids
+    table.weights[slots] = table.initial_rows(fresh)
+    rows = table.num_rows
+    first.engine.compute.close()
+    second = ParameterServer(config)
+    try:
+        again = second.engine.tables.tables["user"]
+        assert again.num_rows == rows and bool((again.index.find(fresh) < 0).all())
+        assert torch.equal(again.lookup(fresh), table.initial_rows(fresh))
+    finally:
+        second.engine.close()
