@@ -1,7 +1,8 @@
 """The server's live state in shared memory: a server process that dies loses no applied update.
 
 Why memory and not a checkpoint per step: a checkpoint copies the whole state each time; here
-the state *is* the file. The parameters, buffers and optimizer state are placed in one file on
+the state *is* the file. The parameters, buffers, optimizer state and embedding tables (every
+slot: ids, rows, their optimizer state and clocks; the admission sketch) are placed in one file on
 a memory filesystem (``state_arena``) and every update writes them where they are, so the
 restarted process maps the file again and goes on from the last update that completed. The
 pages outlive the process (SIGKILL, the OOM killer, a segfault in libtorch), not the host:
@@ -14,8 +15,10 @@ A segment is ``<--state-dir>/<key>/server-<rank>/``:
 - ``meta.pkl``: what the tensors are (the checkpoint's structure, each tensor replaced by its
   slot) and which generation is current; replaced atomically. The set of tensors changes a
   few times in a run (a model learnt from a trainer, an optimizer's state made by its first
-  step): each time a new generation is written beside the old one, which goes once ``meta``
-  names the new one, so a death at any moment leaves one whole generation.
+  step, a table's slots doubled by a lookup): each time a new generation is written beside the
+  old one, which goes once ``meta`` names the new one, so a death at any moment leaves one
+  whole generation. A table grown by a lookup gets its generation before the next update, or
+  at the end of the update it grew during (a death inside that one loses the update's rows).
 - ``owner.json``: the processes that own it (the server, its supervisor), so a segment whose
   owners are gone is told apart from one in use.
 
