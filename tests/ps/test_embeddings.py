@@ -1,6 +1,7 @@
 """Embedding tables on the servers, through the real CLI and RPC (issue 19): MovieLens ratings
 and a click log over a 2^40 id space on two server processes, trainer memory that does not
-grow with the table, and rows with their optimizer state back bit for bit after a SIGKILL."""
+grow with the table, and rows with their optimizer state back bit for bit after a SIGKILL (from
+a checkpoint, or from the state in memory with no server going back)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ import pytest
 import torch
 
 from psserver.checkpoint import list_checkpoints, read_checkpoint
+from psserver.config import MemoryStateConfig
 from psserver.control.client import ControlClient
 from psserver.data.clicks import ClickLogSpec, make_click_log
 from psserver.models import build_model
+from psserver.ps.server.memory_state import MemoryState
+from psserver.ps.sparse.table import EmbeddingTable
 from psserver.ps.sparse.tables import owner
 from tests.procs import free_port, metric, run, start_servers
 
@@ -191,6 +195,60 @@ def test_a_killed_server_restores_rows_and_their_optimizer_state_bit_for_bit(pro
         assert torch.equal(rows[f"{name}.ids"], merged[name]["ids"])
         assert torch.equal(rows[f"{name}.rows"], merged[name]["weights"])
     build_model("mf").load_state_dict(torch.load(tmp_path / "mf.pt", weights_only=True), strict=True)
+
+
+def rows_in_memory(state_dir: Path, key: str, rank: int) -> tuple[int, dict]:
+    """The global step and the tables (rows sorted by id, copied) of a live server's state in memory."""
+    found = MemoryState(MemoryStateConfig(state_dir, key), rank).load()
+    assert found is not None, f"no state in memory for server {rank}"
+    state, _ = found
+    tables = {}
+    for name, live in state["tables"]["tables"].items():
+        t = EmbeddingTable.from_live_state(live)
+        order = torch.argsort(t["ids"])
+        tables[name] = {"ids": t["ids"][order], "weights": t["weights"][order], "last_step": t["last_step"][order],
+                        "hits": t["hits"][order], "step": t["step"],
+                        **{f"state.{k}": v[order] for k, v in t["state"].items()}}
+    return int(state["global_step"]), tables
+
+
+@needs_movielens
+@pytest.mark.timeout(300)
+def test_a_killed_server_continues_from_its_state_in_memory_and_no_server_goes_back(procs, port, state_dir):
+    """Two server processes, server 1 with its state in memory (``--state-dir``, its key kept as
+    a supervisor or a restarted container keeps it): SIGKILLed after 60 steps and started again,
+    it continues from its rows, their lazy-Adam moments, step counts and clocks, bit for bit, and
+    server 0 keeps its own: 20 more steps take both to 80, with no checkpoint anywhere."""
+    common = [*MF, "--trainer-timeout", "2"]
+    memory = ["--state-dir", str(state_dir), "--state-key", "job-1"]
+    servers = start_servers(procs, port, 2, *common, per_server={1: memory})
+    t = procs.trainer(port, 0, "--num-trainers", "1", "--max-steps", "60", *MOVIELENS)
+    assert t.wait(120) == 0, t.tail()
+    step, before = rows_in_memory(state_dir, "job-1", 1)
+    assert step == 60 and before["user"]["ids"].numel() > 0
+    assert {"state.m", "state.v", "state.t"} <= set(before["item"])
+    servers[1].signal(signal.SIGKILL)
+    servers[1].wait(10)
+    servers[0].wait_for(r"server 1 \(psserver_1 on \S+\) lost", timeout=30)
+    back = procs.start(["serve", "--num-servers", "2", "--server-rank", "1", "--coordinator", f"127.0.0.1:{port}",
+                        "--port", str(free_port()), *common, *memory], "server1-back")
+    servers[0].wait_for(r"server 1 comes back with its state in memory \(its global step 60\): no server goes back",
+                        timeout=90)
+    servers[0].wait_for(r"all \d+ server processes are serving", timeout=60, nth=2)
+    back.wait_for(r"continuing run \S+ from its state in memory", timeout=30)
+    step, after = rows_in_memory(state_dir, "job-1", 1)  # the generation the restarted process wrote
+    assert step == 60
+    for name, table in before.items():
+        for key, value in table.items():
+            got = after[name][key]
+            assert (got == value) if not isinstance(value, torch.Tensor) else torch.equal(got, value), (name, key)
+    more = procs.trainer(port, 0, "--num-trainers", "1", "--max-steps", "20", *MOVIELENS)
+    assert more.wait(120) == 0, more.tail()
+    assert rows_in_memory(state_dir, "job-1", 1)[0] == 80
+    assert procs.stop(servers[0]) == 0, servers[0].tail()
+    assert back.wait(30) == 0, back.tail()
+    assert "global step 80" in servers[0].output() and "goes back" not in servers[0].output(), servers[0].tail()
+    assert not (state_dir / "job-1" / "server-1").exists()  # a clean stop releases it
 
 
 def merged_tables(states: list[dict]) -> dict[str, dict]:

@@ -11,6 +11,12 @@ schedule (this server writes its partition when server 0 asks and loads the one 
 It watches server 0 too: when server 0 stops answering, this server stops (exit 3), as a
 trainer without ``--reconnect`` does; restarted, it registers again and loads what server 0
 says.
+
+With ``--state-dir`` its state lives in memory (``psserver.ps.server.memory_state``): a process
+of it that dies leaves its parameters, rows and optimizer state there, and the one restarted in
+its place tells server 0 which global step it found. Server 0 lets it continue from there, and
+the others keep theirs, when it is the same server 0 that had this server's state from the start
+and updates are not synchronous (``ServerGroup.register``); otherwise what it found goes.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from psserver.ps.server import endpoint as rpc_endpoint
 from psserver.ps.server.checkpointing import CheckpointPolicy
 from psserver.ps.server.endpoint import Endpoint
 from psserver.ps.server.membership import Member
+from psserver.ps.server.memory_state import MemoryState
 from psserver.telemetry import TrainerStatus
 from psserver.utils.memory import configure_host_allocator, freeze_long_lived
 
@@ -96,7 +103,10 @@ class PartitionServer:
         self.config = config
         self.engine = StepEngine(config, resolve_devices(config.devices))
         self.policy = CheckpointPolicy(config, self.engine)
+        self.memory = MemoryState(config.memory_state, config.server_rank) if config.memory_state.enabled else None
         try:
+            if self.memory is not None:
+                self.memory.prepare()
             self.policy.restore()  # checks the directory; loads nothing until server 0 says what
         except BaseException:
             self.engine.close()
@@ -107,6 +117,7 @@ class PartitionServer:
         self._shutdown = threading.Event()
         self._reason = ""
         self.exit_code = 0
+        self._serving = False  # start() completed: a stop after it may release the state in memory
         log.info("server %d of %d: %d of the %s's parameters on %s", config.server_rank, config.num_servers,
                  self.engine.num_params, config.model, self.engine.devices[0])
 
@@ -129,19 +140,32 @@ class PartitionServer:
                          rpc_backend_options=rendezvous.backend_options(url, cfg.rpc_timeout, cfg.rpc_threads))
         except RuntimeError as e:
             raise ServerLost(f"cannot join the RPC group of server 0 at {where}: {str(e).splitlines()[0]}") from None
+        found = self.memory.load() if self.memory is not None else None
         hello = ServerHello(cfg.server_rank, cfg.num_servers, cfg.model, cfg.seed, socket.gethostname(), os.getpid(),
                             self.engine.num_params, self.policy.directory is not None,
-                            dataclasses.asdict(cfg.lr_schedule))
+                            dataclasses.asdict(cfg.lr_schedule),
+                            None if found is None else int(found[0]["global_step"]))
         reply = rpc.rpc_sync(rendezvous.SERVER_NAME, peers.server_call, args=("register", (hello,)))
         if "error" in reply:
             self._leave_group()
             raise UsageError(reply["error"])
         if reply["optimizer"] is not None:
             self.engine.agree_optimizer(OptimizerConfig(**reply["optimizer"]), "server 0")
-        if reply["resume"] is not None:
-            self.policy.load_partition(int(reply["resume"]["step"]), str(reply["resume"]["run"]))
+        if found is not None and reply.get("memory"):
+            self.policy.restore_memory(found)
+        else:
+            if found is not None:
+                assert self.memory is not None
+                self.memory.forget_found()
+                log.warning("server 0 did not continue from the state in memory (global step %s): %s",
+                            found[0]["global_step"], reply.get("memory_why") or "it starts this server afresh")
+            if reply["resume"] is not None:
+                self.policy.load_partition(int(reply["resume"]["step"]), str(reply["resume"]["run"]))
+        if self.memory is not None:
+            self.memory.attach(self.engine, self.policy.live_snapshot, self.policy.run_id)
         self._follow_rounds(int(reply["rounds"]))
         self.endpoint.open(self.roster)  # type: ignore[arg-type]
+        self._serving = True
         log.info("server %d serving its partition on %s (server 0 at %s)", cfg.server_rank, cfg.host, where)
 
     def serve_forever(self) -> None:
@@ -193,6 +217,8 @@ class PartitionServer:
             half.close()
         self._leave_group()
         self.engine.close()
+        if self.memory is not None and self._serving and not self.exit_code:
+            self.memory.release()  # a clean stop (after lost server 0, a restart may continue from it)
         log.info("server %d stopped", self.config.server_rank)
 
     def _leave_group(self) -> None:

@@ -10,7 +10,11 @@ A server that stops answering is *lost*: server 0 says so, evicts it from the RP
 waits (state ``WAITING``: no joins, no steps; trainers exit 3 or, with ``--reconnect``, wait).
 When it registers again, every server goes back to the newest complete checkpoint (server 0's
 file exists only for those) and training continues: the steps applied on some partitions and
-not on others since then are undone together.
+not on others since then are undone together. Unless it comes back with its state in memory
+(``--state-dir``) and updates are not synchronous: then it continues from there and no server
+goes back. Each trainer numbers its gradients and every server keeps the last number it applied
+per rank, so the trainers (evicted, they rejoin) hand in again the step that failed on the dead
+server, and each server applies it once: the one that had, not again.
 """
 
 from __future__ import annotations
@@ -167,7 +171,12 @@ class ServerGroup:
             peer = self.peers[hello.rank]
             info = rpc.get_worker_info(peer.name)
             resume: dict | None = None
-            if self._complete_once:
+            memory, why = self._continues_from_memory(hello)
+            if memory:
+                self._evict_trainers(f"server {peer.rank} was lost and comes back with its state in memory")
+                log.warning("server %d comes back with its state in memory (its global step %d): no server goes back",
+                            peer.rank, hello.memory_step)
+            elif self._complete_once:
                 resume = self._roll_back(peer)
             elif self.resume_step is not None:
                 resume = {"step": self.resume_step, "run": self.policy.run_id}
@@ -186,7 +195,27 @@ class ServerGroup:
             self.set_state(rendezvous.SERVING)
             log.info("all %d server processes are serving", cfg.num_servers)
         optimizer = self.engine.optimizer_config
-        return {"resume": resume, "optimizer": asdict(optimizer) if optimizer else None, "rounds": self._rounds()}
+        return {"resume": resume, "optimizer": asdict(optimizer) if optimizer else None, "rounds": self._rounds(),
+                "memory": memory, "memory_why": why}
+
+    def _continues_from_memory(self, hello: ServerHello) -> tuple[bool, str]:
+        """Whether a registering server continues from the state it found in memory (and why not)."""
+        if hello.memory_step is None:
+            return False, ""
+        if not self._complete_once:
+            return False, "server 0 started since that state was written: every server starts from what it says"
+        if self.config.update == "sync":
+            return False, "a sync round in flight cannot be rebuilt: every server goes back to a checkpoint"
+        return True, ""
+
+    def _evict_trainers(self, why: str) -> None:
+        """(lock held) The trainers still members: evicted (with ``--reconnect`` they rejoin)."""
+        if self.membership is None:
+            return
+        with self.membership.lock:
+            names = list(self.membership.members)
+        for name in names:
+            self.membership.evict(name, why)
 
     def _rounds(self) -> int:
         """Sync rounds server 0 has closed (0 in other modes)."""
@@ -207,12 +236,8 @@ class ServerGroup:
         """(lock held) A lost server is back: every server to the newest complete checkpoint.
         The trainers still members are evicted first (their steps may have landed on some
         partitions only); with ``--reconnect`` they rejoin."""
-        if self.membership is not None:
-            with self.membership.lock:
-                names = list(self.membership.members)
-            for name in names:
-                self.membership.evict(name, f"server {returning.rank} was lost and every server goes back to the "
-                                            "newest complete checkpoint")
+        self._evict_trainers(f"server {returning.rank} was lost and every server goes back to the newest complete "
+                             "checkpoint")
         step = self.policy.reload_latest()
         if step is None:
             log.warning("no complete checkpoint to go back to: server %d starts from the initial parameters while the "

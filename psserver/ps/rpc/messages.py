@@ -65,3 +65,6 @@ class ServerHello:
     """Whether it has a ``--checkpoint-dir`` (needed when server 0 has one)."""
     lr_schedule: dict | None = None
     """Its learning-rate schedule (``LRScheduleConfig`` fields): every server steps server 0's."""
+    memory_step: int | None = None
+    """The global step of the state a dead process of it left in memory (None: none found):
+    server 0 says whether it continues from there (``ServerGroup.register``)."""

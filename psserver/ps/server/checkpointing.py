@@ -281,13 +281,7 @@ class CheckpointPolicy:
             check_writable(directory)
             remove_stale_temporaries(directory)
         if memory is not None:
-            state, where = memory
-            self._restore(state, where, checkpoint=False)
-            self.run_id = state["run"]
-            if self.checkpointer is not None:
-                self.checkpointer.run = self.run_id
-            log.info("continuing run %s from its state in memory (%s)", self.run_id, where)
-            return self.engine.global_step
+            return self.restore_memory(memory)
         if self.config.server_rank > 0:
             return None  # a partition server loads what server 0 says (load_partition)
         if ck.resume is None:
@@ -306,6 +300,16 @@ class CheckpointPolicy:
             header, state = load_checkpoint(Path(ck.resume))
         self._restore(state, header.path)
         self._continue(header, int(state["global_step"]))
+        return self.engine.global_step
+
+    def restore_memory(self, memory: tuple[dict, Path]) -> int:
+        """Continue from the state a dead process of this run left in memory; its global step."""
+        state, where = memory
+        self._restore(state, where, checkpoint=False)
+        self.run_id = state["run"]
+        if self.checkpointer is not None:
+            self.checkpointer.run = self.run_id
+        log.info("continuing run %s from its state in memory (%s)", self.run_id, where)
         return self.engine.global_step
 
     def _start_fresh(self) -> None:

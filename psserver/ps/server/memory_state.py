@@ -121,6 +121,7 @@ class MemoryState:
         self.config = config
         self.root = config.directory
         self.key = config.key or uuid.uuid4().hex[:16]
+        self.server_rank = server_rank
         self.dir = self.root / self.key / f"server-{server_rank}"
         self.stale: list[Segment] = []
         """Segments of other runs whose processes are gone (reported; deleted with ``remove_stale``)."""
@@ -202,7 +203,7 @@ class MemoryState:
     def attach(self, engine: StepEngine, snapshot: Callable[[], dict], run: str) -> None:
         """Keep ``engine``'s state in the segment from now on (``snapshot``: the checkpoint
         structure of its live tensors, taken under the updater's lock; ``run``: its run id)."""
-        why = _unsupported(engine)
+        why = _unsupported(engine, self.server_rank)
         if why is not None:
             self.disabled = why
             log.warning("state in memory: off, %s; a restarted server resumes from its last checkpoint", why)
@@ -219,6 +220,11 @@ class MemoryState:
             engine.sequences.durable = self
             if engine.has_model:
                 self._bind()
+
+    def forget_found(self) -> None:
+        """What ``load`` found is not continued from (server 0 said so): the next generation
+        starts from the engine's state, with no trainer's gradient counted as applied."""
+        self.ranks = {}
 
     # ---- the journal (psserver.ps.engine.sequences; the updater's lock held) -------------------
 
@@ -329,9 +335,9 @@ class MemoryState:
         os.replace(tmp, self.dir / OWNER)
 
 
-def _unsupported(engine: StepEngine) -> str | None:
-    if engine.plan is not None:
-        return "several server processes do not keep it there yet"
+def _unsupported(engine: StepEngine, server_rank: int) -> str | None:
+    if engine.plan is not None and server_rank == 0:
+        return "server 0 of several does not keep it there yet (its restart sends every server to a checkpoint)"
     if any(d.type != "cpu" for d in engine.devices):
         return f"the model lives on {', '.join(str(d) for d in engine.devices)}, not in host memory"
     return None
