@@ -124,8 +124,10 @@ class ServeCommand(SubCommand):
         if config.supervise:
             from psserver.ps.server.supervisor import supervise
 
+            # A partition server that lost server 0 exits 3: restarted, it waits for server 0 to be
+            # back and continues from its state in memory (kept by this process's key).
             return supervise(args.argv, config.max_restarts, resume=config.checkpoint.directory is not None,
-                             state=config.memory_state)
+                             state=config.memory_state, restart_codes=(3,) if config.server_rank > 0 else ())
         from psserver.ps.server.server import run_server  # (imports torch: what a standby has done ahead)
         from psserver.ps.server.supervisor import STANDBY_ENV, standby_wait
 

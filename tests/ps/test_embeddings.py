@@ -212,43 +212,71 @@ def rows_in_memory(state_dir: Path, key: str, rank: int) -> tuple[int, dict]:
     return int(state["global_step"]), tables
 
 
+def same_rows(want: dict, got: dict) -> None:
+    for name, table in want.items():
+        for key, value in table.items():
+            have = got[name][key]
+            assert (have == value) if not isinstance(value, torch.Tensor) else torch.equal(have, value), (name, key)
+
+
 @needs_movielens
-@pytest.mark.timeout(300)
-def test_a_killed_server_continues_from_its_state_in_memory_and_no_server_goes_back(procs, port, state_dir):
-    """Two server processes, server 1 with its state in memory (``--state-dir``, its key kept as
-    a supervisor or a restarted container keeps it): SIGKILLed after 60 steps and started again,
-    it continues from its rows, their lazy-Adam moments, step counts and clocks, bit for bit, and
-    server 0 keeps its own: 20 more steps take both to 80, with no checkpoint anywhere."""
-    common = [*MF, "--trainer-timeout", "2"]
-    memory = ["--state-dir", str(state_dir), "--state-key", "job-1"]
-    servers = start_servers(procs, port, 2, *common, per_server={1: memory})
+@pytest.mark.timeout(420)
+def test_killed_servers_continue_from_their_state_in_memory_and_none_goes_back(procs, port, state_dir):
+    """Two server processes with their state in memory (``--state-dir``, one key for the job, as a
+    supervisor or a restarted container keeps it), no checkpoint anywhere. Server 1 SIGKILLed
+    after 60 steps and started again continues from its rows, their lazy-Adam moments, step
+    counts and clocks, bit for bit, and server 0 keeps its own. Then server 0 SIGKILLed (server 1
+    stops, exit 3, its state kept) and both started again: both continue from their own. 20 more
+    steps take both to 80."""
+    common = [*MF, "--trainer-timeout", "2", "--state-dir", str(state_dir), "--state-key", "job"]
+
+    def server1(name: str):
+        return procs.start(["serve", "--num-servers", "2", "--server-rank", "1", "--coordinator", f"127.0.0.1:{port}",
+                            "--port", str(free_port()), *common], name)
+
+    servers = start_servers(procs, port, 2, *common)
     t = procs.trainer(port, 0, "--num-trainers", "1", "--max-steps", "60", *MOVIELENS)
     assert t.wait(120) == 0, t.tail()
-    step, before = rows_in_memory(state_dir, "job-1", 1)
+    step, before = rows_in_memory(state_dir, "job", 1)
     assert step == 60 and before["user"]["ids"].numel() > 0
     assert {"state.m", "state.v", "state.t"} <= set(before["item"])
     servers[1].signal(signal.SIGKILL)
     servers[1].wait(10)
     servers[0].wait_for(r"server 1 \(psserver_1 on \S+\) lost", timeout=30)
-    back = procs.start(["serve", "--num-servers", "2", "--server-rank", "1", "--coordinator", f"127.0.0.1:{port}",
-                        "--port", str(free_port()), *common, *memory], "server1-back")
+    back = server1("server1-back")
     servers[0].wait_for(r"server 1 comes back with its state in memory \(its global step 60\): no server goes back",
                         timeout=90)
     servers[0].wait_for(r"all \d+ server processes are serving", timeout=60, nth=2)
     back.wait_for(r"continuing run \S+ from its state in memory", timeout=30)
-    step, after = rows_in_memory(state_dir, "job-1", 1)  # the generation the restarted process wrote
+    back.wait_for(r"state in memory: \S+, generation \d+", timeout=30)  # the restarted process's own
+    step, after = rows_in_memory(state_dir, "job", 1)
     assert step == 60
-    for name, table in before.items():
-        for key, value in table.items():
-            got = after[name][key]
-            assert (got == value) if not isinstance(value, torch.Tensor) else torch.equal(got, value), (name, key)
+    same_rows(before, after)
+
+    step0, before0 = rows_in_memory(state_dir, "job", 0)
+    assert step0 == 60
+    servers[0].signal(signal.SIGKILL)
+    servers[0].wait(10)
+    assert back.wait(60) == 3, back.tail()  # it lost server 0: it stops, its state stays
+    first = procs.server(port, "--num-servers", "2", "--server-rank", "0", *common, wait=False)
+    again = server1("server1-again")
+    first.wait_for(r"all \d+ server processes are serving", timeout=90)
+    for proc in (first, again):
+        proc.wait_for(r"continuing run \S+ from its state in memory", timeout=30)
+    again.wait_for(r"state in memory: \S+, generation \d+", timeout=30)
+    assert rows_in_memory(state_dir, "job", 1)[0] == 60
+    same_rows(before, rows_in_memory(state_dir, "job", 1)[1])
+    same_rows(before0, rows_in_memory(state_dir, "job", 0)[1])
+
     more = procs.trainer(port, 0, "--num-trainers", "1", "--max-steps", "20", *MOVIELENS)
     assert more.wait(120) == 0, more.tail()
-    assert rows_in_memory(state_dir, "job-1", 1)[0] == 80
-    assert procs.stop(servers[0]) == 0, servers[0].tail()
-    assert back.wait(30) == 0, back.tail()
-    assert "global step 80" in servers[0].output() and "goes back" not in servers[0].output(), servers[0].tail()
-    assert not (state_dir / "job-1" / "server-1").exists()  # a clean stop releases it
+    assert rows_in_memory(state_dir, "job", 1)[0] == 80
+    assert procs.stop(first) == 0, first.tail()
+    assert again.wait(30) == 0, again.tail()
+    assert "global step 80" in first.output(), first.tail()
+    for proc in (servers[0], back, first, again):
+        assert "goes back" not in proc.output(), proc.tail()
+    assert not (state_dir / "job").exists()  # a clean stop releases both
 
 
 def merged_tables(states: list[dict]) -> dict[str, dict]:

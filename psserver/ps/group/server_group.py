@@ -90,6 +90,9 @@ class ServerGroup:
         """Removes a dead process from the RPC group (``Membership.evict_worker``)."""
         self.resume_step: int | None = None
         """The checkpoint server 0 started from: every server loads its partition of it."""
+        self.from_memory = False
+        """Server 0 continues from its state in memory: the others continue from theirs, or all go
+        back to a checkpoint when one has none."""
         self.draining = False
         self._complete_once = False  # all servers were there at least once (training may have begun)
         self._serving: tuple[Peer, ...] = ()  # read without the lock (round_closed runs under the updater's)
@@ -176,7 +179,8 @@ class ServerGroup:
                 self._evict_trainers(f"server {peer.rank} was lost and comes back with its state in memory")
                 log.warning("server %d comes back with its state in memory (its global step %d): no server goes back",
                             peer.rank, hello.memory_step)
-            elif self._complete_once:
+            elif self._complete_once or self.from_memory:
+                # Server 0 or the others hold steps this server's state does not: all go back.
                 resume = self._roll_back(peer)
             elif self.resume_step is not None:
                 resume = {"step": self.resume_step, "run": self.policy.run_id}
@@ -202,8 +206,9 @@ class ServerGroup:
         """Whether a registering server continues from the state it found in memory (and why not)."""
         if hello.memory_step is None:
             return False, ""
-        if not self._complete_once:
-            return False, "server 0 started since that state was written: every server starts from what it says"
+        if not self._complete_once and not self.from_memory:
+            return False, "server 0 started afresh or from a checkpoint since that state was written: every server " \
+                          "starts from what it says"
         if self.config.update == "sync":
             return False, "a sync round in flight cannot be rebuilt: every server goes back to a checkpoint"
         return True, ""
@@ -238,7 +243,9 @@ class ServerGroup:
         partitions only); with ``--reconnect`` they rejoin."""
         self._evict_trainers(f"server {returning.rank} was lost and every server goes back to the newest complete "
                              "checkpoint")
+        self.from_memory = False
         step = self.policy.reload_latest()
+        self.resume_step = step
         if step is None:
             log.warning("no complete checkpoint to go back to: server %d starts from the initial parameters while the "
                         "others keep theirs (give the servers --checkpoint-dir to restore a consistent state)",

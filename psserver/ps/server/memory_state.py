@@ -203,7 +203,7 @@ class MemoryState:
     def attach(self, engine: StepEngine, snapshot: Callable[[], dict], run: str) -> None:
         """Keep ``engine``'s state in the segment from now on (``snapshot``: the checkpoint
         structure of its live tensors, taken under the updater's lock; ``run``: its run id)."""
-        why = _unsupported(engine, self.server_rank)
+        why = _unsupported(engine)
         if why is not None:
             self.disabled = why
             log.warning("state in memory: off, %s; a restarted server resumes from its last checkpoint", why)
@@ -335,9 +335,10 @@ class MemoryState:
         os.replace(tmp, self.dir / OWNER)
 
 
-def _unsupported(engine: StepEngine, server_rank: int) -> str | None:
-    if engine.plan is not None and server_rank == 0:
-        return "server 0 of several does not keep it there yet (its restart sends every server to a checkpoint)"
+def _unsupported(engine: StepEngine) -> str | None:
+    if engine.plan is not None and engine.config.update == "sync":
+        return "several server processes in sync mode do not keep it there (a round in flight across them cannot " \
+               "be rebuilt: a lost one sends every server to a checkpoint)"
     if any(d.type != "cpu" for d in engine.devices):
         return f"the model lives on {', '.join(str(d) for d in engine.devices)}, not in host memory"
     return None

@@ -68,7 +68,8 @@ class ParameterServer:
         self.group: ServerGroup | None = None
         if config.num_servers > 1:
             self.group = ServerGroup(config, self.engine, self.policy, self._set_state)
-            self.group.resume_step = resumed
+            self.group.resume_step = resumed if found is None else None
+            self.group.from_memory = found is not None
             self.policy.before_write = self.group.save_partitions
             self.endpoint.group = self.group
             self.view.group = self.group

@@ -73,10 +73,11 @@ def describe(code: int) -> str:
 
 
 def supervise(argv: Sequence[str], max_restarts: int, *, resume: bool = True,
-              state: MemoryStateConfig | None = None) -> int:
+              state: MemoryStateConfig | None = None, restart_codes: tuple[int, ...] = ()) -> int:
     """Run ``psserver serve argv`` until it stops on its own or is told to; its exit code
     (1 when it kept dying: ``max_restarts`` restarts within ``RESTART_WINDOW_S``). ``resume``:
-    restarts add ``--resume`` (a checkpoint directory is set); ``state``: the memory state."""
+    restarts add ``--resume`` (a checkpoint directory is set); ``state``: the memory state;
+    ``restart_codes``: exit codes that restart it too, as a death by a signal does."""
     command = server_argv(argv)
     env = dict(os.environ, **{SUPERVISOR_ENV: str(os.getpid())})
     in_memory = state is not None and state.enabled
@@ -112,7 +113,7 @@ def supervise(argv: Sequence[str], max_restarts: int, *, resume: bool = True,
         log.info("supervising psserver serve (pid %d)", child.pid)
         while True:
             code = _wait(child, stopping, tick)
-            if stopping or code >= 0:
+            if stopping or (code >= 0 and code not in restart_codes):
                 return code if code >= 0 else 128 - code
             now = time.monotonic()
             while restarts and now - restarts[0] > RESTART_WINDOW_S:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import signal
 import socket
+import sys
 import time
 
 import psutil
@@ -60,6 +61,23 @@ def test_a_restart_resumes_the_run_and_never_starts_a_new_one():
     assert resume_argv(again) == again
     assert resume_argv([*first[:3], "serve", "--resume=/ckpt/x.pt"]) == [*first[:3], "serve", "--resume=/ckpt/x.pt"]
     assert describe(-signal.SIGSEGV) == "SIGSEGV" and describe(3) == "exit code 3"
+
+
+@pytest.mark.timeout(60)
+def test_an_exit_code_it_is_told_of_restarts_the_server_as_a_signal_does(tmp_path, monkeypatch):
+    """A partition server that lost server 0 exits 3: its supervisor starts it again (to wait for
+    server 0 and continue from its state in memory); any other exit code ends the supervisor."""
+    from psserver.ps.server import supervisor
+
+    runs = tmp_path / "runs"
+    child = [sys.executable, "-c", f"import pathlib, sys; p = pathlib.Path({str(runs)!r}); "
+             "n = len(p.read_text()) if p.exists() else 0; p.write_text('x' * (n + 1)); sys.exit(3 if n < 2 else 0)"]
+    monkeypatch.setattr(supervisor, "server_argv", lambda argv: child)
+    assert supervisor.supervise(["serve"], 5, resume=False, restart_codes=(3,)) == 0
+    assert runs.read_text() == "xxx"  # exit 3, exit 3, exit 0
+    runs.unlink()
+    assert supervisor.supervise(["serve"], 5, resume=False) == 3  # not told: exit 3 is its answer
+    assert runs.read_text() == "x"
 
 
 def test_supervise_needs_somewhere_to_come_back_from(port):
