@@ -12,6 +12,11 @@ class ServerUnavailable(UsageError):
     """The server (RPC or control plane) cannot be reached."""
 
 
+class AdmissionUnanswered(ServerUnavailable):
+    """The server did not answer a join's request for room (it died meanwhile, or is stuck):
+    a trainer with ``--reconnect`` tries again, as after any join lost half-way."""
+
+
 class DataError(UsageError, ValueError):
     """Training data that is missing, unreadable or does not fit the model (also a
     ``ValueError``, as the data loaders documented before it existed)."""

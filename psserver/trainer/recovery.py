@@ -19,7 +19,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from psserver.config import TrainerConfig
-from psserver.errors import Evicted, ServerLost, UsageError
+from psserver.errors import AdmissionUnanswered, Evicted, ServerLost, UsageError
 from psserver.ps.rpc import rendezvous
 from psserver.ps.rpc.messages import Report
 from psserver.ps.server import endpoint
@@ -57,7 +57,7 @@ def join(config: TrainerConfig, position: Position | None, stop: StopSignals, mo
             return Session(config, stop, model)
         try:
             return Session(config, stop, model)
-        except JoinLost as e:  # --reconnect: a server lost during the first join is waited for too
+        except (JoinLost, AdmissionUnanswered) as e:  # --reconnect: a server lost during the first join too
             log.warning("joining failed (%s): rejoining in a fresh process", e)
             reexec(Position(), stop, argv)  # RPC is never initialised twice in one process (psserver.ps.rpc.torch_rpc)
     where = f"{config.server_host}:{config.server_port}"

@@ -396,8 +396,9 @@ class ServerGroup:
             self._serving = tuple(p for p in self.peers.values() if p.state == "SERVING")
             if self.membership is not None:
                 self.membership.peers.discard(peer.name)
-        log.error("server %d (%s on %s) lost: %s. The job's steps wait until it is back: restart it (it goes back, "
-                  "with every server, to the newest complete checkpoint)", peer.rank, peer.name, peer.host, why)
+        log.error("server %d (%s on %s) lost: %s. The job's steps wait until it is back: restart it (with its state "
+                  "in memory it continues from there; without, every server returns to the newest complete "
+                  "checkpoint)", peer.rank, peer.name, peer.host, why)
         self.set_state(rendezvous.WAITING)
         if self.evict_worker is not None:
             self.evict_worker(peer.name, peer.rpc_id)

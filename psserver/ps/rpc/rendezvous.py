@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch.distributed.rendezvous import register_rendezvous_handler
 
-from psserver.errors import ServerUnavailable, UsageError
+from psserver.errors import AdmissionUnanswered, ServerUnavailable, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -149,9 +149,13 @@ def request_admission(store, rank: int, where: str, timeout: float = ADMISSION_T
     try:
         store.wait([answer_key], datetime.timedelta(seconds=timeout))
         answer = store.get(answer_key).decode()
-    except RuntimeError:  # DistStoreError: no answer in time, or the store went away
-        raise ServerUnavailable(f"the psserver at {where} did not answer the join of rank {rank} within "
-                                f"{timeout:g}s") from None
+    except RuntimeError as e:  # DistStoreError: no answer in time, or the store went away
+        if "timeout" in str(e).lower():
+            raise AdmissionUnanswered(f"the psserver at {where} did not answer the join of rank {rank} within "
+                                      f"{timeout:g}s") from None
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise AdmissionUnanswered(f"the psserver at {where} went away while it admitted rank {rank} ({first})") \
+            from None
     with contextlib.suppress(RuntimeError):
         store.delete_key(answer_key)
     word, *ids = answer.split()
