@@ -121,7 +121,6 @@ class MemoryState:
         self.config = config
         self.root = config.directory
         self.key = config.key or uuid.uuid4().hex[:16]
-        self.server_rank = server_rank
         self.dir = self.root / self.key / f"server-{server_rank}"
         self.stale: list[Segment] = []
         """Segments of other runs whose processes are gone (reported; deleted with ``remove_stale``)."""
