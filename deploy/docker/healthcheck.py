@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
 """Container health check: asks the control plane's standard gRPC health service.
 
-Exit 0 when the overall health ("" service) is SERVING, else 1 (Docker's contract). The
+Exit 0 when the overall health ("" service) is SERVING, else 1 (Docker's contract): SERVING
+means trainers can train now (with several server processes: every one has registered), the
+question a readiness probe asks. ``--live`` asks whether the process is alive instead: any
+answer passes, NOT_SERVING included (server 0 waiting for a lost server process is alive and
+must not be restarted), no answer fails; for startup and liveness probes. The
 address is ``$PSSERVER_HEALTH_ADDRESS`` (default 127.0.0.1:50051, the default
 ``--control-port``); the health service needs no token. With ``--tls-cert`` on the server set
 ``PSSERVER_HEALTH_TLS_CA`` to a CA file (or the server's certificate) to check over TLS.
@@ -44,7 +48,12 @@ def serves_no_control_plane() -> bool:
     return (_env_int("PSSERVER_NUM_SERVERS") or 1) > 1 and server_rank() > 0
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if any(a != "--live" for a in args):
+        sys.stderr.write("usage: psserver-healthcheck [--live]\n")
+        return 2
+    live = "--live" in args
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -65,6 +74,8 @@ def main() -> int:
     finally:
         channel.close()
     serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+    if live:
+        return 0  # it answered: alive, whether or not the job can train now
     if not serving:
         state = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
         sys.stderr.write(f"psserver health: {address}: {state}\n")

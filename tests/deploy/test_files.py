@@ -180,16 +180,19 @@ def test_healthcheck_script_against_a_grpc_health_server():
     server.start()
     script = str(DEPLOY / "docker" / "healthcheck.py")
 
-    def check(address: str, **extra: str) -> subprocess.CompletedProcess:
+    def check(address: str, *args: str, **extra: str) -> subprocess.CompletedProcess:
         env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
         env.update({"PSSERVER_HEALTH_ADDRESS": address, "HOSTNAME": "psserver", **extra})
-        return subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=30)
+        return subprocess.run([sys.executable, script, *args], env=env, capture_output=True, text=True, timeout=30)
 
     follower = {"PSSERVER_NUM_SERVERS": "2", "PSSERVER_SERVER_RANK": "1"}
     try:
         servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         r = check(f"127.0.0.1:{port}")
         assert r.returncode == 1 and "NOT_SERVING" in r.stderr
+        assert check(f"127.0.0.1:{port}", "--live").returncode == 0  # it answers: alive, not ready
+        r = check(f"127.0.0.1:{port}", "--ready")
+        assert r.returncode == 2 and "usage: psserver-healthcheck [--live]" in r.stderr
         # a server of rank > 0 that answers is held to the answer
         assert check(f"127.0.0.1:{port}", **follower).returncode == 1
         servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -197,6 +200,7 @@ def test_healthcheck_script_against_a_grpc_health_server():
     finally:
         server.stop(None)
     assert check(f"127.0.0.1:{port}").returncode == 1  # nobody listening
+    assert check(f"127.0.0.1:{port}", "--live").returncode == 1
     # nobody listening on a server of rank > 0: server 0 serves the control plane, so it passes
     assert check(f"127.0.0.1:{port}", **follower).returncode == 0
     # the pod-index label missing (an empty PSSERVER_SERVER_RANK): the host name's ordinal, as the CLI
@@ -385,9 +389,11 @@ def test_statefulset_and_services_agree():
     assert int(annotations["prometheus.io/port"]) == metrics_port
 
     # the probes run the image's health check: the control plane on 127.0.0.1:<control port>
-    # (--control-host 0.0.0.0 covers the loopback), passing on a server of rank > 0 that serves none
-    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        assert c[probe]["exec"]["command"] == ["python", HEALTHCHECK_IN_IMAGE], probe
+    # (--control-host 0.0.0.0 covers the loopback), passing on a server of rank > 0 that serves none;
+    # startup and liveness ask only that it answers (server 0 waiting for a lost server process is
+    # NOT_SERVING and must not be restarted), readiness that the job can train (SERVING)
+    for probe, extra in (("startupProbe", ["--live"]), ("livenessProbe", ["--live"]), ("readinessProbe", [])):
+        assert c[probe]["exec"]["command"] == ["python", HEALTHCHECK_IN_IMAGE, *extra], probe
         assert c[probe]["timeoutSeconds"] >= 5, f"{probe}: python starts and asks with a 3 s deadline"
     assert "PSSERVER_HEALTH_ADDRESS" not in env
     assert f'"127.0.0.1:{control_port}"' in (DEPLOY / "docker" / "healthcheck.py").read_text()

@@ -77,6 +77,8 @@ class ParameterServer:
                 self.engine.updater.round_listeners.append(self.group.round_closed)
         self._shutdown = threading.Event()
         self._shutdown_reason = ""
+        self._open = False  # start() completed and stop() not begun: health may say SERVING
+        self._state_lock = threading.Lock()
         if not self.engine.has_model:
             log.info("no --model: the first trainer that joins brings the model (its layout and initial values)")
         else:
@@ -123,7 +125,10 @@ class ParameterServer:
         if token is None:
             log.warning("no join token: any peer that reaches %s:%d can join this server and read or write its "
                         "store (--join-token-file or PSSERVER_JOIN_TOKEN)", cfg.host, cfg.port)
-        self.view.ready.set()
+        with self._state_lock:  # health SERVING now, unless a server process is missing
+            self._open = True
+            if self.endpoint.state == rendezvous.SERVING:
+                self.view.ready.set()
         log.info("psserver %s serving %s on %s:%d (update=%s%s)", __version__,
                  self.engine.model_ref or "<the-first-trainer's-model>", cfg.host, cfg.port,
                  cfg.update, f", K={cfg.sync_trainers}" if cfg.update == "sync" else "")
@@ -138,10 +143,16 @@ class ParameterServer:
 
     def _set_state(self, state: str) -> None:
         """``SERVING``; with several server processes also ``STARTING`` or ``WAITING`` while one
-        is missing (no joins, no steps)."""
-        self.endpoint.state = state
-        if self.store is not None:
-            self.published.set(self.store, rendezvous.KEY_SERVER_STATE, state)
+        is missing (no joins, no steps). Health (``view.ready``) is SERVING only in ``SERVING``
+        once the endpoint is open: a readiness probe admits trainers only when they can train."""
+        with self._state_lock:
+            self.endpoint.state = state
+            if self.store is not None:
+                self.published.set(self.store, rendezvous.KEY_SERVER_STATE, state)
+            if self._open and state == rendezvous.SERVING:
+                self.view.ready.set()
+            else:
+                self.view.ready.clear()
 
     def request_shutdown(self, reason: str = "shutdown requested") -> None:
         if not self._shutdown.is_set():
@@ -163,7 +174,9 @@ class ParameterServer:
         if self.group is not None:
             self.group.draining = True
         self.endpoint.drain()
-        self.view.ready.clear()
+        with self._state_lock:
+            self._open = False
+            self.view.ready.clear()
         if self.store is not None:
             with contextlib.suppress(RuntimeError):  # a store that is gone already
                 self.published.set(self.store, rendezvous.KEY_SERVER_STATE, rendezvous.DRAINING)

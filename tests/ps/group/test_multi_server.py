@@ -14,6 +14,7 @@ import torch
 
 from psserver.checkpoint import checkpoint_path, list_checkpoints, read_checkpoint, step_of
 from psserver.control.client import ControlClient
+from psserver.control.v1.control_pb2 import ServerState
 from psserver.ps.group.partition import PartitionPlan
 from tests.procs import MNIST_ARGS, accuracy, free_port, run, start_servers
 
@@ -149,6 +150,43 @@ def test_a_killed_server_comes_back_and_every_server_returns_to_one_checkpoint(p
     assert "reconnected as trainer_0_" in keeps.output()
     assert procs.stop(servers[0]) == 0, servers[0].tail()
     assert back.wait(30) == 0, back.tail()
+
+
+@pytest.mark.timeout(180)
+def test_health_is_serving_only_while_every_server_process_is_there(procs, port):
+    """A readiness probe admits trainers only when they can train: server 0's gRPC health is
+    NOT_SERVING until server 1 registers, SERVING then, NOT_SERVING while server 1 is lost, and
+    SERVING again once it is back."""
+    def health_becomes(client: ControlClient, want: str, timeout: float = 30.0) -> None:
+        deadline, got = time.monotonic() + timeout, None
+        while time.monotonic() < deadline:
+            got = client.health(timeout=2.0)
+            if got == want:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"health stayed {got}, not {want}, for {timeout}s")
+
+    common = ["--model", "mlp", "--num-servers", "2"]
+    s0 = procs.server(port, *common, "--server-rank", "0", control_port=0, wait=False)
+    s0.wait_for(r"waiting for server process\(es\) 1 of 2 to register", timeout=90)
+    address = "{}:{}".format(*s0.wait_for(LISTENING.pattern, timeout=30).groups())
+    s0.wait_for(r"serving \S+ on", timeout=30)
+    client = ControlClient(address, timeout=10)
+    try:
+        assert client.health() == "NOT_SERVING"
+        assert ServerState.Name(client.get_status().state) == "SERVER_STATE_STARTING"
+        one = ["serve", *common, "--server-rank", "1", "--coordinator", f"127.0.0.1:{port}"]
+        s1 = procs.start([*one, "--port", str(free_port())], "server1")
+        health_becomes(client, "SERVING", 90)
+        s1.signal(signal.SIGKILL)
+        s1.wait(10)
+        health_becomes(client, "NOT_SERVING")
+        assert ServerState.Name(client.get_status().state) == "SERVER_STATE_WAITING"
+        procs.start([*one, "--port", str(free_port())], "server1-back")
+        health_becomes(client, "SERVING", 90)
+    finally:
+        client.close()
+    assert procs.stop(s0) == 0, s0.tail()
 
 
 @pytest.mark.timeout(120)
