@@ -152,6 +152,50 @@ def test_a_killed_server_comes_back_and_every_server_returns_to_one_checkpoint(p
     assert back.wait(30) == 0, back.tail()
 
 
+@pytest.mark.timeout(300)
+def test_a_server_killed_mid_step_continues_from_memory_and_every_step_lands_once(procs, port, tmp_path):
+    """Two server processes with their state in memory, two ``--reconnect`` trainers stepping:
+    server 1 SIGKILLed mid-training and started again with the job's key continues from its own
+    state (no server goes back), the trainers hand in again the steps that failed on it, and at
+    the end each server has applied every trainer step exactly once."""
+    common = ["--model", "mlp", "--trainer-timeout", "2", "--state-dir", str(tmp_path / "state"),
+              "--state-key", "job"]
+    servers = start_servers(procs, port, 2, *common, control=True)
+    address = "{}:{}".format(*servers[0].wait_for(LISTENING.pattern, timeout=30).groups())
+    slow = {"PSSERVER_TEST_STEP_DELAY": "0.02"}
+    train = ["--num-trainers", "2", "--epochs", "5", "--max-steps", "150", "--batch-size", "32", "--reconnect"]
+    trainers = [procs.trainer(port, r, *train, env=slow) for r in range(2)]
+    client = ControlClient(address, timeout=10)
+    try:
+        deadline = time.monotonic() + 90
+        while client.get_status().global_step < 60:
+            assert time.monotonic() < deadline, servers[0].tail()
+            time.sleep(0.1)
+        servers[1].signal(signal.SIGKILL)
+        servers[1].wait(10)
+        servers[0].wait_for(r"server 1 \(psserver_1 on \S+\) lost", timeout=30)
+        procs.start(["serve", "--num-servers", "2", "--server-rank", "1", "--coordinator", f"127.0.0.1:{port}",
+                     "--port", str(free_port()), *common], "server1-back")
+        servers[0].wait_for(r"server 1 comes back with its state in memory \(its global step \d+\): no server "
+                            r"goes back", timeout=90)
+        for t in trainers:
+            assert t.wait(180) == 0, t.tail()
+            assert "reconnected as trainer_" in t.output(), t.tail()
+        steps = sum(int(re.search(r"rank \d+: (\d+) steps", t.output()).group(1)) for t in trainers)
+        assert steps == 300
+        deadline, applied = time.monotonic() + 15, None
+        while time.monotonic() < deadline:  # server 1's count reaches server 0 with its next watch
+            applied = [s.updates_applied for s in client.get_status().servers]
+            if applied == [steps, steps]:
+                break
+            time.sleep(0.2)
+        assert applied == [steps, steps], servers[0].tail()
+    finally:
+        client.close()
+    assert procs.stop(servers[0]) == 0, servers[0].tail()
+    assert "every server goes back to checkpoint" not in servers[0].output()
+
+
 @pytest.mark.timeout(180)
 def test_health_is_serving_only_while_every_server_process_is_there(procs, port):
     """A readiness probe admits trainers only when they can train: server 0's gRPC health is
