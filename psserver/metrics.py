@@ -31,7 +31,14 @@ from prometheus_client.registry import Collector
 
 from psserver.config import ObservabilityConfig
 from psserver.errors import UsageError
-from psserver.telemetry import CONTROL_REFUSALS, RPC_REFUSALS, ControlTarget, ServerStatus, TrainerStatus
+from psserver.telemetry import (
+    CONTROL_REFUSALS,
+    RPC_REFUSALS,
+    SERVER_STATES,
+    ControlTarget,
+    ServerStatus,
+    TrainerStatus,
+)
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +141,7 @@ class StatusCollector(Collector):
         info.add_metric([s.version, s.mode, s.model, s.update_mode], 1)
         yield info
         state = GaugeMetricFamily(f"{PREFIX}_state", "1 for the server's current state", labels=["state"])
-        for name in ("STARTING", "SERVING", "DRAINING", "STOPPED"):
+        for name in SERVER_STATES:  # WAITING included: a job that lost a server process waits for it
             state.add_metric([name], 1 if s.state == name else 0)
         yield state
         yield _gauge("up", "1 while the server is SERVING", 1 if s.state == "SERVING" else 0)
@@ -277,6 +284,11 @@ class StatusCollector(Collector):
                     nonfinite, clipped)
 
     def _checkpoint_metrics(self, s: ServerStatus) -> Iterator[Metric]:
+        # The schedule, so that an alert can compare the newest checkpoint's age with it (0: off).
+        yield _gauge("checkpoint_interval_seconds", "Seconds between periodic checkpoints while steps are made "
+                     "(--checkpoint-interval; 0: not by time, or no --checkpoint-dir)", s.checkpoint_interval_s)
+        yield _gauge("checkpoint_every_steps", "Global steps between checkpoints (--checkpoint-every; 0: not by "
+                     "step count, or no --checkpoint-dir)", s.checkpoint_every_steps)
         ck = s.last_checkpoint
         if ck is None:
             return
