@@ -308,10 +308,23 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(f"{PREFIX}_{name}", doc, value=float(value))
 
 
-def build_registry(target: ControlTarget) -> tuple[CollectorRegistry, Histogram]:
-    """A private registry with the status collector, process metrics and the RPC histogram."""
+class ServerRankCollector(Collector):
+    """What a server process i > 0 exports besides its process metrics and RPC times: its rank
+    (server 0 exports the job's state, these processes' liveness included)."""
+
+    def __init__(self, server_rank: int) -> None:
+        self.server_rank = server_rank
+
+    def collect(self) -> Iterator[Metric]:
+        yield _gauge("server_rank", "--server-rank of this server process (1..S-1; server 0 exports the job's "
+                     "state)", self.server_rank)
+
+
+def build_registry(target: ControlTarget | None, server_rank: int = 0) -> tuple[CollectorRegistry, Histogram]:
+    """A private registry with the status collector (server 0, collective rank 0) or the rank of a
+    server process i > 0 (``target`` None), process metrics and the RPC histogram."""
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(StatusCollector(target))
+    registry.register(StatusCollector(target) if target is not None else ServerRankCollector(server_rank))
     ProcessCollector(registry=registry)
     histogram = Histogram(
         f"{PREFIX}_rpc_duration_seconds",
@@ -394,9 +407,9 @@ class TensorBoardWriter:
 class Exporters:
     """What :func:`start_exporters` started; ``close()`` stops all of it (idempotent)."""
 
-    def __init__(self, target: ControlTarget) -> None:
+    def __init__(self, target: ControlTarget | None, server_rank: int = 0) -> None:
         self.target = target
-        self.registry, self._rpc_histogram = build_registry(target)
+        self.registry, self._rpc_histogram = build_registry(target, server_rank)
         self.metrics_address: tuple[str, int] | None = None
         self._httpd: Any = None
         self._http_thread: threading.Thread | None = None
@@ -455,6 +468,22 @@ def start_exporters(
             exporters.start_http(obs.metrics_host, obs.metrics_port)
         if obs.tensorboard_dir is not None:
             exporters.tensorboard = TensorBoardWriter(target, Path(obs.tensorboard_dir), tensorboard_interval_s)
+    except BaseException:
+        exporters.close()
+        raise
+    _register(exporters)
+    return exporters
+
+
+def start_server_process_exporter(obs: ObservabilityConfig, server_rank: int) -> Exporters | None:
+    """Server process i > 0 of ``--num-servers``: with ``--metrics-port``, its process metrics, the
+    times it spends in trainers' RPCs and its rank (no status of its own: server 0 exports the
+    job's); None without ``--metrics-port``. Its ``--tensorboard-dir`` is server 0's business."""
+    if obs.metrics_port is None:
+        return None
+    exporters = Exporters(None, server_rank)
+    try:
+        exporters.start_http(obs.metrics_host, obs.metrics_port)
     except BaseException:
         exporters.close()
         raise

@@ -259,6 +259,26 @@ def test_server_status_carries_the_checkpoint_schedule_only_with_a_checkpoint_di
     assert schedule(CheckpointConfig(every_steps=100, interval_s=30.0)) == (0.0, 0)
 
 
+def test_server_process_exporter_serves_its_rank_process_metrics_and_rpc_times():
+    """Server i > 0 of --num-servers: Prometheus scrapes every server process (deploy/prometheus/),
+    so each serves its own process metrics and RPC times; the job's state stays server 0's."""
+    from psserver.metrics import observe_rpc, start_server_process_exporter
+
+    assert start_server_process_exporter(ObservabilityConfig(), 1) is None  # no --metrics-port: nothing
+    ex = start_server_process_exporter(ObservabilityConfig(metrics_port=0), 2)
+    assert ex is not None
+    try:
+        observe_rpc("push", 0.002)
+        s = scrape(ex.metrics_port)
+        assert value(s, "psserver_server_rank") == 2
+        assert value(s, "psserver_rpc_duration_seconds_count", method="push") == 1
+        assert any(k[0] == "process_resident_memory_bytes" for k in s)
+        assert not any(k[0] in {"psserver_up", "psserver_steps_total", "psserver_trainers"} for k in s)
+    finally:
+        ex.close()
+    observe_rpc("push", 0.002)  # closed: unregistered
+
+
 def test_two_exporters_in_one_process_and_rpc_histogram():
     from psserver.metrics import observe_rpc, rpc_timed, start_exporters
 

@@ -4,9 +4,9 @@
   ``rules.test.yml``) on the shipped files;
 - ``promtool check metrics`` on a full exposition of the collector (every family, embedding and
   checkpoint ones included) and on a live server's;
-- the real ``prometheus`` binary, on the shipped rules, scraping a live server while a trainer
-  trains: the trainer is SIGKILLed and PsserverTrainerLost must fire within its ``for:`` window
-  (read from Prometheus's HTTP API).
+- the real ``prometheus`` binary, on the shipped configuration's jobs and rules, scraping a live
+  job of two server processes while a trainer trains: the trainer is SIGKILLed and
+  PsserverTrainerLost must fire within its ``for:`` window (read from Prometheus's HTTP API).
 
 Skipped, with the reason, where the binaries are missing (``apt-get install prometheus``).
 """
@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from tests.deploy.commands import DEPLOY
-from tests.procs import free_port
+from tests.procs import free_port, start_servers
 
 PROMETHEUS_DIR = DEPLOY / "prometheus"
 CONFIG = PROMETHEUS_DIR / "prometheus.yml"
@@ -174,16 +174,17 @@ def wait_until(predicate, timeout: float, what: str, procs=()):
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last error: {last})")
 
 
-def live_config(metrics_port: int, interval: str) -> dict[str, Any]:
-    """The shipped configuration with its `psserver` job pointed at the live server, the shipped
-    rule file by absolute path, and short scrape and evaluation intervals (the rules, their
-    `for:` windows included, are the shipped ones)."""
+def live_config(server0: int, server1: int, interval: str) -> dict[str, Any]:
+    """The shipped configuration with its `psserver` job pointed at the live server 0 and its
+    `psserver-servers` job at server 1, the shipped rule file by absolute path, and short scrape
+    and evaluation intervals (the rules, their `for:` windows included, are the shipped ones)."""
     config = yaml.safe_load(CONFIG.read_text())
     config["global"] = {"scrape_interval": interval, "evaluation_interval": interval}
     config["rule_files"] = [str(RULES)]
-    jobs = [c for c in config["scrape_configs"] if c["job_name"] == "psserver"]
-    jobs[0]["static_configs"] = [{"targets": [f"127.0.0.1:{metrics_port}"]}]
-    config["scrape_configs"] = jobs
+    jobs = {c["job_name"]: c for c in config["scrape_configs"]}
+    jobs["psserver"]["static_configs"] = [{"targets": [f"127.0.0.1:{server0}"]}]
+    jobs["psserver-servers"]["static_configs"] = [{"targets": [f"127.0.0.1:{server1}"]}]
+    config["scrape_configs"] = [jobs["psserver"], jobs["psserver-servers"]]
     return config
 
 
@@ -196,13 +197,15 @@ def test_real_prometheus_fires_trainer_lost_within_its_for_window(tmp_path, proc
     lost = rules()["PsserverTrainerLost"]
     for_s = duration_s(lost["for"])
     trainer_timeout = 2.0
-    port, metrics_port, prom_port = free_port(), free_port(), free_port()
+    port, metrics_port, metrics1, prom_port = free_port(), free_port(), free_port(), free_port()
     one_thread = {"OMP_NUM_THREADS": "1"}
-    server = procs.server(port, "--model", "mlp", "--compute-threads", "1", "--metrics-port", str(metrics_port),
-                          "--trainer-timeout", str(trainer_timeout), wait=False, env=one_thread,
-                          log=tmp_path / "server.log")
+    # Two server processes, as on a cluster: server 0 (the job's state) and server 1 (its process).
+    server, server1 = start_servers(procs, port, 2, "--model", "mlp", "--compute-threads", "1",
+                                    "--trainer-timeout", str(trainer_timeout),
+                                    per_server={0: ["--metrics-port", str(metrics_port)],
+                                                1: ["--metrics-port", str(metrics1)]})
     config = tmp_path / "prometheus.yml"
-    config.write_text(yaml.safe_dump(live_config(metrics_port, "1s")))
+    config.write_text(yaml.safe_dump(live_config(metrics_port, metrics1, "1s")))
     promtool("check", "config", str(config), cwd=tmp_path)
     prometheus = procs.start(
         ["--config.file", str(config), "--storage.tsdb.path", str(tmp_path / "tsdb"),
@@ -210,20 +213,24 @@ def test_real_prometheus_fires_trainer_lost_within_its_for_window(tmp_path, proc
         "prometheus", prefix=[PROMETHEUS], cwd=tmp_path, log=tmp_path / "prometheus.log")
     wait_until(lambda: "Ready" in fetch(f"http://127.0.0.1:{prom_port}/-/ready"), 30, "Prometheus ready",
                [prometheus])
-    wait_until(lambda: "psserver_up 1.0" in fetch(f"http://127.0.0.1:{metrics_port}/metrics"), 60, "server up",
-               [server])
     trainer = procs.trainer(port, 0, "--epochs", "1000", "--max-steps", "100000", env=one_thread,
                             log=tmp_path / "trainer.log")
 
     def training_in_prometheus() -> bool:
-        """Prometheus itself scraped the trainer as up and the step moving."""
-        up = api(prom_port, "query", query='psserver_trainer_up{job="psserver",rank="0"} == 1')["result"]
-        steps = api(prom_port, "query", query='psserver_steps_total{job="psserver"} > 0')["result"]
-        return bool(up and steps)
+        """Prometheus itself scraped the trainer as up, the step moving, and both server processes."""
+        queries = ('psserver_trainer_up{job="psserver",rank="0"} == 1', 'psserver_steps_total{job="psserver"} > 0',
+                   'psserver_server_process_up{job="psserver",server="1"} == 1',
+                   'psserver_server_rank{job="psserver-servers"} == 1',
+                   'psserver_rpc_duration_seconds_count{job="psserver-servers"} > 0')
+        return all(api(prom_port, "query", query=q)["result"] for q in queries)
 
-    wait_until(training_in_prometheus, 60, "Prometheus to see the trainer train", [server, trainer, prometheus])
-    # The live exposition, mid-training, is clean for promtool too.
+    wait_until(training_in_prometheus, 60, "Prometheus to see the trainer train on both servers",
+               [server, server1, trainer, prometheus])
+    # The live expositions, mid-training, are clean for promtool too.
     promtool("check", "metrics", stdin=fetch(f"http://127.0.0.1:{metrics_port}/metrics"))
+    promtool("check", "metrics", stdin=fetch(f"http://127.0.0.1:{metrics1}/metrics"))
+    assert {t["labels"]["job"]: t["health"] for t in api(prom_port, "targets")["activeTargets"]} == {
+        "psserver": "up", "psserver-servers": "up"}
     assert not [a for a in api(prom_port, "alerts")["alerts"] if a["labels"]["alertname"] == "PsserverTrainerLost"]
 
     trainer.signal(signal.SIGKILL)
@@ -248,4 +255,4 @@ def test_real_prometheus_fires_trainer_lost_within_its_for_window(tmp_path, proc
     # Not before its `for:` (from the eviction), and within it plus the eviction and a few
     # scrape/evaluation intervals after the kill.
     assert for_s <= fired_at - killed_at <= trainer_timeout + for_s + 15, fired_at - killed_at
-    assert server.running(), server.tail()
+    assert server.running() and server1.running(), server.tail()

@@ -36,6 +36,7 @@ import torch.distributed.rpc as rpc
 
 from psserver.config import OptimizerConfig, ServerConfig
 from psserver.errors import ServerLost, UsageError
+from psserver.metrics import start_server_process_exporter
 from psserver.models.layout import ModelLayout
 from psserver.ps.engine.engine import StepEngine, resolve_devices
 from psserver.ps.engine.sync_updates import FollowerSyncUpdater
@@ -281,6 +282,7 @@ def run_partition_server(config: ServerConfig) -> int:
     torch.set_num_threads(config.compute_threads or os.cpu_count() or 1)
     configure_host_allocator(config.allocator)
     server = PartitionServer(config)
+    metrics = start_server_process_exporter(config.observability, config.server_rank)
     previous = {}
 
     def on_signal(signum, frame):  # noqa: ARG001
@@ -300,6 +302,8 @@ def run_partition_server(config: ServerConfig) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if metrics is not None:
+            metrics.close()
     if server.exit_code:
         raise ServerLost(f"server {config.server_rank} lost server 0 at {config.coordinator}")
     return 0
