@@ -9,6 +9,7 @@ only a broken status produces), read from a real /metrics endpoint.
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
@@ -97,9 +98,15 @@ def exported_names() -> set[str]:
 
     target = realistic_target()
     names: set[str] = set()
-    with start_exporters(target, ObservabilityConfig(metrics_port=0)) as ex:
-        for broken in (False, True):
-            target.broken = broken
-            with urllib.request.urlopen(f"http://127.0.0.1:{ex.metrics_port}/metrics", timeout=10) as r:
-                names |= names_in(r.read().decode())
+    quiet = logging.getLogger("psserver.metrics")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)  # the broken status logs its traceback: expected here
+    try:
+        with start_exporters(target, ObservabilityConfig(metrics_port=0)) as ex:
+            for broken in (False, True):
+                target.broken = broken
+                with urllib.request.urlopen(f"http://127.0.0.1:{ex.metrics_port}/metrics", timeout=10) as r:
+                    names |= names_in(r.read().decode())
+    finally:
+        quiet.setLevel(level)
     return names

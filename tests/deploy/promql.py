@@ -40,3 +40,50 @@ def metric_names(expr: str) -> set[str]:
             continue
         names.add(ident)
     return names
+
+
+# ---- Grafana dashboards ------------------------------------------------------------------
+
+_LABEL_VALUES = re.compile(r"^\s*label_values\((.*),\s*\w+\s*\)\s*$", re.S)
+GRAFANA_VALUES = {"$__rate_interval": "1m", "$__interval": "1m", "$__range": "1h"}
+
+
+def grafana_queries(dashboard: dict) -> list[tuple[str, str]]:
+    """(where, PromQL) of every query of a dashboard: each panel target's ``expr`` (rows' nested
+    panels included) and each query variable's selector (``label_values(SELECTOR, label)``)."""
+    out = []
+
+    def panels(items: list[dict]):
+        for p in items:
+            yield p
+            yield from panels(p.get("panels", []))
+
+    for p in panels(dashboard.get("panels", [])):
+        for t in p.get("targets", []):
+            out.append((f"panel {p.get('title')!r} target {t.get('refId')}", t["expr"]))
+    for v in dashboard.get("templating", {}).get("list", []):
+        if v.get("type") == "query":
+            q = v["query"]["query"] if isinstance(v["query"], dict) else v["query"]
+            m = _LABEL_VALUES.match(q)
+            out.append((f"variable ${v['name']}", m.group(1) if m else q))
+    return out
+
+
+def substitute(expr: str) -> str:
+    """``expr`` with Grafana's variables replaced by values Prometheus accepts (intervals by a
+    duration, dashboard variables by ``.*``: they only appear in ``=~`` matchers)."""
+    for name, value in GRAFANA_VALUES.items():
+        expr = expr.replace(name, value)
+    return _GRAFANA_VAR.sub(".*", expr)
+
+
+def unknown_metrics(queries: list[tuple[str, str]], exported: set[str]) -> dict[str, set[str]]:
+    """{where: names not in ``exported``} of the queries that read a metric nobody exports, or none."""
+    out = {}
+    for where, expr in queries:
+        names = metric_names(expr)
+        if not names:
+            out[where] = {"(no metric)"}
+        elif names - exported:
+            out[where] = names - exported
+    return out
