@@ -3,7 +3,9 @@
 ``start_exporters(target, obs)`` starts what ``ObservabilityConfig`` asks for and returns an
 :class:`Exporters` whose ``close()`` stops it all. Both exporters only read the
 :class:`psserver.telemetry.ControlTarget` snapshots (``get_status()``, ``list_trainers()``),
-so the parameter server and collective rank 0 share them:
+so the parameter server and collective rank 0 share them (server processes i > 0 of
+``--num-servers`` serve only their process metrics and RPC times:
+:func:`start_server_process_exporter`):
 
 - Prometheus: a private :class:`CollectorRegistry` (several servers can run in one process,
   as tests do) served over HTTP; a custom collector reads the snapshots at scrape time, so no

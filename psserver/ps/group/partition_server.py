@@ -281,8 +281,13 @@ def run_partition_server(config: ServerConfig) -> int:
     """``psserver serve --server-rank i`` (i > 0): 0 after a stop, 3 when server 0 was lost."""
     torch.set_num_threads(config.compute_threads or os.cpu_count() or 1)
     configure_host_allocator(config.allocator)
-    server = PartitionServer(config)
-    metrics = start_server_process_exporter(config.observability, config.server_rank)
+    metrics = start_server_process_exporter(config.observability, config.server_rank)  # a taken port fails first
+    try:
+        server = PartitionServer(config)
+    except BaseException:
+        if metrics is not None:
+            metrics.close()
+        raise
     previous = {}
 
     def on_signal(signum, frame):  # noqa: ARG001
