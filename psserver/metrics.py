@@ -3,7 +3,9 @@
 ``start_exporters(target, obs)`` starts what ``ObservabilityConfig`` asks for and returns an
 :class:`Exporters` whose ``close()`` stops it all. Both exporters only read the
 :class:`psserver.telemetry.ControlTarget` snapshots (``get_status()``, ``list_trainers()``),
-so the parameter server and collective rank 0 share them:
+so the parameter server and collective rank 0 share them (server processes i > 0 of
+``--num-servers`` serve only their process metrics and RPC times:
+:func:`start_server_process_exporter`):
 
 - Prometheus: a private :class:`CollectorRegistry` (several servers can run in one process,
   as tests do) served over HTTP; a custom collector reads the snapshots at scrape time, so no
@@ -31,7 +33,14 @@ from prometheus_client.registry import Collector
 
 from psserver.config import ObservabilityConfig
 from psserver.errors import UsageError
-from psserver.telemetry import CONTROL_REFUSALS, RPC_REFUSALS, ControlTarget, ServerStatus, TrainerStatus
+from psserver.telemetry import (
+    CONTROL_REFUSALS,
+    RPC_REFUSALS,
+    SERVER_STATES,
+    ControlTarget,
+    ServerStatus,
+    TrainerStatus,
+)
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +143,7 @@ class StatusCollector(Collector):
         info.add_metric([s.version, s.mode, s.model, s.update_mode], 1)
         yield info
         state = GaugeMetricFamily(f"{PREFIX}_state", "1 for the server's current state", labels=["state"])
-        for name in ("STARTING", "SERVING", "DRAINING", "STOPPED"):
+        for name in SERVER_STATES:  # WAITING included: a job that lost a server process waits for it
             state.add_metric([name], 1 if s.state == name else 0)
         yield state
         yield _gauge("up", "1 while the server is SERVING", 1 if s.state == "SERVING" else 0)
@@ -277,6 +286,11 @@ class StatusCollector(Collector):
                     nonfinite, clipped)
 
     def _checkpoint_metrics(self, s: ServerStatus) -> Iterator[Metric]:
+        # The schedule, so that an alert can compare the newest checkpoint's age with it (0: off).
+        yield _gauge("checkpoint_interval_seconds", "Seconds between periodic checkpoints while steps are made "
+                     "(--checkpoint-interval; 0: not by time, or no --checkpoint-dir)", s.checkpoint_interval_s)
+        yield _gauge("checkpoint_every_steps", "Global steps between checkpoints (--checkpoint-every; 0: not by "
+                     "step count, or no --checkpoint-dir)", s.checkpoint_every_steps)
         ck = s.last_checkpoint
         if ck is None:
             return
@@ -296,10 +310,23 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(f"{PREFIX}_{name}", doc, value=float(value))
 
 
-def build_registry(target: ControlTarget) -> tuple[CollectorRegistry, Histogram]:
-    """A private registry with the status collector, process metrics and the RPC histogram."""
+class ServerRankCollector(Collector):
+    """What a server process i > 0 exports besides its process metrics and RPC times: its rank
+    (server 0 exports the job's state, these processes' liveness included)."""
+
+    def __init__(self, server_rank: int) -> None:
+        self.server_rank = server_rank
+
+    def collect(self) -> Iterator[Metric]:
+        yield _gauge("server_rank", "--server-rank of this server process (1..S-1; server 0 exports the job's "
+                     "state)", self.server_rank)
+
+
+def build_registry(target: ControlTarget | None, server_rank: int = 0) -> tuple[CollectorRegistry, Histogram]:
+    """A private registry with the status collector (server 0, collective rank 0) or the rank of a
+    server process i > 0 (``target`` None), process metrics and the RPC histogram."""
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(StatusCollector(target))
+    registry.register(StatusCollector(target) if target is not None else ServerRankCollector(server_rank))
     ProcessCollector(registry=registry)
     histogram = Histogram(
         f"{PREFIX}_rpc_duration_seconds",
@@ -382,9 +409,9 @@ class TensorBoardWriter:
 class Exporters:
     """What :func:`start_exporters` started; ``close()`` stops all of it (idempotent)."""
 
-    def __init__(self, target: ControlTarget) -> None:
+    def __init__(self, target: ControlTarget | None, server_rank: int = 0) -> None:
         self.target = target
-        self.registry, self._rpc_histogram = build_registry(target)
+        self.registry, self._rpc_histogram = build_registry(target, server_rank)
         self.metrics_address: tuple[str, int] | None = None
         self._httpd: Any = None
         self._http_thread: threading.Thread | None = None
@@ -443,6 +470,22 @@ def start_exporters(
             exporters.start_http(obs.metrics_host, obs.metrics_port)
         if obs.tensorboard_dir is not None:
             exporters.tensorboard = TensorBoardWriter(target, Path(obs.tensorboard_dir), tensorboard_interval_s)
+    except BaseException:
+        exporters.close()
+        raise
+    _register(exporters)
+    return exporters
+
+
+def start_server_process_exporter(obs: ObservabilityConfig, server_rank: int) -> Exporters | None:
+    """Server process i > 0 of ``--num-servers``: with ``--metrics-port``, its process metrics, the
+    times it spends in trainers' RPCs and its rank (no status of its own: server 0 exports the
+    job's); None without ``--metrics-port``. Its ``--tensorboard-dir`` is server 0's business."""
+    if obs.metrics_port is None:
+        return None
+    exporters = Exporters(None, server_rank)
+    try:
+        exporters.start_http(obs.metrics_host, obs.metrics_port)
     except BaseException:
         exporters.close()
         raise

@@ -181,6 +181,11 @@ class ServerStatus:
     """Where the live state is kept in shared memory, or ``off: <why>`` (empty: no ``--state-dir``)."""
     stale_state: list[StaleStateStatus] = field(default_factory=list)
     """State that jobs whose processes are gone left in ``--state-dir``."""
+    checkpoint_interval_s: float = 0.0
+    """``--checkpoint-interval``: seconds between periodic checkpoints while steps are made (0: not
+    by time, or checkpoints off); exported so that an alert can tell a checkpoint that is late."""
+    checkpoint_every_steps: int = 0
+    """``--checkpoint-every``: global steps between checkpoints (0: not by step count, or off)."""
 
     @property
     def uptime_s(self) -> float:

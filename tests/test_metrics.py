@@ -73,14 +73,18 @@ class FakeTarget:
         self.servers: list[ServerProcessStatus] = []
         self.tables: list[TableStatus] = []
         self.learning_rate = float("nan")
+        self.state = "SERVING"
+        self.checkpoint_interval_s = 0.0
+        self.checkpoint_every_steps = 0
 
     def get_status(self) -> ServerStatus:
         return ServerStatus(
-            version="0.0.test", state="SERVING", mode="ps", started_at=time.time() - 10, model="mlp",
+            version="0.0.test", state=self.state, mode="ps", started_at=time.time() - 10, model="mlp",
             num_params=1234, update_mode="async", sync_trainers=0, global_step=self.step,
             samples_seen=64 * self.step, updates_per_s=5.0, samples_per_s=320.0, mean_loss=self.loss,
             shards=[ShardStatus(0, "cpu", 1234, 4936, 1 << 20)], last_checkpoint=self.last_checkpoint,
             servers=list(self.servers), tables=list(self.tables), learning_rate=self.learning_rate,
+            checkpoint_interval_s=self.checkpoint_interval_s, checkpoint_every_steps=self.checkpoint_every_steps,
         )
 
     def list_trainers(self) -> list[TrainerStatus]:
@@ -216,6 +220,63 @@ def test_embedding_metrics_follow_the_snapshot():
         del target.tables[1]  # gone from the snapshot: gone from the scrape
         s = scrape(ex.metrics_port)
         assert set(of(s, "psserver_embedding_rows")) == {("users", "0"), ("users", "1")}
+
+
+def test_waiting_state_and_checkpoint_schedule_are_exported_for_the_alerts():
+    """deploy/prometheus/rules.yml alerts on a WAITING job and on a checkpoint older than its
+    interval (or steps): both need the server to export them."""
+    from psserver.metrics import start_exporters
+
+    target = FakeTarget()
+    with start_exporters(target, ObservabilityConfig(metrics_port=0)) as ex:
+        s = scrape(ex.metrics_port)
+        assert value(s, "psserver_state", state="WAITING") == 0
+        assert value(s, "psserver_checkpoint_interval_seconds") == 0  # checkpoints off: 0, not absent
+        assert value(s, "psserver_checkpoint_every_steps") == 0
+
+        target.state, target.checkpoint_interval_s, target.checkpoint_every_steps = "WAITING", 60.0, 500
+        s = scrape(ex.metrics_port)
+        assert value(s, "psserver_state", state="WAITING") == 1
+        assert value(s, "psserver_state", state="SERVING") == 0
+        assert value(s, "psserver_up") == 0
+        assert value(s, "psserver_checkpoint_interval_seconds") == 60
+        assert value(s, "psserver_checkpoint_every_steps") == 500
+
+
+def test_server_status_carries_the_checkpoint_schedule_only_with_a_checkpoint_dir(tmp_path):
+    """The parameter server's status takes the schedule from --checkpoint-interval/--checkpoint-every,
+    and 0 without --checkpoint-dir (no checkpoint will ever come: nothing to be late)."""
+    from types import SimpleNamespace
+
+    from psserver.config.ps import CheckpointConfig
+    from psserver.ps.server.status import ServerView
+
+    def schedule(checkpoint: CheckpointConfig) -> tuple[float, int]:
+        view = SimpleNamespace(config=SimpleNamespace(checkpoint=checkpoint))
+        return ServerView.checkpoint_schedule(view)  # type: ignore[arg-type]
+
+    assert schedule(CheckpointConfig(directory=tmp_path, every_steps=100, interval_s=30.0)) == (30.0, 100)
+    assert schedule(CheckpointConfig(every_steps=100, interval_s=30.0)) == (0.0, 0)
+
+
+def test_server_process_exporter_serves_its_rank_process_metrics_and_rpc_times():
+    """Server i > 0 of --num-servers: Prometheus scrapes every server process (deploy/prometheus/),
+    so each serves its own process metrics and RPC times; the job's state stays server 0's."""
+    from psserver.metrics import observe_rpc, start_server_process_exporter
+
+    assert start_server_process_exporter(ObservabilityConfig(), 1) is None  # no --metrics-port: nothing
+    ex = start_server_process_exporter(ObservabilityConfig(metrics_port=0), 2)
+    assert ex is not None
+    try:
+        observe_rpc("push", 0.002)
+        s = scrape(ex.metrics_port)
+        assert value(s, "psserver_server_rank") == 2
+        assert value(s, "psserver_rpc_duration_seconds_count", method="push") == 1
+        assert any(k[0] == "process_resident_memory_bytes" for k in s)
+        assert not any(k[0] in {"psserver_up", "psserver_steps_total", "psserver_trainers"} for k in s)
+    finally:
+        ex.close()
+    observe_rpc("push", 0.002)  # closed: unregistered
 
 
 def test_two_exporters_in_one_process_and_rpc_histogram():

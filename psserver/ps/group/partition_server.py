@@ -36,6 +36,7 @@ import torch.distributed.rpc as rpc
 
 from psserver.config import OptimizerConfig, ServerConfig
 from psserver.errors import ServerLost, UsageError
+from psserver.metrics import start_server_process_exporter
 from psserver.models.layout import ModelLayout
 from psserver.ps.engine.engine import StepEngine, resolve_devices
 from psserver.ps.engine.sync_updates import FollowerSyncUpdater
@@ -280,7 +281,13 @@ def run_partition_server(config: ServerConfig) -> int:
     """``psserver serve --server-rank i`` (i > 0): 0 after a stop, 3 when server 0 was lost."""
     torch.set_num_threads(config.compute_threads or os.cpu_count() or 1)
     configure_host_allocator(config.allocator)
-    server = PartitionServer(config)
+    metrics = start_server_process_exporter(config.observability, config.server_rank)  # a taken port fails first
+    try:
+        server = PartitionServer(config)
+    except BaseException:
+        if metrics is not None:
+            metrics.close()
+        raise
     previous = {}
 
     def on_signal(signum, frame):  # noqa: ARG001
@@ -300,6 +307,8 @@ def run_partition_server(config: ServerConfig) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if metrics is not None:
+            metrics.close()
     if server.exit_code:
         raise ServerLost(f"server {config.server_rank} lost server 0 at {config.coordinator}")
     return 0

@@ -119,6 +119,7 @@ class ServerView:
     def get_status(self) -> ServerStatus:
         cfg, engine = self.config, self.engine
         ups, sps, loss = self.meter.rates()
+        interval_s, every_steps = self.checkpoint_schedule()
         return ServerStatus(
             version=__version__,
             state=self.endpoint.state,
@@ -139,6 +140,8 @@ class ServerView:
             shards=[ShardStatus(s.index, str(s.device), s.num_params, s.num_bytes,
                                 s.device_memory() or psutil.Process().memory_info().rss) for s in engine.shards],
             last_checkpoint=self.policy.last,
+            checkpoint_interval_s=interval_s,
+            checkpoint_every_steps=every_steps,
             accuracy=self._latest_accuracy(),
             servers=self.group.statuses() if self.group is not None else [],
             tables=self._tables(),
@@ -150,6 +153,12 @@ class ServerView:
                                           float((x.owner or {}).get("started") or 0.0))
                          for x in self.memory.stale] if self.memory is not None else [],
         )
+
+    def checkpoint_schedule(self) -> tuple[float, int]:
+        """(``--checkpoint-interval``, ``--checkpoint-every``), both 0 without ``--checkpoint-dir``:
+        what the metrics export so that an alert can tell a late checkpoint."""
+        ck = self.config.checkpoint
+        return (ck.interval_s, ck.every_steps) if ck.directory is not None else (0.0, 0)
 
     def _tables(self) -> list[TableStatus]:
         """This process's embedding tables, then those the other server processes last reported."""
