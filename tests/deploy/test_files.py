@@ -711,7 +711,7 @@ def test_slurm_ps_starts_the_servers_in_one_step():
     assert option(serve.argv, "--num-servers") is not None and option(serve.argv, "--coordinator") is not None
     assert 'NUM_SERVERS=${PSSERVER_NUM_SERVERS:-1}' in text  # one server unless asked
     assert '--server-rank "$SLURM_PROCID"' in text
-    assert 'srun --nodes="$NUM_SERVERS" --ntasks="$NUM_SERVERS" --ntasks-per-node=1' in text
+    assert 'srun --job-name=psserver-servers --nodes="$NUM_SERVERS" --ntasks="$NUM_SERVERS" --ntasks-per-node=1' in text
     assert 'bash -c "$SERVER_TASK" server \\\n    psserver serve ' in text
 
 
