@@ -40,13 +40,14 @@ def slurm(tmp_path_factory):
 def _job_env(**extra: str) -> dict[str, str]:
     """The submitting shell's environment: this checkout first on PYTHONPATH (sbatch exports it to
     every task), small settings, fresh ports (the nodes share this machine's ports per address)."""
-    return env(
-        PATH=f"{Path(sys.executable).parent}:{env()['PATH']}",
-        PSSERVER_MODEL="mnist_cnn", PSSERVER_EPOCHS="1", PSSERVER_MAX_STEPS="20", PSSERVER_BATCH_SIZE="32",
-        PSSERVER_TRAIN_ARGS=" ".join(MNIST_ARGS), PSSERVER_CONNECT_TIMEOUT="60", OMP_NUM_THREADS="1",
-        PSSERVER_PORT=str(free_port()), PSSERVER_CONTROL_PORT=str(free_port()),
-        PSSERVER_METRICS_PORT=str(free_port()), **extra,
-    )
+    settings = {
+        "PATH": f"{Path(sys.executable).parent}:{env()['PATH']}",
+        "PSSERVER_MODEL": "mnist_cnn", "PSSERVER_EPOCHS": "1", "PSSERVER_MAX_STEPS": "20",
+        "PSSERVER_BATCH_SIZE": "32", "PSSERVER_TRAIN_ARGS": " ".join(MNIST_ARGS), "PSSERVER_CONNECT_TIMEOUT": "60",
+        "OMP_NUM_THREADS": "1", "PSSERVER_PORT": str(free_port()), "PSSERVER_CONTROL_PORT": str(free_port()),
+        "PSSERVER_METRICS_PORT": str(free_port()),
+    }
+    return env(**{**settings, **extra})
 
 
 def _submit_and_wait(slurm: SlurmCluster, script: str, workdir: Path, nodes: int, job_env: dict[str, str],
@@ -79,5 +80,30 @@ def test_ps_sbatch_trains_with_one_server_and_two_trainers_on_real_slurm(slurm, 
     assert re.search(r"server on n\d \(127\.0\.0\.\d+:\d+\), 2 trainer\(s\) on n\d,n\d", out), tail
     assert set(_accuracies(out)) == {0, 1}, tail
     assert re.search(r"psserver stopped at global step [1-9]", out), tail
+    assert "CANCELLED" not in out, tail  # stopped through the control plane (psserver stop), no signal
     assert list((tmp_path / "checkpoints").glob("*.pt")), "no final checkpoint"
     assert not (tmp_path / f".psserver-{job}").exists(), "the job's join token was left behind"
+
+
+def test_ps_sbatch_trains_with_two_servers_on_four_real_slurm_nodes(slurm, tmp_path):
+    # both servers bind the same port, each on its own node's address
+    _, out = _submit_and_wait(slurm, "ps.sbatch", tmp_path, 4, _job_env(PSSERVER_NUM_SERVERS="2"))
+    tail = out[-3000:]
+    assert re.search(r"server on n\d \(127\.0\.0\.\d+:\d+\) \+ 1 more server\(s\) on n\d, 2 trainer\(s\)", out), tail
+    assert set(_accuracies(out)) == {0, 1}, tail
+    assert "all 2 server processes are serving" in out, tail
+    assert "CANCELLED" not in out and "final checkpoint failed" not in out, tail
+    for i in (0, 1):  # each server wrote its partition of the final checkpoint
+        assert list((tmp_path / "checkpoints" / f"server-{i}").glob("*.pt")), f"server {i}: no checkpoint\n{tail}"
+
+
+def test_ddp_sbatch_trains_with_a_torchrun_rendezvous_across_real_slurm_nodes(slurm, tmp_path):
+    # no GPUs here: --gpus-per-node=0 on the command line overrides the script's, one process per
+    # node (gloo on the CPU), the rendezvous on the first node's NodeAddr
+    job_env = _job_env(PSSERVER_NPROC_PER_NODE="1", PSSERVER_RDZV_PORT=str(free_port()),
+                       PSSERVER_TRAIN_ARGS=" ".join([*MNIST_ARGS, "--control-port", str(free_port())]))
+    _, out = _submit_and_wait(slurm, "ddp.sbatch", tmp_path, 2, job_env, "--gpus-per-node=0")
+    tail = out[-3000:]
+    assert re.search(r"psserver ddp: 2 node\(s\) x 1 process\(es\), rendezvous n\d \(127\.0\.0\.\d+:\d+\)", out), tail
+    assert "rank 1/2 joined (gloo, cpu)" in out or "DDP: 2 ranks" in out, tail
+    assert set(_accuracies(out)) == {0}, tail  # rank 0 evaluates the one model
