@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,46 @@ def test_ddp_sbatch_trains_with_a_torchrun_rendezvous_across_real_slurm_nodes(sl
     assert re.search(r"psserver ddp: 2 node\(s\) x 1 process\(es\), rendezvous n\d \(127\.0\.0\.\d+:\d+\)", out), tail
     assert "rank 1/2 joined (gloo, cpu)" in out or "DDP: 2 ranks" in out, tail
     assert set(_accuracies(out)) == {0}, tail  # rank 0 evaluates the one model
+
+
+def _wait_for_output(slurm: SlurmCluster, workdir: Path, job: int, pattern: str, count: int, timeout: float) -> str:
+    """The job's output once ``pattern`` occurs ``count`` times in it; fails if the job ends first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = _output(workdir, job)
+        if len(re.findall(pattern, out, re.M)) >= count:
+            return out
+        state, code = slurm.state(job)
+        if state not in ("PENDING", "CONFIGURING", "RUNNING"):
+            raise AssertionError(f"job {job} ended {state} {code} before /{pattern}/:\n{out[-3000:]}")
+        time.sleep(0.5)
+    slurm.run(["scancel", str(job)], check=False)
+    raise AssertionError(f"job {job}: no /{pattern}/ x{count} within {timeout}s:\n{_output(workdir, job)[-3000:]}\n"
+                         f"{slurm.daemon_logs()}")
+
+
+def test_scancel_of_a_ps_job_checkpoints_and_a_resubmitted_job_resumes_from_it(slurm, tmp_path):
+    # a long run (2000 steps), cancelled once both trainers train: Slurm sends SIGTERM to every task
+    job = slurm.sbatch(DEPLOY / "slurm" / "ps.sbatch", "--nodes=3", f"--output={tmp_path}/job-%j.out",
+                       env=_job_env(PSSERVER_MAX_STEPS="2000", PSSERVER_EPOCHS="20"), cwd=tmp_path)
+    _wait_for_output(slurm, tmp_path, job, r"rank \d/2: \d+ training samples", 2, JOB_TIMEOUT)
+    time.sleep(3)  # some steps
+    slurm.run(["scancel", str(job)])
+    state, _ = slurm.wait(job, JOB_TIMEOUT)
+    out = _output(tmp_path, job)
+    tail = textwrap.indent(out[-3000:], "  ")
+    assert state == "CANCELLED", f"{state}:\n{tail}"
+    # the trainers left, the server wrote its final checkpoint and stopped
+    assert len(re.findall(r"trainer trainer_\d+_\d+ \(rank \d\) left after \d+ steps", out)) == 2, tail
+    m = re.search(r"checkpoint step (\d+) written to (\S+)", out)
+    assert m and int(m.group(1)) > 0, tail
+    step = int(m.group(1))
+    assert f"psserver stopped at global step {step}" in out, tail
+    assert Path(m.group(2)).exists() and not (tmp_path / f".psserver-{job}").exists()
+
+    # the same job again, in the same directory: it resumes from that checkpoint and completes
+    _, out2 = _submit_and_wait(slurm, "ps.sbatch", tmp_path, 3, _job_env(PSSERVER_MAX_STEPS="10"))
+    tail2 = out2[-3000:]
+    assert f"resumed from {m.group(2)}: global step {step}," in out2, tail2
+    assert f"resumed at step {step}" in out2 and set(_accuracies(out2)) == {0, 1}, tail2
+    assert re.search(rf"psserver stopped at global step {step + 20}\b", out2), tail2
