@@ -151,3 +151,22 @@ def test_scancel_of_a_ps_job_checkpoints_and_a_resubmitted_job_resumes_from_it(s
     assert f"resumed from {m.group(2)}: global step {step}," in out2, tail2
     assert f"resumed at step {step}" in out2 and set(_accuracies(out2)) == {0, 1}, tail2
     assert re.search(rf"psserver stopped at global step {step + 20}\b", out2), tail2
+
+
+def test_scancel_batch_sigterm_of_a_two_server_job_writes_both_parts_of_the_final_checkpoint(slurm, tmp_path):
+    # SIGTERM to the batch script only: it stops the trainers, then the servers through server 0
+    job = slurm.sbatch(DEPLOY / "slurm" / "ps.sbatch", "--nodes=4", f"--output={tmp_path}/job-%j.out",
+                       env=_job_env(PSSERVER_NUM_SERVERS="2", PSSERVER_MAX_STEPS="2000", PSSERVER_EPOCHS="20"),
+                       cwd=tmp_path)
+    _wait_for_output(slurm, tmp_path, job, r"rank \d/2: \d+ training samples", 2, JOB_TIMEOUT)
+    time.sleep(3)
+    slurm.run(["scancel", "--batch", "--signal=TERM", str(job)])
+    slurm.wait(job, JOB_TIMEOUT)
+    out = _output(tmp_path, job)
+    tail = textwrap.indent(out[-3000:], "  ")
+    assert len(re.findall(r"trainer trainer_\d+_\d+ \(rank \d\) left after \d+ steps", out)) == 2, tail
+    steps = {int(n) for n in re.findall(r"checkpoint step (\d+) written to \S+/server-\d/", out)}
+    assert len(steps) == 1 and steps.pop() > 0, tail
+    for i in (0, 1):
+        assert list((tmp_path / "checkpoints" / f"server-{i}").glob("*.pt")), f"server {i}: no checkpoint\n{tail}"
+    assert "final checkpoint failed" not in out and not (tmp_path / f".psserver-{job}").exists(), tail
