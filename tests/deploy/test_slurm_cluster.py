@@ -17,7 +17,7 @@ from tests.deploy.commands import DEPLOY
 from tests.deploy.slurm_cluster import SlurmCluster, missing
 from tests.procs import MNIST_ARGS, env, free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 JOB_TIMEOUT = 90  # seconds a small job may take, queueing included
 
