@@ -199,11 +199,12 @@ class SlurmCluster:
     # -- stopping -----------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Cancels every job, then SIGTERM (and after 10 s SIGKILL) to each daemon it started;
-        slurmstepd processes it left (they are the slurmds' children, in their sessions) go too."""
+        """Cancels every job (waits up to 20 s for them to end), then SIGTERM to each daemon it
+        started: its subreaper ends whatever slurmstepd or task is left under it (SIGTERM, SIGKILL
+        after 10 s); SIGKILL to each daemon's session after 20 s more."""
         if self.procs.get("slurmctld") and self.procs["slurmctld"].poll() is None:
             try:
-                self.run(["scancel", "--user=root", "--full"], check=False, timeout=10)
+                self.run(["scancel", "--user=root"], check=False, timeout=10)  # missing(): root
                 deadline = time.monotonic() + 20
                 while time.monotonic() < deadline:
                     r = self.run(["squeue", "-h", "-o", "%i"], check=False, timeout=10)
