@@ -717,7 +717,7 @@ def test_slurm_ps_starts_the_servers_in_one_step():
     assert option(serve.argv, "--num-servers") is not None and option(serve.argv, "--coordinator") is not None
     assert 'NUM_SERVERS=${PSSERVER_NUM_SERVERS:-1}' in text  # one server unless asked
     assert '--server-rank "$SLURM_PROCID"' in text
-    assert 'srun --nodes="$NUM_SERVERS" --ntasks="$NUM_SERVERS" --ntasks-per-node=1' in text
+    assert 'srun --job-name=psserver-servers --nodes="$NUM_SERVERS" --ntasks="$NUM_SERVERS" --ntasks-per-node=1' in text
     assert 'bash -c "$SERVER_TASK" server \\\n    psserver serve ' in text
 
 
@@ -785,7 +785,10 @@ def test_slurm_ps_makes_a_private_join_token():
     assert option(serve.argv, "--join-token-file") == option(train.argv, "--join-token-file")
     assert '--join-token-file "$JOIN_TOKEN_FILE"' in text
     assert "JOIN_TOKEN_FILE=$RUN_DIR/join-token" in text
-    assert "umask 077" in text and 'chmod 700 -- "$RUN_DIR"' in text and 'chmod 600 -- "$JOIN_TOKEN_FILE"' in text
+    assert "umask 077" in text and 'chmod 700 -- "$RUN_DIR"' in text and 'chmod 600 -- "$1"' in text
+    assert 'new_token "$JOIN_TOKEN_FILE"' in text and 'new_token "$CONTROL_TOKEN_FILE"' in text
+    # the control plane's token too: the script stops the servers through it
+    assert option(serve.argv, "--auth-token-file") is not None
     assert "/dev/urandom" in text  # no network, no extra tool
     assert 'rm -rf -- "$MADE_RUN_DIR"' in text  # removed when the job ends
     assert "PSSERVER_JOIN_TOKEN_FILE" in (DEPLOY / "README.md").read_text()

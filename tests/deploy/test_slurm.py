@@ -93,6 +93,8 @@ every server logged (so the script's SIGTERM never beats a server's handler)."""
 import json, os, signal, sys, time
 
 log = os.environ["FAKE_PSSERVER_LOG"]
+if sys.argv[1] == "stop":
+    sys.exit(1)  # no control plane here: the script signals the servers' step instead
 if sys.argv[1] == "serve":
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 with open(log, "a") as f:
