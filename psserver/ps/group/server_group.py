@@ -52,6 +52,10 @@ MISSED_TO_LOSE = 2
 """Unanswered watches in a row after which a server process is lost."""
 PING_TIMEOUT_S = 2.0
 SAVE_TIMEOUT_S = 300.0
+STOPPING_GRACE_S = 2.0
+"""How long server 0 waits for its own stop before telling a server that received SIGTERM to
+go: a job-wide SIGTERM (``scancel``, a deleted pod set) reaches every process at about the same
+moment, and which of them asks first is chance."""
 """How long server 0 waits for a partition of a checkpoint to be written."""
 
 
@@ -94,6 +98,9 @@ class ServerGroup:
         """Server 0 continues from its state in memory: the others continue from theirs, or all go
         back to a checkpoint when one has none."""
         self.draining = False
+        self.stop_requested = threading.Event()
+        """Server 0 was asked to stop (a signal, ``psserver stop``): a server process that
+        received SIGTERM too waits for the final checkpoint instead of leaving."""
         self._complete_once = False  # all servers were there at least once (training may have begun)
         self._serving: tuple[Peer, ...] = ()  # read without the lock (round_closed runs under the updater's)
         self.lock = threading.RLock()
@@ -263,8 +270,9 @@ class ServerGroup:
 
     def stopping(self, rank: int) -> str:
         """A server process received SIGTERM: ``wait`` while server 0 itself stops (its final
-        checkpoint needs every partition; it then stops the others), else ``go``: it is gone."""
-        if self.draining:
+        checkpoint needs every partition; it then stops the others), else ``go``: it is gone.
+        Runs on an RPC thread: it may wait ``STOPPING_GRACE_S`` for server 0's own stop."""
+        if self.draining or self.stop_requested.wait(STOPPING_GRACE_S):
             return "wait"
         peer = self.peers.get(rank)
         if peer is not None:

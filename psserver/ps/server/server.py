@@ -155,6 +155,8 @@ class ParameterServer:
                 self.view.ready.clear()
 
     def request_shutdown(self, reason: str = "shutdown requested") -> None:
+        if self.group is not None:
+            self.group.stop_requested.set()
         if not self._shutdown.is_set():
             self._shutdown_reason = reason
             self._shutdown.set()

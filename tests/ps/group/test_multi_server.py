@@ -197,6 +197,25 @@ def test_a_server_killed_mid_step_continues_from_memory_and_every_step_lands_onc
 
 
 @pytest.mark.timeout(180)
+def test_a_job_wide_sigterm_ends_with_every_part_of_the_final_checkpoint(procs, port, tmp_path):
+    """SIGTERM to every server process at about the same time (``scancel``, a deleted pod set),
+    server 1's 0.3 s first: it asks server 0, which waits for its own stop and has it wait for the final
+    checkpoint, whose every part is written; both exit 0."""
+    servers = start_servers(procs, port, 2, "--model", "mlp", ckpt=tmp_path)
+    t = procs.trainer(port, 0, "--max-steps", "20")
+    assert t.wait(120) == 0, t.tail()
+    servers[1].signal(signal.SIGTERM)
+    time.sleep(0.3)  # the signals of one job reach its processes on several nodes about together
+    servers[0].signal(signal.SIGTERM)
+    assert servers[0].wait(60) == 0, servers[0].tail()
+    assert servers[1].wait(60) == 0, servers[1].tail()
+    assert "waiting for its final checkpoint" in servers[1].output(), servers[1].tail()
+    newest = [list_checkpoints(tmp_path / f"server-{i}")[0] for i in range(2)]
+    assert [step_of(path) for path in newest] == [20, 20], newest
+    assert "lost" not in servers[0].output(), servers[0].tail()
+
+
+@pytest.mark.timeout(180)
 def test_health_is_serving_only_while_every_server_process_is_there(procs, port):
     """A readiness probe admits trainers only when they can train: server 0's gRPC health is
     NOT_SERVING until server 1 registers, SERVING then, NOT_SERVING while server 1 is lost, and
