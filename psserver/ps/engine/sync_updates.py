@@ -5,6 +5,7 @@ and, on a server process of rank > 0, the same rounds as server 0 decides them
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -14,6 +15,8 @@ from torch import nn
 
 from psserver.ps.engine.shard import Shard
 from psserver.ps.engine.updates import Grads, OnStep, Updater
+
+log = logging.getLogger(__name__)
 
 
 class SyncUpdater(Updater):
@@ -38,6 +41,7 @@ class SyncUpdater(Updater):
         self._contributors: set[str] = set()  # arrived in this round (a dropped step too)
         self._gradients = 0  # of them, those whose gradient is in the sums
         self._samples = 0
+        self._awaited = 0  # trainers of before a restart not back yet: a round waits for them too
         self.round_listeners: list[Callable[[int, list[str]], None]] = []
         """Called with (round, its contributors) as each round closes, the lock held: server 0
         of several tells the others which round every gradient is in (:class:`FollowerSyncUpdater`)."""
@@ -52,7 +56,32 @@ class SyncUpdater(Updater):
         return self._round
 
     def required(self) -> int:
-        return max(1, min(self.k, len(self._live)))
+        return max(1, min(self.k, len(self._live) + self._awaited))
+
+    def await_rejoins(self, count: int, timeout: float) -> None:
+        """The server process restarted from its state in memory, where ``count`` trainers had
+        trained: until they are back (or ``timeout`` s pass) a round needs them too, so that the
+        first trainer to rejoin does not make rounds alone that a run without the restart would
+        not have made."""
+        if count <= 0:
+            return
+        with self._cond:
+            self._awaited = count
+        log.info("sync: rounds wait up to %gs for the %d trainer(s) that trained before the restart", timeout, count)
+        timer = threading.Timer(timeout, self._stop_awaiting)
+        timer.daemon = True
+        timer.start()
+
+    def _stop_awaiting(self) -> None:
+        with self._cond:
+            if not self._awaited:
+                return
+            log.warning("sync: %d trainer(s) of before the restart did not rejoin: rounds go on without them",
+                        self._awaited)
+            self._awaited = 0
+            applied = self._maybe_apply()
+            self._cond.notify_all()
+        self._report(applied)
 
     def try_start(self, trainer: str) -> bool:
         return False  # its turn depends on the round its open step's gradient joins
@@ -60,6 +89,8 @@ class SyncUpdater(Updater):
     def trainer_joined(self, trainer: str) -> None:
         super().trainer_joined(trainer)
         with self._cond:
+            if trainer not in self._live and self._awaited:
+                self._awaited -= 1
             self._live.add(trainer)
 
     def trainer_gone(self, trainer: str) -> None:

@@ -129,6 +129,10 @@ class ParameterServer:
             self._open = True
             if self.endpoint.state == rendezvous.SERVING:
                 self.view.ready.set()
+        memory, updater = self.memory, self.engine.updater
+        if memory is not None and memory.disabled is None and memory.ranks and isinstance(updater, SyncUpdater):
+            # Continued from memory: the trainers of before come back; rounds wait for them.
+            updater.await_rejoins(len(memory.ranks), self.drain_timeout())
         log.info("psserver %s serving %s on %s:%d (update=%s%s)", __version__,
                  self.engine.model_ref or "<the-first-trainer's-model>", cfg.host, cfg.port,
                  cfg.update, f", K={cfg.sync_trainers}" if cfg.update == "sync" else "")

@@ -108,6 +108,34 @@ def test_on_step_runs_with_the_lock_free(mode):
     assert seen == [True] * (3 if mode == "async" else 2)
 
 
+def test_sync_after_a_restart_waits_for_the_trainers_of_before_then_goes_on_without_them():
+    """Restarted from its state in memory where 2 trainers trained: the first one back does not
+    make a round alone (a run without the restart would not have); once the other is back the
+    round is theirs. A trainer that never comes back holds the rounds only until the timeout."""
+    shard = make_shard()
+    steps = []
+    up = SyncUpdater([shard], lambda s, n: steps.append((s, n)), k=2)
+    up.await_rejoins(2, timeout=30)
+    up.trainer_joined("a")
+    up.submit("a", grads(shard, 1.0), 4)
+    assert steps == []  # "b" trained before the restart: the round waits for it
+    up.trainer_joined("b")
+    up.submit("b", grads(shard, 3.0), 4)
+    assert steps == [(1, 8)]
+
+    up = SyncUpdater([shard], lambda s, n: steps.append((s, n)), k=2)
+    up.await_rejoins(2, timeout=0.3)
+    up.trainer_joined("a")
+    up.submit("a", grads(shard, 1.0), 4)
+    assert steps == [(1, 8)]
+    deadline = time.monotonic() + 10
+    while len(steps) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert steps == [(1, 8), (1, 4)]  # "b" is not back after 0.3 s: "a"'s round goes alone
+    up.submit("a", grads(shard, 1.0), 4)
+    assert steps[-1] == (2, 4)  # and from then on the barrier follows membership
+
+
 def test_sync_refuses_two_gradients_from_one_trainer_in_a_round():
     shard = make_shard()
     up = SyncUpdater([shard], lambda s, n: None, k=2)
