@@ -11,6 +11,7 @@ front of it: torchrun, a deploy script):
 - ``Proc``: a child running in the background, its output in a log file (no pipe to fill up),
   in a session of its own so that ``kill()`` takes everything it started along.
 - ``ProcessGroup``: the ``Proc`` objects of one test (fixture ``procs``), all killed after it.
+- ``wait_until(predicate, timeout, what, procs)``: polls, failing early when one of ``procs`` exits.
 """
 
 from __future__ import annotations
@@ -270,3 +271,21 @@ def accuracy(proc: Proc) -> float:
     m = re.search(r"rank \d+ accuracy ([0-9.]+)", proc.output())
     assert m, f"{proc.name} printed no accuracy:\n{proc.tail()}"
     return float(m.group(1))
+
+
+def wait_until(predicate, timeout: float, what: str, procs: Sequence[Proc] = (), every: float = 0.25):
+    """The first truthy result of ``predicate`` within ``timeout`` s; fails early when one of
+    ``procs`` exits, and with the last error when time runs out."""
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        for p in procs:
+            assert p.running(), f"{p.name} exited with {p.popen.returncode} while waiting for {what}:\n{p.tail()}"
+        try:
+            result = predicate()
+            if result:
+                return result
+        except (OSError, ValueError, KeyError, AssertionError) as e:
+            last = e
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last error: {last})")

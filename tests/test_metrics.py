@@ -28,7 +28,7 @@ from psserver.telemetry import (
     TableStatus,
     TrainerStatus,
 )
-from tests.procs import free_port
+from tests.procs import free_port, wait_until
 
 # ---- helpers ---------------------------------------------------------------------------
 
@@ -366,22 +366,6 @@ def test_tensorboard_missing_is_one_line(monkeypatch, tmp_path):
 # ---- a real server and trainer ---------------------------------------------------------
 
 
-def _wait(predicate, timeout: float, what: str, procs=()):
-    deadline = time.monotonic() + timeout
-    last_exc = None
-    while time.monotonic() < deadline:
-        for p in procs:
-            assert p.running(), f"{p.name} exited with {p.popen.returncode} while waiting for {what}:\n{p.tail()}"
-        try:
-            result = predicate()
-            if result:
-                return result
-        except (OSError, AssertionError) as e:
-            last_exc = e
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what} ({last_exc})")
-
-
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(240)
@@ -394,7 +378,7 @@ def test_real_server_metrics_during_training(tmp_path, procs):
         "--tensorboard-dir", str(tb), "--trainer-timeout", "2", "--checkpoint-dir", str(tmp_path / "ck"),
         "--checkpoint-every", "100", wait=False, env=one_thread, log=tmp_path / "server.log",
     )
-    _wait(lambda: value(scrape(metrics_port), "psserver_up") == 1, 60, "server up", [server])
+    wait_until(lambda: value(scrape(metrics_port), "psserver_up") == 1, 60, "server up", [server])
     trainer = procs.trainer(port, 0, "--epochs", "1000", "--max-steps", "100000", env=one_thread,
                             log=tmp_path / "trainer.log")
 
@@ -405,7 +389,7 @@ def test_real_server_metrics_during_training(tmp_path, procs):
         up = [dict(k[1]) for k, v in s.items() if k[0] == "psserver_trainer_up" and v == 1]
         return up[0] if up else None
 
-    name_labels = _wait(training_trainer, 90, "the trainer to train", [server, trainer])
+    name_labels = wait_until(training_trainer, 90, "the trainer to train", [server, trainer])
     assert name_labels["rank"] == "0"
     s1 = scrape(metrics_port)
     time.sleep(1.5)
@@ -418,7 +402,7 @@ def test_real_server_metrics_during_training(tmp_path, procs):
     assert value(s2, "psserver_trainer_up", **name_labels) == 1
     assert value(s2, "psserver_trainer_steps_total", **name_labels) > 0
     assert value(s2, "psserver_trainers", state="ACTIVE") == 1
-    _wait(lambda: ("psserver_checkpoint_age_seconds", ()) in scrape(metrics_port), 30, "a checkpoint", [server])
+    wait_until(lambda: ("psserver_checkpoint_age_seconds", ()) in scrape(metrics_port), 30, "a checkpoint", [server])
     s3 = scrape(metrics_port)
     assert 0 <= value(s3, "psserver_checkpoint_age_seconds") < 60
     assert value(s3, "psserver_checkpoint_duration_seconds") > 0
@@ -437,7 +421,7 @@ def test_real_server_metrics_during_training(tmp_path, procs):
 
     trainer.signal(signal.SIGKILL)
     trainer.wait(10)
-    _wait(lambda: value(scrape(metrics_port), "psserver_trainer_up", **name_labels) == 0,
+    wait_until(lambda: value(scrape(metrics_port), "psserver_trainer_up", **name_labels) == 0,
           30, "the killed trainer to show as down", [server])
     s4 = scrape(metrics_port)
     assert value(s4, "psserver_trainer_state", state="LOST", **name_labels) == 1

@@ -29,7 +29,7 @@ import yaml
 
 from tests.deploy.commands import DEPLOY
 from tests.deploy.promql import grafana_queries, substitute
-from tests.procs import free_port, start_servers
+from tests.procs import free_port, start_servers, wait_until
 
 PROMETHEUS_DIR = DEPLOY / "prometheus"
 CONFIG = PROMETHEUS_DIR / "prometheus.yml"
@@ -157,24 +157,6 @@ def api(port: int, path: str, **params: str) -> Any:
     body = json.loads(fetch(f"http://127.0.0.1:{port}/api/v1/{path}{query}"))
     assert body["status"] == "success", body
     return body["data"]
-
-
-def wait_until(predicate, timeout: float, what: str, procs=()):
-    """The first truthy result of ``predicate`` within ``timeout`` s; fails early when one of
-    ``procs`` exits, and with the last error when time runs out."""
-    deadline = time.monotonic() + timeout
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        for p in procs:
-            assert p.running(), f"{p.name} exited with {p.popen.returncode} while waiting for {what}:\n{p.tail()}"
-        try:
-            result = predicate()
-            if result:
-                return result
-        except (OSError, ValueError, KeyError, AssertionError) as e:
-            last = e
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last error: {last})")
 
 
 def live_config(server0: int, server1: int, interval: str) -> dict[str, Any]:

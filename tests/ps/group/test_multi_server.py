@@ -16,7 +16,7 @@ from psserver.checkpoint import checkpoint_path, list_checkpoints, read_checkpoi
 from psserver.control.client import ControlClient
 from psserver.control.v1.control_pb2 import ServerState
 from psserver.ps.group.partition import PartitionPlan
-from tests.procs import MNIST_ARGS, accuracy, free_port, run, start_servers
+from tests.procs import MNIST_ARGS, accuracy, free_port, run, start_servers, wait_until
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -167,10 +167,7 @@ def test_a_server_killed_mid_step_continues_from_memory_and_every_step_lands_onc
     trainers = [procs.trainer(port, r, *train, env=slow) for r in range(2)]
     client = ControlClient(address, timeout=10)
     try:
-        deadline = time.monotonic() + 90
-        while client.get_status().global_step < 60:
-            assert time.monotonic() < deadline, servers[0].tail()
-            time.sleep(0.1)
+        wait_until(lambda: client.get_status().global_step >= 60, 90, "global step 60", servers, every=0.1)
         servers[1].signal(signal.SIGKILL)
         servers[1].wait(10)
         servers[0].wait_for(r"server 1 \(psserver_1 on \S+\) lost", timeout=30)
@@ -183,13 +180,9 @@ def test_a_server_killed_mid_step_continues_from_memory_and_every_step_lands_onc
             assert "reconnected as trainer_" in t.output(), t.tail()
         steps = sum(int(re.search(r"rank \d+: (\d+) steps", t.output()).group(1)) for t in trainers)
         assert steps == 300
-        deadline, applied = time.monotonic() + 15, None
-        while time.monotonic() < deadline:  # server 1's count reaches server 0 with its next watch
-            applied = [s.updates_applied for s in client.get_status().servers]
-            if applied == [steps, steps]:
-                break
-            time.sleep(0.2)
-        assert applied == [steps, steps], servers[0].tail()
+        # server 1's count reaches server 0 with its next watch
+        wait_until(lambda: [s.updates_applied for s in client.get_status().servers] == [steps, steps], 15,
+                   f"both servers to count {steps} updates")
     finally:
         client.close()
     assert procs.stop(servers[0]) == 0, servers[0].tail()
@@ -221,13 +214,7 @@ def test_health_is_serving_only_while_every_server_process_is_there(procs, port)
     NOT_SERVING until server 1 registers, SERVING then, NOT_SERVING while server 1 is lost, and
     SERVING again once it is back."""
     def health_becomes(client: ControlClient, want: str, timeout: float = 30.0) -> None:
-        deadline, got = time.monotonic() + timeout, None
-        while time.monotonic() < deadline:
-            got = client.health(timeout=2.0)
-            if got == want:
-                return
-            time.sleep(0.1)
-        raise AssertionError(f"health stayed {got}, not {want}, for {timeout}s")
+        wait_until(lambda: client.health(timeout=2.0) == want, timeout, f"health {want}", every=0.1)
 
     common = ["--model", "mlp", "--num-servers", "2"]
     s0 = procs.server(port, *common, "--server-rank", "0", control_port=0, wait=False)
