@@ -97,7 +97,6 @@ class ServerGroup:
         self.from_memory = False
         """Server 0 continues from its state in memory: the others continue from theirs, or all go
         back to a checkpoint when one has none."""
-        self.draining = False
         self.stop_requested = threading.Event()
         """Server 0 was asked to stop (a signal, ``psserver stop``): a server process that
         received SIGTERM too waits for the final checkpoint instead of leaving."""
@@ -272,7 +271,7 @@ class ServerGroup:
         """A server process received SIGTERM: ``wait`` while server 0 itself stops (its final
         checkpoint needs every partition; it then stops the others), else ``go``: it is gone.
         Runs on an RPC thread: it may wait ``STOPPING_GRACE_S`` for server 0's own stop."""
-        if self.draining or self.stop_requested.wait(STOPPING_GRACE_S):
+        if self.stop_requested.wait(STOPPING_GRACE_S):
             return "wait"
         peer = self.peers.get(rank)
         if peer is not None:

@@ -178,7 +178,7 @@ class ParameterServer:
         """Drain: refuse joins and new steps, let those in flight finish, checkpoint, leave."""
         log.info("stopping: %s", self._shutdown_reason or "shutdown")
         if self.group is not None:
-            self.group.draining = True
+            self.group.stop_requested.set()
         self.endpoint.drain()
         with self._state_lock:
             self._open = False
