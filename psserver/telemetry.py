@@ -61,6 +61,11 @@ class TrainerStatus:
     """Its steps the server scaled down to ``--max-grad-norm``."""
     reason: str = ""
     """Why the server evicted it while it was alive (empty otherwise)."""
+    transport: str = ""
+    """How its parameters and gradients travel (trainer compute: ``device-map``, ``staged``,
+    ``cpu``); empty for server compute and in collective mode."""
+    transport_reason: str = ""
+    """Why that path (a fallback from a faster one says what prevented it)."""
 
 
 @dataclass

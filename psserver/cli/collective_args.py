@@ -63,7 +63,8 @@ def add_collective_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--gradient-as-bucket-view", action="store_true",
                    help="gradients are views into the all-reduce buckets (less memory, one copy fewer)")
     d.add_argument("--bucket-cap-mb", type=float, default=DDPOptions.bucket_cap_mb,
-                   help="all-reduce bucket size in MiB (default 25)")
+                   help="gradient bucket size in MiB (default 25): DDP's all-reduce buckets; with --mode ps, "
+                        "those a --step pushpull trainer fills during backward")
     d.add_argument("--find-unused-parameters", action="store_true",
                    help="look for parameters without gradients every step (slower)")
     d.add_argument("--comm-hook", default="none", help=f"communication hook: {', '.join(COMM_HOOKS)}")

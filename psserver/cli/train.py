@@ -24,7 +24,7 @@ from psserver.cli.base import SubCommand, config_errors
 from psserver.cli.collective_args import add_collective_arguments, collective_config_from_args
 from psserver.config import TrainerConfig, parse_host_port
 from psserver.config.env import default_rank, default_server_address, default_world_size
-from psserver.config.ps import COMPUTE_MODES, STEP_MODES, WIRE_DTYPES
+from psserver.config.ps import COMPUTE_MODES, OVERLAP_MODES, STEP_MODES, TRANSPORTS, WIRE_DTYPES
 from psserver.errors import UsageError
 from psserver.utils.memory import ALLOCATORS
 from psserver.utils.references import parse_json_args
@@ -60,7 +60,15 @@ class TrainCommand(SubCommand):
         ps.add_argument("--compute", choices=list(COMPUTE_MODES), default=None, help=COMPUTE_HELP)
         ps.add_argument("--step", choices=list(STEP_MODES), default=None, help=STEP_HELP)
         ps.add_argument("--device", default="cpu",
-                        help="trainer compute: run the model on cpu (default) or cuda:N; tensors cross RPC on the CPU")
+                        help="trainer compute: run the model on cpu (default) or cuda:N")
+        ps.add_argument("--transport", choices=TRANSPORTS, default=TrainerConfig.transport,
+                        help="trainer compute: how parameters and gradients travel: device-map (GPU to GPU on one "
+                             "host, no host copy), staged (pinned host memory), cpu; auto (default) takes the best "
+                             "the two sides allow and logs why")
+        ps.add_argument("--overlap", choices=OVERLAP_MODES, default=TrainerConfig.overlap,
+                        help="--step pushpull: compute the next step while the last one's gradient is handed in "
+                             "(on the parameters of the reply before: one step staler); async, or ssp with "
+                             "--staleness >= 1; auto (default): on for a GPU trainer in async")
         ps.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="fp32",
                         help="trainer compute: dtype of parameters and gradients in flight (the server keeps "
                              "fp32 master weights and optimizer state; default fp32)")
@@ -143,6 +151,9 @@ def trainer_config_from_args(args: argparse.Namespace) -> TrainerConfig:
         step=args.step,
         device=args.device,
         wire_dtype=args.wire_dtype,
+        transport=args.transport,
+        bucket_cap_mb=args.bucket_cap_mb,
+        overlap=args.overlap,
         join_token_file=args.join_token_file,
         loss=args.loss,
         metric=args.metric,

@@ -84,7 +84,7 @@ class Strategy(ABC):
 
 def create_strategy(config: CollectiveConfig, env: DistEnv) -> Strategy:
     """The registered strategy named ``config.mode``. Strategies register themselves when
-    their module is imported (``psserver.collective.loop`` imports the built-in ones); this
+    their module is imported (``psserver.collective.loop`` imports the one a run asks for); this
     module never imports its subclasses."""
     try:
         cls = STRATEGIES[config.mode]

@@ -205,8 +205,11 @@ def launch(config: CollectiveConfig, body: Callable[[DistEnv], int]) -> int:
         rank = int(os.environ["RANK"])
         configure_worker_logging(rank, logging.getLogger().getEffectiveLevel())
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        return run_in_process_group(config, body, rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
+        code = run_in_process_group(config, body, rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
                                     local_rank=int(os.environ["LOCAL_RANK"]), local_world_size=local_world)
+        # A rank that finished leaves as a spawned worker does: one CI run's rank 1 aborted in
+        # interpreter teardown after its work was done, and torchrun failed the job for it.
+        _exit_now(code or 0)
     if config.launch.nproc_per_node:
         return spawn(config, body)
     return run_in_process_group(config, body, rank=0, world_size=1, local_rank=0, local_world_size=1)

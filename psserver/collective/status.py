@@ -39,7 +39,7 @@ class CollectiveStatus:
     """The ``ControlTarget`` of collective rank 0 (see ``psserver.telemetry``)."""
 
     def __init__(self, mode: str, model: str, num_params: int, world_size: int, devices: list[str],
-                 checkpoints_enabled: bool) -> None:
+                 checkpoints_enabled: bool, checkpoint_every_steps: int = 0) -> None:
         self.ready = threading.Event()
         self.mode = mode
         self.model = model
@@ -47,6 +47,9 @@ class CollectiveStatus:
         self.world_size = world_size
         self.devices = devices
         self.checkpoints_enabled = checkpoints_enabled
+        self.checkpoint_every_steps = checkpoint_every_steps if checkpoints_enabled else 0
+        """``--checkpoint-every`` (0: only at the end, or no checkpoints): what the checkpoint
+        alerts compare the last checkpoint's step with."""
         self.started_at = time.time()
         self.meter = RateMeter()
         self.state = "STARTING"
@@ -117,7 +120,7 @@ class CollectiveStatus:
                 model=self.model, num_params=self.num_params, update_mode="collective",
                 sync_trainers=self.world_size, global_step=self.global_step, samples_seen=self.samples_seen,
                 updates_per_s=updates, samples_per_s=samples, mean_loss=loss, shards=shards,
-                last_checkpoint=self.last_checkpoint,
+                last_checkpoint=self.last_checkpoint, checkpoint_every_steps=self.checkpoint_every_steps,
             )
 
     def list_trainers(self) -> list[TrainerStatus]:

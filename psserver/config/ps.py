@@ -17,6 +17,10 @@ UPDATE_MODES = ("async", "sync", "ssp")
 WIRE_DTYPES = ("fp32", "bf16", "fp16")
 BUFFER_POLICIES = ("average", "rank0")
 """How the server's copy of the model's buffers follows the trainers' (``psserver.ps.engine.buffers``)."""
+TRANSPORTS = ("auto", "device-map", "staged", "cpu")
+"""``--transport`` (``psserver.ps.rpc.transport``; ``auto``: the best path the two sides allow)."""
+OVERLAP_MODES = ("auto", "on", "off")
+"""``--overlap`` (``psserver.ps.protocols.pushpull``; ``auto``: on for a GPU trainer in async)."""
 COMPUTE_MODES: dict[str, str] = {
     "trainer": "the trainer runs forward and backward on parameters it pulls; the server applies the "
                "gradient (default: adding trainers adds throughput)",
@@ -371,10 +375,27 @@ class TrainerConfig:
     cgroup quota, divided among the trainers the server knows on this host, followed as they
     come and go) when it computes, one when the server does (server compute)."""
     device: str = "cpu"
-    """Where trainer compute runs the model (``cpu`` or ``cuda:N``); tensors cross RPC on the CPU."""
+    """Where trainer compute runs the model (``cpu`` or ``cuda:N``)."""
+    transport: str = "auto"
+    """How its parameters and gradients travel (``psserver.ps.rpc.transport``): ``auto`` picks
+    ``device-map`` (CUDA to CUDA on one host, no host copy) where both sides are on GPUs of one
+    host, else ``staged`` (pinned host memory) for a GPU trainer, else ``cpu``; a path named here
+    that cannot be used is an error."""
     wire_dtype: str = "fp32"
     """dtype of parameters and gradients in flight (trainer compute); the server keeps fp32
     master weights and optimizer state."""
+    overlap: str = "auto"
+    """Whether a ``--step pushpull`` trainer computes its next step while the call that hands
+    in the last one is in flight (``OVERLAP_MODES``): its gradient then comes from the
+    parameters of the reply before, one step older. ``async``, and ``ssp`` with ``--staleness``
+    >= 1 (the server bounds such a trainer one step tighter, so the bound holds); never sync.
+    ``auto``: on for a GPU trainer (``--device cuda:N``) in async, where the exchange is worth
+    hiding; ssp overlaps when asked (``on``)."""
+    bucket_cap_mb: float = 25.0
+    """MiB of gradient per bucket that a ``--step pushpull`` trainer fills from autograd hooks
+    during backward (``psserver.ps.engine.buckets``; DDP's ``bucket_cap_mb``): a bucket is
+    copied and cast into the flat buffer, and on the staged path starts its copy to the host,
+    while backward goes on."""
     eval_batch_size: int = 1000
     """Batch size of the final evaluation."""
     max_steps: int = 0
@@ -447,6 +468,17 @@ class TrainerConfig:
             raise ValueError(f"--wire-dtype must be one of {', '.join(WIRE_DTYPES)}, got {self.wire_dtype!r}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"unsupported --device {self.device!r}: use cpu or cuda:N")
+        if not isinstance(self.bucket_cap_mb, int | float) or not math.isfinite(self.bucket_cap_mb) \
+                or self.bucket_cap_mb <= 0:
+            raise ValueError(f"--bucket-cap-mb must be a finite number > 0, got {self.bucket_cap_mb}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"--transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if self.overlap not in OVERLAP_MODES:
+            raise ValueError(f"--overlap must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap!r}")
+        if self.overlap == "on" and (self.compute == "server" or self.step not in (None, "pushpull")):
+            raise ValueError("--overlap on is for --step pushpull (the trainer computes its steps)")
+        if self.transport in ("device-map", "staged") and not self.device.startswith("cuda"):
+            raise ValueError(f"--transport {self.transport} needs a trainer on a GPU (--device cuda:N)")
         if self.wire_dtype != "fp32" and self.compute == "server":
             raise ValueError("--wire-dtype applies to --compute trainer (server compute sends batches)")
         if self.device != "cpu" and self.compute == "server":

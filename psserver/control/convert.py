@@ -201,6 +201,8 @@ def trainer_to_proto(t: TrainerStatus) -> pb.Trainer:
         clipped=int(t.clipped),
         reason=t.reason,
         updates=int(t.updates),
+        transport=t.transport,
+        transport_reason=t.transport_reason,
     )
     if _finite(t.last_loss):
         msg.last_loss = float(t.last_loss)
@@ -315,4 +317,6 @@ def trainer_to_dict(t: pb.Trainer) -> dict[str, Any]:
         "clipped": t.clipped,
         "reason": t.reason,
         "updates": t.updates,
+        "transport": t.transport,
+        "transport_reason": t.transport_reason,
     }

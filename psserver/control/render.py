@@ -185,6 +185,7 @@ def render_trainers(trainers: Sequence[pb.Trainer], now: float) -> str:
             t.name,
             t.host,
             t.step or "-",
+            t.transport or "-",
             enum_name(pb.TrainerState, t.state),
             f"{t.steps:,}",
             f"{t.samples:,}",
@@ -197,11 +198,21 @@ def render_trainers(trainers: Sequence[pb.Trainer], now: float) -> str:
         ]
         for t in trainers
     ]
-    head = ["RANK", "NAME", "HOST", "STEP", "STATE", "STEPS", "SAMPLES", "LOSS", "SAMPLES/S", "CLOCK", "STALENESS",
-            "MAX STALENESS", "NON-FINITE", "JOINED", "LAST SEEN"]
+    head = ["RANK", "NAME", "HOST", "STEP", "TRANSPORT", "STATE", "STEPS", "SAMPLES", "LOSS", "SAMPLES/S", "CLOCK",
+            "STALENESS", "MAX STALENESS", "NON-FINITE", "JOINED", "LAST SEEN"]
     reasons = [f"{t.name} (rank {t.rank}) evicted: {t.reason}" for t in trainers if t.reason]
-    return "\n".join([f"TRAINERS    {summary}", *table(head, rows, numeric=(0, 5, 6, 7, 8, 9, 10, 11, 12)),
-                      *reasons])
+    return "\n".join([f"TRAINERS    {summary}", *table(head, rows, numeric=(0, 6, 7, 8, 9, 10, 11, 12, 13)),
+                      *_transports(trainers), *reasons])
+
+
+def _transports(trainers: Sequence[pb.Trainer]) -> list[str]:
+    """One line per path the trainers' buffers take, and why: a slow fallback is never silent."""
+    ranks: dict[tuple[str, str], list[int]] = {}
+    for t in trainers:
+        if t.transport and enum_name(pb.TrainerState, t.state) == "ACTIVE":
+            ranks.setdefault((t.transport, t.transport_reason), []).append(t.rank)
+    return [f"transport   {kind} for rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, sorted(rs)))}: {reason}"
+            for (kind, reason), rs in ranks.items()]
 
 
 def _progress(t: pb.Trainer) -> list[str]:

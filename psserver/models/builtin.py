@@ -53,7 +53,20 @@ def resnet18() -> nn.Sequential:
     """torchvision's ResNet-18 adapted to 3x32x32 (3x3 stem, no max-pool), as a Sequential."""
     from torchvision.models import resnet18 as tv_resnet18
 
-    net = tv_resnet18(num_classes=10)
+    return _small_image_resnet(tv_resnet18(num_classes=10))
+
+
+def resnet50() -> nn.Sequential:
+    """torchvision's ResNet-50 adapted to 3x32x32 as :func:`resnet18`: 23.5M parameters, the
+    tens-of-millions model of the GPU benchmarks."""
+    from torchvision.models import resnet50 as tv_resnet50
+
+    return _small_image_resnet(tv_resnet50(num_classes=10))
+
+
+def _small_image_resnet(net: nn.Module) -> nn.Sequential:
+    """A torchvision ResNet with a 3x3 stem and no max-pool (32x32 inputs), as a Sequential
+    (so that ``--devices`` can split it into stages)."""
     net.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
     return nn.Sequential(
         net.conv1,
@@ -76,3 +89,5 @@ MLP_WIDE = check_spec(ModelSpec("mlp_wide", mlp_wide, (1, 28, 28), 10,
                                 "784-1024-1024-10 MLP (1.9M parameters, little compute: bandwidth benchmarks)"))
 RESNET18 = check_spec(ModelSpec("resnet18", resnet18, (3, 32, 32), 10,
                                 "torchvision ResNet-18 for 3x32x32 (11M parameters)"))
+RESNET50 = check_spec(ModelSpec("resnet50", resnet50, (3, 32, 32), 10,
+                                "torchvision ResNet-50 for 3x32x32 (23.5M parameters)"))

@@ -115,6 +115,12 @@ class Connection:
         if self.config.step not in (None, "pushpull"):
             raise UsageError(f"ps.replica trains with step='pushpull' (the trainer computes); "
                              f"step={self.config.step!r} is psserver train's own loop")
+        if self.config.overlap == "on":
+            raise UsageError("overlap='on' is for ps.train_step: a loop that runs its own backward hands in each "
+                             "gradient (ps.step) before its next forward")
+        # --entry passes psserver train's config (--overlap auto): this loop never overlaps, and
+        # the server must not count its steps as lagging.
+        self.config = dataclasses.replace(self.config, overlap="off")
         self.join(model)
         assert self.session is not None
         if self.session.step_protocol != "pushpull":
@@ -455,8 +461,8 @@ class Connection:
 
 def connect(address: str | None = None, *, rank: int | None = None, num_trainers: int | None = None,
             reconnect: bool = False, token_file: str | None = None, device: str = "cpu", wire_dtype: str = "fp32",
-            connect_timeout: float = 60.0, rpc_timeout: float = 60.0, step: str | None = None,
-            handle_signals: bool = True, config: TrainerConfig | None = None) -> Connection:
+            transport: str = "auto", overlap: str = "off", connect_timeout: float = 60.0, rpc_timeout: float = 60.0,
+            step: str | None = None, handle_signals: bool = True, config: TrainerConfig | None = None) -> Connection:
     """Connect this process to the psserver at ``address`` (``HOST:PORT``) as trainer ``rank``.
 
     Defaults come from the environment as for ``psserver train``: ``address`` from
@@ -465,17 +471,19 @@ def connect(address: str | None = None, *, rank: int | None = None, num_trainers
     ``$SLURM_NTASKS`` (else the server's sync K), the join token from ``token_file`` or
     ``$PSSERVER_JOIN_TOKEN``. ``reconnect``: when the server evicts this trainer or goes away,
     re-execute this script, which rejoins and continues (:attr:`Connection.epoch`); without it,
-    :class:`~psserver.errors.Evicted` or :class:`~psserver.errors.ServerLost`. ``device`` and
-    ``wire_dtype`` as ``psserver train``'s flags. ``handle_signals``: SIGTERM and SIGINT leave
-    after the step in flight (main thread only). ``config``: a whole ``TrainerConfig`` instead
+    :class:`~psserver.errors.Evicted` or :class:`~psserver.errors.ServerLost`. ``device``,
+    ``wire_dtype`` and ``transport`` as ``psserver train``'s flags; ``overlap`` too, for
+    :meth:`Connection.train_step` (off by default: a loop that runs its own backward and calls
+    :meth:`Connection.step` hands in each gradient before its next forward). ``handle_signals``:
+    SIGTERM and SIGINT leave after the step in flight (main thread only). ``config``: a whole ``TrainerConfig`` instead
     (``psserver train --entry`` passes its own); the other arguments are then ignored.
 
     Bad arguments raise :class:`~psserver.errors.UsageError`. Nothing is sent before
     :meth:`Connection.replica` (or :meth:`Connection.parameter_rrefs`), which joins."""
     if config is None:
         config = _config(address, rank=rank, num_trainers=num_trainers, reconnect=reconnect, token_file=token_file,
-                         device=device, wire_dtype=wire_dtype, connect_timeout=connect_timeout,
-                         rpc_timeout=rpc_timeout, step=step)
+                         device=device, wire_dtype=wire_dtype, transport=transport, overlap=overlap,
+                         connect_timeout=connect_timeout, rpc_timeout=rpc_timeout, step=step)
     return Connection(config, handle_signals=handle_signals)
 
 

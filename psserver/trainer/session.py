@@ -25,10 +25,10 @@ from psserver.errors import ServerUnavailable, UsageError
 from psserver.models import ModelSpec, build_model, get_model_spec
 from psserver.models.layout import ModelLayout, values_of
 from psserver.models.losses import resolve_loss
-from psserver.ps.engine.engine import resolve_device
+from psserver.ps.engine.devices import resolve_device
 from psserver.ps.protocols import TrainerHalf, get_protocol
 from psserver.ps.protocols.trainer_compute import WIRE_DTYPES
-from psserver.ps.rpc import rendezvous, torch_rpc
+from psserver.ps.rpc import rendezvous, torch_rpc, transport
 from psserver.ps.rpc.messages import JoinRequest, Report
 from psserver.ps.server import endpoint
 from psserver.trainer.stop_signals import StopSignals
@@ -61,6 +61,7 @@ class Session:
         self.config = config
         self.steps_before = steps
         """Steps this rank trained before this join (its position; 0 for a fresh trainer)."""
+        self.bucket_cap_mb = config.bucket_cap_mb
         self.closed = False
         self.device = trainer_device(config.device)
         self.wire_dtype = WIRE_DTYPES[config.wire_dtype]
@@ -85,6 +86,9 @@ class Session:
         rpc_id, incarnation = rendezvous.request_admission(self.store, config.rank,
                                                            f"{config.server_host}:{config.server_port}")
         self.name = rendezvous.trainer_name(config.rank, incarnation)
+        self.transport = transport.choose_path(config.transport, self.device, published)
+        """How this trainer's flat buffers travel, and why (logged: a slow fallback is never silent)."""
+        log.info("transport %s", self.transport.describe(self.device))
         rendezvous.set_transport_interface(config.server_host, local=False)
         torch_rpc.check_version()
         torch_rpc.restrict_unpickler()
@@ -94,15 +98,19 @@ class Session:
                 self.name,
                 rank=rpc_id,
                 world_size=None,
-                rpc_backend_options=rendezvous.backend_options(self.url, config.rpc_timeout, 4),
+                rpc_backend_options=rendezvous.backend_options(
+                    self.url, config.rpc_timeout, 4,
+                    device_maps=transport.device_maps(self.transport, self.device, rendezvous.SERVER_NAME),
+                    devices=[self.device] if self.transport.on_device else None),
             )
         except RuntimeError as e:  # the group or the server went away while this trainer joined
             msg = str(e).splitlines()[0]
             raise JoinLost(f"cannot join the RPC group of {config.server_host}:{config.server_port}: {msg}") from None
         optimizer = asdict(config.optimizer) if config.optimizer else None
         request = JoinRequest(config.rank, self.name, socket.gethostname(), os.getpid(), config.step, optimizer,
-                              config.compute, config.wire_dtype, config.device, self.spec.name, self.spec.args,
-                              layout.to_dict(), values, steps)
+                              config.compute, config.wire_dtype, str(self.device), self.spec.name, self.spec.args,
+                              layout.to_dict(), values, steps, transport=self.transport.kind,
+                              transport_reason=self.transport.reason, overlap=config.overlap)
         t0 = time.perf_counter()
         try:
             self.info = rpc.rpc_sync(rendezvous.SERVER_NAME, endpoint.join, args=(request,))
@@ -122,8 +130,14 @@ class Session:
         staleness of this trainer's last update."""
         self.servers: list[str] = list(self.info.get("servers", [rendezvous.SERVER_NAME]))
         """RPC names of the server processes, server 0 first (several: ``--num-servers``)."""
+        agreed = self.info.get("transport")
+        if agreed and agreed["kind"] != self.transport.kind:  # the server's protocol cannot use the path
+            self.transport = transport.TransportPath(agreed["kind"], agreed["reason"])
+            log.info("transport %s", self.transport.describe(self.device))
         self.step_protocol: str = self.info["step"]
         self.protocol: TrainerHalf = get_protocol(self.step_protocol).trainer(self)
+        if self.protocol.fell_back is not None:  # its probe of the device map failed (logged there)
+            self.transport = transport.TransportPath("staged", f"the device map failed ({self.protocol.fell_back})")
         self._stop = threading.Event()
         self._hb = threading.Thread(target=self._heartbeat, name="psserver-heartbeat", daemon=True)
         self._hb.start()
@@ -137,9 +151,18 @@ class Session:
         what the server tells along (a step it dropped) is logged."""
         result, notices, self.progress = rpc.rpc_sync(rendezvous.SERVER_NAME, endpoint.call,
                                                       args=(self.name, op, args, self.report))
-        for notice in notices:
-            log.warning("%s", notice)
+        _log_notices(notices)
         return result
+
+    def call_async(self, op: str, *args):
+        """``op`` without waiting (a gradient's part, sent while backward goes on): a future whose
+        ``wait()`` gives its result or raises as :meth:`call` would."""
+        def result(future):
+            value, notices, _ = future.value()  # raises what the call raised
+            _log_notices(notices)
+            return value
+
+        return rpc.rpc_async(rendezvous.SERVER_NAME, endpoint.call, args=(self.name, op, args, None)).then(result)
 
     def call_each(self, op: str, args: list[tuple]) -> list:
         """``op`` on every server process at once, ``args[i]`` for server i; their results in
@@ -155,8 +178,7 @@ class Session:
                 continue
             if i == 0:
                 self.progress = progress
-                for notice in notices:
-                    log.warning("%s", notice)
+                _log_notices(notices)
             results.append(result)
         if failed is not None:
             i, e = failed
@@ -292,3 +314,9 @@ def remote_message(e: BaseException) -> str:
         m = re.match(r"^\w+\((['\"])(.*)\1\)$", lines[1])
         return m.group(2) if m else lines[1]
     return lines[0] if lines else type(e).__name__
+
+
+def _log_notices(notices: list[str]) -> None:
+    """What the server told along with a call (a step its guard dropped, an eviction)."""
+    for notice in notices:
+        log.warning("%s", notice)

@@ -33,3 +33,12 @@ def start_time(pid: int | None) -> int | None:
 def running(pid: int | None, start: int | None) -> bool:
     """``pid`` runs and is the process that started at ``start`` (None: not recorded)."""
     return pid_alive(pid) and (start is None or start_time(pid) in (None, start))
+
+
+def boot_id() -> str | None:
+    """The kernel's boot id: what a pid or a host name alone cannot tell, whether this is the
+    same boot of the same host (None where the kernel does not say)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 
 import pytest
 
 from psserver.cli import main
 from psserver.collective.checkpoint import complete_checkpoints
+from tests.procs import free_port
 
 from .helpers import worker_env
 
@@ -22,9 +24,11 @@ def test_status_checkpoint_and_stop_over_grpc(tmp_path, capsys, procs, port):
     from psserver.control.client import ControlClient, ControlError
     from psserver.control.v1 import control_pb2 as pb
 
+    metrics_port = free_port()
     proc = procs.start(["train", "--mode", "ddp", "--nproc-per-node", "2", "--model", "mnist_cnn", "--epochs", "1000",
-                        "--control-port", str(port), "--allow-unauthenticated-admin",
-                        "--checkpoint-dir", str(tmp_path / "ckpt")], "ddp", env=worker_env())
+                        "--control-port", str(port), "--allow-unauthenticated-admin", "--metrics-port",
+                        str(metrics_port), "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "100000"],
+                       "ddp", env=worker_env())
     address = f"127.0.0.1:{port}"
     with ControlClient(address, timeout=5) as client:
         deadline = time.monotonic() + 120
@@ -52,6 +56,11 @@ def test_status_checkpoint_and_stop_over_grpc(tmp_path, capsys, procs, port):
         assert main(["status", "--address", address, "--json"]) == 0
         shown = json.loads(capsys.readouterr().out)
         assert shown["status"]["mode"] == "ddp" and len(shown["trainers"]) == 2
+
+        # The checkpoint schedule reaches Prometheus, for the alert on a checkpoint that falls behind.
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+            exposition = r.read().decode()
+        assert "\npsserver_checkpoint_every_steps 100000.0\n" in exposition
 
         info = client.checkpoint(timeout=120)
         assert info.step >= 10 and info.path.endswith(f"step-{info.step:08d}")

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from .helpers import check_ok, loss_falls, results, run_cli
+from .helpers import check_ok, loss_falls, results, run_cli, worker_env
 
 
 @pytest.mark.slow
@@ -17,7 +17,8 @@ def test_ddp_under_torchrun_elastic_rendezvous(result_pattern, port):
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0",
                 "-m", "psserver", "train"]
     proc = run_cli(["--mode", "ddp", "--model", "mlp", "--max-steps", "30", "--no-control",
-                    "--result-file", str(result_pattern)], timeout=160, prefix=torchrun)
+                    "--result-file", str(result_pattern)], timeout=160, prefix=torchrun,
+                   env=worker_env(TMPDIR=str(result_pattern.parent)))  # torchrun's log directory goes there
     check_ok(proc)
     r0, r1 = results(result_pattern, 2)
     assert r0["world_size"] == r1["world_size"] == 2 and r0["backend"] == "gloo"

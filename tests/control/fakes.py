@@ -70,7 +70,8 @@ class FakeTarget:
         self.trainers = [
             TrainerStatus(rank=0, name="trainer_0_0", host="hostA", joined_at=now - 60, last_seen=now,
                           steps=10, samples=640, last_loss=0.5, samples_per_s=100.0, clock=11, staleness=2,
-                          max_staleness=5, step="pushpull"),
+                          max_staleness=5, step="pushpull", transport="staged",
+                          transport_reason="the server is on another host, so through pinned host memory"),
             TrainerStatus(rank=1, name="trainer_1_0", host="hostB", joined_at=now - 50, last_seen=now - 20,
                           steps=3, samples=192, state="LOST", nonfinite=3,
                           reason="sent 3 non-finite gradients in a row (--max-nonfinite-steps 3)"),

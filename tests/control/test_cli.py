@@ -49,14 +49,16 @@ def test_status_table(server, capsys):
     assert lines[shard_head + 1].split()[:3] == ["0", "cpu", "1,000"] and "50.0 MiB" in lines[shard_head + 1]
     assert "TRAINERS    1 active, 0 left, 1 lost" in out
     rows = [line.split() for line in lines if line.lstrip().startswith(("0  trainer", "1  trainer"))]
-    assert rows[0][:7] == ["0", "trainer_0_0", "hostA", "pushpull", "ACTIVE", "10", "640"]
-    assert rows[1][:5] == ["1", "trainer_1_0", "hostB", "-", "LOST"] and rows[1][7] == "-"
+    assert rows[0][:8] == ["0", "trainer_0_0", "hostA", "pushpull", "staged", "ACTIVE", "10", "640"]
+    assert rows[1][:6] == ["1", "trainer_1_0", "hostB", "-", "-", "LOST"] and rows[1][8] == "-"
     head = next(line for line in lines if line.startswith("RANK"))
     assert "SAMPLES/S  CLOCK  STALENESS  MAX STALENESS  NON-FINITE  JOINED" in head
-    assert head.split()[:5] == ["RANK", "NAME", "HOST", "STEP", "STATE"]
-    assert rows[0][9:12] == ["11", "2", "5"]  # clock, staleness, max staleness
-    assert rows[1][9:12] == ["-", "-", "-"]  # no step on the server: nothing to show
-    assert rows[0][12] == "0" and rows[1][12] == "3"  # non-finite gradients dropped
+    assert head.split()[:6] == ["RANK", "NAME", "HOST", "STEP", "TRANSPORT", "STATE"]
+    assert rows[0][10:13] == ["11", "2", "5"]  # clock, staleness, max staleness
+    assert rows[1][10:13] == ["-", "-", "-"]  # no step on the server: nothing to show
+    assert rows[0][13] == "0" and rows[1][13] == "3"  # non-finite gradients dropped
+    # Which path the live trainers' buffers take, and why: a slow fallback is never silent.
+    assert "transport   staged for rank 0: the server is on another host, so through pinned host memory" in lines
     assert ("trainer_1_0 (rank 1) evicted: sent 3 non-finite gradients in a row (--max-nonfinite-steps 3)"
             in lines)
     assert "SERVERS" not in out  # one server process: nothing to list

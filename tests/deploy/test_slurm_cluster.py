@@ -102,7 +102,8 @@ def test_ddp_sbatch_trains_with_a_torchrun_rendezvous_across_real_slurm_nodes(sl
     # no GPUs here: --gpus-per-node=0 on the command line overrides the script's, one process per
     # node (gloo on the CPU), the rendezvous on the first node's NodeAddr
     job_env = _job_env(PSSERVER_NPROC_PER_NODE="1", PSSERVER_RDZV_PORT=str(free_port()),
-                       PSSERVER_TRAIN_ARGS=" ".join([*MNIST_ARGS, "--control-port", str(free_port())]))
+                       PSSERVER_TRAIN_ARGS=" ".join([*MNIST_ARGS, "--control-port", str(free_port())]),
+                       TMPDIR=str(tmp_path))  # each node's torchrun makes its log directory there
     _, out = _submit_and_wait(slurm, "ddp.sbatch", tmp_path, 2, job_env, "--gpus-per-node=0")
     tail = out[-3000:]
     assert re.search(r"psserver ddp: 2 node\(s\) x 1 process\(es\), rendezvous n\d \(127\.0\.0\.\d+:\d+\)", out), tail

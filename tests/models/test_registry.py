@@ -15,10 +15,12 @@ from psserver.models import (
 )
 
 
-@pytest.mark.parametrize("name", ["mnist_cnn", "mlp", "resnet18"])
-def test_models_build_and_run(name):
+@pytest.mark.parametrize(("name", "params"), [("mnist_cnn", 1_199_882), ("mlp", 235_146), ("resnet18", 11_173_962),
+                                              ("resnet50", 23_520_842)])
+def test_models_build_and_run(name, params):
     spec = get_model_spec(name)
     model = build_model(name)
+    assert sum(p.numel() for p in model.parameters()) == params
     out = model(torch.randn(2, *spec.input_shape))
     assert out.shape == (2, spec.num_classes)
 
@@ -149,7 +151,8 @@ def test_built_in_models_are_entry_points_of_the_group():
     from importlib.metadata import entry_points
 
     group = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
-    assert set(model_names()) >= {"mnist_cnn", "mlp", "mlp_wide", "resnet18", "mf", "dlrm_tiny", "llama_tiny"}
+    assert set(model_names()) >= {"mnist_cnn", "mlp", "mlp_wide", "resnet18", "resnet50", "mf", "dlrm_tiny",
+                                  "llama_tiny"}
     assert set(model_names()) <= set(group)
     for name in model_names():
         assert resolve_model(name).name == name

@@ -10,12 +10,12 @@ from psserver.ps.rpc.messages import JoinRequest
 
 def join_request(rank: int = 0, name: str = "t", *, model: str = "mlp", step: str | None = None,
                  optimizer: dict | None = None, compute: str | None = "trainer", wire_dtype: str = "fp32",
-                 values: bool = False) -> JoinRequest:
+                 values: bool = False, device: str = "cpu", overlap: str = "off") -> JoinRequest:
     """A join of a trainer of ``model`` (its layout; its initial values too with ``values``)."""
     replica = build_model(model)
     layout = ModelLayout.of(replica)
-    return JoinRequest(rank, name, "host", 1, step, optimizer, compute, wire_dtype, "cpu", model, {},
-                       layout.to_dict(), values_of(replica, layout) if values else None)
+    return JoinRequest(rank, name, "host", 1, step, optimizer, compute, wire_dtype, device, model, {},
+                       layout.to_dict(), values_of(replica, layout) if values else None, overlap=overlap)
 
 
 def give_replica(channel, model: str) -> None:

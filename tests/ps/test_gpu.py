@@ -75,3 +75,41 @@ def test_trainer_computes_on_its_gpu(procs, port, step, wire):
     assert f"--compute trainer --step {step} on cuda:0" in t.output(), t.tail()
     assert accuracy(t) > 0.8
     assert procs.stop(server) == 0, server.tail()
+
+
+@needs_gpu
+def test_a_server_on_a_gpu_says_its_state_is_not_kept_in_memory(tmp_path, caplog):
+    """Device memory dies with the process: the state in memory is off, with its reason in the
+    log and in ``psserver status``, not silently (a restart resumes from a checkpoint)."""
+    from psserver.config import MemoryStateConfig, OptimizerConfig, ServerConfig
+    from psserver.ps.server.server import ParameterServer
+
+    cfg = ServerConfig(model="mlp", devices=["cuda:0"], optimizer=OptimizerConfig(),
+                       memory_state=MemoryStateConfig(tmp_path, "run-a"))
+    with caplog.at_level("WARNING"):
+        server = ParameterServer(cfg)
+    try:
+        assert server.memory.disabled == "the model lives on cuda:0, not in host memory"
+        assert server.memory.describe().startswith("off: the model lives on cuda:0")
+        assert "resumes from its last checkpoint" in caplog.text
+    finally:
+        server.engine.close()
+        server.memory.release()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@needs_gpu
+@pytest.mark.parametrize("transport", ["auto", "staged", "cpu"])
+def test_gradient_buckets_go_ahead_on_every_path(procs, port, transport):
+    """mnist_cnn at ``--bucket-cap-mb 1`` on cuda:0, its server's model on cuda:0: the 4.7 MB
+    fc1.weight goes ahead as backward fills it, device to device (auto), through pinned or
+    pageable host memory; sync steps all land once, and it learns."""
+    server = procs.server(port, "--model", "mnist_cnn", "--devices", "cuda:0", "--update", "sync",
+                          "--sync-trainers", "1")
+    t = procs.trainer(port, 0, "--epochs", "2", "--device", "cuda:0", "--transport", transport,
+                      "--bucket-cap-mb", "1")
+    assert t.wait(200) == 0, t.tail()
+    assert "gradient buckets: 1 of 3 go ahead of the step's call" in t.output(), t.tail()
+    assert accuracy(t) > 0.9
+    assert procs.stop(server) == 0, server.tail()

@@ -12,7 +12,8 @@ from torch import nn
 
 from psserver.config import OptimizerConfig, ServerConfig
 from psserver.models import build_model
-from psserver.ps.engine.engine import ShuttingDown, StepEngine, resolve_devices
+from psserver.ps.engine.devices import resolve_devices
+from psserver.ps.engine.engine import ShuttingDown, StepEngine
 from psserver.ps.protocols import PROTOCOLS
 from psserver.ps.protocols.chained import ChainedServer
 from psserver.ps.protocols.plain import PlainServer
@@ -168,7 +169,10 @@ def test_pushpull_steps_match_a_local_loop(make_engine, device):
     engine, steps = make_engine(device=device)
     engine.trainer_joined("t")
     half = PushPullServer(engine)
-    assert half.join_info("t", join_request()) == {"shard_params": [len(engine.params)]}
+    assert half.join_info("t", join_request()) == {"shard_params": [len(engine.params)],
+                                                  "transport": {"kind": "cpu", "reason": ""},
+                                                  "overlap": {"on": False, "reason": "--overlap off"},
+                                                  "parts": True}
     model = build_model("mlp", seed=7)  # the trainer's own initial weights are never used
     grads, losses = None, []
     for x, y in data:

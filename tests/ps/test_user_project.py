@@ -5,6 +5,7 @@ exported and evaluated where psserver is not installed."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import sysconfig
@@ -56,6 +57,15 @@ def project(tmp_path_factory, mnist_pngs):
     return root
 
 
+def summary_logged_at(proc) -> str:
+    """When the trainer logged its summary line (steps, samples, accuracy), as the log's asctime,
+    which sorts as text: offsets in two different logs say nothing about which came first."""
+    m = re.search(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*rank \d+: \d+ steps.*accuracy", proc.output(),
+                  re.M)
+    assert m, f"{proc.name} logged no summary line:\n{proc.tail()}"
+    return m.group(1)
+
+
 def evaluate_without_psserver(project, weights) -> float:
     """The exported model's held-out accuracy in a fresh interpreter that has torch, PIL and the
     user's package but not psserver (no site hooks: the editable install's path file is unread)."""
@@ -70,8 +80,11 @@ def evaluate_without_psserver(project, weights) -> float:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("update", ["async", "sync"])
-def test_the_users_model_and_data_train_export_and_load_without_psserver(procs, port, tmp_path, project, update):
+# Async three epochs: after two, one CI run's trainers scored 0.9685 and 0.9765 (async's
+# interleaving varies); after three, five runs here scored 0.98-0.985.
+@pytest.mark.parametrize(("update", "epochs"), [("async", 3), ("sync", 2)])
+def test_the_users_model_and_data_train_export_and_load_without_psserver(procs, port, tmp_path, project, update,
+                                                                          epochs):
     ckpt = tmp_path / "ckpt"
     server_env = env()
     assert str(project) not in server_env["PYTHONPATH"]
@@ -83,8 +96,8 @@ def test_the_users_model_and_data_train_export_and_load_without_psserver(procs, 
     user = {"PYTHONPATH": pythonpath(project / "code")}
     data = ["--dataset", "digits.data:splits", "--dataset-args", json.dumps({"root": str(project / "images")}),
             "--data-workers", "2"]
-    trainers = [procs.trainer(port, rank, "--num-trainers", "2", "--epochs", "2", "--model", "digits.model:BNNet",
-                              *data, env=user) for rank in (0, 1)]
+    trainers = [procs.trainer(port, rank, "--num-trainers", "2", "--epochs", str(epochs),
+                              "--model", "digits.model:BNNet", *data, env=user) for rank in (0, 1)]
     for t in trainers:
         assert t.wait(420) == 0, t.tail()
     scores = [accuracy(t) for t in trainers]
@@ -102,7 +115,9 @@ def test_the_users_model_and_data_train_export_and_load_without_psserver(procs, 
     assert not torch.allclose(exported["bn2.running_var"], torch.ones(64))
     got = evaluate_without_psserver(project, out)
     # Both trainers evaluated the server's parameters and statistics at their end; the export
-    # holds the final ones: within 0.005 of the trainer that evaluated last (sync: of both).
-    last = max(range(2), key=lambda i: trainers[i].output().rfind("accuracy"))
-    assert abs(got - scores[last]) <= 0.005 or (update == "sync" and all(abs(got - s) <= 0.005 for s in scores)), \
-        (got, scores)
+    # holds the final ones: within ten of the 2000 held-out images (0.005, plus float rounding) of
+    # the trainer whose summary was logged last (sync: of both).
+    last = max(range(2), key=lambda i: summary_logged_at(trainers[i]))
+    one_image = 0.005 + 1e-9
+    assert abs(got - scores[last]) <= one_image or (update == "sync" and all(abs(got - s) <= one_image
+                                                                          for s in scores)), (got, scores, last)

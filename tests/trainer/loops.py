@@ -38,15 +38,15 @@ def batches(steps: int = STEPS, batch: int = BATCH) -> list[tuple[torch.Tensor, 
     return [(torch.randn(batch, 8, generator=g), torch.randint(0, 3, (batch,), generator=g)) for _ in range(steps)]
 
 
-def local_adam(steps: int = STEPS, batch: int = BATCH) -> dict[str, torch.Tensor]:
-    """The reference: a plain local loop, Adam at ``LR``."""
-    model = tiny_net()
+def local_adam(steps: int = STEPS, batch: int = BATCH, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The reference: a plain local loop, Adam at ``LR``, on ``device`` (its state on the CPU)."""
+    model = tiny_net().to(device)
     opt = optim.Adam(model.parameters(), lr=LR)
     for x, y in batches(steps, batch):
         opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
+        nn.functional.cross_entropy(model(x.to(device)), y.to(device)).backward()
         opt.step()
-    return model.state_dict()
+    return {k: v.cpu() for k, v in model.state_dict().items()}
 
 
 def _save(model_or_state, out: str, **counters) -> None:

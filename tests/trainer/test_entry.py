@@ -35,6 +35,8 @@ def test_a_bad_entry_is_one_line_and_exit_2(capsys, argv, says):
     ({"device": "tpu"}, "unsupported --device"),
     ({"wire_dtype": "fp8"}, "--wire-dtype"),
     ({"token_file": "/nonexistent/token"}, "token"),
+    ({"overlap": "sometimes"}, "--overlap must be one of auto, on, off"),
+    ({"overlap": "on", "step": "pull"}, "--overlap on is for --step pushpull"),
 ])
 def test_connect_refuses_bad_arguments_in_one_line(kwargs, says):
     with pytest.raises(psserver.UsageError, match=says) as e:
@@ -53,6 +55,9 @@ def test_a_connection_says_what_to_call_first():
         with pytest.raises(psserver.UsageError, match=r"takes an nn\.Module"):
             ps.replica("not a model")
         with pytest.raises(psserver.UsageError, match="cannot reach a psserver"):
+            ps.replica(torch_module())
+    with psserver.connect(f"127.0.0.1:{free_port()}", connect_timeout=1, overlap="on") as ps:
+        with pytest.raises(psserver.UsageError, match=r"overlap='on' is for ps\.train_step"):
             ps.replica(torch_module())
 
 

@@ -156,15 +156,39 @@ def test_a_script_evicted_with_reconnect_rejoins_and_its_sampler_continues_the_e
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")
-def test_a_replica_on_the_gpu_trains_as_the_local_loop(procs, port, tmp_path):
-    """``connect(device="cuda:0")``: the replica, its forward and backward on the GPU, the
-    parameters and gradients through the wire as on the CPU; a local loop's parameters to 1e-5."""
-    procs.server(port, *SYNC_ADAM)
+@pytest.mark.parametrize(("transport", "shown"), [
+    ("auto", "transport device-map cuda:0 -> server cuda:0: both on CUDA on one host"),
+    ("staged", "transport staged: --transport staged: through pinned host memory"),
+    ("cpu", "transport cpu: --transport cpu"),
+])
+def test_a_replica_on_the_gpu_trains_as_the_local_loop(procs, port, tmp_path, transport, shown):
+    """``connect(device="cuda:0")`` beside a server whose model is on cuda:0: the replica, its
+    forward and backward on the GPU, the flat buffers device to device by default (or through
+    pinned or pageable host memory, asked for); 20 sync Adam steps give the parameters of a local
+    loop on the same device to 1e-5."""
+    procs.server(port, *SYNC_ADAM, "--devices", "cuda:0")
     out = tmp_path / "state.pt"
-    t = entry(procs, port, "through_step", "--device", "cuda:0", args={"out": str(out)})
+    t = entry(procs, port, "through_step", "--device", "cuda:0", "--transport", transport, args={"out": str(out)})
     assert t.wait(120) == 0, t.tail()
+    assert shown in t.output(), t.tail()
     state = {k: v.cpu() for k, v in torch.load(out).items()}
-    assert same(state, loops.local_adam()) < 1e-5
+    assert same(state, loops.local_adam(device="cuda:0")) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (a trainer on one, the server on another)")
+def test_a_trainer_on_another_gpu_of_the_host_maps_its_device_to_the_servers(procs, port, tmp_path):
+    """The trainer on cuda:1, the server's model on cuda:0: the device map takes cuda:1 to cuda:0
+    (CUDA IPC between the GPUs), and 20 sync Adam steps still give the local loop's parameters."""
+    procs.server(port, *SYNC_ADAM, "--devices", "cuda:0")
+    out = tmp_path / "state.pt"
+    t = entry(procs, port, "through_step", "--device", "cuda:1", args={"out": str(out)})
+    assert t.wait(120) == 0, t.tail()
+    assert "transport device-map cuda:1 -> server cuda:0" in t.output(), t.tail()
+    state = {k: v.cpu() for k, v in torch.load(out).items()}
+    assert same(state, loops.local_adam(device="cuda:1")) < 1e-5
 
 
 def test_help_lists_the_librarys_names():

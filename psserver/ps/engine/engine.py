@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from psserver.config import OptimizerConfig, ServerConfig
-from psserver.errors import UsageError
 from psserver.models import ModelSpec, build_model, get_model_spec, split_stages
 from psserver.models.layout import ModelLayout
 from psserver.ps.engine.buffers import ServerBuffers, persistent_buffers
@@ -39,28 +38,6 @@ StepListener = Callable[[int, int], None]
 
 class ShuttingDown(RuntimeError):
     """A new step was refused because the server is draining."""
-
-
-def resolve_device(name: str, flag: str) -> torch.device:
-    """One device of ``flag`` (``--devices`` of the server, ``--device`` of a trainer), with its
-    CUDA index made explicit (``UsageError`` when this host does not have it)."""
-    dev = torch.device(name)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError(f"{flag} {name}: CUDA is not available on this host")
-        index = dev.index if dev.index is not None else 0
-        if index >= torch.cuda.device_count():
-            raise UsageError(f"{flag} {name} does not exist ({torch.cuda.device_count()} GPUs visible)")
-        dev = torch.device("cuda", index)
-    return dev
-
-
-def resolve_devices(devices: list[str] | None) -> list[torch.device]:
-    """The devices of ``--devices`` (default: every visible GPU, else the CPU)."""
-    if devices is None:
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return [torch.device(f"cuda:{i}") for i in range(n)] or [torch.device("cpu")]
-    return [resolve_device(d, "--devices") for d in devices]
 
 
 def model_keys(model: nn.Module, part: nn.Module) -> dict[str, str]:
@@ -301,10 +278,12 @@ class StepEngine:
         with self.updater.lock:
             return self.buffers.flat()
 
-    def flat_parameters(self, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-        """Every shard's parameters as one flat CPU buffer each (in ``dtype``), copied at one step."""
+    def flat_parameters(self, dtype: torch.dtype | None = None, *, on_device: bool = False) -> list[torch.Tensor]:
+        """Every shard's parameters as one flat buffer each (in ``dtype``), copied at one step: on
+        the CPU, or on the shard's device (``on_device``: a trainer whose device map takes it)."""
         with self.updater.lock:
-            return [torch.cat([p.detach().reshape(-1) for p in s.params]).to("cpu", dtype or s.params[0].dtype)
+            return [torch.cat([p.detach().reshape(-1) for p in s.params]).to(
+                        s.device if on_device else "cpu", dtype or s.params[0].dtype)
                     if s.params else torch.zeros(0, dtype=dtype or torch.float32)  # a partition of no parameters
                     for s in self.shards]
 

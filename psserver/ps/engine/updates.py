@@ -64,7 +64,8 @@ class TrainerProgress:
     """Steps of the clock that ended: the update applied (sync: handed to its round) or the
     step given up. ``clock - done`` is 1 while a step is open, else 0."""
     opened_at: int | None = None
-    """Global step when its open step started (the weights it reads); None when none is open."""
+    """Global step of the weights its open step computes on: when the step started (an
+    overlapping trainer's: when its step before started); None when none is open."""
     staleness: int = 0
     """Of its latest update: optimizer steps applied between the start of its step and the
     update (0: computed on the current weights)."""
@@ -94,6 +95,8 @@ class Updater:
         self._joined: set[str] = set()  # live, no step tried yet: they bound nobody
         self._progress: dict[str, TrainerProgress] = {}  # live, taking part
         self._departed: dict[str, TrainerProgress] = {}  # the last ones that left, as they left
+        self._lag: dict[str, int] = {}  # overlapping trainers: 1 (a step computes on the reply before the last)
+        self._last_read: dict[str, int] = {}  # their last step's global step when it opened
         self._closed = False
         self.buffers = None
         """The model's buffers (``psserver.ps.engine.buffers.ServerBuffers``), committed with each update
@@ -182,6 +185,16 @@ class Updater:
             if trainer not in self._progress:
                 self._joined.add(trainer)
 
+    def set_lag(self, trainer: str, lag: int) -> None:
+        """``trainer`` computes each step on the parameters it got ``lag`` steps before (1: it
+        overlaps a step with the call that hands in the one before, ``--overlap``; 0: none).
+        Its updates' staleness counts from those parameters, and ``ssp`` holds it ``lag``
+        steps tighter, so that its gradients too are at most ``--staleness`` behind."""
+        if lag not in (0, 1):
+            raise ValueError(f"a trainer's lag is 0 or 1, got {lag!r}")
+        with self._clocks:
+            self._lag[trainer] = lag
+
     def _enter(self, trainer: str) -> TrainerProgress | None:
         """(``_clocks`` held) ``trainer``'s progress, entering it first if it joined and never
         tried a step: at the slowest started clock ``m`` of those taking part (0 when none), as
@@ -199,6 +212,8 @@ class Updater:
         """``trainer`` left or was lost: it bounds nobody any more; its last progress is kept for status."""
         with self._clocks:
             self._joined.discard(trainer)
+            self._lag.pop(trainer, None)
+            self._last_read.pop(trainer, None)
             p = self._progress.pop(trainer, None)
             if p is not None:
                 p.opened_at = None
@@ -221,7 +236,9 @@ class Updater:
                 p.done += 1
             if not self._take_grant(trainer):
                 p.clock += 1
-            p.opened_at = self.global_step
+            last, self._last_read[trainer] = self._last_read.get(trainer), self.global_step
+            # An overlapping trainer's step computes on the parameters of the step before's reply.
+            p.opened_at = last if self._lag.get(trainer) and last is not None else self.global_step
             self._clocks.notify_all()
 
     def step_closed(self, trainer: str) -> None:
@@ -341,7 +358,7 @@ class SSPUpdater(AsyncUpdater):
 
     def _blocker(self, trainer: str, k: int) -> str | None:
         """(``_clocks`` held) A live trainer that keeps ``trainer`` from starting step ``k``."""
-        need = k - self.staleness
+        need = k - self.staleness + self._lag.get(trainer, 0)
         for name, other in self._progress.items():
             if name != trainer and max(other.clock, self._asking.get(name, 0)) < need:
                 return name
@@ -404,9 +421,11 @@ class SSPUpdater(AsyncUpdater):
                     del self._asking[trainer]
                     other = self._progress.get(blocker) if blocker else None
                     at = other.clock if other else "?"
+                    lag = self._lag.get(trainer, 0)
                     raise TimeoutError(
                         f"ssp: {trainer} waited {timeout:g}s to start its step {k} for {blocker} to reach its step "
-                        f"{k - self.staleness} (--staleness {self.staleness}); it is at {at}")
+                        f"{k - self.staleness + lag} (--staleness {self.staleness}"
+                        f"{', one tighter for an overlapping trainer' if lag else ''}); it is at {at}")
                 self._clocks.wait(remaining)
             self._asking.pop(trainer, None)
 

@@ -38,7 +38,8 @@ from psserver.config import OptimizerConfig, ServerConfig
 from psserver.errors import ServerLost, UsageError
 from psserver.metrics import start_server_process_exporter
 from psserver.models.layout import ModelLayout
-from psserver.ps.engine.engine import StepEngine, resolve_devices
+from psserver.ps.engine.devices import resolve_devices
+from psserver.ps.engine.engine import StepEngine
 from psserver.ps.engine.sync_updates import FollowerSyncUpdater
 from psserver.ps.group import peers
 from psserver.ps.protocols import PROTOCOLS

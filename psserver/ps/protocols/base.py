@@ -41,6 +41,8 @@ class Channel(Protocol):
     """The training loss (``--loss``, else the model's), computed on the trainer in every protocol."""
     steps_before: int
     """Steps this rank trained before this join (0: a fresh trainer); its gradients are numbered on from there."""
+    bucket_cap_mb: float
+    """MiB per gradient bucket filled during backward (``--bucket-cap-mb``, ``psserver.ps.engine.buckets``)."""
 
     def call(self, op: str, *args: Any) -> Any:
         """Call ``op`` of this protocol's server half (synchronously, one RPC)."""
@@ -50,9 +52,17 @@ class Channel(Protocol):
         """Call ``op`` on every server process at once, ``args[i]`` for server i."""
         ...
 
+    def call_async(self, op: str, *args: Any) -> Any:
+        """Call ``op`` without waiting: a future whose ``wait()`` raises as :meth:`call` would."""
+        ...
+
 
 class TrainerHalf(ABC):
     """The trainer's side of a protocol: one step at a time, on the trainer's thread."""
+
+    fell_back: str | None = None
+    """Why the transport the server agreed to failed and the half took the staged path instead
+    (None: it did not); the session's own record of its path follows it."""
 
     def __init__(self, channel: Channel) -> None:
         self.channel = channel

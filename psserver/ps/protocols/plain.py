@@ -22,7 +22,6 @@ import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import nn
-from torch.distributed.optim import DistributedOptimizer
 
 from psserver.ps.protocols.base import ServerHalf, StepProtocol, TrainerHalf, register
 from psserver.ps.rpc import torch_rpc
@@ -96,6 +95,10 @@ logging.getLogger("torch.distributed.optim.optimizer").addFilter(_NoFunctionalOp
 class PlainTrainer(TrainerHalf):
     def __init__(self, channel) -> None:
         super().__init__(channel)
+        # Here, not at the top: torch.distributed.optim imports FSDP, DTensor and sympy (0.6 s
+        # of every psserver process's start, though only --step plain uses it).
+        from torch.distributed.optim import DistributedOptimizer
+
         self.optimizer: DistributedOptimizer | None = DistributedOptimizer(
             SharedOptimizer, channel.info["param_rrefs"], trainer=channel.name)
 

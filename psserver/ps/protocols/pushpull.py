@@ -12,6 +12,10 @@ Each gradient carries its number, the trainer's step it ends (``psserver.ps.engi
 a trainer whose server process died rejoins the restarted one and sends again the gradient
 whose reply it never got, which is applied only if the dead process had not applied it.
 
+A step's gradient may come in parts: the trainer sends each large bucket as soon as its
+backward has filled it (``part``, ``psserver.ps.engine.parts``), and the call that ends the step
+carries the rest, so most of the gradient is on its way while backward still runs.
+
 A model with embedding tables (``psserver.ps.sparse``) rides the same call: it carries the row
 gradients of step *t* (the server remembers which ids it served) and the unique ids of step
 *t+1*'s batch that this server owns, and its reply carries their rows beside the dense
@@ -20,31 +24,119 @@ parameters. One request per server per step, the rows' bytes grow with the batch
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
+from psserver.config.ps import OVERLAP_MODES
 from psserver.errors import UsageError
 from psserver.models.calling import call_model, input_batch_size
+from psserver.ps.engine.parts import GradientParts, Part
 from psserver.ps.protocols.base import StepProtocol, register
 from psserver.ps.protocols.trainer_compute import TrainerComputeHalf, TrainerComputeServer
 from psserver.ps.sparse.batch import RowBatch
 
+log = logging.getLogger(__name__)
+
 Rows = dict[str, torch.Tensor]
-Owed = tuple[list[list[torch.Tensor]], list[Rows] | None, torch.Tensor | None]
-"""What a trainer owes the servers after a step: the flat gradient (a list per server), the row
-gradients (a dict per server; None: no tables) and its buffers (None: none it sends)."""
+Owed = tuple[list[list[torch.Tensor]] | None, list[Rows] | None, torch.Tensor | None, list[Part] | None]
+"""What a trainer owes the servers after a step: the flat gradient (a list per server; None:
+sent in parts), the row gradients (a dict per server; None: no tables), its buffers (None: none
+it sends) and, when parts of its gradient went ahead while backward ran, the parts left."""
 
 
 class PushPullServer(TrainerComputeServer):
-    ops = ("exchange", "parameters", "rows")
+    ops = ("exchange", "part", "parameters", "rows", "probe", "fall_back")
+    device_replies = True
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self._parts_lock = threading.Lock()
+        self._parts: dict[str, GradientParts] = {}
 
     def join_info(self, trainer: str, request) -> dict:
-        info = super().join_info(trainer, request)
+        overlap = self._overlap(request)  # a refusal before anything is kept of the trainer
+        info = {**super().join_info(trainer, request), "overlap": overlap, "parts": self._takes_parts}
         self.engine.sequences.joined(trainer, request.rank, request.steps)
+        self.engine.updater.set_lag(trainer, int(overlap["on"]))
         return info
+
+    def _overlap(self, request) -> dict:
+        """Whether the trainer computes a step while the call that hands in the one before is
+        in flight, and why (``ValueError``: asked for where it cannot be)."""
+        want = request.overlap
+        if want not in OVERLAP_MODES:
+            raise ValueError(f"unknown --overlap {str(want)[:20]!r}; known: {', '.join(OVERLAP_MODES)}")
+        cfg = self.engine.config
+        why_not = None
+        if cfg.update == "sync":
+            why_not = "sync mode: every step waits for its round's update"
+        elif cfg.update == "ssp" and cfg.staleness < 1:
+            why_not = "ssp with --staleness 0 is bulk-synchronous"
+        elif self.engine.tables is not None:
+            why_not = "embedding tables: a step's rows come with its batch"
+        elif cfg.num_servers > 1:
+            why_not = "several server processes"
+        if want == "on" and why_not is not None:
+            raise ValueError(f"--overlap on: not with {why_not}")
+        if want == "off":
+            return {"on": False, "reason": "--overlap off"}
+        if why_not is not None:
+            return {"on": False, "reason": why_not}
+        if want == "auto" and not str(request.device).startswith("cuda"):
+            return {"on": False, "reason": "a CPU trainer (--overlap on pipelines it too)"}
+        if want == "auto" and cfg.update == "ssp":  # one step staler fell under a bar in a test: asked for only
+            return {"on": False, "reason": "ssp (--overlap on pipelines it, held one step tighter)"}
+        bound = f", held one step tighter under --staleness {cfg.staleness}" if cfg.update == "ssp" else ""
+        return {"on": True, "reason": f"{cfg.update}: each step computes on the reply before the last{bound}"}
+
+    def part(self, trainer: str, number: object, parts: object) -> None:
+        """Parts of the gradient of ``trainer``'s step ``number`` (``[(shard, start, values)]``),
+        sent while its backward ran; the ``exchange`` that ends the step brings the rest."""
+        gradient, number, parts = self._gradient_parts(trainer), self._number(number), self._part_list(parts)
+        # The copies are tensor work: on the compute thread, as every other (psserver.ps.engine.compute).
+        self.engine.compute.run_with(self.compute_threads, gradient.put, number, parts)
+
+    @property
+    def _takes_parts(self) -> bool:
+        """A gradient in parts fills one server's flat buffers (several servers' and the tables'
+        layouts are their own)."""
+        return self.engine.tables is None and self.engine.config.num_servers == 1
+
+    def _gradient_parts(self, trainer: str) -> GradientParts:
+        if not self._takes_parts:
+            raise ValueError("a gradient in parts: only with one server process and no embedding tables")
+        with self._parts_lock:
+            parts = self._parts.get(trainer)
+            if parts is None:
+                shards = self.engine.shards
+                parts = self._parts[trainer] = GradientParts([s.num_params for s in shards], self.wire_dtype(trainer),
+                                                             [s.device for s in shards])
+            return parts
+
+    @staticmethod
+    def _number(number: object) -> int:
+        if not isinstance(number, int) or isinstance(number, bool) or number < 1:
+            raise ValueError(f"a gradient's number must be an int >= 1, got {number!r}")
+        return number
+
+    @staticmethod
+    def _part_list(parts: object) -> list:
+        if not isinstance(parts, list):
+            raise ValueError("gradient parts come as a list of (shard, start, values)")
+        return parts
+
+    def trainer_gone(self, trainer: str, evicted: bool) -> None:
+        with self._parts_lock:
+            self._parts.pop(trainer, None)
+        super().trainer_gone(trainer, evicted)
 
     def exchange(self, trainer: str, grads: list[torch.Tensor] | None, samples: int | None,
                  norm: float | None = None, rows: dict | None = None, buffers: torch.Tensor | None = None,
-                 done: int | None = None, number: int | None = None):
+                 done: int | None = None, number: int | None = None, rest: list | None = None):
         """Apply ``grads`` (the flat gradient of ``trainer``'s open step; None: none owed), then
         return the flat parameters for its next step of ``samples`` (None: it is done). With
         several server processes ``grads`` is this server's partition and ``norm`` the whole
@@ -55,13 +147,21 @@ class PushPullServer(TrainerComputeServer):
         ``done``: the samples of the open step, for a trainer that learnt them only after opening
         it (the library's, which opens its next step before its user reads the next batch).
         ``number``: the trainer's step that ``grads`` ends (None: not numbered): one applied
-        before, sent again after this server process restarted, is not applied again."""
+        before, sent again after this server process restarted, is not applied again. ``rest``:
+        the gradient came in parts (``part``) and these are the last of them (``grads`` is None)."""
         if norm is not None and not isinstance(norm, float):
             raise ValueError(f"gradient norm must be a float, got {type(norm).__name__}")
         if done is not None and (not isinstance(done, int) or done < 0):
             raise ValueError(f"a step's samples must be an int >= 0, got {done!r}")
-        if number is not None and (not isinstance(number, int) or number < 1):
-            raise ValueError(f"a gradient's number must be an int >= 1, got {number!r}")
+        if number is not None:
+            self._number(number)
+        if rest is not None:
+            if grads is not None or number is None:
+                raise ValueError("a gradient in parts ends with its numbered call, which carries no whole gradient")
+            parts, rest = self._gradient_parts(trainer), self._part_list(rest)
+            # The parts' buffers: applied before this call answers.
+            grads = self.engine.compute.run_with(self.compute_threads, lambda: (parts.put(number, rest),
+                                                                                parts.take(number))[1])
         row_grads, ids = self._row_request(rows)
         buffers = self.check_buffers(buffers)
         if grads is not None and number is not None and not self.engine.take_gradient(trainer, number, done or 0):
@@ -99,7 +199,7 @@ class PushPullServer(TrainerComputeServer):
         rows = tables.serve(trainer, ids) if tables is not None else None  # a bad request opens no step
         self.engine.open_step(trainer, samples)
         wire = self.wire_dtype(trainer)
-        params = self.with_buffers(self.engine.flat_parameters(wire))
+        params = self.with_buffers(self.engine.flat_parameters(wire, on_device=self.on_device(trainer)))
         if rows is None:
             return params
         return params, {name: r.to(wire) for name, r in rows.items()}
@@ -116,6 +216,19 @@ class PushPullTrainer(TrainerComputeHalf):
         self.seq = channel.steps_before
         """The number of the last gradient made: the rank's steps, across rejoins."""
         self._open_rows: tuple[RowBatch, list[torch.Tensor]] | None = None  # the library's batch of rows
+        agreed = channel.info.get("overlap") or {"on": False, "reason": "the server decides nothing of it"}
+        self.overlap: bool = bool(agreed["on"])
+        """Whether :meth:`train_step` computes while the exchange that hands in the step before
+        is in flight (``--overlap``; the server agreed, by its update mode)."""
+        if self.table_columns is None and agreed.get("reason"):
+            log.info("overlap %s: %s", "on" if self.overlap else "off", agreed["reason"])
+        self.send_parts = bool(channel.info.get("parts")) and not self.overlap and self.plan is None \
+            and self.table_columns is None
+        """Whether this trainer's own backward sends its large buckets ahead of the step's call
+        (the server takes parts: one server, no tables; not while overlapping, which hides the
+        whole call)."""
+        self._primed = False  # the replica holds a step's reply: the next step may compute on it
+        self._exchanger: ThreadPoolExecutor | None = None
         self.row_payload = 0
         """Bytes of the tables' traffic its steps needed at least: each unique id once, its row
         down and its gradient up (benchmarks compare what crossed the network with it)."""
@@ -141,11 +254,13 @@ class PushPullTrainer(TrainerComputeHalf):
                   done: int | None = None, number: int | None = None) -> list:
         """One ``exchange`` per server process, all in flight at once; their replies in order
         (``done``: the samples of the step whose gradient goes; ``number``: that step's number)."""
-        dense, rows, buffers = grads if grads is not None else (None, None, None)
+        dense, rows, buffers, rest = grads if grads is not None else (None, None, None, None)
         if self.plan is None and self.table_columns is None:
-            tail: tuple = () if buffers is None and done is None and number is None else (None, None, buffers, done,
-                                                                                         number)
+            tail: tuple = ()
+            if buffers is not None or done is not None or number is not None or rest is not None:
+                tail = (None, None, buffers, done, number) + (() if rest is None else (rest,))
             return [self.channel.call("exchange", None if dense is None else dense[0], samples, *tail)]
+        assert rest is None, "a gradient in parts goes to one server process without tables"
         servers = len(self.channel.servers)
         # Several servers each see a part of the step: they all decide on the whole step's norm.
         norm = None if dense is None or servers == 1 else self.norm_of(dense, rows)
@@ -168,11 +283,17 @@ class PushPullTrainer(TrainerComputeHalf):
         grads, number, done = self._take_owed()
         if self.table_columns is None:
             samples = input_batch_size(x)
+            if self.overlap and self._primed:
+                return self._overlapped_step(x, y, grads, samples, done, number)
             self.load(self._exchange(grads, samples, done=done, number=number))
+            self._primed = True
             self._handed_in()
             loss = self.loss_fn(call_model(self.model, x), y)
-            self._owe((self.flat_grads(list(torch.autograd.grad(loss, self.params, allow_unused=True))), None,
-                       self.owed_buffers()), samples)
+            if self.send_parts:
+                dense, rest = self.backward_parts(loss, self.seq + 1)
+            else:
+                dense, rest = self.backward_flat(loss), None
+            self._owe((dense, None, self.owed_buffers(), rest), samples)
             return float(loss.detach())
         ids, dense = x
         batch = RowBatch(ids, self.table_columns, len(self.channel.servers))
@@ -188,8 +309,46 @@ class PushPullTrainer(TrainerComputeHalf):
         n = len(self.params)
         row_grads = [torch.zeros_like(r) if g is None else g for r, g in zip(rows, got[n:], strict=True)]
         self._owe((self.flat_grads(list(got[:n])), batch.split_grads(row_grads, self.wire_dtype),
-                   self.owed_buffers()), int(ids.shape[0]))
+                   self.owed_buffers(), None), int(ids.shape[0]))
         return float(loss.detach())
+
+    def _overlapped_step(self, x, y: torch.Tensor, grads: Owed | None, samples: int, done: int | None,
+                         number: int | None) -> float:
+        """One step computed on the parameters the replica holds (the reply before the last)
+        while the exchange that hands in the step before, and fetches the next step's
+        parameters, is in flight on a helper thread. The gradient buffers alternate
+        (``GradBuckets`` of depth 2): this backward never writes what is being sent. When the
+        exchange fails, this step's gradient is dropped with it: both steps are made again."""
+        if self._exchanger is None:
+            self._exchanger = ThreadPoolExecutor(max_workers=1, thread_name_prefix="psserver-exchange")
+        call = self._exchanger.submit(self._exchange, grads, samples, None, done, number)
+        try:
+            loss = self.loss_fn(call_model(self.model, x), y)
+            flat = self.backward_flat(loss)
+            buffers = self.owed_buffers()
+            replies = call.result()
+        except BaseException:
+            # The exchange ends before anything else is sent (this step failed, the exchange
+            # failed, or an interrupt came while waiting): handed in if it was answered.
+            with contextlib.suppress(BaseException):
+                self._land(call.result())
+            raise
+        self._land(replies)
+        self._owe((flat, None, buffers, None), samples)
+        return float(loss.detach())
+
+    def _land(self, replies: list) -> None:
+        """An exchange answered: its gradient is handed in, its parameters go into the replica.
+        A trainer that sends its buffers (BatchNorm's statistics) keeps its own: the reply's
+        were made from the ones it sent two steps ago, before its last forward."""
+        self._handed_in()
+        self.load(replies, keep_buffers=self.send_buffers)
+
+    def close(self) -> None:
+        if self._exchanger is not None:
+            self._exchanger.shutdown(wait=True)
+            self._exchanger = None
+        super().close()
 
     def _owe(self, grads: Owed, samples: int) -> None:
         """The gradient of the step just made (of ``samples``), handed in with the next call."""
@@ -222,7 +381,8 @@ class PushPullTrainer(TrainerComputeHalf):
         if self.table_columns is None:
             self.seq += 1  # the user's loop makes this step again if the call fails (its position is not counted)
             try:
-                self.load(self._exchange((dense, None, self.owed_buffers()), 0, done=samples, number=self.seq))
+                self.load(self._exchange((dense, None, self.owed_buffers(), None), 0, done=samples,
+                                         number=self.seq))
             except BaseException:
                 self.seq -= 1
                 raise
@@ -233,7 +393,7 @@ class PushPullTrainer(TrainerComputeHalf):
         batch, rows = self._open_rows
         self._open_rows = None
         row_grads = [torch.zeros_like(r) if r.grad is None else r.grad for r in rows]
-        self._owe((dense, batch.split_grads(row_grads, self.wire_dtype), self.owed_buffers()), samples)
+        self._owe((dense, batch.split_grads(row_grads, self.wire_dtype), self.owed_buffers(), None), samples)
 
     def rows(self, ids: torch.Tensor) -> list[torch.Tensor]:
         """The rows of a batch's ids (``[batch, tables]`` int64, column t for table t) as the

@@ -2,26 +2,44 @@
 
 The trainer keeps a replica of the model on its own device; the server keeps the fp32 master
 weights and the optimizer state, sends parameters and receives gradients in the trainer's
-wire dtype (``--wire-dtype``), always on the CPU. The trainer evaluates on its replica, loaded
+wire dtype (``--wire-dtype``), as one flat buffer per shard. Where the buffers travel is the
+trainer's transport (``psserver.ps.rpc.transport``): as CUDA tensors from device to device
+(``device-map``, ``--step pushpull``), through pinned host buffers the trainer reuses every step
+(``staged``), or through host memory (``cpu``). The trainer evaluates on its replica, loaded
 once from the server's current parameters.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import torch
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from psserver.config.ps import TRANSPORTS
 from psserver.models.calling import call_model, move_input
+from psserver.ps.engine.buckets import GradBuckets, bucket_cap_bytes
 from psserver.ps.engine.buffers import flatten, persistent_buffers, unflatten_into
+from psserver.ps.engine.flat import FlatBuffer, copy_flat_into
 from psserver.ps.engine.guard import total_norm
+from psserver.ps.engine.parts import Part
 from psserver.ps.group.partition import PartitionPlan
 from psserver.ps.protocols.base import ServerHalf, TrainerHalf
+from psserver.ps.rpc import torch_rpc
 from psserver.ps.rpc.messages import JoinRequest
 from psserver.ps.sparse.batch import RowBatch
 
+log = logging.getLogger(__name__)
+
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PATHS = tuple(t for t in TRANSPORTS if t != "auto")
+"""The transports a trainer may report (``psserver.ps.rpc.transport``): ``--transport``'s, less ``auto``."""
+REASON_CHARS = 200
+"""The most of a trainer's reason for its transport the server keeps."""
+PART_MIN_BYTES = 1 << 20
+"""The smallest bucket a backward sends ahead of its step's call (``--step pushpull``): a call
+costs each side its handling, worth it for a bucket whose bytes take a while to cross. The
+bucket that fills last goes with the step's call whatever its size: nothing is left to overlap."""
 
 
 class TrainerComputeServer(ServerHalf):
@@ -34,10 +52,18 @@ class TrainerComputeServer(ServerHalf):
         super().__init__(engine)
         self._wire_lock = threading.Lock()
         self._wire: dict[str, torch.dtype] = {}
+        self._transport: dict[str, tuple[str, str]] = {}  # trainer -> (path, why)
+
+    device_replies = False
+    """Whether this protocol sends its flat buffers as the trainer's transport says (one that
+    does not carries them through host memory: such a trainer is told it is ``cpu``)."""
 
     def join_info(self, trainer: str, request: JoinRequest) -> dict:
+        if request.transport not in PATHS:  # before anything is kept of the trainer
+            raise ValueError(f"unknown transport {str(request.transport)[:40]!r}; known: {', '.join(PATHS)}")
         self.set_wire_dtype(trainer, request.wire_dtype)
-        info = {**super().join_info(trainer, request), "shard_params": [len(s.params) for s in self.engine.shards]}
+        info = {**super().join_info(trainer, request), "shard_params": [len(s.params) for s in self.engine.shards],
+                "transport": self._set_transport(trainer, request)}
         if self.engine.tables is not None:
             info["tables"] = self.engine.tables.describe()
         buffers = self.engine.buffers
@@ -59,6 +85,51 @@ class TrainerComputeServer(ServerHalf):
         if self.engine.buffers is None:
             raise ValueError("this server holds no buffers of the model, yet a trainer sent some")
         return self.engine.buffers.check(buffers)
+
+    def _set_transport(self, trainer: str, request: JoinRequest) -> dict[str, str]:
+        """The path ``trainer``'s buffers take, as the trainer asked unless this protocol or this
+        server cannot use it (then ``cpu`` or ``staged``, and why); what its join reply tells it."""
+        kind, reason = request.transport, request.transport_reason
+        reason = _one_line(reason)
+        if kind != "cpu" and not self.device_replies:
+            kind, reason = "cpu", "its --step sends through host memory (flat buffers on the device: --step pushpull)"
+        elif kind == "device-map" and not all(s.device.type == "cuda" for s in self.engine.shards):
+            kind, reason = "staged", "the server's model is not on a GPU"
+        with self._wire_lock:
+            self._transport[trainer] = (kind, reason)
+        if kind == "device-map":  # its replies' CUDA tensors go to its device
+            torch_rpc.map_replies(trainer, {self.engine.shards[0].device: torch.device(request.device)})
+        return {"kind": kind, "reason": reason}
+
+    def on_device(self, trainer: str) -> bool:
+        """Whether ``trainer``'s buffers cross as CUDA tensors (its device map to the shard's device)."""
+        return self.transport_of(trainer)[0] == "device-map"
+
+    def transport_of(self, trainer: str) -> tuple[str, str]:
+        """The path ``trainer``'s buffers take now, and why (``("", "")``: none known)."""
+        with self._wire_lock:
+            return self._transport.get(trainer, ("", ""))
+
+    def probe(self, trainer: str, x: object) -> torch.Tensor:
+        """A ``device-map`` trainer's first call: one value that must arrive on the shard's device,
+        and go back to the trainer's as a CUDA tensor too (plus one)."""
+        if not self.on_device(trainer):
+            raise ValueError("only a trainer on the device-map path probes it")
+        device = self.engine.shards[0].device
+        if not isinstance(x, torch.Tensor) or x.numel() != 1 or x.device != device:
+            where = x.device if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"the probe arrived as {where}, not one value on the server's {device}")
+        return x + 1
+
+    def fall_back(self, trainer: str, reason: object) -> None:
+        """A ``device-map`` trainer whose probe failed goes ``staged`` from now on (``reason``: what failed)."""
+        if not self.on_device(trainer):
+            raise ValueError("only a trainer on the device-map path falls back from it")
+        why = _one_line(f"the device map failed ({reason}), so through pinned host memory")
+        with self._wire_lock:
+            self._transport[trainer] = ("staged", why)
+        torch_rpc.unmap_replies(trainer)
+        log.warning("trainer %s: %s", trainer, why)
 
     def set_wire_dtype(self, trainer: str, name: str) -> None:
         if name not in WIRE_DTYPES:
@@ -88,7 +159,15 @@ class TrainerComputeServer(ServerHalf):
     def trainer_gone(self, trainer: str, evicted: bool) -> None:
         with self._wire_lock:
             self._wire.pop(trainer, None)
+            if self._transport.pop(trainer, ("", ""))[0] == "device-map":
+                torch_rpc.unmap_replies(trainer)
         super().trainer_gone(trainer, evicted)
+
+
+def _one_line(text: object) -> str:
+    """What a trainer says of its transport, as the log and the status show it: one printable
+    line of at most ``REASON_CHARS`` characters."""
+    return "".join(c if c.isprintable() else " " for c in str(text)[:REASON_CHARS])
 
 
 class TrainerComputeHalf(TrainerHalf):
@@ -96,6 +175,10 @@ class TrainerComputeHalf(TrainerHalf):
     one flat buffer per server shard, or, with several server processes, one flat buffer per
     server holding that server's pieces (``psserver.ps.group.partition``). Replies and gradients are
     handled as one list of buffers per server process."""
+
+    overlap = False
+    """Whether a step computes while the call that hands in the step before is in flight
+    (``--overlap``; ``--step pushpull`` only)."""
 
     def __init__(self, channel) -> None:
         super().__init__(channel)
@@ -133,13 +216,41 @@ class TrainerComputeHalf(TrainerHalf):
             self.shards.append(params[:n])
             params = params[n:]
         self._loaded = False  # the replica holds the server's current parameters
+        self.transport: str = (channel.info.get("transport") or {}).get("kind", "cpu")
+        """The path the server agreed to (``psserver.ps.rpc.transport``): ``device-map`` buffers
+        stay on the device, ``staged`` ones go through :class:`PinnedStaging`."""
+        self._staging: PinnedStaging | None = None
+        self._packers: list[FlatBuffer] | None = None
+        self._buckets: list[GradBuckets] | None = None
+        self._ahead: list[set[int]] = []  # per shard, where the buckets sent ahead start
+        self._part_number: int | None = None  # the step whose backward sends parts ahead
+        self._sent: list[tuple[int, int, object]] = []  # (shard, start, the call's future) of that backward
+        if self.transport == "device-map":
+            self._probe_device_map()
 
-    def load(self, replies: list[list[torch.Tensor]]) -> None:
-        """Copy the parameters (any dtype, on the CPU) into the replica: one reply per server
-        process, each its list of flat buffers; server 0's ends with the model's buffers when
-        it has any."""
+    def _probe_device_map(self) -> None:
+        """Send one CUDA value to the server and back before the first step: a device map that
+        cannot carry tensors (a torch or driver that refuses, a peer without the device) turns
+        this trainer ``staged``, with a WARNING here and on the server, instead of failing its steps."""
+        try:
+            back = self.channel.call("probe", torch.ones(1, device=self.device))
+            if not isinstance(back, torch.Tensor) or back.device != self.device or float(back) != 2.0:
+                raise RuntimeError(f"the probe came back as {back!r}")
+        except Exception as e:  # noqa: BLE001 - whatever failed, the staged path is the answer
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            self.channel.call("fall_back", reason)
+            self.transport, self.fell_back = "staged", reason
+            log.warning("the device map to the server failed (%s): this trainer sends through pinned host memory",
+                        reason)
+
+    def load(self, replies: list[list[torch.Tensor]], keep_buffers: bool = False) -> None:
+        """Copy the parameters (any dtype, on the CPU or, device-map, on the replica's device)
+        into the replica: one reply per server process, each its list of flat buffers; server
+        0's ends with the model's buffers when it has any (``keep_buffers``: the replica keeps
+        its own)."""
         if self.buffers:
-            unflatten_into(replies[0][-1], self.buffers)
+            if not keep_buffers:
+                unflatten_into(replies[0][-1], self.buffers)
             replies = [replies[0][:-1], *replies[1:]]
         with torch.no_grad():
             if self.plan is not None:
@@ -148,17 +259,134 @@ class TrainerComputeHalf(TrainerHalf):
                     p.copy_(value)
                 return
             for shard, flat in zip(self.shards, replies[0], strict=True):
-                vector_to_parameters(flat.to(self.device, torch.float32, non_blocking=True), shard)
+                copy_flat_into(flat, shard)
 
     def flat_grads(self, grads: list[torch.Tensor | None]) -> list[list[torch.Tensor]]:
-        """The gradient (one per parameter; None: unused, zero) as flat CPU buffers in the wire
-        dtype, one list per server process."""
+        """The gradient (one per parameter; None: unused, zero) as flat buffers in the wire dtype
+        (cast where it was made: a GPU's copy to the host moves the narrow dtype), one list per
+        server process, where the transport sends them from."""
         full = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads, strict=True)]
         if self.plan is not None:
-            return [[flat.to("cpu", self.wire_dtype)] for flat in self.plan.split(full)]
-        by_param = dict(zip(self.params, full, strict=True))
-        return [[parameters_to_vector([by_param[p] for p in shard]).to("cpu", self.wire_dtype)
-                 for shard in self.shards]]
+            flats = [[flat.to(self.wire_dtype)] for flat in self.plan.split(full)]
+        else:
+            if self._packers is None:  # one buffer per shard in the wire dtype, on the replica's device, reused
+                self._packers = [FlatBuffer([p.numel() for p in shard], self.wire_dtype, self.device)
+                                 for shard in self.shards]
+            by_param = dict(zip(self.params, full, strict=True))
+            flats = [[packer.pack([by_param[p] for p in shard])
+                      for packer, shard in zip(self._packers, self.shards, strict=True)]]
+        return self._for_transport(flats)
+
+    def backward_flat(self, loss: torch.Tensor) -> list[list[torch.Tensor]]:
+        """The gradient of ``loss`` as :meth:`flat_grads` gives it, each shard's buffer filled
+        bucket by bucket from autograd hooks while backward runs (``psserver.ps.engine.buckets``;
+        staged: each bucket starts its copy to the host as it is filled). With several server
+        processes it is packed after backward: their buffers are the partition's, not the shards'."""
+        if self.plan is not None:
+            return self.flat_grads(list(torch.autograd.grad(loss, self.params, allow_unused=True)))
+        flats = self._fill_buckets(loss)
+        if self.transport == "staged":
+            return [self._staged().collect([(self._staging_key(j), flat) for j, flat in enumerate(flats)])]
+        return self._for_transport([flats])
+
+    def backward_parts(self, loss: torch.Tensor, number: int) -> tuple[list[list[torch.Tensor]] | None,
+                                                                        list[Part] | None]:
+        """:meth:`backward_flat`, each large bucket but the last sent ahead (``part``, as gradient
+        step ``number``) as soon as backward has filled it. Returns ``(None, the parts left for
+        the step's call)`` once all sent ahead have arrived (a failed one raises: the step is
+        not made), or ``(backward_flat's buffers, None)`` for a model whose buckets are too small."""
+        if self._make_buckets():
+            ahead = sum(len(a) for a in self._ahead)
+            log.info("gradient buckets: %d of %d go ahead of the step's call as backward fills them%s", ahead,
+                     sum(len(b) for b in self._buckets),
+                     "" if ahead else f" (none is {PART_MIN_BYTES >> 20} MiB but the last to fill)")
+        if not any(self._ahead):
+            return self.backward_flat(loss), None
+        self._part_number, self._sent = number, []
+        try:
+            self._fill_buckets(loss)
+        finally:
+            self._part_number = None
+            sent, self._sent = self._sent, []
+        for _, _, future in sent:
+            future.wait()
+        done = {(shard, start) for shard, start, _ in sent}
+        rest = []
+        for j, b in enumerate(self._buckets):
+            for r in b.buckets:
+                start, stop = b.offsets[r.start], b.offsets[r.stop]
+                if (j, start) not in done and stop > start:
+                    rest.append((j, start, self._part_tensor(j, start, stop)))
+        return None, rest
+
+    def _make_buckets(self) -> bool:
+        """The bucket buffers and hooks, made at the first backward (True: just made)."""
+        if self._buckets is not None:
+            return False
+        cap = bucket_cap_bytes(self.channel.bucket_cap_mb)
+        depth = 2 if self.overlap else 1  # overlap: one buffer in flight while the other fills
+        self._buckets = [GradBuckets(shard, self.wire_dtype, self.device, cap, on_ready=self._bucket_ready(j),
+                                     depth=depth) for j, shard in enumerate(self.shards)]
+        itemsize = self.wire_dtype.itemsize
+        self._ahead = [{b.offsets[r.start] for r in b.buckets[:-1]
+                        if (b.offsets[r.stop] - b.offsets[r.start]) * itemsize >= PART_MIN_BYTES}
+                       for b in self._buckets]
+        return True
+
+    def _fill_buckets(self, loss: torch.Tensor) -> list[torch.Tensor]:
+        """Backward of ``loss``, its gradient left in the shards' bucket buffers (returned)."""
+        self._make_buckets()
+        for b in self._buckets:
+            b.arm()
+        try:
+            torch.autograd.grad(loss, self.params, allow_unused=True)  # the hooks keep what it makes
+        finally:
+            flats = [b.finish() for b in self._buckets]
+        return flats
+
+    def _staging_key(self, shard: int) -> tuple[str, int, int]:
+        """The pinned buffer of a shard's bucket buffer now filling (one per buffer of the turn)."""
+        return ("bucket", shard, self._buckets[shard].index)
+
+    def _bucket_ready(self, shard: int):
+        def ready(start: int, stop: int) -> None:
+            number = self._part_number
+            if number is not None:  # parts: the large ones now, the rest with the step's call
+                if start in self._ahead[shard]:
+                    future = self.channel.call_async("part", number, [(shard, start, self._part_tensor(shard, start,
+                                                                                                     stop))])
+                    self._sent.append((shard, start, future))
+            elif self.transport == "staged":
+                self._staged().copy_part(self._staging_key(shard), self._buckets[shard].flat, start, stop)
+        return ready
+
+    def _part_tensor(self, shard: int, start: int, stop: int) -> torch.Tensor:
+        """A bucket's slice of the gradient as a tensor of its own, where the transport sends it
+        from (a view would take its whole buffer along over RPC)."""
+        values = self._buckets[shard].flat[start:stop]
+        if self.transport == "device-map":
+            return values.clone()
+        if self.transport == "staged":
+            return self._staged().part(("part", shard, start), values)
+        return values.to("cpu", copy=True)
+
+    def _staged(self) -> PinnedStaging:
+        if self._staging is None:
+            self._staging = PinnedStaging(self.device)
+        return self._staging
+
+    def _for_transport(self, flats: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """``flats`` (on the replica's device) where the transport sends them from."""
+        if self.transport == "device-map":
+            return flats
+        if self.transport == "staged":
+            return self._staged().to_host(flats)
+        return [[flat.to("cpu") for flat in server] for server in flats]
+
+    def close(self) -> None:
+        for b in self._buckets or ():
+            b.remove()  # the replica outlives the session (a library user's model): no hooks, no buffers
+        self._buckets = self._staging = None
 
     def owed_buffers(self) -> torch.Tensor | None:
         """The replica's buffers after a step's forward, as they go up with its update (None:
@@ -216,6 +444,57 @@ class TrainerComputeHalf(TrainerHalf):
                 return self.model(batch.per_sample(rows), dense.to(self.device)).float().to("cpu")
         finally:
             self.model.train()
+
+
+class PinnedStaging:
+    """The ``staged`` transport's host side: one pinned buffer per flat gradient, allocated once
+    and reused every step, filled on a side stream. Reuse is safe because a step's buffers are
+    sent before the next step's gradient exists (its call returned: the server has them)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.buffers: dict[tuple, torch.Tensor] = {}
+
+    def _buffer(self, key: tuple, flat: torch.Tensor) -> torch.Tensor:
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape != flat.shape or buf.dtype != flat.dtype:
+            buf = self.buffers[key] = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        return buf
+
+    def to_host(self, flats: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """``flats`` (on the device) copied into the pinned buffers, ready to send."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for i, server in enumerate(flats):
+                for j, flat in enumerate(server):
+                    self._buffer((i, j), flat).copy_(flat, non_blocking=True)
+                    flat.record_stream(self.stream)
+        return [self.collect([((i, j), flat) for j, flat in enumerate(server)]) for i, server in enumerate(flats)]
+
+    def copy_part(self, key: tuple, flat: torch.Tensor, start: int, stop: int) -> None:
+        """Start copying ``flat[start:stop]`` (a bucket just filled, on the stream that filled
+        it) into its place in ``key``'s pinned buffer; :meth:`collect` waits for it. ``flat``
+        lives as long as the trainer (a bucket buffer): no ``record_stream``."""
+        buf = self._buffer(key, flat)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            buf[start:stop].copy_(flat[start:stop], non_blocking=True)
+
+    def part(self, key: tuple, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (a bucket just filled) in ``key``'s pinned buffer of their size, landed."""
+        buf = self._buffer(key, values)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            buf.copy_(values, non_blocking=True)
+        self.stream.synchronize()
+        return buf
+
+    def collect(self, parts: list[tuple[tuple, torch.Tensor]]) -> list[torch.Tensor]:
+        """The pinned buffers of ``(key, flat)`` parts, once every copy into them has landed (a
+        part nothing was copied into, a shard without parameters, gets its empty buffer)."""
+        self.stream.synchronize()
+        return [self._buffer(key, flat) for key, flat in parts]
 
 
 def _outputs_to_cpu(out):

@@ -47,6 +47,14 @@ class JoinRequest:
     steps: int = 0
     """Steps this rank trained before this join: 0 for a fresh trainer, its position for one
     that rejoins (its gradients are numbered by step across rejoins)."""
+    transport: str = "cpu"
+    """The path its flat buffers take (``psserver.ps.rpc.transport``): ``device-map`` ones cross
+    as CUDA tensors, and the server replies with CUDA tensors too."""
+    transport_reason: str = ""
+    """Why that path, as the trainer logged it (``psserver status`` shows it)."""
+    overlap: str = "off"
+    """Its ``--overlap`` (``auto``, ``on``, ``off``): whether it may compute a step while the
+    call that hands in the one before is in flight (the server decides, by its update mode)."""
 
 
 @dataclass(frozen=True)

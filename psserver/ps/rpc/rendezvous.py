@@ -216,12 +216,37 @@ def set_transport_interface(host: str, *, local: bool) -> None:
         log.debug("TP_SOCKET_IFNAME=%s", ifname)
 
 
-def backend_options(url: str, rpc_timeout: float, num_threads: int) -> rpc.TensorPipeRpcBackendOptions:
+TP_CHANNELS = ("basic", "cma", "mpt_uv", "cuda_basic", "cuda_ipc", "cuda_gdr", "cuda_xth")
+"""TensorPipe's channels, of which ``PSSERVER_TP_CHANNELS`` may keep some: ``cuda_basic,basic``
+makes CUDA tensors cross as between hosts without GPUDirect (staged in host memory inside
+TensorPipe), on one host, for measuring that path."""
+
+
+def tp_channels() -> list[str] | None:
+    """The channels ``PSSERVER_TP_CHANNELS`` keeps (None: TensorPipe's own choice)."""
+    value = os.environ.get("PSSERVER_TP_CHANNELS", "").strip()
+    if not value:
+        return None
+    channels = [c.strip() for c in value.split(",") if c.strip()]
+    unknown = [c for c in channels if c not in TP_CHANNELS]
+    if unknown or not channels:
+        raise UsageError(f"PSSERVER_TP_CHANNELS={value!r}: each must be one of {', '.join(TP_CHANNELS)}")
+    return channels
+
+
+def backend_options(url: str, rpc_timeout: float, num_threads: int, *, device_maps: dict | None = None,
+                    devices: list | None = None) -> rpc.TensorPipeRpcBackendOptions:
+    """The agent's options: the ``uv`` transport (the ``shm`` one busy-polls a core per process),
+    and for CUDA tensors crossing as they are, ``device_maps`` (a trainer's, to the server) and
+    ``devices`` (a server's CUDA devices, which trainers' maps point at)."""
     return rpc.TensorPipeRpcBackendOptions(
         init_method=url,
         rpc_timeout=rpc_timeout,
         num_worker_threads=num_threads,
         _transports=["uv"],
+        _channels=tp_channels(),
+        device_maps=device_maps,
+        devices=devices,
     )
 
 

@@ -63,12 +63,11 @@ ALLOWED: frozenset[tuple[str, str]] = frozenset({
     # each other through one function (psserver.ps.group.peers).
     ("psserver.ps.rpc.rendezvous", "ping"), ("psserver.ps.group.peers", "server_call"),
     # torch's RPC plumbing: the envelopes of a call and of a remote exception; the pickler's
-    # class (its receivers, through rpc_getattr); a dynamic group's join and leave (and
-    # psserver's evictions, torch_rpc.tell_worker_removed); DistributedOptimizer's two calls;
-    # the type of an RRef's value, asked of its owner (RRef._get_type).
+    # class (its receivers, through rpc_getattr); a dynamic group's device infos (its join and
+    # leave: REPLACED); DistributedOptimizer's two calls; the type of an RRef's value, asked of
+    # its owner (RRef._get_type).
     (_INTERNAL, "PythonUDF"), (_INTERNAL, "RemoteException"), (_INTERNAL, "_InternalRPCPickler"),
     ("torch._C._distributed_rpc", "WorkerInfo"),
-    ("torch.distributed.rpc._utils", "_update_group_membership"),
     ("torch.distributed.rpc.backend_registry", "_get_device_infos"),
     ("torch.distributed.rpc.api", "_rref_typeof_on_owner"),
     # Data: a parameter (its tensor rides in the tensor table), devices (of a group's device
@@ -84,6 +83,10 @@ REPLACED: dict[tuple[str, str], tuple[str, str]] = {
     (_OPTIM, "_local_optimizer_step"): (_ENDPOINT, "local_optimizer_step"),
     (_OPTIM, "_new_functional_local_optimizer"): (_ENDPOINT, "new_local_optimizer"),
     (_OPTIM, "_functional_local_optimizer_step"): (_ENDPOINT, "local_optimizer_step"),
+    # A dynamic group's join and leave (and psserver's evictions, torch_rpc.tell_worker_removed):
+    # torch's, then the agent's devices and reply device maps put back (a leave wipes them all).
+    ("torch.distributed.rpc._utils", "_update_group_membership"): ("psserver.ps.rpc.torch_rpc",
+                                                                   "update_group_membership"),
 }
 """Globals a message names that the server runs as a function of its own instead."""
 

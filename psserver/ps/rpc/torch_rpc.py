@@ -25,13 +25,13 @@ from __future__ import annotations
 import io
 import logging
 import pickle
+import threading
 from typing import Any
 
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 import torch.distributed.rpc.internal as rpc_internal
-from torch.distributed.optim.optimizer import _LocalOptimizer
 
 from psserver.ps.rpc import rpc_allowlist
 
@@ -76,6 +76,57 @@ def current_agent():
 def remove_worker(agent, info) -> None:
     """Drop ``info`` from ``agent``'s group, as a clean leave of that worker would."""
     agent._update_group_membership(info, [], {}, False)
+    restore_device_maps()
+
+
+# ---- CUDA tensors across a dynamic group (psserver.ps.rpc.transport's device-map path)
+#
+# Read in torch 2.14 (TensorPipeAgent::updateGroupMembership): a reply's CUDA tensors go by the
+# replier's reverse device map for the caller, which a dynamic join never gives the server (the
+# joiner sends the reverse maps of maps that point at *it*); and every leave, whoever leaves,
+# runs ``_update_group_membership(info, [], {}, False)`` on each member, which erases all its
+# reverse maps and all its devices. So the server adds the reverse map of each device-map
+# trainer itself, and every membership change here puts the agent's devices and those maps back.
+
+_reply_maps: dict[str, dict[torch.device, torch.device]] = {}
+_reply_maps_lock = threading.Lock()
+
+
+def map_replies(worker: str, device_map: dict[torch.device, torch.device]) -> None:
+    """Let replies to ``worker`` carry CUDA tensors: ``device_map`` takes each local device to
+    the worker's (the reverse of the worker's own map to this process)."""
+    with _reply_maps_lock:
+        _reply_maps[worker] = dict(device_map)
+    restore_device_maps()
+
+
+def unmap_replies(worker: str) -> None:
+    with _reply_maps_lock:
+        _reply_maps.pop(worker, None)
+
+
+def restore_device_maps() -> None:
+    """Give the agent back its configured devices and the reply maps of :func:`map_replies`
+    (no-op for an agent of the CPU only, or before ``init_rpc``)."""
+    if not agent_is_set():
+        return
+    agent = current_agent()
+    devices = list(agent._get_backend_options().devices)
+    with _reply_maps_lock:
+        maps = {name: dict(m) for name, m in _reply_maps.items()}
+    if devices or maps:
+        # As a join of this worker: adds the devices and the maps it lacks, changes nothing else.
+        agent._update_group_membership(agent.get_worker_info(), devices, maps, True)
+
+
+def update_group_membership(worker_info, my_devices, reverse_device_map, is_join):
+    """What a peer's join or leave runs here (torch's ``_update_group_membership``, which RPC
+    messages name: ``rpc_allowlist.REPLACED``), then :func:`restore_device_maps`."""
+    from torch.distributed.rpc._utils import _update_group_membership
+
+    ret = _update_group_membership(worker_info, my_devices, reverse_device_map, is_join)
+    restore_device_maps()
+    return ret
 
 
 def tell_worker_removed(peer, info) -> None:
@@ -125,11 +176,15 @@ def autograd_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
 
 def new_local_optimizer(optim_cls: type, local_params_rref: list, *args: Any, **kwargs: Any) -> rpc.RRef:
     """``DistributedOptimizer``'s remote constructor (an RRef to a ``_LocalOptimizer``)."""
+    from torch.distributed.optim.optimizer import _LocalOptimizer  # imports FSDP and sympy: when used
+
     return rpc.RRef(_LocalOptimizer(optim_cls, local_params_rref, *args, **kwargs))
 
 
 def local_optimizer_of(local_optim_rref: rpc.RRef) -> Any:
     """The optimizer inside the ``_LocalOptimizer`` an RRef of :func:`new_local_optimizer` holds."""
+    from torch.distributed.optim.optimizer import _LocalOptimizer
+
     local = local_optim_rref.local_value()
     if not isinstance(local, _LocalOptimizer):
         raise ValueError("not a local optimizer")

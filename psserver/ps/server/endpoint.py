@@ -128,7 +128,7 @@ class Endpoint:
         optimizer = self.engine.agree_optimizer(requested, request.name)
         join_info = half.join_info(request.name, request)
         try:
-            self.membership.join(request.rank, request.name, request.host, step)
+            self.membership.join(request.rank, request.name, request.host, step, join_info.get("transport"))
         except BaseException:
             half.trainer_gone(request.name, False)  # what join_info set up for it
             raise

@@ -77,7 +77,7 @@ class Membership:
 
     # ---- joins, leaves, heartbeats -------------------------------------------------------
 
-    def join(self, rank: int, name: str, host: str, protocol: str) -> None:
+    def join(self, rank: int, name: str, host: str, protocol: str, transport: dict | None = None) -> None:
         """Make ``name`` a member as ``rank``. The rank's holder keeps it while it answers a ping
         (``ValueError``); one that does not is evicted first."""
         info = _worker_info(name)
@@ -86,14 +86,17 @@ class Membership:
             with self.lock:
                 old = self._live_name(rank)
                 if old is None or old == name:
-                    self.members[name] = Member(TrainerStatus(rank, name, host, now, now, step=protocol), info.id,
-                                                protocol)
+                    status = TrainerStatus(rank, name, host, now, now, step=protocol)
+                    if transport is not None:  # trainer compute: the path its buffers take, and why
+                        status.transport, status.transport_reason = transport["kind"], transport["reason"]
+                    self.members[name] = Member(status, info.id, protocol)
                     break
             if not self._evict_unless_alive(old, rank, name):
                 raise ValueError(f"rank {rank} is already taken by live trainer {old}")
         else:
             raise ValueError(f"rank {rank} is contended by several joins at once: try again")
-        log.info("trainer %s (rank %d) joined from %s; RPC members: %s", name, rank, host, self.rpc_members())
+        via = f", transport {transport['kind']}: {transport['reason']}" if transport else ""
+        log.info("trainer %s (rank %d) joined from %s%s; RPC members: %s", name, rank, host, via, self.rpc_members())
 
     def admit(self, rank: int) -> str:
         """Make room for a join of ``rank`` before it joins the RPC group: ``ADMITTED``, or why not.

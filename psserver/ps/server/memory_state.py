@@ -58,11 +58,12 @@ from typing import Any
 import torch
 
 from psserver.config import MemoryStateConfig
+from psserver.config.ps import DEFAULT_STATE_DIR
 from psserver.errors import UsageError
 from psserver.ps.engine.engine import StepEngine
 from psserver.ps.server.state_arena import Arena, ArenaError, Journal, Slot
 from psserver.ps.server.supervisor import SUPERVISOR_ENV
-from psserver.utils.processes import running, start_time
+from psserver.utils.processes import boot_id, running, start_time
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class Segment:
     def alive(self) -> bool:
         """Whether a process that owns it still runs on this host (since this boot)."""
         o = self.owner
-        if not o or o.get("boot_id") != _boot_id():
+        if not o or o.get("boot_id") != boot_id():
             return False
         return any(running(pid, start) for pid, start in ((o.get("pid"), o.get("pid_start")),
                                                             (o.get("supervisor"), o.get("supervisor_start"))))
@@ -202,15 +203,12 @@ class MemoryState:
     def attach(self, engine: StepEngine, snapshot: Callable[[], dict], run: str) -> None:
         """Keep ``engine``'s state in the segment from now on (``snapshot``: the checkpoint
         structure of its live tensors, taken under the updater's lock; ``run``: its run id)."""
-        why = _unsupported(engine)
+        why = unsupported_reason(engine)
         if why is not None:
             self.disabled = why
             log.warning("state in memory: off, %s; a restarted server resumes from its last checkpoint", why)
             return
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise MemoryStateError(f"--state-dir {self.root}: cannot create {self.dir} ({e.strerror})") from None
+        self._make_dir()
         self._engine, self._snapshot = engine, snapshot
         self._write_owner(run)
         with engine.updater.lock:
@@ -300,6 +298,17 @@ class MemoryState:
                  len(tensors), arena.size / 2**20, (time.perf_counter() - started) * 1e3,
                  "" if old is None else f", replacing generation {old.generation}")
 
+    def _make_dir(self) -> None:
+        for attempt in range(3):
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                return
+            except FileNotFoundError:  # another server removed the empty default directory between two levels
+                if attempt == 2:
+                    raise MemoryStateError(f"--state-dir {self.root}: cannot create {self.dir}") from None
+            except OSError as e:
+                raise MemoryStateError(f"--state-dir {self.root}: cannot create {self.dir} ({e.strerror})") from None
+
     def _give_up(self, why: str) -> None:
         self.disabled = why
         if self._engine is not None:
@@ -319,6 +328,8 @@ class MemoryState:
         shutil.rmtree(self.dir, ignore_errors=True)
         with contextlib.suppress(OSError):
             self.dir.parent.rmdir()  # the key's directory, once no server of it has a segment
+            if self.root == Path(DEFAULT_STATE_DIR):
+                self.root.rmdir()  # psserver's own directory, once no job's state is in it
         if self.disabled is None:
             log.info("state in memory released: %s", self.dir)
 
@@ -326,7 +337,7 @@ class MemoryState:
         supervisor = os.environ.get(SUPERVISOR_ENV)
         sup = int(supervisor) if supervisor and supervisor.isdigit() else None
         owner = {"pid": os.getpid(), "pid_start": start_time(os.getpid()), "supervisor": sup,
-                 "supervisor_start": start_time(sup) if sup else None, "boot_id": _boot_id(),
+                 "supervisor_start": start_time(sup) if sup else None, "boot_id": boot_id(),
                  "host": socket.gethostname(), "key": self.key, "started": time.time(),
                  "run": run}
         tmp = self.dir / f"{OWNER}.tmp"
@@ -334,7 +345,10 @@ class MemoryState:
         os.replace(tmp, self.dir / OWNER)
 
 
-def _unsupported(engine: StepEngine) -> str | None:
+def unsupported_reason(engine: StepEngine) -> str | None:
+    """Why ``engine``'s state cannot be kept in memory (None: it can). Device memory dies with
+    its process (a host copy per update is what ``benchmarks.state_copy`` measures); a sync
+    round in flight across server processes cannot be rebuilt."""
     if engine.plan is not None and engine.config.update == "sync":
         return "several server processes in sync mode do not keep it there (a round in flight across them cannot " \
                "be rebuilt: a lost one sends every server to a checkpoint)"
@@ -388,9 +402,3 @@ def _read_owner(seg: Path) -> dict | None:
     except (OSError, ValueError):
         return None
 
-
-def _boot_id() -> str | None:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return None

@@ -22,11 +22,12 @@ from psserver import __version__
 from psserver.config import ServerConfig
 from psserver.control.server import ControlServer
 from psserver.metrics import start_exporters
-from psserver.ps.engine.engine import StepEngine, resolve_devices
+from psserver.ps.engine.devices import resolve_devices
+from psserver.ps.engine.engine import StepEngine
 from psserver.ps.engine.sync_updates import SyncUpdater
 from psserver.ps.group.server_group import ServerGroup
 from psserver.ps.protocols import PROTOCOLS
-from psserver.ps.rpc import rendezvous, torch_rpc
+from psserver.ps.rpc import rendezvous, torch_rpc, transport
 from psserver.ps.server import endpoint as rpc_endpoint
 from psserver.ps.server.admission import AdmissionDesk, PublishedKeys
 from psserver.ps.server.checkpointing import CheckpointPolicy
@@ -101,7 +102,10 @@ class ParameterServer:
         rendezvous.set_transport_interface(cfg.host, local=True)
         rpc_endpoint.install(self.endpoint)
         rpc.init_rpc(rendezvous.SERVER_NAME, rank=0, world_size=None,
-                     rpc_backend_options=rendezvous.backend_options(url, cfg.rpc_timeout, cfg.rpc_threads))
+                     rpc_backend_options=rendezvous.backend_options(
+                         url, cfg.rpc_timeout, cfg.rpc_threads,
+                         # the CUDA devices trainers' device maps may point at (psserver.ps.rpc.transport)
+                         devices=[d for d in self.engine.devices if d.type == "cuda"] or None))
         self.membership = Membership(self.store, cfg.trainer_timeout, self.endpoint.trainer_gone)
         self.membership.start()
         group = self.group
@@ -142,7 +146,10 @@ class ParameterServer:
         engine = self.engine
         info = {"model": engine.model_ref, "model_args": engine.model_args, "seed": self.config.seed,
                 "embedding_dim": self.config.embedding.dim,
-                "fingerprint": engine.layout.fingerprint() if engine.layout is not None else None}
+                "fingerprint": engine.layout.fingerprint() if engine.layout is not None else None,
+                # Where the model lives, for each trainer's choice of path (psserver.ps.rpc.transport).
+                "devices": [str(d) for d in engine.devices], "num_servers": self.config.num_servers,
+                "host_id": transport.host_id()}
         self.published.set(self.store, rendezvous.KEY_MODEL, json.dumps(info))
 
     def _set_state(self, state: str) -> None:

@@ -187,9 +187,17 @@ class ServerView:
             p = progress.get(status.name)  # None: joined a moment ago, or left long ago
             counts = guard.counts(status.name)
             status = dataclasses.replace(status, nonfinite=counts.nonfinite, clipped=counts.clipped)
+            status = self._current_transport(status)
             out.append(status if p is None else dataclasses.replace(
                 status, clock=p.clock, staleness=p.staleness, max_staleness=p.max_staleness, updates=p.updates))
         return out
+
+    def _current_transport(self, status: TrainerStatus) -> TrainerStatus:
+        """``status`` with the path its trainer's buffers take now: the join's, unless a probe of
+        the device map failed since (``TrainerComputeServer.fall_back``)."""
+        half = self.endpoint.halves.get(status.step)
+        kind, why = half.transport_of(status.name) if status.transport and hasattr(half, "transport_of") else ("", "")
+        return dataclasses.replace(status, transport=kind, transport_reason=why) if kind else status
 
     def checkpoint_now(self) -> CheckpointInfo:
         return self.policy.save(wait=True)

@@ -416,6 +416,45 @@ def test_async_staleness_counts_the_updates_between_a_step_and_its_update():
     assert up.global_step == 4
 
 
+def test_an_overlapping_trainers_staleness_counts_from_the_reply_before():
+    """A trainer with lag 1 computes each step on the parameters of its step before's start:
+    alone, every update after its first is one step stale (its own previous one)."""
+    shard = make_shard()
+    up = AsyncUpdater([shard], lambda s, n: None)
+    up.trainer_joined("a")
+    up.set_lag("a", 1)
+    staleness = []
+    for _ in range(4):
+        up.step_opened("a")
+        up.submit("a", grads(shard, 0.0), 1)
+        staleness.append(up.progress("a").staleness)
+    assert staleness == [0, 1, 1, 1]
+    up.trainer_gone("a")
+    up.trainer_joined("a")  # a new incarnation: no lag until it says so
+    up.step_opened("a")
+    up.submit("a", grads(shard, 0.0), 1)
+    assert up.progress("a").staleness == 0
+    with pytest.raises(ValueError):
+        up.set_lag("a", 2)
+
+
+def test_ssp_holds_an_overlapping_trainer_one_step_tighter():
+    """S = 2 and lag 1: the overlapping trainer may start step k only once the other started
+    k - 1, so the parameters it computes step k on (its step k - 1's) hold the other's updates
+    up to k - 3 = k - S - 1, as without overlap."""
+    up, shard = ssp(2, "fast", "slow")
+    up.set_lag("fast", 1)
+    assert up.try_start("fast")  # step 1 needs slow at 0
+    up.step_opened("fast")
+    up.submit("fast", grads(shard, 0.0), 1)
+    assert up.clocks() == {"fast": 1, "slow": 0}
+    assert not up.try_start("fast")  # step 2 needs slow at its step 1 (without lag: at 0)
+    w = Waiter(up, "fast")
+    assert w.blocked()
+    assert up.try_start("slow")
+    assert w.done() and up.clocks() == {"fast": 2, "slow": 1}
+
+
 def test_progress_of_given_up_steps_and_untracked_trainers():
     shard = make_shard()
     up = AsyncUpdater([shard], lambda s, n: None)

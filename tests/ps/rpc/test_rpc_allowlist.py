@@ -138,8 +138,10 @@ def test_accepts_what_psserver_and_torch_send(read):
     got = read(call(endpoint.join, request)).args[0]
     assert isinstance(got, JoinRequest) and got.layout == request.layout and got.model == "mlp"
     assert all(a.equal(b) for a, b in zip(got.values, request.values, strict=True))
-    for fn in (endpoint.heartbeat, endpoint.leave, rendezvous.ping, _update_group_membership, endpoint.SharedOptimizer):
+    for fn in (endpoint.heartbeat, endpoint.leave, rendezvous.ping, endpoint.SharedOptimizer):
         assert read(call(fn)).func is fn
+    # A peer's join or leave runs torch's, then puts back the devices and reply maps it wipes.
+    assert read(call(_update_group_membership)).func is torch_rpc.update_group_membership
     # DistributedOptimizer's calls run as the server's own (its one shared optimizer), whatever class they name
     assert read(call(_new_local_optimizer)).func is endpoint.new_local_optimizer
     assert read(call(_new_functional_local_optimizer)).func is endpoint.new_local_optimizer

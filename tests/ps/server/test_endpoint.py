@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from psserver.config import OptimizerConfig, ServerConfig
-from psserver.ps.engine.engine import StepEngine, resolve_devices
+from psserver.ps.engine.devices import resolve_devices
+from psserver.ps.engine.engine import StepEngine
 from psserver.ps.protocols import PROTOCOLS
 from psserver.ps.rpc.messages import Report
 from psserver.ps.server.endpoint import Endpoint
@@ -26,8 +27,9 @@ class Members:
         self.members: dict[str, Member] = {}
         self.evicted = threading.Event()
 
-    def join(self, rank: int, name: str, host: str, protocol: str) -> None:
-        self.members[name] = Member(TrainerStatus(rank, name, host, 0.0, 0.0), rpc_id=rank + 1, protocol=protocol)
+    def join(self, rank: int, name: str, host: str, protocol: str, transport: dict | None = None) -> None:
+        status = TrainerStatus(rank, name, host, 0.0, 0.0, transport=(transport or {}).get("kind", ""))
+        self.members[name] = Member(status, rpc_id=rank + 1, protocol=protocol)
 
     def seen(self, name: str) -> Member:
         return self.members[name]
@@ -81,6 +83,8 @@ def test_a_trainer_that_names_no_protocol_gets_its_compute_modes_default(endpoin
     assert join(endpoint, "a", step=None)["step"] == "pushpull"
     reply = endpoint.join(join_request(1, "b", compute="server"))
     assert (reply["step"], reply["compute"]) == ("chained", "server")
+    # The path a trainer's buffers take is recorded for the status: trainer compute only.
+    assert [endpoint.membership.seen(n).status.transport for n in ("a", "b")] == ["cpu", ""]
 
 
 def test_a_pinned_compute_mode_refuses_the_other_and_is_every_silent_trainers_default(endpoint):

@@ -187,6 +187,44 @@ def test_a_clean_stop_releases_the_segment(state_dir):
     assert not (state_dir / "run-a").exists()
 
 
+def test_a_clean_stop_removes_the_default_directory_once_empty(state_dir, monkeypatch):
+    """``/dev/shm/psserver`` (the default, psserver's own) goes with the last state in it; a
+    directory the user named stays."""
+    from psserver.ps.server import memory_state
+
+    default = state_dir / "default"
+    monkeypatch.setattr(memory_state, "DEFAULT_STATE_DIR", str(default))
+    servers = [ParameterServer(server_config(default, key=key)) for key in ("run-a", "run-b")]
+    for i, server in enumerate(servers):
+        server.engine.close()
+        server.memory.release()
+        assert default.exists() == (i == 0), i  # run-b's state is still there after run-a's stop
+    named = ParameterServer(server_config(state_dir / "named"))
+    named.engine.close()
+    named.memory.release()
+    assert (state_dir / "named").is_dir() and not any((state_dir / "named").iterdir())
+
+
+def test_a_model_on_a_gpu_or_a_sync_group_is_not_kept_and_says_why():
+    """Device memory dies with its process, and a sync round across servers cannot be rebuilt:
+    the state in memory is off there, with the reason its status line and WARNING give (a
+    server on a GPU: ``tests/ps/test_gpu.py``)."""
+    from types import SimpleNamespace
+
+    from psserver.ps.server.memory_state import unsupported_reason
+
+    def engine(devices, update="async", plan=None):
+        return SimpleNamespace(devices=[torch.device(d) for d in devices], config=SimpleNamespace(update=update),
+                               plan=plan)
+
+    assert unsupported_reason(engine(["cpu"])) is None
+    assert unsupported_reason(engine(["cpu"], "sync")) is None
+    assert unsupported_reason(engine(["cuda:0"])) == "the model lives on cuda:0, not in host memory"
+    assert unsupported_reason(engine(["cpu", "cuda:1"])) == "the model lives on cpu, cuda:1, not in host memory"
+    assert unsupported_reason(engine(["cpu"], "sync", plan=object())).startswith("several server processes in sync")
+    assert unsupported_reason(engine(["cpu"], "async", plan=object())) is None
+
+
 def test_an_unreadable_segment_is_one_line(state_dir):
     first = ParameterServer(server_config(state_dir))
     first.engine.close()

@@ -59,9 +59,10 @@ def _last_step(server_output: str) -> int:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("when", [["--checkpoint-every", "5"], ["--checkpoint-interval", "1"]],
-                         ids=["every-5", "interval-1"])
-@pytest.mark.parametrize("step", ["plain", "chained", "pull", "pushpull"])
+@pytest.mark.parametrize(("step", "when"), [  # each protocol once, each trigger twice
+    ("plain", ["--checkpoint-every", "5"]), ("chained", ["--checkpoint-interval", "1"]),
+    ("pull", ["--checkpoint-every", "5"]), ("pushpull", ["--checkpoint-interval", "1"]),
+], ids=["plain-every-5", "chained-interval-1", "pull-every-5", "pushpull-interval-1"])
 def test_sync_mode_checkpoints_while_training_and_resumes(procs, port, tmp_path, step, when):
     """``--update sync`` with periodic checkpoints used to hang at the first one (plain): the
     step that completed a round checkpointed while holding the round's lock."""
