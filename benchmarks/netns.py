@@ -96,6 +96,15 @@ class NetNamespace:
                 raise OSError(f"the anchor process never entered network namespace {self.name}")
             time.sleep(0.01)
 
+    def shape(self, qdisc: list[str]) -> None:
+        """``tc qdisc add dev lo root QDISC`` in the namespace (``tbf rate 1gbit ...``, or
+        ``netem delay 2ms`` where the kernel has netem): every packet between its processes
+        goes through it, as between hosts."""
+        r = subprocess.run(["ip", "netns", "exec", self.name, "tc", "qdisc", "add", "dev", "lo", "root", *qdisc],
+                           capture_output=True, text=True, timeout=30, check=False)
+        if r.returncode != 0:
+            raise OSError(f"tc qdisc {' '.join(qdisc)}: {r.stderr.strip() or r.returncode}")
+
     def wrap(self, argv: list[str]) -> list[str]:
         """``argv`` run inside the namespace (``ip netns exec`` execs it: same PID)."""
         return ["ip", "netns", "exec", self.name, *argv]

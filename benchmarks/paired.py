@@ -37,6 +37,7 @@ import contextlib
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import tempfile
@@ -81,8 +82,14 @@ trainer and server compute."""
 MEMORY_STATE_SETUPS = "local-1t,ps-pushpull-async-2,ps-pushpull-async-2-shm"
 """The state in shared memory's target (``--setups memory-state``): steps/s with the server's state
 in ``/dev/shm`` against the same setup without, 2 pushpull trainers."""
+GPU_SETUPS = ("local,ps-pushpull-async-1,ps-pushpull-async-1-no-overlap,ps-pushpull-bf16-async-1,"
+              "ps-pushpull-async-1-staged,ps-pushpull-async-1-hostcopy,ps-pushpull-async-4,ps-pushpull-sync-1")
+"""The GPU paths (``--setups gpu``, with ``--devices cuda:0 --trainer-device cuda:0``): one pushpull
+trainer device to device (the default there, overlapped), the same without overlap, in bf16,
+through pinned and through pageable host memory, 4 trainers sharing the GPU, and sync (never
+overlapped); against the local loop on the same GPU."""
 SETUP_ALIASES = {"trainer-compute": TRAINER_COMPUTE_SETUPS, "protection": PROTECTION_SETUPS,
-                 "memory-state": MEMORY_STATE_SETUPS}
+                 "memory-state": MEMORY_STATE_SETUPS, "gpu": GPU_SETUPS}
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
 LEG_TIMEOUT_S = 600.0
 
@@ -99,7 +106,7 @@ class Rounds:
     def __init__(self, *, model: str, batch_size: int, steps: int, skip: int, work: Path,
                  devices: str | None = None, tp_channels: str = "default", use_netns: str = "auto",
                  throttle_method: str = "auto", warm_up_steps: int | None = None,
-                 trainer_device: str | None = None) -> None:
+                 trainer_device: str | None = None, qdisc: str | None = None) -> None:
         self.model, self.batch_size, self.steps, self.skip = model, batch_size, steps, skip
         self.warm_up_steps = skip + 10 if warm_up_steps is None else warm_up_steps
         self.work, self.devices, self.tp_channels = work, devices, tp_channels
@@ -122,6 +129,15 @@ class Rounds:
                 if use_netns == "on":
                     raise OSError(f"--netns on: {reason}")
                 log.info("no network namespace (%s): bytes from ss on the runs' sockets", reason)
+        if qdisc:
+            if self.ns is None:
+                raise OSError("--qdisc needs the harness's network namespace (--netns on)")
+            try:
+                self.ns.shape(qdisc.split())
+            except OSError:
+                self.ns.close()
+                raise
+            log.info("the namespace's loopback goes through tc qdisc %s (every packet, both ways)", qdisc)
         self.bytes_method = ("loopback tx bytes of the harness's network namespace (headers included)" if self.ns
                              else "ss: bytes sent on the TCP sockets of the run's processes")
 
@@ -258,7 +274,7 @@ def _leg_line(leg: dict) -> str:
 def measure_rounds(setups: list[dict], *, rounds: int, use_netns: str = "auto", throttle_method: str = "auto",
                    **kwargs) -> dict:
     """Every setup once per round, in an order that rotates by one each round. ``kwargs``: those
-    of ``Rounds`` (model, batch_size, steps, skip, devices, tp_channels, warm_up_steps, trainer_device)."""
+    of ``Rounds`` (model, batch_size, steps, skip, devices, tp_channels, warm_up_steps, trainer_device, qdisc)."""
     bad = [s["name"] for s in setups if not pairable(s)]
     if bad:
         raise ValueError(f"not measurable in paired rounds: {', '.join(bad)}")
@@ -280,7 +296,7 @@ def measure_rounds(setups: list[dict], *, rounds: int, use_netns: str = "auto", 
             rr.close()
     out = summarize(setups, runs)
     out.update(rounds=rounds, steps=kwargs["steps"], skip=kwargs["skip"], order_per_round=orders, runs=runs,
-               tp_channels=kwargs.get("tp_channels", "default"),
+               tp_channels=kwargs.get("tp_channels", "default"), qdisc=kwargs.get("qdisc"),
                bytes_method=rr.bytes_method if any(s["kind"] != "local" for s in setups) else None,
                throttle_methods=sorted(rr.throttles_used), wall_s=time.monotonic() - t0)
     return out
@@ -310,6 +326,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--netns", default="auto", choices=("auto", "on", "off"),
                    help="run PS and DDP processes in a network namespace of the harness's own and count the bytes "
                         "on its loopback (auto: where root and iproute2 allow, else ss; default auto)")
+    p.add_argument("--qdisc", default=None, metavar="ARGS",
+                   help="shape the namespace's loopback with tc qdisc ARGS, as hosts apart (for example 'tbf rate "
+                        "1gbit burst 256kb latency 100ms'; for -sock setups, whose tensors cross the sockets); needs "
+                        "--netns on")
     p.add_argument("--throttle", default="auto", choices=throttle.METHODS,
                    help="how -straggler setups hold their last trainer to half a core (auto: a CPU cgroup where "
                         "writable, else SIGSTOP/SIGCONT; default auto)")
@@ -328,6 +348,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.rounds < 1 or args.skip < 0 or args.steps < args.skip + 6 or args.batch_size < 1 \
             or (args.warm_up_steps is not None and args.warm_up_steps < 0):
         p.error("need --rounds >= 1, --batch-size >= 1, --skip >= 0, --steps >= --skip + 6 and --warm-up-steps >= 0")
+    staged = [s["name"] for s in args.setups if s.get("transport")]
+    if staged and not (args.trainer_device or "").startswith("cuda"):
+        p.error(f"--setups: {', '.join(staged)} choose a GPU trainer's transport: give --trainer-device cuda:N")
+    if args.qdisc is not None and (args.netns != "on" or not args.qdisc.strip()):
+        p.error("--qdisc needs --netns on and a qdisc (for example 'tbf rate 1gbit burst 256kb latency 100ms')")
     problem = check_machine_flags(args.netns, args.throttle, args.setups)
     if problem:
         p.error(problem)
@@ -378,18 +403,19 @@ def _main(args: argparse.Namespace) -> int:
     paired = measure_rounds(args.setups, rounds=args.rounds, model=args.model, batch_size=args.batch_size,
                             steps=args.steps, skip=args.skip, devices=args.devices, tp_channels=args.tp_channels,
                             use_netns=args.netns, throttle_method=args.throttle, warm_up_steps=args.warm_up_steps,
-                            trainer_device=args.trainer_device)
+                            trainer_device=args.trainer_device, qdisc=args.qdisc)
     command = (f"python -m benchmarks.paired --model {args.model} --batch-size {args.batch_size} --setups {names} "
                f"--rounds {args.rounds} --steps {args.steps} --skip {args.skip}")
     for flag, value, default in (("--warm-up-steps", args.warm_up_steps, None), ("--tp-channels", args.tp_channels,
                                  "default"), ("--netns", args.netns, "auto"), ("--throttle", args.throttle, "auto"),
-                                 ("--devices", args.devices, None), ("--trainer-device", args.trainer_device, None)):
+                                 ("--devices", args.devices, None), ("--trainer-device", args.trainer_device, None),
+                                 ("--qdisc", args.qdisc, None)):
         if value != default:
-            command += f" {flag} {value}"
+            command += f" {flag} {shlex.quote(str(value))}"
     result = {"command": command, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_s": time.monotonic() - t0,
               "config": {"model": args.model, "batch_size": args.batch_size, "setups": names,
                          "tp_channels": args.tp_channels, "devices": args.devices,
-                         "trainer_device": args.trainer_device, "netns": args.netns,
+                         "trainer_device": args.trainer_device, "netns": args.netns, "qdisc": args.qdisc,
                          "throttle": args.throttle, "cores": os.cpu_count(), "load_avg": os.getloadavg()},
               "paired": paired}
     result["trainer_compute_targets"] = targets.trainer_compute_ratios(paired, args.model, args.batch_size)

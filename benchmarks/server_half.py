@@ -20,7 +20,8 @@ def measure(model: str, steps: int, wire_dtype: str, threads: int) -> tuple[floa
     import torch
 
     from psserver.config import OptimizerConfig, ServerConfig
-    from psserver.ps.engine.engine import StepEngine, resolve_devices
+    from psserver.ps.engine.devices import resolve_devices
+    from psserver.ps.engine.engine import StepEngine
     from psserver.ps.protocols.pushpull import PushPullServer
     from psserver.ps.protocols.trainer_compute import WIRE_DTYPES
     from psserver.ps.rpc.messages import JoinRequest

@@ -19,6 +19,13 @@ Names:
   process to process, outside any socket: the way psserver runs there). ``-shm``: the server
   keeps its state in shared memory (``--state-dir`` under ``/dev/shm``), against the same setup
   without (its state in the process only).
+  ``-staged`` and ``-hostcopy``: GPU trainers (``--trainer-device cuda:N``) send through pinned
+  host buffers (``--transport staged``) or pageable host memory (``--transport cpu``) instead of
+  their default, device to device where the server's model is on a GPU of the same host.
+  ``-overlap`` and ``-no-overlap`` (``pushpull-``): the trainers' ``--overlap on`` or ``off``
+  (without either: ``auto``, on for GPU trainers in async). ``-bucketM`` (``pushpull-``): the
+  trainers' ``--bucket-cap-mb M``; buckets of at least 1 MiB but the last go to the server
+  while backward runs (mnist_cnn at ``-bucket1``: its 4.7 MB fc1.weight; at the default 25, none).
 - ``ddp-N[-straggler]``: N DDP ranks of one torch thread each (psserver's collective loop),
   the last one held to half a core with ``-straggler``. ``fsdp-N``: FSDP2, N ranks.
 
@@ -40,9 +47,13 @@ STRAGGLER_SHARE = 0.5
 """CPU share the straggler of a ``-straggler`` setup is held to (cores)."""
 
 _PS = re.compile(r"ps-(?:(chained|pull|pushpull)-)?(?:(bf16|fp16)-)?(async|sync|ssp(\d+))-(\d+)(?:-server(\d+)t)?"
-                 r"(-straggler)?(-sock)?(?:-(token|open))?(-shm)?")
+                 r"(-straggler)?(-sock)?(?:-(token|open))?(-shm)?(?:-(staged|hostcopy))?(?:-(overlap|no-overlap))?"
+                 r"(?:-bucket(\d+))?")
 _HELP = ("use local, local-cached, local-Nt, local-Nt-xK, ps-[chained-|pull-|pushpull-][bf16-|fp16-]"
-         "{async|sync|sspS}-N[-serverTt][-straggler][-sock][-token|-open][-shm], ddp-N[-straggler], fsdp-N")
+         "{async|sync|sspS}-N[-serverTt][-straggler][-sock][-token|-open][-shm][-staged|-hostcopy]"
+         "[-overlap|-no-overlap][-bucketM], ddp-N[-straggler], fsdp-N")
+TRANSPORTS = {"staged": "staged", "hostcopy": "cpu"}
+"""A setup's suffix -> its trainers' ``--transport`` (without one: ``auto``)."""
 SHM_STATE_DIR = "/dev/shm/psserver-bench"
 """``--state-dir`` of ``-shm`` setups' servers (each server a run key of its own, released at its stop)."""
 BENCH_TOKEN = "benchmark-join-token-0123456789abcdef"
@@ -65,11 +76,19 @@ def parse_setup(name: str) -> dict:
                 "allocator": "system", "procs": procs}
     m = _PS.fullmatch(name)
     if m:
-        step, wire, update, staleness, n, server_threads, straggler, sock, guard, shm = m.groups()
+        (step, wire, update, staleness, n, server_threads, straggler, sock, guard, shm, transport, overlap,
+         bucket) = m.groups()
         step = step or "plain"  # the reference; the trainer's default changed (issue 15), so it is always passed
         trainers = int(n)
-        if wire and step not in TRAINER_COMPUTE:
-            raise ValueError(f"setup {name!r}: a wire dtype needs a trainer-compute step (pull-, pushpull-)")
+        if (overlap or bucket) and step != "pushpull":
+            raise ValueError(f"setup {name!r}: -overlap, -no-overlap and -bucketM are for pushpull- setups")
+        if bucket is not None and int(bucket) < 1:
+            raise ValueError(f"setup {name!r}: -bucketM needs M >= 1 MiB")
+        if overlap == "overlap" and (update == "sync" or staleness == "0"):
+            raise ValueError(f"setup {name!r}: -overlap needs async or sspS with S >= 1")
+        if (wire or transport) and step not in TRAINER_COMPUTE:
+            raise ValueError(f"setup {name!r}: a wire dtype or transport needs a trainer-compute step (pull-, "
+                             "pushpull-)")
         if trainers < 1 or (straggler and trainers < 2) or server_threads == "0":
             raise ValueError(f"setup {name!r}: need N >= 1 trainers (N >= 2 with -straggler), T >= 1 server threads")
         out = {"name": name, "kind": "ps", "trainers": trainers, "update": "ssp" if staleness else update,
@@ -89,6 +108,12 @@ def parse_setup(name: str) -> dict:
             out["guard"] = guard
         if shm:
             out["shm"] = True
+        if transport:
+            out["transport"] = TRANSPORTS[transport]
+        if overlap:
+            out["overlap"] = "on" if overlap == "overlap" else "off"
+        if bucket:
+            out["bucket_cap_mb"] = int(bucket)
         return out
     m = re.fullmatch(r"(ddp|fsdp)-(\d+)(-straggler)?", name)
     if m:
@@ -214,6 +239,12 @@ def trainer_argv(setup: dict, rank: int, *, port: int, batch_size: int, steps: i
         argv += ["--wire-dtype", setup["wire"]]
     if device and trainer_compute(setup):
         argv += ["--device", device]
+    if setup.get("transport"):
+        argv += ["--transport", setup["transport"]]
+    if setup.get("overlap"):
+        argv += ["--overlap", setup["overlap"]]
+    if setup.get("bucket_cap_mb"):
+        argv += ["--bucket-cap-mb", str(setup["bucket_cap_mb"])]
     if guard_flags(setup):
         return measure.worker_argv("psserver", *guard_flags(setup), "--", *argv)
     return measure.psserver_argv(*argv)

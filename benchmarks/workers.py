@@ -191,7 +191,8 @@ def run_psserver(argv: list[str]) -> int:
 
         class ChannelOptions(base):  # whatever else psserver passes is kept
             def __init__(self, *a, **kw):
-                kw.setdefault("_channels", channels)
+                if kw.get("_channels") is None:  # psserver passes its own (PSSERVER_TP_CHANNELS), None by default
+                    kw["_channels"] = channels
                 super().__init__(*a, **kw)
 
         rpc.TensorPipeRpcBackendOptions = ChannelOptions

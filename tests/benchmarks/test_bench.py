@@ -68,6 +68,33 @@ def test_setup_names_and_lower_bound():
     assert parse_setup("local-1t")["allocator"] == parse_setup("local")["allocator"] == "system"
     assert parse_setup("local-cached")["allocator"] == "cached"  # the server's policy, in the ceiling
     assert parse_setup("fsdp-2")["kind"] == "fsdp"
+    assert parse_setup("ps-pushpull-async-4-staged")["transport"] == "staged"
+    assert parse_setup("ps-pushpull-bf16-sync-1-hostcopy")["transport"] == "cpu"
+    assert "transport" not in parse_setup("ps-pushpull-async-1")
+    with pytest.raises(ValueError, match="transport needs a trainer-compute step"):
+        parse_setup("ps-async-1-staged")
+    assert parse_setup("ps-pushpull-async-1-sock-overlap")["overlap"] == "on"
+    assert parse_setup("ps-pushpull-ssp2-2-no-overlap")["overlap"] == "off"
+    with pytest.raises(ValueError, match="-overlap, -no-overlap and -bucketM are for pushpull- setups"):
+        parse_setup("ps-pull-async-1-overlap")
+    with pytest.raises(ValueError, match="-bucketM are for pushpull- setups"):
+        parse_setup("ps-sync-2-bucket1")
+    with pytest.raises(ValueError, match="-bucketM needs M >= 1"):
+        parse_setup("ps-pushpull-sync-2-bucket0")
+    argv = setups.trainer_argv(parse_setup("ps-pushpull-sync-2-sock-bucket1"), 0, port=1, batch_size=8, steps=5,
+                               stats_out="s.json")
+    assert argv[argv.index("--bucket-cap-mb") + 1] == "1"
+    assert "--bucket-cap-mb" not in setups.trainer_argv(parse_setup("ps-pushpull-sync-2"), 0, port=1, batch_size=8,
+                                                        steps=5, stats_out="s.json")
+    for never in ("ps-pushpull-sync-2-overlap", "ps-pushpull-ssp0-2-overlap"):
+        with pytest.raises(ValueError, match="-overlap needs async or sspS with S >= 1"):
+            parse_setup(never)
+    argv = setups.trainer_argv(parse_setup("ps-pushpull-async-1-overlap"), 0, port=1, batch_size=8, steps=5,
+                               stats_out="s.json")
+    assert argv[argv.index("--overlap") + 1] == "on"
+    argv = setups.trainer_argv(parse_setup("ps-pushpull-async-1-staged"), 0, port=1, batch_size=8, steps=5,
+                               stats_out="s.json", device="cuda:0")
+    assert argv[argv.index("--transport") + 1] == "staged" and argv[argv.index("--device") + 1] == "cuda:0"
     with pytest.raises(ValueError):
         parse_setup("ps-2")
     assert [x["name"] for x in setups.parse_setups(" local, ps-async-2,")] == ["local", "ps-async-2"]
@@ -140,9 +167,11 @@ def _check_result(result: dict, md: str, png: Path, setups: list[str]) -> None:
 def test_quick_run_writes_json_table_and_chart(tmp_path):
     pytest.importorskip("matplotlib")
     # About 80 s on the 2-core VM (one paired round, short windows: the table's shape, not its numbers,
-    # is checked here); the margin is for a machine that other jobs load.
+    # is checked here); the margin is for a machine that other jobs load. 20 steps a paired run (the
+    # quick default): with 10, on a loaded machine a process could finish before the last one of its
+    # run got past its warm-up ("never stepped together").
     proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--rounds", "1", "--seconds", "2",
-                           "--warmup", "0.5", "--idle-seconds", "1", "--round-steps", "10", "--round-skip", "2",
+                           "--warmup", "0.5", "--idle-seconds", "1", "--round-steps", "20", "--round-skip", "3",
                            "--results-dir", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=450, env=measure.child_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -179,6 +179,23 @@ RECV = ("import socket; s = socket.socket(); s.bind(('127.0.0.1', 5555)); s.list
         "c, _ = s.accept(); n = 0\nwhile d := c.recv(1 << 20): n += len(d)\nprint(n)")
 
 
+
+def send_two_megabytes(ns: netns.NetNamespace) -> float:
+    """2 MB from one process of ``ns`` to another over its loopback; seconds from the send's
+    start until the receiver counted them all."""
+    recv = subprocess.Popen(ns.wrap([sys.executable, "-c", RECV]), stdout=subprocess.PIPE, text=True)
+    try:
+        assert recv.stdout.readline().strip() == "up"
+        t = time.perf_counter()
+        subprocess.run(ns.wrap([sys.executable, "-c", SEND]), check=True, timeout=30)
+        assert recv.stdout.readline().strip() == "2000000"
+        return time.perf_counter() - t
+    finally:
+        if recv.poll() is None:
+            recv.kill()
+        recv.wait(10)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_namespace_counts_the_bytes_sent_inside_it_and_is_deleted():
@@ -187,12 +204,8 @@ def test_namespace_counts_the_bytes_sent_inside_it_and_is_deleted():
         pytest.skip(f"no network namespace here: {reason}")
     with netns.NetNamespace.create() as ns:
         assert ns.counters() == (0, 0)  # a fresh loopback: nothing of the host's
-        recv = subprocess.Popen(ns.wrap([sys.executable, "-c", RECV]), stdout=subprocess.PIPE, text=True)
-        assert recv.stdout.readline().strip() == "up"
         before = ns.tx_bytes()
-        subprocess.run(ns.wrap([sys.executable, "-c", SEND]), check=True, timeout=30)
-        assert recv.stdout.readline().strip() == "2000000"
-        recv.wait(10)
+        send_two_megabytes(ns)
         sent = ns.tx_bytes() - before
         assert 2_000_000 <= sent < 2_100_000  # the payload plus TCP/IP headers and the handshake
         name = ns.name
@@ -202,6 +215,21 @@ def test_namespace_counts_the_bytes_sent_inside_it_and_is_deleted():
         name = ns.name
         raise RuntimeError("boom")
     assert not netns.exists(name)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_a_qdisc_shapes_every_packet_of_the_namespaces_loopback():
+    """``--qdisc 'tbf rate 80mbit ...'``: 2 MB inside the namespace take 0.2 s at least."""
+    reason = netns.available()
+    if reason:
+        pytest.skip(f"no network namespace here: {reason}")
+    with netns.NetNamespace.create() as ns:
+        ns.shape("tbf rate 80mbit burst 256kb latency 400ms".split())  # a burst above lo's 64 KB MTU
+        elapsed = send_two_megabytes(ns)
+        assert elapsed > 0.15, elapsed  # 2 MB at 10 MB/s, less the burst
+        with pytest.raises(OSError, match="tc qdisc bogus"):
+            ns.shape(["bogus"])
 
 
 def test_per_step_is_the_slope_of_the_readings_against_the_steps():

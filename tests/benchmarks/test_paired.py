@@ -53,12 +53,16 @@ def test_summarize_divides_by_the_best_local_loop_of_each_round():
 
 def test_flags_are_checked(capsys):
     for argv in (["--setups", "local,fsdp-2"], ["--setups", "ps-async-1"], ["--setups", "local,local"],
-                 ["--steps", "10", "--skip", "5"], ["--rounds", "0"], ["--setups", "local,ps-turbo-1"]):
+                 ["--setups", "local,ps-pushpull-async-1-staged"],
+                 ["--steps", "10", "--skip", "5"], ["--rounds", "0"], ["--setups", "local,ps-turbo-1"],
+                 ["--qdisc", "tbf rate 1gbit burst 256kb latency 100ms"], ["--netns", "on", "--qdisc", " "]):
         with pytest.raises(SystemExit) as e:
             paired.parse_args(argv)
         assert e.value.code == 2, argv
         err = capsys.readouterr().err
         assert "--" in err and "Traceback" not in err, argv
+    gpu = paired.parse_args(["--setups", "gpu", "--trainer-device", "cuda:0", "--devices", "cuda:0", "--netns", "off"])
+    assert {s.get("transport") for s in gpu.setups} == {None, "staged", "cpu"}
     args = paired.parse_args(["--setups", "local-cached, ps-chained-async-2"])
     assert [s["name"] for s in args.setups] == ["local-cached", "ps-chained-async-2"]
     with pytest.raises(ValueError, match="fsdp-2"):
