@@ -66,12 +66,13 @@ def batches(n: int, seed: int):
             for _ in range(n)]
 
 
-def make_trainer(engine: StepEngine, half, rank: int) -> PushPullTrainer:
+def make_trainer(engine: StepEngine, half, rank: int, overlap: str = "off") -> PushPullTrainer:
     from tests.ps.test_trainer_compute import Channel
 
     channel = Channel(half, "cpu", "fp32")
     channel.name = f"t{rank}"
-    channel.info = {"model": BN_MLP, **half.join_info(channel.name, join_request(rank, channel.name, model=BN_MLP))}
+    request = join_request(rank, channel.name, model=BN_MLP, overlap=overlap)
+    channel.info = {"model": BN_MLP, **half.join_info(channel.name, request)}
     give_replica(channel, BN_MLP)
     engine.trainer_joined(channel.name)
     return PushPullTrainer(channel)
@@ -110,6 +111,31 @@ def test_sync_rounds_set_the_mean_of_their_trainers_buffers(policy):
         t = trainers[1]
         t.evaluate(torch.randn(4, 1, 28, 28))
         assert torch.allclose(flatten(t.buffers), got)
+    finally:
+        engine.close()
+
+
+def test_an_overlapped_trainer_keeps_its_own_statistics_between_steps():
+    """--overlap on: the reply that lands during step t carries the statistics this trainer
+    handed in the step before, made before its last forward; loading them would undo that
+    forward's moves. The replica keeps its own, so each forward goes on from the last, and what
+    the server ends with is the trainer's."""
+    cfg = ServerConfig(model=BN_MLP, devices=["cpu"], update="async", optimizer=OptimizerConfig(name="sgd", lr=0.01))
+    engine = StepEngine(cfg, [torch.device("cpu")])
+    try:
+        trainer = make_trainer(engine, PushPullServer(engine), 0, overlap="on")
+        assert trainer.overlap and trainer.send_buffers
+        bn, server_bn = trainer.model.bn, engine.shards[0].module.bn
+        for t, (x, y) in enumerate(batches(5, 0), start=1):
+            trainer.step(x, y)
+            assert int(bn.num_batches_tracked) == t  # one forward's move a step, none undone
+            assert int(server_bn.num_batches_tracked) == t - 1  # handed in with step t's call
+            if t >= 2:
+                assert not torch.allclose(bn.running_mean, server_bn.running_mean)
+        trainer.flush()
+        assert torch.equal(flatten(persistent_buffers(server_bn)), flatten(trainer.buffers))
+        assert int(server_bn.num_batches_tracked) == 5
+        trainer.close()
     finally:
         engine.close()
 
