@@ -193,6 +193,24 @@ def test_pushpull_steps_match_a_local_loop(make_engine, device):
     assert engine.wait_idle(0) == []  # the refused step was dropped, not left open
 
 
+def test_a_rejoined_overlapping_trainers_first_call_counts_its_staleness_from_its_reply(make_engine):
+    """After a rejoin the trainer's first call carries the gradient it owed (numbered: its step
+    opens as it arrives) and brings the weights of its next step, which it computes on them:
+    that step's update, with nothing landing between, has staleness 0 (it was counted from the
+    owed gradient's arrival, 1)."""
+    engine, _ = make_engine()
+    half = PushPullServer(engine)
+    engine.trainer_joined("t")
+    assert half.join_info("t", join_request(overlap="on"))["overlap"]["on"]
+    zero = [torch.zeros(engine.num_params)]
+    half.exchange("t", zero, 8, done=8, number=5)  # owed from its last incarnation
+    half.exchange("t", zero, 8, number=6)  # computed on the reply before: not overlapping yet
+    assert engine.trainer_progress("t").staleness == 0
+    half.exchange("t", zero, 8, number=7)  # overlapping: on the reply before the last
+    assert engine.trainer_progress("t").staleness == 1
+    half.exchange("t", zero, None, number=8)
+
+
 @pytest.mark.parametrize("wire", ["bf16", "fp16"])
 def test_pushpull_in_a_narrow_wire_dtype_keeps_fp32_master_weights(make_engine, wire):
     """Parameters go out and gradients come in as ``wire``; the server's weights and Adam state

@@ -403,14 +403,15 @@ class StepEngine:
         """``trainer_progress`` of several trainers, read at one instant."""
         return self.updater.progress_of(trainers)
 
-    def open_step(self, trainer: str, samples: int) -> None:
+    def open_step(self, trainer: str, samples: int, read: bool = True) -> None:
         """A step of ``samples`` starts (on the current weights: its clock ticks, the global
-        step it reads is recorded); ``ShuttingDown`` while the server drains."""
+        step it reads is recorded unless ``read`` is False: a gradient that arrives with no step
+        open here was computed elsewhere); ``ShuttingDown`` while the server drains."""
         with self._cond:
             if self._draining:
                 raise ShuttingDown("psserver is shutting down")
             self._open[trainer] = samples
-        self.updater.step_opened(trainer)
+        self.updater.step_opened(trainer, read)
 
     def take_gradient(self, trainer: str, number: int, samples: int) -> bool:
         """``trainer``'s gradient of its step ``number`` arrives (on the RPC thread, before the
@@ -429,7 +430,7 @@ class StepEngine:
         with self._cond:
             opened = trainer in self._open
         if not opened:
-            self.open_step(trainer, samples)
+            self.open_step(trainer, samples, read=False)
         return True
 
     def set_samples(self, trainer: str, samples: int) -> None:

@@ -222,11 +222,14 @@ class Updater:
                     del self._departed[name]
             self._clocks.notify_all()
 
-    def step_opened(self, trainer: str) -> None:
+    def step_opened(self, trainer: str, read: bool = True) -> None:
         """``trainer`` starts a step (its clock ticks) on the weights of the current global step.
 
         A step still open is given up by the new one. A trainer that is not live (it left while
         this call was on its way) is not tracked: it must not bound the others again.
+        ``read=False``: the step's weights were not read here (a gradient made before a rejoin,
+        which opens its step as it arrives), so the weights the trainer reads next are what it
+        computes its next step on, overlapping or not.
         """
         with self._clocks:
             p = self._enter(trainer)
@@ -236,7 +239,9 @@ class Updater:
                 p.done += 1
             if not self._take_grant(trainer):
                 p.clock += 1
-            last, self._last_read[trainer] = self._last_read.get(trainer), self.global_step
+            last = self._last_read.get(trainer)
+            if read:
+                self._last_read[trainer] = self.global_step
             # An overlapping trainer's step computes on the parameters of the step before's reply.
             p.opened_at = last if self._lag.get(trainer) and last is not None else self.global_step
             self._clocks.notify_all()

@@ -470,6 +470,24 @@ def test_progress_of_given_up_steps_and_untracked_trainers():
     assert up.progress("nobody") is None and up.global_step == 1
 
 
+def test_a_step_opened_by_a_gradient_made_elsewhere_reads_nothing():
+    """A rejoined overlapping trainer's first call hands in the gradient it owed (its step
+    opened as it arrives, ``read=False``) and brings the weights its next step computes on (it
+    is not overlapping yet): that update is not one step staler than the truth."""
+    shard = make_shard()
+    up = AsyncUpdater([shard], lambda s, n: None)
+    up.trainer_joined("a")
+    up.set_lag("a", 1)
+    staleness = []
+    up.step_opened("a", read=False)  # the gradient owed from before the rejoin
+    up.submit("a", grads(shard, 0.0), 1)
+    for _ in range(3):
+        up.step_opened("a")
+        up.submit("a", grads(shard, 0.0), 1)
+        staleness.append(up.progress("a").staleness)
+    assert staleness == [0, 1, 1]  # reading from the first call's weights: [1, 1, 1]
+
+
 def test_sync_staleness_is_zero_when_every_trainer_is_in_the_round():
     shard = make_shard()
     up = SyncUpdater([shard], lambda s, n: None, k=2)
