@@ -89,8 +89,10 @@ def test_taken_rank_and_bad_inputs_leave_a_running_server_alone(procs, port, mni
 
 @pytest.mark.timeout(120)
 def test_trainer_pointed_at_the_control_or_metrics_port(procs, port):
-    """The likely mix-up: a port of the server that is not its RPC port. One line, at once,
-    not torch's C++ backtrace after a minute of retries."""
+    """The likely mix-up: a port of the server that is not its RPC port. One line (at once for
+    the control port, which speaks first; after 10 s of silence for the metrics port, which a
+    store on a loaded machine may take to answer), not torch's C++ backtrace after a minute of
+    retries."""
     control, metrics = free_port(), free_port()
     procs.server(port, "--model", "mlp", "--metrics-port", str(metrics), control_port=control)
     for wrong, says in ((control, "gRPC (HTTP/2) server"), (metrics, "never answered the rendezvous handshake")):

@@ -96,7 +96,7 @@ class Updater:
         self._progress: dict[str, TrainerProgress] = {}  # live, taking part
         self._departed: dict[str, TrainerProgress] = {}  # the last ones that left, as they left
         self._lag: dict[str, int] = {}  # overlapping trainers: 1 (a step computes on the reply before the last)
-        self._last_read: dict[str, int] = {}  # their last step's global step when it opened
+        self._last_read: dict[str, int] = {}  # the global step of the weights each last read here
         self._closed = False
         self.buffers = None
         """The model's buffers (``psserver.ps.engine.buffers.ServerBuffers``), committed with each update
@@ -223,7 +223,8 @@ class Updater:
             self._clocks.notify_all()
 
     def step_opened(self, trainer: str, read: bool = True) -> None:
-        """``trainer`` starts a step (its clock ticks) on the weights of the current global step.
+        """``trainer`` starts a step (its clock ticks), on the weights of the current global step
+        unless ``read`` is False.
 
         A step still open is given up by the new one. A trainer that is not live (it left while
         this call was on its way) is not tracked: it must not bound the others again.

@@ -147,9 +147,8 @@ def request_admission(store, rank: int, where: str, timeout: float = ADMISSION_T
         seq = int(store.add(KEY_ADMIT_SEQ, 1))
         store.set(KEY_ADMIT_REQUEST.format(seq=seq), (SERVER_REQUEST_PREFIX if server else "") + str(rank))
     except RuntimeError as e:  # DistNetworkError and the like: the server died since its store answered
-        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        raise AdmissionUnanswered(f"the psserver at {where} went away before it admitted rank {rank} ({first})") \
-            from None
+        raise AdmissionUnanswered(f"the psserver at {where} went away before it admitted rank {rank} "
+                                  f"({_first_line(e)})") from None
     answer_key = KEY_ADMIT_ANSWER.format(seq=seq)
     try:
         store.wait([answer_key], datetime.timedelta(seconds=timeout))
@@ -158,9 +157,8 @@ def request_admission(store, rank: int, where: str, timeout: float = ADMISSION_T
         if "timeout" in str(e).lower():
             raise AdmissionUnanswered(f"the psserver at {where} did not answer the join of rank {rank} within "
                                       f"{timeout:g}s") from None
-        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        raise AdmissionUnanswered(f"the psserver at {where} went away while it admitted rank {rank} ({first})") \
-            from None
+        raise AdmissionUnanswered(f"the psserver at {where} went away while it admitted rank {rank} "
+                                  f"({_first_line(e)})") from None
     with contextlib.suppress(RuntimeError):
         store.delete_key(answer_key)
     word, *ids = answer.split()
@@ -172,6 +170,12 @@ def request_admission(store, rank: int, where: str, timeout: float = ADMISSION_T
         raise ServerUnavailable(f"the psserver at {where} answered the join of rank {rank} with {answer[:80]!r}") \
             from None
     return rpc_id, incarnation
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of a store's error (torch's carry C++ context below it), or its type."""
+    text = str(e).strip()
+    return text.splitlines()[0][:160] if text else type(e).__name__
 
 
 def ping() -> bool:
@@ -291,15 +295,14 @@ def connect_store(host: str, port: int, connect_timeout: float, op_timeout: floa
     """The job's view of the server's store (through the token's namespace); waits up to
     ``connect_timeout`` for a server that is starting.
 
-    ``UsageError`` at once for a port that answers but is not a psserver's (the control
-    plane's, most likely), and for a token the server does not share: waiting would not
-    change either. ``until_serving=False`` (a server process joining server 0): return once
-    the server's state is there, whatever it is.
+    ``UsageError`` for a port that answers but is not a psserver's (the control plane's, most
+    likely: at once; a port that accepts and stays silent: after ``_SILENT_S``), and for a
+    token the server does not share: waiting would not change either. ``until_serving=False``
+    (a server process joining server 0): return once the server's state is there, whatever it is.
     """
     deadline = time.monotonic() + connect_timeout
     delay = 0.2
     last: Exception | None = None
-    silent = 0
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -307,18 +310,6 @@ def connect_store(host: str, port: int, connect_timeout: float, op_timeout: floa
         try:
             _probe(host, port, timeout=min(remaining, 5.0))
             store = _store_client(host, port, max(1.0, min(remaining, 30.0)))
-            if store is None:
-                # A store on a busy machine (a server restarting beside its trainers) can be
-                # this slow once; a port that stays silent twice is not a psserver's.
-                silent += 1
-                if silent >= _SILENT_TRIES:
-                    raise UsageError(f"{host}:{port} is not a psserver RPC port (it accepted the connection but "
-                                     "never answered the rendezvous handshake): point --server at the --port of "
-                                     "psserver serve")
-                log.warning("%s:%d accepted the connection but did not answer the rendezvous handshake in %gs; "
-                            "trying again", host, port, _ANSWER_S)
-                continue
-            silent = 0
             store.set_timeout(datetime.timedelta(seconds=op_timeout))
             job = scoped(store, token)
             _wait_until_serving(store, job, token, f"{host}:{port}", deadline, connect_timeout,
@@ -417,14 +408,16 @@ _ANSWER_S = 5.0
 connection and stays silent this long is something else."""
 
 
-_SILENT_TRIES = 2
-"""Handshakes left unanswered for ``_ANSWER_S`` in a row before the port is declared not a psserver's."""
+_SILENT_S = 2 * _ANSWER_S
+"""How long a handshake may stay unanswered before the port is declared not a psserver's: a
+store on a loaded machine (a server just restarted beside its trainers, on two cores) once
+took longer than ``_ANSWER_S``."""
 
 
-def _store_client(host: str, port: int, timeout: float) -> dist.TCPStore | None:
+def _store_client(host: str, port: int, timeout: float) -> dist.TCPStore:
     """``TCPStore`` as a client, bounded: its handshake never times out against a server that
-    accepts the connection and waits for more (any HTTP server, say). None: no answer in
-    ``_ANSWER_S``."""
+    accepts the connection and waits for more (any HTTP server, say). ``UsageError`` when it
+    stays unanswered ``_SILENT_S``; ``TimeoutError`` when ``timeout`` ends first."""
     box: list = []
 
     def connect() -> None:
@@ -434,11 +427,20 @@ def _store_client(host: str, port: int, timeout: float) -> dist.TCPStore | None:
             box.append(e)
 
     worker = threading.Thread(target=connect, name="psserver-store-connect", daemon=True)
+    wait = min(timeout, _SILENT_S)
     with _quiet_stderr():  # TCPStore logs every failed try with a C++ backtrace
         worker.start()
-        worker.join(min(timeout, _ANSWER_S))
+        worker.join(min(wait, _ANSWER_S))
+    if not box and wait > _ANSWER_S:
+        log.warning("%s:%d accepted the connection but has not answered the rendezvous handshake in %gs; "
+                    "waiting up to %gs more", host, port, _ANSWER_S, wait - _ANSWER_S)
+        with _quiet_stderr():
+            worker.join(wait - _ANSWER_S)
+    if not box and wait < _SILENT_S:
+        raise TimeoutError(f"the rendezvous handshake was not answered in {wait:g}s")
     if not box:
-        return None
+        raise UsageError(f"{host}:{port} is not a psserver RPC port (it accepted the connection but never answered "
+                         f"the rendezvous handshake in {_SILENT_S:g}s): point --server at the --port of psserver serve")
     if isinstance(box[0], BaseException):
         raise box[0]
     return box[0]
