@@ -35,3 +35,10 @@ class Evicted(ServerLost):
     """The server evicted this trainer while it was alive (a pause longer than the server's
     ``--trainer-timeout``, or a gradient it would not keep): exit code 3 unless ``--reconnect``,
     which rejoins under a fresh name."""
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """The first line of ``e``'s message (torch's errors carry C++ context below it), at most
+    ``limit`` characters, or its type's name when it has none."""
+    lines = str(e).strip().splitlines()
+    return lines[0][:limit] if lines else type(e).__name__

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from psserver.config import OptimizerConfig, ServerConfig
 from psserver.models import build_model, get_model_spec
 from psserver.models.layout import ModelLayout, values_of
 from psserver.models.losses import get_loss
+from psserver.ps.engine.devices import resolve_devices
+from psserver.ps.engine.engine import StepEngine
 from psserver.ps.rpc.messages import JoinRequest
 
 
@@ -23,3 +26,13 @@ def give_replica(channel, model: str) -> None:
     channel.spec = get_model_spec(model)
     channel.model = build_model(channel.spec)
     channel.loss_fn = get_loss(channel.spec.loss)
+
+
+def mlp_engine(*joined: str) -> StepEngine:
+    """A server's engine of ``mlp`` on the CPU with Adam, which ``joined`` trainers have joined
+    (the caller closes it)."""
+    cfg = ServerConfig(model="mlp", devices=["cpu"], optimizer=OptimizerConfig(name="adam", lr=0.01))
+    engine = StepEngine(cfg, resolve_devices(cfg.devices))
+    for name in joined:
+        engine.trainer_joined(name)
+    return engine

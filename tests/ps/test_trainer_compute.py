@@ -21,7 +21,7 @@ from psserver.ps.engine.engine import StepEngine
 from psserver.ps.protocols import trainer_compute
 from psserver.ps.protocols.pushpull import PushPullServer, PushPullTrainer
 from psserver.ps.protocols.trainer_compute import WIRE_DTYPES
-from tests.ps.joins import give_replica, join_request
+from tests.ps.joins import give_replica, join_request, mlp_engine
 
 CUDA = pytest.param("cuda:0", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")])
@@ -69,9 +69,7 @@ class Channel:
 
 @pytest.fixture
 def engine():
-    cfg = ServerConfig(model="mlp", devices=["cpu"], optimizer=OptimizerConfig(name="adam", lr=0.01))
-    e = StepEngine(cfg, resolve_devices(cfg.devices))
-    e.trainer_joined("t")
+    e = mlp_engine("t")
     yield e
     e.close()
 
@@ -120,20 +118,13 @@ def test_the_gradient_filled_bucket_by_bucket_is_the_one_packed_after_backward(e
     assert len(ptrs) == 1  # one buffer, reused by every step
 
 
-def mlp_engine() -> StepEngine:
-    cfg = ServerConfig(model="mlp", devices=["cpu"], optimizer=OptimizerConfig(name="adam", lr=0.01))
-    e = StepEngine(cfg, resolve_devices(cfg.devices))
-    e.trainer_joined("t")
-    return e
-
-
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("wire", ["fp32", "bf16"])
 def test_buckets_sent_ahead_as_parts_give_the_server_the_same_updates(device, wire, monkeypatch):
     """Each bucket but the last goes to the server while backward runs (``part``), the step's
     call carries the last: the server applies bit for bit what one whole gradient gives."""
     monkeypatch.setattr(trainer_compute, "PART_MIN_BYTES", 1)  # every bucket of the small mlp
-    engines = [mlp_engine(), mlp_engine()]
+    engines = [mlp_engine("t"), mlp_engine("t")]
     try:
         trainers = []
         for e, parts in zip(engines, (True, False), strict=True):

@@ -118,6 +118,6 @@ def test_the_users_model_and_data_train_export_and_load_without_psserver(procs, 
     # holds the final ones: within ten of the 2000 held-out images (0.005, plus float rounding) of
     # the trainer whose summary was logged last (sync: of both).
     last = max(range(2), key=lambda i: summary_logged_at(trainers[i]))
-    one_image = 0.005 + 1e-9
-    assert abs(got - scores[last]) <= one_image or (update == "sync" and all(abs(got - s) <= one_image
+    ten_images = 0.005 + 1e-9
+    assert abs(got - scores[last]) <= ten_images or (update == "sync" and all(abs(got - s) <= ten_images
                                                                           for s in scores)), (got, scores, last)

@@ -75,20 +75,26 @@ def test_a_store_that_answers_late_is_waited_for_a_silent_port_is_a_usage_error(
     until ``_SILENT_S``, on the same connection; a port silent that long is not a psserver's."""
     monkeypatch.setattr(rendezvous, "_ANSWER_S", 0.2)
     monkeypatch.setattr(rendezvous, "_SILENT_S", 3.0)
-    port = free_port()
-    sock = socket.create_server(("127.0.0.1", port), backlog=16)
+    sock = socket.create_server(("127.0.0.1", 0), backlog=16)
+    port = sock.getsockname()[1]
     stores: list = []
     # The client's connection waits in the backlog until the store starts on that socket.
     late = threading.Timer(0.8, lambda: stores.append(dist.TCPStore(
         "127.0.0.1", port, None, True, datetime.timedelta(seconds=10), wait_for_workers=False,
         master_listen_fd=sock.detach(), use_libuv=True)))
     late.start()
-    t0 = time.monotonic()
-    client = rendezvous._store_client("127.0.0.1", port, 10.0)
-    late.join()
-    assert isinstance(client, dist.TCPStore) and time.monotonic() - t0 >= 0.7
-    client.set("k", "v")
-    assert stores[0].get("k") == b"v"
+    try:
+        t0 = time.monotonic()
+        client = rendezvous._store_client("127.0.0.1", port, 10.0)
+        late.join()
+        assert isinstance(client, dist.TCPStore) and time.monotonic() - t0 >= 0.7
+        client.set("k", "v")
+        assert stores[0].get("k") == b"v"
+    finally:
+        late.cancel()
+        late.join()
+        stores.clear()
+        sock.close()
     with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (the backlog), never answers
         where = silent.getsockname()[1]
         monkeypatch.setattr(rendezvous, "_SILENT_S", 0.6)

@@ -50,15 +50,15 @@ class GradientParts:
             if number != self.number:  # a new step: what an earlier one left is overwritten
                 self.number = number
                 self._ranges = [[] for _ in self.numels]
-            cuda = self._flats[0].is_cuda if self._flats else False
-            if cuda:  # the update that read the last step's parts, on the shard's stream, is done
-                torch.cuda.synchronize(self._flats[0].device)
+            cuda = sorted({f.device for f in self._flats if f.is_cuda}, key=str)
+            for device in cuda:  # the update that read the last step's parts, on the shard's stream, is done
+                torch.cuda.synchronize(device)
             with torch.no_grad():
                 for shard, start, values in checked:
                     self._flats[shard][start:start + values.numel()].copy_(values)
                     self._ranges[shard].append((start, start + values.numel()))
-            if cuda:  # landed before the call answers: the update reads them on another stream
-                torch.cuda.synchronize(self._flats[0].device)
+            for device in cuda:  # landed before the call answers: the update reads them on another stream
+                torch.cuda.synchronize(device)
 
     def _check(self, part: object) -> Part:
         if not isinstance(part, tuple) or len(part) != 3:
@@ -74,6 +74,11 @@ class GradientParts:
             raise ValueError(f"a gradient part at {start!r}+{values.numel()} outside shard {shard}'s "
                              f"{self.numels[shard]} values")
         return shard, start, values
+
+    def finish(self, number: int, parts: Sequence[Part]) -> list[torch.Tensor]:
+        """The step's call: its last ``parts``, then the whole gradient (:meth:`take`)."""
+        self.put(number, parts)
+        return self.take(number)
 
     def take(self, number: int) -> list[torch.Tensor]:
         """The whole gradient of step ``number``, one buffer per shard (``ValueError`` unless its

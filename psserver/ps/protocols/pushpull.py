@@ -160,8 +160,7 @@ class PushPullServer(TrainerComputeServer):
                 raise ValueError("a gradient in parts ends with its numbered call, which carries no whole gradient")
             parts, rest = self._gradient_parts(trainer), self._part_list(rest)
             # The parts' buffers: applied before this call answers.
-            grads = self.engine.compute.run_with(self.compute_threads, lambda: (parts.put(number, rest),
-                                                                                parts.take(number))[1])
+            grads = self.engine.compute.run_with(self.compute_threads, lambda: parts.finish(number, rest))
         row_grads, ids = self._row_request(rows)
         buffers = self.check_buffers(buffers)
         if grads is not None and number is not None and not self.engine.take_gradient(trainer, number, done or 0):

@@ -17,6 +17,7 @@ import threading
 import torch
 
 from psserver.config.ps import TRANSPORTS
+from psserver.errors import first_line
 from psserver.models.calling import call_model, move_input
 from psserver.ps.engine.buckets import GradBuckets, bucket_cap_bytes
 from psserver.ps.engine.buffers import flatten, persistent_buffers, unflatten_into
@@ -237,7 +238,7 @@ class TrainerComputeHalf(TrainerHalf):
             if not isinstance(back, torch.Tensor) or back.device != self.device or float(back) != 2.0:
                 raise RuntimeError(f"the probe came back as {back!r}")
         except Exception as e:  # noqa: BLE001 - whatever failed, the staged path is the answer
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            reason = first_line(e)
             self.channel.call("fall_back", reason)
             self.transport, self.fell_back = "staged", reason
             log.warning("the device map to the server failed (%s): this trainer sends through pinned host memory",

@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch.distributed.rendezvous import register_rendezvous_handler
 
-from psserver.errors import AdmissionUnanswered, ServerUnavailable, UsageError
+from psserver.errors import AdmissionUnanswered, ServerUnavailable, UsageError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def request_admission(store, rank: int, where: str, timeout: float = ADMISSION_T
         store.set(KEY_ADMIT_REQUEST.format(seq=seq), (SERVER_REQUEST_PREFIX if server else "") + str(rank))
     except RuntimeError as e:  # DistNetworkError and the like: the server died since its store answered
         raise AdmissionUnanswered(f"the psserver at {where} went away before it admitted rank {rank} "
-                                  f"({_first_line(e)})") from None
+                                  f"({first_line(e, 160)})") from None
     answer_key = KEY_ADMIT_ANSWER.format(seq=seq)
     try:
         store.wait([answer_key], datetime.timedelta(seconds=timeout))
@@ -158,7 +158,7 @@ def request_admission(store, rank: int, where: str, timeout: float = ADMISSION_T
             raise AdmissionUnanswered(f"the psserver at {where} did not answer the join of rank {rank} within "
                                       f"{timeout:g}s") from None
         raise AdmissionUnanswered(f"the psserver at {where} went away while it admitted rank {rank} "
-                                  f"({_first_line(e)})") from None
+                                  f"({first_line(e, 160)})") from None
     with contextlib.suppress(RuntimeError):
         store.delete_key(answer_key)
     word, *ids = answer.split()
@@ -170,12 +170,6 @@ def request_admission(store, rank: int, where: str, timeout: float = ADMISSION_T
         raise ServerUnavailable(f"the psserver at {where} answered the join of rank {rank} with {answer[:80]!r}") \
             from None
     return rpc_id, incarnation
-
-
-def _first_line(e: BaseException) -> str:
-    """The first line of a store's error (torch's carry C++ context below it), or its type."""
-    text = str(e).strip()
-    return text.splitlines()[0][:160] if text else type(e).__name__
 
 
 def ping() -> bool:

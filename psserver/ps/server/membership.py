@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed.rpc as rpc
 
+from psserver.errors import first_line
 from psserver.ps.rpc import torch_rpc
 from psserver.ps.rpc.rendezvous import ADMITTED, SERVER_NAME, is_trainer_name, ping
 from psserver.ps.rpc.torch_rpc import ALL_WORKERS_KEY, TOKEN_KEY, worker_key
@@ -145,7 +146,7 @@ class Membership:
             try:
                 fut = rpc.rpc_async(name, ping, timeout=timeout)
             except Exception as e:  # noqa: BLE001 - a worker the agent does not know (any more)
-                out[name] = (DEAD, _first_line(e))
+                out[name] = (DEAD, first_line(e))
                 continue
             fut.add_done_callback(lambda _, n=name: done_at.setdefault(n, time.monotonic()))
             futures[name] = fut
@@ -156,7 +157,7 @@ class Membership:
             except Exception as e:  # noqa: BLE001 - any failure is an answer here
                 # Torch says "timeout" only in free text: the time the failure took tells instead.
                 took = done_at.get(name, time.monotonic()) - t0
-                out[name] = (SILENT, f"{timeout:g}s") if took >= 0.9 * timeout else (DEAD, _first_line(e))
+                out[name] = (SILENT, f"{timeout:g}s") if took >= 0.9 * timeout else (DEAD, first_line(e))
         return out
 
     def _live_name(self, rank: int) -> str | None:
@@ -367,11 +368,6 @@ def _eviction_reason(state: str, detail: str, why: str) -> str:
     if state == SILENT:
         return f"it did not answer a ping within {detail} when {why}"
     return f"its RPC connection is broken ({detail}) and {why}"
-
-
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0][:200] if lines else type(e).__name__
 
 
 def _delete_if(store, key: str, value: str) -> None:

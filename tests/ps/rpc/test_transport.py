@@ -9,15 +9,13 @@ import dataclasses
 import pytest
 import torch
 
-from psserver.config import OptimizerConfig, ServerConfig, TrainerConfig
+from psserver.config import TrainerConfig
 from psserver.errors import UsageError
-from psserver.ps.engine.devices import resolve_devices
-from psserver.ps.engine.engine import StepEngine
 from psserver.ps.protocols.pushpull import PushPullServer
 from psserver.ps.protocols.trainer_compute import TrainerComputeServer
 from psserver.ps.rpc import rendezvous
 from psserver.ps.rpc.transport import TransportPath, choose_path, device_maps, host_id
-from tests.ps.joins import join_request
+from tests.ps.joins import join_request, mlp_engine
 
 CUDA0 = torch.device("cuda", 0)
 
@@ -86,8 +84,7 @@ def test_tensorpipe_channels_from_the_environment(monkeypatch):
 
 @pytest.fixture
 def engine():
-    cfg = ServerConfig(model="mlp", devices=["cpu"], optimizer=OptimizerConfig(name="adam", lr=0.01))
-    e = StepEngine(cfg, resolve_devices(cfg.devices))
+    e = mlp_engine()
     yield e
     e.close()
 
