@@ -350,7 +350,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("need --rounds >= 1, --batch-size >= 1, --skip >= 0, --steps >= --skip + 6 and --warm-up-steps >= 0")
     staged = [s["name"] for s in args.setups if s.get("transport")]
     if staged and not (args.trainer_device or "").startswith("cuda"):
-        p.error(f"--setups: {', '.join(staged)} choose a GPU trainer's transport: give --trainer-device cuda:N")
+        p.error(f"--setups: {', '.join(staged)}: -staged and -hostcopy choose a GPU trainer's transport; give "
+                "--trainer-device cuda:N")
     if args.qdisc is not None and (args.netns != "on" or not args.qdisc.strip()):
         p.error("--qdisc needs --netns on and a qdisc (for example 'tbf rate 1gbit burst 256kb latency 100ms')")
     problem = check_machine_flags(args.netns, args.throttle, args.setups)

@@ -36,25 +36,6 @@ server's exchange; the state copied to the host file (pageable pages; page-locke
 only)."""
 
 
-def state_tensors(obj: Any, out: list | None = None, seen: set[int] | None = None) -> list:
-    """Every tensor in a (nested) state structure once, in a fixed order."""
-    import torch
-
-    out = [] if out is None else out
-    seen = set() if seen is None else seen
-    if isinstance(obj, torch.Tensor):
-        if id(obj) not in seen:
-            seen.add(id(obj))
-            out.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            state_tensors(v, out, seen)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            state_tensors(v, out, seen)
-    return out
-
-
 class HostCopy:
     """A state file on a memory filesystem, laid out as the state in memory lays it out, and
     the copy of ``tensors`` into it that one update would need."""
@@ -128,6 +109,7 @@ def run(model: str, device_name: str, batch_size: int, rounds: int, steps: int, 
     from psserver.ps.engine.engine import StepEngine
     from psserver.ps.protocols.pushpull import PushPullServer
     from psserver.ps.rpc.messages import JoinRequest
+    from psserver.ps.server.memory_state import state_layout
 
     device = torch.device(device_name)
     spec = get_model_spec(model, {})
@@ -147,7 +129,7 @@ def run(model: str, device_name: str, batch_size: int, rounds: int, steps: int, 
         half.exchange("t", None, batch_size)
         for _ in range(3):  # the optimizer's state exists from its first step on
             half.exchange("t", grads, batch_size)
-        tensors = state_tensors(engine.live_state()[0])
+        tensors = state_layout(engine.live_state()[0])[1]
         copies.append(HostCopy(directory, "pageable", tensors, register=False))
         if device.type == "cuda":
             copies.append(HostCopy(directory, "registered", tensors, register=True))

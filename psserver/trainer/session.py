@@ -87,7 +87,9 @@ class Session:
                                                            f"{config.server_host}:{config.server_port}")
         self.name = rendezvous.trainer_name(config.rank, incarnation)
         self.transport = transport.choose_path(config.transport, self.device, published)
-        """How this trainer's flat buffers travel, and why (logged: a slow fallback is never silent)."""
+        """How this trainer's flat buffers travel, and why (logged: a slow fallback is never silent):
+        as it asks, then as the join's reply agrees; the protocol's half keeps the path from then on
+        (and goes ``staged`` when a device map fails its probe)."""
         log.info("transport %s", self.transport.describe(self.device))
         rendezvous.set_transport_interface(config.server_host, local=False)
         torch_rpc.check_version()
@@ -136,8 +138,6 @@ class Session:
             log.info("transport %s", self.transport.describe(self.device))
         self.step_protocol: str = self.info["step"]
         self.protocol: TrainerHalf = get_protocol(self.step_protocol).trainer(self)
-        if self.protocol.fell_back is not None:  # its probe of the device map failed (logged there)
-            self.transport = transport.TransportPath("staged", f"the device map failed ({self.protocol.fell_back})")
         self._stop = threading.Event()
         self._hb = threading.Thread(target=self._heartbeat, name="psserver-heartbeat", daemon=True)
         self._hb.start()

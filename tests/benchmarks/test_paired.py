@@ -52,15 +52,24 @@ def test_summarize_divides_by_the_best_local_loop_of_each_round():
 
 
 def test_flags_are_checked(capsys):
-    for argv in (["--setups", "local,fsdp-2"], ["--setups", "ps-async-1"], ["--setups", "local,local"],
-                 ["--setups", "local,ps-pushpull-async-1-staged"],
-                 ["--steps", "10", "--skip", "5"], ["--rounds", "0"], ["--setups", "local,ps-turbo-1"],
-                 ["--qdisc", "tbf rate 1gbit burst 256kb latency 100ms"], ["--netns", "on", "--qdisc", " "]):
+    steps = "need --rounds >= 1, --batch-size >= 1, --skip >= 0, --steps >= --skip + 6"
+    qdisc = "--qdisc needs --netns on and a qdisc"
+    for argv, message in (
+            (["--setups", "local,fsdp-2"], "--setups: only local, PS and DDP setups run in paired rounds, not fsdp-2"),
+            (["--setups", "ps-async-1"], "--setups: name at least one single local loop"),
+            (["--setups", "local,local"], "--setups: setup named twice: local"),
+            (["--setups", "local,ps-pushpull-async-1-staged"],
+             "--setups: ps-pushpull-async-1-staged: -staged and -hostcopy choose a GPU trainer's transport; give "
+             "--trainer-device cuda:N"),
+            (["--steps", "10", "--skip", "5"], steps), (["--rounds", "0"], steps),
+            (["--setups", "local,ps-turbo-1"], "--setups: unknown setup 'ps-turbo-1': use local, local-cached"),
+            (["--qdisc", "tbf rate 1gbit burst 256kb latency 100ms"], qdisc),
+            (["--netns", "on", "--qdisc", " "], qdisc)):
         with pytest.raises(SystemExit) as e:
             paired.parse_args(argv)
         assert e.value.code == 2, argv
         err = capsys.readouterr().err
-        assert "--" in err and "Traceback" not in err, argv
+        assert f"error: {message}" in err and "Traceback" not in err, argv
     gpu = paired.parse_args(["--setups", "gpu", "--trainer-device", "cuda:0", "--devices", "cuda:0", "--netns", "off"])
     assert {s.get("transport") for s in gpu.setups} == {None, "staged", "cpu"}
     args = paired.parse_args(["--setups", "local-cached, ps-chained-async-2"])

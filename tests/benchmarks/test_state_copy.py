@@ -55,9 +55,6 @@ def test_one_copy_is_the_live_state_bit_for_bit(tmp_path):
         copy.close()
 
 
-def test_state_tensors_are_found_once_in_nested_state():
-    a, b = torch.zeros(2), torch.ones(3)
-    assert state_copy.state_tensors({"m": {"w": a}, "o": [{"x": b, "y": a}, (b, 1)], "n": 2}) == [a, b]
 
 
 @pytest.mark.parametrize("argv, message", [

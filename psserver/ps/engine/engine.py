@@ -280,12 +280,14 @@ class StepEngine:
 
     def flat_parameters(self, dtype: torch.dtype | None = None, *, on_device: bool = False) -> list[torch.Tensor]:
         """Every shard's parameters as one flat buffer each (in ``dtype``), copied at one step: on
-        the CPU, or on the shard's device (``on_device``: a trainer whose device map takes it)."""
+        the CPU, or on the shard's device (``on_device``: a trainer whose device map takes it).
+        Each is a buffer of its own (replies to several trainers are in flight at once), cast on
+        the shard's device before it leaves it: a narrow wire crosses to the host narrow."""
         with self.updater.lock:
-            return [torch.cat([p.detach().reshape(-1) for p in s.params]).to(
-                        s.device if on_device else "cpu", dtype or s.params[0].dtype)
-                    if s.params else torch.zeros(0, dtype=dtype or torch.float32)  # a partition of no parameters
-                    for s in self.shards]
+            flats = [torch.cat([p.detach().reshape(-1) for p in s.params]).to(dtype or s.params[0].dtype)
+                     if s.params else torch.zeros(0, dtype=dtype or torch.float32)  # a partition of no parameters
+                     for s in self.shards]
+        return flats if on_device else [flat.to("cpu") for flat in flats]
 
     def grads_from_flat(self, flats: list[torch.Tensor]) -> Grads:
         """The gradient of every parameter from one flat buffer per shard (``ValueError`` when

@@ -60,10 +60,6 @@ class Channel(Protocol):
 class TrainerHalf(ABC):
     """The trainer's side of a protocol: one step at a time, on the trainer's thread."""
 
-    fell_back: str | None = None
-    """Why the transport the server agreed to failed and the half took the staged path instead
-    (None: it did not); the session's own record of its path follows it."""
-
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
 

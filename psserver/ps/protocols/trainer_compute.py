@@ -220,12 +220,15 @@ class TrainerComputeHalf(TrainerHalf):
         self.transport: str = (channel.info.get("transport") or {}).get("kind", "cpu")
         """The path the server agreed to (``psserver.ps.rpc.transport``): ``device-map`` buffers
         stay on the device, ``staged`` ones go through :class:`PinnedStaging`."""
+        self.fell_back: str | None = None
+        """Why the device map the server agreed to failed its probe, this trainer going ``staged``
+        instead (None: it did not)."""
         self._staging: PinnedStaging | None = None
         self._packers: list[FlatBuffer] | None = None
         self._buckets: list[GradBuckets] | None = None
         self._ahead: list[set[int]] = []  # per shard, where the buckets sent ahead start
         self._part_number: int | None = None  # the step whose backward sends parts ahead
-        self._sent: list[tuple[int, int, object]] = []  # (shard, start, the call's future) of that backward
+        self._sent: list[object] = []  # the futures of that backward's parts (every bucket of _ahead's)
         if self.transport == "device-map":
             self._probe_device_map()
 
@@ -309,14 +312,13 @@ class TrainerComputeHalf(TrainerHalf):
         finally:
             self._part_number = None
             sent, self._sent = self._sent, []
-        for _, _, future in sent:
+        for future in sent:
             future.wait()
-        done = {(shard, start) for shard, start, _ in sent}
         rest = []
         for j, b in enumerate(self._buckets):
             for r in b.buckets:
                 start, stop = b.offsets[r.start], b.offsets[r.stop]
-                if (j, start) not in done and stop > start:
+                if start not in self._ahead[j] and stop > start:  # finish() hands on every bucket
                     rest.append((j, start, self._part_tensor(j, start, stop)))
         return None, rest
 
@@ -356,7 +358,7 @@ class TrainerComputeHalf(TrainerHalf):
                 if start in self._ahead[shard]:
                     future = self.channel.call_async("part", number, [(shard, start, self._part_tensor(shard, start,
                                                                                                      stop))])
-                    self._sent.append((shard, start, future))
+                    self._sent.append(future)
             elif self.transport == "staged":
                 self._staged().copy_part(self._staging_key(shard), self._buckets[shard].flat, start, stop)
         return ready

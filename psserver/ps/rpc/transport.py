@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-from psserver.config.ps import TRANSPORTS
 from psserver.errors import UsageError
 from psserver.utils.processes import boot_id
 
@@ -56,13 +55,10 @@ def host_id() -> str:
 
 def choose_path(requested: str, trainer_device: torch.device, server: dict) -> TransportPath:
     """The path for a trainer on ``trainer_device`` to the server described by ``server`` (what
-    it published: ``devices``, ``num_servers``, ``host_id``); ``requested`` is ``--transport``.
-    ``UsageError`` when a path asked for by name cannot be used."""
-    if requested not in TRANSPORTS:
-        raise UsageError(f"--transport must be one of {', '.join(TRANSPORTS)}, got {requested!r}")
+    it published: ``devices``, ``num_servers``, ``host_id``); ``requested`` is ``--transport`` as
+    ``TrainerConfig`` checked it (a known path; a GPU one only for a GPU trainer). ``UsageError``
+    when the device map asked for by name cannot be used."""
     if trainer_device.type != "cuda":
-        if requested in ("device-map", "staged"):
-            raise UsageError(f"--transport {requested} needs a trainer on a GPU (--device cuda:N)")
         return TransportPath("cpu", "the trainer runs on the CPU")
     if requested == "cpu":
         return TransportPath("cpu", "--transport cpu: through pageable host memory, as a CPU trainer")

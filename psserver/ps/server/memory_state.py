@@ -263,8 +263,10 @@ class MemoryState:
     def _bind_locked(self, engine: StepEngine, snapshot: Callable[[], dict]) -> None:
         started = time.perf_counter()
         state = snapshot()
-        tensors: list[torch.Tensor] = []
-        structure = _refs(state, tensors, {})
+        structure, tensors = state_layout(state)
+        off_host = next((t.device for t in tensors if t.device.type != "cpu"), None)
+        if off_host is not None:
+            raise TypeError(f"a tensor on {off_host} cannot be kept in shared memory")
         generation = (self.arena.generation + 1) if self.arena is not None else 1
         journal = Journal(generation, self._seq, self._seq, engine.global_step, self._samples, engine.global_step,
                           self._samples)
@@ -357,13 +359,19 @@ def unsupported_reason(engine: StepEngine) -> str | None:
     return None
 
 
+def state_layout(state: Any) -> tuple[Any, list[torch.Tensor]]:
+    """``state`` (nested dicts, lists and tuples) with each tensor replaced by a reference, and
+    its tensors in the order of the references, each tensor object once: how the state in memory
+    lays out its file (``benchmarks.state_copy`` lays out its host copy so too)."""
+    tensors: list[torch.Tensor] = []
+    return _refs(state, tensors, {}), tensors
+
+
 def _refs(obj: Any, tensors: list[torch.Tensor], seen: dict[int, int]) -> Any:
     """``obj`` with each tensor replaced by its index in ``tensors`` (one per tensor object)."""
     if isinstance(obj, torch.Tensor):
         index = seen.get(id(obj))
         if index is None:
-            if obj.device.type != "cpu":
-                raise TypeError(f"a tensor on {obj.device} cannot be kept in shared memory")
             index = seen[id(obj)] = len(tensors)
             tensors.append(obj)
         return (_TENSOR, index)

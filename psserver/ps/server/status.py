@@ -194,7 +194,8 @@ class ServerView:
 
     def _current_transport(self, status: TrainerStatus) -> TrainerStatus:
         """``status`` with the path its trainer's buffers take now: the join's, unless a probe of
-        the device map failed since (``TrainerComputeServer.fall_back``)."""
+        the device map failed since (``TrainerComputeServer.fall_back``). The membership keeps the
+        join's for as long as it shows the trainer, the protocol's half only while it serves it."""
         half = self.endpoint.halves.get(status.step)
         kind, why = half.transport_of(status.name) if status.transport and hasattr(half, "transport_of") else ("", "")
         return dataclasses.replace(status, transport=kind, transport_reason=why) if kind else status

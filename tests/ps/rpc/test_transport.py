@@ -49,23 +49,19 @@ def test_a_gpu_trainer_that_cannot_map_is_staged_and_says_why(published, why):
         choose_path("device-map", CUDA0, published)
 
 
-def test_the_path_asked_for_is_kept_or_refused_in_one_line():
+def test_the_path_asked_for_is_kept():
     assert choose_path("staged", CUDA0, server()).kind == "staged"  # slower than the map, but asked for
     assert choose_path("cpu", CUDA0, server()).kind == "cpu"
     cpu = choose_path("auto", torch.device("cpu"), server())
     assert (cpu.kind, cpu.reason) == ("cpu", "the trainer runs on the CPU")
-    for asked in ("device-map", "staged"):
-        with pytest.raises(UsageError, match=f"--transport {asked} needs a trainer on a GPU"):
-            choose_path(asked, torch.device("cpu"), server())
-    with pytest.raises(UsageError, match="--transport must be one of auto, device-map, staged, cpu"):
-        choose_path("nvlink", CUDA0, server())
 
 
 def test_the_config_checks_the_flag():
-    with pytest.raises(ValueError, match="--transport must be one of"):
+    with pytest.raises(ValueError, match="--transport must be one of auto, device-map, staged, cpu"):
         TrainerConfig(transport="rdma")
-    with pytest.raises(ValueError, match="--transport staged needs a trainer on a GPU"):
-        TrainerConfig(transport="staged")
+    for asked in ("device-map", "staged"):
+        with pytest.raises(ValueError, match=f"--transport {asked} needs a trainer on a GPU"):
+            TrainerConfig(transport=asked)
     assert TrainerConfig(transport="device-map", device="cuda:0").transport == "device-map"
 
 

@@ -16,7 +16,7 @@ from psserver.cli import main
 from psserver.config import LRScheduleConfig, MemoryStateConfig, OptimizerConfig, ServerConfig
 from psserver.control.convert import status_to_proto
 from psserver.control.render import render_status
-from psserver.ps.server.memory_state import MemoryState, MemoryStateError, scan
+from psserver.ps.server.memory_state import MemoryState, MemoryStateError, scan, state_layout
 from psserver.ps.server.server import ParameterServer
 from psserver.ps.server.state_arena import Arena, ArenaError, Journal
 
@@ -395,3 +395,11 @@ def test_a_row_whose_creation_was_cut_short_is_a_free_slot(state_dir):
         assert torch.equal(again.lookup(fresh), table.initial_rows(fresh))
     finally:
         second.engine.close()
+
+
+def test_the_state_is_laid_out_with_each_tensor_once_in_a_fixed_order():
+    a, b = torch.zeros(2), torch.ones(3)
+    structure, tensors = state_layout({"m": {"w": a}, "o": [{"x": b, "y": a}, (b, 1)], "n": 2, "s": torch.Size([4])})
+    assert tensors == [a, b]
+    assert structure["m"]["w"] == structure["o"][0]["y"] != structure["o"][0]["x"] == structure["o"][1][0]
+    assert (structure["o"][1][1], structure["n"], structure["s"]) == (1, 2, (4,))
