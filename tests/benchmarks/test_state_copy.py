@@ -55,8 +55,6 @@ def test_one_copy_is_the_live_state_bit_for_bit(tmp_path):
         copy.close()
 
 
-
-
 @pytest.mark.parametrize("argv, message", [
     (["--rounds", "0"], "must be >= 1"),
     (["--device", "tpu:0"], "not a device"),

@@ -269,6 +269,8 @@ class StepEngine:
         if not clone and all(p.device.type == "cpu" and dtype in (None, p.dtype) for p in params):
             return [p.view_as(p) for p in params]
         with self.updater.lock:
+            for s in self.shards:
+                s.after_updates()
             return [p.clone() if p.device.type == "cpu" and dtype in (None, p.dtype) else p.to("cpu", dtype or p.dtype)
                     for p in params]
 
@@ -284,9 +286,7 @@ class StepEngine:
         Each is a buffer of its own (replies to several trainers are in flight at once), cast on
         the shard's device before it leaves it: a narrow wire crosses to the host narrow."""
         with self.updater.lock:
-            flats = [torch.cat([p.detach().reshape(-1) for p in s.params]).to(dtype or s.params[0].dtype)
-                     if s.params else torch.zeros(0, dtype=dtype or torch.float32)  # a partition of no parameters
-                     for s in self.shards]
+            flats = [s.flat(dtype) for s in self.shards]
         return flats if on_device else [flat.to("cpu") for flat in flats]
 
     def grads_from_flat(self, flats: list[torch.Tensor]) -> Grads:

@@ -117,6 +117,30 @@ class Shard:
             with torch.cuda.stream(self._stream):
                 self._step(grads, scale)
 
+    def after_updates(self) -> None:
+        """On a GPU, order the caller's stream after the updates launched on this stage's stream
+        (a copy of the parameters from another thread would read them half applied)."""
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+
+    def flat(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The parameters as one flat buffer of its own (in ``dtype``): on a GPU read on this
+        stage's stream, so after the updates launched before and before those launched after,
+        whichever thread's stream the caller is on."""
+        with self.lock:
+            if not self.params:  # a partition of no parameters
+                return torch.zeros(0, dtype=dtype or torch.float32)
+            dtype = dtype or self.params[0].dtype
+            if self._stream is None:
+                return torch.cat([p.detach().reshape(-1) for p in self.params]).to(dtype)
+            current = torch.cuda.current_stream(self.device)
+            self._stream.wait_stream(current)
+            with torch.cuda.stream(self._stream):
+                flat = torch.cat([p.detach().reshape(-1) for p in self.params]).to(dtype)
+            current.wait_stream(self._stream)
+            flat.record_stream(current)
+            return flat
+
     def _step(self, grads: dict[nn.Parameter, torch.Tensor], scale: float) -> None:
         assert self.optimizer is not None
         for p in self.params:
@@ -129,6 +153,7 @@ class Shard:
     def state_dict(self) -> dict:
         """A CPU copy of the parameters, buffers and optimizer state (taken under the lock)."""
         with self.lock:
+            self.after_updates()
             return {
                 "module": {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()},
                 "optimizer": _to_cpu(self.optimizer.state_dict()) if self.optimizer is not None else None,
