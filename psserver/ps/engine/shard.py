@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -80,15 +81,21 @@ class Shard:
 
     def forward(self, x: torch.Tensor, *, clone: bool, train: bool = True) -> torch.Tensor:
         """Run this stage; ``x`` may be on any device (autograd records the copy)."""
-        if self._stream is not None:
-            # Our own stream per shard: the default stream is shared with other threads.
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
-                out = self._forward(x, clone=clone, train=train)
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
-            out.record_stream(torch.cuda.current_stream(self.device))
-            return out
-        return self._forward(x, clone=clone, train=train)
+        return self._on_own_stream(lambda: self._forward(x, clone=clone, train=train))
+
+    def _on_own_stream(self, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``make()``, on a GPU run on this stage's own stream (the default stream is shared with
+        other threads; updates run on this one), ordered after the caller's stream's work and
+        before its next; the tensor it makes is handed to the caller's stream."""
+        if self._stream is None:
+            return make()
+        current = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            out = make()
+        current.wait_stream(self._stream)
+        out.record_stream(current)
+        return out
 
     def _forward(self, x: torch.Tensor, *, clone: bool, train: bool) -> torch.Tensor:
         x = x.to(self.device, non_blocking=True)
@@ -130,16 +137,8 @@ class Shard:
         with self.lock:
             if not self.params:  # a partition of no parameters
                 return torch.zeros(0, dtype=dtype or torch.float32)
-            dtype = dtype or self.params[0].dtype
-            if self._stream is None:
-                return torch.cat([p.detach().reshape(-1) for p in self.params]).to(dtype)
-            current = torch.cuda.current_stream(self.device)
-            self._stream.wait_stream(current)
-            with torch.cuda.stream(self._stream):
-                flat = torch.cat([p.detach().reshape(-1) for p in self.params]).to(dtype)
-            current.wait_stream(self._stream)
-            flat.record_stream(current)
-            return flat
+            wire = dtype or self.params[0].dtype
+            return self._on_own_stream(lambda: torch.cat([p.detach().reshape(-1) for p in self.params]).to(wire))
 
     def _step(self, grads: dict[nn.Parameter, torch.Tensor], scale: float) -> None:
         assert self.optimizer is not None
