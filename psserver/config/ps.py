@@ -336,9 +336,10 @@ class ServerConfig:
         return read_join_token(self.join_token_file)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainerConfig:
-    """``psserver train --rank N`` in parameter-server mode."""
+    """``psserver train --rank N`` in parameter-server mode. Frozen: what ``__post_init__``
+    checked stays checked (``dataclasses.replace`` makes a changed one, checked again)."""
 
     rank: int = 0
     """Trainer rank (0-based): picks the data shard; unique among live trainers."""
@@ -463,7 +464,7 @@ class TrainerConfig:
             mode = STEP_MODES[self.step].compute
             if self.compute is not None and self.compute != mode:
                 raise ValueError(f"--step {self.step} is a protocol of --compute {mode}, not --compute {self.compute}")
-            self.compute = mode
+            object.__setattr__(self, "compute", mode)
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"--wire-dtype must be one of {', '.join(WIRE_DTYPES)}, got {self.wire_dtype!r}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
