@@ -325,7 +325,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     b.add_argument("--qdisc", choices=multihost.QDISCS, default="tbf", help="tc shaper (default tbf)")
     b.add_argument("--dim", type=int, default=16, help="--embedding-dim (default 16, dlrm_tiny's)")
     b.add_argument("--batch-size", type=int, default=512, help="samples per trainer step (default 512)")
-    b.add_argument("--steps", type=int, default=None, help="steps per trainer and run (default 100; --quick 30)")
+    b.add_argument("--steps", type=int, default=None, help="steps per trainer and run (default 100; --quick 45)")
     b.add_argument("--skip", type=int, default=5, help="warm-up steps of each trainer left out (default 5)")
     b.add_argument("--rounds", type=int, default=None, help="paired rounds (default 3; --quick 1)")
     b.add_argument("--train-samples", type=int, default=50_000, help="synthetic_clicks samples (default 50000)")

@@ -8,6 +8,8 @@ front of it: torchrun, a deploy script):
   output, no launcher variables (torchrun, Slurm) and no control-plane token or address
   inherited from the shell; ``overrides`` last (a value of None removes the variable).
 - ``run(args, timeout=...)``: a child to its end, output captured (``CompletedProcess``).
+- ``cli(args)``: the same verb in this process (``psserver.cli.main``), for those that start no
+  server or trainer (export, status, a usage error): no child that spends 3 s importing torch.
 - ``Proc``: a child running in the background, its output in a log file (no pipe to fill up),
   in a session of its own so that ``kill()`` takes everything it started along.
 - ``ProcessGroup``: the ``Proc`` objects of one test (fixture ``procs``), all killed after it.
@@ -16,6 +18,8 @@ front of it: torchrun, a deploy script):
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import signal
@@ -110,6 +114,22 @@ def run(args: Sequence[str], *, timeout: float = 60, env: Mapping[str, str | Non
     finally:
         _kill_session(popen)  # anything it left behind in its session
     return subprocess.CompletedProcess(cmd, popen.returncode, out, err)
+
+
+def cli(args: Sequence[str]) -> subprocess.CompletedProcess:
+    """``psserver ARGS`` run by ``psserver.cli.main`` in this process, its stdout and stderr
+    captured as text, the launcher and token variables of ``NOT_INHERITED`` hidden as from a
+    child. Only for verbs that return by themselves: nothing here bounds its time but the test's."""
+    from psserver.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    hidden = {k: os.environ.pop(k) for k in NOT_INHERITED if k in os.environ}
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        os.environ.update(hidden)
+    return subprocess.CompletedProcess(["psserver", *args], code, out.getvalue(), err.getvalue())
 
 
 class Proc:

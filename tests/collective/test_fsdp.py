@@ -14,8 +14,9 @@ from .helpers import MNIST, check_ok, loss_falls, needs_mnist, results, run_cli
 @pytest.mark.timeout(280)
 @needs_mnist
 def test_fsdp_mnist_accuracy(result_pattern):
+    # Two epochs: as DDP's (tests/collective/test_ddp.py), 0.9755 in every run here.
     proc = run_cli(["--mode", "fsdp", "--nproc-per-node", "2", "--dataset", "mnist", "--data-dir", str(MNIST),
-                    "--train-split", "8000", "--epochs", "3", "--no-control", "--result-file", str(result_pattern)],
+                    "--train-split", "8000", "--epochs", "2", "--no-control", "--result-file", str(result_pattern)],
                    timeout=260)
     check_ok(proc)
     r0, r1 = results(result_pattern, 2)

@@ -26,6 +26,7 @@ def accuracy(proc, rank: int) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_a_custom_cnn_with_its_own_loop_two_trainers(procs, port):
     """The server learns SmallCNN (BatchNorm and all) from the first trainer; both reach 0.95."""
@@ -38,6 +39,7 @@ def test_a_custom_cnn_with_its_own_loop_two_trainers(procs, port):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_the_wrapper_with_accumulation_and_amp(procs, port):
     procs.server(port)
@@ -48,6 +50,7 @@ def test_the_wrapper_with_accumulation_and_amp(procs, port):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_the_rpc_tutorial_loop_against_psserver_serve(procs, port):
     server = procs.server(port, "--model", "mnist_cnn", "--optimizer", "sgd", "--lr", "0.05")
@@ -59,6 +62,7 @@ def test_the_rpc_tutorial_loop_against_psserver_serve(procs, port):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_a_recommendation_model_with_tables_on_the_server_from_its_own_loop(procs, port):
     procs.server(port, "--model", "dlrm_tiny", "--embedding-optimizer", "lazy_adam", "--embedding-lr", "0.01",

@@ -22,7 +22,7 @@ from psserver.models import build_model
 from psserver.ps.server.memory_state import MemoryState
 from psserver.ps.sparse.table import EmbeddingTable
 from psserver.ps.sparse.tables import owner
-from tests.procs import free_port, metric, run, start_servers
+from tests.procs import cli, free_port, metric, run, start_servers
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -101,9 +101,9 @@ def test_clicks_over_a_2_40_id_space_learn_with_bounded_rows(procs, port, tmp_pa
     trainers = [procs.trainer(port, r, "--num-trainers", "2", "--epochs", "3", *data) for r in range(2)]
     # Meanwhile, misuse gets one line and exit 2: server compute, a zero-width row, a protocol
     # that cannot carry rows, data of another kind.
-    r = run(["serve", "--model", "mf", "--compute", "server"], timeout=30)
+    r = cli(["serve", "--model", "mf", "--compute", "server"])
     assert r.returncode == 2 and "trainers compute" in r.stderr and "Traceback" not in r.stderr, r.stderr
-    r = run(["serve", "--model", "mf", "--embedding-dim", "0"], timeout=30)
+    r = cli(["serve", "--model", "mf", "--embedding-dim", "0"])
     assert r.returncode == 2 and "--embedding-dim must be in 1..4096" in r.stderr, r.stderr
     for extra, says in ((["--step", "chained"], "travel with --step pushpull or pull"),
                         (["--dataset", "synthetic"], "classification task")):
@@ -186,7 +186,7 @@ def test_a_killed_server_restores_rows_and_their_optimizer_state_bit_for_bit(pro
         same_rows(b["tables"], a["tables"])
         assert {"m", "v", "t"} <= {k.split(".", 1)[1] for k in b["tables"]["item"] if k.startswith("state.")}
     # Exported: every row of both servers, by table, sorted by id; the dense part strictly loadable.
-    r = run(["export", str(ckpt), "--out", str(tmp_path / "mf.pt")], timeout=120)
+    r = cli(["export", str(ckpt), "--out", str(tmp_path / "mf.pt")])
     assert r.returncode == 0, r.stderr
     rows = torch.load(tmp_path / "mf.tables.pt", weights_only=True)
     merged = merged_tables(after)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.procs import MNIST_ARGS, accuracy, free_port, run
+from tests.procs import MNIST_ARGS, accuracy, cli, free_port
 from tests.ps import poisoned_trainer
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -31,7 +31,7 @@ def test_a_trainer_sending_nan_every_other_step_does_not_poison_the_model(procs,
     assert accuracy(poisoned) >= BAR, poisoned.tail()  # it evaluates the same shared model
     assert "the server dropped a step of this trainer" in poisoned.output()
     assert "dropped a step" not in healthy.output()
-    done = run(["--log-level", "ERROR", "status", "--address", f"127.0.0.1:{ctl}", "--json"], timeout=60)
+    done = cli(["--log-level", "ERROR", "status", "--address", f"127.0.0.1:{ctl}", "--json"])
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
     rows = {r["rank"]: r for r in data["trainers"]}
@@ -56,11 +56,11 @@ def test_a_trainer_that_keeps_sending_nan_is_evicted_with_a_reason(procs, port):
     assert code not in (0, None), bad.tail()
     assert "evicted by the server: sent 3 non-finite gradients in a row" in bad.output()
     assert "Traceback" not in bad.output(), bad.tail()
-    done = run(["--log-level", "ERROR", "status", "--address", f"127.0.0.1:{ctl}", "--json"], timeout=60)
+    done = cli(["--log-level", "ERROR", "status", "--address", f"127.0.0.1:{ctl}", "--json"])
     (row,) = json.loads(done.stdout)["trainers"]
     assert row["state"] == "LOST" and "3 non-finite gradients in a row" in row["reason"]
     assert row["nonfinite"] == 3
-    assert "sent 3 non-finite gradients in a row" in run(
-        ["status", "--address", f"127.0.0.1:{ctl}"], timeout=60).stdout
+    assert "sent 3 non-finite gradients in a row" in cli(
+        ["status", "--address", f"127.0.0.1:{ctl}"]).stdout
     assert procs.stop(server) == 0
     assert "global step 0" in server.output(), server.tail()

@@ -13,7 +13,7 @@ import torch
 from torch.optim import lr_scheduler as L
 
 from psserver.checkpoint import list_checkpoints, read_checkpoint
-from tests.procs import free_port, run
+from tests.procs import cli, free_port, run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -81,7 +81,7 @@ def test_cosine_with_warmup_is_torchs_at_every_step_across_a_kill_and_resume(pro
     assert [round(x, 12) for x in (want[0], want[49], want[50])] == [0.002, 0.1, 0.1]  # (t+1)/N, then cosine
 
     # The control plane shows the lr of the next step.
-    st = json.loads(run(["status", "--address", f"127.0.0.1:{control}", "--json"], timeout=60).stdout)["status"]
+    st = json.loads(cli(["status", "--address", f"127.0.0.1:{control}", "--json"]).stdout)["status"]
     assert st["global_step"] == final and abs(st["learning_rate"] - want[final]) <= 1e-9
     assert st["lr_schedule"] == f"CosineAnnealingLR(T_max={T_MAX}) after a linear warm-up of {WARMUP} steps"
     assert procs.stop(second) == 0

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from psserver.checkpoint import list_checkpoints, read_checkpoint
-from tests.procs import Proc, free_port, run
+from tests.procs import Proc, cli, free_port
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -25,7 +25,7 @@ RSS_GROWTH_BOUND = 150e6  # bytes, over the last life, once trainers have come a
 
 
 def _status(ctl: int) -> dict:
-    done = run(["--log-level", "ERROR", "status", "--address", f"127.0.0.1:{ctl}", "--json"], timeout=60)
+    done = cli(["--log-level", "ERROR", "status", "--address", f"127.0.0.1:{ctl}", "--json"])
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 

@@ -15,7 +15,7 @@ import pytest
 
 from psserver.control.client import ControlClient
 from psserver.control.v1 import control_pb2 as pb
-from tests.procs import Proc, free_port, run
+from tests.procs import Proc, cli, free_port
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -86,7 +86,7 @@ def test_ssp_holds_the_fast_trainer_and_a_dead_slow_one_holds_it_only_until_evic
         assert held[0].max_staleness <= 2 * S + 1, held[0]
 
         # The same, as an operator reads it.
-        done = run(["--log-level", "ERROR", "status", "--address", address, "--json"], timeout=60)
+        done = cli(["--log-level", "ERROR", "status", "--address", address, "--json"])
         assert done.returncode == 0, done.stderr
         data = json.loads(done.stdout)
         assert data["status"]["update_mode"] == "ssp" and data["status"]["staleness"] == S

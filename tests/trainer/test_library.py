@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from tests.procs import free_port, run
+from tests.procs import cli, free_port
 from tests.trainer import loops
 
 ENTRY = "tests.trainer.loops"
@@ -37,6 +37,7 @@ def same(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("loop", ["through_step", "through_wrapper", "through_rrefs"])
 def test_twenty_adam_steps_equal_a_local_loop(procs, port, tmp_path, loop):
@@ -58,6 +59,7 @@ def test_twenty_adam_steps_equal_a_local_loop(procs, port, tmp_path, loop):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_four_micro_batches_through_the_wrapper_are_one_batch_of_64(procs, port, tmp_path):
     procs.server(port, *SYNC_ADAM)
@@ -70,6 +72,7 @@ def test_four_micro_batches_through_the_wrapper_are_one_batch_of_64(procs, port,
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_a_killed_library_trainer_is_evicted_and_its_rank_rejoins(procs, port):
     server = procs.server(port, "--trainer-timeout", "2")
@@ -83,6 +86,7 @@ def test_a_killed_library_trainer_is_evicted_and_its_rank_rejoins(procs, port):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_sigterm_leaves_after_the_step_in_flight_and_status_says_left(procs, port):
     control = free_port()
@@ -94,7 +98,7 @@ def test_sigterm_leaves_after_the_step_in_flight_and_status_says_left(procs, por
     left = re.search(r"received SIGTERM: handing in step (\d+) and leaving psserver \(exit 143\)", t.output())
     steps = int(left.group(1))
     server.wait_for(rf"trainer_0_1 \(rank 0\) left after {steps} steps", timeout=10)
-    done = run(["--log-level", "ERROR", "status", "--address", f"127.0.0.1:{control}", "--json"], timeout=60)
+    done = cli(["--log-level", "ERROR", "status", "--address", f"127.0.0.1:{control}", "--json"])
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout)["trainers"]
     assert [(r["name"], r["state"], r["steps"]) for r in rows] == [("trainer_0_1", "LEFT", steps)], rows
@@ -102,6 +106,7 @@ def test_sigterm_leaves_after_the_step_in_flight_and_status_says_left(procs, por
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_an_exception_in_the_users_loop_leaves_and_says_so(procs, port):
     server = procs.server(port)
@@ -116,6 +121,7 @@ def test_an_exception_in_the_users_loop_leaves_and_says_so(procs, port):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_a_validation_three_times_the_trainer_timeout_is_not_an_eviction(procs, port):
     server = procs.server(port, "--trainer-timeout", "2")
@@ -127,6 +133,7 @@ def test_a_validation_three_times_the_trainer_timeout_is_not_an_eviction(procs, 
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_a_script_evicted_with_reconnect_rejoins_and_its_sampler_continues_the_epoch(procs, port, tmp_path):
     """SIGSTOP past the timeout: the script re-executes itself, connects again, and ``ps.epoch``
@@ -154,6 +161,7 @@ def test_a_script_evicted_with_reconnect_rejoins_and_its_sampler_continues_the_e
 
 @pytest.mark.gpu
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")
 @pytest.mark.parametrize(("transport", "shown"), [
@@ -177,6 +185,7 @@ def test_a_replica_on_the_gpu_trains_as_the_local_loop(procs, port, tmp_path, tr
 
 @pytest.mark.gpu
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (a trainer on one, the server on another)")
 def test_a_trainer_on_another_gpu_of_the_host_maps_its_device_to_the_servers(procs, port, tmp_path):

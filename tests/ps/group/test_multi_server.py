@@ -16,7 +16,7 @@ from psserver.checkpoint import checkpoint_path, list_checkpoints, read_checkpoi
 from psserver.control.client import ControlClient
 from psserver.control.v1.control_pb2 import ServerState
 from psserver.ps.group.partition import PartitionPlan
-from tests.procs import MNIST_ARGS, accuracy, free_port, run, start_servers, wait_until
+from tests.procs import MNIST_ARGS, accuracy, cli, free_port, run, start_servers, wait_until
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -114,7 +114,7 @@ def test_two_servers_two_trainers_train_mnist_cnn_and_show_in_status(procs, port
     # Both trainers' steps reached both servers: each applied one update per trainer step.
     steps = sum(int(re.search(r"rank \d+: (\d+) steps", t.output()).group(1)) for t in trainers)
     assert [s.updates_applied for s in status.servers] == [steps, steps]
-    done = run(["--log-level", "ERROR", "status", "--address", address], timeout=60)
+    done = cli(["--log-level", "ERROR", "status", "--address", address])
     assert done.returncode == 0, done.stderr
     assert "psserver_1" in done.stdout
 
@@ -241,9 +241,9 @@ def test_health_is_serving_only_while_every_server_process_is_there(procs, port)
 
 @pytest.mark.timeout(120)
 def test_misconfigured_servers_get_one_line(procs, port):
-    r = run(["serve", "--num-servers", "2", "--server-rank", "1"], timeout=30)
+    r = cli(["serve", "--num-servers", "2", "--server-rank", "1"])
     assert r.returncode == 2 and "needs --coordinator" in r.stderr and "Traceback" not in r.stderr
-    r = run(["serve", "--num-servers", "2", "--server-rank", "2", "--coordinator", "127.0.0.1:1"], timeout=30)
+    r = cli(["serve", "--num-servers", "2", "--server-rank", "2", "--coordinator", "127.0.0.1:1"])
     assert r.returncode == 2 and "--server-rank 2 must be in 0..1" in r.stderr
     s0 = procs.server(port, "--model", "mlp", "--num-servers", "2", "--server-rank", "0", wait=False)
     s0.wait_for(r"waiting for server process\(es\) 1 of 2", timeout=60)

@@ -10,14 +10,14 @@ import torch
 from safetensors.torch import load_file
 
 from psserver.cli import main
-from tests.procs import MNIST_ARGS, free_port, run, start_servers
+from tests.procs import MNIST_ARGS, cli, free_port, start_servers
 from tests.ps.engine.test_buffers import BN_MLP, BNMLP
 
 STEPS = 20
 
 
 def export(ckpt, out) -> dict[str, torch.Tensor]:
-    r = run(["export", str(ckpt), "--out", str(out)], timeout=120)
+    r = cli(["export", str(ckpt), "--out", str(out)])
     assert r.returncode == 0, r.stderr
     assert f"exported step {STEPS}:" in r.stdout
     return load_file(out) if out.suffix == ".safetensors" else torch.load(out, weights_only=True)
@@ -67,7 +67,7 @@ def test_two_servers_export_what_one_server_exports(procs, port, tmp_path, mnist
     assert more.wait(120) == 0, more.tail()
     assert procs.stop(again[0]) == 0, again[0].tail()
     assert again[1].wait(30) == 0, again[1].tail()
-    r = run(["export", str(tmp_path / "two"), "--out", str(tmp_path / "three.pt")], timeout=60)
+    r = cli(["export", str(tmp_path / "two"), "--out", str(tmp_path / "three.pt")])
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "three.json").read_text())["step"] == STEPS + 5
 
