@@ -63,6 +63,12 @@ def test_the_config_checks_the_flag():
         with pytest.raises(ValueError, match=f"--transport {asked} needs a trainer on a GPU"):
             TrainerConfig(transport=asked)
     assert TrainerConfig(transport="device-map", device="cuda:0").transport == "device-map"
+    # Checked once and frozen: a GPU path cannot be set on a CPU trainer's config afterwards.
+    config = TrainerConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.transport = "device-map"  # type: ignore[misc]
+    with pytest.raises(ValueError, match="--transport device-map needs a trainer on a GPU"):
+        dataclasses.replace(config, transport="device-map")
 
 
 def test_tensorpipe_channels_from_the_environment(monkeypatch):
