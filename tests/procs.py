@@ -118,17 +118,24 @@ def run(args: Sequence[str], *, timeout: float = 60, env: Mapping[str, str | Non
 
 def cli(args: Sequence[str]) -> subprocess.CompletedProcess:
     """``psserver ARGS`` run by ``psserver.cli.main`` in this process, its stdout and stderr
-    captured as text, the launcher and token variables of ``NOT_INHERITED`` hidden as from a
-    child. Only for verbs that return by themselves: nothing here bounds its time but the test's."""
+    captured as text (argparse's exit as its code), the launcher and token variables of
+    ``NOT_INHERITED`` hidden as from a child and the environment as it was afterwards. Only for
+    verbs that return by themselves: nothing here bounds its time but the test's."""
     from psserver.cli import main
 
     out, err = io.StringIO(), io.StringIO()
-    hidden = {k: os.environ.pop(k) for k in NOT_INHERITED if k in os.environ}
+    saved = dict(os.environ)
+    for k in NOT_INHERITED:
+        os.environ.pop(k, None)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(list(args))
+            try:
+                code = main(list(args))
+            except SystemExit as e:  # --help, --version, argparse's own errors
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     finally:
-        os.environ.update(hidden)
+        os.environ.clear()
+        os.environ.update(saved)
     return subprocess.CompletedProcess(["psserver", *args], code, out.getvalue(), err.getvalue())
 
 

@@ -144,6 +144,9 @@ def test_scancel_of_a_ps_job_checkpoints_and_a_resubmitted_job_resumes_from_it(s
     assert f"resumed from {m.group(2)}: global step {step}," in out2, tail2
     assert f"resumed at step {step}" in out2 and set(_accuracies(out2)) == {0, 1}, tail2
     assert re.search(rf"psserver stopped at global step {step + 20}\b", out2), tail2
+    # its final checkpoint, written once it was stopped through the control plane
+    assert re.search(rf"checkpoint step {step + 20} written to", out2), tail2
+    assert "final checkpoint failed" not in out2, tail2
 
 
 def test_scancel_batch_sigterm_of_a_two_server_job_writes_both_parts_of_the_final_checkpoint(slurm, tmp_path):
