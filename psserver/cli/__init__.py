@@ -149,8 +149,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"psserver {verb}: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:
+        if e.filename is None:  # a socket's, a library's: nothing the user named
+            return internal_error(verb, e, argv)
+        # A path the user gave (too long, a file where a directory belongs, no permission): the
+        # system's own words for it, in one line.
+        print(f"psserver {verb}: error: {path_error(e)}", file=sys.stderr)
+        return 1
     except Exception as e:  # noqa: BLE001 - a bug: the traceback to a file, one line here
         return internal_error(verb, e, argv)
+
+
+def path_error(e: OSError) -> str:
+    """``[Errno 36] File name too long: 'x...'`` as ``x...: File name too long`` (a long name
+    cut to its ends)."""
+    name = str(e.filename)
+    if len(name) > 120:
+        name = f"{name[:60]}...{name[-40:]}"
+    return f"{name}: {e.strerror or type(e).__name__}"
 
 
 def internal_error(verb: str, error: BaseException, argv: Sequence[str] | None = None) -> int:

@@ -8,6 +8,7 @@ config dataclass of those flags (validated in its ``__post_init__``: call it ins
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from psserver.config.common import DataConfig, default_data_dir
@@ -15,6 +16,19 @@ from psserver.config.control import ControlConfig, ObservabilityConfig
 from psserver.config.ps import OPTIMIZERS, OptimizerConfig
 from psserver.data import DATASETS, IMAGEFOLDER
 from psserver.utils.references import parse_json_args
+
+
+def finite_float(text: str) -> float:
+    """argparse's ``type`` for a number flag: NaN and infinities are refused in one line (a
+    timeout of inf overflowed in the RPC layer, an lr of inf trained to NaN)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
 
 MODEL_HELP = ("a model name (mnist_cnn, mlp, mlp_wide, resnet18, mf, dlrm_tiny, llama_tiny, or one a package "
               "registers in the entry-point group psserver.models) or MODULE:ATTR, an nn.Module class or a "
@@ -37,9 +51,9 @@ def add_optimizer_arguments(parser: argparse.ArgumentParser, *, defaults_from_se
     g = parser.add_argument_group("optimizer")
     g.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
                    help="server-side optimizer, one per shard, shared by all trainers" + suffix)
-    g.add_argument("--lr", type=float, default=None, help="learning rate" + suffix)
-    g.add_argument("--momentum", type=float, default=None, help="momentum (sgd, rmsprop)" + suffix)
-    g.add_argument("--weight-decay", type=float, default=None, help="L2 penalty" + suffix)
+    g.add_argument("--lr", type=finite_float, default=None, help="learning rate" + suffix)
+    g.add_argument("--momentum", type=finite_float, default=None, help="momentum (sgd, rmsprop)" + suffix)
+    g.add_argument("--weight-decay", type=finite_float, default=None, help="L2 penalty" + suffix)
 
 
 def optimizer_from_args(args: argparse.Namespace) -> OptimizerConfig | None:

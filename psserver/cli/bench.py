@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from psserver.cli.base import SubCommand
+from psserver.cli.base import SubCommand, config_errors
 from psserver.errors import UsageError
 
 
@@ -41,4 +41,7 @@ class BenchCommand(SubCommand):
 
     def run(self, args: argparse.Namespace) -> int:
         command = "psserver " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        return _harness().run_args(args, command=command)
+        harness = _harness()
+        with config_errors():  # the harness names a bad flag in a ValueError
+            harness.check_args(args)
+        return harness.run_args(args, command=command)

@@ -19,7 +19,13 @@ import argparse
 import os
 from pathlib import Path
 
-from psserver.cli.args import control_from_args, data_from_args, model_args_from_args, optimizer_from_args
+from psserver.cli.args import (
+    control_from_args,
+    data_from_args,
+    finite_float,
+    model_args_from_args,
+    optimizer_from_args,
+)
 from psserver.config import OptimizerConfig
 from psserver.config.collective import (
     BACKENDS,
@@ -62,7 +68,7 @@ def add_collective_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--static-graph", action="store_true", help="the graph is the same every step")
     d.add_argument("--gradient-as-bucket-view", action="store_true",
                    help="gradients are views into the all-reduce buckets (less memory, one copy fewer)")
-    d.add_argument("--bucket-cap-mb", type=float, default=DDPOptions.bucket_cap_mb,
+    d.add_argument("--bucket-cap-mb", type=finite_float, default=DDPOptions.bucket_cap_mb,
                    help="gradient bucket size in MiB (default 25): DDP's all-reduce buckets; with --mode ps, "
                         "those a --step pushpull trainer fills during backward")
     d.add_argument("--find-unused-parameters", action="store_true",

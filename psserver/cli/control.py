@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from psserver.cli.args import finite_float
 from psserver.cli.base import SubCommand
 from psserver.errors import UsageError
 
@@ -30,7 +31,7 @@ def add_client_arguments(parser: argparse.ArgumentParser, default_timeout: float
                    help="file holding the bearer token (else $PSSERVER_AUTH_TOKEN)")
     g.add_argument("--tls-ca", type=Path, default=None,
                    help="PEM CA certificate that signed the server's: connect with TLS")
-    g.add_argument("--timeout", type=float, default=default_timeout,
+    g.add_argument("--timeout", type=finite_float, default=default_timeout,
                    help=f"seconds to wait for an answer (default {default_timeout:g})")
 
 
@@ -58,7 +59,8 @@ class StatusCommand(SubCommand):
                             help='print JSON: {"status": {...}, "trainers": [...]} (one line per update with --watch)')
         parser.add_argument("--watch", action="store_true",
                             help="keep printing updates until Ctrl-C or the server stops")
-        parser.add_argument("--interval", type=float, default=2.0, help="seconds between --watch updates (default 2)")
+        parser.add_argument("--interval", type=finite_float, default=2.0,
+                            help="seconds between --watch updates (default 2)")
         add_client_arguments(parser, default_timeout=10.0)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -137,7 +139,7 @@ class StopCommand(SubCommand):
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--reason", default=None, help="written to the server's log (default: user@host)")
         parser.add_argument("--wait", action="store_true", help="return only once the server has gone")
-        parser.add_argument("--wait-timeout", type=float, default=300.0,
+        parser.add_argument("--wait-timeout", type=finite_float, default=300.0,
                             help="seconds --wait waits before giving up (default 300)")
         add_client_arguments(parser, default_timeout=10.0)
 

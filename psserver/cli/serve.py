@@ -14,6 +14,7 @@ from psserver.cli.args import (
     add_model_args_argument,
     add_optimizer_arguments,
     control_from_args,
+    finite_float,
     model_args_from_args,
     optimizer_from_args,
 )
@@ -56,15 +57,15 @@ class ServeCommand(SubCommand):
         add_optimizer_arguments(parser, defaults_from_server=False)
         add_schedule_arguments(parser)
         g = parser.add_argument_group("guarding the shared model")
-        g.add_argument("--max-grad-norm", type=float, default=None, metavar="NORM",
+        g.add_argument("--max-grad-norm", type=finite_float, default=None, metavar="NORM",
                        help="clip each trainer step's gradient to this L2 norm (default: no clipping; a gradient "
                             "with NaN or inf is always dropped)")
         g.add_argument("--max-nonfinite-steps", type=int, default=ServerConfig.max_nonfinite_steps, metavar="N",
                        help="evict a trainer after N non-finite gradients in a row "
                             f"(default {ServerConfig.max_nonfinite_steps})")
-        parser.add_argument("--trainer-timeout", type=float, default=5.0,
+        parser.add_argument("--trainer-timeout", type=finite_float, default=5.0,
                             help="seconds without heartbeat before a trainer is evicted (default 5)")
-        parser.add_argument("--rpc-timeout", type=float, default=60.0, help="RPC timeout in seconds")
+        parser.add_argument("--rpc-timeout", type=finite_float, default=60.0, help="RPC timeout in seconds")
         parser.add_argument("--rpc-threads", type=int, default=16, help="RPC worker threads (default 16)")
         parser.add_argument("--compute-threads", type=int, default=0, help="torch threads (default: all cores)")
         parser.add_argument("--allocator", choices=ALLOCATORS, default="cached",
@@ -96,7 +97,7 @@ class ServeCommand(SubCommand):
         c = parser.add_argument_group("checkpoints")
         c.add_argument("--checkpoint-dir", type=Path, default=None, help="directory of checkpoints")
         c.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N global steps")
-        c.add_argument("--checkpoint-interval", type=float, default=0.0, help="checkpoint every N seconds")
+        c.add_argument("--checkpoint-interval", type=finite_float, default=0.0, help="checkpoint every N seconds")
         c.add_argument("--keep-checkpoints", type=int, default=3,
                        help="keep this run's newest N valid checkpoints; other runs' files stay (default 3)")
         c.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
@@ -178,8 +179,8 @@ def add_embedding_arguments(parser: argparse.ArgumentParser) -> None:
                         "row (default 1: at once)")
     e.add_argument("--embedding-optimizer", choices=ROW_OPTIMIZERS, default=d.optimizer,
                    help=f"row-wise optimizer of the tables (default {d.optimizer}); the dense part uses --optimizer")
-    e.add_argument("--embedding-lr", type=float, default=d.lr, help=f"its learning rate (default {d.lr:g})")
-    e.add_argument("--embedding-init-std", type=float, default=d.init_std,
+    e.add_argument("--embedding-lr", type=finite_float, default=d.lr, help=f"its learning rate (default {d.lr:g})")
+    e.add_argument("--embedding-init-std", type=finite_float, default=d.init_std,
                    help=f"std of a new row's values (default {d.init_std:g})")
     e.add_argument("--embedding-prefill", type=int, default=0, metavar="N",
                    help="create N rows per table at start, as if trainers had touched them (benchmarks)")

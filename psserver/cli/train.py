@@ -17,6 +17,7 @@ from psserver.cli.args import (
     add_model_args_argument,
     add_optimizer_arguments,
     data_from_args,
+    finite_float,
     model_args_from_args,
     optimizer_from_args,
 )
@@ -72,12 +73,12 @@ class TrainCommand(SubCommand):
         ps.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="fp32",
                         help="trainer compute: dtype of parameters and gradients in flight (the server keeps "
                              "fp32 master weights and optimizer state; default fp32)")
-        ps.add_argument("--connect-timeout", type=float, default=60.0,
+        ps.add_argument("--connect-timeout", type=finite_float, default=60.0,
                         help="seconds to wait for a server that is still starting (default 60)")
         ps.add_argument("--reconnect", action="store_true",
                         help="if the server goes away or evicts this trainer, rejoin under a fresh name (retrying "
                              "with backoff) and continue where it was; without it, exit code 3")
-        ps.add_argument("--rpc-timeout", type=float, default=60.0, help="RPC timeout in seconds")
+        ps.add_argument("--rpc-timeout", type=finite_float, default=60.0, help="RPC timeout in seconds")
         ps.add_argument("--allocator", choices=ALLOCATORS, default=TrainerConfig.allocator,
                         help="host memory: cached keeps a step's freed buffers for the next one (default), system "
                              "returns them to the kernel at once (each step maps and zero-fills them again)")

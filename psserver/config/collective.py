@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from psserver.config.common import DataConfig, check_port
+from psserver.config.common import DataConfig, check_port, check_seed
 from psserver.config.control import ControlConfig, ObservabilityConfig
 from psserver.config.ps import OptimizerConfig
 
@@ -215,6 +215,7 @@ class CollectiveConfig:
     """Prometheus endpoint (issue 7) and TensorBoard."""
 
     def __post_init__(self) -> None:
+        check_seed(self.seed, "--seed")
         # Imported here: the model registry needs torch, which the CLI's parser does not.
         from psserver.models import get_model_spec
 

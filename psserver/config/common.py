@@ -34,18 +34,24 @@ def check_token_file(path: Path | None, flag: str) -> None:
         raise ValueError(f"{flag}: file not found: {path}")
 
 
+def read_token_file(path: Path | str, flag: str) -> str:
+    """A secret's file, stripped; ``ValueError`` naming ``flag`` for an empty, unreadable or
+    non-text one."""
+    try:
+        token = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        why = getattr(e, "strerror", None) or e
+        raise ValueError(f"{flag} {path}: cannot read it ({why})") from None
+    if not token:
+        raise ValueError(f"{flag} {path} is empty")
+    return token
+
+
 def read_join_token(path: Path | None) -> str | None:
     """The job's join token: the file's contents, else ``$PSSERVER_JOIN_TOKEN``, else None (an
     open training plane). ``ValueError`` for an empty or unreadable file."""
     if path is not None:
-        try:
-            token = Path(path).read_text().strip()
-        except (OSError, UnicodeDecodeError) as e:
-            why = getattr(e, "strerror", None) or e
-            raise ValueError(f"--join-token-file {path}: cannot read it ({why})") from None
-        if not token:
-            raise ValueError(f"--join-token-file {path} is empty")
-        return token
+        return read_token_file(path, "--join-token-file")
     return os.environ.get(JOIN_TOKEN_ENV, "").strip() or None
 
 
@@ -109,6 +115,7 @@ class DataConfig:
     """Distinct ids per field of ``synthetic_clicks`` (at most ``id_space``)."""
 
     def __post_init__(self) -> None:
+        check_seed(self.seed, "--data-seed")
         from psserver.data import IMAGEFOLDER, check_dataset
 
         self.data_dir = Path(self.data_dir)
@@ -133,3 +140,21 @@ class DataConfig:
         if not 1 <= self.click_vocab <= self.id_space:
             raise ValueError(f"--click-vocab must be between 1 and --id-space ({self.id_space}), "
                              f"got {self.click_vocab}")
+
+
+MAX_THREADS = 1024
+"""The most torch or RPC threads a flag may ask for: far past any host's cores, short of what
+makes the thread library fail (10^5 crashed the process)."""
+
+
+def check_seed(seed: int, flag: str) -> None:
+    """A seed torch takes (``torch.manual_seed``: 0 .. 2**63 - 1)."""
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"{flag} must be in 0..2^63-1, got {seed}")
+
+
+def check_device(name: str, flag: str) -> None:
+    """``cpu``, ``cuda`` or ``cuda:N``: what the device paths handle, refused at start otherwise."""
+    head, colon, index = name.partition(":")
+    if not (name == "cpu" or (head == "cuda" and (not colon or index.isdigit()))):
+        raise ValueError(f"unsupported {flag} {name!r}: use cpu or cuda:N")

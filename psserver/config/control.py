@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from psserver.config.common import check_port
+from psserver.config.common import check_port, read_token_file
 
 TOKEN_ENV = "PSSERVER_AUTH_TOKEN"
 
@@ -39,14 +39,12 @@ class ControlConfig:
         for path in (self.auth_token_file, self.tls_cert, self.tls_key):
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"file not found: {path}")
+        self.token()  # an empty or unreadable token file: a usage error at start
 
     def token(self) -> str | None:
         """The configured bearer token, read once at start."""
         if self.auth_token_file is not None:
-            token = Path(self.auth_token_file).read_text().strip()
-            if not token:
-                raise ValueError(f"token file {self.auth_token_file} is empty")
-            return token
+            return read_token_file(self.auth_token_file, "--auth-token-file")
         return os.environ.get(TOKEN_ENV) or None
 
 

@@ -6,7 +6,16 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from psserver.config.common import DataConfig, check_port, check_token_file, parse_host_port, read_join_token
+from psserver.config.common import (
+    MAX_THREADS,
+    DataConfig,
+    check_device,
+    check_port,
+    check_seed,
+    check_token_file,
+    parse_host_port,
+    read_join_token,
+)
 from psserver.config.control import ControlConfig, ObservabilityConfig
 from psserver.config.embedding import EmbeddingConfig
 from psserver.config.schedule import LRScheduleConfig
@@ -267,16 +276,16 @@ class ServerConfig:
             if not self.devices:
                 raise ValueError("--devices needs at least one device")
             for dev in self.devices:
-                if dev != "cpu" and not dev.startswith("cuda"):
-                    raise ValueError(f"unsupported device {dev!r}: use cpu or cuda:N")
+                check_device(dev, "device")
         if not self.trainer_timeout > 0:
             raise ValueError("--trainer-timeout must be positive")
         if not self.rpc_timeout > 0:
             raise ValueError("--rpc-timeout must be positive")
-        if self.rpc_threads < 4:
-            raise ValueError("--rpc-threads must be >= 4")
-        if self.compute_threads < 0:
-            raise ValueError("--compute-threads must be >= 0")
+        if not 4 <= self.rpc_threads <= MAX_THREADS:
+            raise ValueError(f"--rpc-threads must be in 4..{MAX_THREADS}, got {self.rpc_threads}")
+        if not 0 <= self.compute_threads <= MAX_THREADS:
+            raise ValueError(f"--compute-threads must be in 0..{MAX_THREADS}, got {self.compute_threads}")
+        check_seed(self.seed, "--seed")
         if self.allocator not in ALLOCATORS:
             raise ValueError(f"--allocator must be one of {', '.join(ALLOCATORS)}, got {self.allocator!r}")
         check_token_file(self.join_token_file, "--join-token-file")
@@ -467,8 +476,9 @@ class TrainerConfig:
             object.__setattr__(self, "compute", mode)
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"--wire-dtype must be one of {', '.join(WIRE_DTYPES)}, got {self.wire_dtype!r}")
-        if self.device != "cpu" and not self.device.startswith("cuda"):
-            raise ValueError(f"unsupported --device {self.device!r}: use cpu or cuda:N")
+        check_device(self.device, "--device")
+        if not 0 <= self.compute_threads <= MAX_THREADS:
+            raise ValueError(f"--compute-threads must be in 0..{MAX_THREADS}, got {self.compute_threads}")
         if not isinstance(self.bucket_cap_mb, int | float) or not math.isfinite(self.bucket_cap_mb) \
                 or self.bucket_cap_mb <= 0:
             raise ValueError(f"--bucket-cap-mb must be a finite number > 0, got {self.bucket_cap_mb}")

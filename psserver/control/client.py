@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from psserver.config.common import read_token_file
 from psserver.config.control import TOKEN_ENV
 from psserver.control import ADDRESS_ENV, DEFAULT_ADDRESS
 from psserver.control.v1 import control_pb2 as pb
@@ -51,12 +52,9 @@ def read_token(token_file: Path | str | None) -> str | None:
     """The token from ``token_file``, else ``$PSSERVER_AUTH_TOKEN``, else None."""
     if token_file is not None:
         try:
-            token = Path(token_file).read_text().strip()
-        except OSError as e:
-            raise UsageError(f"cannot read token file {token_file}: {e.strerror or e}") from e
-        if not token:
-            raise UsageError(f"token file {token_file} is empty")
-        return token
+            return read_token_file(token_file, "--auth-token-file")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     return os.environ.get(TOKEN_ENV) or None
 
 

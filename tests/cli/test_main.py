@@ -4,6 +4,7 @@ import re
 import pytest
 
 from psserver.cli import build_parser, main
+from tests.procs import free_port, run
 
 
 def test_no_command_prints_help_and_exits_2(capsys):
@@ -68,12 +69,46 @@ def test_slurm_env_is_a_fallback(monkeypatch):
         (["train", "--model", "torch.nn:Module.nope"], "'torch.nn:Module' has no attribute 'nope'"),
         (["serve", "--compute", "server", "--no-control"], "--compute server runs the model on the server: it needs "
                                                           "--model"),
+        (["serve", "--model", "mlp", "--devices", "cudaX", "--no-control"], "unsupported device 'cudaX'"),
+        (["train", "--device", "cuda:abc"], "unsupported --device 'cuda:abc'"),
+        (["serve", "--compute-threads", "100000", "--no-control"], "--compute-threads must be in 0..1024"),
+        (["serve", "--rpc-threads", "100000000", "--no-control"], "--rpc-threads must be in 4..1024"),
+        (["train", "--compute-threads", "-1"], "--compute-threads must be in 0..1024"),
+        (["serve", "--seed", str(2**63), "--no-control"], "--seed must be in 0..2^63-1"),
+        (["train", "--data-seed", "-1"], "--data-seed must be in 0..2^63-1"),
+        (["train", "--mode", "ddp", "--seed", "-5", "--no-control"], "--seed must be in 0..2^63-1"),
     ],
 )
 def test_config_validation_is_one_line_exit_2(capsys, argv, fragment):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and fragment in err[0], err
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--rpc-timeout", "inf"], ["serve", "--lr", "nan"], ["serve", "--trainer-timeout", "1e309"],
+    ["train", "--connect-timeout", "nan"], ["train", "--rpc-timeout", "inf"], ["status", "--timeout", "inf"],
+    ["train", "--mode", "ddp", "--bucket-cap-mb", "nan"],
+])
+def test_a_number_flag_refuses_nan_and_infinities(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"argument {argv[-2]}: must be a finite number, got '{argv[-1]}'" in err[0], err
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_path_the_system_refuses_is_one_line_exit_1(tmp_path):
+    """An OSError about a path the user named (here a file where the TensorBoard directory
+    belongs) is the system's words for that path, not an internal error."""
+    (tmp_path / "a").write_text("")
+    r = run(["serve", "--model", "mlp", "--no-control", "--port", str(free_port()), "--tensorboard-dir",
+             str(tmp_path / "a")], timeout=90)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == f"psserver serve: error: {tmp_path / 'a'}: File exists", r.stderr
+    assert "internal error" not in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize(

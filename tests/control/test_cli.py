@@ -247,9 +247,16 @@ def test_token_file_wins_over_the_environment(auth_server, token_file, capsys, m
     assert rc == 0, err
 
 
-def test_missing_token_file(server, capsys, tmp_path):
-    rc, _, err = run(capsys, "status", "--address", server.address, "--auth-token-file", str(tmp_path / "nope"))
-    assert rc == 2 and len(_error_lines(err)) == 1 and "cannot read token file" in err
+@pytest.mark.parametrize(("content", "says"), [
+    (None, "nope: cannot read it (No such file or directory)"), (b"", "nope is empty"),
+    (b"\xff\xfe", "nope: cannot read it ('utf-8' codec can't decode"),
+], ids=["missing", "empty", "not-text"])
+def test_a_token_file_that_holds_no_token(server, capsys, tmp_path, content, says):
+    path = tmp_path / "nope"
+    if content is not None:
+        path.write_bytes(content)
+    rc, _, err = run(capsys, "status", "--address", server.address, "--auth-token-file", str(path))
+    assert rc == 2 and len(_error_lines(err)) == 1 and f"--auth-token-file {tmp_path}/{says}" in err, err
 
 
 def test_status_over_tls(target, tmp_path, capsys):
