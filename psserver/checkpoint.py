@@ -189,6 +189,8 @@ def _parse_header(path: Path, line: bytes) -> Header:
 
 def _read(path: Path, *, payload: bool) -> tuple[Header, bytes]:
     path = Path(path)
+    if path.exists() and not path.is_file() and not path.is_dir():  # a FIFO or a device: open() would wait
+        raise CheckpointError(f"{path} is not a regular file")
     try:
         with open(path, "rb") as f:
             line = f.readline(4096)

@@ -30,6 +30,14 @@ def finite_float(text: str) -> float:
     return value
 
 
+def path_arg(text: str) -> Path:
+    """argparse's ``type`` for a path flag: an empty one is refused (``Path("")`` is the current
+    directory, where ``--checkpoint-dir ''`` wrote its checkpoints)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path names no file or directory")
+    return Path(text)
+
+
 MODEL_HELP = ("a model name (mnist_cnn, mlp, mlp_wide, resnet18, mf, dlrm_tiny, llama_tiny, or one a package "
               "registers in the entry-point group psserver.models) or MODULE:ATTR, an nn.Module class or a "
               "function returning one")
@@ -101,7 +109,7 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dataset-args", default=None, metavar="JSON",
                    help='keyword arguments of a MODULE:ATTR dataset\'s class or function, a JSON object '
                         '({"root": "/data/x"})')
-    g.add_argument("--data-dir", type=Path, default=None,
+    g.add_argument("--data-dir", type=path_arg, default=None,
                    help=f"directory of MNIST IDX files (default: {default_data_dir()}), or of imagefolder's "
                         "train/ and val/")
     g.add_argument("--data-workers", type=int, default=None, metavar="N",
@@ -154,17 +162,17 @@ def add_control_arguments(parser: argparse.ArgumentParser, description: str | No
     g.add_argument("--control-host", default="127.0.0.1", help="control plane address (default 127.0.0.1)")
     g.add_argument("--control-port", type=int, default=50051, help="control plane port (default 50051; 0 picks one)")
     g.add_argument("--no-control", action="store_true", help="do not serve the control plane")
-    g.add_argument("--auth-token-file", type=Path, default=None,
+    g.add_argument("--auth-token-file", type=path_arg, default=None,
                    help="bearer token required on every call but health (else $PSSERVER_AUTH_TOKEN)")
-    g.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate: serve TLS")
-    g.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
+    g.add_argument("--tls-cert", type=path_arg, default=None, help="PEM certificate: serve TLS")
+    g.add_argument("--tls-key", type=path_arg, default=None, help="PEM private key of --tls-cert")
     g.add_argument("--allow-unauthenticated-admin", action="store_true",
                    help="allow Checkpoint/Shutdown without a token when no token is configured")
     g.add_argument("--reflection", action="store_true", help="serve gRPC server reflection")
     m = parser.add_argument_group("metrics", description)
     m.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     m.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
-    m.add_argument("--tensorboard-dir", type=Path, default=None, help="write TensorBoard event files here")
+    m.add_argument("--tensorboard-dir", type=path_arg, default=None, help="write TensorBoard event files here")
 
 
 def control_from_args(args: argparse.Namespace) -> tuple[ControlConfig, ObservabilityConfig]:

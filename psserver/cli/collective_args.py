@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
 from psserver.cli.args import (
     control_from_args,
@@ -25,6 +24,7 @@ from psserver.cli.args import (
     finite_float,
     model_args_from_args,
     optimizer_from_args,
+    path_arg,
 )
 from psserver.config import OptimizerConfig
 from psserver.config.collective import (
@@ -91,7 +91,7 @@ def add_collective_arguments(parser: argparse.ArgumentParser) -> None:
     f.add_argument("--tp-size", type=int, default=1,
                    help="tensor-parallel degree: 2-D mesh, TP inside groups of T ranks, FSDP across (llama_tiny)")
     c = parser.add_argument_group("collective checkpoints", "--mode ddp|fsdp: torch.distributed.checkpoint, sharded")
-    c.add_argument("--checkpoint-dir", type=Path, default=None, help="directory of step-N/ checkpoints")
+    c.add_argument("--checkpoint-dir", type=path_arg, default=None, help="directory of step-N/ checkpoints")
     c.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (default: at the end)")
     c.add_argument("--keep-checkpoints", type=int, default=3, help="keep the newest N (default 3)")
     c.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",

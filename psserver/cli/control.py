@@ -14,10 +14,10 @@ import json
 import socket
 import sys
 import time
-from pathlib import Path
 
-from psserver.cli.args import finite_float
+from psserver.cli.args import finite_float, path_arg
 from psserver.cli.base import SubCommand
+from psserver.config.common import parse_host_port
 from psserver.errors import UsageError
 
 
@@ -27,9 +27,9 @@ def add_client_arguments(parser: argparse.ArgumentParser, default_timeout: float
     g = parser.add_argument_group("connection")
     g.add_argument("--address", default=default_address(),
                    help="control plane HOST:PORT (default $PSSERVER_CONTROL_ADDRESS or 127.0.0.1:50051)")
-    g.add_argument("--auth-token-file", type=Path, default=None,
+    g.add_argument("--auth-token-file", type=path_arg, default=None,
                    help="file holding the bearer token (else $PSSERVER_AUTH_TOKEN)")
-    g.add_argument("--tls-ca", type=Path, default=None,
+    g.add_argument("--tls-ca", type=path_arg, default=None,
                    help="PEM CA certificate that signed the server's: connect with TLS")
     g.add_argument("--timeout", type=finite_float, default=default_timeout,
                    help=f"seconds to wait for an answer (default {default_timeout:g})")
@@ -38,8 +38,10 @@ def add_client_arguments(parser: argparse.ArgumentParser, default_timeout: float
 def client_from_args(args: argparse.Namespace):
     from psserver.control.client import ControlClient, read_token
 
-    if not args.address or ":" not in args.address:
-        raise UsageError(f"--address must be HOST:PORT, got {args.address!r}")
+    try:
+        parse_host_port(args.address or "")
+    except ValueError as e:
+        raise UsageError(f"--address: {e}") from None
     if args.timeout <= 0:
         raise UsageError(f"--timeout must be positive, got {args.timeout}")
     return ControlClient(args.address, token=read_token(args.auth_token_file), tls_ca=args.tls_ca, timeout=args.timeout)

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from psserver.cli.base import SubCommand
+from psserver.cli.base import SubCommand, config_errors
 from psserver.config.ps import COMPUTE_MODES, UPDATE_MODES
 from psserver.errors import UsageError
 
@@ -57,6 +57,10 @@ class DemoCommand(SubCommand):
     def run(self, args: argparse.Namespace) -> int:
         if args.trainers < 1:
             raise UsageError("--trainers must be >= 1")
+        from psserver.models import check_model_name
+
+        with config_errors():  # before any process starts
+            check_model_name(args.model)
         port = _free_port()
         exe = [sys.executable, "-m", "psserver"]
         # A join token of the demo's own, as a real job has one (psserver.ps.rpc.rendezvous.namespace).
@@ -92,7 +96,13 @@ class DemoCommand(SubCommand):
             deadline = time.monotonic() + 120
             while not any("serving" in line for line in outputs[0]):
                 if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the demo server did not start; see its log above")
+                    said = next((line for line in reversed(outputs[0]) if "error: " in line), None)
+                    if server.returncode == 2 and said:  # the demo's flags it passed on: the server's words
+                        raise UsageError(said.split("error: ", 1)[1])
+                    log.error("demo: the server did not start (%s); see its log above",
+                              "still starting after 120 s" if server.returncode is None
+                              else f"exit code {server.returncode}")
+                    return 1
                 time.sleep(0.1)
             trainers = [
                 start([*exe, "train", "--server", f"127.0.0.1:{port}", "--rank", str(r), "--num-trainers",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
+from psserver.cli.args import path_arg
 from psserver.cli.base import SubCommand
 
 
@@ -15,10 +15,10 @@ class ExportCommand(SubCommand):
             "gathered from every server process, with a JSON beside it")
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("checkpoint", type=Path, metavar="CHECKPOINT_OR_DIR",
+        parser.add_argument("checkpoint", type=path_arg, metavar="CHECKPOINT_OR_DIR",
                             help="a checkpoint file, or a --checkpoint-dir (its newest complete checkpoint; of several "
                                  "server processes: the directory holding server-0/, server-1/, ...)")
-        parser.add_argument("--out", type=Path, required=True, metavar="FILE",
+        parser.add_argument("--out", type=path_arg, required=True, metavar="FILE",
                             help="FILE.safetensors or FILE.pt; FILE.json beside it says what it is, and a model with "
                                  "embedding tables also gets FILE.tables.safetensors (or .pt): <table>.ids, "
                                  "<table>.rows")

@@ -17,6 +17,7 @@ from psserver.cli.args import (
     finite_float,
     model_args_from_args,
     optimizer_from_args,
+    path_arg,
 )
 from psserver.cli.base import SubCommand, config_errors
 from psserver.config import CheckpointConfig, EmbeddingConfig, LRScheduleConfig, MemoryStateConfig, ServerConfig
@@ -72,7 +73,7 @@ class ServeCommand(SubCommand):
                             help="host memory: cached keeps freed buffers for the next step (default); "
                                  "system returns them to the kernel at once")
         parser.add_argument("--seed", type=int, default=0, help="seed of the initial parameters")
-        parser.add_argument("--join-token-file", type=Path, default=None,
+        parser.add_argument("--join-token-file", type=path_arg, default=None,
                             help="file holding the job's join token; only trainers that know it can join (else "
                                  "$PSSERVER_JOIN_TOKEN; neither: anyone who reaches --port can join). It may be the "
                                  "control plane's --auth-token-file")
@@ -95,7 +96,7 @@ class ServeCommand(SubCommand):
                             "else $MASTER_ADDR:$MASTER_PORT)")
         add_embedding_arguments(parser)
         c = parser.add_argument_group("checkpoints")
-        c.add_argument("--checkpoint-dir", type=Path, default=None, help="directory of checkpoints")
+        c.add_argument("--checkpoint-dir", type=path_arg, default=None, help="directory of checkpoints")
         c.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N global steps")
         c.add_argument("--checkpoint-interval", type=finite_float, default=0.0, help="checkpoint every N seconds")
         c.add_argument("--keep-checkpoints", type=int, default=3,

@@ -8,7 +8,6 @@ SIGTERM / SIGINT (``psserver.trainer.loop``)."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from psserver.cli.args import (
     MODEL_HELP,
@@ -20,6 +19,7 @@ from psserver.cli.args import (
     finite_float,
     model_args_from_args,
     optimizer_from_args,
+    path_arg,
 )
 from psserver.cli.base import SubCommand, config_errors
 from psserver.cli.collective_args import add_collective_arguments, collective_config_from_args
@@ -82,10 +82,10 @@ class TrainCommand(SubCommand):
         ps.add_argument("--allocator", choices=ALLOCATORS, default=TrainerConfig.allocator,
                         help="host memory: cached keeps a step's freed buffers for the next one (default), system "
                              "returns them to the kernel at once (each step maps and zero-fills them again)")
-        ps.add_argument("--join-token-file", type=Path, default=None,
+        ps.add_argument("--join-token-file", type=path_arg, default=None,
                         help="file holding the job's join token, for a server that asks for one (else "
                              "$PSSERVER_JOIN_TOKEN)")
-        ps.add_argument("--stats-out", type=Path, default=None,
+        ps.add_argument("--stats-out", type=path_arg, default=None,
                         help="write per-step timings as JSON (for benchmarks)")
         ps.add_argument("--loss", default=None, metavar="NAME|MODULE:ATTR",
                         help="training loss: cross_entropy, mse, bce, or MODULE:ATTR (a callable (output, target) "

@@ -54,7 +54,20 @@ def under_torchrun() -> bool:
 
 
 def torchrun_world_size() -> int:
-    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else 1
+    return launcher_int("WORLD_SIZE") if under_torchrun() else 1
+
+
+def launcher_int(name: str, default: str | None = None) -> int:
+    """A launcher's variable (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) as a
+    non-negative int; ``UsageError`` naming it otherwise (``LOCAL_RANK=1.5`` was a traceback)."""
+    value = os.environ.get(name, default)
+    try:
+        number = int(value or "")
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise UsageError(f"${name}={value!r} is not a rank or a count (torchrun and Slurm set it to an int >= 0)")
+    return number
 
 
 def configure_worker_logging(rank: int, level: str | int = logging.INFO) -> None:
@@ -202,11 +215,11 @@ def spawn(config: CollectiveConfig, body: Callable[[DistEnv], int]) -> int:
 def launch(config: CollectiveConfig, body: Callable[[DistEnv], int]) -> int:
     """Run ``body`` in every worker of the job this process belongs to (or spawns)."""
     if config.launch.under_torchrun:
-        rank = int(os.environ["RANK"])
+        rank, world, local_rank = launcher_int("RANK"), launcher_int("WORLD_SIZE"), launcher_int("LOCAL_RANK")
+        local_world = launcher_int("LOCAL_WORLD_SIZE", "1")
         configure_worker_logging(rank, logging.getLogger().getEffectiveLevel())
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        code = run_in_process_group(config, body, rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
-                                    local_rank=int(os.environ["LOCAL_RANK"]), local_world_size=local_world)
+        code = run_in_process_group(config, body, rank=rank, world_size=world, local_rank=local_rank,
+                                    local_world_size=local_world)
         # A rank that finished leaves as a spawned worker does: one CI run's rank 1 aborted in
         # interpreter teardown after its work was done, and torchrun failed the job for it.
         _exit_now(code or 0)

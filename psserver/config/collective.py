@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from psserver.config.common import DataConfig, check_port, check_seed
+from psserver.config.common import DataConfig, check_output_dir, check_output_file, check_port, check_seed
 from psserver.config.control import ControlConfig, ObservabilityConfig
 from psserver.config.ps import OptimizerConfig
 
@@ -110,6 +110,7 @@ class CollectiveCheckpointConfig:
     def __post_init__(self) -> None:
         if self.directory is not None:
             self.directory = Path(self.directory)
+            check_output_dir(self.directory, "--checkpoint-dir")
         if self.every_steps < 0:
             raise ValueError(f"--checkpoint-every must be >= 0, got {self.every_steps}")
         if self.keep < 1:
@@ -216,6 +217,12 @@ class CollectiveConfig:
 
     def __post_init__(self) -> None:
         check_seed(self.seed, "--seed")
+        if self.result_file:
+            try:
+                first = self.result_file.format(rank=0)
+            except (KeyError, IndexError, ValueError):
+                raise ValueError(f"--result-file {self.result_file!r}: {{rank}} is the one field it may hold") from None
+            check_output_file(first, "--result-file")
         # Imported here: the model registry needs torch, which the CLI's parser does not.
         from psserver.models import get_model_spec
 

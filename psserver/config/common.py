@@ -15,9 +15,12 @@ def parse_host_port(value: str, default_port: int | None = None) -> tuple[str, i
         if default_port is None:
             raise ValueError(f"address {value!r} must be HOST:PORT")
         host, port = value, str(default_port)
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ValueError(f"address {value!r}: an IPv6 address goes in brackets, as [ADDRESS]:PORT")
     host = host.strip("[]")
-    if not host:
-        raise ValueError(f"address {value!r} has no host")
+    if not host or len(host) > 253:
+        raise ValueError(f"address {value[:80]!r}{'...' if len(value) > 80 else ''} has no host (a host name "
+                         "has 1 to 253 characters)")
     try:
         port_num = int(port)
     except ValueError:
@@ -158,3 +161,22 @@ def check_device(name: str, flag: str) -> None:
     head, colon, index = name.partition(":")
     if not (name == "cpu" or (head == "cuda" and (not colon or index.isdigit()))):
         raise ValueError(f"unsupported {flag} {name!r}: use cpu or cuda:N")
+
+
+def check_output_dir(path: Path | str | None, flag: str) -> None:
+    """A directory psserver writes into (made if missing): not a file already, checked at start
+    instead of at the first write."""
+    if path is not None and Path(path).exists() and not Path(path).is_dir():
+        raise ValueError(f"{flag} {path} is not a directory")
+
+
+def check_output_file(path: Path | str | None, flag: str) -> None:
+    """A file psserver writes at its end: not a directory, in a directory that exists, checked at
+    start instead of after the work."""
+    if path is None:
+        return
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a directory")
+    if not path.parent.is_dir():
+        raise ValueError(f"{flag} {path}: directory {path.parent} does not exist")

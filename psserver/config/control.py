@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from psserver.config.common import check_port, read_token_file
+from psserver.config.common import check_output_dir, check_port, read_token_file
 
 TOKEN_ENV = "PSSERVER_AUTH_TOKEN"
 
@@ -62,3 +62,4 @@ class ObservabilityConfig:
     def __post_init__(self) -> None:
         if self.metrics_port is not None:
             check_port(self.metrics_port, "--metrics-port", allow_zero=True)
+        check_output_dir(self.tensorboard_dir, "--tensorboard-dir")

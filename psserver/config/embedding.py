@@ -54,7 +54,8 @@ class EmbeddingConfig:
                              f"got {self.optimizer!r}")
         if not self.lr > 0:
             raise ValueError(f"--embedding-lr must be positive, got {self.lr}")
-        if self.prefill_rows < 0:
-            raise ValueError(f"--embedding-prefill must be >= 0, got {self.prefill_rows}")
+        if not 0 <= self.prefill_rows <= self.max_rows:
+            raise ValueError(f"--embedding-prefill must be in 0..--embedding-max-rows ({self.max_rows}), got "
+                             f"{self.prefill_rows}")
         if not self.init_std >= 0:
             raise ValueError(f"--embedding-init-std must be >= 0, got {self.init_std}")

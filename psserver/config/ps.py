@@ -10,6 +10,8 @@ from psserver.config.common import (
     MAX_THREADS,
     DataConfig,
     check_device,
+    check_output_dir,
+    check_output_file,
     check_port,
     check_seed,
     check_token_file,
@@ -118,6 +120,7 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if self.directory is not None:
             self.directory = Path(self.directory)
+            check_output_dir(self.directory, "--checkpoint-dir")
         if self.every_steps < 0 or self.interval_s < 0:
             raise ValueError("checkpoint frequency must be >= 0")
         if self.keep < 1:
@@ -494,6 +497,7 @@ class TrainerConfig:
             raise ValueError("--wire-dtype applies to --compute trainer (server compute sends batches)")
         if self.device != "cpu" and self.compute == "server":
             raise ValueError("--device applies to --compute trainer (server compute runs on the server's devices)")
+        check_output_file(self.stats_out, "--stats-out")
 
     def join_token(self) -> str | None:
         """The join token, read once at start (``ValueError``: an empty or unreadable file)."""

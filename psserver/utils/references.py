@@ -48,7 +48,8 @@ def load_reference(reference: str, what: str) -> Any:
             raise UserCodeError(f"{what} {reference}: module {module_name!r} is not importable (no module named "
                              f"{e.name!r}; is its package on PYTHONPATH?)") from None
         raise UserCodeError(f"{what} {reference}: importing module {module_name!r} failed: {_one_line(e)}") from None
-    except Exception as e:  # noqa: BLE001 - any error in the user's module is the user's, told in one line
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - any error in the user's module is the user's, told in
+        # one line; a sys.exit() in it too (it would end psserver with its code, 0 included)
         log.debug("importing %s failed", module_name, exc_info=True)
         raise UserCodeError(f"{what} {reference}: importing module {module_name!r} failed: {_one_line(e)}") from None
     obj: Any = module
@@ -72,6 +73,8 @@ def parse_json_args(text: str | None, flag: str) -> dict[str, Any]:
         raise UserCodeError(f"{flag} is not JSON ({e.msg} at character {e.pos}): {text!r}") from None
     except ValueError as e:
         raise UserCodeError(f"{flag}: {e}") from None
+    except RecursionError:
+        raise UserCodeError(f"{flag}: nested too deeply to be keyword arguments") from None
     if not isinstance(value, dict):
         raise UserCodeError(f"{flag} must be a JSON object of keyword arguments, like '{{\"width\": 64}}'; "
                          f"got {type(value).__name__}")
@@ -103,7 +106,8 @@ def call_user(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], what:
     check_arguments(fn, args, kwargs, what)
     try:
         return fn(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001 - the user's code failed: say where, in one line
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's code failed (or called sys.exit()): say
+        # where, in one line
         raise user_code_failed(what, e) from None
 
 

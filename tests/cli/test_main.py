@@ -77,6 +77,9 @@ def test_slurm_env_is_a_fallback(monkeypatch):
         (["serve", "--seed", str(2**63), "--no-control"], "--seed must be in 0..2^63-1"),
         (["train", "--data-seed", "-1"], "--data-seed must be in 0..2^63-1"),
         (["train", "--mode", "ddp", "--seed", "-5", "--no-control"], "--seed must be in 0..2^63-1"),
+        (["demo", "--model", "nosuch"], "unknown model 'nosuch'"),  # before it starts a server
+        (["serve", "--model", "mf", "--embedding-max-rows", "100", "--embedding-prefill", "101", "--no-control"],
+         "--embedding-prefill must be in 0..--embedding-max-rows (100), got 101"),  # not an endless prefill
     ],
 )
 def test_config_validation_is_one_line_exit_2(capsys, argv, fragment):
@@ -98,17 +101,46 @@ def test_a_number_flag_refuses_nan_and_infinities(capsys, argv):
     assert len(err) == 1 and f"argument {argv[-2]}: must be a finite number, got '{argv[-1]}'" in err[0], err
 
 
+@pytest.mark.parametrize("argv", [
+    ["serve", "--checkpoint-dir", ""], ["train", "--data-dir", " "], ["export", "ckpt", "--out", ""],
+    ["status", "--auth-token-file", ""],
+])
+def test_an_empty_path_is_refused(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "an empty path names no file or directory" in err[0], err
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_path_the_system_refuses_is_one_line_exit_1(tmp_path):
-    """An OSError about a path the user named (here a file where the TensorBoard directory
-    belongs) is the system's words for that path, not an internal error."""
-    (tmp_path / "a").write_text("")
+    """An OSError about a path the user named (here a name longer than the 255 bytes a file
+    system allows) is that path, cut short, and the system's words for it: not an internal error."""
     r = run(["serve", "--model", "mlp", "--no-control", "--port", str(free_port()), "--tensorboard-dir",
-             str(tmp_path / "a")], timeout=90)
+             str(tmp_path / ("t" * 300))], timeout=90)
     assert r.returncode == 1, r.stderr
-    assert r.stderr.strip().splitlines()[-1] == f"psserver serve: error: {tmp_path / 'a'}: File exists", r.stderr
-    assert "internal error" not in r.stderr and "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"psserver serve: error: {str(tmp_path)[:40]}") and "..." in last, last
+    assert last.endswith("ttt: File name too long"), last
+    assert len(last) < 250 and "internal error" not in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--stats-out", "{tmp}"], ["train", "--stats-out", "{tmp}/no/s.json"],
+    ["serve", "--no-control", "--tensorboard-dir", "{tmp}/file"], ["serve", "--no-control", "--checkpoint-dir",
+                                                                    "{tmp}/file"],
+    ["train", "--mode", "ddp", "--no-control", "--result-file", "{tmp}"],
+    ["train", "--mode", "ddp", "--no-control", "--result-file", "{tmp}/{{x}}.json"],
+])
+def test_where_it_would_write_is_checked_at_start(capsys, tmp_path, argv):
+    """A file where a directory belongs, a directory where a file does: refused before any work,
+    not after training (--stats-out, --result-file were written at the end)."""
+    (tmp_path / "file").write_text("")
+    assert main([a.format(tmp=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and argv[-2] in err[0], err
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from psserver.cli import main
+from psserver.errors import UsageError
 
 from .helpers import run_cli, worker_env
 
@@ -87,3 +88,17 @@ def test_unknown_hook_message_is_one_line_via_python_m():
     assert proc.stderr.strip().splitlines() == [
         "psserver train: error: unknown --comm-hook 'bogus'; known: none, fp16, bf16, powersgd, powersgd+fp16, "
         "post-localsgd"]
+
+
+@pytest.mark.parametrize("value", ["1.5", "abc", "-1", ""])
+def test_a_launchers_variable_that_is_no_rank_is_one_line(monkeypatch, value):
+    from psserver.collective.launcher import launcher_int
+
+    monkeypatch.setenv("LOCAL_RANK", value)
+    with pytest.raises(UsageError, match=r"\$LOCAL_RANK=.* is not a rank or a count") as info:
+        launcher_int("LOCAL_RANK")
+    assert "\n" not in str(info.value)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert launcher_int("LOCAL_RANK") == 3
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert launcher_int("LOCAL_WORLD_SIZE", "1") == 1

@@ -220,10 +220,13 @@ def test_unreachable_server_is_one_line_and_exit_2(capsys, port):
     assert "unreachable" in lines[0]
 
 
-@pytest.mark.parametrize("address", ["nonsense", ""])
-def test_bad_address_is_a_usage_error(capsys, address):
+@pytest.mark.parametrize(("address", "says"), [
+    ("nonsense", "must be HOST:PORT"), ("", "must be HOST:PORT"), ("127.0.0.1:65536", "out of range 1..65535"),
+    ("::1", "in brackets"),
+])
+def test_bad_address_is_a_usage_error(capsys, address, says):
     rc, _, err = run(capsys, "status", "--address", address)
-    assert rc == 2 and len(_error_lines(err)) == 1 and "--address must be HOST:PORT" in err
+    assert rc == 2 and len(_error_lines(err)) == 1 and "--address: " in err and says in err, err
 
 
 def test_wrong_token_is_one_line_and_exit_2(auth_server, capsys, monkeypatch, tmp_path):

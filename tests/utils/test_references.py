@@ -19,9 +19,12 @@ def userpkg(tmp_path, monkeypatch):
         "import math\n"
         "class Holder:\n    class Inner:\n        pass\n"
         "def scale(x, *, factor=2):\n    return x * factor\n"
-        "def broken():\n    return 1 / 0\n")
+        "def broken():\n    return 1 / 0\n"
+        "def quits():\n    sys.exit(0)\n"
+        "import sys\n")
     (pkg / "needs_dep.py").write_text("import not_installed_anywhere\n")
     (pkg / "raises.py").write_text("raise RuntimeError('configuration missing')\n")
+    (pkg / "exits.py").write_text("import sys\nsys.exit(0)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     yield pkg
     for name in [m for m in sys.modules if m == "userpkg" or m.startswith("userpkg.")]:
@@ -42,6 +45,7 @@ def test_loads_module_attributes_and_nested_ones(userpkg):
     ("userpkg.needs_dep:Net", r"importing module 'userpkg.needs_dep' failed: ModuleNotFoundError: "
                               r"No module named 'not_installed_anywhere'"),
     ("userpkg.raises:Net", r"importing module 'userpkg.raises' failed: RuntimeError: configuration missing"),
+    ("userpkg.exits:Net", r"importing module 'userpkg.exits' failed: SystemExit: 0"),  # not psserver's exit
     ("userpkg.things:Nope", r"'userpkg.things' has no attribute 'Nope'"),
     ("userpkg.things:Holder.Nope", r"'userpkg.things:Holder' has no attribute 'Nope'"),
 ])
@@ -67,6 +71,7 @@ def test_json_args():
     ('{"lr": NaN}', r"NaN is not a value"),
     ('{"lr": -Infinity}', r"-Infinity is not a value"),
     ('{"lr": 1e999}', r"infinity"),
+    ("[" * 100_000, r"nested too deeply"),
 ])
 def test_bad_json_args(text, match):
     with pytest.raises(ValueError, match=match) as info:
@@ -75,7 +80,7 @@ def test_bad_json_args(text, match):
 
 
 def test_call_user_checks_arguments_and_reports_failures_in_one_line(userpkg):
-    from userpkg.things import broken, scale
+    from userpkg.things import broken, quits, scale
 
     assert call_user(scale, (2,), {"factor": 5}, "--model m") == 10
     with pytest.raises(UserCodeError, match=r"--model m does not accept these arguments: got an unexpected "
@@ -84,3 +89,5 @@ def test_call_user_checks_arguments_and_reports_failures_in_one_line(userpkg):
     with pytest.raises(UserCodeError, match=r"--model m raised ZeroDivisionError: division by zero "
                                             r"\(at .*things.py:8\)"):
         call_user(broken, (), {}, "--model m")
+    with pytest.raises(UserCodeError, match=r"--model m raised SystemExit: 0"):
+        call_user(quits, (), {}, "--model m")

@@ -4,6 +4,7 @@ process or gathered from several, loadable with ``strict=True`` into the model's
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -79,10 +80,12 @@ def test_two_servers_export_what_one_server_exports(procs, port, tmp_path, mnist
     (["{tmp}", "--out", "{tmp}/m.bin"], "--out {tmp}/m.bin: name a .safetensors or a .pt file"),
     (["{tmp}", "--out", "{tmp}/sub.pt"], "--out {tmp}/sub.pt is a directory"),
     (["{tmp}", "--out", "{tmp}/no/m.pt"], "directory {tmp}/no does not exist"),
+    (["{tmp}/fifo", "--out", "{tmp}/m.pt"], "{tmp}/fifo is not a regular file"),  # not a read that waits forever
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
     (tmp_path / "empty.pt").write_bytes(b"")
     (tmp_path / "sub.pt").mkdir()
+    os.mkfifo(tmp_path / "fifo")
     assert main(["export", *(a.format(tmp=tmp_path) for a in args)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message.format(tmp=tmp_path) in err[0], err

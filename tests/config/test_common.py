@@ -1,0 +1,42 @@
+"""The checks every verb's config shares: addresses, devices, seeds."""
+
+from __future__ import annotations
+
+import pytest
+
+from psserver.config.common import check_device, check_seed, parse_host_port
+
+
+def test_addresses_split_into_host_and_port():
+    assert parse_host_port("127.0.0.1:5") == ("127.0.0.1", 5)
+    assert parse_host_port("[::1]:29500") == ("::1", 29500)
+    assert parse_host_port("node-3", 29500) == ("node-3", 29500)
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    ("::1", "an IPv6 address goes in brackets, as [ADDRESS]:PORT"),  # not host ':' port 1
+    ("fe80::1:29500", "in brackets"),
+    ("h:x", "port 'x' is not a number"),
+    (":5", "has no host"),
+    ("[]:5", "has no host"),
+    ("a" * 5000 + ":5", "has no host (a host name has 1 to 253 characters)"),
+    ("h:70000", "out of range"),
+    ("host", "must be HOST:PORT"),
+])
+def test_bad_addresses_are_one_line(value, says):
+    with pytest.raises(ValueError) as info:
+        parse_host_port(value)
+    assert says in str(info.value) and "\n" not in str(info.value) and len(str(info.value)) < 200
+
+
+def test_devices_and_seeds():
+    for good in ("cpu", "cuda", "cuda:0", "cuda:12"):
+        check_device(good, "--device")
+    for bad in ("cudaX", "cuda:", "cuda:abc", "gpu", "cpu:0", ""):
+        with pytest.raises(ValueError, match="use cpu or cuda:N"):
+            check_device(bad, "--device")
+    check_seed(0, "--seed")
+    check_seed(2**63 - 1, "--seed")
+    for bad in (-1, 2**63):
+        with pytest.raises(ValueError, match=r"--seed must be in 0..2\^63-1"):
+            check_seed(bad, "--seed")
