@@ -32,5 +32,7 @@ def default_world_size() -> int | None:
 def default_server_address(default_port: int = 29500) -> str:
     """MASTER_ADDR:MASTER_PORT when set, else 127.0.0.1:29500."""
     host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    if ":" in host and not host.startswith("["):  # an IPv6 address, as torchrun takes it: bracketed here
+        host = f"[{host}]"
     port = env_int("MASTER_PORT", default_port)
     return f"{host}:{port}"

@@ -40,3 +40,14 @@ def test_devices_and_seeds():
     for bad in (-1, 2**63):
         with pytest.raises(ValueError, match=r"--seed must be in 0..2\^63-1"):
             check_seed(bad, "--seed")
+
+
+def test_a_launchers_ipv6_master_addr_is_bracketed(monkeypatch):
+    """torchrun takes MASTER_ADDR=::1 as it is; as a default --server it needs brackets."""
+    from psserver.config.env import default_server_address
+
+    monkeypatch.setenv("MASTER_ADDR", "::1")
+    monkeypatch.setenv("MASTER_PORT", "29555")
+    assert parse_host_port(default_server_address()) == ("::1", 29555)
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.5")
+    assert parse_host_port(default_server_address()) == ("10.0.0.5", 29555)
