@@ -166,7 +166,7 @@ def _check_result(result: dict, md: str, png: Path, setups: list[str]) -> None:
 @pytest.mark.timeout(480)
 def test_quick_run_writes_json_table_and_chart(tmp_path):
     pytest.importorskip("matplotlib")
-    # About 90 s on the 2-core VM (one paired round, short windows: the table's shape, not its numbers,
+    # About 100 s on the 2-core VM (one paired round, short windows: the table's shape, not its numbers,
     # is checked here); the margin is for a machine that other jobs load. 30 steps a paired run: with
     # 10, and once with 20 (a CI run while another process imported torch beside it), a process of a
     # run finished before the last one got past its warm-up ("never stepped together").
