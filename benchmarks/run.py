@@ -435,11 +435,11 @@ def run(argv: list[str] | None = None, prog: str = "python -m benchmarks.run") -
     add_arguments(p)
     args = p.parse_args(argv)
     try:
-        check_args(args)
+        setups = check_args(args)
     except ValueError as e:
         p.error(str(e))
     logging.basicConfig(level=logging.INFO, format="  %(message)s")  # paired rounds' progress
-    return run_args(args, command=" ".join([prog, *map(shlex.quote, sys.argv[1:] if argv is None else argv)]))
+    return run_args(args, setups, command=" ".join([prog, *map(shlex.quote, sys.argv[1:] if argv is None else argv)]))
 
 
 def check_args(args: argparse.Namespace) -> list[dict]:
@@ -472,8 +472,8 @@ def paired_setups(setups: list[dict], failed: set[str]) -> list[dict]:
         or (s["kind"] == "ddp" and s["trainers"] <= 2))]
 
 
-def run_args(args: argparse.Namespace, command: str) -> int:
-    setups = check_args(args)
+def run_args(args: argparse.Namespace, setups: list[dict], command: str) -> int:
+    """Run ``setups`` (``check_args(args)``, which the caller reports as its usage error)."""
     with paired.exit_on_sigterm():  # children stopped, namespace and cgroups removed on SIGTERM too
         return _run_args(args, command, setups)
 

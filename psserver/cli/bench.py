@@ -43,5 +43,5 @@ class BenchCommand(SubCommand):
         command = "psserver " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         harness = _harness()
         with config_errors():  # the harness names a bad flag in a ValueError
-            harness.check_args(args)
-        return harness.run_args(args, command=command)
+            setups = harness.check_args(args)
+        return harness.run_args(args, setups, command=command)

@@ -42,7 +42,9 @@ class ControlConfig:
         self.token()  # an empty or unreadable token file: a usage error at start
 
     def token(self) -> str | None:
-        """The configured bearer token, read once at start."""
+        """The configured bearer token: read when the config is built (an empty or unreadable
+        file is a usage error there) and again by the control server at its start, so the
+        config itself never holds the secret (a dataclass's repr shows its fields)."""
         if self.auth_token_file is not None:
             return read_token_file(self.auth_token_file, "--auth-token-file")
         return os.environ.get(TOKEN_ENV) or None
