@@ -31,6 +31,25 @@ per step by default, 1.4 ms with ``foreach``, 0.46 ms fused; with trainer comput
 is most of the server's CPU per trainer step."""
 
 
+def warm_optimizers() -> threading.Thread:
+    """Build a throwaway optimizer in a background thread, so the first join does not wait for it.
+
+    torch imports its compiler (``torch._dynamo``, 1.3-1.9 s of CPU on the 2-core VM) the first time
+    any optimizer adds a parameter group. A server builds the shared optimizer when the first trainer
+    joins, so that trainer would wait for the import; started when the server opens, it runs while
+    the trainers are still importing torch themselves. A join that comes first waits on the import lock.
+    """
+    def build() -> None:
+        try:
+            torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        except Exception:  # noqa: BLE001 - a warm-up only: the real optimizer reports its own errors
+            log.debug("optimizer warm-up failed", exc_info=True)
+
+    thread = threading.Thread(target=build, name="psserver-optimizer-warm-up", daemon=True)
+    thread.start()
+    return thread
+
+
 def make_optimizer(params: list[nn.Parameter], config: OptimizerConfig) -> torch.optim.Optimizer:
     kw: dict = {"lr": config.lr, "weight_decay": config.weight_decay}
     if config.name in FUSED:

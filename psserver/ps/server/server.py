@@ -24,6 +24,7 @@ from psserver.control.server import ControlServer
 from psserver.metrics import start_exporters
 from psserver.ps.engine.devices import resolve_devices
 from psserver.ps.engine.engine import StepEngine
+from psserver.ps.engine.shard import warm_optimizers
 from psserver.ps.engine.sync_updates import SyncUpdater
 from psserver.ps.group.server_group import ServerGroup
 from psserver.ps.protocols import PROTOCOLS
@@ -116,6 +117,8 @@ class ParameterServer:
                                   group.admit_server if group is not None else None)
         self.desk.start()
         self.endpoint.open(self.membership)
+        if self.engine.optimizer_config is None:
+            warm_optimizers()
         if group is None:
             self._set_state(rendezvous.SERVING)
         else:

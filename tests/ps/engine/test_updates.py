@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -11,7 +12,7 @@ from torch import nn
 
 from psserver.config import OptimizerConfig
 from psserver.ps.engine.engine import make_updater
-from psserver.ps.engine.shard import Shard
+from psserver.ps.engine.shard import Shard, warm_optimizers
 from psserver.ps.engine.sync_updates import SyncUpdater
 from psserver.ps.engine.updates import AsyncUpdater, SSPUpdater, Updater
 
@@ -546,3 +547,11 @@ def test_a_follower_applies_the_rounds_server_0_decides_in_their_order():
     # Round 3 applies once b's gradient is here, without x's.
     follower.submit("b", grads(shard, 1.0), 4)
     assert steps[-1] == (3, 4)
+
+
+def test_the_optimizer_warm_up_imports_what_the_first_optimizer_needs_in_the_background():
+    thread = warm_optimizers()
+    assert thread.daemon  # never holds a stopping server up
+    thread.join(120)
+    assert not thread.is_alive()
+    assert "torch._dynamo" in sys.modules  # what a first optimizer's param group imports
