@@ -4,22 +4,28 @@ calls it. Beside the benchmark's measured server CPU per trainer step, the diffe
 the RPC layer costs (receiving and sending the buffers, pickling, dispatch).
 
     python -m benchmarks.server_half --model mnist_cnn --steps 200     # a few seconds
+    python -m benchmarks.server_half --optimizer sgd --momentum 0.9 --unfused-rounds 5
+        # the fused step against torch's default one, in alternating rounds of one run
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import statistics
 import time
 
 log = logging.getLogger(__name__)
 
 
-def measure(model: str, steps: int, wire_dtype: str, threads: int) -> tuple[float, float]:
-    """Mean wall and CPU milliseconds per ``exchange`` after a short warm-up."""
+def measure(model: str, steps: int, wire_dtype: str, threads: int, optimizer: dict | None = None,
+            fused: bool = True) -> tuple[float, float]:
+    """Mean wall and CPU milliseconds per ``exchange`` after a short warm-up (``fused=False``:
+    the server's optimizer built as torch builds it by default, for a comparison)."""
     import torch
 
     from psserver.config import OptimizerConfig, ServerConfig
+    from psserver.ps.engine import shard
     from psserver.ps.engine.devices import resolve_devices
     from psserver.ps.engine.engine import StepEngine
     from psserver.ps.protocols.pushpull import PushPullServer
@@ -27,8 +33,13 @@ def measure(model: str, steps: int, wire_dtype: str, threads: int) -> tuple[floa
     from psserver.ps.rpc.messages import JoinRequest
 
     torch.set_num_threads(threads)
-    cfg = ServerConfig(model=model, devices=["cpu"], optimizer=OptimizerConfig())
-    engine = StepEngine(cfg, resolve_devices(cfg.devices))
+    cfg = ServerConfig(model=model, devices=["cpu"], optimizer=OptimizerConfig(**(optimizer or {})))
+    fused_names, shard.FUSED = shard.FUSED, shard.FUSED if fused else ()
+    try:
+        engine = StepEngine(cfg, resolve_devices(cfg.devices))
+        engine.agree_optimizer(cfg.optimizer, "t")
+    finally:
+        shard.FUSED = fused_names
     try:
         engine.trainer_joined("t")
         half = PushPullServer(engine)
@@ -52,13 +63,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200, help="measured exchanges (default 200)")
     parser.add_argument("--wire-dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="default fp32")
     parser.add_argument("--threads", type=int, default=2, help="the server's torch threads (default 2)")
+    parser.add_argument("--optimizer", choices=("adam", "adamw", "sgd", "adagrad", "rmsprop"), default="adam",
+                        help="the server's optimizer (default adam)")
+    parser.add_argument("--momentum", type=float, default=0.0, help="sgd and rmsprop (default 0)")
+    parser.add_argument("--unfused-rounds", type=int, default=0,
+                        help="also measure the optimizer as torch builds it by default (not fused), in this many "
+                             "rounds alternating with the server's: the ratio per round (default 0: the server's only)")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.threads < 1:
-        parser.error("--steps and --threads must be >= 1")
+    if args.steps < 1 or args.threads < 1 or args.unfused_rounds < 0:
+        parser.error("--steps and --threads must be >= 1, --unfused-rounds >= 0")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    wall, cpu = measure(args.model, args.steps, args.wire_dtype, args.threads)
-    log.info("pushpull exchange in-process, %s, wire %s: %.2f ms wall, %.2f ms CPU per trainer step",
-             args.model, args.wire_dtype, wall, cpu)
+    optimizer = {"name": args.optimizer, "momentum": args.momentum}
+    what = f"{args.model}, {args.optimizer}, wire {args.wire_dtype}"
+    if args.unfused_rounds == 0:
+        wall, cpu = measure(args.model, args.steps, args.wire_dtype, args.threads, optimizer)
+        log.info("pushpull exchange in-process, %s: %.2f ms wall, %.2f ms CPU per trainer step", what, wall, cpu)
+        return 0
+    ratios = []
+    for r in range(args.unfused_rounds):
+        order = (True, False) if r % 2 == 0 else (False, True)
+        walls = {fused: measure(args.model, args.steps, args.wire_dtype, args.threads, optimizer, fused)[0]
+                 for fused in order}
+        ratios.append(walls[True] / walls[False])
+        log.info("round %d: %s: server's %.2f ms, torch's default %.2f ms per exchange: %.2f", r + 1, what,
+                 walls[True], walls[False], ratios[-1])
+    log.info("server's / torch's default optimizer step, per exchange: median %.2f over %d rounds",
+             statistics.median(ratios), len(ratios))
     return 0
 
 

@@ -344,12 +344,20 @@ def test_trainer_compute_targets_and_capacity_from_paired_rounds():
 
 def test_server_half_times_an_exchange_without_rpc(caplog):
     from benchmarks import server_half
+    from psserver.ps.engine import shard
 
     wall, cpu = server_half.measure("mlp", 5, "bf16", 1)
     assert 0 < wall < 1000 and 0 < cpu < 1000
     with caplog.at_level("INFO", logger="benchmarks.server_half"):
         assert server_half.main(["--model", "mlp", "--steps", "3"]) == 0
-    assert "pushpull exchange in-process, mlp, wire fp32" in caplog.text
-    with pytest.raises(SystemExit) as e:
-        server_half.main(["--steps", "0"])
-    assert e.value.code == 2
+    assert "pushpull exchange in-process, mlp, adam, wire fp32" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="benchmarks.server_half"):
+        assert server_half.main(["--model", "mlp", "--steps", "3", "--optimizer", "sgd", "--momentum", "0.9",
+                                 "--unfused-rounds", "2"]) == 0
+    assert caplog.text.count("torch's default") == 3 and "median" in caplog.text
+    assert shard.FUSED == ("adam", "adamw", "sgd")  # the comparison's unfused build put it back
+    for bad in (["--steps", "0"], ["--unfused-rounds", "-1"]):
+        with pytest.raises(SystemExit) as e:
+            server_half.main(bad)
+        assert e.value.code == 2
