@@ -1,11 +1,11 @@
-"""A user's ``Dataset`` through the DataLoader against psserver's in-memory path (issue 27).
+"""A user's ``Dataset`` through the DataLoader against psserver's in-memory path.
 
     python -m benchmarks.data_loading                                   # the issue's measurement: 5 rounds, ~10 min
     python -m benchmarks.data_loading --trainer-allocator cached        # trainers with the server's allocator policy
     python -m benchmarks.data_loading --setups in-memory,user-png-w1,user-png-w2 --rounds 3
     python -m benchmarks.data_loading --quick --results-dir /tmp/dl     # 1 round of 60 steps, no load wait: ~1 min
 
-Issue 27's target: a user ``Dataset`` with ``--data-workers 1`` reaches >= 0.95 of the
+The target: a user ``Dataset`` with ``--data-workers 1`` reaches >= 0.95 of the
 in-memory path's samples/s (mnist_cnn, 2 trainers): loading hidden behind the step. One
 ``psserver serve --model mnist_cnn --no-control`` stays up for the whole measurement (after one
 unmeasured warm-up run: a server's first session is slow); each round runs every setup once (2

@@ -1,4 +1,4 @@
-"""Embedding tables benchmark (issue 19): the hosts its processes run on.
+"""Embedding tables benchmark: the hosts its processes run on.
 
 ``Hosts`` builds one ``benchmarks.multihost`` topology (a network namespace and a tc-limited veth
 link per node) and starts and stops the processes on it: the server groups, server 0's status

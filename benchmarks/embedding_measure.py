@@ -1,4 +1,4 @@
-"""Embedding tables benchmark (issue 19): the counters it reads and the windows it computes.
+"""Embedding tables benchmark: the counters it reads and the windows it computes.
 
 ``benchmarks.embedding_tables`` runs the servers and trainers; this module only reads and computes:
 each node's link counters (the bridge ports'), the CPU time of the server processes and of the

@@ -1,8 +1,8 @@
-"""Embedding tables benchmark (issue 19): its summaries, targets and Markdown report.
+"""Embedding tables benchmark: its summaries, targets and Markdown report.
 
 What ``benchmarks.embedding_tables`` writes from the runs it measured: the medians over paired
 rounds and the ratios within a round (``summarize_bytes``, ``fixed_cost``, ``summarize_rates``),
-issue 19's bytes targets, the Markdown report with its method note, and the one-line log of a
+the bytes targets, the Markdown report with its method note, and the one-line log of a
 run. Kept apart from running and measuring so that a result is summarized and rendered without
 either; it imports no other ``embedding_*`` module."""
 
@@ -91,7 +91,7 @@ def summarize_rates(counts: list[int], runs: dict[int, list[dict]]) -> dict:
 
 
 def targets(bytes_summary: dict | None) -> list[dict]:
-    """Issue 19's bytes targets, from the medians over rounds (None where not measured)."""
+    """The bytes targets, from the medians over rounds (None where not measured)."""
     if not bytes_summary:
         return []
     rows = []
@@ -125,7 +125,7 @@ def _fs(values: list | None, fmt: str, sep: str = " ") -> str:
 
 def markdown(result: dict) -> str:
     cfg = result["config"]
-    lines = ["## Embedding tables (issue 19)", "", f"`{result['command']}` ({result['time']}, "
+    lines = ["## Embedding tables", "", f"`{result['command']}` ({result['time']}, "
              f"{result['wall_s'] / 60:.1f} min, {cfg['cores']} cores)", ""]
     a = result.get("bytes") or {}
     if a.get("summary"):
@@ -170,7 +170,7 @@ def markdown(result: dict) -> str:
         trows = [[t["name"], _f(t["value"], "{:.3f}"), _fs(t["per_round"], "{:.3f}"),
                   f"{t['op']} {t['target']:g}" if t["op"] != "within" else f"1 +- {t['target']:g}",
                   "-" if t["met"] is None else ("yes" if t["met"] else "NO")] for t in result["targets"]]
-        lines += ["Targets (issue 19, medians over paired rounds):", "",
+        lines += ["Targets (medians over paired rounds):", "",
                   report.md_table(["ratio", "measured", "per round", "target", "met"], trows), ""]
     b = result.get("rates") or {}
     if b.get("summary"):

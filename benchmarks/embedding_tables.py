@@ -4,7 +4,7 @@
     timeout 14m python -m benchmarks.embedding_tables --timeout 780                         # ~7 min
     python -m benchmarks.embedding_tables --skip-rates                                      # (A) only
 
-Two measurements (issue 19), each on hosts of its own (``benchmarks.multihost``: every server
+Two measurements, each on hosts of its own (``benchmarks.multihost``: every server
 process and every trainer in a network namespace behind a ``tc``-limited veth link to one bridge;
 servers with TensorPipe's ``basic`` channel, as in ``benchmarks.servers_scaling``):
 
@@ -29,7 +29,7 @@ headers and TCP payload beyond the ideal (RPC framing, pickled arguments, the de
 heartbeats). ``--packets mtu`` (default) sets ``gso_max_segs 1`` on every node's interface: each
 TCP segment crosses as a frame of at most 1514 bytes with its own headers, as a NIC with TSO puts
 it on the wire and counts it; ``--packets gso`` keeps veth's default, where one counted packet may
-carry up to 64 KB behind one set of headers (issue 18's counters).
+carry up to 64 KB behind one set of headers (the multi-host benchmark's counters).
 
 (B) **Row lookups and updates per second per server process, 1, 2 and 4 of them.** ``dlrm_tiny``
 on ``synthetic_clicks`` (4 tables of ``--embedding-dim`` 16), ``--trainers`` trainers, every link
@@ -313,7 +313,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.add_argument("--bytes-skip", type=int, default=20, help="warm-up steps of each trainer left out (default 20)")
     a.add_argument("--bytes-rounds", type=int, default=None, help="paired rounds (default 3; --quick 1)")
     a.add_argument("--bytes-rate", type=float, default=200.0,
-                   help="Mbit/s of every link, each way (default 200, issue 18's: the links do not bound these runs)")
+                   help="Mbit/s of every link, each way (default 200: the links do not bound these runs)")
     a.add_argument("--packets", choices=("mtu", "gso"), default="mtu",
                    help="mtu: every TCP segment its own frame with its own headers, as on a wire (default); gso: "
                         "veth's default, one counted packet for up to 64 KB")

@@ -110,11 +110,11 @@ def protection_markdown(rows: list[dict], title: str = "the protections' cost") 
 
 
 def trainer_compute_markdown(rows: list[dict], cost: dict | None) -> list[str]:
-    """Issue 15's targets (``targets.trainer_compute_ratios``) and the server's capacity table
+    """The trainer-compute targets (``targets.trainer_compute_ratios``) and the server's capacity table
     (``capacity.from_paired``), where the rounds held their setups."""
     out = []
     if rows:
-        out += ["### Targets (issue 15, from the paired rounds)", "",
+        out += ["### Targets: trainer compute (from the paired rounds)", "",
                 md_table(["ratio", "measured", "from", "per round", "target", "met"],
                          trainer_compute_target_rows(rows)), ""]
     if cost:
@@ -148,7 +148,7 @@ def markdown(result: dict) -> str:
         "`x lower bound` divides by the gradient up plus the parameters down in the wire dtype; DDP ranks "
         "started by the harness (`ddp-N`): bytes sent on their sockets in the measured windows per rank step.",
         "",
-        "### Targets (issue 6)",
+        "### Targets: server compute",
         "",
         md_table(["ratio", "measured", "from", "one window", "target", "met"], target_rows(result)),
         "",

@@ -17,8 +17,8 @@ middle, end) and its windows are pooled, so load that drifts during the run hits
 
 Then come paired rounds (``benchmarks.paired``, ``--rounds``): the local loops, the PS
 async and ssp setups of up to 2 trainers and DDP with up to 2 ranks, back to back, every
-round; each ratio is taken against the best local loop of its own round (or, for issue 15,
-between two setups of the same round), and the issues' throughput targets read the median of
+round; each ratio is taken against the best local loop of its own round (or, for trainer
+compute, between two setups of the same round), and the throughput targets read the median of
 those per-round ratios (the one-window ratio is recorded beside it). On a 2-core VM whose
 speed drifts by 10-30% from minute to minute, one window per setup cannot hold a 0.90 ratio
 steady; a pairing within seconds can.

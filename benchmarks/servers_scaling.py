@@ -33,7 +33,7 @@ directions, Ethernet/IP/TCP headers included; read from the bridge side of each 
 0.1 s) give, by least squares against time, the aggregate push/pull bandwidth, and over the
 trainers' step rate, the bytes per trainer step summed over all servers. Each is divided by
 the 1-server setup's **of the same round**; the reported value is the median over rounds.
-Targets (issue 18): bandwidth 2 servers >= 1.8x one, 4 >= 3.2x; bytes per step <= 1.05x.
+Targets: bandwidth 2 servers >= 1.8x one, 4 >= 3.2x; bytes per step <= 1.05x.
 
 The PS servers run TensorPipe's ``basic`` channel only (``benchmarks.workers psserver
 --channels basic``): between namespaces of one host TensorPipe could still use ``cma``
@@ -163,7 +163,7 @@ def summarize(server_counts: list[int], runs: dict[int, list[dict]]) -> dict:
 
 
 def targets(summary: dict) -> list[dict]:
-    """Issue 18's performance targets, from the medians over rounds (None where not measured)."""
+    """The performance targets of several server processes, from the medians over rounds (None where not measured)."""
     rows = []
     base = summary["baseline_servers"]
     for s, row in summary["setups"].items():
@@ -219,7 +219,7 @@ def markdown(result: dict) -> str:
                   f"{t['op']} {t['target']:g}", "-" if t["met"] is None else ("yes" if t["met"] else "NO")]
                  for t in result.get("targets", [])]
         if trows:
-            lines += ["### Targets (issue 18, medians over paired rounds)", "",
+            lines += ["### Targets: several server processes (medians over paired rounds)", "",
                       report.md_table(["ratio", "measured", "per round", "target", "met"], trows), ""]
     if result.get("error"):
         lines += [f"**Stopped early:** {result['error']}", ""]

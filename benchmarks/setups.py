@@ -78,7 +78,7 @@ def parse_setup(name: str) -> dict:
     if m:
         (step, wire, update, staleness, n, server_threads, straggler, sock, guard, shm, transport, overlap,
          bucket) = m.groups()
-        step = step or "plain"  # the reference; the trainer's default changed (issue 15), so it is always passed
+        step = step or "plain"  # the reference; the trainer's default is pushpull, so it is always passed
         trainers = int(n)
         if (overlap or bucket) and step != "pushpull":
             raise ValueError(f"setup {name!r}: -overlap, -no-overlap and -bucketM are for pushpull- setups")

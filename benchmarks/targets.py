@@ -1,5 +1,5 @@
-"""Issue 6's targets (the bytes a server-compute PS step must move, the ratios a run is held to)
-and issue 15's (trainer compute against side-by-side local loops and DDP, stragglers, bytes
+"""The server-compute targets (the bytes a PS step must move, the ratios a run is held to)
+and the trainer-compute ones (trainer compute against side-by-side local loops and DDP, stragglers, bytes
 per step against the parameter bytes), each with the source of its value."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def trainer_compute_floor(model: str, wire: str = "fp32") -> int:
 
 
 def ratios(result: dict) -> list[dict]:
-    """Issue 6's targets. Throughput ratios read the paired rounds' median where the run has
+    """The server-compute targets. Throughput ratios read the paired rounds' median where the run has
     them (``method``); the one-window ratio is kept beside it."""
     by = {s["name"]: s for s in result["setups"] if not s.get("error")}
     c = result["config"]
@@ -51,7 +51,7 @@ def ratios(result: dict) -> list[dict]:
 
     out = []
     target1 = ONE_TRAINER_TARGETS.get(key, 0.90)
-    # Server compute (issue 6); the rows of setups this run measured (trainer compute: issue 15's targets).
+    # Server compute; the rows of setups this run measured (trainer compute: trainer_compute_ratios).
     for n, target, issue_config in ((1, target1, key in ONE_TRAINER_TARGETS), (2, 0.95, mnist)):
         what = "1 trainer async" if n == 1 else "2 trainers async (total)"
         if f"ps-async-{n}" in by:
@@ -67,7 +67,7 @@ def ratios(result: dict) -> list[dict]:
         out.append({"name": f"server idle CPU, 2 trainers joined and waiting (% of one core, {name})",
                     "value": by[name]["server_idle_cpu_pct"], "op": "<", "target": 2.0, "issue_config": True})
     ps = [s for s in by.values() if s["kind"] == "ps" and s.get("bytes_vs_lower_bound") is not None
-          and s.get("compute") != "trainer"]  # trainer compute: issue 15's targets (parameter bytes)
+          and s.get("compute") != "trainer"]  # trainer compute: trainer_compute_ratios (parameter bytes)
     if "ps-async-1" in by:
         out.append({"name": "PS bytes per step / lower bound (1 trainer async)", "op": "<=", "target": 1.2,
                     "value": by["ps-async-1"].get("bytes_vs_lower_bound"), "issue_config": True})
@@ -82,7 +82,7 @@ def ratios(result: dict) -> list[dict]:
     return out
 
 
-# ---- issue 15: trainers that compute -----------------------------------------------------------
+# ---- trainers that compute -------------------------------------------------------------------
 
 BYTES_PER_STEP_TARGETS = {"fp32": 2.05, "bf16": 1.05, "fp16": 1.05}
 """Bytes per trainer step / the model's parameter bytes at fp32: the floor is the gradient up
@@ -104,7 +104,7 @@ def _check(row: dict) -> dict:
 
 
 def trainer_compute_ratios(paired: dict | None, model: str, batch_size: int) -> list[dict]:
-    """Issue 15's targets from paired rounds (``benchmarks.paired``): each throughput ratio is
+    """The trainer-compute targets from paired rounds (``benchmarks.paired``): each throughput ratio is
     taken round by round between two setups of the same round, then the median; bytes per step
     are the medians over rounds over the model's fp32 parameter bytes. Only the rows whose
     setups the rounds hold."""
@@ -151,7 +151,7 @@ def trainer_compute_ratios(paired: dict | None, model: str, batch_size: int) -> 
 
 
 def protection_ratios(paired: dict | None) -> list[dict]:
-    """Issue 17's target: throughput with the protections on (a join token and the RPC
+    """The protections' target: throughput with them on (a join token and the RPC
     allow-list, ``-token`` setups) within 3 % of without (``-open``: neither), round by round
     between the two setups of each pair, then the median."""
     return _pair_ratios(paired, "-token", "-open", "protections on / off", 0.97)

@@ -162,7 +162,7 @@ def run_psserver(argv: list[str]) -> int:
       ``basic`` sends them through the uv connection as it must between hosts, so ``ss`` sees
       every byte. Only the server needs it: a pair uses the channels both sides offer.
     - ``--join-token T``: ``PSSERVER_JOIN_TOKEN=T`` (``-token`` setups).
-    - ``--no-allowlist``: the RPC layer's own unpickler, as before issue 17 (``-open`` setups,
+    - ``--no-allowlist``: the RPC layer's own unpickler, as without psserver's allowlist (``-open`` setups,
       the baseline of what the protections cost). Never a psserver option.
     """
     usage = "usage: python -m benchmarks.workers psserver [--channels C] [--join-token T] [--no-allowlist] -- ARGS"

@@ -1,4 +1,4 @@
-"""``benchmarks.data_loading`` (issue 27): the flags each setup hands its trainers, the
+"""``benchmarks.data_loading``: the flags each setup hands its trainers, the
 arithmetic on fabricated step times and CPU samples, the report, the user's project it
 writes, and one short real round."""
 

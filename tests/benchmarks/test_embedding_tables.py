@@ -1,4 +1,4 @@
-"""``benchmarks.embedding_tables`` (issue 19, with its ``embedding_*`` parts): the pure parts
+"""``benchmarks.embedding_tables`` (with its ``embedding_*`` parts): the pure parts
 always run; the quick run needs root, ``ip`` and ``tc`` (namespaces, veth links, shapers) and is
 skipped, with the reason, where ``multihost.available()`` says no. It only reaches the addresses
 of the topologies it builds, and leaves no namespace or process behind."""

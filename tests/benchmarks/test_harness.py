@@ -27,7 +27,7 @@ def test_new_setup_names_parse_and_build_their_command_lines():
     assert setups.process_env(pair) == {"OMP_NUM_THREADS": "1"}
     assert setups.process_env(setups.parse_setup("local")) == {}
 
-    # Every PS trainer names its --step: trainer compute became the default in issue 15.
+    # Every PS trainer names its --step: trainer compute is the default.
     plain = setups.trainer_argv(setups.parse_setup("ps-async-1"), 0, port=1, batch_size=8, steps=9, stats_out="s")
     assert _value(plain, "--step") == "plain" and "--wire-dtype" not in plain
     assert setups.process_env(setups.parse_setup("ps-chained-async-2")) == {}

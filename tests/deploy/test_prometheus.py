@@ -94,7 +94,7 @@ def test_rule_unit_tests_pass_and_cover_every_alert():
 
 
 def test_operator_alerts_are_there_with_severities():
-    """The alerts issue 30 asks for, each with a severity and a summary (what an on-call page shows)."""
+    """The alerts psserver ships, each with a severity and a summary (what an on-call page shows)."""
     wanted = {"PsserverTrainerLost", "PsserverServerProcessLost", "PsserverJobWaiting", "PsserverTargetDown",
               "PsserverNoSteps", "PsserverNonFiniteGradients", "PsserverCheckpointLate", "PsserverRpcRefused",
               "PsserverControlRefused"}

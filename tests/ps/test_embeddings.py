@@ -1,4 +1,4 @@
-"""Embedding tables on the servers, through the real CLI and RPC (issue 19): MovieLens ratings
+"""Embedding tables on the servers, through the real CLI and RPC: MovieLens ratings
 and a click log over a 2^40 id space on two server processes, trainer memory that does not
 grow with the table, and rows with their optimizer state back bit for bit after a SIGKILL (from
 a checkpoint, or from the state in memory with no server going back)."""

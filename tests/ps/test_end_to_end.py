@@ -110,7 +110,7 @@ def test_chained_steps_reach_the_same_bar(procs, port, mnist_dir, update):
     assert "global step 252" in server.output() if update == "async" else "global step 126" in server.output()
 
 
-# Issue 15's bar for trainer compute, and the global steps of 2 trainers x 3 epochs x 63 steps:
+# The bar for trainer compute, and the global steps of 2 trainers x 3 epochs x 63 steps:
 # one optimizer step per trainer step (async, ssp), one per round of two (sync).
 TRAINER_COMPUTE_BAR = 0.97
 GLOBAL_STEPS = {"async": 378, "sync": 189, "ssp": 378}

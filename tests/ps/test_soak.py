@@ -47,7 +47,7 @@ class Soak:
         steps = self.rng.randint(15, 60)
         # The default protocol of each compute mode. (The dist_autograd ones, pull and plain, are
         # left out: one CI run of this test with them saw the server die of SIGSEGV in a thread
-        # of torch's RPC layer, not reproduced since; issue 16's closing note.)
+        # of torch's RPC layer, not reproduced since.)
         step = self.rng.choice(["pushpull", "chained"])
         self.runs += 1
         t = self.procs.trainer(self.port, rank, "--num-trainers", "2", "--epochs", "1000",

@@ -1,4 +1,4 @@
-"""How the model's parameters are spread over several server processes (issue 18's first piece).
+"""How the model's parameters are spread over several server processes.
 
 By size, as the parameter servers that run at scale do (MXNet's KVStore splits arrays above a
 bound across all servers; BytePS cuts tensors into 4 MB partitions; ps-lite gives each server

@@ -1,1 +1,1 @@
-"""Sparse parameters: embedding tables that live only on the servers (issue 19)."""
+"""Sparse parameters: embedding tables that live only on the servers."""

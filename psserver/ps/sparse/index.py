@@ -1,4 +1,4 @@
-"""An id -> slot hash index over int64 ids, vectorized with torch (issue 19's tables).
+"""An id -> slot hash index over int64 ids, vectorized with torch (the embedding tables').
 
 Embedding ids live in a space as large as 2^63, of which a table holds the rows that were
 touched: a dense array over the id space is out of the question, and a Python dict costs

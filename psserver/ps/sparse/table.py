@@ -1,5 +1,5 @@
 """One embedding table's rows on one server: created on first touch, admitted after N sightings,
-evicted past a bound (LRU or LFU) or a time-to-live, updated row-wise (issue 19).
+evicted past a bound (LRU or LFU) or a time-to-live, updated row-wise.
 
 No RPC here and no dense table: the rows that exist sit in slots of growing tensors, found
 through an :class:`~psserver.ps.sparse.index.IdIndex`. A row's initial values are a pure

@@ -1,4 +1,4 @@
-"""Issue 18's "past one machine, on this one machine": every server process and every trainer in
+"""Several server processes past one machine, on this one machine: every server process and every trainer in
 a network namespace of its own, behind a veth link limited with ``tc`` (``benchmarks.multihost``),
 a bandwidth-bound job (``mlp_wide``: 1.9M parameters, little compute; trainer compute, each step
 ~7.5 MB up and ~7.5 MB down), run with 1 server and then with 2: the median step time with 2

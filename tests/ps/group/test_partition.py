@@ -1,4 +1,4 @@
-"""The partition plan of several server processes (issue 18): by size, deterministic, recorded."""
+"""The partition plan of several server processes : by size, deterministic, recorded."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def test_every_element_is_held_once_and_the_load_is_balanced(model, servers):
     assert all(bool((c == 1).all()) for c in covered)
     per = plan.elements_per_server()
     assert sum(per) == sum(sizes)
-    assert max(per) <= 1.10 * sum(sizes) / servers  # each server about 1/S of the bytes (issue 18: within 10 %)
+    assert max(per) <= 1.10 * sum(sizes) / servers  # each server about 1/S of the bytes (within 10 %)
 
 
 def test_large_parameters_are_cut_across_every_server_and_small_ones_packed_whole():
