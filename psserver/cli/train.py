@@ -78,7 +78,8 @@ class TrainCommand(SubCommand):
         ps.add_argument("--reconnect", action="store_true",
                         help="if the server goes away or evicts this trainer, rejoin under a fresh name (retrying "
                              "with backoff) and continue where it was; without it, exit code 3")
-        ps.add_argument("--rpc-timeout", type=finite_float, default=60.0, help="RPC timeout in seconds")
+        ps.add_argument("--rpc-timeout", type=finite_float, default=60.0,
+                        help="RPC timeout in seconds (default 60, at least 1)")
         ps.add_argument("--allocator", choices=ALLOCATORS, default=TrainerConfig.allocator,
                         help="host memory: cached keeps a step's freed buffers for the next one (default), system "
                              "returns them to the kernel at once (each step maps and zero-fills them again)")

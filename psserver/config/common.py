@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -148,6 +149,22 @@ class DataConfig:
 MAX_THREADS = 1024
 """The most torch or RPC threads a flag may ask for: far past any host's cores, short of what
 makes the thread library fail (10^5 crashed the process)."""
+
+
+MIN_RPC_TIMEOUT_S = 1.0
+"""The shortest ``--rpc-timeout``. It is also the timeout of the rendezvous store's operations,
+which RPC's start-up waits on: 1 ms failed there in torch's C++ (below 1 ms it is 0 ms), 10 ms
+started only on an idle host, and a pull of a model's parameters takes longer still."""
+MIN_TRAINER_TIMEOUT_S = 0.5
+"""The shortest ``--trainer-timeout``: trainers heartbeat every ``max(0.1 s, timeout / 5)``, so
+a shorter one evicts trainers that are alive."""
+
+
+def check_timeout(seconds: float, flag: str, minimum: float) -> None:
+    """A timeout in seconds of at least ``minimum`` (a tiny finite one such as 1e-300 passed the
+    positivity check and ended in torch's C++)."""
+    if not (math.isfinite(seconds) and seconds >= minimum):
+        raise ValueError(f"{flag} is in seconds and must be at least {minimum:g}, got {seconds:g}")
 
 
 def check_seed(seed: int, flag: str) -> None:

@@ -8,12 +8,15 @@ from pathlib import Path
 
 from psserver.config.common import (
     MAX_THREADS,
+    MIN_RPC_TIMEOUT_S,
+    MIN_TRAINER_TIMEOUT_S,
     DataConfig,
     check_device,
     check_output_dir,
     check_output_file,
     check_port,
     check_seed,
+    check_timeout,
     check_token_file,
     parse_host_port,
     read_join_token,
@@ -280,10 +283,8 @@ class ServerConfig:
                 raise ValueError("--devices needs at least one device")
             for dev in self.devices:
                 check_device(dev, "device")
-        if not self.trainer_timeout > 0:
-            raise ValueError("--trainer-timeout must be positive")
-        if not self.rpc_timeout > 0:
-            raise ValueError("--rpc-timeout must be positive")
+        check_timeout(self.trainer_timeout, "--trainer-timeout", MIN_TRAINER_TIMEOUT_S)
+        check_timeout(self.rpc_timeout, "--rpc-timeout", MIN_RPC_TIMEOUT_S)
         if not 4 <= self.rpc_threads <= MAX_THREADS:
             raise ValueError(f"--rpc-threads must be in 4..{MAX_THREADS}, got {self.rpc_threads}")
         if not 0 <= self.compute_threads <= MAX_THREADS:
@@ -465,8 +466,9 @@ class TrainerConfig:
             raise ValueError(f"--epochs must be >= 1, got {self.epochs}")
         if self.batch_size < 1 or self.eval_batch_size < 1:
             raise ValueError("batch sizes must be >= 1")
-        if self.connect_timeout <= 0 or self.rpc_timeout <= 0:
-            raise ValueError("timeouts must be positive")
+        if not self.connect_timeout > 0:
+            raise ValueError(f"--connect-timeout must be positive, got {self.connect_timeout:g}")
+        check_timeout(self.rpc_timeout, "--rpc-timeout", MIN_RPC_TIMEOUT_S)
         if self.max_steps < 0:
             raise ValueError("--max-steps must be >= 0")
         check_compute(self.compute)

@@ -80,6 +80,14 @@ def test_slurm_env_is_a_fallback(monkeypatch):
         (["demo", "--model", "nosuch"], "unknown model 'nosuch'"),  # before it starts a server
         (["serve", "--model", "mf", "--embedding-max-rows", "100", "--embedding-prefill", "101", "--no-control"],
          "--embedding-prefill must be in 0..--embedding-max-rows (100), got 101"),  # not an endless prefill
+        # Finite but too short to work: torch's C++ failed on them (1e-300 s is 0 ms).
+        (["serve", "--rpc-timeout", "1e-300", "--no-control"],
+         "--rpc-timeout is in seconds and must be at least 1, got 1e-300"),
+        (["train", "--rpc-timeout", "0.001"], "--rpc-timeout is in seconds and must be at least 1, got 0.001"),
+        (["serve", "--trainer-timeout", "1e-300", "--no-control"],
+         "--trainer-timeout is in seconds and must be at least 0.5, got 1e-300"),
+        (["train", "--connect-timeout", "0"], "--connect-timeout must be positive, got 0"),
+        (["stop", "--wait", "--wait-timeout", "-1"], "--wait-timeout must be >= 0, got -1"),
     ],
 )
 def test_config_validation_is_one_line_exit_2(capsys, argv, fragment):
