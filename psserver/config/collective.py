@@ -231,8 +231,10 @@ class CollectiveConfig:
         spec = get_model_spec(self.model, self.model_args)
         if self.epochs < 1:
             raise ValueError(f"--epochs must be >= 1, got {self.epochs}")
-        if self.batch_size < 1 or self.eval_batch_size < 1:
-            raise ValueError("batch sizes must be >= 1")
+        if self.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.eval_batch_size < 1:
+            raise ValueError(f"--eval-batch-size must be >= 1, got {self.eval_batch_size}")
         if self.max_steps < 0:
             raise ValueError("--max-steps must be >= 0")
         if self.compute_threads < 0:

@@ -464,8 +464,10 @@ class TrainerConfig:
             raise ValueError(f"--rank {self.rank} must be < --num-trainers {self.num_trainers}")
         if self.epochs < 1:
             raise ValueError(f"--epochs must be >= 1, got {self.epochs}")
-        if self.batch_size < 1 or self.eval_batch_size < 1:
-            raise ValueError("batch sizes must be >= 1")
+        if self.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.eval_batch_size < 1:
+            raise ValueError(f"--eval-batch-size must be >= 1, got {self.eval_batch_size}")
         if not self.connect_timeout > 0:
             raise ValueError(f"--connect-timeout must be positive, got {self.connect_timeout:g}")
         check_timeout(self.rpc_timeout, "--rpc-timeout", MIN_RPC_TIMEOUT_S)
