@@ -33,14 +33,26 @@ def parse_host_port(value: str, default_port: int | None = None) -> tuple[str, i
 JOIN_TOKEN_ENV = "PSSERVER_JOIN_TOKEN"
 
 
-def check_token_file(path: Path | None, flag: str) -> None:
-    if path is not None and not Path(path).is_file():
+def check_input_file(path: Path | str, flag: str) -> None:
+    """A file psserver reads: present and a regular file. A FIFO is refused unopened (the open
+    would wait for a writer forever), and a directory or a FIFO is not reported as missing."""
+    path = Path(path)
+    if not path.exists():
         raise ValueError(f"{flag}: file not found: {path}")
+    if not path.is_file():
+        raise ValueError(f"{flag} {path} is not a regular file")
+
+
+def check_token_file(path: Path | None, flag: str) -> None:
+    if path is not None:
+        check_input_file(path, flag)
 
 
 def read_token_file(path: Path | str, flag: str) -> str:
-    """A secret's file, stripped; ``ValueError`` naming ``flag`` for an empty, unreadable or
-    non-text one."""
+    """A secret's file, stripped; ``ValueError`` naming ``flag`` for a missing, empty,
+    unreadable or non-text one, or one that is not a regular file (never opened)."""
+    if Path(path).exists() and not Path(path).is_file():
+        raise ValueError(f"{flag} {path} is not a regular file")
     try:
         token = Path(path).read_text().strip()
     except (OSError, UnicodeDecodeError) as e:

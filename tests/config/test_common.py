@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from psserver.config.common import check_device, check_seed, parse_host_port
@@ -51,3 +53,25 @@ def test_a_launchers_ipv6_master_addr_is_bracketed(monkeypatch):
     assert parse_host_port(default_server_address()) == ("::1", 29555)
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.5")
     assert parse_host_port(default_server_address()) == ("10.0.0.5", 29555)
+
+
+@pytest.mark.parametrize("flag", ["--join-token-file", "--auth-token-file", "--tls-cert"])
+@pytest.mark.parametrize("kind", ["fifo", "dir"])
+def test_a_file_to_read_that_is_a_fifo_or_a_directory_is_not_a_regular_file(tmp_path, flag, kind):
+    """Not "file not found", and a FIFO never opened (the open would wait for a writer forever)."""
+    from psserver.config import TrainerConfig
+    from psserver.config.common import read_join_token
+    from psserver.config.control import ControlConfig
+
+    path = tmp_path / kind
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()
+    build = {"--join-token-file": lambda: TrainerConfig(join_token_file=path),
+             "--auth-token-file": lambda: ControlConfig(auth_token_file=path),
+             "--tls-cert": lambda: ControlConfig(tls_cert=path, tls_key=path)}[flag]
+    with pytest.raises(ValueError) as info:
+        build()
+    assert str(info.value) == f"{flag} {path} is not a regular file"
+    with pytest.raises(ValueError, match=f"--join-token-file {path} is not a regular file"):
+        read_join_token(path)  # where a trainer and the server read it
+    with pytest.raises(ValueError, match="--join-token-file: file not found: "):
+        TrainerConfig(join_token_file=tmp_path / "missing")
