@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,12 +24,52 @@ def parse_host_port(value: str, default_port: int | None = None) -> tuple[str, i
     if not host or len(host) > 253:
         raise ValueError(f"address {value[:80]!r}{'...' if len(value) > 80 else ''} has no host (a host name "
                          "has 1 to 253 characters)")
+    problem = host_problem(host)
+    if problem:
+        raise ValueError(f"address {value!r}: {host!r} {problem}")
     try:
         port_num = int(port)
     except ValueError:
         raise ValueError(f"address {value!r}: port {port!r} is not a number") from None
     check_port(port_num, "port")
     return host, port_num
+
+
+_HOST_LABEL = re.compile(r"[\w-]{1,63}")
+"""One dot-separated part of a host name (underscores too: container and service names use them)."""
+
+
+def host_problem(host: str) -> str | None:
+    """Why ``host`` (unbracketed) cannot name a machine (``"is not ..."``), or None: all digits and dots must be an
+    IPv4 dotted quad, one with a colon an IPv6 address, anything else a host name of labels of
+    letters, digits, '-' and '_'. A resolver would say so too, but torch's rendezvous retries a
+    name that does not resolve for its whole timeout (999.9.9.9: five minutes)."""
+    if not host or len(host) > 253:
+        return "is not a host (a host has 1 to 253 characters)"
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return "is not an IPv6 address"
+        return None
+    if all(c.isdigit() or c == "." for c in host):
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            return "is not an IPv4 address (four numbers 0 to 255, as 10.0.0.1)"
+        return None
+    if not all(_HOST_LABEL.fullmatch(label) for label in host.removesuffix(".").split(".")):
+        return "is not a host name or address (letters, digits, '-' and '_' between dots)"
+    return None
+
+
+def check_host(host: str, flag: str) -> None:
+    """``ValueError`` naming ``flag`` for a host that cannot name a machine (``host_problem``);
+    an IPv6 address may be bracketed."""
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    problem = host_problem(bare)
+    if problem:
+        raise ValueError(f"{flag} {host[:80]!r} {problem}")
 
 
 JOIN_TOKEN_ENV = "PSSERVER_JOIN_TOKEN"

@@ -12,6 +12,7 @@ from psserver.config.common import (
     MIN_TRAINER_TIMEOUT_S,
     DataConfig,
     check_device,
+    check_host,
     check_output_dir,
     check_output_file,
     check_port,
@@ -259,6 +260,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         from psserver.models import get_model_spec
 
+        check_host(self.host, "--host")
         check_port(self.port, "--port")
         if self.model is None:
             self._check_without_model()
