@@ -51,6 +51,7 @@ from benchmarks.report import markdown_rows, protection_markdown, trainer_comput
 from benchmarks.setups import (
     READY,
     STRAGGLER_SHARE,
+    check_devices,
     counts_bytes,
     ddp_rank_argv,
     ddp_rank_env,
@@ -348,6 +349,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.rounds < 1 or args.skip < 0 or args.steps < args.skip + 6 or args.batch_size < 1 \
             or (args.warm_up_steps is not None and args.warm_up_steps < 0):
         p.error("need --rounds >= 1, --batch-size >= 1, --skip >= 0, --steps >= --skip + 6 and --warm-up-steps >= 0")
+    try:
+        check_devices(args.devices, args.trainer_device)
+    except ValueError as e:
+        p.error(str(e))
     staged = [s["name"] for s in args.setups if s.get("transport")]
     if staged and not (args.trainer_device or "").startswith("cuda"):
         p.error(f"--setups: {', '.join(staged)}: -staged and -hostcopy choose a GPU trainer's transport; give "

@@ -49,6 +49,7 @@ from benchmarks import capacity, measure, paired, report, throttle
 from benchmarks.setups import (
     READY,
     STRAGGLER_SHARE,
+    check_devices,
     ddp_rank_argv,
     ddp_rank_env,
     is_ceiling,
@@ -452,8 +453,9 @@ def check_args(args: argparse.Namespace) -> list[dict]:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     for flag in ("seconds", "warmup", "window", "idle_seconds", "rounds", "round_skip"):
         v = getattr(args, flag)
-        if v is not None and v < 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {v}")
+        if v is not None and not (math.isfinite(v) and v >= 0):  # NaN passed a v < 0 check; inf never ended
+            raise ValueError(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {v}")
+    check_devices(args.devices)
     _, steps, skip = round_settings(args)
     if steps < skip + 6:
         raise ValueError(f"--round-steps must be at least --round-skip + 6 ({skip + 6})")

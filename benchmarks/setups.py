@@ -203,6 +203,19 @@ def guard_flags(setup: dict) -> list[str]:
     return ["--join-token", BENCH_TOKEN] if guard == "token" else ["--no-allowlist"] if guard == "open" else []
 
 
+def check_devices(devices: str | None, trainer_device: str | None = None) -> None:
+    """``ValueError`` unless ``--devices`` is a comma-separated list of what ``psserver serve
+    --devices`` takes (cpu, cuda, cuda:N) and ``--trainer-device`` one of them: checked before any
+    child starts (a bad one failed in a child, after the harness had measured for a while)."""
+    from psserver.config.common import check_device
+
+    if devices is not None:
+        for device in devices.split(","):
+            check_device(device.strip(), "--devices")
+    if trainer_device is not None:
+        check_device(trainer_device, "--trainer-device")
+
+
 def server_argv(setup: dict, *, model: str, port: int, devices: str | None, tp_channels: str) -> list[str]:
     """``psserver serve`` for a PS setup: 127.0.0.1, no control plane, the setup's update mode.
 

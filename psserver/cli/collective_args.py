@@ -52,7 +52,6 @@ def add_collective_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", default="auto",
                    help=f"process-group backend: {', '.join(BACKENDS)} (default auto: nccl on GPU, else gloo)")
     g.add_argument("--seed", type=int, default=0, help="seed of the initial parameters (default 0)")
-    g.add_argument("--eval-batch-size", type=int, default=1000, help="batch size of the final evaluation")
     g.add_argument("--compute-threads", type=int, default=0,
                    help="torch threads per worker (default: cores / workers on this host)")
     g.add_argument("--result-file", default=None,

@@ -150,6 +150,8 @@ class StopCommand(SubCommand):
         from psserver.control.convert import enum_name
         from psserver.control.v1 import control_pb2 as pb
 
+        if args.wait_timeout < 0:
+            raise UsageError(f"--wait-timeout must be >= 0, got {args.wait_timeout:g}")
         reason = args.reason or f"psserver stop by {_who()}"
         with client_from_args(args) as client:
             state = client.shutdown(reason=reason)

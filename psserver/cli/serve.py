@@ -65,8 +65,9 @@ class ServeCommand(SubCommand):
                        help="evict a trainer after N non-finite gradients in a row "
                             f"(default {ServerConfig.max_nonfinite_steps})")
         parser.add_argument("--trainer-timeout", type=finite_float, default=5.0,
-                            help="seconds without heartbeat before a trainer is evicted (default 5)")
-        parser.add_argument("--rpc-timeout", type=finite_float, default=60.0, help="RPC timeout in seconds")
+                            help="seconds without heartbeat before a trainer is evicted (default 5, at least 0.5)")
+        parser.add_argument("--rpc-timeout", type=finite_float, default=60.0,
+                            help="RPC timeout in seconds (default 60, at least 1)")
         parser.add_argument("--rpc-threads", type=int, default=16, help="RPC worker threads (default 16)")
         parser.add_argument("--compute-threads", type=int, default=0, help="torch threads (default: all cores)")
         parser.add_argument("--allocator", choices=ALLOCATORS, default="cached",

@@ -49,6 +49,8 @@ class TrainCommand(SubCommand):
         add_model_args_argument(parser)
         parser.add_argument("--epochs", type=int, default=1, help="epochs over this trainer's shard")
         parser.add_argument("--batch-size", type=int, default=64, help="samples per step (default 64)")
+        parser.add_argument("--eval-batch-size", type=int, default=1000,
+                            help="samples per batch of the final evaluation (default 1000)")
         parser.add_argument("--max-steps", type=int, default=0, help="stop after N steps (0: all epochs)")
         parser.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
         ps = parser.add_argument_group("parameter server (--mode ps)")
@@ -78,7 +80,8 @@ class TrainCommand(SubCommand):
         ps.add_argument("--reconnect", action="store_true",
                         help="if the server goes away or evicts this trainer, rejoin under a fresh name (retrying "
                              "with backoff) and continue where it was; without it, exit code 3")
-        ps.add_argument("--rpc-timeout", type=finite_float, default=60.0, help="RPC timeout in seconds")
+        ps.add_argument("--rpc-timeout", type=finite_float, default=60.0,
+                        help="RPC timeout in seconds (default 60, at least 1)")
         ps.add_argument("--allocator", choices=ALLOCATORS, default=TrainerConfig.allocator,
                         help="host memory: cached keeps a step's freed buffers for the next one (default), system "
                              "returns them to the kernel at once (each step maps and zero-fills them again)")
@@ -138,6 +141,7 @@ def trainer_config_from_args(args: argparse.Namespace) -> TrainerConfig:
         num_trainers=args.num_trainers,
         epochs=args.epochs,
         batch_size=args.batch_size,
+        eval_batch_size=args.eval_batch_size,
         optimizer=optimizer_from_args(args),
         model=args.model,
         model_args=model_args_from_args(args) if args.model_args is not None else None,

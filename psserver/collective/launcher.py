@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from psserver.config.collective import CollectiveConfig
-from psserver.errors import UsageError
+from psserver.errors import UsageError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -154,13 +154,25 @@ def _spawned_worker(local_rank: int, config: CollectiveConfig, body: Callable[[D
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=host, MASTER_PORT=str(port))
     try:
-        store = dist.TCPStore(host, port, nproc, is_master=False, timeout=INIT_TIMEOUT)
+        store = join_store(host, port, nproc, INIT_TIMEOUT)
         code = run_in_process_group(config, body, rank=local_rank, world_size=nproc, local_rank=local_rank,
                                     local_world_size=nproc, store=store)
     except UsageError as e:  # anything else is a bug: the parent logs the worker's traceback
         print(f"psserver train: error: rank {local_rank}: {e}", file=sys.stderr, flush=True)
         _exit_now(2)
     _exit_now(code or 0)
+
+
+def join_store(host: str, port: int, nproc: int, timeout: timedelta) -> dist.TCPStore:
+    """A worker's client of the rendezvous store at ``host:port``: torch retries a host it cannot
+    reach for the whole ``timeout``, so the wait is logged first and its end is one line
+    (``UsageError``), not a worker's traceback."""
+    log.info("joining the rendezvous at %s:%d (waiting up to %gs for it)", host, port, timeout.total_seconds())
+    try:
+        return dist.TCPStore(host, port, nproc, is_master=False, timeout=timeout)
+    except dist.DistError as e:
+        raise UsageError(f"cannot reach the rendezvous at {host}:{port} within {timeout.total_seconds():g}s "
+                         f"({first_line(e)}; is --master-addr an address of this host?)") from None
 
 
 def _exit_now(code: int) -> None:

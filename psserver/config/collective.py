@@ -10,7 +10,14 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from psserver.config.common import DataConfig, check_output_dir, check_output_file, check_port, check_seed
+from psserver.config.common import (
+    DataConfig,
+    check_host,
+    check_output_dir,
+    check_output_file,
+    check_port,
+    check_seed,
+)
 from psserver.config.control import ControlConfig, ObservabilityConfig
 from psserver.config.ps import OptimizerConfig
 
@@ -151,6 +158,8 @@ class LaunchConfig:
             raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
         if self.nproc_per_node is not None and self.under_torchrun:
             raise ValueError("--nproc-per-node is for standalone runs; under torchrun use torchrun's own flag")
+        if not self.under_torchrun:  # torchrun's MASTER_ADDR is torchrun's to check
+            check_host(self.master_addr, "--master-addr")
         check_port(self.master_port, "--master-port", allow_zero=True)
         if self.world_size < 1:
             raise ValueError(f"world size must be >= 1, got {self.world_size}")
@@ -231,8 +240,10 @@ class CollectiveConfig:
         spec = get_model_spec(self.model, self.model_args)
         if self.epochs < 1:
             raise ValueError(f"--epochs must be >= 1, got {self.epochs}")
-        if self.batch_size < 1 or self.eval_batch_size < 1:
-            raise ValueError("batch sizes must be >= 1")
+        if self.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.eval_batch_size < 1:
+            raise ValueError(f"--eval-batch-size must be >= 1, got {self.eval_batch_size}")
         if self.max_steps < 0:
             raise ValueError("--max-steps must be >= 0")
         if self.compute_threads < 0:

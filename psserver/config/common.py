@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ipaddress
+import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +24,9 @@ def parse_host_port(value: str, default_port: int | None = None) -> tuple[str, i
     if not host or len(host) > 253:
         raise ValueError(f"address {value[:80]!r}{'...' if len(value) > 80 else ''} has no host (a host name "
                          "has 1 to 253 characters)")
+    problem = host_problem(host)
+    if problem:
+        raise ValueError(f"address {value!r}: {host!r} {problem}")
     try:
         port_num = int(port)
     except ValueError:
@@ -29,17 +35,66 @@ def parse_host_port(value: str, default_port: int | None = None) -> tuple[str, i
     return host, port_num
 
 
+_HOST_LABEL = re.compile(r"[\w-]{1,63}")
+"""One dot-separated part of a host name (underscores too: container and service names use them)."""
+
+
+def host_problem(host: str) -> str | None:
+    """Why ``host`` (unbracketed) cannot name a machine (``"is not ..."``), or None: all digits and dots must be an
+    IPv4 dotted quad, one with a colon an IPv6 address, anything else a host name of labels of
+    letters, digits, '-' and '_'. A resolver would say so too, but torch's rendezvous retries a
+    name that does not resolve for its whole timeout (999.9.9.9: five minutes)."""
+    if not host or len(host) > 253:
+        return "is not a host (a host has 1 to 253 characters)"
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return "is not an IPv6 address"
+        return None
+    if all(c.isdigit() or c == "." for c in host):
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            return "is not an IPv4 address (four numbers 0 to 255, as 10.0.0.1)"
+        return None
+    if not all(_HOST_LABEL.fullmatch(label) for label in host.removesuffix(".").split(".")):
+        return "is not a host name or address (letters, digits, '-' and '_' between dots)"
+    return None
+
+
+def check_host(host: str, flag: str) -> None:
+    """``ValueError`` naming ``flag`` for a host that cannot name a machine (``host_problem``);
+    an IPv6 address may be bracketed."""
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    problem = host_problem(bare)
+    if problem:
+        raise ValueError(f"{flag} {host[:80]!r} {problem}")
+
+
 JOIN_TOKEN_ENV = "PSSERVER_JOIN_TOKEN"
 
 
-def check_token_file(path: Path | None, flag: str) -> None:
-    if path is not None and not Path(path).is_file():
+def check_input_file(path: Path | str, flag: str) -> None:
+    """A file psserver reads: present and a regular file. A FIFO is refused unopened (the open
+    would wait for a writer forever), and a directory or a FIFO is not reported as missing."""
+    path = Path(path)
+    if not path.exists():
         raise ValueError(f"{flag}: file not found: {path}")
+    if not path.is_file():
+        raise ValueError(f"{flag} {path} is not a regular file")
+
+
+def check_token_file(path: Path | None, flag: str) -> None:
+    if path is not None:
+        check_input_file(path, flag)
 
 
 def read_token_file(path: Path | str, flag: str) -> str:
-    """A secret's file, stripped; ``ValueError`` naming ``flag`` for an empty, unreadable or
-    non-text one."""
+    """A secret's file, stripped; ``ValueError`` naming ``flag`` for a missing, empty,
+    unreadable or non-text one, or one that is not a regular file (never opened)."""
+    if Path(path).exists() and not Path(path).is_file():
+        raise ValueError(f"{flag} {path} is not a regular file")
     try:
         token = Path(path).read_text().strip()
     except (OSError, UnicodeDecodeError) as e:
@@ -148,6 +203,22 @@ class DataConfig:
 MAX_THREADS = 1024
 """The most torch or RPC threads a flag may ask for: far past any host's cores, short of what
 makes the thread library fail (10^5 crashed the process)."""
+
+
+MIN_RPC_TIMEOUT_S = 1.0
+"""The shortest ``--rpc-timeout``. It is also the timeout of the rendezvous store's operations,
+which RPC's start-up waits on: 1 ms failed there in torch's C++ (below 1 ms it is 0 ms), 10 ms
+started only on an idle host, and a pull of a model's parameters takes longer still."""
+MIN_TRAINER_TIMEOUT_S = 0.5
+"""The shortest ``--trainer-timeout``: trainers heartbeat every ``max(0.1 s, timeout / 5)``, so
+a shorter one evicts trainers that are alive."""
+
+
+def check_timeout(seconds: float, flag: str, minimum: float) -> None:
+    """A timeout in seconds of at least ``minimum`` (a tiny finite one such as 1e-300 passed the
+    positivity check and ended in torch's C++)."""
+    if not (math.isfinite(seconds) and seconds >= minimum):
+        raise ValueError(f"{flag} is in seconds and must be at least {minimum:g}, got {seconds:g}")
 
 
 def check_seed(seed: int, flag: str) -> None:

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from psserver.config.common import check_output_dir, check_port, read_token_file
+from psserver.config.common import check_host, check_input_file, check_output_dir, check_port, read_token_file
 
 TOKEN_ENV = "PSSERVER_AUTH_TOKEN"
 
@@ -33,12 +33,15 @@ class ControlConfig:
     """Serve gRPC server reflection."""
 
     def __post_init__(self) -> None:
+        if self.enabled:
+            check_host(self.host, "--control-host")
         check_port(self.port, "--control-port", allow_zero=True)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")
-        for path in (self.auth_token_file, self.tls_cert, self.tls_key):
-            if path is not None and not Path(path).is_file():
-                raise ValueError(f"file not found: {path}")
+        for flag, path in (("--auth-token-file", self.auth_token_file), ("--tls-cert", self.tls_cert),
+                           ("--tls-key", self.tls_key)):
+            if path is not None:
+                check_input_file(path, flag)
         self.token()  # an empty or unreadable token file: a usage error at start
 
     def token(self) -> str | None:
@@ -63,5 +66,6 @@ class ObservabilityConfig:
 
     def __post_init__(self) -> None:
         if self.metrics_port is not None:
+            check_host(self.metrics_host, "--metrics-host")
             check_port(self.metrics_port, "--metrics-port", allow_zero=True)
         check_output_dir(self.tensorboard_dir, "--tensorboard-dir")

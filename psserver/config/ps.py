@@ -8,12 +8,16 @@ from pathlib import Path
 
 from psserver.config.common import (
     MAX_THREADS,
+    MIN_RPC_TIMEOUT_S,
+    MIN_TRAINER_TIMEOUT_S,
     DataConfig,
     check_device,
+    check_host,
     check_output_dir,
     check_output_file,
     check_port,
     check_seed,
+    check_timeout,
     check_token_file,
     parse_host_port,
     read_join_token,
@@ -256,6 +260,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         from psserver.models import get_model_spec
 
+        check_host(self.host, "--host")
         check_port(self.port, "--port")
         if self.model is None:
             self._check_without_model()
@@ -280,10 +285,8 @@ class ServerConfig:
                 raise ValueError("--devices needs at least one device")
             for dev in self.devices:
                 check_device(dev, "device")
-        if not self.trainer_timeout > 0:
-            raise ValueError("--trainer-timeout must be positive")
-        if not self.rpc_timeout > 0:
-            raise ValueError("--rpc-timeout must be positive")
+        check_timeout(self.trainer_timeout, "--trainer-timeout", MIN_TRAINER_TIMEOUT_S)
+        check_timeout(self.rpc_timeout, "--rpc-timeout", MIN_RPC_TIMEOUT_S)
         if not 4 <= self.rpc_threads <= MAX_THREADS:
             raise ValueError(f"--rpc-threads must be in 4..{MAX_THREADS}, got {self.rpc_threads}")
         if not 0 <= self.compute_threads <= MAX_THREADS:
@@ -463,10 +466,13 @@ class TrainerConfig:
             raise ValueError(f"--rank {self.rank} must be < --num-trainers {self.num_trainers}")
         if self.epochs < 1:
             raise ValueError(f"--epochs must be >= 1, got {self.epochs}")
-        if self.batch_size < 1 or self.eval_batch_size < 1:
-            raise ValueError("batch sizes must be >= 1")
-        if self.connect_timeout <= 0 or self.rpc_timeout <= 0:
-            raise ValueError("timeouts must be positive")
+        if self.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.eval_batch_size < 1:
+            raise ValueError(f"--eval-batch-size must be >= 1, got {self.eval_batch_size}")
+        if not self.connect_timeout > 0:
+            raise ValueError(f"--connect-timeout must be positive, got {self.connect_timeout:g}")
+        check_timeout(self.rpc_timeout, "--rpc-timeout", MIN_RPC_TIMEOUT_S)
         if self.max_steps < 0:
             raise ValueError("--max-steps must be >= 0")
         check_compute(self.compute)

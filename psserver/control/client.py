@@ -75,6 +75,8 @@ class ControlClient:
             if isinstance(tls_ca, bytes):
                 ca = tls_ca
             else:
+                if Path(tls_ca).exists() and not Path(tls_ca).is_file():  # a FIFO: the read would wait forever
+                    raise UsageError(f"--tls-ca {tls_ca} is not a regular file")
                 try:
                     ca = Path(tls_ca).read_bytes()
                 except OSError as e:

@@ -14,8 +14,10 @@ user's ``Dataset`` (``psserver.data.reference``), map-style or iterable; an
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
@@ -26,7 +28,8 @@ from psserver.data.loader import Batches, ShardInfo, check_batch, check_sample, 
 from psserver.data.movielens import load_movielens100k
 from psserver.data.reference import check_dataset_reference, load_user_dataset
 from psserver.data.synthetic import make_synthetic
-from psserver.errors import DataError
+from psserver.errors import DataError, first_line
+from psserver.utils.memory import available_memory
 from psserver.utils.references import is_reference
 
 log = logging.getLogger(__name__)
@@ -144,14 +147,55 @@ def load_dataset(config, input_shape: tuple[int, ...] | None, num_classes: int |
         raise DataError(f"dataset {config.dataset} is a classification task, the model has a single output "
                         "(a recommendation model: use --dataset movielens100k or synthetic_clicks)")
     n_train, n_eval = generated_sizes(config)
-    return make_synthetic(
-        input_shape,
-        num_classes,
-        n_train=n_train,
-        n_eval=n_eval,
-        seed=config.seed,
-        input_dtype=input_dtype,
-    )
+    tokens = input_dtype is not None and not input_dtype.is_floating_point
+    _check_generated_size(config, (math.prod(input_shape) * (8 if tokens else 4)) + 8)
+    with _generating(config):
+        return make_synthetic(
+            input_shape,
+            num_classes,
+            n_train=n_train,
+            n_eval=n_eval,
+            seed=config.seed,
+            input_dtype=input_dtype,
+        )
+
+
+def _check_generated_size(config, sample_bytes: int) -> None:
+    """``DataError`` naming ``--train-samples``/``--eval-samples`` when the generated dataset they
+    ask for (``sample_bytes`` a sample) is more than this process may still allocate: it is
+    made in memory, and 1e14 samples failed to allocate deep in torch (an internal error)."""
+    n_train, n_eval = generated_sizes(config)
+    need, have = (n_train + n_eval) * sample_bytes, available_memory()
+    if need > have:
+        raise DataError(f"{_size_flags(config)}: the generated {config.dataset} dataset ({n_train + n_eval} samples "
+                        f"of {sample_bytes} bytes) needs {_bytes(need)} of memory; {_bytes(have)} is available here")
+
+
+@contextlib.contextmanager
+def _generating(config) -> Iterator[None]:
+    """An allocation that fails while a dataset is generated anyway (the memory went elsewhere
+    meanwhile, or the generation's temporaries did not fit) is one line naming the sizes."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as e:
+        if not isinstance(e, MemoryError | torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+            raise
+        raise DataError(f"{_size_flags(config)}: generating dataset {config.dataset} ran out of memory "
+                        f"({first_line(e)})") from None
+
+
+def _size_flags(config) -> str:
+    """The flags that set a generated dataset's size, as given (its defaults when none was)."""
+    given = [f"{flag} {n}" for flag, n in (("--train-samples", config.synthetic_train),
+                                          ("--eval-samples", config.synthetic_eval)) if n is not None]
+    return " ".join(given) or f"dataset {config.dataset} (its default sizes)"
+
+
+def _bytes(n: int) -> str:
+    """``n`` bytes in the largest binary unit (up to EiB) that leaves a number >= 1."""
+    units = ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+    power = min(len(units) - 1, max(0, (n.bit_length() - 1) // 10))
+    return f"{n / 1024**power:,.1f} {units[power]}" if power else f"{n} bytes"
 
 
 def _load_sparse(config, input_shape: tuple[int, ...], input_dtype) -> tuple[TensorDataset, TensorDataset]:
@@ -166,7 +210,9 @@ def _load_sparse(config, input_shape: tuple[int, ...], input_dtype) -> tuple[Ten
     else:
         n_train, n_eval = generated_sizes(config)
         spec = ClickLogSpec(vocab=config.click_vocab, id_space=config.id_space, seed=config.seed)
-        train, held_out = make_synthetic_clicks(spec, n_train, n_eval)
+        _check_generated_size(config, spec.fields * 8 + spec.dense * 4 + 4)  # int64 ids, float32 dense and click
+        with _generating(config):
+            train, held_out = make_synthetic_clicks(spec, n_train, n_eval)
     columns = train.tensors[0].shape[1]
     if columns != input_shape[0]:
         raise DataError(f"dataset {config.dataset} has {columns} id columns, the model expects {input_shape[0]} "

@@ -277,7 +277,12 @@ def check_samples(dataset: Dataset, name: str) -> None:
     if not isinstance(dataset, Sized):
         raise DataError(f"dataset {name} is a map-style Dataset without __len__ (define it, or make it an "
                         "IterableDataset)")
-    if len(dataset) == 0:
+    try:
+        size = len(dataset)
+    except Exception as e:  # noqa: BLE001 - the user's __len__ failed, or gave no count (-5, 2.5): one line
+        log.debug("len() of %s failed", name, exc_info=True)
+        raise DataError(f"dataset {name}: its __len__ gives no number of samples ({_last_line(e)})") from None
+    if size == 0:
         raise DataError(f"dataset {name} is empty")
     try:
         sample = dataset[0]

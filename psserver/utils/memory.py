@@ -1,4 +1,5 @@
-"""Memory policies of long-running processes: the host allocator and Python's collector.
+"""Memory policies of long-running processes: the host allocator and Python's collector; and
+how much memory this process may still take.
 
 Allocator: keep freed memory for the next step.
 
@@ -23,6 +24,9 @@ import ctypes
 import ctypes.util
 import gc
 import logging
+from pathlib import Path
+
+import psutil
 
 log = logging.getLogger(__name__)
 
@@ -80,3 +84,34 @@ def freeze_long_lived() -> int:
     frozen = gc.get_freeze_count()
     log.debug("froze %d long-lived objects out of the cyclic collector", frozen)
     return frozen
+
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def available_memory(cgroup_root: Path = CGROUP_ROOT, own_cgroups: Path = Path("/proc/self/cgroup")) -> int:
+    """Bytes this process may still allocate: the host's available memory, capped by what its
+    cgroup's limit leaves (v2 ``memory.max`` less ``memory.current``, v1 ``memory.limit_in_bytes``
+    less ``memory.usage_in_bytes``: a container's ``--memory``, a pod's limit), where the host's
+    figure would promise memory that the OOM killer then takes back."""
+    available = int(psutil.virtual_memory().available)
+    try:
+        lines = own_cgroups.read_text().splitlines()
+    except OSError:
+        return available
+    for line in lines:
+        _, controllers, rel = line.split(":", 2) if line.count(":") >= 2 else ("", "-", "")
+        if controllers == "":
+            directory, files = cgroup_root / rel.lstrip("/"), ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            directory, files = cgroup_root / "memory" / rel.lstrip("/"), ("memory.limit_in_bytes",
+                                                                          "memory.usage_in_bytes")
+        else:
+            continue
+        try:
+            limit = (directory / files[0]).read_text().strip()
+            if limit != "max":
+                available = min(available, max(0, int(limit) - int((directory / files[1]).read_text().strip())))
+        except (OSError, ValueError):
+            continue  # no limit there, or none this process can read
+    return available

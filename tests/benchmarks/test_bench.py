@@ -187,12 +187,39 @@ def test_quick_run_writes_json_table_and_chart(tmp_path):
 def test_bad_flags_are_one_line_errors(capsys):
     for argv in (["--setups", "local,local"], ["--setups", "ps-turbo-1"], ["--round-steps", "10"],
                  ["--quick", "--round-steps", "8", "--round-skip", "4"], ["--batch-size", "0"], ["--rounds", "-1"],
-                 ["--model", "nope"]):
+                 ["--model", "nope"], ["--devices", "cudaX"], ["--devices", "cpu,"], ["--seconds", "nan"],
+                 ["--warmup", "inf"]):
         with pytest.raises(SystemExit) as e:
             run.run(argv)
         assert e.value.code == 2, argv
         err = capsys.readouterr().err
         assert "error:" in err and "Traceback" not in err, argv
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["bench", "--devices", "cudaX"], "unsupported --devices 'cudaX': use cpu or cuda:N"),
+    (["bench", "--devices", "cpu,cuda:x"], "unsupported --devices 'cuda:x': use cpu or cuda:N"),
+    (["bench", "--seconds", "nan"], "--seconds must be a finite number >= 0, got nan"),
+])
+def test_bad_flags_of_psserver_bench_are_one_line_exit_2(capsys, argv, says):
+    """Before any child starts: a bad device failed in a child process, after the local loop had run."""
+    from psserver.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"psserver bench: error: {says}"], err
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--devices", "cudaX"], "unsupported --devices 'cudaX'"),
+    (["--trainer-device", "gpu0"], "unsupported --trainer-device 'gpu0'"),
+])
+def test_bad_device_flags_of_paired_rounds(capsys, argv, says):
+    from benchmarks import paired
+
+    with pytest.raises(SystemExit) as e:
+        paired.parse_args(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
 
 
 def test_paired_setups_are_the_throughput_targets():

@@ -80,6 +80,18 @@ def test_slurm_env_is_a_fallback(monkeypatch):
         (["demo", "--model", "nosuch"], "unknown model 'nosuch'"),  # before it starts a server
         (["serve", "--model", "mf", "--embedding-max-rows", "100", "--embedding-prefill", "101", "--no-control"],
          "--embedding-prefill must be in 0..--embedding-max-rows (100), got 101"),  # not an endless prefill
+        # Finite but too short to work: torch's C++ failed on them (1e-300 s is 0 ms).
+        (["serve", "--rpc-timeout", "1e-300", "--no-control"],
+         "--rpc-timeout is in seconds and must be at least 1, got 1e-300"),
+        (["train", "--rpc-timeout", "0.001"], "--rpc-timeout is in seconds and must be at least 1, got 0.001"),
+        (["serve", "--trainer-timeout", "1e-300", "--no-control"],
+         "--trainer-timeout is in seconds and must be at least 0.5, got 1e-300"),
+        (["train", "--connect-timeout", "0"], "--connect-timeout must be positive, got 0"),
+        (["stop", "--wait", "--wait-timeout", "-1"], "--wait-timeout must be >= 0, got -1"),
+        # --mode ps took the flag and never passed it on: 0 was ignored there.
+        (["train", "--eval-batch-size", "0"], "--eval-batch-size must be >= 1, got 0"),
+        (["train", "--mode", "ddp", "--no-control", "--eval-batch-size", "0"], "--eval-batch-size must be >= 1, got 0"),
+        (["train", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     ],
 )
 def test_config_validation_is_one_line_exit_2(capsys, argv, fragment):
@@ -180,6 +192,13 @@ def _help_sections(text: str) -> dict[str, str]:
         elif title is not None:
             sections[title] += line + "\n"
     return sections
+
+
+def test_eval_batch_size_reaches_a_ps_trainer():
+    from psserver.cli.train import trainer_config_from_args
+
+    parser, _ = build_parser()
+    assert trainer_config_from_args(parser.parse_args(["train", "--eval-batch-size", "7"])).eval_batch_size == 7
 
 
 def test_train_help_groups_flags_by_mode(capsys):

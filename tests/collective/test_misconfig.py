@@ -31,6 +31,11 @@ CASES = [
     ("--mode ddp --resume", "--resume without a path needs --checkpoint-dir"),
     ("--mode ddp --resume /nonexistent/step-1", "no such checkpoint directory"),
     ("--mode ddp --nproc-per-node 0", "--nproc-per-node must be >= 1"),
+    # Not a host: the workers retried it for torch's whole rendezvous timeout (five minutes).
+    ("--mode ddp --nproc-per-node 2 --master-addr 999.9.9.9",
+     "--master-addr '999.9.9.9' is not an IPv4 address (four numbers 0 to 255"),
+    ("--mode ddp --master-addr no/such", "--master-addr 'no/such' is not a host name or address"),
+    ("--mode ddp --master-addr fe80::zz", "--master-addr 'fe80::zz' is not an IPv6 address"),
 ]
 
 
@@ -102,3 +107,15 @@ def test_a_launchers_variable_that_is_no_rank_is_one_line(monkeypatch, value):
     assert launcher_int("LOCAL_RANK") == 3
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert launcher_int("LOCAL_WORLD_SIZE", "1") == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_rendezvous_that_never_answers_is_one_line(port):
+    """A worker that cannot reach the store: one line naming where, at the end of the wait."""
+    from datetime import timedelta
+
+    from psserver.collective.launcher import join_store
+
+    with pytest.raises(UsageError, match=rf"cannot reach the rendezvous at 127.0.0.1:{port} within 1s \(") as info:
+        join_store("127.0.0.1", port, 2, timedelta(seconds=1))
+    assert "\n" not in str(info.value)

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from psserver.config.common import check_device, check_seed, parse_host_port
+from psserver.config import ServerConfig, TrainerConfig
+from psserver.config.common import check_device, check_seed, parse_host_port, read_join_token
+from psserver.config.control import ControlConfig, ObservabilityConfig
 
 
 def test_addresses_split_into_host_and_port():
     assert parse_host_port("127.0.0.1:5") == ("127.0.0.1", 5)
     assert parse_host_port("[::1]:29500") == ("::1", 29500)
     assert parse_host_port("node-3", 29500) == ("node-3", 29500)
+    for host in ("localhost", "0.0.0.0", "ps-0.ps.default.svc.cluster.local.", "compose_server", "255.255.255.255"):
+        assert parse_host_port(f"{host}:1") == (host, 1)
 
 
 @pytest.mark.parametrize(("value", "says"), [
@@ -22,6 +28,12 @@ def test_addresses_split_into_host_and_port():
     ("a" * 5000 + ":5", "has no host (a host name has 1 to 253 characters)"),
     ("h:70000", "out of range"),
     ("host", "must be HOST:PORT"),
+    # Refused here, not retried for the whole --connect-timeout.
+    ("999.9.9.9:29500", "'999.9.9.9' is not an IPv4 address (four numbers 0 to 255, as 10.0.0.1)"),
+    ("10.0.0:29500", "'10.0.0' is not an IPv4 address"),
+    ("[fe80::zz]:29500", "'fe80::zz' is not an IPv6 address"),
+    ("my host:29500", "'my host' is not a host name or address"),
+    ("a..b:29500", "'a..b' is not a host name or address"),
 ])
 def test_bad_addresses_are_one_line(value, says):
     with pytest.raises(ValueError) as info:
@@ -51,3 +63,33 @@ def test_a_launchers_ipv6_master_addr_is_bracketed(monkeypatch):
     assert parse_host_port(default_server_address()) == ("::1", 29555)
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.5")
     assert parse_host_port(default_server_address()) == ("10.0.0.5", 29555)
+
+
+@pytest.mark.parametrize("flag", ["--join-token-file", "--auth-token-file", "--tls-cert"])
+@pytest.mark.parametrize("kind", ["fifo", "dir"])
+def test_a_file_to_read_that_is_a_fifo_or_a_directory_is_not_a_regular_file(tmp_path, flag, kind):
+    """Not "file not found", and a FIFO never opened (the open would wait for a writer forever)."""
+    path = tmp_path / kind
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()
+    build = {"--join-token-file": lambda: TrainerConfig(join_token_file=path),
+             "--auth-token-file": lambda: ControlConfig(auth_token_file=path),
+             "--tls-cert": lambda: ControlConfig(tls_cert=path, tls_key=path)}[flag]
+    with pytest.raises(ValueError) as info:
+        build()
+    assert str(info.value) == f"{flag} {path} is not a regular file"
+    with pytest.raises(ValueError, match=f"--join-token-file {path} is not a regular file"):
+        read_join_token(path)  # where a trainer and the server read it
+    with pytest.raises(ValueError, match="--join-token-file: file not found: "):
+        TrainerConfig(join_token_file=tmp_path / "missing")
+
+
+@pytest.mark.parametrize(("flag", "build"), [
+    ("--host", lambda host: ServerConfig(host=host)),
+    ("--control-host", lambda host: ControlConfig(host=host)),
+    ("--metrics-host", lambda host: ObservabilityConfig(metrics_port=9100, metrics_host=host)),
+])
+def test_addresses_to_bind_are_hosts(flag, build):
+    build("::")
+    build("0.0.0.0")
+    with pytest.raises(ValueError, match=f"{flag} '300.1.1.1' is not an IPv4 address"):
+        build("300.1.1.1")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 
 import pytest
@@ -260,6 +261,14 @@ def test_a_token_file_that_holds_no_token(server, capsys, tmp_path, content, say
         path.write_bytes(content)
     rc, _, err = run(capsys, "status", "--address", server.address, "--auth-token-file", str(path))
     assert rc == 2 and len(_error_lines(err)) == 1 and f"--auth-token-file {tmp_path}/{says}" in err, err
+
+
+@pytest.mark.parametrize("flag", ["--auth-token-file", "--tls-ca"])
+def test_a_fifo_is_not_read(capsys, tmp_path, port, flag):
+    """Refused unopened: status waited forever in the open of a FIFO for a writer."""
+    os.mkfifo(tmp_path / "fifo")
+    rc, _, err = run(capsys, "status", "--address", f"127.0.0.1:{port}", flag, str(tmp_path / "fifo"))
+    assert rc == 2 and _error_lines(err) == [f"psserver status: error: {flag} {tmp_path}/fifo is not a regular file"]
 
 
 def test_status_over_tls(target, tmp_path, capsys):

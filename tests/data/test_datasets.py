@@ -102,6 +102,35 @@ def test_synthetic_sizes_default_per_dataset():
         DataConfig(synthetic_train=0)
 
 
+@pytest.mark.parametrize(("config", "shape", "dtype", "says"), [
+    (DataConfig(synthetic_train=10**14), (1, 28, 28), None,
+     "--train-samples 100000000000000: the generated synthetic dataset (100000000001024 samples of 3144 bytes) needs "
+     "279.2 PiB of memory; "),
+    (DataConfig(dataset="synthetic_clicks", synthetic_train=10, synthetic_eval=10**14), (4,), torch.long,
+     "--train-samples 10 --eval-samples 100000000000000: the generated synthetic_clicks dataset (100000000000010 "
+     "samples of 52 bytes) needs 4.6 PiB of memory; "),
+])
+def test_a_generated_dataset_larger_than_memory_is_refused_before_it_is_made(config, shape, dtype, says):
+    """Not an allocation failure deep in torch (an internal error): the flags, what they need, what there is."""
+    with pytest.raises(DataError) as info:
+        load_dataset(config, shape, 10 if dtype is None else 1, dtype)
+    assert str(info.value).startswith(says) and str(info.value).endswith(" is available here"), str(info.value)
+
+
+def test_an_allocation_that_fails_while_generating_names_the_sizes(monkeypatch):
+    import psserver.data
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 8000 bytes.\nmore")
+
+    monkeypatch.setattr(psserver.data, "make_synthetic", no_memory)
+    with pytest.raises(DataError, match=r"^--train-samples 1000: generating dataset synthetic ran out of memory "
+                                        r"\(\[enforce fail .* can't allocate memory: you tried to allocate 8000 "
+                                        r"bytes\.\)$"):
+        load_dataset(DataConfig(synthetic_train=1000), (1, 28, 28), 10)
+
+
 def test_synthetic_clicks_for_a_model_with_four_id_columns():
     config = DataConfig(dataset="synthetic_clicks", synthetic_train=300, synthetic_eval=100, id_space=1 << 20,
                         click_vocab=50, seed=3)

@@ -74,6 +74,16 @@ SOURCE = '''
             return 0
 
 
+    class Negative(Squares):
+        def __len__(self):
+            return -5
+
+
+    class Fractional(Squares):
+        def __len__(self):
+            return 2.5
+
+
     def raises(path="x"):
         raise FileNotFoundError(f"no such file: {path}")
 '''
@@ -133,6 +143,9 @@ def test_bad_references_are_one_line_at_configuration(userdata, dataset, args, m
     ("unpaired", None),
     ("Singles", r"dataset userdata.sets:Singles: sample 0 is a Tensor, not an \(input, target\) pair"),
     ("Empty", r"dataset userdata.sets:Empty is empty"),
+    ("Negative", r"dataset userdata.sets:Negative: its __len__ gives no number of samples \(ValueError: "
+                 r"__len__\(\) should return >= 0\)"),
+    ("Fractional", r"dataset userdata.sets:Fractional: its __len__ gives no number of samples \(TypeError: 'float'"),
     ("raises", r"--dataset userdata.sets:raises raised FileNotFoundError: no such file: x \(at .*sets.py:\d+\)"),
 ])
 def test_what_the_user_code_gives_is_checked_when_called(userdata, attr, match):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import hashlib
 
 import pytest
+import torch
 
-from psserver.checkpoint import checkpoint_path, write_checkpoint
+from psserver.checkpoint import checkpoint_path, read_checkpoint, write_checkpoint
 from psserver.cli import main
 from psserver.config import ServerConfig
 from psserver.ps.server.server import ParameterServer
@@ -50,3 +51,43 @@ def test_explicit_corrupt_path_is_refused(tmp_path, capsys):
     path.write_bytes(data[: len(data) // 2])
     assert main(["serve", "--no-control", "--model", "mlp", "--resume", str(path)]) == 2
     assert "is truncated" in capsys.readouterr().err
+
+
+def _crafted(tmp_path, change) -> object:
+    """A checkpoint of mlp whose payload ``change`` altered, under a valid checksum."""
+    path = make_checkpoint(tmp_path, "mlp", ["cpu"])
+    state = read_checkpoint(path)
+    write_checkpoint(path, change(state))
+    return path
+
+
+@pytest.mark.parametrize(("change", "fragment"), [
+    (lambda s: {k: v for k, v in s.items() if k != "global_step"},
+     "is not a psserver checkpoint: it has no global_step"),
+    (lambda s: {**s, "samples_seen": None}, "is not a psserver checkpoint: its samples_seen is None, not a count"),
+    (lambda s: {**s, "optimizer_config": {"nope": 1}},
+     "is not a psserver checkpoint: its optimizer_config has fields no optimizer has (nope)"),
+    (lambda s: {**s, "rng": 4}, "is not a psserver checkpoint: its rng is not a random generator's state"),
+    (lambda s: {**s, "optimizer_config": {"name": "adam"}, "shards": [{**s["shards"][0], "optimizer": {"state": 5}}]},
+     "does not load into this server: "),
+    (lambda s: {**s, "rng": torch.zeros(3, dtype=torch.uint8)},
+     "does not load into this server: RuntimeError: Expected a CPUGeneratorImplState"),
+], ids=["no-step", "samples-none", "optimizer-fields", "rng-not-a-state", "optimizer-state", "rng-short"])
+def test_a_wrong_payload_with_a_valid_checksum_is_refused(tmp_path, capsys, change, fragment):
+    """KeyError, TypeError, RuntimeError from deep in the restore (internal errors) before."""
+    path = _crafted(tmp_path, change)
+    assert main(["serve", "--no-control", "--model", "mlp", "--resume", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment in err[0] and str(path) in err[0], err
+
+
+def test_a_wrong_payload_is_not_skipped_for_an_older_checkpoint(tmp_path, capsys):
+    """As an unsafe one: not psserver's, so --resume stops at it rather than resume an older step."""
+    older = make_checkpoint(tmp_path, "mlp", ["cpu"])
+    state = read_checkpoint(older)
+    write_checkpoint(checkpoint_path(tmp_path, 8), {**state, "shards": 3}, run="r")
+    assert main(["serve", "--no-control", "--model", "mlp", "--checkpoint-dir", str(tmp_path), "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    newest = checkpoint_path(tmp_path, 8)
+    assert err == [f"psserver serve: error: {newest} is not a psserver checkpoint: its shards are 3, not a list of the "
+                   "model's stages"], err

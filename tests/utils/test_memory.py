@@ -12,7 +12,7 @@ import weakref
 import pytest
 
 from psserver.config import ServerConfig
-from psserver.utils.memory import configure_host_allocator, freeze_long_lived
+from psserver.utils.memory import available_memory, configure_host_allocator, freeze_long_lived
 
 
 def _is_glibc() -> bool:
@@ -90,3 +90,22 @@ def test_freeze_long_lived_exempts_existing_objects_and_still_collects_new_cycle
         assert collected == ["a"]
     finally:
         gc.unfreeze()
+
+
+def test_available_memory_is_capped_by_the_cgroup_limit(tmp_path):
+    """A container's limit, not the host's free memory, is what the process may still take."""
+    import psutil
+
+    own = tmp_path / "cgroup"
+    own.write_text("4:memory:/v1job\n0::/job\n")
+    assert 0 < available_memory(tmp_path, own) <= psutil.virtual_memory().total  # no limit files: the host's
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "memory.max").write_text("max\n")
+    (tmp_path / "job" / "memory.current").write_text("1000\n")
+    assert available_memory(tmp_path, own) > 2**20  # v2 without a limit
+    (tmp_path / "job" / "memory.max").write_text(f"{2**20 + 1000}\n")
+    assert available_memory(tmp_path, own) == 2**20
+    (tmp_path / "memory" / "v1job").mkdir(parents=True)
+    (tmp_path / "memory" / "v1job" / "memory.limit_in_bytes").write_text(f"{2**19}\n")
+    (tmp_path / "memory" / "v1job" / "memory.usage_in_bytes").write_text("0\n")
+    assert available_memory(tmp_path, own) == 2**19  # the smaller of the two

@@ -24,9 +24,10 @@ import torch
 
 from psserver import __version__
 from psserver.checkpoint import CheckpointError, Header, checkpoint_path, find_latest, load_checkpoint
-from psserver.errors import UsageError
+from psserver.errors import UsageError, first_line
 from psserver.models.layout import ModelLayout
 from psserver.ps.group.partition import PartitionPlan
+from psserver.ps.server.checkpointing import check_state
 
 log = logging.getLogger(__name__)
 
@@ -59,16 +60,22 @@ def export(source: Path, out: Path) -> Exported:
     if state.get("layout") is None:
         raise UsageError(f"{header.path} records no model layout (written by an older psserver): resume it with this "
                          "version and let it write a checkpoint, then export that one")
+    # Past check_state, what does not fit is inside the fields (a tensor of another shape than
+    # the layout says, a plan other than its partition's): still the file's fault, in one line.
     try:
         layout = ModelLayout.from_dict(state["layout"])
         tensors = _tensors(header.path, state, layout)
         model_state = layout.state_dict(tensors)
-    except (ValueError, KeyError, CheckpointError) as e:
-        raise UsageError(f"{header.path}: cannot export it: {e}") from None
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
+    except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as e:
+        raise UsageError(f"{header.path}: cannot export it: {_reason(e)}") from None
     try:
         tables = _tables(header.path, state)
-    except (ValueError, KeyError, CheckpointError) as e:
-        raise UsageError(f"{header.path}: cannot export its embedding tables: {e}") from None
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
+    except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as e:
+        raise UsageError(f"{header.path}: cannot export its embedding tables: {_reason(e)}") from None
     tables_path = out.with_name(out.stem + ".tables" + out.suffix) if tables else None
     meta = out.with_suffix(".json")
     try:
@@ -109,10 +116,24 @@ def _load(source: Path) -> tuple[Header, dict]:
             found = find_latest(directory)
             if found is None:
                 raise UsageError(f"{source} holds no valid checkpoint")
-            return found
-        return load_checkpoint(source)
+        else:
+            found = load_checkpoint(source)
+        check_state(found[1], found[0].path)
+        return found
     except CheckpointError as e:
         raise UsageError(str(e)) from None
+
+
+def _load_partition(path: Path) -> dict:
+    """Another server process's file of the same checkpoint, checked as server 0's."""
+    _, state = load_checkpoint(path)
+    check_state(state, path)
+    return state
+
+
+def _reason(e: Exception) -> str:
+    """One line of ``e``: a ValueError's own words, another type named (a bare KeyError is a key)."""
+    return first_line(e) if type(e) is ValueError else f"{type(e).__name__}: {first_line(e)}"
 
 
 def _tensors(path: Path, state: dict, layout: ModelLayout) -> list[torch.Tensor]:
@@ -135,7 +156,7 @@ def _tensors(path: Path, state: dict, layout: ModelLayout) -> list[torch.Tensor]
         other = checkpoint_path(path.parent.parent / f"server-{server}", step)
         if not other.is_file():
             raise ValueError(f"server {server}'s partition of step {step} is missing ({other})")
-        _, part = load_checkpoint(other)
+        part = _load_partition(other)
         if int(part["global_step"]) != step or (part.get("partition") or {}).get("server_rank") != server:
             raise ValueError(f"{other} is not server {server}'s partition of step {step}")
         flats.append(_flat(part))
@@ -164,7 +185,7 @@ def _tables(path: Path, state: dict) -> dict[str, torch.Tensor]:
     if partition is not None:
         step = int(state["global_step"])
         for server in range(1, int(partition["num_servers"])):
-            states.append(load_checkpoint(checkpoint_path(path.parent.parent / f"server-{server}", step))[1])
+            states.append(_load_partition(checkpoint_path(path.parent.parent / f"server-{server}", step)))
     out: dict[str, torch.Tensor] = {}
     for name in state["tables"]["tables"]:
         ids = torch.cat([s["tables"]["tables"][name]["ids"] for s in states])

@@ -89,3 +89,47 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
     assert main(["export", *(a.format(tmp=tmp_path) for a in args)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message.format(tmp=tmp_path) in err[0], err
+
+
+@pytest.fixture(scope="module")
+def server_state() -> dict:
+    """What a server of ``mlp`` on the CPU writes into a checkpoint."""
+    from psserver.config import ServerConfig
+    from psserver.ps.server.server import ParameterServer
+
+    server = ParameterServer(ServerConfig(model="mlp", devices=["cpu"]))
+    try:
+        return server.policy.snapshot()
+    finally:
+        server.engine.close()
+
+
+def _module(state: dict, **changes) -> dict:
+    return {**state, "shards": [{**state["shards"][0], "module": {**state["shards"][0]["module"], **changes}}]}
+
+
+@pytest.mark.parametrize(("craft", "message"), [
+    (lambda s: {}, " is not a psserver checkpoint: it has no global_step"),
+    (lambda s: {k: v for k, v in s.items() if k != "shards"}, " is not a psserver checkpoint: it has no shards"),
+    (lambda s: {**s, "global_step": "x"}, " is not a psserver checkpoint: its global_step is 'x', not a count"),
+    (lambda s: {**s, "shards": [{"module": [1, 2]}]},
+     " is not a psserver checkpoint: shard 0 holds no module state (tensors by name)"),
+    (lambda s: {**s, "partition": 4}, " is not a psserver checkpoint: its partition field is 4, not a dict"),
+    (lambda s: {**s, "tables": {"tables": {"t": 1}}},
+     " is not a psserver checkpoint: its tables are not ids and weights by table name"),
+    (lambda s: _module(s, **{"1.weight": torch.zeros(3)}),
+     ": cannot export it: 1.weight: a tensor of shape (3,) for an entry of (256, 784)"),
+], ids=["empty", "no-shards", "step-not-a-count", "module-not-tensors", "partition-not-a-dict", "tables-not-rows",
+        "wrong-shape"])
+def test_a_wrong_payload_with_a_valid_checksum_is_one_line_exit_2(tmp_path, capsys, server_state, craft, message):
+    """Made by hand or by another program: the checksum holds, the content is not a server's
+    (a KeyError or TypeError, an internal error, before)."""
+    from psserver.checkpoint import checkpoint_path, verify, write_checkpoint
+
+    path = checkpoint_path(tmp_path, 7)
+    write_checkpoint(path, craft(server_state))
+    verify(path)
+    assert main(["export", str(path), "--out", str(tmp_path / "m.pt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"psserver export: error: {path}{message}"], err
+    assert not (tmp_path / "m.pt").exists()
