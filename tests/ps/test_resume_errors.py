@@ -1,4 +1,5 @@
-"""--resume with a checkpoint that does not fit: one line, exit 2, files untouched."""
+"""--resume with a checkpoint that does not fit: one line, exit 2, files untouched; and one that
+fits across servers with and without --model."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import torch
 
 from psserver.checkpoint import checkpoint_path, read_checkpoint, write_checkpoint
 from psserver.cli import main
-from psserver.config import ServerConfig
+from psserver.config import CheckpointConfig, ServerConfig
+from psserver.models import build_model, get_model_spec
+from psserver.models.layout import ModelLayout, values_of
 from psserver.ps.server.server import ParameterServer
 
 
@@ -91,3 +94,35 @@ def test_a_wrong_payload_is_not_skipped_for_an_older_checkpoint(tmp_path, capsys
     newest = checkpoint_path(tmp_path, 8)
     assert err == [f"psserver serve: error: {newest} is not a psserver checkpoint: its shards are 3, not a list of the "
                    "model's stages"], err
+
+
+@pytest.mark.parametrize("saved_with,resumed_with", [("mlp", None), (None, "mlp")],
+                         ids=["model-to-no-model", "no-model-to-model"])
+def test_a_checkpoint_resumes_with_and_without_model(tmp_path, saved_with, resumed_with):
+    """A server started with ``--model mlp`` and one that learnt mlp from its first trainer hold
+    the same model under other parameter names (``0.weight`` against ``t0``): each resumes the
+    other's checkpoint, its values included (the layout, recorded in both, is what is checked)."""
+    model = build_model(get_model_spec("mlp", None), seed=3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # not what a fresh build of mlp holds
+    server = ParameterServer(ServerConfig(model=saved_with, devices=["cpu"]))
+    try:
+        layout = ModelLayout.of(model)
+        if saved_with is None:
+            server.engine.adopt(layout, values_of(model, layout), "mlp", {})
+        else:
+            server.engine.shards[0].module.load_state_dict(model.state_dict())
+        path = checkpoint_path(tmp_path, 7)
+        write_checkpoint(path, server.policy.snapshot())
+    finally:
+        server.engine.close()
+    resumed = ParameterServer(ServerConfig(model=resumed_with, devices=["cpu"],
+                                           checkpoint=CheckpointConfig(directory=tmp_path, resume="latest")))
+    try:
+        got = [p.detach() for p in resumed.engine.params]
+        assert [tuple(p.shape) for p in got] == [tuple(p.shape) for p in model.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(got, model.parameters(), strict=True))
+        assert resumed.engine.model_ref == "mlp"
+    finally:
+        resumed.engine.close()

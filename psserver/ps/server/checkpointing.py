@@ -377,8 +377,17 @@ class CheckpointPolicy:
 
             raise CheckpointError(f"checkpoint {path} holds {held(recorded)}; this server holds {held(expected)} "
                                   "(resume with the same --num-servers, each server its own --server-rank)")
-        if [list(map(tuple, x)) for x in state.get("param_shapes", [])] != [list(x) for x in engine.param_shapes()]:
-            raise CheckpointError(f"checkpoint {path} has parameter shapes that do not match model {cfg.model}")
+        recorded_shapes = [list(map(tuple, x)) for x in state.get("param_shapes", [])]
+        shapes = [list(x) for x in engine.param_shapes()]
+        if state.get("layout") is not None:
+            # The layout matched the model's (or is the model learnt from it): the names differ
+            # between a model built by --model and one held from its layout (t0, t1, ...), and a
+            # server may resume the other's checkpoint.
+            recorded_shapes = [[shape for _, shape in stage] for stage in recorded_shapes]
+            shapes = [[shape for _, shape in stage] for stage in shapes]
+        if recorded_shapes != shapes:
+            raise CheckpointError(f"checkpoint {path} has parameter shapes that do not match model "
+                                  f"{cfg.model or engine.model_ref}")
         try:
             saved = OptimizerConfig(**state["optimizer_config"]) if state.get("optimizer_config") else None
         except ValueError as e:
