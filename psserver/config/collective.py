@@ -222,7 +222,7 @@ class CollectiveConfig:
     control: ControlConfig = field(default_factory=lambda: ControlConfig(enabled=True))
     """gRPC control plane served by rank 0."""
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
-    """Prometheus endpoint (issue 7) and TensorBoard."""
+    """Prometheus endpoint and TensorBoard."""
 
     def __post_init__(self) -> None:
         check_seed(self.seed, "--seed")
