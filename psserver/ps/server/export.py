@@ -24,10 +24,10 @@ import torch
 
 from psserver import __version__
 from psserver.checkpoint import CheckpointError, Header, checkpoint_path, find_latest, load_checkpoint
-from psserver.errors import UsageError, first_line
+from psserver.errors import UsageError
 from psserver.models.layout import ModelLayout
 from psserver.ps.group.partition import PartitionPlan
-from psserver.ps.server.checkpointing import check_state
+from psserver.ps.server.checkpoint_content import check_state, load_error
 
 log = logging.getLogger(__name__)
 
@@ -69,13 +69,13 @@ def export(source: Path, out: Path) -> Exported:
     except CheckpointError as e:
         raise UsageError(str(e)) from None
     except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as e:
-        raise UsageError(f"{header.path}: cannot export it: {_reason(e)}") from None
+        raise UsageError(f"{header.path}: cannot export it: {load_error(e)}") from None
     try:
         tables = _tables(header.path, state)
     except CheckpointError as e:
         raise UsageError(str(e)) from None
     except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as e:
-        raise UsageError(f"{header.path}: cannot export its embedding tables: {_reason(e)}") from None
+        raise UsageError(f"{header.path}: cannot export its embedding tables: {load_error(e)}") from None
     tables_path = out.with_name(out.stem + ".tables" + out.suffix) if tables else None
     meta = out.with_suffix(".json")
     try:
@@ -129,11 +129,6 @@ def _load_partition(path: Path) -> dict:
     _, state = load_checkpoint(path)
     check_state(state, path)
     return state
-
-
-def _reason(e: Exception) -> str:
-    """One line of ``e``: a ValueError's own words, another type named (a bare KeyError is a key)."""
-    return first_line(e) if type(e) is ValueError else f"{type(e).__name__}: {first_line(e)}"
 
 
 def _tensors(path: Path, state: dict, layout: ModelLayout) -> list[torch.Tensor]:
