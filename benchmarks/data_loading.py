@@ -28,9 +28,10 @@ Setups (``SETUPS``):
   (``benchmarks.userproject.PNG_DATASET``, the issue's must-show project), 1 (2) workers.
 
 Why ``--compute-threads 1`` (``--trainer-threads``; 0: the trainer's default): the default is a
-share of the host's CPUs among the trainers the server knows there, re-asked every 10 s; the
-first trainer to join sees itself alone and runs two threads on the shared cores (~400 ms steps
-instead of ~80) until its next look, which moves a run's rate by when the second one joined.
+share of the host's CPUs among the trainers the server knows there, re-asked every second (every
+10 s when these runs were measured); the first trainer to join sees itself alone and runs two
+threads on the shared cores (~400 ms steps instead of ~80) until its next look, which moves a
+run's rate by when the second one joined.
 
 The machine is shared: before each round the harness waits (at most ``--load-wait`` s) until
 the 1-minute load average is below ``--max-load`` and records whether it got there. Per run it
@@ -189,10 +190,11 @@ ALLOCATORS = ("system", "cached")
 
 def allocator_env(policy: str) -> dict[str, str]:
     """glibc's settings of psserver's ``cached`` host allocator policy (``psserver.utils.memory``,
-    which ``psserver serve`` applies to itself; the trainer does not) as environment variables,
-    for the trainers; none for ``system``. Why: glibc raises its mmap threshold when a large
-    block is freed, so a trainer whose data loading freed one (``load_mnist``'s temporaries)
-    reuses its step buffers while one that did not maps and faults them in again each step."""
+    which ``psserver serve`` and, since these runs were measured, ``psserver train`` apply to
+    themselves) as environment variables, for the trainers; none for ``system``. Why: glibc
+    raises its mmap threshold when a large block is freed, so a trainer whose data loading freed
+    one (``load_mnist``'s temporaries) reuses its step buffers while one that did not maps and
+    faults them in again each step."""
     if policy not in ALLOCATORS:
         raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}, got {policy!r}")
     if policy == "system":
@@ -537,7 +539,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="steps per trainer of one unmeasured run first (a server's first session is slow; default 40)")
     p.add_argument("--trainer-threads", type=int, default=1,
                    help="each trainer's --compute-threads (default 1, its share of 2 cores with 2 trainers; 0: the "
-                        "trainer's default, which the first trainer to join sets to all cores for up to 10 s)")
+                        "trainer's default, which the first trainer to join sets to all cores until its next look)")
     p.add_argument("--trainer-allocator", choices=ALLOCATORS, default="system",
                    help="system: the trainers' own malloc (psserver's as it is); cached: every setup's trainers run "
                         "with psserver's cached host allocator policy (glibc environment variables), so the "

@@ -29,8 +29,8 @@ Names:
 - ``ddp-N[-straggler]``: N DDP ranks of one torch thread each (psserver's collective loop),
   the last one held to half a core with ``-straggler``. ``fsdp-N``: FSDP2, N ranks.
 
-Every process that runs one torch thread (trainer-compute trainers, one-thread local loops,
-DDP ranks) also gets ``OMP_NUM_THREADS=1``.
+Every process that runs one torch thread (one-thread local loops, DDP ranks) also gets
+``OMP_NUM_THREADS=1``; PS trainers size their threads themselves (``process_env``).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ def path_arg(text: str) -> Path:
     return Path(text)
 
 
-MODEL_HELP = ("a model name (mnist_cnn, mlp, mlp_wide, resnet18, mf, dlrm_tiny, llama_tiny, or one a package "
+MODEL_HELP = ("a model name (mnist_cnn, mlp, mlp_wide, resnet18, resnet50, mf, dlrm_tiny, llama_tiny, or one a package "
               "registers in the entry-point group psserver.models) or MODULE:ATTR, an nn.Module class or a "
               "function returning one")
 

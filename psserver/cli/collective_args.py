@@ -51,9 +51,8 @@ def add_collective_arguments(parser: argparse.ArgumentParser) -> None:
                    help="standalone: rendezvous port (default 0: a free one; torchrun: $MASTER_PORT)")
     g.add_argument("--backend", default="auto",
                    help=f"process-group backend: {', '.join(BACKENDS)} (default auto: nccl on GPU, else gloo)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the initial parameters (default 0)")
-    g.add_argument("--compute-threads", type=int, default=0,
-                   help="torch threads per worker (default: cores / workers on this host)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of the initial parameters (default 0; a PS trainer's come from its server: serve --seed)")
     g.add_argument("--result-file", default=None,
                    help="write a JSON summary per rank ({rank} in the name is replaced); for scripts and tests")
     g.add_argument("--nccl-nsocks-perthread", type=int, default=None,

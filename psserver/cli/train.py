@@ -52,6 +52,9 @@ class TrainCommand(SubCommand):
         parser.add_argument("--eval-batch-size", type=int, default=1000,
                             help="samples per batch of the final evaluation (default 1000)")
         parser.add_argument("--max-steps", type=int, default=0, help="stop after N steps (0: all epochs)")
+        parser.add_argument("--compute-threads", type=int, default=0,
+                            help="torch threads of this trainer or worker (default 0: its share of this host's cores "
+                                 "among the trainers or workers on it)")
         parser.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
         ps = parser.add_argument_group("parameter server (--mode ps)")
         ps.add_argument("--server", default=default_server_address(),
