@@ -18,7 +18,8 @@ from tests.procs import cli, free_port, run
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 T_MAX, WARMUP, LR = 200, 50, 0.1
-SERVE = ["--model", "mlp", "--compute-threads", "1", "--update", "sync", "--optimizer", "sgd", "--lr", str(LR),
+SERVE = ["--model", "mlp", "--compute-threads", "1", "--update", "sync", "--sync-trainers", "1", "--optimizer", "sgd",
+         "--lr", str(LR),
          "--lr-schedule", "CosineAnnealingLR", "--lr-schedule-args", json.dumps({"T_max": T_MAX}),
          "--warmup-steps", str(WARMUP)]
 APPLIED = re.compile(r"learning rate at step (\d+): (\S+)")

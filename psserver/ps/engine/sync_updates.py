@@ -23,7 +23,10 @@ class SyncUpdater(Updater):
     """One optimizer step per K gradients, averaged.
 
     The barrier follows membership: a round needs min(K, live trainers) contributions, so it
-    never waits for a trainer that left or was lost, and it grows again when one joins. A
+    never waits for a trainer that left or was lost, and it grows again when one joins. At a
+    fresh start (:meth:`await_first_trainers`) the rounds wait for K trainers, for a while after
+    the first joins: trainers launched together join a little apart, and the first one's rounds
+    alone would not be the K-gradient steps asked for. A
     gradient's call returns at once; the trainer's next forward waits until its round is
     applied, which keeps RPC threads free and the optimizer's lock short.
     """
@@ -41,7 +44,9 @@ class SyncUpdater(Updater):
         self._contributors: set[str] = set()  # arrived in this round (a dropped step too)
         self._gradients = 0  # of them, those whose gradient is in the sums
         self._samples = 0
-        self._awaited = 0  # trainers of before a restart not back yet: a round waits for them too
+        self._awaited = 0  # trainers not (back) yet: a round waits for them too
+        self._awaited_who = "of before the restart"
+        self._first_wait: float | None = None  # await_first_trainers' bound, until the first join starts it
         self.round_listeners: list[Callable[[int, list[str]], None]] = []
         """Called with (round, its contributors) as each round closes, the lock held: server 0
         of several tells the others which round every gradient is in (:class:`FollowerSyncUpdater`)."""
@@ -66,18 +71,27 @@ class SyncUpdater(Updater):
         if count <= 0:
             return
         with self._cond:
-            self._awaited = count
+            self._awaited, self._awaited_who = count, "of before the restart"
         log.info("sync: rounds wait up to %gs for the %d trainer(s) that trained before the restart", timeout, count)
         timer = threading.Timer(timeout, self._stop_awaiting)
         timer.daemon = True
         timer.start()
 
+    def await_first_trainers(self, timeout: float) -> None:
+        """A fresh start: until K trainers have joined, or ``timeout`` s have passed since the
+        first did, a round waits for the K (then it goes on with those that joined, as the
+        barrier that follows membership does)."""
+        with self._cond:
+            if self._live or self.k <= 1:
+                return
+            self._awaited, self._awaited_who, self._first_wait = self.k, "expected", timeout
+
     def _stop_awaiting(self) -> None:
         with self._cond:
             if not self._awaited:
                 return
-            log.warning("sync: %d trainer(s) of before the restart did not rejoin: rounds go on without them",
-                        self._awaited)
+            log.warning("sync: %d trainer(s) %s did not join: rounds go on without them", self._awaited,
+                        self._awaited_who)
             self._awaited = 0
             applied = self._maybe_apply()
             self._cond.notify_all()
@@ -92,6 +106,13 @@ class SyncUpdater(Updater):
             if trainer not in self._live and self._awaited:
                 self._awaited -= 1
             self._live.add(trainer)
+            timeout, self._first_wait = self._first_wait, None
+            if timeout is not None and self._awaited:
+                log.info("sync: rounds wait up to %gs for %d more trainer(s) of K=%d", timeout, self._awaited,
+                         self.k)
+                timer = threading.Timer(timeout, self._stop_awaiting)
+                timer.daemon = True
+                timer.start()
 
     def trainer_gone(self, trainer: str) -> None:
         super().trainer_gone(trainer)

@@ -140,6 +140,10 @@ class ParameterServer:
         if memory is not None and memory.disabled is None and memory.ranks and isinstance(updater, SyncUpdater):
             # Continued from memory: the trainers of before come back; rounds wait for them.
             updater.await_rejoins(len(memory.ranks), self.drain_timeout())
+        elif isinstance(updater, SyncUpdater):
+            # A fresh start: the first rounds are of K trainers, as asked, unless the others are
+            # later than a lost trainer would be.
+            updater.await_first_trainers(cfg.trainer_timeout)
         log.info("psserver %s serving %s on %s:%d (update=%s%s)", __version__,
                  self.engine.model_ref or "<the-first-trainer's-model>", cfg.host, cfg.port,
                  cfg.update, f", K={cfg.sync_trainers}" if cfg.update == "sync" else "")

@@ -165,8 +165,12 @@ def _retire(spare: subprocess.Popen) -> None:
 
 def standby_wait() -> bool:
     """In a standby: wait for the supervisor's word (True: go on, as the server; False: the
-    supervisor is done with it, or gone)."""
+    supervisor is done with it, or gone). What the restored state's optimizers import (torch's
+    compiler, 1.3-1.9 s of CPU) is imported first, so the restart does not wait for it."""
+    from psserver.ps.engine.shard import warm_optimizers  # imports torch: the supervisor itself does not
+
     os.environ.pop(STANDBY_ENV, None)
+    warm_optimizers().join()
     log.info("standby server ready (pid %d)", os.getpid())
     try:
         word = sys.stdin.buffer.readline()

@@ -137,6 +137,40 @@ def test_sync_after_a_restart_waits_for_the_trainers_of_before_then_goes_on_with
     assert steps[-1] == (2, 4)  # and from then on the barrier follows membership
 
 
+def test_sync_at_a_fresh_start_waits_for_k_trainers_for_a_while_after_the_first_joins():
+    """Two trainers launched together join a little apart: the first one's gradients wait for
+    the second's, so every round has the K asked for. One that never comes holds the rounds
+    only for the bound, counted from the first join (not from the server's start)."""
+    shard = make_shard()
+    steps = []
+    up = SyncUpdater([shard], lambda s, n: steps.append((s, n)), k=2)
+    up.await_first_trainers(timeout=30)
+    time.sleep(0.1)  # however long before the first trainer comes
+    up.trainer_joined("a")
+    up.submit("a", grads(shard, 1.0), 4)
+    assert steps == []  # the round waits for the second trainer
+    up.trainer_joined("b")
+    up.submit("b", grads(shard, 3.0), 4)
+    assert steps == [(1, 8)]
+
+    steps.clear()
+    up = SyncUpdater([shard], lambda s, n: steps.append((s, n)), k=2)
+    up.await_first_trainers(timeout=0.3)
+    time.sleep(0.5)  # longer than the bound before anyone joins: it has not started
+    up.trainer_joined("a")
+    up.submit("a", grads(shard, 1.0), 4)
+    assert steps == []
+    deadline = time.monotonic() + 10
+    while not steps and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert steps == [(1, 4)]  # 0.3 s after "a" joined without "b": "a"'s round goes alone
+    up.submit("a", grads(shard, 1.0), 4)
+    assert steps[-1] == (2, 4)  # and from then on the barrier follows membership
+    one = SyncUpdater([shard], lambda s, n: None, k=1)
+    one.await_first_trainers(timeout=30)
+    assert one.required() == 1  # K = 1 waits for no one
+
+
 def test_sync_refuses_two_gradients_from_one_trainer_in_a_round():
     shard = make_shard()
     up = SyncUpdater([shard], lambda s, n: None, k=2)
