@@ -73,9 +73,7 @@ class SyncUpdater(Updater):
         with self._cond:
             self._awaited, self._awaited_who = count, "of before the restart"
         log.info("sync: rounds wait up to %gs for the %d trainer(s) that trained before the restart", timeout, count)
-        timer = threading.Timer(timeout, self._stop_awaiting)
-        timer.daemon = True
-        timer.start()
+        self._stop_awaiting_after(timeout)
 
     def await_first_trainers(self, timeout: float) -> None:
         """A fresh start: until K trainers have joined, or ``timeout`` s have passed since the
@@ -85,6 +83,11 @@ class SyncUpdater(Updater):
             if self._live or self.k <= 1:
                 return
             self._awaited, self._awaited_who, self._first_wait = self.k, "expected", timeout
+
+    def _stop_awaiting_after(self, timeout: float) -> None:
+        timer = threading.Timer(timeout, self._stop_awaiting)
+        timer.daemon = True
+        timer.start()
 
     def _stop_awaiting(self) -> None:
         with self._cond:
@@ -110,9 +113,7 @@ class SyncUpdater(Updater):
             if timeout is not None and self._awaited:
                 log.info("sync: rounds wait up to %gs for %d more trainer(s) of K=%d", timeout, self._awaited,
                          self.k)
-                timer = threading.Timer(timeout, self._stop_awaiting)
-                timer.daemon = True
-                timer.start()
+                self._stop_awaiting_after(timeout)
 
     def trainer_gone(self, trainer: str) -> None:
         super().trainer_gone(trainer)

@@ -116,6 +116,15 @@ class ParameterServer:
         self.desk = AdmissionDesk(self.store, self.membership.admit, self.published,
                                   group.admit_server if group is not None else None)
         self.desk.start()
+        # Before the endpoint opens: the first join must find the rounds waiting.
+        memory, updater = self.memory, self.engine.updater
+        if memory is not None and memory.disabled is None and memory.ranks and isinstance(updater, SyncUpdater):
+            # Continued from memory: the trainers of before come back; rounds wait for them.
+            updater.await_rejoins(len(memory.ranks), self.drain_timeout())
+        elif isinstance(updater, SyncUpdater):
+            # A fresh start: the first rounds are of K trainers, as asked, unless the others are
+            # later than a lost trainer would be.
+            updater.await_first_trainers(cfg.trainer_timeout)
         self.endpoint.open(self.membership)
         if self.engine.optimizer_config is None:
             warm_optimizers()
@@ -136,14 +145,6 @@ class ParameterServer:
             self._open = True
             if self.endpoint.state == rendezvous.SERVING:
                 self.view.ready.set()
-        memory, updater = self.memory, self.engine.updater
-        if memory is not None and memory.disabled is None and memory.ranks and isinstance(updater, SyncUpdater):
-            # Continued from memory: the trainers of before come back; rounds wait for them.
-            updater.await_rejoins(len(memory.ranks), self.drain_timeout())
-        elif isinstance(updater, SyncUpdater):
-            # A fresh start: the first rounds are of K trainers, as asked, unless the others are
-            # later than a lost trainer would be.
-            updater.await_first_trainers(cfg.trainer_timeout)
         log.info("psserver %s serving %s on %s:%d (update=%s%s)", __version__,
                  self.engine.model_ref or "<the-first-trainer's-model>", cfg.host, cfg.port,
                  cfg.update, f", K={cfg.sync_trainers}" if cfg.update == "sync" else "")
