@@ -81,7 +81,13 @@ def check_input_file(path: Path | str, flag: str) -> None:
     path = Path(path)
     if not path.exists():
         raise ValueError(f"{flag}: file not found: {path}")
-    if not path.is_file():
+    refuse_special_file(path, flag)
+
+
+def refuse_special_file(path: Path | str, flag: str) -> None:
+    """``ValueError`` naming ``flag`` for a path that exists but is no regular file (a FIFO, whose
+    open would wait for a writer forever; a directory), checked without opening it."""
+    if Path(path).exists() and not Path(path).is_file():
         raise ValueError(f"{flag} {path} is not a regular file")
 
 
@@ -93,8 +99,7 @@ def check_token_file(path: Path | None, flag: str) -> None:
 def read_token_file(path: Path | str, flag: str) -> str:
     """A secret's file, stripped; ``ValueError`` naming ``flag`` for a missing, empty,
     unreadable or non-text one, or one that is not a regular file (never opened)."""
-    if Path(path).exists() and not Path(path).is_file():
-        raise ValueError(f"{flag} {path} is not a regular file")
+    refuse_special_file(path, flag)
     try:
         token = Path(path).read_text().strip()
     except (OSError, UnicodeDecodeError) as e:

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from psserver.config.common import read_token_file
+from psserver.config.common import read_token_file, refuse_special_file
 from psserver.config.control import TOKEN_ENV
 from psserver.control import ADDRESS_ENV, DEFAULT_ADDRESS
 from psserver.control.v1 import control_pb2 as pb
@@ -75,8 +75,10 @@ class ControlClient:
             if isinstance(tls_ca, bytes):
                 ca = tls_ca
             else:
-                if Path(tls_ca).exists() and not Path(tls_ca).is_file():  # a FIFO: the read would wait forever
-                    raise UsageError(f"--tls-ca {tls_ca} is not a regular file")
+                try:
+                    refuse_special_file(tls_ca, "--tls-ca")
+                except ValueError as e:
+                    raise UsageError(str(e)) from None
                 try:
                     ca = Path(tls_ca).read_bytes()
                 except OSError as e:
