@@ -12,16 +12,9 @@ from collections.abc import Sequence
 
 from psserver.control.convert import enum_name
 from psserver.control.v1 import control_pb2 as pb
+from psserver.utils.units import human_bytes
 
 log = logging.getLogger(__name__)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
 
 
 def human_duration(seconds: float) -> str:

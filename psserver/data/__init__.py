@@ -31,6 +31,7 @@ from psserver.data.synthetic import make_synthetic
 from psserver.errors import DataError, first_line
 from psserver.utils.memory import available_memory
 from psserver.utils.references import is_reference
+from psserver.utils.units import human_bytes
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +169,8 @@ def _check_generated_size(config, sample_bytes: int) -> None:
     need, have = (n_train + n_eval) * sample_bytes, available_memory()
     if need > have:
         raise DataError(f"{_size_flags(config)}: the generated {config.dataset} dataset ({n_train + n_eval} samples "
-                        f"of {sample_bytes} bytes) needs {_bytes(need)} of memory; {_bytes(have)} is available here")
+                        f"of {sample_bytes} bytes) needs {human_bytes(need)} of memory; {human_bytes(have)} is "
+                        "available here")
 
 
 @contextlib.contextmanager
@@ -189,13 +191,6 @@ def _size_flags(config) -> str:
     given = [f"{flag} {n}" for flag, n in (("--train-samples", config.synthetic_train),
                                           ("--eval-samples", config.synthetic_eval)) if n is not None]
     return " ".join(given) or f"dataset {config.dataset} (its default sizes)"
-
-
-def _bytes(n: int) -> str:
-    """``n`` bytes in the largest binary unit (up to EiB) that leaves a number >= 1."""
-    units = ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
-    power = min(len(units) - 1, max(0, (n.bit_length() - 1) // 10))
-    return f"{n / 1024**power:,.1f} {units[power]}" if power else f"{n} bytes"
 
 
 def _load_sparse(config, input_shape: tuple[int, ...], input_dtype) -> tuple[TensorDataset, TensorDataset]:
