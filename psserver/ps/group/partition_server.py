@@ -40,6 +40,7 @@ from psserver.metrics import start_server_process_exporter
 from psserver.models.layout import ModelLayout
 from psserver.ps.engine.devices import resolve_devices
 from psserver.ps.engine.engine import StepEngine
+from psserver.ps.engine.shard import warm_optimizers
 from psserver.ps.engine.sync_updates import FollowerSyncUpdater
 from psserver.ps.group import peers
 from psserver.ps.protocols import PROTOCOLS
@@ -153,6 +154,8 @@ class PartitionServer:
             raise UsageError(reply["error"])
         if reply["optimizer"] is not None:
             self.engine.agree_optimizer(OptimizerConfig(**reply["optimizer"]), "server 0")
+        else:  # the first trainer's join waits for this process's first optimizer too
+            warm_optimizers()
         if found is not None and reply.get("memory"):
             self.policy.restore_memory(found)
         else:

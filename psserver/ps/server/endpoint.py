@@ -140,6 +140,9 @@ class Endpoint:
                 raise
             join_info = {**join_info, **self.group.join_info()}
         self.engine.trainer_joined(request.name)
+        # The trainer heartbeats once it has this answer: the other server processes' part of
+        # the join (their first optimizer, say) must not count against its --trainer-timeout.
+        self.membership.seen(request.name)
         return {
             "step": step,
             "compute": STEP_MODES[step].compute,

@@ -32,7 +32,9 @@ class Members:
         self.members[name] = Member(status, rpc_id=rank + 1, protocol=protocol)
 
     def seen(self, name: str) -> Member:
-        return self.members[name]
+        m = self.members[name]
+        m.last_seen_mono = time.monotonic()
+        return m
 
     def is_member(self, name: str) -> bool:
         return name in self.members
@@ -102,6 +104,23 @@ def test_refusals_are_answers_not_errors(endpoint):
     assert "trains with adam" in join(endpoint, "b", optimizer={"name": "sgd"})["error"]
     endpoint.drain()
     assert "draining: not accepting trainers" in join(endpoint, "c")["error"]
+
+
+def test_the_heartbeat_clock_starts_when_the_trainer_has_its_answer(endpoint):
+    """The other server processes' part of a join can take seconds (their first optimizer
+    imports torch's compiler): a short --trainer-timeout must not run out before the trainer
+    has its answer and starts heartbeating (it did, in a CI run: evicted before its first step)."""
+    class SlowPeers:
+        def trainer_joined(self, request, step) -> None:
+            time.sleep(0.3)
+
+        def join_info(self) -> dict:
+            return {}
+
+    endpoint.group = SlowPeers()  # type: ignore[assignment]
+    t0 = time.monotonic()
+    assert "error" not in join(endpoint, "t", step="pushpull")
+    assert endpoint.membership.members["t"].last_seen_mono >= t0 + 0.3
 
 
 @pytest.mark.timeout(30)
