@@ -3,12 +3,52 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
 
 from tests.procs import MNIST_DIR, free_port  # noqa: F401  (re-exported for tests)
+from tests.workers import LOCKS_ENV, MachineShare, auto_workers
+
+_SHARE = pytest.StashKey[MachineShare]()
+_LOCKS = pytest.StashKey[Path]()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    return auto_workers()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The controller of several workers makes the run's lock directory; each worker opens it
+    (``tests.workers``)."""
+    if hasattr(config, "workerinput"):
+        if LOCKS_ENV in os.environ:
+            config.stash[_SHARE] = MachineShare(Path(os.environ[LOCKS_ENV]))
+    elif getattr(config.option, "numprocesses", None):
+        config.stash[_LOCKS] = Path(tempfile.mkdtemp(prefix="psserver-tests-"))
+        os.environ[LOCKS_ENV] = str(config.stash[_LOCKS])
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _SHARE in config.stash:
+        config.stash[_SHARE].close()
+    if _LOCKS in config.stash:
+        shutil.rmtree(config.stash[_LOCKS], ignore_errors=True)
+        os.environ.pop(LOCKS_ENV, None)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Outside pytest-timeout's timer: waiting for the other worker is not the test's time."""
+    share = item.config.stash.get(_SHARE, None)
+    if share is None:
+        return (yield)
+    with share.held(alone=item.get_closest_marker("alone") is not None):
+        return (yield)
 
 
 @pytest.fixture
@@ -38,7 +78,6 @@ def mnist_pngs(tmp_path_factory):
 def state_dir():
     """A directory for the server's state in memory, on the memory filesystem where it lives in
     production (``/dev/shm``), removed after the test."""
-    import shutil
     import uuid
 
     root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())

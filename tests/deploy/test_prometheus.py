@@ -177,6 +177,7 @@ def live_config(server0: int, server1: int, interval: str) -> dict[str, Any]:
 @needs_promtool
 @pytest.mark.multiprocess
 @pytest.mark.slow
+@pytest.mark.alone
 @pytest.mark.timeout(150)
 def test_real_prometheus_fires_trainer_lost_within_its_for_window(tmp_path, procs):
     lost = rules()["PsserverTrainerLost"]

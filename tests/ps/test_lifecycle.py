@@ -131,6 +131,7 @@ def test_a_preempted_trainer_leaves_and_the_sync_round_goes_on(procs, port, sig,
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 @pytest.mark.timeout(120)
 def test_a_crashed_trainer_restarted_at_once_rejoins_and_a_duplicate_is_refused(procs, port):
     """An Indexed Job restarts a failed pod at once, with the same rank, well within a 30 s
@@ -163,6 +164,7 @@ def test_a_crashed_trainer_restarted_at_once_rejoins_and_a_duplicate_is_refused(
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 @pytest.mark.timeout(180)
 def test_a_trainer_rejoins_a_restarted_server_on_its_first_try(procs, port, tmp_path):
     """The server is SIGKILLed and restarted with ``--resume`` on the same port: the trainer's

@@ -85,6 +85,7 @@ def _run_job(procs, topo: multihost.Topology, server_nodes: list[int], trainer_n
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.alone
 @pytest.mark.timeout(180)
 def test_two_servers_cut_the_step_time_of_a_bandwidth_bound_job_across_namespaces(procs, tmp_path):
     reason = multihost.available()
