@@ -79,7 +79,7 @@ class TrainCommand(SubCommand):
                         help="trainer compute: dtype of parameters and gradients in flight (the server keeps "
                              "fp32 master weights and optimizer state; default fp32)")
         ps.add_argument("--connect-timeout", type=finite_float, default=60.0,
-                        help="seconds to wait for a server that is still starting (default 60)")
+                        help="seconds to wait for a server that is still starting (default 60, at least 0.1)")
         ps.add_argument("--reconnect", action="store_true",
                         help="if the server goes away or evicts this trainer, rejoin under a fresh name (retrying "
                              "with backoff) and continue where it was; without it, exit code 3")

@@ -214,6 +214,9 @@ MIN_RPC_TIMEOUT_S = 1.0
 """The shortest ``--rpc-timeout``. It is also the timeout of the rendezvous store's operations,
 which RPC's start-up waits on: 1 ms failed there in torch's C++ (below 1 ms it is 0 ms), 10 ms
 started only on an idle host, and a pull of a model's parameters takes longer still."""
+MIN_CONNECT_TIMEOUT_S = 0.1
+"""The shortest ``--connect-timeout``: time for one TCP connect to the server's store and its
+answer. A 1e-300 passed a positivity check and was reported as a server nobody could reach."""
 MIN_TRAINER_TIMEOUT_S = 0.5
 """The shortest ``--trainer-timeout``: trainers heartbeat every ``max(0.1 s, timeout / 5)``, so
 a shorter one evicts trainers that are alive."""

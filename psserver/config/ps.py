@@ -8,6 +8,7 @@ from pathlib import Path
 
 from psserver.config.common import (
     MAX_THREADS,
+    MIN_CONNECT_TIMEOUT_S,
     MIN_RPC_TIMEOUT_S,
     MIN_TRAINER_TIMEOUT_S,
     DataConfig,
@@ -470,8 +471,7 @@ class TrainerConfig:
             raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.eval_batch_size < 1:
             raise ValueError(f"--eval-batch-size must be >= 1, got {self.eval_batch_size}")
-        if not self.connect_timeout > 0:
-            raise ValueError(f"--connect-timeout must be positive, got {self.connect_timeout:g}")
+        check_timeout(self.connect_timeout, "--connect-timeout", MIN_CONNECT_TIMEOUT_S)
         check_timeout(self.rpc_timeout, "--rpc-timeout", MIN_RPC_TIMEOUT_S)
         if self.max_steps < 0:
             raise ValueError("--max-steps must be >= 0")

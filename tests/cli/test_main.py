@@ -86,7 +86,9 @@ def test_slurm_env_is_a_fallback(monkeypatch):
         (["train", "--rpc-timeout", "0.001"], "--rpc-timeout is in seconds and must be at least 1, got 0.001"),
         (["serve", "--trainer-timeout", "1e-300", "--no-control"],
          "--trainer-timeout is in seconds and must be at least 0.5, got 1e-300"),
-        (["train", "--connect-timeout", "0"], "--connect-timeout must be positive, got 0"),
+        (["train", "--connect-timeout", "0"], "--connect-timeout is in seconds and must be at least 0.1, got 0"),
+        (["train", "--connect-timeout", "1e-300"],
+         "--connect-timeout is in seconds and must be at least 0.1, got 1e-300"),
         (["stop", "--wait", "--wait-timeout", "-1"], "--wait-timeout must be >= 0, got -1"),
         # --mode ps took the flag and never passed it on: 0 was ignored there.
         (["train", "--eval-batch-size", "0"], "--eval-batch-size must be >= 1, got 0"),
