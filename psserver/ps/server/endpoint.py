@@ -142,7 +142,8 @@ class Endpoint:
         self.engine.trainer_joined(request.name)
         # The trainer heartbeats once it has this answer: the other server processes' part of
         # the join (their first optimizer, say) must not count against its --trainer-timeout.
-        self.membership.seen(request.name)
+        # Evicted meanwhile: a refusal (NotAMember), not a KeyError raised into torch's RPC.
+        self._seen(request.name, None)
         return {
             "step": step,
             "compute": STEP_MODES[step].compute,

@@ -123,6 +123,20 @@ def test_the_heartbeat_clock_starts_when_the_trainer_has_its_answer(endpoint):
     assert endpoint.membership.members["t"].last_seen_mono >= t0 + 0.3
 
 
+def test_a_trainer_evicted_while_its_join_finishes_is_refused(endpoint):
+    members = endpoint.membership
+
+    class EvictingPeers:
+        def trainer_joined(self, request, step) -> None:
+            members.evict(request.name, "missed heartbeats")
+
+        def join_info(self) -> dict:
+            return {}
+
+    endpoint.group = EvictingPeers()  # type: ignore[assignment]
+    assert "is not a member of this psserver" in join(endpoint, "t", step="pushpull")["error"]
+
+
 @pytest.mark.timeout(30)
 def test_wait_idle_counts_calls_in_flight(endpoint):
     join(endpoint, "t")
