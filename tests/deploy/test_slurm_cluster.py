@@ -61,13 +61,23 @@ def _submit_and_wait(slurm: SlurmCluster, script: str, workdir: Path, nodes: int
     state, code = slurm.wait(job, JOB_TIMEOUT)
     out = _output(workdir, job)
     assert (state, code) == ("COMPLETED", "0:0"), (
-        f"job {job} ({script}) ended {state} {code}:\n{textwrap.indent(out[-3000:], '  ')}\n{slurm.daemon_logs()}")
+        f"job {job} ({script}) ended {state} {code}:\n{textwrap.indent(_digest(out), '  ')}\n{slurm.daemon_logs()}")
     return str(job), out
 
 
 def _output(workdir: Path, job: int | str) -> str:
     path = workdir / f"job-{job}.out"
     return path.read_text(errors="replace") if path.exists() else "(no output file)"
+
+
+ROUTINE = re.compile(r"psserver\.utils\.progress: |memory_state: state in memory: ")
+
+
+def _digest(out: str, n: int = 2500) -> str:
+    """A failed job's output for the assertion: without its progress lines, whole when short,
+    else its first and last ``n`` characters (a task that failed early shows at the start)."""
+    text = "\n".join(line for line in out.splitlines() if not ROUTINE.search(line))
+    return text if len(text) <= 2 * n else f"{text[:n]}\n[...]\n{text[-n:]}"
 
 
 def _accuracies(out: str) -> dict[int, float]:
@@ -77,7 +87,7 @@ def _accuracies(out: str) -> dict[int, float]:
 def test_ps_sbatch_trains_with_two_servers_on_four_real_slurm_nodes(slurm, tmp_path):
     # both servers bind the same port, each on its own node's address
     _, out = _submit_and_wait(slurm, "ps.sbatch", tmp_path, 4, _job_env(PSSERVER_NUM_SERVERS="2"))
-    tail = out[-3000:]
+    tail = _digest(out)
     assert re.search(r"server on n\d \(127\.0\.0\.\d+:\d+\) \+ 1 more server\(s\) on n\d, 2 trainer\(s\)", out), tail
     assert set(_accuracies(out)) == {0, 1}, tail
     assert "all 2 server processes are serving" in out, tail
@@ -93,7 +103,7 @@ def test_ddp_sbatch_trains_with_a_torchrun_rendezvous_across_real_slurm_nodes(sl
                        PSSERVER_TRAIN_ARGS=" ".join([*MNIST_ARGS, "--control-port", str(free_port())]),
                        TMPDIR=str(tmp_path))  # each node's torchrun makes its log directory there
     _, out = _submit_and_wait(slurm, "ddp.sbatch", tmp_path, 2, job_env, "--gpus-per-node=0")
-    tail = out[-3000:]
+    tail = _digest(out)
     assert re.search(r"psserver ddp: 2 node\(s\) x 1 process\(es\), rendezvous n\d \(127\.0\.0\.\d+:\d+\)", out), tail
     assert "rank 1/2 joined (gloo, cpu)" in out or "DDP: 2 ranks" in out, tail
     assert set(_accuracies(out)) == {0}, tail  # rank 0 evaluates the one model
@@ -108,10 +118,10 @@ def _wait_for_output(slurm: SlurmCluster, workdir: Path, job: int, pattern: str,
             return out
         state, code = slurm.state(job)
         if state not in ("PENDING", "CONFIGURING", "RUNNING"):
-            raise AssertionError(f"job {job} ended {state} {code} before /{pattern}/:\n{out[-3000:]}")
+            raise AssertionError(f"job {job} ended {state} {code} before /{pattern}/:\n{_digest(out)}")
         time.sleep(0.5)
     slurm.run(["scancel", str(job)], check=False)
-    raise AssertionError(f"job {job}: no /{pattern}/ x{count} within {timeout}s:\n{_output(workdir, job)[-3000:]}\n"
+    raise AssertionError(f"job {job}: no /{pattern}/ x{count} within {timeout}s:\n{_digest(_output(workdir, job))}\n"
                          f"{slurm.daemon_logs()}")
 
 
@@ -124,7 +134,7 @@ def test_scancel_of_a_ps_job_checkpoints_and_a_resubmitted_job_resumes_from_it(s
     slurm.run(["scancel", str(job)])
     state, _ = slurm.wait(job, JOB_TIMEOUT)
     out = _output(tmp_path, job)
-    tail = textwrap.indent(out[-3000:], "  ")
+    tail = textwrap.indent(_digest(out), "  ")
     assert state == "CANCELLED", f"{state}:\n{tail}"
     # the trainers left, the server wrote its final checkpoint and stopped
     assert len(re.findall(r"trainer trainer_\d+_\d+ \(rank \d\) left after \d+ steps", out)) == 2, tail
@@ -136,7 +146,7 @@ def test_scancel_of_a_ps_job_checkpoints_and_a_resubmitted_job_resumes_from_it(s
 
     # the same job again, in the same directory: it resumes from that checkpoint and completes
     job2, out2 = _submit_and_wait(slurm, "ps.sbatch", tmp_path, 3, _job_env(PSSERVER_MAX_STEPS="10"))
-    tail2 = out2[-3000:]
+    tail2 = _digest(out2)
     # the server on the first node, at its NodeAddr (the node names resolve nowhere here)
     assert re.search(r"server on n\d \(127\.0\.0\.\d+:\d+\), 2 trainer\(s\) on n\d,n\d", out2), tail2
     assert "CANCELLED" not in out2, tail2  # stopped through the control plane (psserver stop), no signal
@@ -159,7 +169,7 @@ def test_scancel_batch_sigterm_of_a_two_server_job_writes_both_parts_of_the_fina
     slurm.run(["scancel", "--batch", "--signal=TERM", str(job)])
     slurm.wait(job, JOB_TIMEOUT)
     out = _output(tmp_path, job)
-    tail = textwrap.indent(out[-3000:], "  ")
+    tail = textwrap.indent(_digest(out), "  ")
     assert len(re.findall(r"trainer trainer_\d+_\d+ \(rank \d\) left after \d+ steps", out)) == 2, tail
     steps = {int(n) for n in re.findall(r"checkpoint step (\d+) written to \S+/server-\d/", out)}
     assert len(steps) == 1 and steps.pop() > 0, tail
