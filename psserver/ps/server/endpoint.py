@@ -14,7 +14,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -99,6 +99,9 @@ class Endpoint:
                 self._in_flight -= 1
                 self._idle.notify_all()
 
+    def _joining(self, name: str) -> AbstractContextManager:
+        return self.membership.joining(name) if self.membership is not None else nullcontext()
+
     def wait_idle(self, timeout: float) -> int:
         """Wait until no call is in flight (at most ``timeout`` s); the calls still running."""
         with self._idle:
@@ -110,7 +113,7 @@ class Endpoint:
     def join(self, request: JoinRequest) -> dict[str, Any]:
         """Admit a trainer; a refusal is returned as ``{"error": ...}`` (the user's mistake,
         not a server fault: no traceback in the server's log)."""
-        with self._counted("join"):
+        with self._counted("join"), self._joining(request.name):
             try:
                 return self._admit(request)
             except (ValueError, RuntimeError) as e:

@@ -18,11 +18,12 @@ a couple of seconds; a holder that answers keeps its rank.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch.distributed.rpc as rpc
@@ -37,6 +38,9 @@ log = logging.getLogger(__name__)
 
 PING_TIMEOUT_S = 2.0
 """How long a rank's holder has to answer when another trainer asks for its rank."""
+STRANGER_LIMIT_S = 60.0
+"""How long an RPC worker that answers pings may stay in the group without joining psserver
+(a trainer's ``join`` call, sent once ``init_rpc`` returns, times out after its own 60 s)."""
 ALIVE, DEAD, SILENT = "alive", "dead", "silent"
 """What a ping finds: an answer; a broken pipe or a worker the agent no longer knows; no answer."""
 
@@ -72,11 +76,25 @@ class Membership:
         self._thread: threading.Thread | None = None
         self._token_seen: tuple[bytes, float] | None = None
         self._strangers: dict[str, float] = {}  # RPC workers that never called join()
+        self._joining: set[str] = set()
+        """Trainers whose ``join`` call the server is handling: not strangers, however long it takes."""
         self.peers: set[str] = set()
         """RPC names of the other server processes (``--num-servers``): members of the RPC
         group that are not trainers, never evicted as strangers."""
 
     # ---- joins, leaves, heartbeats -------------------------------------------------------
+
+    @contextlib.contextmanager
+    def joining(self, name: str) -> Iterator[None]:
+        """While the server handles ``name``'s join call: a join that waits (on another server
+        process's first optimizer, on a loaded host) is no stranger to evict."""
+        with self.lock:
+            self._joining.add(name)
+        try:
+            yield
+        finally:
+            with self.lock:
+                self._joining.discard(name)
 
     def join(self, rank: int, name: str, host: str, protocol: str, transport: dict | None = None) -> None:
         """Make ``name`` a member as ``rank``. The rank's holder keeps it while it answers a ping
@@ -329,12 +347,13 @@ class Membership:
         agent = torch_rpc.current_agent()
         now = time.monotonic()
         with self.lock:
-            known = set(self.members)
-        rpc_store = agent.store
-        with self.lock:
+            known = set(self.members) | self._joining
             retired = set(self._retired)
-        workers = {w.name: w.id for w in agent.get_worker_infos() if w.name not in retired}
-        workers.update(dict(_registered_workers(rpc_store)))
+        rpc_store = agent.store
+        token = rpc_store.get(TOKEN_KEY) if rpc_store.check([TOKEN_KEY]) else b""
+        in_agent = {w.name: w.id for w in agent.get_worker_infos() if w.name not in retired}
+        workers = {**in_agent, **dict(_registered_workers(rpc_store))}
+        overdue = {}
         for name, wid in workers.items():
             if name == SERVER_NAME or name in known or name in self.peers:
                 self._strangers.pop(name, None)
@@ -343,12 +362,31 @@ class Membership:
             # join(), or a leave that failed half-way. Give it time to finish, then clean up.
             first = self._strangers.setdefault(name, now)
             if now - first > max(self.timeout, 5.0):
-                log.warning("RPC worker %s is not a live psserver member: evicting it", name)
-                self._strangers.pop(name, None)
-                self._evict(name, wid)
-        if not rpc_store.check([TOKEN_KEY]):
-            return
-        token = rpc_store.get(TOKEN_KEY)
+                overdue[name] = wid
+        self._evict_strangers(overdue, in_agent, now)
+        self._release_token(rpc_store, token, now)
+
+    def _evict_strangers(self, overdue: dict[str, int], in_agent: dict[str, int], now: float) -> None:
+        """Evict the overdue strangers that are dead; one that answers a ping is a trainer on its
+        way to ``join`` (a loaded host), given up to :data:`STRANGER_LIMIT_S`. One that only the
+        store lists died inside ``init_rpc``, or is still there: its entry would fail every later
+        join that calls it once the token is freed, so it goes."""
+        pings = self._ping([n for n in overdue if n in in_agent]) if overdue else {}
+        for name, wid in overdue.items():
+            state, _ = pings.get(name, (DEAD, "not in this server's group"))
+            waited = now - self._strangers[name]
+            if state == ALIVE and waited < STRANGER_LIMIT_S:
+                log.info("RPC worker %s has not joined psserver %.0fs after joining the RPC group, and answers: "
+                         "waiting for it", name, waited)
+                continue
+            log.warning("RPC worker %s is not a live psserver member (%s %.0fs): evicting it", name,
+                        "answering but not joined after" if state == ALIVE else "not answering, registered",
+                        waited)
+            self._strangers.pop(name, None)
+            self._evict(name, wid)
+
+    def _release_token(self, rpc_store, token: bytes, now: float) -> None:
+        """Free the membership token when its holder has held it too long (died holding it)."""
         if not token:
             self._token_seen = None
             return

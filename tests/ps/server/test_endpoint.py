@@ -3,6 +3,7 @@ only to the ops a protocol exposes, calls counted for the drain."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -26,10 +27,20 @@ class Members:
     def __init__(self) -> None:
         self.members: dict[str, Member] = {}
         self.evicted = threading.Event()
+        self.handling: set[str] = set()
+        """Names whose join the endpoint handles (``joining``)."""
 
     def join(self, rank: int, name: str, host: str, protocol: str, transport: dict | None = None) -> None:
         status = TrainerStatus(rank, name, host, 0.0, 0.0, transport=(transport or {}).get("kind", ""))
         self.members[name] = Member(status, rpc_id=rank + 1, protocol=protocol)
+
+    @contextlib.contextmanager
+    def joining(self, name: str):
+        self.handling.add(name)
+        try:
+            yield
+        finally:
+            self.handling.discard(name)
 
     def seen(self, name: str) -> Member:
         m = self.members[name]
@@ -109,9 +120,13 @@ def test_refusals_are_answers_not_errors(endpoint):
 def test_the_heartbeat_clock_starts_when_the_trainer_has_its_answer(endpoint):
     """The other server processes' part of a join can take seconds (their first optimizer
     imports torch's compiler): a short --trainer-timeout must not run out before the trainer
-    has its answer and starts heartbeating (it did, in a CI run: evicted before its first step)."""
+    has its answer and starts heartbeating (it did, in a CI run: evicted before its first step).
+    Meanwhile the join is being handled: the janitor takes no such trainer for a stranger."""
+    handled = []
+
     class SlowPeers:
         def trainer_joined(self, request, step) -> None:
+            handled.append(set(endpoint.membership.handling))
             time.sleep(0.3)
 
         def join_info(self) -> dict:
@@ -121,6 +136,7 @@ def test_the_heartbeat_clock_starts_when_the_trainer_has_its_answer(endpoint):
     t0 = time.monotonic()
     assert "error" not in join(endpoint, "t", step="pushpull")
     assert endpoint.membership.members["t"].last_seen_mono >= t0 + 0.3
+    assert handled == [{"t"}] and endpoint.membership.handling == set()
 
 
 def test_a_trainer_evicted_while_its_join_finishes_is_refused(endpoint):

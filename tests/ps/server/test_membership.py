@@ -1,0 +1,116 @@
+"""The membership janitor without RPC: which RPC workers that are no psserver members it evicts
+(the dead ones, after a grace) and which it leaves alone (a join the server is handling, a
+worker that answers on its way to ``join``). The agent and its store are fakes; the real
+thing is in tests/ps/test_failures.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from psserver.ps.rpc.torch_rpc import ALL_WORKERS_KEY
+from psserver.ps.server import membership as membership_module
+from psserver.ps.server.membership import ALIVE, DEAD, STRANGER_LIMIT_S, Member, Membership
+from psserver.telemetry import TrainerStatus
+
+TIMEOUT = 5.0
+
+
+class Store:
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.data for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+
+class Agent:
+    """Knows ``workers`` (name -> RPC id); its store lists them as torch's registry does."""
+
+    def __init__(self, workers: dict[str, int]) -> None:
+        self.workers = dict(workers)
+        self.store = Store()
+        self.store.set(ALL_WORKERS_KEY, "".join(f"{n}-{i}," for n, i in workers.items()))
+
+    def get_worker_infos(self) -> list:
+        return [SimpleNamespace(name=n, id=i) for n, i in self.workers.items()]
+
+
+@pytest.fixture
+def group(monkeypatch):
+    """A server's membership in a group of the server and trainer ``t_1`` (not a member), whose
+    pings answer ``group.answers[name]``; evictions are recorded in ``group.evicted``."""
+    agent = Agent({"psserver": 0, "t_1": 1})
+    monkeypatch.setattr(membership_module.torch_rpc, "current_agent", lambda: agent)
+    m = Membership(agent.store, TIMEOUT, on_gone=lambda *a: None)
+    m.answers = {"t_1": ALIVE}
+    m.pinged = []
+    m.evicted = []
+
+    def ping(names):
+        m.pinged.extend(names)
+        return {n: (m.answers[n], "") for n in names}
+
+    monkeypatch.setattr(m, "_ping", ping)
+    monkeypatch.setattr(m, "_evict", lambda name, wid: m.evicted.append((name, wid)))
+    m.agent = agent
+    return m
+
+
+def _age(m: Membership, name: str, seconds: float) -> None:
+    """Make ``name`` a stranger first seen ``seconds`` ago."""
+    m._janitor()
+    m._strangers[name] -= seconds
+
+
+def test_a_dead_stranger_is_evicted_after_the_grace_and_not_before(group):
+    group.answers["t_1"] = DEAD
+    group._janitor()
+    assert group.evicted == [] and group.pinged == []  # within the grace: not even asked
+    _age(group, "t_1", TIMEOUT + 1)
+    group._janitor()
+    assert group.evicted == [("t_1", 1)]
+
+
+def test_a_trainer_whose_join_the_server_handles_is_no_stranger(group):
+    # it took the grace to call join (a loaded host), and the join then waits on the other server
+    # processes (their first optimizer): it is no stranger while the server handles that call
+    group.answers["t_1"] = DEAD
+    _age(group, "t_1", TIMEOUT + 1)
+    with group.joining("t_1"):
+        group._janitor()
+        assert group.evicted == [] and "t_1" not in group._strangers
+    assert "t_1" not in group._joining
+
+
+def test_a_stranger_that_answers_is_waited_for_up_to_the_limit(group):
+    _age(group, "t_1", TIMEOUT + 1)
+    group._janitor()
+    assert group.pinged == ["t_1"] and group.evicted == []  # a loaded host: on its way to join
+    _age(group, "t_1", STRANGER_LIMIT_S)
+    group._janitor()
+    assert group.evicted == [("t_1", 1)]  # in the group, answering, never joining
+
+
+def test_a_worker_only_the_store_lists_is_evicted_after_the_grace_without_a_ping(group):
+    # it died inside init_rpc: the server's agent never learned it
+    group.agent.workers.pop("t_1")
+    _age(group, "t_1", TIMEOUT + 1)
+    group._janitor()
+    assert group.pinged == [] and group.evicted == [("t_1", 1)]
+
+
+def test_members_and_peers_are_never_strangers(group):
+    group.agent.workers["psserver_1"] = 2
+    group.agent.store.set(ALL_WORKERS_KEY, "psserver-0,t_1-1,psserver_1-2,")
+    group.peers.add("psserver_1")
+    group.members["t_1"] = Member(TrainerStatus(0, "t_1", "h", 0.0, 0.0), 1, "chained")  # join() needs RPC
+    group._janitor()
+    assert group._strangers == {}
