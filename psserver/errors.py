@@ -27,6 +27,12 @@ class UserCodeError(UsageError, ValueError):
     user's code failing while psserver calls it: one line naming which, exit code 2."""
 
 
+class JoinLater(RuntimeError):
+    """A server's refusal of a join for now, not for good: it is starting, waits for a missing
+    server process or drains, or another join of the same rank is under way. The refusal says
+    so (``retry``), and a trainer with ``--reconnect`` tries again."""
+
+
 class ServerLost(Exception):
     """A trainer lost its server mid-training (exit code 3 unless ``--reconnect``)."""
 

@@ -24,13 +24,22 @@ from psserver.ps.rpc import rendezvous
 from psserver.ps.rpc.messages import Report
 from psserver.ps.server import endpoint
 from psserver.trainer.rejoin import Position, reexec
-from psserver.trainer.session import PROBE_TIMEOUT_S, JoinLost, PartitionCallError, Session, remote_message
+from psserver.trainer.session import (
+    PROBE_TIMEOUT_S,
+    JoinDeferred,
+    JoinLost,
+    PartitionCallError,
+    Session,
+    remote_message,
+)
 from psserver.trainer.stop_signals import StopSignals
 
 log = logging.getLogger(__name__)
 
 EVICTED, LOST, FAILED = "evicted", "lost", "failed"
 """Why a call failed (:func:`diagnose`)."""
+DEFERRED_WAIT_S = 2.0
+"""The pause before rejoining a server that refused a join for now (``JoinDeferred``)."""
 PROBE_TRIES, PROBE_RETRY_S = 2, 0.5
 """Asking the server after a failed call: once more after a pause when the first question
 fails, since a server that evicted this trainer may just have closed its pipe (the next call
@@ -70,6 +79,9 @@ def join(config: TrainerConfig, position: Position | None, stop: StopSignals, mo
             session = Session(config, stop, model, position.steps)
         except JoinLost as e:  # init_rpc failed half-way: RPC cannot be initialised again in this process
             log.warning("rejoin attempt %d failed (%s): rejoining in a fresh process", attempt, e)
+            if isinstance(e, JoinDeferred):  # the server is there, not ready: no new process every 3 s
+                with stop.interruptible():
+                    time.sleep(DEFERRED_WAIT_S)
             reexec(position, stop, argv)
         except (UsageError, RuntimeError) as e:
             log.warning("rejoin attempt %d failed (%s): retrying in %.1fs", attempt, remote_message(e), delay)

@@ -43,6 +43,12 @@ class JoinLost(ServerUnavailable):
     """``init_rpc`` failed: the server or a member went away while this trainer joined."""
 
 
+class JoinDeferred(JoinLost):
+    """The server refused the join for now (``JoinLater`` there: it is starting, waits for a
+    missing server process, drains): ``--reconnect`` tries again, in a fresh process as after
+    a lost join (this one's RPC is spent)."""
+
+
 class PartitionCallError(RuntimeError):
     """A call to one of several server processes failed (``Session.call_each``)."""
 
@@ -122,6 +128,9 @@ class Session:
         if "error" in self.info:
             refusal = self.info["error"]
             self._shutdown(graceful=True)
+            if self.info.get("retry"):
+                raise JoinDeferred(f"the psserver at {config.server_host}:{config.server_port} refused the join for "
+                                   f"now ({refusal}){'' if config.reconnect else '; --reconnect waits for it'}")
             raise UsageError(refusal)
         self.join_seconds = time.perf_counter() - t0
         """How long the join call took (with the model's initial values when it brought them)."""

@@ -18,6 +18,9 @@ from psserver.errors import AdmissionUnanswered, UsageError
 from psserver.ps.rpc import rendezvous
 from psserver.ps.rpc.rendezvous import request_admission
 from psserver.trainer import recovery
+from psserver.trainer.rejoin import Position
+from psserver.trainer.session import JoinDeferred
+from psserver.trainer.stop_signals import StopSignals
 from tests.procs import free_port
 
 
@@ -27,10 +30,14 @@ def test_an_admission_nobody_answers_is_its_own_error():
         request_admission(store, 3, "here:1", timeout=0.3)
 
 
-def test_a_first_join_whose_server_went_away_rejoins_under_reconnect(monkeypatch):
-    """Seen in the soak test: the server SIGKILLed between a trainer's request for room and its
-    answer; the trainer exited 2 although it had ``--reconnect``."""
-    lost = AdmissionUnanswered("the psserver at here:1 went away while it admitted rank 1 (Connection reset)")
+@pytest.mark.parametrize("lost", [
+    # seen in the soak test: the server SIGKILLed between a trainer's request for room and its answer
+    AdmissionUnanswered("the psserver at here:1 went away while it admitted rank 1 (Connection reset)"),
+    # several server processes: server 0 refuses joins while one of them is missing
+    JoinDeferred("the psserver at here:1 refused the join for now (psserver is waiting: not accepting trainers)"),
+], ids=["unanswered-admission", "refused-for-now"])
+def test_a_first_join_whose_server_went_away_rejoins_under_reconnect(monkeypatch, lost):
+    """The trainer exited 2 although it had ``--reconnect``."""
 
     def session(*args, **kwargs):
         raise lost
@@ -50,8 +57,27 @@ def test_a_first_join_whose_server_went_away_rejoins_under_reconnect(monkeypatch
     with pytest.raises(Reexec):
         recovery.join(config, None, None)
     assert len(positions) == 1 and positions[0].steps == 0
-    with pytest.raises(AdmissionUnanswered):  # without --reconnect: its one line, as before
+    with pytest.raises(type(lost)):  # without --reconnect: its one line, as before
         recovery.join(dataclasses.replace(config, reconnect=False), None, None)
+
+
+def test_a_rejoin_refused_for_now_pauses_before_the_next_process(monkeypatch):
+    def session(*args, **kwargs):
+        raise JoinDeferred("the psserver at here:1 refused the join for now (psserver is draining: ...)")
+
+    class Reexec(Exception):
+        pass
+
+    def reexec(position, stop, argv=None):  # noqa: ARG001
+        raise Reexec
+
+    monkeypatch.setattr(recovery, "Session", session)
+    monkeypatch.setattr(recovery, "reexec", reexec)
+    monkeypatch.setattr(recovery, "DEFERRED_WAIT_S", 0.3)
+    t0 = time.monotonic()
+    with pytest.raises(Reexec):
+        recovery.join(TrainerConfig(rank=1, reconnect=True), Position(steps=7), StopSignals())
+    assert time.monotonic() - t0 >= 0.3
 
 
 class _DeadStore:

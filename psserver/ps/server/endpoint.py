@@ -23,6 +23,7 @@ from torch import nn
 from psserver import __version__
 from psserver.config import OptimizerConfig, ServerConfig
 from psserver.config.ps import COMPUTE_MODES, STEP_MODES, default_step
+from psserver.errors import JoinLater
 from psserver.metrics import observe_rpc
 from psserver.models.layout import ModelLayout
 from psserver.ps.engine.held_model import check_values
@@ -118,11 +119,11 @@ class Endpoint:
                 return self._admit(request)
             except (ValueError, RuntimeError) as e:
                 log.warning("refused %s (rank %d from %s): %s", request.name, request.rank, request.host, e)
-                return {"error": str(e)}
+                return {"error": str(e), "retry": isinstance(e, JoinLater)}
 
     def _admit(self, request: JoinRequest) -> dict[str, Any]:
         if self.state != "SERVING" or self.membership is None:
-            raise RuntimeError(f"psserver is {self.state.lower()}: not accepting trainers")
+            raise JoinLater(f"psserver is {self.state.lower()}: not accepting trainers")
         step = self._protocol_of(request)
         half = self.halves[step]
         cfg = self.config

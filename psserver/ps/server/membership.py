@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed.rpc as rpc
 
-from psserver.errors import first_line
+from psserver.errors import JoinLater, first_line
 from psserver.ps.rpc import torch_rpc
 from psserver.ps.rpc.rendezvous import ADMITTED, SERVER_NAME, is_trainer_name, ping
 from psserver.ps.rpc.torch_rpc import ALL_WORKERS_KEY, TOKEN_KEY, worker_key
@@ -113,7 +113,7 @@ class Membership:
             if not self._evict_unless_alive(old, rank, name):
                 raise ValueError(f"rank {rank} is already taken by live trainer {old}")
         else:
-            raise ValueError(f"rank {rank} is contended by several joins at once: try again")
+            raise JoinLater(f"rank {rank} is contended by several joins at once: try again")
         via = f", transport {transport['kind']}: {transport['reason']}" if transport else ""
         log.info("trainer %s (rank %d) joined from %s%s; RPC members: %s", name, rank, host, via, self.rpc_members())
 

@@ -112,9 +112,21 @@ def test_a_pinned_compute_mode_refuses_the_other_and_is_every_silent_trainers_de
 
 def test_refusals_are_answers_not_errors(endpoint):
     assert "does not speak --step 'turbo'" in join(endpoint, "a", step="turbo")["error"]
-    assert "trains with adam" in join(endpoint, "b", optimizer={"name": "sgd"})["error"]
+    refusal = join(endpoint, "b", optimizer={"name": "sgd"})
+    assert "trains with adam" in refusal["error"] and refusal["retry"] is False  # the same answer next time
     endpoint.drain()
-    assert "draining: not accepting trainers" in join(endpoint, "c")["error"]
+    refusal = join(endpoint, "c")
+    assert "draining: not accepting trainers" in refusal["error"] and refusal["retry"] is True  # --reconnect waits
+
+
+def test_a_server_that_is_starting_refuses_for_now(endpoint):
+    # several server processes: server 0 admits no trainer while one is missing
+    endpoint.state = "WAITING"
+    refusal = join(endpoint, "a")
+    assert refusal == {"error": "psserver is waiting: not accepting trainers", "retry": True}
+    assert endpoint.membership.members == {}
+    endpoint.state = "SERVING"
+    assert "error" not in join(endpoint, "a")
 
 
 def test_the_heartbeat_clock_starts_when_the_trainer_has_its_answer(endpoint):
