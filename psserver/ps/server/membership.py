@@ -76,6 +76,7 @@ class Membership:
         self._thread: threading.Thread | None = None
         self._token_seen: tuple[bytes, float] | None = None
         self._strangers: dict[str, float] = {}  # RPC workers that never called join()
+        self._answered: set[str] = set()  # strangers past the grace that answer: logged once
         self._joining: set[str] = set()
         """Trainers whose ``join`` call the server is handling: not strangers, however long it takes."""
         self.peers: set[str] = set()
@@ -357,6 +358,7 @@ class Membership:
         for name, wid in workers.items():
             if name == SERVER_NAME or name in known or name in self.peers:
                 self._strangers.pop(name, None)
+                self._answered.discard(name)
                 continue
             # Registered with RPC but not a psserver member: a join killed before it called
             # join(), or a leave that failed half-way. Give it time to finish, then clean up.
@@ -376,13 +378,16 @@ class Membership:
             state, _ = pings.get(name, (DEAD, "not in this server's group"))
             waited = now - self._strangers[name]
             if state == ALIVE and waited < STRANGER_LIMIT_S:
-                log.info("RPC worker %s has not joined psserver %.0fs after joining the RPC group, and answers: "
-                         "waiting for it", name, waited)
+                if name not in self._answered:
+                    self._answered.add(name)
+                    log.info("RPC worker %s has not joined psserver %.0fs after joining the RPC group, and answers: "
+                             "waiting for it", name, waited)
                 continue
             log.warning("RPC worker %s is not a live psserver member (%s %.0fs): evicting it", name,
                         "answering but not joined after" if state == ALIVE else "not answering, registered",
                         waited)
             self._strangers.pop(name, None)
+            self._answered.discard(name)
             self._evict(name, wid)
 
     def _release_token(self, rpc_store, token: bytes, now: float) -> None:

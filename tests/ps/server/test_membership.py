@@ -90,10 +90,13 @@ def test_a_trainer_whose_join_the_server_handles_is_no_stranger(group):
     assert "t_1" not in group._joining
 
 
-def test_a_stranger_that_answers_is_waited_for_up_to_the_limit(group):
+def test_a_stranger_that_answers_is_waited_for_up_to_the_limit(group, caplog):
     _age(group, "t_1", TIMEOUT + 1)
-    group._janitor()
-    assert group.pinged == ["t_1"] and group.evicted == []  # a loaded host: on its way to join
+    with caplog.at_level("INFO", logger=membership_module.__name__):
+        group._janitor()
+        group._janitor()
+    assert group.pinged == ["t_1", "t_1"] and group.evicted == []  # a loaded host: on its way to join
+    assert len([r for r in caplog.records if "waiting for it" in r.message]) == 1  # said once
     _age(group, "t_1", STRANGER_LIMIT_S)
     group._janitor()
     assert group.evicted == [("t_1", 1)]  # in the group, answering, never joining
