@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.procs import MNIST_DIR, free_port  # noqa: F401  (re-exported for tests)
-from tests.workers import LOCKS_ENV, MachineShare, auto_workers, longest_files_first, read_file_seconds
+from tests.workers import LOCKS_ENV, MachineShare, auto_workers
 
 _SHARE = pytest.StashKey[MachineShare]()
 _LOCKS = pytest.StashKey[Path]()
@@ -39,11 +39,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if _LOCKS in config.stash:
         shutil.rmtree(config.stash[_LOCKS], ignore_errors=True)
         os.environ.pop(LOCKS_ENV, None)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Longest files first (``tests.workers``): every worker collects, and sorts, the same way."""
-    items[:] = longest_files_first(items, read_file_seconds())
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -1,16 +1,13 @@
-"""The readers-writer lock that keeps ``alone`` tests alone under pytest-xdist, and the order
-in which the files go to the workers."""
+"""The readers-writer lock that keeps ``alone`` tests alone under pytest-xdist."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 
-from tests.workers import UNMEASURED_S, MachineShare, longest_files_first, read_file_seconds, seconds_per_file
+from tests.workers import MachineShare
 
 
 @pytest.fixture
@@ -67,32 +64,3 @@ def test_an_alone_test_that_waits_holds_off_the_next_ordinary_one(shares):
     leave.set()
     t.join(5)
     assert first_done.wait(5)
-
-
-def test_files_go_longest_first_and_keep_their_tests_in_order():
-    items = [SimpleNamespace(nodeid=n) for n in (
-        "tests/a.py::t1", "tests/a.py::t2", "tests/b.py::t1", "tests/new.py::t1", "tests/c.py::t1", "tests/c.py::t2")]
-    seconds = {"tests/a.py": 5.0, "tests/b.py": 300.0, "tests/c.py": 5.0}
-    ordered = [i.nodeid for i in longest_files_first(items, seconds)]
-    assert ordered == ["tests/b.py::t1", "tests/new.py::t1",  # unmeasured: UNMEASURED_S
-                       "tests/a.py::t1", "tests/a.py::t2", "tests/c.py::t1", "tests/c.py::t2"]
-    assert 5.0 < UNMEASURED_S < 300.0
-
-
-def test_the_seconds_per_file_come_from_a_junit_report(tmp_path):
-    (tmp_path / "run.xml").write_text(
-        '<testsuites><testsuite name="pytest">'
-        '<testcase classname="tests.test_workers" name="a" time="1.25"/>'
-        '<testcase classname="tests.test_workers" name="b" time="2.5"/>'
-        '<testcase classname="tests.ps.test_end_to_end" name="c" time="40"/>'
-        "</testsuite></testsuites>")
-    assert seconds_per_file(tmp_path / "run.xml") == {"tests/ps/test_end_to_end.py": 40.0,
-                                                      "tests/test_workers.py": 3.8}
-
-
-def test_a_missing_or_malformed_table_leaves_the_collection_order(tmp_path):
-    assert read_file_seconds(tmp_path / "absent.json") == {}
-    (tmp_path / "bad.json").write_text("[1, 2]")
-    assert read_file_seconds(tmp_path / "bad.json") == {}
-    (tmp_path / "ok.json").write_text(json.dumps({"tests/a.py": 3}))
-    assert read_file_seconds(tmp_path / "ok.json") == {"tests/a.py": 3.0}
