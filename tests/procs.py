@@ -65,6 +65,13 @@ def die_after_update(n: int, once: Path) -> dict[str, str]:
             "PSSERVER_TEST_DIE_AFTER_UPDATE": str(n), "PSSERVER_TEST_DIE_ONCE": str(once)}
 
 
+def slow_protocol_setup(seconds: float) -> dict[str, str]:
+    """Environment of a trainer whose step protocol takes ``seconds`` more to set up after its
+    join is answered (``tests/hooks/sitecustomize.py``)."""
+    return {"PYTHONPATH": os.pathsep.join([str(HOOKS), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            "PSSERVER_TEST_SLOW_PROTOCOL_SETUP": str(seconds)}
+
+
 def _environment(overrides: Mapping[str, str | None] | None) -> dict[str, str]:
     e = dict(os.environ)
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")

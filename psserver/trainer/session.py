@@ -146,10 +146,17 @@ class Session:
             self.transport = transport.TransportPath(agreed["kind"], agreed["reason"])
             log.info("transport %s", self.transport.describe(self.device))
         self.step_protocol: str = self.info["step"]
-        self.protocol: TrainerHalf = get_protocol(self.step_protocol).trainer(self)
+        # Heartbeats from the answer on: the protocol's half may take seconds to set up on a
+        # loaded host (plain's DistributedOptimizer imports torch.distributed.optim and calls
+        # the server), which a short --trainer-timeout counts (a CI run: evicted before its first step).
         self._stop = threading.Event()
         self._hb = threading.Thread(target=self._heartbeat, name="psserver-heartbeat", daemon=True)
         self._hb.start()
+        try:
+            self.protocol: TrainerHalf = get_protocol(self.step_protocol).trainer(self)
+        except BaseException:
+            self._stop.set()
+            raise
         log.info("joined psserver %s:%d as %s (model %s, update %s, optimizer %s, --compute %s --step %s%s)",
                  config.server_host, config.server_port, self.name, self.info["model"], self.info["update"],
                  self.info["optimizer"]["name"], self.info["compute"], self.step_protocol,

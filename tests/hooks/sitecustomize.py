@@ -5,6 +5,10 @@ With ``$PSSERVER_TEST_DIE_AFTER_UPDATE=N`` and ``$PSSERVER_TEST_DIE_ONCE=FILE``,
 process SIGKILLs itself right after its N-th update is whole, before any reply to the trainers
 whose gradients made it leaves: the moment at which a lost reply would have them send those
 gradients again. Once only: FILE is written first, and a process that finds it does not die.
+
+With ``$PSSERVER_TEST_SLOW_PROTOCOL_SETUP=S``, a trainer takes S seconds more to set up its
+step protocol's half once the server has answered its join (as ``--step plain``'s
+``DistributedOptimizer`` can on a loaded host).
 """
 
 from __future__ import annotations
@@ -32,3 +36,28 @@ if _AFTER and _ONCE:
             os.kill(os.getpid(), signal.SIGKILL)
 
     GradientSequences.commit = commit
+
+
+_SLOW_SETUP = os.environ.get("PSSERVER_TEST_SLOW_PROTOCOL_SETUP")
+
+if _SLOW_SETUP:
+    import time
+
+    from psserver.trainer import session as _session
+
+    _get_protocol = _session.get_protocol
+
+    def get_protocol(name):
+        protocol = _get_protocol(name)
+
+        class Slow:
+            def __getattr__(self, attr):
+                return getattr(protocol, attr)
+
+            def trainer(self, channel):
+                time.sleep(float(_SLOW_SETUP))
+                return protocol.trainer(channel)
+
+        return Slow()
+
+    _session.get_protocol = get_protocol

@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from psserver.ps.rpc.rendezvous import request_admission
-from tests.procs import Proc, ProcessGroup, free_port
+from tests.procs import Proc, ProcessGroup, free_port, slow_protocol_setup
 
 pytestmark = pytest.mark.multiprocess
 
@@ -101,6 +101,21 @@ def test_a_trainer_paused_past_the_timeout_learns_it_was_evicted(procs, shared, 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_trainer_slow_to_set_up_its_step_after_the_join_is_not_evicted(procs, port):
+    """Heartbeats start with the join's answer: a trainer whose step protocol takes 3 s to set up
+    (plain's DistributedOptimizer on a loaded host) keeps a 1 s --trainer-timeout (a CI run:
+    evicted before its first step)."""
+    server = procs.server(port, "--model", "mlp", "--trainer-timeout", "1", "--compute", "server")
+    t = procs.trainer(port, 0, "--max-steps", "5", env=slow_protocol_setup(3.0))
+    assert t.wait(90) == 0, t.tail()
+    assert "missed heartbeats" not in server.output(), server.tail()
+    took = stamp(t, "joined psserver") - stamp(t, "transport cpu")
+    assert took.total_seconds() >= 3.0, t.tail()  # the slow set-up happened (after the answer)
+
+
+@pytest.mark.slow
+@pytest.mark.alone
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
 def test_a_preempted_trainer_leaves_and_the_sync_round_goes_on(procs, port, sig, code):
