@@ -45,10 +45,20 @@ NOT_INHERITED = (
 )
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nobody listens on, never one this process handed out before: the kernel
+    can give the same free port to two binds in a row (a CI run's Slurm job got one port for
+    its RPC store and its control plane)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def env(**overrides: str | None) -> dict[str, str]:
