@@ -71,15 +71,18 @@ HOOKS = ROOT / "tests" / "hooks"
 def die_after_update(n: int, once: Path) -> dict[str, str]:
     """Environment of a server process that SIGKILLs itself right after its ``n``-th update,
     before the replies (``tests/hooks/sitecustomize.py``), once (``once`` records it)."""
-    return {"PYTHONPATH": os.pathsep.join([str(HOOKS), str(ROOT), os.environ.get("PYTHONPATH", "")]),
-            "PSSERVER_TEST_DIE_AFTER_UPDATE": str(n), "PSSERVER_TEST_DIE_ONCE": str(once)}
+    return _hooked(PSSERVER_TEST_DIE_AFTER_UPDATE=str(n), PSSERVER_TEST_DIE_ONCE=str(once))
 
 
 def slow_protocol_setup(seconds: float) -> dict[str, str]:
     """Environment of a trainer whose step protocol takes ``seconds`` more to set up after its
     join is answered (``tests/hooks/sitecustomize.py``)."""
-    return {"PYTHONPATH": os.pathsep.join([str(HOOKS), str(ROOT), os.environ.get("PYTHONPATH", "")]),
-            "PSSERVER_TEST_SLOW_PROTOCOL_SETUP": str(seconds)}
+    return _hooked(PSSERVER_TEST_SLOW_PROTOCOL_SETUP=str(seconds))
+
+
+def _hooked(**variables: str) -> dict[str, str]:
+    """``variables`` with ``tests/hooks`` first on ``PYTHONPATH``, where Python finds its sitecustomize."""
+    return {"PYTHONPATH": os.pathsep.join([str(HOOKS), str(ROOT), os.environ.get("PYTHONPATH", "")]), **variables}
 
 
 def _environment(overrides: Mapping[str, str | None] | None) -> dict[str, str]:
