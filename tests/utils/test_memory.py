@@ -75,7 +75,8 @@ def test_freeze_long_lived_exempts_existing_objects_and_still_collects_new_cycle
         marker = [object() for _ in range(10)]  # a tracked container, alive across the freeze
         assert any(o is marker for o in gc.get_objects())
         frozen = freeze_long_lived()
-        assert frozen == gc.get_freeze_count() > 0
+        # A frozen object that another thread frees meanwhile (xdist's, in a worker) leaves the count.
+        assert 0 < gc.get_freeze_count() <= frozen
         assert not any(o is marker for o in gc.get_objects())  # no collection scans it any more
 
         class Node:
