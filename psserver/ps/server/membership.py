@@ -41,6 +41,9 @@ PING_TIMEOUT_S = 2.0
 STRANGER_LIMIT_S = 60.0
 """How long an RPC worker that answers pings may stay in the group without joining psserver
 (a trainer's ``join`` call, sent once ``init_rpc`` returns, times out after its own 60 s)."""
+JANITOR_PERIOD_S = 0.5
+"""How often the janitor looks for strangers and a token whose holder died (its grace periods
+are seconds long)."""
 ALIVE, DEAD, SILENT = "alive", "dead", "silent"
 """What a ping finds: an answer; a broken pipe or a worker the agent no longer knows; no answer."""
 
@@ -73,7 +76,7 @@ class Membership:
         self.members: dict[str, Member] = {}
         self.history: list[TrainerStatus] = []  # trainers that left or were lost (bounded)
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._token_seen: tuple[bytes, float] | None = None
         self._strangers: dict[str, float] = {}  # RPC workers that never called join()
         self._answered: set[str] = set()  # strangers past the grace that answer: logged once
@@ -245,27 +248,39 @@ class Membership:
     # ---- failure handling ----------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._monitor, name="psserver-membership", daemon=True)
-        self._thread.start()
+        """The heartbeat check and the janitor, on threads of their own: the janitor pings
+        strangers and calls the store, which may take a ping's timeout, and a heartbeat
+        check that waited for it would mark trainers LOST that late."""
+        period = max(0.05, min(0.5, self.timeout / 5))
+        self._threads = [
+            threading.Thread(target=self._every, args=(period, self._check_heartbeats), name="psserver-membership",
+                             daemon=True),
+            threading.Thread(target=self._every, args=(max(period, JANITOR_PERIOD_S), self._janitor),
+                             name="psserver-janitor", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        for thread in self._threads:
+            thread.join(timeout=5)
 
-    def _monitor(self) -> None:
-        period = max(0.05, min(0.5, self.timeout / 5))
+    def _every(self, period: float, work: Callable[[], None]) -> None:
         while not self._stop.wait(period):
             try:
-                now = time.monotonic()
-                with self.lock:
-                    stale = [n for n, m in self.members.items() if now - m.last_seen_mono > self.timeout]
-                for name in stale:
-                    log.warning("trainer %s missed heartbeats for %.1fs: marking it LOST", name, self.timeout)
-                    self._remove(name, "LOST", evict=True)
-                self._janitor()
+                work()
             except Exception:  # noqa: BLE001 - the monitor must outlive any one failure
                 log.exception("membership monitor error")
+
+    def _check_heartbeats(self) -> None:
+        """Mark LOST (and evict) every member not heard from for longer than the timeout."""
+        now = time.monotonic()
+        with self.lock:
+            stale = [n for n, m in self.members.items() if now - m.last_seen_mono > self.timeout]
+        for name in stale:
+            log.warning("trainer %s missed heartbeats for %.1fs: marking it LOST", name, self.timeout)
+            self._remove(name, "LOST", evict=True)
 
     def _remove(self, name: str, state: str, *, evict: bool) -> None:
         with self.lock:

@@ -5,6 +5,8 @@ thing is in tests/ps/test_failures.py."""
 
 from __future__ import annotations
 
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -117,3 +119,29 @@ def test_members_and_peers_are_never_strangers(group):
     group.members["t_1"] = Member(TrainerStatus(0, "t_1", "h", 0.0, 0.0), 1, "chained")  # join() needs RPC
     group._janitor()
     assert group._strangers == {}
+
+
+def test_a_stranger_slow_to_answer_its_ping_delays_no_heartbeat_check(group):
+    # the janitor's ping of an overdue stranger waits up to its timeout: the heartbeat check
+    # runs on a thread of its own, so a silent trainer is still LOST a timeout after its last beat
+    released = threading.Event()
+
+    def slow_ping(names):
+        released.wait(10)  # a stranger that does not answer (the real ping gives up after 2 s)
+        return dict.fromkeys(names, (DEAD, ""))
+
+    group._ping = slow_ping
+    group.timeout = 0.5
+    group._strangers["t_1"] = time.monotonic() - 10 * TIMEOUT  # overdue from the first pass
+    group.members["t_2"] = Member(TrainerStatus(1, "t_2", "h", 0.0, 0.0), 2, "pushpull")  # never beats
+    t0 = time.monotonic()
+    group.start()
+    try:
+        while group.is_member("t_2") and time.monotonic() - t0 < 10:
+            time.sleep(0.02)
+        took = time.monotonic() - t0
+    finally:
+        released.set()
+        group.stop()
+    assert not group.is_member("t_2") and took < 3.0, took  # 0.5 s timeout; the ping held the janitor 10 s
+    assert ("t_1", 1) in group.evicted
