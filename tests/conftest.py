@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -22,9 +23,20 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return auto_workers()
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"{signal.Signals(signum).name} received")
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """The controller of several workers makes the run's lock directory; each worker opens it
-    (``tests.workers``)."""
+    """SIGTERM interrupts the run as Ctrl-C does, so that pytest still tears the fixtures down:
+    the servers a test started live in sessions of their own, and a run killed outright (a CI
+    timeout) would leave them running. The controller of several workers makes the run's lock
+    directory; each worker opens it (``tests.workers``)."""
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        try:
+            signal.signal(signal.SIGTERM, _interrupt)
+        except ValueError:  # not the main thread: this process's owner handles its signals
+            pass
     if hasattr(config, "workerinput"):
         if LOCKS_ENV in os.environ:
             config.stash[_SHARE] = MachineShare(Path(os.environ[LOCKS_ENV]))
@@ -34,6 +46,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    if signal.getsignal(signal.SIGTERM) is _interrupt:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if _SHARE in config.stash:
         config.stash[_SHARE].close()
     if _LOCKS in config.stash:
