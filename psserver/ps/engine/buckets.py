@@ -74,13 +74,27 @@ class GradBuckets:
         self._armed = False
         self._filled: list[bool] = []
         self._pending: list[int] = []
-        self._hooks = [p.register_hook(self._hook(i)) for i, p in enumerate(self.params)]
+        self._hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}
+        self._removed = False
+        self._hook_trainable()
+        self.missing: list[int] = []
+        """The parameters (indices) the last backward gave no gradient: unused, or frozen."""
+
+    def _hook_trainable(self) -> None:
+        """A hook on every parameter that requires grad now (a frozen one cannot take one, and
+        one unfrozen later gets its hook at the next :meth:`arm`), until :meth:`remove`."""
+        if self._removed:
+            return
+        for i, p in enumerate(self.params):
+            if p.requires_grad and i not in self._hooks:
+                self._hooks[i] = p.register_hook(self._hook(i))
 
     def __len__(self) -> int:
         return len(self.buckets)
 
     def arm(self) -> None:
         """The next backward fills the next buffer in turn (what it held before is overwritten)."""
+        self._hook_trainable()
         with self._lock:
             self.index = (self.index + 1) % len(self._flats)
             self.flat = self._flats[self.index]
@@ -109,12 +123,13 @@ class GradBuckets:
 
     def finish(self) -> torch.Tensor:
         """The flat gradient after backward: a parameter backward did not reach counts zero
-        (its bucket is handed on then); the hooks are off until the next :meth:`arm`."""
+        (its bucket is handed on then; :attr:`missing` names it); the hooks are off until the
+        next :meth:`arm`."""
         with self._lock:
             if not self._armed:
                 raise RuntimeError("finish() without arm()")
             self._armed = False
-            missing = [i for i, done in enumerate(self._filled) if not done]
+            missing = self.missing = [i for i, done in enumerate(self._filled) if not done]
         for i in missing:
             self.flat[self.offsets[i]:self.offsets[i + 1]].zero_()
             self._count(self._bucket_of[i])
@@ -122,9 +137,10 @@ class GradBuckets:
 
     def remove(self) -> None:
         """Take the hooks off the parameters."""
-        for h in self._hooks:
+        self._removed = True
+        for h in self._hooks.values():
             h.remove()
-        self._hooks = []
+        self._hooks = {}
 
 
 def bucket_cap_bytes(mb: float) -> int:

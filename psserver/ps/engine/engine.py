@@ -310,6 +310,16 @@ class StepEngine:
                 offset += p.numel()
         return grads
 
+    def absent_parameters(self, absent: object) -> list[nn.Parameter]:
+        """The parameters a trainer's step has no gradient for, from their indices in the
+        model's order (None: none; ``ValueError`` for indices that name no parameter)."""
+        if absent is None:
+            return []
+        params = [p for shard in self.shards for p in shard.params]
+        if not isinstance(absent, list) or not all(type(i) is int and 0 <= i < len(params) for i in absent):
+            raise ValueError(f"parameters without a gradient come as a list of indices below {len(params)}")
+        return [params[i] for i in sorted(set(absent))]
+
     def evaluate(self, x: torch.Tensor) -> torch.Tensor:
         """Eval-mode outputs on the CPU (on the compute thread)."""
         return self.compute.run(lambda: self.forward(x, clone=False, train=False).to("cpu"))

@@ -42,10 +42,11 @@ from psserver.ps.sparse.batch import RowBatch
 log = logging.getLogger(__name__)
 
 Rows = dict[str, torch.Tensor]
-Owed = tuple[list[list[torch.Tensor]] | None, list[Rows] | None, torch.Tensor | None, list[Part] | None]
+Owed = tuple[list[list[torch.Tensor]] | None, list[Rows] | None, torch.Tensor | None, list[Part] | None, list[int]]
 """What a trainer owes the servers after a step: the flat gradient (a list per server; None:
 sent in parts), the row gradients (a dict per server; None: no tables), its buffers (None: none
-it sends) and, when parts of its gradient went ahead while backward ran, the parts left."""
+it sends), when parts of its gradient went ahead while backward ran the parts left, and the
+parameters it has no gradient for (``TrainerComputeHalf.absent``)."""
 
 
 class PushPullServer(TrainerComputeServer):
@@ -136,7 +137,8 @@ class PushPullServer(TrainerComputeServer):
 
     def exchange(self, trainer: str, grads: list[torch.Tensor] | None, samples: int | None,
                  norm: float | None = None, rows: dict | None = None, buffers: torch.Tensor | None = None,
-                 done: int | None = None, number: int | None = None, rest: list | None = None):
+                 done: int | None = None, number: int | None = None, rest: list | None = None,
+                 absent: list | None = None):
         """Apply ``grads`` (the flat gradient of ``trainer``'s open step; None: none owed), then
         return the flat parameters for its next step of ``samples`` (None: it is done). With
         several server processes ``grads`` is this server's partition and ``norm`` the whole
@@ -148,7 +150,9 @@ class PushPullServer(TrainerComputeServer):
         it (the library's, which opens its next step before its user reads the next batch).
         ``number``: the trainer's step that ``grads`` ends (None: not numbered): one applied
         before, sent again after this server process restarted, is not applied again. ``rest``:
-        the gradient came in parts (``part``) and these are the last of them (``grads`` is None)."""
+        the gradient came in parts (``part``) and these are the last of them (``grads`` is None).
+        ``absent``: the parameters (indices in the model's order) the step has no gradient for,
+        left out of the update as a torch optimizer skips a None ``.grad`` (one server process)."""
         if norm is not None and not isinstance(norm, float):
             raise ValueError(f"gradient norm must be a float, got {type(norm).__name__}")
         if done is not None and (not isinstance(done, int) or done < 0):
@@ -163,12 +167,13 @@ class PushPullServer(TrainerComputeServer):
             grads = self.engine.compute.run_with(self.compute_threads, lambda: parts.finish(number, rest))
         row_grads, ids = self._row_request(rows)
         buffers = self.check_buffers(buffers)
+        skip = self.engine.absent_parameters(absent)
         if grads is not None and number is not None and not self.engine.take_gradient(trainer, number, done or 0):
             grads = row_grads = buffers = None
         if done is not None and grads is not None:
             self.engine.set_samples(trainer, done)
         return self.finish_then_start(
-            trainer, lambda: grads is not None and self._push(trainer, grads, norm, row_grads, buffers),
+            trainer, lambda: grads is not None and self._push(trainer, grads, norm, row_grads, buffers, skip),
             None if samples is None else lambda: self._pull(trainer, samples, ids))
 
     def _row_request(self, rows: dict | None) -> tuple[object, object]:
@@ -183,9 +188,11 @@ class PushPullServer(TrainerComputeServer):
         return rows["grads"], rows["ids"]
 
     def _push(self, trainer: str, grads: list[torch.Tensor], norm: float | None, row_grads: object,
-              buffers: torch.Tensor | None) -> None:
+              buffers: torch.Tensor | None, skip: list) -> None:
         try:
             unflat: dict = self.engine.grads_from_flat(grads)
+            for p in skip:
+                del unflat[p]
             if self.engine.tables is not None:
                 unflat.update(self.engine.tables.row_grads(trainer, row_grads))
         except BaseException:
@@ -227,6 +234,7 @@ class PushPullTrainer(TrainerComputeHalf):
         (the server takes parts: one server, no tables; not while overlapping, which hides the
         whole call)."""
         self._primed = False  # the replica holds a step's reply: the next step may compute on it
+        self._said_no_gradient = False
         self._exchanger: ThreadPoolExecutor | None = None
         self.row_payload = 0
         """Bytes of the tables' traffic its steps needed at least: each unique id once, its row
@@ -253,12 +261,14 @@ class PushPullTrainer(TrainerComputeHalf):
                   done: int | None = None, number: int | None = None) -> list:
         """One ``exchange`` per server process, all in flight at once; their replies in order
         (``done``: the samples of the step whose gradient goes; ``number``: that step's number)."""
-        dense, rows, buffers, rest = grads if grads is not None else (None, None, None, None)
+        dense, rows, buffers, rest, absent = grads if grads is not None else (None, None, None, None, [])
         if self.plan is None and self.table_columns is None:
-            tail: tuple = ()
-            if buffers is not None or done is not None or number is not None or rest is not None:
-                tail = (None, None, buffers, done, number) + (() if rest is None else (rest,))
-            return [self.channel.call("exchange", None if dense is None else dense[0], samples, *tail)]
+            # (grads, samples, norm, rows, buffers, done, number, rest, absent): trailing Nones left off
+            call = [None if dense is None else dense[0], samples, None, None, buffers, done, number, rest,
+                    absent or None]
+            while len(call) > 2 and call[-1] is None:
+                call.pop()
+            return [self.channel.call("exchange", *call)]
         assert rest is None, "a gradient in parts goes to one server process without tables"
         servers = len(self.channel.servers)
         # Several servers each see a part of the step: they all decide on the whole step's norm.
@@ -292,7 +302,7 @@ class PushPullTrainer(TrainerComputeHalf):
                 dense, rest = self.backward_parts(loss, self.seq + 1)
             else:
                 dense, rest = self.backward_flat(loss), None
-            self._owe((dense, None, self.owed_buffers(), rest), samples)
+            self._owe((dense, None, self.owed_buffers(), rest, self.absent), samples)
             return float(loss.detach())
         ids, dense = x
         batch = RowBatch(ids, self.table_columns, len(self.channel.servers))
@@ -304,11 +314,11 @@ class PushPullTrainer(TrainerComputeHalf):
         self.row_payload += 2 * sum(r.numel() for r in rows) * self.wire_dtype.itemsize
         per_sample = batch.per_sample(rows)
         loss = self.loss_fn(self.model(per_sample, dense), y) + self.model.penalty(per_sample)
-        got = torch.autograd.grad(loss, self.params + rows, allow_unused=True)
+        got = self.grads_of(loss, tuple(rows))
         n = len(self.params)
         row_grads = [torch.zeros_like(r) if g is None else g for r, g in zip(rows, got[n:], strict=True)]
         self._owe((self.flat_grads(list(got[:n])), batch.split_grads(row_grads, self.wire_dtype),
-                   self.owed_buffers(), None), int(ids.shape[0]))
+                   self.owed_buffers(), None, []), int(ids.shape[0]))
         return float(loss.detach())
 
     def _overlapped_step(self, x, y: torch.Tensor, grads: Owed | None, samples: int, done: int | None,
@@ -324,6 +334,7 @@ class PushPullTrainer(TrainerComputeHalf):
         try:
             loss = self.loss_fn(call_model(self.model, x), y)
             flat = self.backward_flat(loss)
+            absent = self.absent
             buffers = self.owed_buffers()
             replies = call.result()
         except BaseException:
@@ -333,7 +344,7 @@ class PushPullTrainer(TrainerComputeHalf):
                 self._land(call.result())
             raise
         self._land(replies)
-        self._owe((flat, None, buffers, None), samples)
+        self._owe((flat, None, buffers, None, absent), samples)
         return float(loss.detach())
 
     def _land(self, replies: list) -> None:
@@ -375,12 +386,16 @@ class PushPullTrainer(TrainerComputeHalf):
         are zeroed. With embedding tables the gradient (the rows' too) is owed instead, and the
         next :meth:`rows` hands it in with the next batch's ids: one round trip per step still."""
         dense = self.flat_grads([p.grad for p in self.params])
+        if len(self.absent) == len(self.params) and not self._said_no_gradient:
+            self._said_no_gradient = True
+            log.warning("ps.step(): no parameter of the replica has a gradient (no backward since the last step?): "
+                        "the server's optimizer steps with none, which changes no parameter")
         for p in self.params:
             p.grad = None
         if self.table_columns is None:
             self.seq += 1  # the user's loop makes this step again if the call fails (its position is not counted)
             try:
-                self.load(self._exchange((dense, None, self.owed_buffers(), None), 0, done=samples,
+                self.load(self._exchange((dense, None, self.owed_buffers(), None, self.absent), 0, done=samples,
                                          number=self.seq))
             except BaseException:
                 self.seq -= 1
@@ -392,7 +407,7 @@ class PushPullTrainer(TrainerComputeHalf):
         batch, rows = self._open_rows
         self._open_rows = None
         row_grads = [torch.zeros_like(r) if r.grad is None else r.grad for r in rows]
-        self._owe((dense, batch.split_grads(row_grads, self.wire_dtype), self.owed_buffers(), None), samples)
+        self._owe((dense, batch.split_grads(row_grads, self.wire_dtype), self.owed_buffers(), None, []), samples)
 
     def rows(self, ids: torch.Tensor) -> list[torch.Tensor]:
         """The rows of a batch's ids (``[batch, tables]`` int64, column t for table t) as the

@@ -228,6 +228,10 @@ class TrainerComputeHalf(TrainerHalf):
         self._buckets: list[GradBuckets] | None = None
         self._ahead: list[set[int]] = []  # per shard, where the buckets sent ahead start
         self._part_number: int | None = None  # the step whose backward sends parts ahead
+        self.absent: list[int] = []
+        """The parameters (indices in the model's order) the last gradient made has no value
+        for (unused by that step, or frozen): the server leaves them out of the update, as a
+        torch optimizer skips a parameter whose ``.grad`` is None."""
         self._sent: list[object] = []  # the futures of that backward's parts (every bucket of _ahead's)
         if self.transport == "device-map":
             self._probe_device_map()
@@ -269,6 +273,7 @@ class TrainerComputeHalf(TrainerHalf):
         """The gradient (one per parameter; None: unused, zero) as flat buffers in the wire dtype
         (cast where it was made: a GPU's copy to the host moves the narrow dtype), one list per
         server process, where the transport sends them from."""
+        self.absent = [i for i, g in enumerate(grads) if g is None]
         full = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads, strict=True)]
         if self.plan is not None:
             flats = [[flat.to(self.wire_dtype)] for flat in self.plan.split(full)]
@@ -287,7 +292,7 @@ class TrainerComputeHalf(TrainerHalf):
         staged: each bucket starts its copy to the host as it is filled). With several server
         processes it is packed after backward: their buffers are the partition's, not the shards'."""
         if self.plan is not None:
-            return self.flat_grads(list(torch.autograd.grad(loss, self.params, allow_unused=True)))
+            return self.flat_grads(self.grads_of(loss))
         flats = self._fill_buckets(loss)
         if self.transport == "staged":
             return [self._staged().collect([(self._staging_key(j), flat) for j, flat in enumerate(flats)])]
@@ -342,10 +347,22 @@ class TrainerComputeHalf(TrainerHalf):
         for b in self._buckets:
             b.arm()
         try:
-            torch.autograd.grad(loss, self.params, allow_unused=True)  # the hooks keep what it makes
+            self.grads_of(loss)  # the hooks keep what it makes
         finally:
             flats = [b.finish() for b in self._buckets]
+        first = 0
+        self.absent = []
+        for b in self._buckets:
+            self.absent += [first + i for i in b.missing]
+            first += len(b.params)
         return flats
+
+    def grads_of(self, loss: torch.Tensor, extra: tuple[torch.Tensor, ...] = ()) -> list[torch.Tensor | None]:
+        """The gradient of ``loss`` for every parameter (None: unused, or frozen, which autograd
+        cannot be asked about), then for ``extra``."""
+        trainable = [p for p in self.params if p.requires_grad]
+        got = iter(torch.autograd.grad(loss, trainable + list(extra), allow_unused=True))
+        return [next(got) if p.requires_grad else None for p in self.params] + list(got)
 
     def _staging_key(self, shard: int) -> tuple[str, int, int]:
         """The pinned buffer of a shard's bucket buffer now filling (one per buffer of the turn)."""

@@ -74,6 +74,30 @@ def test_hooks_fill_the_flat_gradient_as_backward_runs(dtype):
     assert sorted(ready) == [(buckets.offsets[r.start], buckets.offsets[r.stop]) for r in reversed(buckets.buckets)]
 
 
+def test_frozen_and_unused_parameters_are_missing_and_one_unfrozen_later_is_filled():
+    # a frozen layer takes no hook (torch refuses one); fine-tuning unfreezes it after a while
+    model = Tied()
+    params = list(model.parameters())
+    model.mid.requires_grad_(False)
+    buckets = GradBuckets(params, torch.float32, "cpu", cap_bytes=1 << 20)
+    names = [n for n, _ in model.named_parameters()]
+    x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+
+    def backward():
+        buckets.arm()
+        loss = nn.functional.cross_entropy(model(x), y)
+        torch.autograd.grad(loss, [p for p in params if p.requires_grad], allow_unused=True)
+        return buckets.finish()
+
+    backward()
+    assert [names[i] for i in buckets.missing] == ["mid.weight", "mid.bias", "unused.weight", "unused.bias"]
+    model.mid.requires_grad_(True)
+    flat = backward()
+    assert [names[i] for i in buckets.missing] == ["unused.weight", "unused.bias"]
+    expected = torch.cat([g.reshape(-1) for g in grads_after(model, x, y)])
+    assert torch.equal(flat, expected)
+
+
 def test_outside_arm_and_finish_the_hooks_do_nothing():
     model = Tied()
     buckets = GradBuckets(list(model.parameters()), torch.float32, "cpu", cap_bytes=1 << 20)
