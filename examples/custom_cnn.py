@@ -43,7 +43,7 @@ class SmallCNN(nn.Module):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--server", default=None, help="HOST:PORT (default $MASTER_ADDR:$MASTER_PORT or 127.0.0.1:29500)")
+    p.add_argument("--server", default=None, help="HOST:PORT (default as psserver.connect's: $PSSERVER_SERVER, ...)")
     p.add_argument("--rank", type=int, default=None, help="default $RANK, else 0")
     p.add_argument("--num-trainers", type=int, default=None, help="default $WORLD_SIZE")
     p.add_argument("--data-dir", default="../shared/data/mnist")

@@ -57,8 +57,9 @@ class TrainCommand(SubCommand):
                                  "among the trainers or workers on it)")
         parser.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
         ps = parser.add_argument_group("parameter server (--mode ps)")
-        ps.add_argument("--server", default=default_server_address(),
-                        help="server HOST:PORT (default $MASTER_ADDR:$MASTER_PORT or 127.0.0.1:29500)")
+        ps.add_argument("--server", default=None, metavar="HOST:PORT",
+                        help="server HOST:PORT (default $PSSERVER_SERVER; else, not under torchrun, whose "
+                             "$MASTER_PORT is its own rendezvous, $MASTER_ADDR:$MASTER_PORT; else 127.0.0.1:29500)")
         ps.add_argument("--rank", type=int, default=default_rank(),
                         help="trainer rank (default $RANK, $SLURM_PROCID, else 0)")
         ps.add_argument("--num-trainers", type=int, default=default_world_size(),
@@ -136,7 +137,10 @@ class TrainCommand(SubCommand):
 
 def trainer_config_from_args(args: argparse.Namespace) -> TrainerConfig:
     """The configuration of a ``--mode ps`` trainer."""
-    host, port = parse_host_port(args.server, default_port=29500)
+    # The environment is read here, not as the flag's default: a parser built under torchrun
+    # (psserver train --mode ddp, psserver serve) needs no psserver address.
+    host, port = parse_host_port(args.server if args.server is not None else default_server_address(),
+                                 default_port=29500)
     return TrainerConfig(
         rank=args.rank if args.rank is not None else 0,
         server_host=host,

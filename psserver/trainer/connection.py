@@ -466,7 +466,9 @@ def connect(address: str | None = None, *, rank: int | None = None, num_trainers
     """Connect this process to the psserver at ``address`` (``HOST:PORT``) as trainer ``rank``.
 
     Defaults come from the environment as for ``psserver train``: ``address`` from
-    ``$MASTER_ADDR:$MASTER_PORT`` (else 127.0.0.1:29500), ``rank`` from ``$RANK`` or
+    ``$PSSERVER_SERVER``, else (not under torchrun, whose ``MASTER_PORT`` is its own rendezvous:
+    there it is a :class:`~psserver.errors.UsageError`) ``$MASTER_ADDR:$MASTER_PORT``, else
+    127.0.0.1:29500 (:func:`psserver.config.env.default_server_address`), ``rank`` from ``$RANK`` or
     ``$SLURM_PROCID`` (else 0), ``num_trainers`` (the data shards) from ``$WORLD_SIZE`` or
     ``$SLURM_NTASKS`` (else the server's sync K), the join token from ``token_file`` or
     ``$PSSERVER_JOIN_TOKEN``. ``reconnect``: when the server evicts this trainer or goes away,
@@ -489,7 +491,8 @@ def connect(address: str | None = None, *, rank: int | None = None, num_trainers
 
 def _config(address: str | None, **kw: Any) -> TrainerConfig:
     try:
-        host, port = parse_host_port(address or default_server_address(), default_port=29500)
+        host, port = parse_host_port(address or default_server_address(option="psserver.connect('HOST:PORT')"),
+                                     default_port=29500)
     except ValueError as e:
         raise UsageError(f"psserver.connect: {e}") from None
     rank = kw.pop("rank")

@@ -30,14 +30,69 @@ def test_bad_flag_is_one_line_exit_2(capsys):
     assert len(err) == 1 and "invalid choice" in err[0]
 
 
-def test_rank_and_server_default_from_torchrun_env(monkeypatch):
+TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
+                "MASTER_ADDR": "127.0.0.1", "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "0",
+                "TORCHELASTIC_MAX_RESTARTS": "0"}
+"""A torchrun worker's launcher variables (with MASTER_PORT, torchrun's rendezvous store's port)."""
+
+
+def _server(monkeypatch, argv, **variables):
+    from psserver.cli.train import trainer_config_from_args
+
+    for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "PSSERVER_SERVER"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    parser, _ = build_parser()
+    config = trainer_config_from_args(parser.parse_args(argv))
+    return config.server_host, config.server_port
+
+
+def test_rank_and_server_default_from_hand_set_master_env(monkeypatch):
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
-    monkeypatch.setenv("MASTER_PORT", "29999")
+    assert _server(monkeypatch, ["train"], MASTER_ADDR="10.1.2.3", MASTER_PORT="29999") == ("10.1.2.3", 29999)
     parser, _ = build_parser()
     args = parser.parse_args(["train"])
-    assert (args.rank, args.num_trainers, args.server) == (3, 4, "10.1.2.3:29999")
+    assert (args.rank, args.num_trainers) == (3, 4)
+
+
+def test_psserver_server_names_the_server_before_master_and_after_the_flag(monkeypatch):
+    env = {"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29999", "PSSERVER_SERVER": "ps-0.rpc:29600"}
+    assert _server(monkeypatch, ["train"], **env) == ("ps-0.rpc", 29600)
+    assert _server(monkeypatch, ["train"], **TORCHRUN_ENV, MASTER_PORT="29400",
+                   PSSERVER_SERVER="ps-0.rpc") == ("ps-0.rpc", 29500)
+    assert _server(monkeypatch, ["train", "--server", "10.9.9.9:5"], **env) == ("10.9.9.9", 5)
+    assert _server(monkeypatch, ["train", "--server", "10.9.9.9:5"], **TORCHRUN_ENV, MASTER_PORT="29400") == \
+        ("10.9.9.9", 5)
+
+
+def test_under_torchrun_the_collective_modes_and_serve_need_no_psserver_address(monkeypatch):
+    """The server default is read when a ps-mode trainer is configured, not when the parser is built."""
+    for name, value in TORCHRUN_ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_PORT", "29400")
+    monkeypatch.setenv("PSSERVER_SERVER", "not an address")
+    parser, _ = build_parser()
+    assert parser.parse_args(["train", "--mode", "ddp"]).server is None
+    parser.parse_args(["serve"])
+
+
+def test_a_trainer_under_torchrun_without_a_server_ends_at_once_exit_2(port):
+    """Not connected to torchrun's store on MASTER_PORT (here: nobody) for --connect-timeout."""
+    proc = run(["train", "--connect-timeout", "20"], env={**TORCHRUN_ENV, "MASTER_PORT": str(port)}, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "psserver train: error: under torchrun, $MASTER_ADDR:$MASTER_PORT is torchrun's own rendezvous, not a "
+        "psserver: name the psserver with --server HOST:PORT or $PSSERVER_SERVER"]
+
+
+def test_a_malformed_psserver_server_is_one_line_exit_2():
+    proc = run(["train", "--connect-timeout", "20"], env={"PSSERVER_SERVER": "ps-0:http"}, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "psserver train: error: $PSSERVER_SERVER='ps-0:http' is not the psserver's HOST:PORT (or HOST): "
+        "address 'ps-0:http': port 'http' is not a number"]
 
 
 def test_slurm_env_is_a_fallback(monkeypatch):
