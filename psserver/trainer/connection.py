@@ -28,7 +28,7 @@ import logging
 import math
 import signal
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from types import TracebackType
@@ -50,7 +50,7 @@ from psserver.trainer.sampler import ResumableSampler
 from psserver.trainer.session import Session
 from psserver.trainer.stop_signals import StopSignals
 from psserver.utils.memory import configure_host_allocator
-from psserver.utils.metrics import resolve_metric
+from psserver.utils.metrics import check_outputs, resolve_metric
 
 log = logging.getLogger(__name__)
 
@@ -390,7 +390,10 @@ class Connection:
         ``loss_fn``, or a callable ``(outputs, targets) -> float``) of the replica on the
         server's current parameters, over ``data``: a ``Dataset`` of ``(input, target)`` or an
         iterable of such batches. The replica is loaded from the server first (after this
-        trainer's last update landed: sync waits for its round), and left in training mode."""
+        trainer's last update landed: sync waits for its round), and left in training mode.
+        The batches' outputs are concatenated as the model returns them (a tensor along dim 0, a
+        tuple or dict member by member), so a model that returns a tuple or dict needs a callable
+        metric: a built-in one given such outputs is a :class:`UsageError`."""
         session = self._joined("evaluate")
         if callable(metric):
             fn = metric
@@ -408,7 +411,9 @@ class Connection:
             return math.nan
         if not all(isinstance(t, torch.Tensor) for t in targets):
             raise DataError("held-out targets must be tensors to compute a metric")
-        return float(fn(torch.cat(outputs), torch.cat(targets)))
+        whole = concat_outputs(outputs)
+        check_outputs(fn, whole)
+        return float(fn(whole, torch.cat(targets)))
 
     # ---- leaving ---------------------------------------------------------------------------
 
@@ -457,6 +462,30 @@ class Connection:
     def __repr__(self) -> str:
         name = self.session.name if self.session is not None else "not joined"
         return f"<psserver.Connection {self.config.server_host}:{self.config.server_port} rank {self.rank} ({name})>"
+
+
+def concat_outputs(parts: list[Any]) -> Any:
+    """The outputs of several batches as one, in the structure the model returns them: tensors
+    along dim 0 (0-dim ones, such as a loss in an output dict, stacked), tuples and lists member
+    by member, dicts key by key; anything else as the list of its batches' values."""
+    first = parts[0]
+    try:
+        if isinstance(first, torch.Tensor):
+            return torch.cat(parts) if first.dim() else torch.stack(parts)
+        if isinstance(first, Mapping):
+            if any(not isinstance(p, Mapping) or p.keys() != first.keys() for p in parts):
+                raise ValueError("keys")
+            return {k: concat_outputs([p[k] for p in parts]) for k in first}
+        if isinstance(first, tuple | list):
+            members = [concat_outputs(list(group)) for group in zip(*parts, strict=True)]
+            if hasattr(first, "_fields"):  # a namedtuple
+                return type(first)(*members)
+            return type(first)(members)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise DataError(f"the model's outputs differ between held-out batches ({type(first).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}); they cannot be concatenated "
+                        "for the metric") from None
+    return list(parts)
 
 
 def connect(address: str | None = None, *, rank: int | None = None, num_trainers: int | None = None,

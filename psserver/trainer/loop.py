@@ -29,12 +29,13 @@ from collections.abc import Callable
 
 import psutil
 import torch
+from torch.utils.data import IterableDataset, default_collate
 
 from psserver.config import TrainerConfig
 from psserver.data import Batches, check_batch, default_workers, load_dataset
 from psserver.errors import DataError, UsageError
 from psserver.models import ModelSpec
-from psserver.models.calling import describe_input, input_batch_size
+from psserver.models.calling import call_model, describe_input, input_batch_size, move_input
 from psserver.models.losses import loss_name
 from psserver.trainer.connection import Connection
 from psserver.trainer.recovery import FAILED, diagnose
@@ -43,8 +44,9 @@ from psserver.trainer.session import Session, remote_message
 from psserver.trainer.stop_signals import Stopped
 from psserver.utils.cpus import share, usable_cpus
 from psserver.utils.memory import freeze_long_lived
-from psserver.utils.metrics import resolve_metric
+from psserver.utils.metrics import check_outputs, resolve_metric
 from psserver.utils.progress import Progress
+from psserver.utils.references import is_reference
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +116,7 @@ def _train(ps: Connection) -> int:
         raise UsageError(f"--rank {config.rank} must be < number of trainers {num_shards}")
     train_set, eval_set = load_dataset(config.data, spec.input_shape, spec.num_classes, spec.input_dtype)
     metric, metric_fn = resolve_metric(config.metric, spec.metric, session.loss_fn)
+    _check_metric(session, eval_set, metric_fn)
     data = _batches(config, train_set, session, rank=config.rank, num_replicas=num_shards)
     ps.before_rejoin(data.close)  # its worker processes would outlive this process image
     freeze_long_lived()  # the data set and the RPC layer: no full collection rescans them mid-step
@@ -224,6 +227,29 @@ def _evaluate(ps: Connection, eval_set, metric: str, metric_fn: Callable) -> flo
         raise DataError(f"dataset {config.data.dataset}: {e} ({metric})") from None
     finally:
         batches.close()
+
+
+def _check_metric(session: Session, eval_set, metric_fn: Callable) -> None:
+    """A user's model (``MODULE:ATTR``) may return a tuple or dict, which a built-in metric cannot
+    score: one held-out sample through it now says so before training, not after the last
+    epoch. A sample that does not go through is left to the first step to diagnose."""
+    if eval_set is None or session.spec.sparse or not is_reference(session.spec.name):
+        return
+    model = session.model
+    training = model.training
+    try:
+        sample = next(iter(eval_set)) if isinstance(eval_set, IterableDataset) else eval_set[0]
+        x = default_collate([sample])[0]
+        device = next(model.parameters()).device
+        model.eval()
+        with torch.no_grad():
+            out = call_model(model, move_input(x, device))
+    except Exception as e:  # noqa: BLE001 - the first step diagnoses data that does not fit the model
+        log.debug("no held-out sample through the model before training: %s", e)
+        return
+    finally:
+        model.train(training)
+    check_outputs(metric_fn, out)
 
 
 def _batch_len(x, y) -> int:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from psserver.errors import UserCodeError
+from psserver.errors import UsageError, UserCodeError
 from psserver.utils.references import call_user, is_reference, load_reference
 
 log = logging.getLogger(__name__)
@@ -129,4 +129,15 @@ def _mean_loss(loss_fn: Callable[[Tensor, Tensor], Tensor] | None) -> Callable[[
     return mean_loss
 
 
-__all__ = ["LOSS_METRIC", "METRICS", "accuracy", "auc", "get_metric", "metric_names", "resolve_metric", "rmse"]
+def check_outputs(fn: Callable, outputs: object) -> None:
+    """A built-in metric (accuracy, rmse, auc) reads one tensor of outputs: a model that returns a
+    tuple or dict (Hugging Face style) is the user's to score, so say how, in one line."""
+    name = next((n for n, f in METRICS.items() if f is fn), None)
+    if name is not None and not isinstance(outputs, Tensor):
+        raise UsageError(f"metric {name} needs the model's outputs as one tensor, and the model returns a "
+                         f"{type(outputs).__name__}: pass a metric callable (outputs, targets) -> float "
+                         "(psserver train --metric MODULE:ATTR, ps.evaluate(metric=...))")
+
+
+__all__ = ["LOSS_METRIC", "METRICS", "accuracy", "auc", "check_outputs", "get_metric", "metric_names",
+           "resolve_metric", "rmse"]

@@ -131,6 +131,32 @@ def shard_epochs(ps, out: str, epochs: int = 2, samples: int = 256, delay: float
     print(f"done: {ps.steps} steps, resumed {ps.resumed}", flush=True)
 
 
+class DictNet(nn.Module):
+    """A Hugging Face style model: its output is a dict (``{"logits": ...}``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = tiny_net()
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"logits": self.net(x)}
+
+
+def dict_loss(outputs: dict[str, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(outputs["logits"], targets)
+
+
+def dict_accuracy(outputs: dict[str, torch.Tensor], targets: torch.Tensor) -> float:
+    return float((outputs["logits"].argmax(1) == targets).double().mean())
+
+
+def tiny_splits(samples: int = 96) -> tuple[TensorDataset, TensorDataset]:
+    """``(train, held_out)`` of ``tiny_net``'s inputs, for ``psserver train --dataset``."""
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(samples, 8, generator=g), torch.randint(0, 3, (samples,), generator=g)
+    return TensorDataset(x, y), TensorDataset(x[:40], y[:40])
+
+
 def _number(text: str) -> int | float | str:
     for kind in (int, float):
         try:

@@ -1,0 +1,81 @@
+"""``Connection`` without a server: what it does around the calls of its step protocol, with a
+stand-in session (the library against a real server: ``test_library.py``)."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import pytest
+import torch
+
+import psserver
+from psserver.trainer.connection import concat_outputs
+from tests.trainer import loops
+
+
+class Protocol:
+    """The calls ``ps.evaluate`` makes of a step protocol: the model's outputs, as the
+    trainer's protocol returns them (a tuple or dict kept)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def flush(self) -> None:
+        pass
+
+    def evaluate(self, x):
+        with torch.no_grad():
+            return self.model(x)
+
+
+class StandInSession:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.protocol = Protocol(model)
+
+    def leave(self) -> None:
+        pass
+
+
+@pytest.fixture
+def joined():
+    """A connection whose session is a stand-in (no server; nothing is sent)."""
+    ps = psserver.connect("127.0.0.1:1", handle_signals=False)
+    ps.session = StandInSession(loops.DictNet())
+    yield ps
+    ps.close()
+
+
+def held_out() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in (4, 3)]
+
+
+def test_outputs_concatenate_as_the_model_returns_them():
+    Out = namedtuple("Out", "loss logits")
+    a = {"logits": torch.ones(2, 3), "extra": (torch.zeros(2), [torch.ones(2, 1)]), "loss": torch.tensor(1.0)}
+    b = {"logits": torch.zeros(1, 3), "extra": (torch.ones(1), [torch.zeros(1, 1)]), "loss": torch.tensor(2.0)}
+    whole = concat_outputs([a, b])
+    assert whole["logits"].shape == (3, 3) and whole["extra"][0].tolist() == [0, 0, 1]
+    assert whole["extra"][1][0].shape == (3, 1) and whole["loss"].tolist() == [1.0, 2.0]
+    named = concat_outputs([Out(torch.tensor(0.5), torch.ones(2, 3)), Out(torch.tensor(1.5), torch.ones(4, 3))])
+    assert isinstance(named, Out) and named.logits.shape == (6, 3)
+    with pytest.raises(psserver.UsageError, match="differ between held-out batches"):
+        concat_outputs([{"a": torch.ones(1)}, {"b": torch.ones(1)}])
+
+
+def test_a_dict_output_goes_to_a_callable_metric_whole(joined):
+    seen = []
+
+    def metric(outputs, targets):
+        seen.append((outputs["logits"].shape, targets.shape))
+        return loops.dict_accuracy(outputs, targets)
+
+    score = joined.evaluate(held_out(), metric=metric)
+    assert 0.0 <= score <= 1.0 and seen == [((7, 3), (7,))]
+
+
+@pytest.mark.parametrize("metric", [None, "accuracy", "rmse"])
+def test_a_builtin_metric_of_a_dict_output_is_one_line_saying_to_pass_a_callable(joined, metric):
+    with pytest.raises(psserver.UsageError, match=r"model returns a dict: pass a metric callable") as e:
+        joined.evaluate(held_out(), metric=metric)
+    assert "\n" not in str(e.value)
