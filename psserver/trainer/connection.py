@@ -55,6 +55,29 @@ from psserver.utils.metrics import check_outputs, resolve_metric
 log = logging.getLogger(__name__)
 
 
+class SampleCounter:
+    """The replica's forward pre-hook: the samples of its training forwards since the last step.
+    A plain object of module level, holding neither the connection nor a lock, because the
+    hook travels with the model: ``copy.deepcopy``, ``AveragedModel`` and ``torch.save`` of
+    the whole replica copy or pickle it (a copy counts into its own counter, unread)."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if module.training and torch.is_grad_enabled():
+            x = args[0] if len(args) == 1 else (args if args else kwargs)
+            try:
+                self.samples += input_batch_size(x)
+            except (TypeError, ValueError, IndexError):
+                pass  # an input whose batch size cannot be read: pass samples= to step()
+
+    def take(self) -> int:
+        """The step's samples, counting anew from here."""
+        n, self.samples = self.samples, 0
+        return n
+
+
 class Connection:
     """This process's membership of a psserver job, for a training loop of the user's own.
 
@@ -83,7 +106,7 @@ class Connection:
         self.session: Session | None = None
         self.model: nn.Module | None = None
         """The replica :meth:`replica` was given (None before)."""
-        self._counted = 0  # samples the replica's training forwards saw since the last step
+        self._counter = SampleCounter()
         self._hook: Any = None
         self._rejoin_hooks: list[Callable[[], None]] = []
         self.steps_per_epoch: int | None = None
@@ -134,7 +157,7 @@ class Connection:
         except BaseException:
             self._leave(None)
             raise
-        self._hook = self.model.register_forward_pre_hook(self._count, with_kwargs=True)
+        self._hook = self.model.register_forward_pre_hook(self._counter, with_kwargs=True)
         return self.model
 
     def parameter_rrefs(self) -> list[torch.distributed.rpc.RRef]:
@@ -197,8 +220,8 @@ class Connection:
         session = self._joined("step")
         if self.model is None:
             raise UsageError("ps.step trains a replica: call ps.replica(model) first")
-        n = self._counted if samples is None else int(samples)
-        self._counted = 0
+        counted = self._counter.take()
+        n = counted if samples is None else int(samples)
         half = session.protocol
         self._call(lambda: half.push_pull(n))
         self._advance(n, loss)
@@ -306,14 +329,6 @@ class Connection:
     def _run_before_rejoin(self) -> None:
         for fn in self._rejoin_hooks:
             fn()
-
-    def _count(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if module.training and torch.is_grad_enabled():
-            x = args[0] if len(args) == 1 else (args if args else kwargs)
-            try:
-                self._counted += input_batch_size(x)
-            except (TypeError, ValueError, IndexError):
-                pass  # an input whose batch size cannot be read: pass samples= to step()
 
     def _on_epoch(self, epoch: int) -> None:
         if epoch != self._pos.epoch:

@@ -3,10 +3,14 @@ stand-in session (the library against a real server: ``test_library.py``)."""
 
 from __future__ import annotations
 
+import copy
+import io
+import threading
 from collections import namedtuple
 
 import pytest
 import torch
+from torch.optim.swa_utils import AveragedModel
 
 import psserver
 from psserver.trainer.connection import concat_outputs
@@ -14,14 +18,24 @@ from tests.trainer import loops
 
 
 class Protocol:
-    """The calls ``ps.evaluate`` makes of a step protocol: the model's outputs, as the
-    trainer's protocol returns them (a tuple or dict kept)."""
+    """The calls the connection makes of a step protocol: ``evaluate`` the model's outputs, as
+    the trainer's protocol returns them (a tuple or dict kept); ``push_pull`` records the
+    samples each step hands in."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
+        self.pushed: list[int] = []
+
+    def open(self) -> None:
+        pass
 
     def flush(self) -> None:
         pass
+
+    def push_pull(self, samples: int) -> None:
+        self.pushed.append(samples)
+        for p in self.model.parameters():
+            p.grad = None
 
     def evaluate(self, x):
         with torch.no_grad():
@@ -29,11 +43,25 @@ class Protocol:
 
 
 class StandInSession:
+    step_protocol = "pushpull"
+    report = None
+    name = "trainer_0_1"
+
     def __init__(self, model: torch.nn.Module) -> None:
         self.protocol = Protocol(model)
+        self.lock = threading.Lock()  # a real session's heartbeat thread holds one
 
     def leave(self) -> None:
         pass
+
+
+@pytest.fixture
+def connection(monkeypatch):
+    """A connection whose join makes a stand-in session of the model (no server)."""
+    ps = psserver.connect("127.0.0.1:1", handle_signals=False)
+    monkeypatch.setattr(ps, "_join", StandInSession)
+    yield ps
+    ps.close()
 
 
 @pytest.fixture
@@ -79,3 +107,22 @@ def test_a_builtin_metric_of_a_dict_output_is_one_line_saying_to_pass_a_callable
     with pytest.raises(psserver.UsageError, match=r"model returns a dict: pass a metric callable") as e:
         joined.evaluate(held_out(), metric=metric)
     assert "\n" not in str(e.value)
+
+
+def test_a_replica_can_be_deep_copied_averaged_and_saved_whole(connection):
+    model = connection.replica(loops.tiny_net())
+    twin = copy.deepcopy(model)
+    averaged = AveragedModel(model)
+    averaged.update_parameters(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        for other in (twin, averaged, loaded):
+            assert torch.equal(other(x), model(x))
+    twin(torch.randn(7, 8)).sum().backward()  # the copy's forwards are not this connection's
+    model(x).sum().backward()
+    connection.step()
+    assert connection.session.protocol.pushed == [5]
