@@ -56,25 +56,39 @@ log = logging.getLogger(__name__)
 
 
 class SampleCounter:
-    """The replica's forward pre-hook: the samples of its training forwards since the last step.
+    """The replica's forward pre-hook that counts a step's samples: the batch size (dim 0 of
+    its first input) of the step's first forward with grad enabled in training mode, else of
+    its first forward with grad enabled (a loop that fine-tunes in ``eval()`` mode, frozen
+    BatchNorm), else 0. One forward per step, not their sum: a siamese loop runs two on one
+    batch, and a forward under ``no_grad`` (validation) trains nothing.
+
     A plain object of module level, holding neither the connection nor a lock, because the
     hook travels with the model: ``copy.deepcopy``, ``AveragedModel`` and ``torch.save`` of
     the whole replica copy or pickle it (a copy counts into its own counter, unread)."""
 
     def __init__(self) -> None:
-        self.samples = 0
+        self.training: int | None = None
+        self.grad: int | None = None
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if module.training and torch.is_grad_enabled():
-            x = args[0] if len(args) == 1 else (args if args else kwargs)
-            try:
-                self.samples += input_batch_size(x)
-            except (TypeError, ValueError, IndexError):
-                pass  # an input whose batch size cannot be read: pass samples= to step()
+        if not torch.is_grad_enabled() or self.training is not None:
+            return
+        if not module.training and self.grad is not None:
+            return
+        x = args[0] if len(args) == 1 else (args if args else kwargs)
+        try:
+            n = input_batch_size(x)
+        except (TypeError, ValueError, IndexError):
+            return  # an input whose batch size cannot be read: pass samples= to step()
+        if module.training:
+            self.training = n
+        if self.grad is None:
+            self.grad = n
 
     def take(self) -> int:
         """The step's samples, counting anew from here."""
-        n, self.samples = self.samples, 0
+        n = self.training if self.training is not None else self.grad if self.grad is not None else 0
+        self.training = self.grad = None
         return n
 
 
@@ -108,6 +122,8 @@ class Connection:
         """The replica :meth:`replica` was given (None before)."""
         self._counter = SampleCounter()
         self._hook: Any = None
+        self._samplers: list[ResumableSampler] = []
+        self._warned_count = False
         self._rejoin_hooks: list[Callable[[], None]] = []
         self.steps_per_epoch: int | None = None
         """Set by a loop that knows it (``psserver train``'s): a step made again after a lost server
@@ -204,15 +220,18 @@ class Connection:
         shards at this rank (call its ``set_epoch`` each epoch), which after a rejoin resumes
         the epoch it was in without the samples already trained on."""
         resume = (self._pos.epoch, self._pos.epoch_samples) if self.resumed else None
-        return ResumableSampler(dataset, num_replicas=self.num_trainers, rank=self.config.rank, shuffle=shuffle,
-                                seed=seed, drop_last=drop_last, on_epoch=self._on_epoch, resume=resume)
+        sampler = ResumableSampler(dataset, num_replicas=self.num_trainers, rank=self.config.rank, shuffle=shuffle,
+                                   seed=seed, drop_last=drop_last, on_epoch=self._on_epoch, resume=resume)
+        self._samplers.append(sampler)
+        return sampler
 
     def step(self, *, samples: int | None = None, loss: float | torch.Tensor | None = None) -> None:
         """End this step: the gradient in the replica's ``.grad`` goes to the server (one update,
         or this trainer's share of a sync round), the server's fresh parameters and buffers come
         back into the replica, and its gradients are zeroed. ``samples``: the step's samples
-        (default: counted from the replica's training forwards since the last step); ``loss``:
-        shown by ``psserver status`` for this trainer.
+        (default: the batch size, dim 0 of the first input, of the step's first forward of the
+        replica with grad enabled in training mode, else with grad enabled: :class:`SampleCounter`);
+        ``loss``: shown by ``psserver status`` for this trainer.
 
         Raises :class:`~psserver.errors.Evicted` or :class:`~psserver.errors.ServerLost` when the
         server evicted this trainer or is gone (with ``reconnect=True`` the script re-executes
@@ -225,6 +244,8 @@ class Connection:
         half = session.protocol
         self._call(lambda: half.push_pull(n))
         self._advance(n, loss)
+        if samples is None:
+            self._check_count()
 
     def rows(self, ids: torch.Tensor) -> list[torch.Tensor]:
         """With embedding tables on the servers (``psserver serve --model`` of a model that has
@@ -329,6 +350,19 @@ class Connection:
     def _run_before_rejoin(self) -> None:
         for fn in self._rejoin_hooks:
             fn()
+
+    def _check_count(self) -> None:
+        """Warn (once) when the samples counted in this epoch exceed what this connection's
+        samplers handed out in it: the counter read a dimension that is not the batch's."""
+        if self._warned_count or not self._samplers:
+            return
+        pos = self._pos
+        handed = sum(s.handed_out(pos.epoch) for s in self._samplers)
+        if pos.epoch_samples > handed:
+            self._warned_count = True
+            log.warning("ps.step counted %d samples in epoch %d, more than ps.sampler has handed out (%d): the count "
+                        "reads dim 0 of the model's first input, which is not the batch's here (a sequence model fed "
+                        "(T, B, ...) counts T); pass ps.step(samples=...)", pos.epoch_samples, pos.epoch, handed)
 
     def _on_epoch(self, epoch: int) -> None:
         if epoch != self._pos.epoch:

@@ -27,6 +27,8 @@ class ResumableSampler(DistributedSampler):
         """``(epoch, samples)``: in that epoch, the first ``samples`` of this shard were trained on."""
         if resume is not None:
             self.epoch = resume[0]
+        self._handed = (self.epoch, 0)
+        """``(epoch, n)``: the indices handed out in that epoch (the resumed ones included)."""
 
     def set_epoch(self, epoch: int) -> None:
         super().set_epoch(epoch)
@@ -38,14 +40,25 @@ class ResumableSampler(DistributedSampler):
             return 0
         return self._resume[1]
 
+    def handed_out(self, epoch: int) -> int:
+        """How many indices this sampler has handed out in ``epoch`` (those a resumed epoch
+        skips counted as handed out before): the bound of what a loop trained in it."""
+        return self._handed[1] if self._handed[0] == epoch else 0
+
     def __iter__(self) -> Iterator[int]:
         skip = self._skip()
         self._resume = None  # once: the epoch after it, and a second pass over it, are whole
+        epoch = self.epoch
+        handed = (self._handed[1] if self._handed[0] == epoch else 0) + skip
+        self._handed = (epoch, handed)
         it = super().__iter__()
         for _ in range(skip):
             if next(it, None) is None:
                 return
-        yield from it
+        for i in it:
+            handed += 1
+            self._handed = (epoch, handed)
+            yield i
 
     def __len__(self) -> int:
         return max(0, super().__len__() - self._skip())

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import copy
 import io
+import logging
 import threading
 from collections import namedtuple
 
 import pytest
 import torch
+from torch import nn
 from torch.optim.swa_utils import AveragedModel
+from torch.utils.data import DataLoader, TensorDataset
 
 import psserver
 from psserver.trainer.connection import concat_outputs
@@ -48,6 +51,7 @@ class StandInSession:
     name = "trainer_0_1"
 
     def __init__(self, model: torch.nn.Module) -> None:
+        self.info = {"update": "async"}
         self.protocol = Protocol(model)
         self.lock = threading.Lock()  # a real session's heartbeat thread holds one
 
@@ -58,7 +62,7 @@ class StandInSession:
 @pytest.fixture
 def connection(monkeypatch):
     """A connection whose join makes a stand-in session of the model (no server)."""
-    ps = psserver.connect("127.0.0.1:1", handle_signals=False)
+    ps = psserver.connect("127.0.0.1:1", num_trainers=1, handle_signals=False)
     monkeypatch.setattr(ps, "_join", StandInSession)
     yield ps
     ps.close()
@@ -126,3 +130,69 @@ def test_a_replica_can_be_deep_copied_averaged_and_saved_whole(connection):
     model(x).sum().backward()
     connection.step()
     assert connection.session.protocol.pushed == [5]
+
+
+def test_a_step_counts_the_batch_of_its_first_training_forward_once(connection):
+    """Siamese (two forwards a step), frozen-BN fine-tuning (eval mode, grad on), validation
+    (no grad) before a training forward, and a step without any forward."""
+    model = connection.replica(loops.tiny_net())
+    a, b = torch.randn(4, 8), torch.randn(4, 8)
+    (model(a) - model(b)).pow(2).sum().backward()
+    connection.step()
+    model.eval()
+    model(torch.randn(6, 8)).sum().backward()
+    connection.step()
+    with torch.no_grad():
+        model(torch.randn(100, 8))
+    model(torch.randn(9, 8)).sum().backward()  # eval mode, grad on: counted unless a training one comes
+    model.train()
+    model(torch.randn(3, 8)).sum().backward()
+    connection.step()
+    connection.step()
+    connection.step(samples=11)
+    assert connection.session.protocol.pushed == [4, 6, 3, 0, 11]
+    assert connection.samples == 24
+
+
+class Recurrent(nn.Module):
+    """An LSTM fed ``(T, B, D)``: dim 0 of its input is time, not the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lstm(x)[0][-1]
+
+
+@pytest.mark.parametrize("pass_samples", [False, True])
+def test_counting_more_samples_than_the_sampler_handed_out_warns_once(connection, caplog, pass_samples):
+    model = connection.replica(Recurrent())
+    data = TensorDataset(torch.randn(32, 10, 8))
+    sampler = connection.sampler(data)
+    loader = DataLoader(data, batch_size=4, sampler=sampler)
+    with caplog.at_level(logging.WARNING, logger="psserver.trainer.connection"):
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            for (x,) in loader:
+                model(x.transpose(0, 1)).sum().backward()  # (T=10, B=4, D)
+                connection.step(samples=len(x) if pass_samples else None)
+    warnings = [r.getMessage() for r in caplog.records if "ps.sampler has handed out" in r.getMessage()]
+    if pass_samples:
+        assert warnings == [] and connection.samples == 64
+    else:
+        assert len(warnings) == 1 and "counted 10 samples in epoch 0" in warnings[0], warnings
+        assert "pass ps.step(samples=...)" in warnings[0]
+
+
+def test_a_loop_whose_count_is_the_batch_does_not_warn(connection, caplog):
+    model = connection.replica(loops.tiny_net())
+    data = TensorDataset(torch.randn(30, 8))
+    sampler = connection.sampler(data)
+    with caplog.at_level(logging.WARNING, logger="psserver.trainer.connection"):
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            for (x,) in DataLoader(data, batch_size=8, sampler=sampler):
+                model(x).sum().backward()
+                connection.step()
+    assert "handed out" not in caplog.text and connection.samples == 60

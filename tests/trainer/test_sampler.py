@@ -36,3 +36,18 @@ def test_the_resumed_epoch_skips_what_was_trained_and_the_next_is_whole():
 def test_a_resume_past_the_end_of_the_shard_yields_nothing():
     resumed = ResumableSampler(DATA, num_replicas=2, rank=1, resume=(0, 500))
     assert len(resumed) == 0 and list(resumed) == []
+
+
+def test_it_counts_what_it_handed_out_per_epoch_a_resumed_epochs_skip_included():
+    sampler = ResumableSampler(DATA, num_replicas=2, rank=0, resume=(1, 20))
+    it = iter(sampler)
+    for _ in range(5):
+        next(it)
+    assert sampler.handed_out(1) == 25 and sampler.handed_out(0) == 0
+    list(it)
+    list(sampler)  # a second pass over the same epoch
+    assert sampler.handed_out(1) == 100
+    sampler.set_epoch(2)
+    assert sampler.handed_out(2) == 0
+    list(sampler)
+    assert sampler.handed_out(2) == 50 and sampler.handed_out(1) == 0
