@@ -26,6 +26,7 @@ import atexit
 import dataclasses
 import logging
 import math
+import operator
 import signal
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -239,8 +240,9 @@ class Connection:
         session = self._joined("step")
         if self.model is None:
             raise UsageError("ps.step trains a replica: call ps.replica(model) first")
+        given = None if samples is None else _sample_count(samples)
         counted = self._counter.take()
-        n = counted if samples is None else int(samples)
+        n = counted if given is None else given
         half = session.protocol
         self._call(lambda: half.push_pull(n))
         self._advance(n, loss)
@@ -511,6 +513,20 @@ class Connection:
     def __repr__(self) -> str:
         name = self.session.name if self.session is not None else "not joined"
         return f"<psserver.Connection {self.config.server_host}:{self.config.server_port} rank {self.rank} ({name})>"
+
+
+def _sample_count(samples: object) -> int:
+    """``ps.step(samples=...)`` as an int >= 0: checked here, since the server would refuse it
+    with a remote traceback (an int tensor or a NumPy int is taken)."""
+    try:
+        if isinstance(samples, bool):
+            raise TypeError
+        n = operator.index(samples)  # type: ignore[arg-type]
+    except (TypeError, ValueError, RuntimeError):
+        raise UsageError(f"ps.step: samples must be an int >= 0 (the step's batch size), got {samples!r}") from None
+    if n < 0:
+        raise UsageError(f"ps.step: samples must be an int >= 0 (the step's batch size), got {n}")
+    return n
 
 
 def concat_outputs(parts: list[Any]) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import io
 import logging
+import math
 import threading
 from collections import namedtuple
 
@@ -196,3 +197,13 @@ def test_a_loop_whose_count_is_the_batch_does_not_warn(connection, caplog):
                 model(x).sum().backward()
                 connection.step()
     assert "handed out" not in caplog.text and connection.samples == 60
+
+
+@pytest.mark.parametrize("bad", [-5, 2.5, math.nan, "16", True, torch.tensor(3.0)])
+def test_a_bad_samples_argument_is_a_usage_error_and_nothing_is_sent(connection, bad):
+    model = connection.replica(loops.tiny_net())
+    model(torch.randn(4, 8)).sum().backward()
+    with pytest.raises(psserver.UsageError, match=r"ps\.step: samples must be an int >= 0"):
+        connection.step(samples=bad)
+    connection.step(samples=torch.tensor(4))  # an int tensor is an int
+    assert connection.session.protocol.pushed == [4] and connection.samples == 4
