@@ -219,7 +219,13 @@ class Connection:
                 drop_last: bool = False) -> ResumableSampler:
         """This trainer's shard of ``dataset``: a ``DistributedSampler`` over ``num_trainers``
         shards at this rank (call its ``set_epoch`` each epoch), which after a rejoin resumes
-        the epoch it was in without the samples already trained on."""
+        the epoch it was in without the samples already trained on. Before the join (on any
+        rank) the shard count must come from ``num_trainers`` or ``$WORLD_SIZE``: the server's
+        sync K is known only from its answer to the join."""
+        if self.session is None and self.config.num_trainers is None:
+            raise UsageError("ps.sampler before the join needs the number of shards: call ps.replica(model) first "
+                             "(the server's answer says it), or pass num_trainers to psserver.connect (or set "
+                             "$WORLD_SIZE)")
         resume = (self._pos.epoch, self._pos.epoch_samples) if self.resumed else None
         sampler = ResumableSampler(dataset, num_replicas=self.num_trainers, rank=self.config.rank, shuffle=shuffle,
                                    seed=seed, drop_last=drop_last, on_epoch=self._on_epoch, resume=resume)
@@ -381,9 +387,13 @@ class Connection:
     @property
     def num_trainers(self) -> int:
         """The number of data shards: ``num_trainers`` (``$WORLD_SIZE``), else the server's sync
-        K, else 1 for rank 0."""
-        info = self.session.info if self.session is not None else {"update": None}
-        return shard_count(self.config, info)
+        K, else 1 for rank 0; before the join, ``num_trainers`` only (else a UsageError)."""
+        if self.session is None:
+            if self.config.num_trainers is None:
+                raise UsageError("ps.num_trainers before the join: call ps.replica(model) first, or pass "
+                                 "num_trainers to psserver.connect (or set $WORLD_SIZE)")
+            return self.config.num_trainers
+        return shard_count(self.config, self.session.info)
 
     @property
     def epoch(self) -> int:

@@ -207,3 +207,30 @@ def test_a_bad_samples_argument_is_a_usage_error_and_nothing_is_sent(connection,
         connection.step(samples=bad)
     connection.step(samples=torch.tensor(4))  # an int tensor is an int
     assert connection.session.protocol.pushed == [4] and connection.samples == 4
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_sampler_before_the_join_needs_num_trainers_on_every_rank(monkeypatch, rank):
+    for name in ("WORLD_SIZE", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    data = TensorDataset(torch.arange(10))
+    with psserver.connect("127.0.0.1:1", rank=rank, handle_signals=False) as ps:
+        with pytest.raises(psserver.UsageError, match=r"call ps\.replica\(model\) first.*num_trainers"):
+            ps.sampler(data)
+        with pytest.raises(psserver.UsageError, match="num_trainers"):
+            _ = ps.num_trainers
+    with psserver.connect("127.0.0.1:1", rank=rank, num_trainers=2, handle_signals=False) as ps:
+        assert ps.sampler(data).num_replicas == 2 and ps.num_trainers == 2
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with psserver.connect("127.0.0.1:1", rank=rank, handle_signals=False) as ps:
+        assert ps.sampler(data).num_replicas == 3
+
+
+def test_a_sampler_after_the_join_takes_the_shard_count_of_the_servers_answer(monkeypatch):
+    for name in ("WORLD_SIZE", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    with psserver.connect("127.0.0.1:1", handle_signals=False) as ps:
+        monkeypatch.setattr(ps, "_join", StandInSession)
+        ps.replica(loops.tiny_net())
+        ps.session.info = {"update": "sync", "sync_trainers": 4}
+        assert ps.sampler(TensorDataset(torch.arange(10))).num_replicas == 4
