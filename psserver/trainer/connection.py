@@ -151,7 +151,10 @@ class Connection:
         """Join the server with ``model`` and return it, holding the server's parameters and
         buffers: its layout (names, shapes, dtypes of its ``state_dict``) must be the server's,
         or it becomes the server's when the server holds none yet (its values the initial ones).
-        It moves to the connection's ``device``. Batches are counted from its training forwards."""
+        It moves to the connection's ``device``. Batches are counted from its training forwards.
+        A model made by ``torch.compile`` joins as the module it wraps (``_orig_mod``: its layout and
+        class are the server's, as an uncompiled trainer's are), and the compiled module is
+        returned, so the loop's forward stays compiled."""
         if self.config.step not in (None, "pushpull"):
             raise UsageError(f"ps.replica trains with step='pushpull' (the trainer computes); "
                              f"step={self.config.step!r} is psserver train's own loop")
@@ -161,14 +164,17 @@ class Connection:
         # --entry passes psserver train's config (--overlap auto): this loop never overlaps, and
         # the server must not count its steps as lagging.
         self.config = dataclasses.replace(self.config, overlap="off")
-        self.join(model)
+        inner = getattr(model, "_orig_mod", None) if isinstance(model, nn.Module) else None
+        compiled = model if isinstance(inner, nn.Module) else None
+        self.join(inner if compiled is not None else model)
         assert self.session is not None
         if self.session.step_protocol != "pushpull":
             self.session.leave()
             raise UsageError(f"the server answered with --step {self.session.step_protocol}: ps.step needs pushpull "
                              "(a server that runs every step with --compute server cannot serve a replica)")
         half = self.session.protocol
-        self.model = half.model  # the same module, on the connection's device
+        # The same module, on the connection's device (a compiled one's wrapper shares it).
+        self.model = half.model if compiled is None else compiled
         try:
             self._call(half.open)
         except BaseException:

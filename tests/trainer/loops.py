@@ -64,6 +64,17 @@ def through_step(ps, out: str) -> None:
     _save(model, out, steps=ps.steps, global_step=ps.global_step, lr=ps.lr, staleness=ps.staleness)
 
 
+def compiled_steps(ps, out: str) -> None:
+    """``ps.step()`` with a replica made by ``torch.compile`` (``backend``: the default, inductor)."""
+    compiled = torch.compile(tiny_net())
+    model = ps.replica(compiled)
+    assert model is compiled, type(model)
+    for x, y in batches(steps=5):
+        nn.functional.cross_entropy(model(x), y).backward()
+        ps.step()
+    _save(compiled, out, steps=ps.steps, samples=ps.samples)
+
+
 def through_wrapper(ps, out: str, accumulate: int = 1) -> None:
     """``psserver.DistributedOptimizer``; with ``accumulate`` K, each batch of the reference
     loop goes as K micro-batches (the loss divided by K) and one step."""

@@ -234,3 +234,22 @@ def test_a_sampler_after_the_join_takes_the_shard_count_of_the_servers_answer(mo
         ps.replica(loops.tiny_net())
         ps.session.info = {"update": "sync", "sync_trainers": 4}
         assert ps.sampler(TensorDataset(torch.arange(10))).num_replicas == 4
+
+
+def test_a_compiled_model_joins_as_the_module_it_wraps_and_stays_compiled(monkeypatch):
+    joined_with = []
+
+    def join(model):
+        joined_with.append(model)
+        return StandInSession(model)
+
+    with psserver.connect("127.0.0.1:1", num_trainers=1, handle_signals=False) as ps:
+        monkeypatch.setattr(ps, "_join", join)
+        net = loops.tiny_net()
+        compiled = torch.compile(net)  # inductor, on the CPU
+        model = ps.replica(compiled)
+        assert model is compiled and ps.model is compiled and joined_with == [net]
+        assert not any("_orig_mod" in k for k in ps.session.protocol.model.state_dict())
+        model(torch.randn(4, 8)).sum().backward()
+        ps.step()
+        assert ps.session.protocol.pushed == [4]

@@ -73,6 +73,25 @@ def test_four_micro_batches_through_the_wrapper_are_one_batch_of_64(procs, port,
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_compiled_replica_brings_the_plain_layout_and_an_uncompiled_trainer_follows(procs, port, tmp_path):
+    """``torch.compile(model)`` (inductor, on the CPU) joins with the module it wraps: the server
+    keeps its layout and class without ``_orig_mod.``, so a trainer that does not compile is
+    taken, and the compiled module's state is the server's."""
+    server = procs.server(port)
+    first = entry(procs, port, "compiled_steps", args={"out": str(tmp_path / "compiled.pt")})
+    assert first.wait(180) == 0, first.tail()
+    assert json.loads(first.output().strip().splitlines()[-1]) == {"steps": 5, "samples": 5 * loops.BATCH}
+    assert "model torch.nn.modules.container:Sequential" in first.output(), first.tail()
+    plain = entry(procs, port, "through_step", args={"out": str(tmp_path / "plain.pt")})
+    assert plain.wait(120) == 0, plain.tail()
+    server.wait_for(r"left after 20 steps", timeout=10)
+    for text in (server.output(), first.output(), plain.output()):
+        assert "_orig_mod" not in text and "OptimizedModule" not in text, text
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_a_killed_library_trainer_is_evicted_and_its_rank_rejoins(procs, port):
     server = procs.server(port, "--trainer-timeout", "2")
