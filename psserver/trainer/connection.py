@@ -124,6 +124,7 @@ class Connection:
         self._counter = SampleCounter()
         self._hook: Any = None
         self._samplers: list[ResumableSampler] = []
+        self._wrapper: Any = None  # the last DistributedOptimizer made over this connection (its hooks count passes)
         self._warned_count = False
         self._rejoin_hooks: list[Callable[[], None]] = []
         self.steps_per_epoch: int | None = None
@@ -257,6 +258,8 @@ class Connection:
         n = counted if given is None else given
         half = session.protocol
         self._call(lambda: half.push_pull(n))
+        if self._wrapper is not None:  # a loop that mixes ps.step() with the wrapper's step()
+            self._wrapper.stepped()
         self._advance(n, loss)
         if samples is None:
             self._check_count()

@@ -48,11 +48,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise UsageError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
         if ps.model is None:
             raise UsageError("DistributedOptimizer wraps a replica's parameters: call ps.replica(model) first")
-        params = [p[1] if isinstance(p, tuple) else p for p in named_parameters]
+        given = list(named_parameters)
+        if any(isinstance(p, dict) for p in given):
+            raise UsageError("DistributedOptimizer takes no parameter groups: psserver's optimizer is the server's "
+                             "(psserver serve --optimizer/--lr), over the whole model: pass model.named_parameters()")
+        params = [p[1] if isinstance(p, tuple) else p for p in given]
         ours = {id(p) for p in ps.model.parameters()}
         if not params or any(id(p) not in ours for p in params):
             raise UsageError("DistributedOptimizer takes the replica's parameters (ps.replica(model)."
                              "named_parameters()): each one goes to the server with every step")
+        mine = {id(p) for p in params}
+        left_out = [n for n, p in ps.model.named_parameters() if p.requires_grad and id(p) not in mine]
+        if left_out:  # ps.step sends every gradient: a subset would be updated whole, silently
+            more = ", ..." if len(left_out) > 3 else ""
+            raise UsageError(f"DistributedOptimizer got {len(params)} of the replica's parameters, not "
+                             f"{', '.join(left_out[:3])}{more}: psserver's optimizer is the server's, over the whole "
+                             "model: pass model.named_parameters()")
         super().__init__(params, {"lr": ps.lr})
         self.ps = ps
         self.backward_passes_per_step = backward_passes_per_step
@@ -60,7 +71,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._skip_sync = False
         self._synchronized = False
         self._mirrored = ps.lr
+        previous = getattr(ps, "_wrapper", None)
+        if previous is not None:  # its hooks would count this one's passes against its own setting
+            previous.remove_hooks()
+        ps._wrapper = self
         self._hooks = [p.register_post_accumulate_grad_hook(self._count_pass) for p in params if p.requires_grad]
+
+    def remove_hooks(self) -> None:
+        """Stop counting backward passes: a newer wrapper over the same connection counts them."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self._passes.clear()
+
+    def stepped(self) -> None:
+        """An update went (``ps.step()``, directly or from :meth:`step`): count passes anew."""
+        self._passes.clear()
 
     def _count_pass(self, p: nn.Parameter) -> None:
         n = self._passes.get(p, 0) + 1
@@ -100,7 +126,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             log.warning("DistributedOptimizer: param_groups' lr was set to %g, but the server's learning rate "
                         "applies (psserver serve --lr / --lr-schedule)", lr)
         self.ps.step(loss=loss)
-        self._passes.clear()
+        self.stepped()
         self._synchronized = False
         self._mirrored = self.ps.lr
         for group in self.param_groups:

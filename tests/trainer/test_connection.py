@@ -53,6 +53,7 @@ class StandInSession:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.info = {"update": "async"}
+        self.progress = (0, 0.01, 0)  # global step, lr, staleness
         self.protocol = Protocol(model)
         self.lock = threading.Lock()  # a real session's heartbeat thread holds one
 
@@ -253,3 +254,15 @@ def test_a_compiled_model_joins_as_the_module_it_wraps_and_stays_compiled(monkey
         model(torch.randn(4, 8)).sum().backward()
         ps.step()
         assert ps.session.protocol.pushed == [4]
+
+
+def test_ps_step_between_wrapper_steps_counts_the_passes_anew(connection):
+    model = connection.replica(loops.tiny_net())
+    psserver.DistributedOptimizer(connection, model.named_parameters())
+    opt = psserver.DistributedOptimizer(connection, model.named_parameters())  # a second one, same setting
+    for _ in range(2):
+        model(torch.randn(4, 8)).sum().backward()
+        connection.step()  # not opt.step(): the wrapper's count starts again
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    assert connection.session.protocol.pushed == [4, 4, 4]

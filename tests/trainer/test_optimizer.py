@@ -105,3 +105,28 @@ def test_the_amp_loop_sends_unscaled_clipped_gradients_and_skips_non_finite_ones
     scaler.step(opt)
     scaler.update()
     assert len(ps.sent) == 1 and scaler.get_scale() < 1024.0
+
+
+def test_a_new_wrapper_replaces_the_hooks_of_the_one_before():
+    ps = Recorder(model())
+    psserver.DistributedOptimizer(ps, ps.model.named_parameters())
+    opt = psserver.DistributedOptimizer(ps, ps.model.named_parameters(), backward_passes_per_step=2)
+    for _ in range(2):  # the first one's hooks would refuse the second pass
+        ps.model(torch.randn(2, 3)).sum().backward()
+    with pytest.raises(psserver.UsageError, match=r"computed 3 times .*\(backward_passes_per_step=2\)"):
+        ps.model(torch.randn(2, 3)).sum().backward()
+    opt.zero_grad()
+    ps.model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    assert len(ps.sent) == 1
+
+
+def test_a_subset_of_the_parameters_is_refused():
+    ps = Recorder(model())
+    with pytest.raises(psserver.UsageError, match=r"not bias: psserver's optimizer is the server's, over the whole "
+                                                  r"model: pass model\.named_parameters\(\)"):
+        psserver.DistributedOptimizer(ps, [("weight", ps.model.weight)])
+    with pytest.raises(psserver.UsageError, match="no parameter groups"):
+        psserver.DistributedOptimizer(ps, [{"params": list(ps.model.parameters()), "lr": 0.1}])
+    ps.model.bias.requires_grad_(False)  # frozen: the names cover every parameter that trains
+    psserver.DistributedOptimizer(ps, [("weight", ps.model.weight)])
