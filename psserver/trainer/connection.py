@@ -61,7 +61,8 @@ class SampleCounter:
     its first input) of the step's first forward with grad enabled in training mode, else of
     its first forward with grad enabled (a loop that fine-tunes in ``eval()`` mode, frozen
     BatchNorm), else 0. One forward per step, not their sum: a siamese loop runs two on one
-    batch, and a forward under ``no_grad`` (validation) trains nothing.
+    batch, and a forward under ``no_grad`` (validation) trains nothing. With the
+    ``DistributedOptimizer``, one per backward pass: K passes of accumulation are K micro-batches.
 
     A plain object of module level, holding neither the connection nor a lock, because the
     hook travels with the model: ``copy.deepcopy``, ``AveragedModel`` and ``torch.save`` of
@@ -70,6 +71,7 @@ class SampleCounter:
     def __init__(self) -> None:
         self.training: int | None = None
         self.grad: int | None = None
+        self.banked = 0
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not torch.is_grad_enabled() or self.training is not None:
@@ -86,10 +88,20 @@ class SampleCounter:
         if self.grad is None:
             self.grad = n
 
-    def take(self) -> int:
-        """The step's samples, counting anew from here."""
+
+    def _current(self) -> int:
         n = self.training if self.training is not None else self.grad if self.grad is not None else 0
         self.training = self.grad = None
+        return n
+
+    def passed(self) -> None:
+        """A backward pass began (``DistributedOptimizer``'s hooks say so): the forwards before it
+        were its micro-batch, and the next forward counts anew."""
+        self.banked += self._current()
+
+    def take(self) -> int:
+        """The step's samples, counting anew from here."""
+        n, self.banked = self.banked + self._current(), 0
         return n
 
 

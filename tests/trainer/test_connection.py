@@ -266,3 +266,15 @@ def test_ps_step_between_wrapper_steps_counts_the_passes_anew(connection):
     model(torch.randn(4, 8)).sum().backward()
     opt.step()
     assert connection.session.protocol.pushed == [4, 4, 4]
+
+
+def test_with_the_wrapper_each_backward_pass_counts_its_micro_batch(connection):
+    model = connection.replica(loops.tiny_net())
+    opt = psserver.DistributedOptimizer(connection, model.named_parameters(), backward_passes_per_step=4)
+    for x in torch.randn(16, 8).chunk(4):
+        model(x).sum().backward()
+    opt.step()
+    a, b = torch.randn(4, 8), torch.randn(4, 8)
+    (model(a) - model(b)).pow(2).sum().backward()  # siamese: one pass of one batch
+    opt.step()
+    assert connection.session.protocol.pushed == [16, 4]
