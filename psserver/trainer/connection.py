@@ -60,9 +60,10 @@ class SampleCounter:
     """The replica's forward pre-hook that counts a step's samples: the batch size (dim 0 of
     its first input) of the step's first forward with grad enabled in training mode, else of
     its first forward with grad enabled (a loop that fine-tunes in ``eval()`` mode, frozen
-    BatchNorm), else 0. One forward per step, not their sum: a siamese loop runs two on one
-    batch, and a forward under ``no_grad`` (validation) trains nothing. With the
-    ``DistributedOptimizer``, one per backward pass: K passes of accumulation are K micro-batches.
+    BatchNorm), else 0. One forward per backward pass, not their sum: a siamese loop runs two
+    on one batch, a forward under ``no_grad`` (validation) trains nothing, and K backward passes
+    before one ``ps.step()`` (accumulation) are K micro-batches: the replica's parameters call
+    :meth:`passed` as their gradients accumulate.
 
     A plain object of module level, holding neither the connection nor a lock, because the
     hook travels with the model: ``copy.deepcopy``, ``AveragedModel`` and ``torch.save`` of
@@ -94,9 +95,9 @@ class SampleCounter:
         self.training = self.grad = None
         return n
 
-    def passed(self) -> None:
-        """A backward pass began (``DistributedOptimizer``'s hooks say so): the forwards before it
-        were its micro-batch, and the next forward counts anew."""
+    def passed(self, _param: object = None) -> None:
+        """A backward pass reached a parameter (each one calls it; the first of a pass banks):
+        the forwards before it were its micro-batch, and the next forward counts anew."""
         self.banked += self._current()
 
     def take(self) -> int:
@@ -135,6 +136,7 @@ class Connection:
         """The replica :meth:`replica` was given (None before)."""
         self._counter = SampleCounter()
         self._hook: Any = None
+        self._pass_hooks: list[Any] = []
         self._samplers: list[ResumableSampler] = []
         self._wrapper: Any = None  # the last DistributedOptimizer made over this connection (its hooks count passes)
         self._warned_count = False
@@ -194,6 +196,8 @@ class Connection:
             self._leave(None)
             raise
         self._hook = self.model.register_forward_pre_hook(self._counter, with_kwargs=True)
+        self._pass_hooks = [p.register_post_accumulate_grad_hook(self._counter.passed)
+                            for p in self.model.parameters() if p.requires_grad]
         return self.model
 
     def parameter_rrefs(self) -> list[torch.distributed.rpc.RRef]:
@@ -520,6 +524,9 @@ class Connection:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        for hook in self._pass_hooks:
+            hook.remove()
+        self._pass_hooks = []
 
     def _at_exit(self) -> None:
         if not self._closed and self.session is not None:

@@ -94,10 +94,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise UsageError(f"gradients were computed {n} times before DistributedOptimizer.step() "
                              f"(backward_passes_per_step={self.backward_passes_per_step}): raise "
                              "backward_passes_per_step to accumulate that many")
-        if n > max(self._passes.values(), default=0):  # the first gradient of a backward pass
-            counter = getattr(self.ps, "_counter", None)
-            if counter is not None:  # the forwards before it were its micro-batch
-                counter.passed()
         self._passes[p] = n
 
     def synchronize(self) -> None:

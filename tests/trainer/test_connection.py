@@ -146,7 +146,7 @@ def test_a_step_counts_the_batch_of_its_first_training_forward_once(connection):
     connection.step()
     with torch.no_grad():
         model(torch.randn(100, 8))
-    model(torch.randn(9, 8)).sum().backward()  # eval mode, grad on: counted unless a training one comes
+    model(torch.randn(2, 8))  # eval mode, grad on, but a training forward of the pass comes
     model.train()
     model(torch.randn(3, 8)).sum().backward()
     connection.step()
@@ -154,6 +154,22 @@ def test_a_step_counts_the_batch_of_its_first_training_forward_once(connection):
     connection.step(samples=11)
     assert connection.session.protocol.pushed == [4, 6, 3, 0, 11]
     assert connection.samples == 24
+
+
+@pytest.mark.parametrize("wrapper", [False, True])
+def test_each_backward_pass_before_a_step_counts_its_micro_batch(connection, wrapper):
+    # accumulation: K forward/backward passes, then one update, with or without the wrapper
+    model = connection.replica(loops.tiny_net())
+    opt = psserver.DistributedOptimizer(connection, model.named_parameters(), backward_passes_per_step=4) \
+        if wrapper else None
+    for x in torch.randn(16, 8).chunk(4):
+        model(x).sum().backward()
+    opt.step() if opt is not None else connection.step()
+    model.eval()  # frozen-BN fine-tuning: passes in eval mode count too
+    for x in torch.randn(10, 8).chunk(2):
+        model(x).sum().backward()
+    opt.step() if opt is not None else connection.step()
+    assert connection.session.protocol.pushed == [16, 10]
 
 
 class Recurrent(nn.Module):
