@@ -13,7 +13,7 @@ from pathlib import Path
 
 from psserver.config.common import DataConfig, default_data_dir
 from psserver.config.control import ControlConfig, ObservabilityConfig
-from psserver.config.ps import OPTIMIZERS, OptimizerConfig
+from psserver.config.optimizer import OPTIMIZERS, OptimizerConfig
 from psserver.data import DATASETS, IMAGEFOLDER
 from psserver.utils.references import parse_json_args
 
@@ -57,16 +57,20 @@ def add_optimizer_arguments(parser: argparse.ArgumentParser, *, defaults_from_se
     """``--optimizer``, ``--lr``, ``--momentum``, ``--weight-decay`` (``serve`` and ``train``)."""
     suffix = " (default: the server's)" if defaults_from_server else ""
     g = parser.add_argument_group("optimizer")
-    g.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
-                   help="server-side optimizer, one per shard, shared by all trainers" + suffix)
+    g.add_argument("--optimizer", default=None, metavar="NAME",
+                   help=f"server-side optimizer, one per shard, shared by all trainers: {', '.join(OPTIMIZERS)} "
+                        "or any other of torch.optim by name (nadam, radam, adamax, adadelta, ...)" + suffix)
     g.add_argument("--lr", type=finite_float, default=None, help="learning rate" + suffix)
     g.add_argument("--momentum", type=finite_float, default=None, help="momentum (sgd, rmsprop)" + suffix)
     g.add_argument("--weight-decay", type=finite_float, default=None, help="L2 penalty" + suffix)
+    g.add_argument("--optimizer-args", default=None, metavar="JSON",
+                   help='the optimizer\'s other keyword arguments, a JSON object ({"betas": [0.9, 0.95], '
+                        '"eps": 1e-6}, {"nesterov": true})' + suffix)
 
 
 def optimizer_from_args(args: argparse.Namespace) -> OptimizerConfig | None:
     """An OptimizerConfig when any optimizer flag was given, else None."""
-    given = {k: getattr(args, k) for k in ("optimizer", "lr", "momentum", "weight_decay")}
+    given = {k: getattr(args, k, None) for k in ("optimizer", "lr", "momentum", "weight_decay", "optimizer_args")}
     if all(v is None for v in given.values()):
         return None
     defaults = OptimizerConfig()
@@ -75,6 +79,7 @@ def optimizer_from_args(args: argparse.Namespace) -> OptimizerConfig | None:
         lr=given["lr"] if given["lr"] is not None else defaults.lr,
         momentum=given["momentum"] if given["momentum"] is not None else defaults.momentum,
         weight_decay=given["weight_decay"] if given["weight_decay"] is not None else defaults.weight_decay,
+        args=parse_json_args(given["optimizer_args"], "--optimizer-args"),
     )
 
 

@@ -31,7 +31,7 @@ from psserver.collective.checkpoint import CheckpointManager
 from psserver.collective.launcher import DistEnv
 from psserver.collective.status import ROW, SYNC_EVERY, CollectiveStatus, control_server, metrics_endpoint
 from psserver.config.collective import CollectiveConfig
-from psserver.config.ps import OptimizerConfig
+from psserver.config.optimizer import OptimizerConfig, make_optimizer
 from psserver.data import Batches, check_batch, default_workers, load_dataset
 from psserver.errors import DataError
 from psserver.models import build_model, get_model_spec
@@ -56,17 +56,7 @@ def strategy_for(config: CollectiveConfig, env: DistEnv) -> Strategy:
 
 def build_optimizer(params, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     """The local optimizer of each rank (same choices as the parameter server's)."""
-    if cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    if cfg.name == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if cfg.name == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if cfg.name == "adagrad":
-        return torch.optim.Adagrad(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if cfg.name == "rmsprop":
-        return torch.optim.RMSprop(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    raise ValueError(f"unknown optimizer {cfg.name!r}")
+    return make_optimizer(params, cfg)
 
 
 def parameter_hash(module: torch.nn.Module) -> str:

@@ -25,10 +25,10 @@ from psserver.config.common import (
 )
 from psserver.config.control import ControlConfig, ObservabilityConfig
 from psserver.config.embedding import EmbeddingConfig
+from psserver.config.optimizer import OptimizerConfig
 from psserver.config.schedule import LRScheduleConfig
 from psserver.utils.memory import ALLOCATORS
 
-OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "rmsprop")
 UPDATE_MODES = ("async", "sync", "ssp")
 WIRE_DTYPES = ("fp32", "bf16", "fp16")
 BUFFER_POLICIES = ("average", "rank0")
@@ -74,31 +74,6 @@ def default_step(compute: str) -> str:
 def check_compute(compute: str | None, flag: str = "--compute") -> None:
     if compute is not None and compute not in COMPUTE_MODES:
         raise ValueError(f"{flag} must be one of {', '.join(COMPUTE_MODES)}, got {compute!r}")
-
-
-@dataclass
-class OptimizerConfig:
-    """The server-side optimizer, one instance per shard, shared by every trainer."""
-
-    name: str = "adam"
-    """One of sgd, adam, adamw, adagrad, rmsprop."""
-    lr: float = 1e-3
-    """Learning rate."""
-    momentum: float = 0.0
-    """Momentum (sgd, rmsprop)."""
-    weight_decay: float = 0.0
-    """L2 penalty."""
-
-    def __post_init__(self) -> None:
-        if self.name not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {self.name!r}; known: {', '.join(OPTIMIZERS)}")
-        if not self.lr > 0:
-            raise ValueError(f"learning rate must be positive, got {self.lr}")
-        if self.momentum < 0 or self.weight_decay < 0:
-            raise ValueError("momentum and weight decay must be >= 0")
-
-    def describe(self) -> str:
-        return f"{self.name}(lr={self.lr:g}, momentum={self.momentum:g}, weight_decay={self.weight_decay:g})"
 
 
 @dataclass

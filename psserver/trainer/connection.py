@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from psserver.config import TrainerConfig, parse_host_port
+from psserver.config import OptimizerConfig, TrainerConfig, parse_host_port
 from psserver.config.env import default_rank, default_server_address, default_world_size
 from psserver.errors import DataError, UsageError
 from psserver.models.calling import input_batch_size
@@ -162,14 +162,27 @@ class Connection:
         self.session = self._join(model)
         return self.session
 
-    def replica(self, model: nn.Module) -> nn.Module:
+    def replica(self, model: nn.Module, *, optimizer: torch.optim.Optimizer | OptimizerConfig | None = None
+                ) -> nn.Module:
         """Join the server with ``model`` and return it, holding the server's parameters and
         buffers: its layout (names, shapes, dtypes of its ``state_dict``) must be the server's,
         or it becomes the server's when the server holds none yet (its values the initial ones).
         It moves to the connection's ``device``. Batches are counted from its training forwards.
         A model made by ``torch.compile`` joins as the module it wraps (``_orig_mod``: its layout and
         class are the server's, as an uncompiled trainer's are), and the compiled module is
-        returned, so the loop's forward stays compiled."""
+        returned, so the loop's forward stays compiled.
+
+        ``optimizer``: the one the server should run, as Horovod's wrapper takes it (a
+        ``torch.optim`` optimizer over ``model.parameters()``, one parameter group: its class and
+        hyperparameters travel, never its state), or an ``OptimizerConfig``. The first trainer's
+        choice sets a server started without ``--optimizer``; a different one is refused."""
+        if optimizer is not None:
+            try:
+                chosen = optimizer if isinstance(optimizer, OptimizerConfig) else \
+                    OptimizerConfig.from_optimizer(optimizer)
+            except (ValueError, TypeError, AttributeError) as e:
+                raise UsageError(f"ps.replica(optimizer=...): {e}") from None
+            self.config = dataclasses.replace(self.config, optimizer=chosen)
         if self.config.step not in (None, "pushpull"):
             raise UsageError(f"ps.replica trains with step='pushpull' (the trainer computes); "
                              f"step={self.config.step!r} is psserver train's own loop")

@@ -127,8 +127,8 @@ def test_new_run_flag_is_checked(tmp_path, capsys, argv, fragment):
 def test_a_trained_servers_checkpoint_loads_with_weights_only(tmp_path, optimizer):
     """Everything ``snapshot()`` stores after an optimizer step (optimizer state included)
     loads with ``torch.load(weights_only=True)`` and restores the same parameters."""
-    config = ServerConfig(model="mlp", devices=["cpu"], optimizer=OptimizerConfig(name=optimizer, momentum=0.5
-                                                                                   if optimizer != "adam" else 0.0))
+    momentum = 0.5 if optimizer in ("sgd", "rmsprop") else 0.0  # the others take none
+    config = ServerConfig(model="mlp", devices=["cpu"], optimizer=OptimizerConfig(name=optimizer, momentum=momentum))
     server = ParameterServer(config)
     try:
         engine, half = server.engine, server.halves["chained"]

@@ -49,15 +49,33 @@ def local_adam(steps: int = STEPS, batch: int = BATCH, device: str = "cpu") -> d
     return {k: v.cpu() for k, v in model.state_dict().items()}
 
 
+def local_with(name: str, args: dict, steps: int = STEPS) -> dict[str, torch.Tensor]:
+    """The reference for an optimizer of ``--optimizer NAME --optimizer-args ARGS`` at ``LR``."""
+    from psserver.config.optimizer import OptimizerConfig, make_optimizer
+
+    model = tiny_net()
+    opt = make_optimizer(list(model.parameters()), OptimizerConfig(name, LR, args=args))
+    for x, y in batches(steps):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model.state_dict()
+
+
 def _save(model_or_state, out: str, **counters) -> None:
     state = model_or_state if isinstance(model_or_state, dict) else model_or_state.state_dict()
     torch.save({k: v.detach().clone() for k, v in state.items()}, out)
     print(json.dumps(counters), flush=True)
 
 
-def through_step(ps, out: str) -> None:
-    """``ps.step()`` after each backward."""
-    model = ps.replica(tiny_net())
+def through_step(ps, out: str, optimizer: dict | None = None) -> None:
+    """``ps.step()`` after each backward; ``optimizer`` (``{"name": torch.optim class, "args":
+    {...}}``): the optimizer this trainer hands the server, as a Horovod user builds it."""
+    model = tiny_net()
+    opt = None
+    if optimizer is not None:
+        opt = getattr(torch.optim, optimizer["name"])(model.parameters(), lr=LR, **optimizer["args"])
+    model = ps.replica(model, optimizer=opt)
     for x, y in batches():
         nn.functional.cross_entropy(model(x), y).backward()
         ps.step()

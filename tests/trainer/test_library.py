@@ -60,6 +60,24 @@ def test_twenty_adam_steps_equal_a_local_loop(procs, port, tmp_path, loop):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("chosen_by", ["server", "trainer"])
+def test_an_optimizer_of_any_torch_class_with_its_own_arguments_equals_a_local_one(procs, port, tmp_path, chosen_by):
+    """NAdam with its own betas and eps: named by the server's flags, or handed to ``ps.replica``
+    as the trainer's ``torch.optim.NAdam`` (the server started without ``--optimizer``)."""
+    args = {"betas": [0.8, 0.9], "eps": 1e-6}
+    flags = ["--optimizer", "NAdam", "--lr", str(loops.LR), "--optimizer-args", json.dumps(args)]
+    procs.server(port, "--update", "sync", "--sync-trainers", "1", *(flags if chosen_by == "server" else []))
+    out = tmp_path / "state.pt"
+    optimizer = {"name": "NAdam", "args": args} if chosen_by == "trainer" else None
+    t = entry(procs, port, "through_step", args={"out": str(out), "optimizer": optimizer})
+    assert t.wait(120) == 0, t.tail()
+    assert "optimizer nadam" in t.output()
+    assert same(torch.load(out), loops.local_with("nadam", args)) < 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_four_micro_batches_through_the_wrapper_are_one_batch_of_64(procs, port, tmp_path):
     procs.server(port, *SYNC_ADAM)

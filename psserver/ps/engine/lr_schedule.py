@@ -27,9 +27,9 @@ import torch
 from torch.optim.lr_scheduler import LinearLR, LRScheduler, ReduceLROnPlateau, SequentialLR
 
 from psserver.config import OptimizerConfig
+from psserver.config.optimizer import make_optimizer
 from psserver.config.schedule import LRScheduleConfig, resolve_scheduler
 from psserver.errors import UserCodeError
-from psserver.ps.engine.shard import make_optimizer
 from psserver.utils.references import call_user
 
 log = logging.getLogger(__name__)

@@ -22,17 +22,9 @@ from torch.func import functional_call
 
 from psserver.checkpoint import CheckpointError
 from psserver.config import OptimizerConfig
+from psserver.config.optimizer import FUSED, make_optimizer
 
 log = logging.getLogger(__name__)
-
-
-FUSED = ("adam", "adamw", "sgd")
-"""Optimizers built with ``fused=True``: one kernel per step instead of several passes over
-every tensor. Measured on the 2-core VM, one thread, mnist_cnn's 1.2 M parameters: Adam 5.2 ms
-per step by default, 1.4 ms with ``foreach``, 0.46 ms fused. With trainer compute the update is
-most of the server's CPU per trainer step: ``python -m benchmarks.server_half --optimizer sgd
---momentum 0.9 --unfused-rounds 5`` times a whole exchange (gradient in, step, parameters out)
-at 0.80 (median of 5 alternating rounds, 0.70-0.89) of the default SGD's; Adam's at 0.43."""
 
 
 def warm_optimizers() -> threading.Thread:
@@ -52,23 +44,6 @@ def warm_optimizers() -> threading.Thread:
     thread = threading.Thread(target=build, name="psserver-optimizer-warm-up", daemon=True)
     thread.start()
     return thread
-
-
-def make_optimizer(params: list[nn.Parameter], config: OptimizerConfig) -> torch.optim.Optimizer:
-    kw: dict = {"lr": config.lr, "weight_decay": config.weight_decay}
-    if config.name in FUSED:
-        kw["fused"] = True
-    if config.name == "sgd":
-        return torch.optim.SGD(params, momentum=config.momentum, **kw)
-    if config.name == "adam":
-        return torch.optim.Adam(params, **kw)
-    if config.name == "adamw":
-        return torch.optim.AdamW(params, **kw)
-    if config.name == "adagrad":
-        return torch.optim.Adagrad(params, **kw)
-    if config.name == "rmsprop":
-        return torch.optim.RMSprop(params, momentum=config.momentum, **kw)
-    raise ValueError(f"unknown optimizer {config.name!r}")
 
 
 class Shard:
@@ -100,7 +75,7 @@ class Shard:
     def init_optimizer(self, config: OptimizerConfig) -> None:
         with self.lock:
             if self.optimizer is None and self.params:
-                self.optimizer = make_optimizer(self.params, config)
+                self.optimizer = make_optimizer(self.params, config, fused=True)
 
     def forward(self, x: torch.Tensor, *, clone: bool, train: bool = True) -> torch.Tensor:
         """Run this stage; ``x`` may be on any device (autograd records the copy)."""

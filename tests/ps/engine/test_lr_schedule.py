@@ -15,10 +15,11 @@ from torch.optim import lr_scheduler as L
 
 from psserver.checkpoint import load_checkpoint, write_checkpoint
 from psserver.config import CheckpointConfig, LRScheduleConfig, OptimizerConfig, ServerConfig
+from psserver.config.optimizer import make_optimizer
 from psserver.errors import UserCodeError
 from psserver.ps.engine.engine import StepEngine, make_updater
 from psserver.ps.engine.lr_schedule import LRSchedule
-from psserver.ps.engine.shard import Shard, make_optimizer
+from psserver.ps.engine.shard import Shard
 from psserver.ps.server.server import ParameterServer
 
 # A scheduler stepped before its optimizer warns (torch would then skip a value): never here.
