@@ -443,6 +443,10 @@ def run(argv: list[str] | None = None, prog: str = "python -m benchmarks.run") -
     return run_args(args, setups, command=" ".join([prog, *map(shlex.quote, sys.argv[1:] if argv is None else argv)]))
 
 
+MAX_FLAG_VALUE = 86400
+"""The most seconds (or rounds) a timing flag takes: a day of measuring is past any benchmark."""
+
+
 def check_args(args: argparse.Namespace) -> list[dict]:
     """The setups to run; ValueError names what is wrong with the flags."""
     from psserver.models import check_model_name
@@ -453,8 +457,9 @@ def check_args(args: argparse.Namespace) -> list[dict]:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     for flag in ("seconds", "warmup", "window", "idle_seconds", "rounds", "round_skip"):
         v = getattr(args, flag)
-        if v is not None and not (math.isfinite(v) and v >= 0):  # NaN passed a v < 0 check; inf never ended
-            raise ValueError(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {v}")
+        # NaN passed a v < 0 check; inf, and 1e308, never ended
+        if v is not None and not (math.isfinite(v) and 0 <= v <= MAX_FLAG_VALUE):
+            raise ValueError(f"--{flag.replace('_', '-')} must be a number in 0..{MAX_FLAG_VALUE}, got {v}")
     check_devices(args.devices)
     _, steps, skip = round_settings(args)
     if steps < skip + 6:

@@ -220,13 +220,19 @@ answer. A 1e-300 passed a positivity check and was reported as a server nobody c
 MIN_TRAINER_TIMEOUT_S = 0.5
 """The shortest ``--trainer-timeout``: trainers heartbeat every ``max(0.1 s, timeout / 5)``, so
 a shorter one evicts trainers that are alive."""
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""The longest timeout taken (a week): torch's RPC holds one in milliseconds in a C int (24.8
+days), and 1e308 ended in an OverflowError inside it."""
 
 
 def check_timeout(seconds: float, flag: str, minimum: float) -> None:
     """A timeout in seconds of at least ``minimum`` (a tiny finite one such as 1e-300 passed the
-    positivity check and ended in torch's C++)."""
-    if not (math.isfinite(seconds) and seconds >= minimum):
-        raise ValueError(f"{flag} is in seconds and must be at least {minimum:g}, got {seconds:g}")
+    positivity check and ended in torch's C++) and at most :data:`MAX_TIMEOUT_S`."""
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise ValueError(f"{flag} is a number of seconds, got {type(seconds).__name__}")
+    if not (math.isfinite(seconds) and minimum <= seconds <= MAX_TIMEOUT_S):
+        raise ValueError(f"{flag} is in seconds and must be between {minimum:g} and {MAX_TIMEOUT_S:g}, "
+                         f"got {seconds:g}")
 
 
 def check_seed(seed: int, flag: str) -> None:
@@ -257,5 +263,8 @@ def check_output_file(path: Path | str | None, flag: str) -> None:
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{flag} {path} is a directory")
+    if path.exists() and not path.is_file() and str(path) != os.devnull:
+        # A FIFO would block the write at the end until someone reads it: forever, unattended.
+        raise ValueError(f"{flag} {path} is not a regular file (a FIFO, socket or device)")
     if not path.parent.is_dir():
         raise ValueError(f"{flag} {path}: directory {path.parent} does not exist")

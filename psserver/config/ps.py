@@ -30,6 +30,11 @@ from psserver.config.schedule import LRScheduleConfig
 from psserver.utils.memory import ALLOCATORS
 
 UPDATE_MODES = ("async", "sync", "ssp")
+MAX_TRAINERS = 1 << 16
+"""The most data shards a job may name (``--num-trainers``): far past any job, and a sampler of
+1e20 shards ran out of memory only after the trainer had joined."""
+MAX_BUCKET_CAP_MB = 1 << 16
+"""The largest gradient bucket, in MiB (64 GiB: one bucket for any model)."""
 WIRE_DTYPES = ("fp32", "bf16", "fp16")
 BUFFER_POLICIES = ("average", "rank0")
 """How the server's copy of the model's buffers follows the trainers' (``psserver.ps.engine.buffers``)."""
@@ -433,11 +438,14 @@ class TrainerConfig:
             resolve_loss(self.loss)
         if self.metric is not None:
             resolve_metric(self.metric, "accuracy")
-        if self.rank < 0:
-            raise ValueError(f"--rank must be >= 0, got {self.rank}")
+        for value, flag in ((self.rank, "--rank"), (self.num_trainers, "--num-trainers")):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{flag} must be an integer, got {value!r}")
+        if not 0 <= self.rank < MAX_TRAINERS:
+            raise ValueError(f"--rank must be in 0..{MAX_TRAINERS - 1}, got {self.rank}")
         check_port(self.server_port, "server port")
-        if self.num_trainers is not None and self.num_trainers < 1:
-            raise ValueError(f"--num-trainers must be >= 1, got {self.num_trainers}")
+        if self.num_trainers is not None and not 1 <= self.num_trainers <= MAX_TRAINERS:
+            raise ValueError(f"--num-trainers must be in 1..{MAX_TRAINERS}, got {self.num_trainers}")
         if self.num_trainers is not None and self.rank >= self.num_trainers:
             raise ValueError(f"--rank {self.rank} must be < --num-trainers {self.num_trainers}")
         if self.epochs < 1:
@@ -464,8 +472,8 @@ class TrainerConfig:
         if not 0 <= self.compute_threads <= MAX_THREADS:
             raise ValueError(f"--compute-threads must be in 0..{MAX_THREADS}, got {self.compute_threads}")
         if not isinstance(self.bucket_cap_mb, int | float) or not math.isfinite(self.bucket_cap_mb) \
-                or self.bucket_cap_mb <= 0:
-            raise ValueError(f"--bucket-cap-mb must be a finite number > 0, got {self.bucket_cap_mb}")
+                or not 0 < self.bucket_cap_mb <= MAX_BUCKET_CAP_MB:
+            raise ValueError(f"--bucket-cap-mb must be a number in (0, {MAX_BUCKET_CAP_MB}], got {self.bucket_cap_mb}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"--transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         if self.overlap not in OVERLAP_MODES:

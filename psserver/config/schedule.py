@@ -103,6 +103,7 @@ class LRScheduleConfig:
         factory = resolve_scheduler(self.name)
         # The optimizer is the first argument; the server passes it, never the JSON.
         check_arguments(factory, (None,), self.args, f"--lr-schedule {self.name}")
+        _check_types(factory, self.args, f"--lr-schedule {self.name}")
 
     @property
     def enabled(self) -> bool:
@@ -116,3 +117,17 @@ class LRScheduleConfig:
         args = ", ".join(f"{k}={v!r}" for k, v in self.args.items())
         warmup = f" after a linear warm-up of {self.warmup_steps} steps" if self.warmup_steps else ""
         return f"{self.name}({args}){warmup}"
+
+
+def _check_types(factory: Any, args: dict[str, Any], what: str) -> None:
+    """Arguments a scheduler annotates plainly ``int`` or ``float`` must be numbers of that kind:
+    a string ``gamma`` passed every start-time check and failed only at the step it was used."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return
+    for key, value in args.items():
+        annotation = params[key].annotation if key in params else None
+        kind = {"int": (int,), "float": (int, float), int: (int,), float: (int, float)}.get(annotation)
+        if kind is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+            raise UserCodeError(f"{what}: {key} is {'an int' if kind == (int,) else 'a number'}, got {value!r}")

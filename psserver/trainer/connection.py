@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import math
 import operator
+import os
 import signal
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -512,7 +513,12 @@ class Connection:
             raise DataError("held-out targets must be tensors to compute a metric")
         whole = concat_outputs(outputs)
         check_outputs(fn, whole)
-        return float(fn(whole, torch.cat(targets)))
+        if callable(metric):
+            return float(fn(whole, torch.cat(targets)))
+        try:
+            return float(fn(whole, torch.cat(targets)))
+        except ValueError as e:  # a built-in metric that does not fit the model's outputs
+            raise UsageError(f"metric {metric or 'accuracy'}: {e}") from None
 
     # ---- leaving ---------------------------------------------------------------------------
 
@@ -627,6 +633,8 @@ def connect(address: str | None = None, *, rank: int | None = None, num_trainers
 
     Bad arguments raise :class:`~psserver.errors.UsageError`. Nothing is sent before
     :meth:`Connection.replica` (or :meth:`Connection.parameter_rrefs`), which joins."""
+    if config is not None and not isinstance(config, TrainerConfig):
+        raise UsageError(f"psserver.connect: config is a psserver.config.TrainerConfig, not {type(config).__name__}")
     if config is None:
         config = _config(address, rank=rank, num_trainers=num_trainers, reconnect=reconnect, token_file=token_file,
                          device=device, wire_dtype=wire_dtype, transport=transport, overlap=overlap,
@@ -635,6 +643,13 @@ def connect(address: str | None = None, *, rank: int | None = None, num_trainers
 
 
 def _config(address: str | None, **kw: Any) -> TrainerConfig:
+    if address is not None and not isinstance(address, str):
+        raise UsageError(f"psserver.connect: address is 'HOST:PORT', a str, not {type(address).__name__}")
+    for name in ("device", "wire_dtype", "transport", "overlap"):
+        if name in kw and not isinstance(kw[name], str):
+            raise UsageError(f"psserver.connect: {name} is a str, not {type(kw[name]).__name__}")
+    if kw.get("token_file") is not None and not isinstance(kw["token_file"], str | os.PathLike):
+        raise UsageError(f"psserver.connect: token_file is a path, not {type(kw['token_file']).__name__}")
     try:
         host, port = parse_host_port(address or default_server_address(option="psserver.connect('HOST:PORT')"),
                                      default_port=29500)
@@ -649,5 +664,5 @@ def _config(address: str | None, **kw: Any) -> TrainerConfig:
                              server_port=port, num_trainers=num_trainers if num_trainers is not None
                              else default_world_size(), join_token_file=Path(token_file) if token_file else None,
                              step=step, progress=False, **kw)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:  # TypeError: a comparison of a value of the wrong type
         raise UsageError(f"psserver.connect: {e}") from None

@@ -26,6 +26,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import psutil
 import torch
@@ -193,7 +194,7 @@ def _run(ps: Connection, data: Batches, eval_set, metric: str, metric_fn: Callab
              config.rank, pos.steps, pos.samples, elapsed, pos.samples / max(elapsed, 1e-6), pos.loss, metric,
              score)
     if config.stats_out is not None:
-        config.stats_out.write_text(json.dumps(
+        _write(config.stats_out, json.dumps(
             {"rank": config.rank, "batch_size": config.batch_size, "start": pos.t_start, "step_ends": pos.step_ends,
              "samples": pos.samples, "metric": metric, metric: score,
              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -278,3 +279,11 @@ def _first_step_failed(session: Session, config: TrainerConfig, spec: ModelSpec,
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit("use: psserver train")
+
+
+def _write(path: Path, text: str) -> None:
+    """``text`` into ``path``; a failed write names the file (a full disk says no file name)."""
+    try:
+        path.write_text(text)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None

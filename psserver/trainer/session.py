@@ -84,7 +84,10 @@ class Session:
         self.model: torch.nn.Module = model if model is not None else build_model(
             self.spec, seed=int(published.get("seed") or 0), embedding_dim=published.get("embedding_dim"))
         """The replica (the library's instance, or as built, on the CPU): its layout is checked at the join."""
-        layout = ModelLayout.of(self.model)
+        try:
+            layout = ModelLayout.of(self.model)
+        except ValueError as e:  # a state no server holds (a complex parameter)
+            raise UsageError(f"model {self.spec.name}: {e}") from None
         # While the server holds no model, the join brings this one's initial values.
         values = values_of(self.model, layout) if published.get("fingerprint") is None else None
         # Before joining the RPC group, whose join calls every member: the server evicts the

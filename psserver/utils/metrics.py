@@ -44,6 +44,9 @@ def rmse(outputs: Tensor, targets: Tensor) -> float:
 def auc(scores: Tensor, labels: Tensor) -> float:
     """Area under the ROC curve (the Mann-Whitney statistic, ties counted half)."""
     scores, labels = scores.double().reshape(-1), labels.reshape(-1) > 0.5
+    if scores.shape != labels.shape:
+        raise ValueError(f"auc needs one score per label, got {scores.numel()} and {labels.numel()} (a model of "
+                         "one output, a click's logit or probability)")
     pos, neg = int(labels.sum()), int((~labels).sum())
     if not pos or not neg:
         raise ValueError("AUC needs both positive and negative samples")

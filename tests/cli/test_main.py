@@ -137,13 +137,22 @@ def test_slurm_env_is_a_fallback(monkeypatch):
          "--embedding-prefill must be in 0..--embedding-max-rows (100), got 101"),  # not an endless prefill
         # Finite but too short to work: torch's C++ failed on them (1e-300 s is 0 ms).
         (["serve", "--rpc-timeout", "1e-300", "--no-control"],
-         "--rpc-timeout is in seconds and must be at least 1, got 1e-300"),
-        (["train", "--rpc-timeout", "0.001"], "--rpc-timeout is in seconds and must be at least 1, got 0.001"),
+         "--rpc-timeout is in seconds and must be between 1 and 604800, got 1e-300"),
+        (["train", "--rpc-timeout", "0.001"],
+         "--rpc-timeout is in seconds and must be between 1 and 604800, got 0.001"),
         (["serve", "--trainer-timeout", "1e-300", "--no-control"],
-         "--trainer-timeout is in seconds and must be at least 0.5, got 1e-300"),
-        (["train", "--connect-timeout", "0"], "--connect-timeout is in seconds and must be at least 0.1, got 0"),
+         "--trainer-timeout is in seconds and must be between 0.5 and 604800, got 1e-300"),
+        (["train", "--connect-timeout", "0"],
+         "--connect-timeout is in seconds and must be between 0.1 and 604800, got 0"),
         (["train", "--connect-timeout", "1e-300"],
-         "--connect-timeout is in seconds and must be at least 0.1, got 1e-300"),
+         "--connect-timeout is in seconds and must be between 0.1 and 604800, got 1e-300"),
+        # Finite but too long for torch: its RPC holds milliseconds in a C int (an OverflowError inside).
+        (["serve", "--rpc-timeout", "1e308", "--no-control"],
+         "--rpc-timeout is in seconds and must be between 1 and 604800, got 1e+308"),
+        (["train", "--rpc-timeout", "1e308"], "--rpc-timeout is in seconds and must be between 1 and 604800"),
+        (["train", "--num-trainers", "99999999999999999999"], "--num-trainers must be in 1..65536"),
+        (["train", "--bucket-cap-mb", "1e308"], "--bucket-cap-mb must be a number in (0, 65536], got 1e+308"),
+        (["train", "--stats-out", "/dev/zero"], "--stats-out /dev/zero is not a regular file"),
         (["stop", "--wait", "--wait-timeout", "-1"], "--wait-timeout must be >= 0, got -1"),
         # --mode ps took the flag and never passed it on: 0 was ignored there.
         (["train", "--eval-batch-size", "0"], "--eval-batch-size must be >= 1, got 0"),

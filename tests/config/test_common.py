@@ -7,7 +7,7 @@ import os
 import pytest
 
 from psserver.config import ServerConfig, TrainerConfig
-from psserver.config.common import check_device, check_seed, parse_host_port, read_join_token
+from psserver.config.common import check_device, check_output_file, check_seed, parse_host_port, read_join_token
 from psserver.config.control import ControlConfig, ObservabilityConfig
 
 
@@ -93,3 +93,15 @@ def test_addresses_to_bind_are_hosts(flag, build):
     build("0.0.0.0")
     with pytest.raises(ValueError, match=f"{flag} '300.1.1.1' is not an IPv4 address"):
         build("300.1.1.1")
+
+
+def test_an_output_file_that_is_a_fifo_or_a_device_is_refused_at_start(tmp_path):
+    # the write at the end of the run would block on a FIFO until someone reads it: forever
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match=r"--stats-out .*fifo is not a regular file"):
+        check_output_file(fifo, "--stats-out")
+    with pytest.raises(ValueError, match="is not a regular file"):
+        check_output_file("/dev/zero", "--stats-out")
+    check_output_file(os.devnull, "--stats-out")  # nothing kept, as asked
+    check_output_file(tmp_path / "new.json", "--stats-out")

@@ -56,6 +56,10 @@ def test_a_valid_schedule_and_what_it_says():
      "--lr-schedule-args: NaN is not a value an argument may take"),
     (["--lr-schedule", "StepLR", "--lr-schedule-args", '{"step_size": 3, "gamma": 1e999}'],
      "--lr-schedule-args: a number out of range (infinity) is not a value an argument may take"),
+    (["--lr-schedule", "StepLR", "--lr-schedule-args", '{"step_size": 5, "gamma": "x"}'],
+     "--lr-schedule StepLR: gamma is a number, got 'x'"),  # it failed only at step 5
+    (["--lr-schedule", "CosineAnnealingLR", "--lr-schedule-args", '{"T_max": 0}'],
+     "--lr-schedule CosineAnnealingLR {'T_max': 0}: its first step failed: ZeroDivisionError"),
     (["--warmup-steps", "-5"], "--warmup-steps must be an integer >= 0, got -5"),
     (["--lr-schedule-args", '{"T_max": 5}'], "--lr-schedule-args needs --lr-schedule (the scheduler they are for)"),
     (["--lr-schedule", "nosuchpkg.sched:Cosine"],
@@ -63,8 +67,8 @@ def test_a_valid_schedule_and_what_it_says():
     (["--lr-schedule", "torch.optim.lr_scheduler:NoSuch"],
      "--lr-schedule torch.optim.lr_scheduler:NoSuch: 'torch.optim.lr_scheduler' has no attribute 'NoSuch'"),
 ], ids=["unknown-name", "plateau", "sequential", "lambda", "bad-json", "not-an-object", "unknown-arg",
-        "optimizer-arg", "missing-arg", "nan", "inf", "negative-warmup", "args-without-schedule",
-        "unimportable", "no-attribute"])
+        "optimizer-arg", "missing-arg", "nan", "inf", "string-gamma", "zero-t-max", "negative-warmup",
+        "args-without-schedule", "unimportable", "no-attribute"])
 def test_bad_schedules_are_one_line_and_exit_2(capsys, argv, message):
     assert main([*SERVE, "--port", str(free_port()), *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()

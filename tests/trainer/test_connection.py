@@ -115,6 +115,34 @@ def test_a_builtin_metric_of_a_dict_output_is_one_line_saying_to_pass_a_callable
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize(("metric", "message"), [
+    ("auc", "metric auc: auc needs one score per label, got 21 and 7"),
+    ("rmse", "metric rmse: rmse needs one output per target, got 21 and 7"),
+])
+def test_a_builtin_metric_that_does_not_fit_the_outputs_is_one_line(metric, message):
+    # a 3-class model scored by a metric of one output per sample
+    ps = psserver.connect("127.0.0.1:1", handle_signals=False)
+    ps.session = StandInSession(loops.tiny_net())
+    try:
+        with pytest.raises(psserver.UsageError) as e:
+            ps.evaluate(held_out(), metric=metric)
+    finally:
+        ps.close()
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kw", [
+    {"address": 5}, {"address": b"127.0.0.1:1"}, {"device": None}, {"device": 0}, {"config": 5},
+    {"rank": "0"}, {"rank": 1.5}, {"rank": True}, {"rank": 10**30}, {"num_trainers": "2"},
+    {"num_trainers": 10**30}, {"connect_timeout": "5"}, {"connect_timeout": None}, {"rpc_timeout": 1e308},
+    {"token_file": 5},
+])
+def test_connect_refuses_an_argument_of_the_wrong_type_or_size_in_one_line(kw):
+    with pytest.raises(psserver.UsageError) as e:
+        psserver.connect(**{"address": "127.0.0.1:1", **kw}, handle_signals=False)
+    assert str(e.value).startswith("psserver.connect: ") and "\n" not in str(e.value)
+
+
 def test_a_replica_can_be_deep_copied_averaged_and_saved_whole(connection):
     model = connection.replica(loops.tiny_net())
     twin = copy.deepcopy(model)

@@ -30,7 +30,7 @@ def test_a_bad_entry_is_one_line_and_exit_2(capsys, argv, says):
 @pytest.mark.parametrize("kwargs,says", [
     ({"address": "127.0.0.1:notaport"}, "port"),
     ({"address": "127.0.0.1:70000"}, "port"),
-    ({"rank": -1}, "--rank must be >= 0"),
+    ({"rank": -1}, "--rank must be in 0..65535"),
     ({"rank": 2, "num_trainers": 2}, "must be < --num-trainers"),
     ({"device": "tpu"}, "unsupported --device"),
     ({"wire_dtype": "fp8"}, "--wire-dtype"),

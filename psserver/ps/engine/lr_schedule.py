@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import warnings
 from collections.abc import Iterable
 from dataclasses import asdict
 from typing import Any
@@ -84,12 +85,28 @@ class LRSchedule:
         # Once (no gradient: it changes nothing): a scheduler whose optimizer never stepped warns
         # at its first step. Stepping it at every update would cost more than the schedule.
         self.reference.step()
+        self._try_a_step()
         self.keys = tuple(k for k in SCHEDULED_KEYS if k in self.reference.param_groups[0])
         self.steps = 0
         self._failed = False
         self._warned_nonfinite = False
         if not math.isfinite(self.lr):
             raise UserCodeError(f"--lr-schedule {config.name} gives a learning rate of {self.lr} at step 0")
+
+    def _try_a_step(self) -> None:
+        """Step a copy of the scheduler once: arguments it refuses only when it steps (a
+        ``T_max`` of 0) fail the start, not the first update."""
+        try:
+            trial = copy.deepcopy((self.reference, self.scheduler))[1]
+        except Exception:  # noqa: BLE001 - a user's scheduler that cannot be copied is tried at its first step
+            return
+        try:
+            with warnings.catch_warnings():  # the copy's optimizer never stepped: torch warns of the order
+                warnings.simplefilter("ignore")
+                trial.step()
+        except Exception as e:  # noqa: BLE001 - whatever the user's arguments make it raise
+            raise UserCodeError(f"--lr-schedule {self.config.name} {self.config.args}: its first step failed: "
+                                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
 
     @property
     def lr(self) -> float:
