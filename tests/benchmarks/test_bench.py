@@ -199,7 +199,8 @@ def test_bad_flags_are_one_line_errors(capsys):
 @pytest.mark.parametrize(("argv", "says"), [
     (["bench", "--devices", "cudaX"], "unsupported --devices 'cudaX': use cpu or cuda:N"),
     (["bench", "--devices", "cpu,cuda:x"], "unsupported --devices 'cuda:x': use cpu or cuda:N"),
-    (["bench", "--seconds", "nan"], "--seconds must be a finite number >= 0, got nan"),
+    (["bench", "--seconds", "nan"], "--seconds must be a number in 0..86400, got nan"),
+    (["bench", "--seconds", "1e308"], "--seconds must be a number in 0..86400, got 1e+308"),  # ran forever
 ])
 def test_bad_flags_of_psserver_bench_are_one_line_exit_2(capsys, argv, says):
     """Before any child starts: a bad device failed in a child process, after the local loop had run."""
