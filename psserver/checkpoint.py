@@ -162,7 +162,7 @@ def _unlink_quietly(path: Path) -> bool:
 def _parse_header(path: Path, line: bytes) -> Header:
     try:
         header = json.loads(line)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deep
         raise CheckpointError(f"{path} is not a psserver checkpoint (bad header)") from None
     if not isinstance(header, dict) or header.get("magic") != MAGIC:
         raise CheckpointError(f"{path} is not a psserver checkpoint")

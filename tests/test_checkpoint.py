@@ -223,3 +223,13 @@ def test_check_writable(tmp_path):
         check_writable(tmp_path / "file")
     with pytest.raises(CheckpointDirError, match="cannot be created: Not a directory"):
         check_writable(tmp_path / "file" / "sub")
+
+
+def test_a_header_nested_too_deep_is_a_bad_header(tmp_path):
+    """json.loads of 4000 '[' raised RecursionError: an internal error, not a refused file."""
+    path = tmp_path / "h"
+    path.write_bytes(b"[" * 4000 + b"\n")
+    with pytest.raises(CheckpointError, match=r"is not a psserver checkpoint \(bad header\)"):
+        read_header(path)
+    with pytest.raises(CheckpointError, match=r"bad header"):
+        verify(path)

@@ -126,3 +126,11 @@ def test_a_checkpoint_resumes_with_and_without_model(tmp_path, saved_with, resum
         assert resumed.engine.model_ref == "mlp"
     finally:
         resumed.engine.close()
+
+
+def test_a_header_nested_too_deep_is_one_line(tmp_path, capsys):
+    path = tmp_path / "h"
+    path.write_bytes(b"[" * 4000 + b"\n")
+    assert main(["serve", "--no-control", "--resume", str(path)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"psserver serve: error: {path} is not a psserver checkpoint (bad header)"]
