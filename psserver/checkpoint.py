@@ -27,6 +27,7 @@ import re
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,7 +222,9 @@ def load_checkpoint(path: Path) -> tuple[Header, dict[str, Any]]:
     it is not valid, ``UnsafeCheckpointError`` if its payload holds more than tensors and data."""
     header, payload = verify(path)
     try:
-        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's (a sparse tensor's invariants...): the checks below word it
+            warnings.simplefilter("ignore")
+            state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         unsafe = _UNSUPPORTED_GLOBAL.search(str(e))
         if unsafe:

@@ -85,6 +85,43 @@ def check_state(state: dict, path: Path) -> None:
         bad("its tables are not ids and weights by table name")
     if "time" in state and not isinstance(state["time"], int | float):
         bad(f"its time is {_kind(state['time'])}, not a number")
+    for name, table in tables.items():
+        if not _is_dense(table["ids"]) or table["ids"].is_floating_point() or table["ids"].dtype == torch.bool:
+            bad(f"its table {name!r} has ids that are {_tensor_kind(table['ids'])}, not dense integers")
+        if not _is_dense(table["weights"]) or not table["weights"].is_floating_point():
+            bad(f"its table {name!r} has weights that are {_tensor_kind(table['weights'])}, not dense floats")
+    # Every tensor psserver writes is dense (strided) and real: a sparse, nested, quantized or
+    # complex one was an internal RuntimeError (or torch's warnings) in the restore or the export.
+    for where, tensor in _tensors(state, ()):
+        if not _is_dense(tensor) or tensor.is_complex():
+            bad(f"its {'.'.join(map(str, where))} is {_tensor_kind(tensor)}, not a dense real tensor")
+
+
+def _tensors(value: Any, where: tuple) -> Any:
+    """Every tensor in ``value`` (dicts, lists, tuples), with the path of keys to it."""
+    if isinstance(value, torch.Tensor):
+        yield where, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _tensors(v, (*where, k))
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            yield from _tensors(v, (*where, i))
+
+
+def _is_dense(tensor: torch.Tensor) -> bool:
+    return tensor.layout == torch.strided and not tensor.is_nested and not tensor.is_quantized
+
+
+def _tensor_kind(tensor: torch.Tensor) -> str:
+    """A tensor in a message: its layout when not dense, else its dtype."""
+    if tensor.is_nested:
+        return "a nested tensor"
+    if tensor.is_quantized:
+        return "a quantized tensor"
+    if tensor.layout != torch.strided:
+        return f"a {str(tensor.layout).removeprefix('torch.')} tensor"
+    return f"a {str(tensor.dtype).removeprefix('torch.')} tensor"
 
 
 def _is_count(value: Any) -> bool:

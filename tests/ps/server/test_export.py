@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -119,8 +120,17 @@ def _module(state: dict, **changes) -> dict:
      " is not a psserver checkpoint: its tables are not ids and weights by table name"),
     (lambda s: _module(s, **{"1.weight": torch.zeros(3)}),
      ": cannot export it: 1.weight: a tensor of shape (3,) for an entry of (256, 784)"),
+    (lambda s: _module(s, **{"1.weight": s["shards"][0]["module"]["1.weight"].to_sparse()}),
+     " is not a psserver checkpoint: its shards.0.module.1.weight is a sparse_coo tensor, not a dense real tensor"),
+    (lambda s: _module(s, **{"1.bias": s["shards"][0]["module"]["1.bias"].to(torch.complex64)}),
+     " is not a psserver checkpoint: its shards.0.module.1.bias is a complex64 tensor, not a dense real tensor"),
+    (lambda s: {**s, "tables": {"tables": {"t": {"ids": torch.zeros(2), "weights": torch.zeros(2, 3)}}}},
+     " is not a psserver checkpoint: its table 't' has ids that are a float32 tensor, not dense integers"),
+    (lambda s: {**s, "tables": {"tables": {"t": {"ids": torch.zeros(2, dtype=torch.long),
+                                                 "weights": torch.zeros(2, 3).to_sparse()}}}},
+     " is not a psserver checkpoint: its table 't' has weights that are a sparse_coo tensor, not dense floats"),
 ], ids=["empty", "no-shards", "step-not-a-count", "module-not-tensors", "partition-not-a-dict", "tables-not-rows",
-        "wrong-shape"])
+        "wrong-shape", "sparse", "complex", "table-ids-float", "table-weights-sparse"])
 def test_a_wrong_payload_with_a_valid_checksum_is_one_line_exit_2(tmp_path, capsys, server_state, craft, message):
     """Made by hand or by another program: the checksum holds, the content is not a server's
     (a KeyError or TypeError, an internal error, before)."""
@@ -129,7 +139,11 @@ def test_a_wrong_payload_with_a_valid_checksum_is_one_line_exit_2(tmp_path, caps
     path = checkpoint_path(tmp_path, 7)
     write_checkpoint(path, craft(server_state))
     verify(path)
-    assert main(["export", str(path), "--out", str(tmp_path / "m.pt")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"psserver export: error: {path}{message}"], err
-    assert not (tmp_path / "m.pt").exists()
+    for out in ("m.pt", "m.safetensors"):
+        with warnings.catch_warnings(record=True) as caught:  # torch's own (a sparse tensor's) are not shown
+            warnings.simplefilter("always")
+            assert main(["export", str(path), "--out", str(tmp_path / out)]) == 2
+        assert [str(w.message) for w in caught] == []
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"psserver export: error: {path}{message}"], err
+        assert not (tmp_path / out).exists()
