@@ -170,21 +170,33 @@ def path_error(e: OSError) -> str:
 
 
 def internal_error(verb: str, error: BaseException, argv: Sequence[str] | None = None) -> int:
-    """Write ``error``'s traceback to ``psserver-<verb>-<pid>.log``, say where in one line; 1."""
-    path = Path(os.environ.get(LOG_DIR_ENV) or tempfile.gettempdir()) / f"psserver-{verb}-{os.getpid()}.log"
+    """Write ``error``'s traceback to ``psserver-<verb>-<pid>.log`` (in ``$PSSERVER_LOG_DIR``,
+    else, or when that cannot be written, the temporary directory), say where in one line; 1.
+    Where no file can be written, the one line says why, never the traceback."""
+    name = f"psserver-{verb}-{os.getpid()}.log"
+    temporary = Path(tempfile.gettempdir()) / name
+    configured = os.environ.get(LOG_DIR_ENV)
+    candidates = [Path(configured) / name, temporary] if configured else [temporary]
     lines = str(error).strip().splitlines()
     summary = type(error).__name__ + (f": {lines[0]}" if lines else "")
     text = "".join(traceback.format_exception(error))
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w") as f:
-            f.write(f"{datetime.datetime.now().isoformat(timespec='seconds')} psserver {__version__}: "
-                    f"internal error in {verb}\n")
-            f.write(f"command: psserver {' '.join(sys.argv[1:] if argv is None else argv)}\n")
-            f.write(f"python {sys.version.split()[0]}, pid {os.getpid()}\n\n{text}")
-    except OSError as e:  # nowhere to write it: the traceback goes to stderr after all
-        print(f"psserver {verb}: internal error: {summary} (cannot write {path}: {e.strerror or e})\n{text}",
-              file=sys.stderr, end="")
+    failures: list[str] = []
+    for path in candidates:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "w") as f:
+                f.write(f"{datetime.datetime.now().isoformat(timespec='seconds')} psserver {__version__}: "
+                        f"internal error in {verb}\n")
+                f.write(f"command: psserver {' '.join(sys.argv[1:] if argv is None else argv)}\n")
+                f.write(f"python {sys.version.split()[0]}, pid {os.getpid()}\n\n{text}")
+        except OSError as e:
+            failures.append(f"{path}: {e.strerror or e}")
+            continue
+        where = f"traceback in {path}"
+        if failures:
+            where += f"; {LOG_DIR_ENV} unusable: {failures[0]}"
+        print(f"psserver {verb}: internal error: {summary} ({where})", file=sys.stderr)
         return 1
-    print(f"psserver {verb}: internal error: {summary} (traceback in {path})", file=sys.stderr)
+    print(f"psserver {verb}: internal error: {summary} (traceback not saved: cannot write {'; '.join(failures)})",
+          file=sys.stderr)
     return 1

@@ -149,3 +149,27 @@ def test_bench_outside_a_checkout_is_a_usage_error(monkeypatch, capsys, tmp_path
     assert e.value.code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("psserver bench: error: psserver bench needs the repository checkout")
+
+
+def test_an_unwritable_log_dir_falls_back_to_the_temporary_directory(monkeypatch, capsys, tmp_path):
+    """The traceback went to stderr, in full, when $PSSERVER_LOG_DIR could not be written."""
+    monkeypatch.setenv("PSSERVER_LOG_DIR", "/dev/null/x")
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    monkeypatch.setattr(StatusCommand, "run", _raising(RuntimeError("boom")))
+    assert main(["status"]) == 1
+    path = tmp_path / f"psserver-status-{os.getpid()}.log"
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"psserver status: internal error: RuntimeError: boom (traceback in {path}; PSSERVER_LOG_DIR unusable: "
+        f"/dev/null/x/psserver-status-{os.getpid()}.log: Not a directory)"]
+    assert "Traceback (most recent call last)" in path.read_text()
+
+
+def test_no_writable_log_dir_at_all_is_still_one_line(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("PSSERVER_LOG_DIR", "/dev/null/x")
+    monkeypatch.setattr("tempfile.tempdir", "/dev/null/y")
+    monkeypatch.setattr(StatusCommand, "run", _raising(RuntimeError("boom")))
+    assert main(["status"]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("psserver status: internal error: RuntimeError: boom (traceback not saved: cannot write "
+                           "/dev/null/x/psserver-status-"), line
+    assert "/dev/null/y/psserver-status-" in line and "Not a directory" in line
