@@ -12,6 +12,7 @@ for every row any server process holds.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -109,6 +110,8 @@ def _load(source: Path) -> tuple[Header, dict]:
     """Server 0's checkpoint: ``source`` itself, or the newest valid one in a directory (a
     directory of several server processes: in its ``server-0``)."""
     if not source.exists():
+        if source.is_symlink():
+            raise UsageError(f"{source} is a symlink that cannot be resolved ({_unresolved(source)})")
         raise UsageError(f"{source} does not exist")
     try:
         if source.is_dir():
@@ -122,6 +125,17 @@ def _load(source: Path) -> tuple[Header, dict]:
         return found
     except CheckpointError as e:
         raise UsageError(str(e)) from None
+
+
+def _unresolved(link: Path) -> str:
+    """Why ``link`` leads nowhere: a loop, or a target that does not exist."""
+    try:
+        os.stat(link)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a symlink loop"
+        return f"{e.strerror or e}: {os.readlink(link)}" if e.errno == errno.ENOENT else (e.strerror or str(e))
+    return "it resolves now"
 
 
 def _load_partition(path: Path) -> dict:

@@ -82,11 +82,16 @@ def test_two_servers_export_what_one_server_exports(procs, port, tmp_path, mnist
     (["{tmp}", "--out", "{tmp}/sub.pt"], "--out {tmp}/sub.pt is a directory"),
     (["{tmp}", "--out", "{tmp}/no/m.pt"], "directory {tmp}/no does not exist"),
     (["{tmp}/fifo", "--out", "{tmp}/m.pt"], "{tmp}/fifo is not a regular file"),  # not a read that waits forever
+    (["{tmp}/loop", "--out", "{tmp}/m.pt"], "{tmp}/loop is a symlink that cannot be resolved (a symlink loop)"),
+    (["{tmp}/dangling", "--out", "{tmp}/m.pt"],
+     "{tmp}/dangling is a symlink that cannot be resolved (No such file or directory: {tmp}/nothere)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
     (tmp_path / "empty.pt").write_bytes(b"")
     (tmp_path / "sub.pt").mkdir()
     os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nothere")
     assert main(["export", *(a.format(tmp=tmp_path) for a in args)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message.format(tmp=tmp_path) in err[0], err
