@@ -20,6 +20,9 @@ from psserver.cli.base import SubCommand
 from psserver.config.common import parse_host_port
 from psserver.errors import UsageError
 
+MIN_TIMEOUT = 0.01
+MAX_TIMEOUT = 86400.0
+
 
 def add_client_arguments(parser: argparse.ArgumentParser, default_timeout: float) -> None:
     from psserver.control.client import default_address
@@ -32,7 +35,8 @@ def add_client_arguments(parser: argparse.ArgumentParser, default_timeout: float
     g.add_argument("--tls-ca", type=path_arg, default=None,
                    help="PEM CA certificate that signed the server's: connect with TLS")
     g.add_argument("--timeout", type=finite_float, default=default_timeout,
-                   help=f"seconds to wait for an answer (default {default_timeout:g})")
+                   help=f"seconds to wait for an answer, {MIN_TIMEOUT:g} to {MAX_TIMEOUT:g} "
+                        f"(default {default_timeout:g})")
 
 
 def client_from_args(args: argparse.Namespace):
@@ -42,8 +46,9 @@ def client_from_args(args: argparse.Namespace):
         parse_host_port(args.address or "")
     except ValueError as e:
         raise UsageError(f"--address: {e}") from None
-    if args.timeout <= 0:
-        raise UsageError(f"--timeout must be positive, got {args.timeout}")
+    if not MIN_TIMEOUT <= args.timeout <= MAX_TIMEOUT:  # gRPC's deadline overflows past that: 'unreachable'
+        raise UsageError(f"--timeout must be between {MIN_TIMEOUT:g} and {MAX_TIMEOUT:g} seconds (one day), "
+                         f"got {args.timeout:g}")
     return ControlClient(args.address, token=read_token(args.auth_token_file), tls_ca=args.tls_ca, timeout=args.timeout)
 
 

@@ -336,3 +336,19 @@ def test_stop_wait_returns_once_the_server_is_gone(target, capsys):
         control.stop()
     assert rc == 0, err
     assert out.splitlines() == [f"server at {control.address} is draining", f"server at {control.address} has stopped"]
+
+
+@pytest.mark.parametrize("verb", ["status", "checkpoint"])
+@pytest.mark.parametrize("timeout", ["1e20", "1e-300", "0", "86401"])
+def test_a_timeout_grpc_cannot_use_is_one_line(server, capsys, verb, timeout):
+    """1e20 overflowed gRPC's deadline: 'unreachable (DEADLINE_EXCEEDED)' of a live server."""
+    rc, _, err = run(capsys, verb, "--address", server.address, "--timeout", timeout)
+    assert rc == 2
+    assert _error_lines(err) == [f"psserver {verb}: error: --timeout must be between 0.01 and 86400 seconds "
+                                 f"(one day), got {float(timeout):g}"]
+
+
+def test_the_longest_timeout_reaches_a_live_server(server, capsys):
+    rc, out, err = run(capsys, "status", "--address", server.address, "--timeout", "86400")
+    assert rc == 0, err
+    assert "SERVING" in out
