@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 
 from psserver.control import SERVICE_NAME
+from psserver.errors import UsageError
 from psserver.telemetry import CONTROL_REFUSALS, RefusalLog
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,29 @@ HEALTH_PREFIX = "/grpc.health.v1.Health/"
 ADMIN_METHODS = frozenset({f"/{SERVICE_NAME}/Checkpoint", f"/{SERVICE_NAME}/Shutdown"})
 # Successful reads are polled (scripts, ``status --watch``): log them at DEBUG only.
 QUIET_METHODS = frozenset({f"/{SERVICE_NAME}/GetStatus", f"/{SERVICE_NAME}/ListTrainers"})
+
+# gRPC metadata values are printable ASCII, and its default limit on all of a call's metadata
+# is 8 KiB: a longer token is RESOURCE_EXHAUSTED on every call.
+MAX_TOKEN_LENGTH = 4096
+
+
+def check_token(token: str | None, source: str) -> str | None:
+    """``token`` if gRPC metadata can carry it (``Bearer <token>``); else ``UsageError`` naming
+    ``source`` (the file or variable it came from) and why. Both sides read tokens through it:
+    a server must not start with a token no client can send."""
+    if token is None:
+        return None
+    why = None
+    bad = next((c for c in token if not " " <= c <= "~"), None)
+    if bad is not None:
+        kind = "a non-ASCII character" if ord(bad) > 127 else f"a control character ({bad!r})"
+        why = f"it holds {kind}"
+    elif len(token) > MAX_TOKEN_LENGTH:
+        why = f"it is {len(token)} characters long"
+    if why is None:
+        return token
+    raise UsageError(f"{source}: unusable bearer token: {why}; a token is printable ASCII, "
+                     f"at most {MAX_TOKEN_LENGTH} characters")
 
 
 def _digest(token: str) -> bytes:

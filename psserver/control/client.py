@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from psserver.config.common import read_token_file, refuse_special_file
 from psserver.config.control import TOKEN_ENV
 from psserver.control import ADDRESS_ENV, DEFAULT_ADDRESS
+from psserver.control.auth import check_token
 from psserver.control.v1 import control_pb2 as pb
 from psserver.control.v1 import control_pb2_grpc as pb_grpc
 from psserver.errors import ServerUnavailable, UsageError
@@ -52,10 +53,11 @@ def read_token(token_file: Path | str | None) -> str | None:
     """The token from ``token_file``, else ``$PSSERVER_AUTH_TOKEN``, else None."""
     if token_file is not None:
         try:
-            return read_token_file(token_file, "--auth-token-file")
+            token = read_token_file(token_file, "--auth-token-file")
         except ValueError as e:
             raise UsageError(str(e)) from None
-    return os.environ.get(TOKEN_ENV) or None
+        return check_token(token, f"--auth-token-file {token_file}")
+    return check_token(os.environ.get(TOKEN_ENV) or None, f"${TOKEN_ENV}")
 
 
 class ControlClient:
@@ -70,6 +72,7 @@ class ControlClient:
     ) -> None:
         self.address = address or default_address()
         self.timeout = timeout
+        token = check_token(token, "the control client's token")
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         if tls_ca is not None:
             if isinstance(tls_ca, bytes):

@@ -19,9 +19,9 @@ from types import TracebackType
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from psserver.config.control import ControlConfig
+from psserver.config.control import TOKEN_ENV, ControlConfig
 from psserver.control import SERVICE_NAME
-from psserver.control.auth import AuthInterceptor, CallLogInterceptor
+from psserver.control.auth import AuthInterceptor, CallLogInterceptor, check_token
 from psserver.control.service import ControlService, add_to_server
 from psserver.errors import UsageError
 from psserver.telemetry import ControlTarget
@@ -96,7 +96,8 @@ class ControlServer:
 
     def start(self) -> ControlServer:
         cfg = self.config
-        token = cfg.token()
+        token = check_token(cfg.token(), f"--auth-token-file {cfg.auth_token_file}"
+                            if cfg.auth_token_file is not None else f"${TOKEN_ENV}")
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="psserver-control"),
             interceptors=[

@@ -12,7 +12,7 @@ import pytest
 from psserver.cli import main
 
 from .fakes import TOKEN, serve, two_servers, two_tables
-from .test_security import make_certificate
+from .test_security import UNUSABLE_IDS, UNUSABLE_TOKENS, WHY, make_certificate
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -352,3 +352,18 @@ def test_the_longest_timeout_reaches_a_live_server(server, capsys):
     rc, out, err = run(capsys, "status", "--address", server.address, "--timeout", "86400")
     assert rc == 0, err
     assert "SERVING" in out
+
+
+@pytest.mark.parametrize(("token", "why"), UNUSABLE_TOKENS, ids=UNUSABLE_IDS)
+def test_a_client_refuses_a_token_it_cannot_send(server, tmp_path, monkeypatch, capsys, token, why):
+    """gRPC's own lines (validate_metadata.cc, 'Invalid metadata') or RESOURCE_EXHAUSTED before."""
+    path = tmp_path / "token"
+    path.write_text(token)
+    assert main(["--log-level", "ERROR", "status", "--address", server.address, "--auth-token-file", str(path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"psserver status: error: --auth-token-file {path}: unusable bearer token: {why}{WHY}"]
+    if "\0" not in token:
+        monkeypatch.setenv("PSSERVER_AUTH_TOKEN", token)
+        assert main(["--log-level", "ERROR", "checkpoint", "--address", server.address]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"psserver checkpoint: error: $PSSERVER_AUTH_TOKEN: unusable bearer token: {why}{WHY}"]

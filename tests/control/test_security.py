@@ -242,3 +242,29 @@ def test_a_garbage_certificate_is_one_clear_line(target, tmp_path):
     garbage.write_text("garbage\n")
     with pytest.raises(UsageError, match=r"are not a PEM certificate and its private key \(PEM lib\)$"):
         serve(target, tls_cert=garbage, tls_key=garbage)
+
+
+# ---- tokens gRPC metadata cannot carry ---------------------------------------------------------
+
+UNUSABLE_TOKENS = [("tök", "it holds a non-ASCII character"), ("a\nb", r"it holds a control character ('\n')"),
+                   ("a\0b", r"it holds a control character ('\x00')"), ("x" * 100_000, "it is 100000 characters long")]
+UNUSABLE_IDS = ["non-ascii", "newline", "nul", "too-long"]
+WHY = "; a token is printable ASCII, at most 4096 characters"
+
+
+@pytest.mark.parametrize(("token", "why"), UNUSABLE_TOKENS, ids=UNUSABLE_IDS)
+def test_a_server_does_not_start_with_a_token_no_client_can_send(target, tmp_path, monkeypatch, token, why):
+    """It started, and every call then failed inside gRPC (Invalid metadata, RESOURCE_EXHAUSTED)."""
+    from psserver.errors import UsageError
+
+    path = tmp_path / "token"
+    path.write_text(token)
+    with pytest.raises(UsageError) as e:
+        serve(target, auth_token_file=path)
+    assert str(e.value) == f"--auth-token-file {path}: unusable bearer token: {why}{WHY}"
+    if "\0" not in token:  # no environment variable holds a NUL
+        monkeypatch.setenv("PSSERVER_AUTH_TOKEN", token)
+        with pytest.raises(UsageError) as e:
+            serve(target)
+        assert str(e.value) == f"$PSSERVER_AUTH_TOKEN: unusable bearer token: {why}{WHY}"
+
