@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -18,7 +19,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from psserver.config.common import read_token_file, refuse_special_file
+from psserver.config.common import parse_host_port, read_token_file, refuse_special_file
 from psserver.config.control import TOKEN_ENV
 from psserver.control import ADDRESS_ENV, DEFAULT_ADDRESS
 from psserver.control.auth import check_token
@@ -74,6 +75,7 @@ class ControlClient:
         self.timeout = timeout
         token = check_token(token, "the control client's token")
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._tls = tls_ca is not None
         if tls_ca is not None:
             if isinstance(tls_ca, bytes):
                 ca = tls_ca
@@ -107,6 +109,9 @@ class ControlClient:
         code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
         details = (e.details() if hasattr(e, "details") else None) or str(code)
         if code in _UNREACHABLE:
+            answer = None if self._tls else _probe_http2(self.address)
+            if answer is not None:
+                return ControlUnavailable(f"{self.address} is not a psserver control plane ({answer})", code)
             return ControlUnavailable(
                 f"control plane at {self.address} unreachable ({code.name}: {_first_line(details)})", code
             )
@@ -159,6 +164,40 @@ class ControlClient:
             raise self._error(e, "WatchStatus") from None
         finally:
             call.cancel()
+
+
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + SETTINGS
+
+
+def _probe_http2(address: str, wait: float = 1.0) -> str | None:
+    """Why ``address`` is not a gRPC (HTTP/2) server although it accepts connections, else None
+    (it speaks HTTP/2, or nothing listens: plain 'unreachable' then). An HTTP/2 server answers a
+    client's preface with its SETTINGS frame at once, however busy its handlers are."""
+    try:
+        sock = socket.create_connection(parse_host_port(address), timeout=wait)
+    except (OSError, ValueError):  # nothing listens, or no route: unreachable indeed
+        return None
+    reply = b""
+    with sock:
+        try:
+            sock.sendall(_HTTP2_PREFACE)
+            while len(reply) < 9:
+                chunk = sock.recv(9 - len(reply))
+                if not chunk:
+                    break
+                reply += chunk
+        except TimeoutError:
+            reply = reply or b"?"  # accepted, then silent: it waits for a protocol of its own
+        except OSError:  # reset: it took the connection and dropped it
+            pass
+    if len(reply) >= 4 and reply[3] == 0x04:
+        return None
+    if reply[:1] in (b"\x15", b"\x16"):
+        return "it answers with TLS: pass --tls-ca"
+    if not reply:  # what a TLS server does with a plaintext preface, too
+        return ("it closes connections without a gRPC answer; is it the RPC port, or a control plane with TLS "
+                "(--tls-ca)?")
+    return "it accepts connections but does not speak gRPC; is it the RPC port?"
 
 
 def _first_line(text: str) -> str:

@@ -278,7 +278,9 @@ def test_status_over_tls(target, tmp_path, capsys):
         assert rc == 0, err
         assert json.loads(out)["status"]["model"] == "mlp"
         rc, _, err = run(capsys, "status", "--address", control.address, "--timeout", "3")  # plaintext to TLS
-        assert rc == 2 and len(_error_lines(err)) == 1
+        assert rc == 2 and _error_lines(err) == [
+            f"psserver status: error: {control.address} is not a psserver control plane (it closes connections "
+            "without a gRPC answer; is it the RPC port, or a control plane with TLS (--tls-ca)?)"], err
 
 
 def test_checkpoint_verb(target, token_file, capsys):
@@ -367,3 +369,48 @@ def test_a_client_refuses_a_token_it_cannot_send(server, tmp_path, monkeypatch, 
         assert main(["--log-level", "ERROR", "checkpoint", "--address", server.address]) == 2
         assert capsys.readouterr().err.splitlines() == [
             f"psserver checkpoint: error: $PSSERVER_AUTH_TOKEN: unusable bearer token: {why}{WHY}"]
+
+
+@pytest.mark.parametrize("behaviour", ["silent", "closes"])
+def test_a_port_that_does_not_speak_grpc_is_named_so(capsys, behaviour):
+    """A psserver RPC port (it accepts, then waits for its own protocol) was 'unreachable
+    (DEADLINE_EXCEEDED)', as if nothing listened there."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted = []
+
+    def accept():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+            if behaviour == "closes":
+                conn.close()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        rc, _, err = run(capsys, "status", "--address", address, "--timeout", "1")
+    finally:
+        listener.close()
+        for conn in accepted:
+            conn.close()
+    assert rc == 2
+    why = {"silent": "it accepts connections but does not speak gRPC; is it the RPC port?",
+           "closes": "it closes connections without a gRPC answer; is it the RPC port, or a control plane with TLS "
+                     "(--tls-ca)?"}[behaviour]
+    assert _error_lines(err) == [f"psserver status: error: {address} is not a psserver control plane ({why})"]
+
+
+def test_a_closed_port_is_still_unreachable(capsys):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]
+    rc, _, err = run(capsys, "status", "--address", f"127.0.0.1:{port}", "--timeout", "1")
+    assert rc == 2 and _error_lines(err)[0].startswith(f"psserver status: error: control plane at 127.0.0.1:{port} "
+                                                       "unreachable (")
