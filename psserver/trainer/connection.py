@@ -26,11 +26,10 @@ import atexit
 import dataclasses
 import logging
 import math
-import operator
 import os
 import signal
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
 from types import TracebackType
@@ -46,65 +45,16 @@ from psserver.errors import DataError, UsageError
 from psserver.models.calling import input_batch_size
 from psserver.models.losses import resolve_loss
 from psserver.ps.rpc.messages import Report
+from psserver.trainer.counting import SampleCounter, sample_count
 from psserver.trainer.recovery import join, recover, shard_count
 from psserver.trainer.rejoin import Position, script_command_line, take_position
 from psserver.trainer.sampler import ResumableSampler
 from psserver.trainer.session import Session
 from psserver.trainer.stop_signals import StopSignals
 from psserver.utils.memory import configure_host_allocator
-from psserver.utils.metrics import check_outputs, resolve_metric
+from psserver.utils.metrics import check_outputs, concat_outputs, resolve_metric
 
 log = logging.getLogger(__name__)
-
-
-class SampleCounter:
-    """The replica's forward pre-hook that counts a step's samples: the batch size (dim 0 of
-    its first input) of the step's first forward with grad enabled in training mode, else of
-    its first forward with grad enabled (a loop that fine-tunes in ``eval()`` mode, frozen
-    BatchNorm), else 0. One forward per backward pass, not their sum: a siamese loop runs two
-    on one batch, a forward under ``no_grad`` (validation) trains nothing, and K backward passes
-    before one ``ps.step()`` (accumulation) are K micro-batches: the replica's parameters call
-    :meth:`passed` as their gradients accumulate.
-
-    A plain object of module level, holding neither the connection nor a lock, because the
-    hook travels with the model: ``copy.deepcopy``, ``AveragedModel`` and ``torch.save`` of
-    the whole replica copy or pickle it (a copy counts into its own counter, unread)."""
-
-    def __init__(self) -> None:
-        self.training: int | None = None
-        self.grad: int | None = None
-        self.banked = 0
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not torch.is_grad_enabled() or self.training is not None:
-            return
-        if not module.training and self.grad is not None:
-            return
-        x = args[0] if len(args) == 1 else (args if args else kwargs)
-        try:
-            n = input_batch_size(x)
-        except (TypeError, ValueError, IndexError):
-            return  # an input whose batch size cannot be read: pass samples= to step()
-        if module.training:
-            self.training = n
-        if self.grad is None:
-            self.grad = n
-
-
-    def _current(self) -> int:
-        n = self.training if self.training is not None else self.grad if self.grad is not None else 0
-        self.training = self.grad = None
-        return n
-
-    def passed(self, _param: object = None) -> None:
-        """A backward pass reached a parameter (each one calls it; the first of a pass banks):
-        the forwards before it were its micro-batch, and the next forward counts anew."""
-        self.banked += self._current()
-
-    def take(self) -> int:
-        """The step's samples, counting anew from here."""
-        n, self.banked = self.banked + self._current(), 0
-        return n
 
 
 class Connection:
@@ -283,7 +233,7 @@ class Connection:
         session = self._joined("step")
         if self.model is None:
             raise UsageError("ps.step trains a replica: call ps.replica(model) first")
-        given = None if samples is None else _sample_count(samples)
+        given = None if samples is None else sample_count(samples)
         counted = self._counter.take()
         n = counted if given is None else given
         half = session.protocol
@@ -570,44 +520,6 @@ class Connection:
     def __repr__(self) -> str:
         name = self.session.name if self.session is not None else "not joined"
         return f"<psserver.Connection {self.config.server_host}:{self.config.server_port} rank {self.rank} ({name})>"
-
-
-def _sample_count(samples: object) -> int:
-    """``ps.step(samples=...)`` as an int >= 0: checked here, since the server would refuse it
-    with a remote traceback (an int tensor or a NumPy int is taken)."""
-    try:
-        if isinstance(samples, bool):
-            raise TypeError
-        n = operator.index(samples)  # type: ignore[arg-type]
-    except (TypeError, ValueError, RuntimeError):
-        raise UsageError(f"ps.step: samples must be an int >= 0 (the step's batch size), got {samples!r}") from None
-    if n < 0:
-        raise UsageError(f"ps.step: samples must be an int >= 0 (the step's batch size), got {n}")
-    return n
-
-
-def concat_outputs(parts: list[Any]) -> Any:
-    """The outputs of several batches as one, in the structure the model returns them: tensors
-    along dim 0 (0-dim ones, such as a loss in an output dict, stacked), tuples and lists member
-    by member, dicts key by key; anything else as the list of its batches' values."""
-    first = parts[0]
-    try:
-        if isinstance(first, torch.Tensor):
-            return torch.cat(parts) if first.dim() else torch.stack(parts)
-        if isinstance(first, Mapping):
-            if any(not isinstance(p, Mapping) or p.keys() != first.keys() for p in parts):
-                raise ValueError("keys")
-            return {k: concat_outputs([p[k] for p in parts]) for k in first}
-        if isinstance(first, tuple | list):
-            members = [concat_outputs(list(group)) for group in zip(*parts, strict=True)]
-            if hasattr(first, "_fields"):  # a namedtuple
-                return type(first)(*members)
-            return type(first)(members)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise DataError(f"the model's outputs differ between held-out batches ({type(first).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}); they cannot be concatenated "
-                        "for the metric") from None
-    return list(parts)
 
 
 def connect(address: str | None = None, *, rank: int | None = None, num_trainers: int | None = None,

@@ -10,12 +10,13 @@ Prometheus endpoint.)
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from psserver.errors import UsageError, UserCodeError
+from psserver.errors import DataError, UsageError, UserCodeError
 from psserver.utils.references import call_user, is_reference, load_reference
 
 log = logging.getLogger(__name__)
@@ -144,3 +145,27 @@ def check_outputs(fn: Callable, outputs: object) -> None:
 
 __all__ = ["LOSS_METRIC", "METRICS", "accuracy", "auc", "check_outputs", "get_metric", "metric_names",
            "resolve_metric", "rmse"]
+
+
+def concat_outputs(parts: list[Any]) -> Any:
+    """The outputs of several batches as one, in the structure the model returns them: tensors
+    along dim 0 (0-dim ones, such as a loss in an output dict, stacked), tuples and lists member
+    by member, dicts key by key; anything else as the list of its batches' values."""
+    first = parts[0]
+    try:
+        if isinstance(first, torch.Tensor):
+            return torch.cat(parts) if first.dim() else torch.stack(parts)
+        if isinstance(first, Mapping):
+            if any(not isinstance(p, Mapping) or p.keys() != first.keys() for p in parts):
+                raise ValueError("keys")
+            return {k: concat_outputs([p[k] for p in parts]) for k in first}
+        if isinstance(first, tuple | list):
+            members = [concat_outputs(list(group)) for group in zip(*parts, strict=True)]
+            if hasattr(first, "_fields"):  # a namedtuple
+                return type(first)(*members)
+            return type(first)(members)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise DataError(f"the model's outputs differ between held-out batches ({type(first).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}); they cannot be concatenated "
+                        "for the metric") from None
+    return list(parts)
