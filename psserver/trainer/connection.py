@@ -223,8 +223,9 @@ class Connection:
         """End this step: the gradient in the replica's ``.grad`` goes to the server (one update,
         or this trainer's share of a sync round), the server's fresh parameters and buffers come
         back into the replica, and its gradients are zeroed. ``samples``: the step's samples
-        (default: the batch size, dim 0 of the first input, of the step's first forward of the
-        replica with grad enabled in training mode, else with grad enabled: :class:`SampleCounter`);
+        (default: for each backward pass since the last step, the batch size, dim 0 of the first
+        input, of its first forward of the replica with grad enabled in training mode, else with
+        grad enabled: :class:`~psserver.trainer.counting.SampleCounter`);
         ``loss``: shown by ``psserver status`` for this trainer.
 
         Raises :class:`~psserver.errors.Evicted` or :class:`~psserver.errors.ServerLost` when the
