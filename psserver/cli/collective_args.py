@@ -16,7 +16,6 @@ free port (logged), ``--no-control`` turns it off.
 from __future__ import annotations
 
 import argparse
-import os
 
 from psserver.cli.args import (
     control_from_args,
@@ -37,6 +36,7 @@ from psserver.config.collective import (
     FSDPOptions,
     LaunchConfig,
 )
+from psserver.config.env import launcher_env
 from psserver.errors import UsageError
 
 
@@ -102,9 +102,10 @@ def collective_config_from_args(args: argparse.Namespace) -> CollectiveConfig:
 
     torchrun = under_torchrun()
     if torchrun:
-        world = int(os.environ["WORLD_SIZE"])
-        if args.rank is not None and args.rank != int(os.environ["RANK"]):
-            raise UsageError(f"--rank {args.rank} contradicts RANK={os.environ['RANK']} set by the launcher")
+        env = launcher_env()  # RANK, WORLD_SIZE, LOCAL_RANK checked here, each named, before any rendezvous
+        world = env.world_size
+        if args.rank is not None and args.rank != env.rank:
+            raise UsageError(f"--rank {args.rank} contradicts RANK={env.rank} set by the launcher")
     else:
         world = args.nproc_per_node or 1
         if args.rank not in (None, 0):

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from psserver.config.collective import CollectiveConfig
+from psserver.config.env import launcher_env
 from psserver.errors import UsageError, first_line
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ def under_torchrun() -> bool:
 
 
 def torchrun_world_size() -> int:
-    return launcher_int("WORLD_SIZE") if under_torchrun() else 1
+    return launcher_env().world_size if under_torchrun() else 1
 
 
 def launcher_int(name: str, default: str | None = None) -> int:
@@ -227,8 +228,8 @@ def spawn(config: CollectiveConfig, body: Callable[[DistEnv], int]) -> int:
 def launch(config: CollectiveConfig, body: Callable[[DistEnv], int]) -> int:
     """Run ``body`` in every worker of the job this process belongs to (or spawns)."""
     if config.launch.under_torchrun:
-        rank, world, local_rank = launcher_int("RANK"), launcher_int("WORLD_SIZE"), launcher_int("LOCAL_RANK")
-        local_world = launcher_int("LOCAL_WORLD_SIZE", "1")
+        env = launcher_env()  # a UsageError as well: one line, naming the variable
+        rank, world, local_rank, local_world = env.rank, env.world_size, env.local_rank, env.local_world_size
         configure_worker_logging(rank, logging.getLogger().getEffectiveLevel())
         code = run_in_process_group(config, body, rank=rank, world_size=world, local_rank=local_rank,
                                     local_world_size=local_world)

@@ -1,13 +1,19 @@
 """Defaults that launchers set in the environment: torchrun's ``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR`` and ``MASTER_PORT``, Slurm's ``SLURM_PROCID`` and ``SLURM_NTASKS``, and our own
 ``PSSERVER_SERVER``. The CLI's flags and the library's ``psserver.connect`` read them here, so
-both agree."""
+both agree.
+
+A variable that is not an int is no default (a launcher's business, not ours); one that is an int
+out of range is refused, naming the variable (:class:`LauncherEnvError`), not reported as the
+flag it defaults and the user never gave ("--num-trainers must be >= 1")."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from psserver.config.common import parse_host_port
+from psserver.errors import UsageError
 
 SERVER_VAR = "PSSERVER_SERVER"
 """The parameter server's ``HOST:PORT`` (or ``HOST``, port 29500) for ``--mode ps`` trainers, as
@@ -17,28 +23,91 @@ TORCHELASTIC_VARS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCH
 """What torchrun's agent (torch.distributed.elastic ``LocalElasticAgent``) puts in every
 worker's environment besides RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; Slurm's srun, a
 Kubeflow PyTorchJob without torchrun, or a user exporting MASTER_* by hand set none of them."""
+MAX_WORLD_SIZE = 2**31 - 1
+"""The most processes a launcher's ``WORLD_SIZE`` may name: torch.distributed keeps ranks and
+world sizes in a C ``int`` (a larger one ended in a ``TypeError`` inside ``TCPStore``)."""
 
 
-def env_int(name: str, default: int | None) -> int | None:
+class LauncherEnvError(UsageError, ValueError):
+    """A launcher's variable out of range: one line naming it. A ``UsageError`` for the CLI
+    (its flags' defaults are read while the parser is built) and a ``ValueError`` for the
+    configurations and ``psserver.connect``, which report those as usage errors too."""
+
+
+def env_int(name: str, default: int | None, low: int | None = None, high: int | None = None,
+            what: str = "") -> int | None:
     """An int from the environment (torchrun / Slurm variables), else ``default`` (also for a
-    value that is not an int: a launcher's variable is a default, never an error)."""
+    value that is not an int). An int outside ``low..high`` (either may be None) is a
+    :class:`LauncherEnvError` naming the variable and ``what`` it is the default of."""
     value = os.environ.get(name)
     if value is None or value == "":
         return default
     try:
-        return int(value)
+        number = int(value)
     except ValueError:
         return default
+    if (low is not None and number < low) or (high is not None and number > high):
+        shown = value if len(value) <= 24 else value[:21] + "..."
+        bound = f"must be >= {low}" if low is not None and number < low else f"must be <= {high}"
+        raise LauncherEnvError(f"${name}={shown}{f' ({what})' if what else ''} {bound}")
+    return number
 
 
 def default_rank() -> int | None:
-    """RANK (torchrun), else SLURM_PROCID."""
-    return env_int("RANK", env_int("SLURM_PROCID", None))
+    """RANK (torchrun), else SLURM_PROCID; ``LauncherEnvError`` for a negative one."""
+    what = "the default trainer rank, --rank"
+    rank = env_int("SLURM_PROCID", None, 0, MAX_WORLD_SIZE - 1, what)
+    return env_int("RANK", rank, 0, MAX_WORLD_SIZE - 1, what)
 
 
 def default_world_size() -> int | None:
-    """WORLD_SIZE (torchrun), else SLURM_NTASKS."""
-    return env_int("WORLD_SIZE", env_int("SLURM_NTASKS", None))
+    """WORLD_SIZE (torchrun), else SLURM_NTASKS; ``LauncherEnvError`` for one below 1."""
+    what = "the default number of trainers, --num-trainers"
+    world = env_int("SLURM_NTASKS", None, 1, MAX_WORLD_SIZE, what)
+    return env_int("WORLD_SIZE", world, 1, MAX_WORLD_SIZE, what)
+
+
+@dataclass(frozen=True)
+class LauncherEnv:
+    """A worker's place as an env:// launcher (torchrun) states it: RANK, WORLD_SIZE, LOCAL_RANK
+    and LOCAL_WORLD_SIZE (1 when absent)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def _launcher_var(name: str, low: int, high: int, default: str | None = None) -> int:
+    value = os.environ.get(name) or default
+    shown = repr(value if value is None or len(value) <= 24 else value[:21] + "...")
+    try:
+        number = int(value or "")
+    except ValueError:
+        raise LauncherEnvError(f"${name}={shown} is not an int (torchrun and Slurm set it to one in "
+                               f"{low}..{high})") from None
+    if not low <= number <= high:
+        raise LauncherEnvError(f"${name}={shown} is out of range {low}..{high}")
+    return number
+
+
+def launcher_env() -> LauncherEnv:
+    """The launcher's variables, each checked against the others: ``LauncherEnvError`` (one line,
+    naming the variables) for a rank at or past the world size, which waited five minutes in
+    the rendezvous for ranks that never come, and for anything else no launcher sets."""
+    world = _launcher_var("WORLD_SIZE", 1, MAX_WORLD_SIZE)
+    rank = _launcher_var("RANK", 0, MAX_WORLD_SIZE - 1)
+    if rank >= world:
+        raise LauncherEnvError(f"$RANK={rank} must be below $WORLD_SIZE={world} (ranks are 0..{world - 1})")
+    local_world = _launcher_var("LOCAL_WORLD_SIZE", 1, MAX_WORLD_SIZE, "1")
+    if local_world > world:
+        raise LauncherEnvError(f"$LOCAL_WORLD_SIZE={local_world} is more than $WORLD_SIZE={world}")
+    local_rank = _launcher_var("LOCAL_RANK", 0, MAX_WORLD_SIZE - 1)
+    if os.environ.get("LOCAL_WORLD_SIZE") and local_rank >= local_world:
+        raise LauncherEnvError(f"$LOCAL_RANK={local_rank} must be below $LOCAL_WORLD_SIZE={local_world}")
+    if local_rank >= world:
+        raise LauncherEnvError(f"$LOCAL_RANK={local_rank} must be below $WORLD_SIZE={world}")
+    return LauncherEnv(rank, world, local_rank, local_world)
 
 
 def under_torchelastic() -> bool:
@@ -62,7 +131,8 @@ def default_server_address(default_port: int = DEFAULT_SERVER_PORT, option: str 
        psserver; an IPv6 ``MASTER_ADDR`` is bracketed);
     4. ``127.0.0.1:29500``.
 
-    ``ValueError`` (one line, naming the variable) for a malformed ``$PSSERVER_SERVER``; ``option``
+    ``ValueError`` (one line, naming the variable) for a malformed ``$PSSERVER_SERVER`` or a
+    ``$MASTER_PORT`` that is no port; ``option``
     is how the caller names the server otherwise (the CLI's flag, ``psserver.connect``'s argument)."""
     named = os.environ.get(SERVER_VAR, "").strip()
     if named:
@@ -78,5 +148,5 @@ def default_server_address(default_port: int = DEFAULT_SERVER_PORT, option: str 
     host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
     if ":" in host and not host.startswith("["):  # an IPv6 address, as torchrun takes it: bracketed here
         host = f"[{host}]"
-    port = env_int("MASTER_PORT", default_port)
+    port = env_int("MASTER_PORT", default_port, 1, 65535, "the default server port")
     return f"{host}:{port}"

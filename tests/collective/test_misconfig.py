@@ -119,3 +119,45 @@ def test_a_rendezvous_that_never_answers_is_one_line(port):
     with pytest.raises(UsageError, match=rf"cannot reach the rendezvous at 127.0.0.1:{port} within 1s \(") as info:
         join_store("127.0.0.1", port, 2, timedelta(seconds=1))
     assert "\n" not in str(info.value)
+
+
+TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+BAD_LAUNCHER_ENV = [
+    ({"RANK": "5"}, "$RANK=5 must be below $WORLD_SIZE=2 (ranks are 0..1)"),
+    ({"RANK": "-4"}, "$RANK=-4 (the default trainer rank, --rank) must be >= 0"),
+    ({"WORLD_SIZE": "99999999999999999999999"}, "$WORLD_SIZE=99999999999999999999999 (the default number of "
+                                                "trainers, --num-trainers) must be <= 2147483647"),
+    ({"WORLD_SIZE": "abc"}, "$WORLD_SIZE='abc' is not an int (torchrun and Slurm set it to one in 1..2147483647)"),
+    ({"WORLD_SIZE": "1.5"}, "$WORLD_SIZE='1.5' is not an int"),
+    ({"WORLD_SIZE": "0"}, "$WORLD_SIZE=0 (the default number of trainers, --num-trainers) must be >= 1"),
+    ({"LOCAL_RANK": "2"}, "$LOCAL_RANK=2 must be below $WORLD_SIZE=2"),
+    ({"LOCAL_RANK": "-1"}, "$LOCAL_RANK='-1' is out of range 0..2147483646"),
+    ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "1"}, "$LOCAL_RANK=1 must be below $LOCAL_WORLD_SIZE=1"),
+    ({"LOCAL_WORLD_SIZE": "3"}, "$LOCAL_WORLD_SIZE=3 is more than $WORLD_SIZE=2"),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("variables,message", BAD_LAUNCHER_ENV, ids=[str(v) for v, _ in BAD_LAUNCHER_ENV])
+def test_a_launchers_bad_variables_are_refused_before_the_rendezvous(monkeypatch, capsys, variables, message):
+    """RANK=5 WORLD_SIZE=2 sat five minutes in the TCPStore connect; WORLD_SIZE=1e23 was a
+    TypeError inside it; WORLD_SIZE=abc an int() message naming no variable."""
+    for name, value in {**TORCHRUN_ENV, **variables}.items():
+        monkeypatch.setenv(name, value)
+    try:
+        code = main(["train", "--mode", "ddp", "--max-steps", "1", "--no-control"])
+    except SystemExit as e:  # the flags' defaults ($RANK, $WORLD_SIZE) are read as the parser is built
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"psserver train: error: {message}"), err
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_rank_past_the_world_size_is_refused_at_once():
+    env = worker_env(RANK="5", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_PORT="1")
+    proc = run_cli(["--mode", "ddp", "--max-steps", "1", "--no-control"], timeout=100, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == ["psserver train: error: $RANK=5 must be below $WORLD_SIZE=2 "
+                                                "(ranks are 0..1)"]

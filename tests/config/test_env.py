@@ -116,3 +116,43 @@ def test_connect_takes_the_address_or_psserver_server_under_torchrun(monkeypatch
     _set(monkeypatch, **{SERVER_VAR: "ps-0"})
     config = _config(None, rank=None, num_trainers=None, token_file=None, step=None)
     assert (config.server_host, config.server_port) == ("ps-0", 29500)
+
+
+OUT_OF_RANGE = [
+    ({"SLURM_NTASKS": "-5"}, "$SLURM_NTASKS=-5 (the default number of trainers, --num-trainers) must be >= 1"),
+    ({"WORLD_SIZE": "0"}, "$WORLD_SIZE=0 (the default number of trainers, --num-trainers) must be >= 1"),
+    ({"WORLD_SIZE": "9" * 23}, "$WORLD_SIZE=99999999999999999999999 (the default number of trainers, "
+                               "--num-trainers) must be <= 2147483647"),
+    ({"WORLD_SIZE": "9" * 30}, "$WORLD_SIZE=999999999999999999999... (the default number of trainers, "
+                               "--num-trainers) must be <= 2147483647"),
+    ({"RANK": "-4"}, "$RANK=-4 (the default trainer rank, --rank) must be >= 0"),
+    ({"SLURM_PROCID": "-1"}, "$SLURM_PROCID=-1 (the default trainer rank, --rank) must be >= 0"),
+    ({"MASTER_PORT": "99999"}, "$MASTER_PORT=99999 (the default server port) must be <= 65535"),
+]
+
+
+@pytest.mark.parametrize("variables,message", OUT_OF_RANGE, ids=[next(iter(v)) + "=" + next(iter(v.values()))[:5]
+                                                                  for v, _ in OUT_OF_RANGE])
+def test_a_launchers_variable_out_of_range_is_named_not_its_flag(monkeypatch, capsys, variables, message):
+    """They were reported as the flags they default ("--num-trainers must be >= 1, got -5"): by
+    the CLI (one line, exit 2) and by psserver.connect (a UsageError)."""
+    import psserver
+    from psserver.cli import main
+
+    _set(monkeypatch, **variables)
+    try:
+        code = main(["train", "--max-steps", "1"])
+    except SystemExit as e:  # $RANK, $WORLD_SIZE: read while the parser is built, as the flags' defaults
+        code = e.code
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"psserver train: error: {message}"]
+    with pytest.raises(UsageError) as info:
+        psserver.connect()
+    assert str(info.value) == f"psserver.connect: {message}"
+
+
+def test_a_launchers_variable_that_is_no_int_is_still_no_default(monkeypatch):
+    from psserver.config.env import default_rank, default_world_size
+
+    _set(monkeypatch, RANK="abc", SLURM_PROCID="3", WORLD_SIZE="1.5", MASTER_PORT="x")
+    assert (default_rank(), default_world_size(), default_server_address()) == (3, None, "127.0.0.1:29500")
