@@ -33,6 +33,27 @@ NCCL_ENV = {
     "nccl_socket_nthreads": "NCCL_SOCKET_NTHREADS",
     "nccl_min_nchannels": "NCCL_MIN_NCHANNELS",
 }
+NCCL_MAX = {"nccl_nsocks_perthread": 64, "nccl_socket_nthreads": 16, "nccl_min_nchannels": 64}
+"""NCCL's own limits (its environment-variable documentation): 1 to 16 socket threads, at most 64
+sockets per connection (NSOCKS_PERTHREAD x SOCKET_NTHREADS); channels: NCCL clamps the minimum to
+its MAXCHANNELS (32 or 64 in NCCL 2.x). A larger value (10^20 was accepted) only reached NCCL."""
+NCCL_MAX_SOCKETS = 64
+WORKERS_PER_DEVICE = 4
+"""``--nproc-per-node`` is at most this many workers per CPU core or GPU of the host (and at
+least :data:`MIN_NPROC_LIMIT`): each worker is a whole process with its own torch and model,
+so 100000 spawned until the host ran out of memory or process ids."""
+MIN_NPROC_LIMIT = 16
+
+
+def max_nproc_per_node() -> int:
+    """The most workers ``--nproc-per-node`` may spawn here (see :data:`WORKERS_PER_DEVICE`)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    import torch
+
+    return max(MIN_NPROC_LIMIT, WORKERS_PER_DEVICE * max(cores, torch.cuda.device_count()))
 
 
 @dataclass
@@ -156,6 +177,9 @@ class LaunchConfig:
             raise ValueError(f"unknown --backend {self.backend!r}; known: {', '.join(BACKENDS)}")
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
             raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
+        if self.nproc_per_node is not None and self.nproc_per_node > (limit := max_nproc_per_node()):
+            raise ValueError(f"--nproc-per-node {self.nproc_per_node} is more than this host can run: at most {limit} "
+                             f"({WORKERS_PER_DEVICE} per CPU core or GPU, at least {MIN_NPROC_LIMIT})")
         if self.nproc_per_node is not None and self.under_torchrun:
             raise ValueError("--nproc-per-node is for standalone runs; under torchrun use torchrun's own flag")
         if not self.under_torchrun:  # torchrun's MASTER_ADDR is torchrun's to check
@@ -165,8 +189,12 @@ class LaunchConfig:
             raise ValueError(f"world size must be >= 1, got {self.world_size}")
         for attr, env in NCCL_ENV.items():
             value = getattr(self, attr)
-            if value is not None and value < 1:
-                raise ValueError(f"--{attr.replace('_', '-')} ({env}) must be >= 1, got {value}")
+            if value is not None and not 1 <= value <= NCCL_MAX[attr]:
+                raise ValueError(f"--{attr.replace('_', '-')} ({env}) must be in 1..{NCCL_MAX[attr]}, got {value}")
+        if self.nccl_nsocks_perthread and self.nccl_socket_nthreads and \
+                self.nccl_nsocks_perthread * self.nccl_socket_nthreads > NCCL_MAX_SOCKETS:
+            raise ValueError(f"--nccl-nsocks-perthread x --nccl-socket-nthreads must be at most {NCCL_MAX_SOCKETS} "
+                             f"(NCCL's limit), got {self.nccl_nsocks_perthread} x {self.nccl_socket_nthreads}")
 
     def resolved_backend(self, cuda_available: bool) -> str:
         """The backend to use; ``ValueError`` for nccl without a GPU."""

@@ -25,6 +25,15 @@ CASES = [
     ("--mode ddp --backend mpi", "unknown --backend"),
     ("--mode ddp --bucket-cap-mb 0", "--bucket-cap-mb must be positive"),
     ("--mode ddp --nccl-min-nchannels 0", "NCCL_MIN_NCHANNELS"),
+    # Accepted, and handed to NCCL as they were.
+    ("--mode ddp --nccl-min-nchannels 100000000000000000000",
+     "--nccl-min-nchannels (NCCL_MIN_NCHANNELS) must be in 1..64, got 100000000000000000000"),
+    ("--mode ddp --nccl-socket-nthreads 17", "--nccl-socket-nthreads (NCCL_SOCKET_NTHREADS) must be in 1..16"),
+    ("--mode ddp --nccl-nsocks-perthread 65", "--nccl-nsocks-perthread (NCCL_NSOCKS_PERTHREAD) must be in 1..64"),
+    ("--mode ddp --nccl-nsocks-perthread 8 --nccl-socket-nthreads 16",
+     "--nccl-nsocks-perthread x --nccl-socket-nthreads must be at most 64 (NCCL's limit), got 8 x 16"),
+    # Spawned 100000 workers.
+    ("--mode ddp --nproc-per-node 100000", "--nproc-per-node 100000 is more than this host can run: at most"),
     ("--mode ddp --rank 1", "--rank is set by the launcher"),
     ("--mode ddp --nproc-per-node 2 --num-trainers 3", "does not match the world size 2"),
     ("--mode ddp --model nosuchmodel", "unknown model"),
