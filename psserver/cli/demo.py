@@ -25,6 +25,10 @@ from psserver.errors import UsageError
 
 log = logging.getLogger(__name__)
 
+MAX_TRAINERS = 16
+"""The most trainers ``demo`` starts: each is a whole ``psserver train`` process on this host
+(100000 were spawned); a larger job is ``serve`` and ``train`` run as such."""
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -45,7 +49,8 @@ class DemoCommand(SubCommand):
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--model", default="mnist_cnn", help="model (default mnist_cnn)")
-        parser.add_argument("--trainers", type=int, default=2, help="number of trainers (default 2)")
+        parser.add_argument("--trainers", type=int, default=2,
+                            help=f"number of trainers (default 2, at most {MAX_TRAINERS})")
         parser.add_argument("--epochs", type=int, default=2, help="epochs per trainer (default 2)")
         parser.add_argument("--update", choices=UPDATE_MODES, default="async", help="update mode (default async)")
         parser.add_argument("--compute", choices=list(COMPUTE_MODES), default=next(iter(COMPUTE_MODES)),
@@ -55,12 +60,20 @@ class DemoCommand(SubCommand):
         parser.add_argument("--train-split", type=int, default=None, help="see psserver train --train-split")
 
     def run(self, args: argparse.Namespace) -> int:
-        if args.trainers < 1:
-            raise UsageError("--trainers must be >= 1")
+        if not 1 <= args.trainers <= MAX_TRAINERS:
+            raise UsageError(f"--trainers must be in 1..{MAX_TRAINERS} (each is a process on this host), "
+                             f"got {args.trainers}")
+        from psserver.config.common import DataConfig
+        from psserver.config.ps import TrainerConfig
         from psserver.models import check_model_name
 
-        with config_errors():  # before any process starts
+        data_kwargs = {"dataset": args.dataset, "train_split": args.train_split}
+        if args.data_dir:
+            data_kwargs["data_dir"] = args.data_dir
+        with config_errors():  # before any process starts: the trainers' flags as they will see them
             check_model_name(args.model)
+            TrainerConfig(rank=0, num_trainers=args.trainers, epochs=args.epochs, compute=args.compute,
+                          data=DataConfig(**data_kwargs), progress=False)
         port = _free_port()
         exe = [sys.executable, "-m", "psserver"]
         # A join token of the demo's own, as a real job has one (psserver.ps.rpc.rendezvous.namespace).
@@ -72,7 +85,7 @@ class DemoCommand(SubCommand):
         data = ["--dataset", args.dataset]
         if args.data_dir:
             data += ["--data-dir", args.data_dir]
-        if args.train_split:
+        if args.train_split is not None:
             data += ["--train-split", str(args.train_split)]
         procs: list[subprocess.Popen] = []
         outputs: list[list[str]] = []
