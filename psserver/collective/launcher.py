@@ -58,19 +58,6 @@ def torchrun_world_size() -> int:
     return launcher_env().world_size if under_torchrun() else 1
 
 
-def launcher_int(name: str, default: str | None = None) -> int:
-    """A launcher's variable (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) as a
-    non-negative int; ``UsageError`` naming it otherwise (``LOCAL_RANK=1.5`` was a traceback)."""
-    value = os.environ.get(name, default)
-    try:
-        number = int(value or "")
-    except ValueError:
-        number = -1
-    if number < 0:
-        raise UsageError(f"${name}={value!r} is not a rank or a count (torchrun and Slurm set it to an int >= 0)")
-    return number
-
-
 def configure_worker_logging(rank: int, level: str | int = logging.INFO) -> None:
     """Rank 0 logs at ``level``; the others only warnings and errors."""
     root = logging.getLogger()

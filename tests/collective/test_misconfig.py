@@ -106,16 +106,18 @@ def test_unknown_hook_message_is_one_line_via_python_m():
 
 @pytest.mark.parametrize("value", ["1.5", "abc", "-1", ""])
 def test_a_launchers_variable_that_is_no_rank_is_one_line(monkeypatch, value):
-    from psserver.collective.launcher import launcher_int
+    from psserver.config.env import launcher_env
 
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setenv("LOCAL_RANK", value)
-    with pytest.raises(UsageError, match=r"\$LOCAL_RANK=.* is not a rank or a count") as info:
-        launcher_int("LOCAL_RANK")
+    with pytest.raises(UsageError, match=r"\$LOCAL_RANK=.* is (not an int|out of range)") as info:
+        launcher_env()
     assert "\n" not in str(info.value)
     monkeypatch.setenv("LOCAL_RANK", "3")
-    assert launcher_int("LOCAL_RANK") == 3
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert launcher_int("LOCAL_WORLD_SIZE", "1") == 1
+    assert launcher_env().local_rank == 3
+    assert launcher_env().local_world_size == 1
 
 
 @pytest.mark.timeout(60)
