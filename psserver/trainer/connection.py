@@ -209,10 +209,6 @@ class Connection:
         the epoch it was in without the samples already trained on. Before the join (on any
         rank) the shard count must come from ``num_trainers`` or ``$WORLD_SIZE``: the server's
         sync K is known only from its answer to the join."""
-        if self.session is None and self.config.num_trainers is None:
-            raise UsageError("ps.sampler before the join needs the number of shards: call ps.replica(model) first "
-                             "(the server's answer says it), or pass num_trainers to psserver.connect (or set "
-                             "$WORLD_SIZE)")
         resume = (self._pos.epoch, self._pos.epoch_samples) if self.resumed else None
         sampler = ResumableSampler(dataset, num_replicas=self.num_trainers, rank=self.config.rank, shuffle=shuffle,
                                    seed=seed, drop_last=drop_last, on_epoch=self._on_epoch, resume=resume)
@@ -377,7 +373,8 @@ class Connection:
     @property
     def num_trainers(self) -> int:
         """The number of data shards: ``num_trainers`` (``$WORLD_SIZE``), else the server's sync
-        K, else 1 for rank 0; before the join, ``num_trainers`` only (else a UsageError)."""
+        K, else 1 for rank 0; before the join, ``num_trainers`` only (else a UsageError, which
+        :meth:`sampler` raises too)."""
         if self.session is None:
             if self.config.num_trainers is None:
                 raise UsageError("ps.num_trainers before the join: call ps.replica(model) first, or pass "
@@ -464,12 +461,12 @@ class Connection:
             raise DataError("held-out targets must be tensors to compute a metric")
         whole = concat_outputs(outputs)
         check_outputs(fn, whole)
-        if callable(metric):
-            return float(fn(whole, torch.cat(targets)))
         try:
             return float(fn(whole, torch.cat(targets)))
-        except ValueError as e:  # a built-in metric that does not fit the model's outputs
-            raise UsageError(f"metric {metric or 'accuracy'}: {e}") from None
+        except ValueError as e:
+            if callable(metric):  # the user's own: its error is theirs
+                raise
+            raise UsageError(f"metric {metric or 'accuracy'}: {e}") from None  # a built-in that does not fit
 
     # ---- leaving ---------------------------------------------------------------------------
 

@@ -277,13 +277,14 @@ def _first_step_failed(session: Session, config: TrainerConfig, spec: ModelSpec,
                     f"take: {line}") from None
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit("use: psserver train")
-
-
 def _write(path: Path, text: str) -> None:
     """``text`` into ``path``; a failed write names the file (a full disk says no file name)."""
     try:
         path.write_text(text)
     except OSError as e:
         raise OSError(e.errno, e.strerror, str(path)) from None
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("use: psserver train")
+

@@ -143,10 +143,6 @@ def check_outputs(fn: Callable, outputs: object) -> None:
                          "(psserver train --metric MODULE:ATTR, ps.evaluate(metric=...))")
 
 
-__all__ = ["LOSS_METRIC", "METRICS", "accuracy", "auc", "check_outputs", "get_metric", "metric_names",
-           "resolve_metric", "rmse"]
-
-
 def concat_outputs(parts: list[Any]) -> Any:
     """The outputs of several batches as one, in the structure the model returns them: tensors
     along dim 0 (0-dim ones, such as a loss in an output dict, stacked), tuples and lists member
@@ -169,3 +165,8 @@ def concat_outputs(parts: list[Any]) -> Any:
                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}); they cannot be concatenated "
                         "for the metric") from None
     return list(parts)
+
+
+__all__ = ["LOSS_METRIC", "METRICS", "accuracy", "auc", "check_outputs", "concat_outputs", "get_metric", "metric_names",
+           "resolve_metric", "rmse"]
+
