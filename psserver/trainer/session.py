@@ -9,6 +9,7 @@ covers the time between steps. The training loop around it: ``psserver.trainer.l
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -161,7 +162,7 @@ class Session:
             self._stop.set()
             raise
         log.info("joined psserver %s:%d as %s (model %s, update %s, optimizer %s, --compute %s --step %s%s)",
-                 config.server_host, config.server_port, self.name, self.info["model"], self.info["update"],
+                 config.server_host, config.server_port, self.name, self.spec.name, self.info["update"],
                  self.info["optimizer"]["name"], self.info["compute"], self.step_protocol,
                  f" on {self.device}" if self.info["compute"] == "trainer" else "")
 
@@ -280,18 +281,36 @@ DEFAULT_MODEL = "mnist_cnn"
 
 
 def choose_model(config: TrainerConfig, published: dict) -> ModelSpec:
-    """The trainer's model: its ``--model``, else the server's (pinned, or brought by the first
-    trainer), else ``mnist_cnn``; ``UsageError`` for a model a server without ``--model`` cannot hold."""
+    """The trainer's model: its ``--model``, else the one the server's operator pinned (``serve
+    --model``), else ``mnist_cnn``. A model another trainer brought (or a checkpoint recorded) is
+    never built from its reference: that would run code a peer named. ``UsageError`` for that,
+    and for a model a server without ``--model`` cannot hold."""
+    brought = published.get("model") if not published.get("pinned") else None
     if config.model is not None:
         spec = get_model_spec(config.model, config.model_args)
-    elif published.get("model"):
+    elif published.get("pinned") and published.get("model"):
         spec = get_model_spec(published["model"], published.get("model_args"))
+    elif published.get("fingerprint") is not None and (brought, published.get("model_args") or {}) != (DEFAULT_MODEL,
+                                                                                                       {}):
+        raise UsageError(brought_model_refusal(brought, published.get("model_args") or {}))
     else:
         spec = get_model_spec(DEFAULT_MODEL)
-    if spec.sparse and published.get("model") is None:
+    if spec.sparse and not published.get("pinned"):
         raise UsageError(f"model {spec.name} keeps embedding tables on the servers, which a server started without "
                          f"--model cannot hold: start psserver serve with --model {spec.name}")
     return spec
+
+
+def brought_model_refusal(reference: str | None, args: dict) -> str:
+    """Why a trainer without ``--model`` does not take the model another trainer brought, and what to pass."""
+    if not reference:
+        hint = "--model MODULE:ATTR naming it, or ps.replica(model)"
+    elif reference.startswith("__main__:"):
+        hint = f"ps.replica(model) with the {reference.partition(':')[2]} of that script, or --model MODULE:ATTR"
+    else:
+        hint = f"--model {reference}" + (f" --model-args '{json.dumps(args)}'" if args else "")
+    return (f"the server holds a model another trainer brought ({reference or 'unnamed'}); psserver never runs "
+            f"code that a peer named: give this trainer the model yourself ({hint})")
 
 
 def instance_spec(model: torch.nn.Module) -> ModelSpec:

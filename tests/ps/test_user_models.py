@@ -34,7 +34,10 @@ def test_a_server_without_the_users_code_trains_it_checks_it_and_resumes_it(proc
     first = procs.trainer(port, 0, "--model", "usernets.cnn:BNNet", *train, env=user_path)
     server.wait_for(r"model usernets.cnn:BNNet \(\d+ parameters, 6 buffer\(s\); fingerprint \w+\) learnt from the "
                     "first trainer", timeout=90)
-    second = procs.trainer(port, 1, *train, env=user_path)  # no --model: the server's
+    # No --model: the name the first trainer sent is not code this one runs; it says what to pass.
+    bare = procs.trainer(port, 1, *train, env=user_path)
+    assert bare.wait(120) == 2 and "give this trainer the model yourself (--model usernets.cnn:BNNet)" in bare.output()
+    second = procs.trainer(port, 1, "--model", "usernets.cnn:BNNet", *train, env=user_path)
     for t in (first, second):
         assert t.wait(300) == 0, t.tail()
         assert accuracy(t) >= 0.95, t.tail()
@@ -60,7 +63,8 @@ def test_a_server_without_the_users_code_trains_it_checks_it_and_resumes_it(proc
     # Resumed without the user's package: the layout comes from the checkpoint.
     again = procs.server(port, "--checkpoint-dir", str(ckpt), "--resume")
     again.wait_for(r"model usernets.cnn:BNNet .* learnt from a checkpoint", timeout=30)
-    more = procs.trainer(port, 0, "--num-trainers", "2", "--max-steps", "20", *MNIST_ARGS, env=user_path)
+    more = procs.trainer(port, 0, "--num-trainers", "2", "--model", "usernets.cnn:BNNet", "--max-steps", "20",
+                         *MNIST_ARGS, env=user_path)
     assert more.wait(180) == 0, more.tail()
     assert procs.stop(again) == 0, again.tail()
     assert read_checkpoint(list_checkpoints(ckpt)[0])["global_step"] == final["global_step"] + 20

@@ -152,7 +152,10 @@ class ParameterServer:
     def publish_model(self) -> None:
         """The model as joining trainers need it before they join (``rendezvous.KEY_MODEL``)."""
         engine = self.engine
-        info = {"model": engine.model_ref, "model_args": engine.model_args, "seed": self.config.seed,
+        # "pinned": the operator's --model, which trainers without one build. A model a trainer
+        # (or a checkpoint) brought is only named: no trainer runs code another one named.
+        info = {"model": engine.model_ref, "model_args": engine.model_args, "pinned": self.config.model is not None,
+                "seed": self.config.seed,
                 "embedding_dim": self.config.embedding.dim,
                 "fingerprint": engine.layout.fingerprint() if engine.layout is not None else None,
                 # Where the model lives, for each trainer's choice of path (psserver.ps.rpc.transport).

@@ -65,7 +65,7 @@ def test_two_servers_export_what_one_server_exports(procs, port, tmp_path, mnist
     port3 = free_port()
     again = start_servers(procs, port3, 2, *common, "--resume", ckpt=tmp_path / "two")
     again[1].wait_for(r"resumed from \S+: global step 20", timeout=30)
-    more = procs.trainer(port3, 0, "--num-trainers", "1", "--max-steps", "5", *MNIST_ARGS)  # the servers' model
+    more = procs.trainer(port3, 0, "--model", BN_MLP, "--num-trainers", "1", "--max-steps", "5", *MNIST_ARGS)
     assert more.wait(120) == 0, more.tail()
     assert procs.stop(again[0]) == 0, again[0].tail()
     assert again[1].wait(30) == 0, again[1].tail()

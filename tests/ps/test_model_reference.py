@@ -1,0 +1,74 @@
+"""A model's reference that another trainer brought is data: no trainer builds it.
+
+The first trainer to join a server without ``--model`` brings the model's layout and values,
+and names it. A peer can name anything (``os:system`` with a command as its argument): the
+trainers after it must not call that, neither while the server runs nor after ``--resume``
+from a checkpoint that recorded the name."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from psserver.config import TrainerConfig
+from psserver.errors import UsageError
+from psserver.trainer.session import choose_model
+
+FORGED = [sys.executable, "-m", "tests.ps.model_naming_trainer"]
+
+
+def published(model: str | None, pinned: bool, args: dict | None = None) -> dict:
+    return {"model": model, "model_args": args or {}, "pinned": pinned, "fingerprint": "f" * 64}
+
+
+def test_a_brought_reference_is_refused_naming_what_to_pass(tmp_path):
+    marker = tmp_path / "ran"
+    with pytest.raises(UsageError, match="never runs code that a peer named") as e:
+        choose_model(TrainerConfig(), published("os:system", False, {"command": f"touch {marker}"}))
+    assert "--model os:system --model-args" in str(e.value) and "\n" not in str(e.value)
+    assert not marker.exists()
+    with pytest.raises(UsageError, match=r"ps.replica\(model\) with the Net of that script"):
+        choose_model(TrainerConfig(), published("__main__:Net", False))
+
+
+def test_a_pinned_model_is_built_and_a_trainers_own_model_wins():
+    assert choose_model(TrainerConfig(), published("mlp", True)).name == "mlp"
+    assert choose_model(TrainerConfig(model="mlp"), published("os:system", False)).name == "mlp"
+    # The default model the first trainer brought is the one a trainer without --model builds anyway.
+    assert choose_model(TrainerConfig(), published("mnist_cnn", False)).name == "mnist_cnn"
+    assert choose_model(TrainerConfig(), {"model": None, "fingerprint": None}).name == "mnist_cnn"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_peer_naming_os_system_runs_nothing_in_later_trainers_nor_after_resume(procs, port, tmp_path):
+    marker = tmp_path / "ran"
+    ckpt = tmp_path / "ckpt"
+    server = procs.server(port, "--checkpoint-dir", str(ckpt))
+    command = json.dumps({"command": f"touch {marker}"})
+    peer = procs.trainer(port, 0, "--model", "mlp", "--max-steps", "2", prefix=[*FORGED, "os:system", command])
+    assert peer.wait(120) == 0, peer.tail()
+    assert "model os:system" in server.output()  # recorded as what it is: a name
+
+    def victim() -> str:
+        t = procs.trainer(port, 1, "--max-steps", "2")
+        assert t.wait(120) == 2, t.tail()
+        assert "Traceback" not in t.output()
+        errors = [line for line in t.output().splitlines() if "error:" in line]
+        assert len(errors) == 1, t.tail()
+        return errors[0]
+
+    line = victim()
+    assert "never runs code that a peer named" in line and "--model os:system" in line, line
+    assert procs.stop(server) == 0, server.tail()
+    again = procs.server(port, "--checkpoint-dir", str(ckpt), "--resume")
+    again.wait_for("learnt from a checkpoint", timeout=30)
+    assert "never runs code that a peer named" in victim()
+    # The trainer that names its model itself trains on.
+    mine = procs.trainer(port, 1, "--num-trainers", "2", "--model", "mlp", "--max-steps", "2")
+    assert mine.wait(120) == 0, mine.tail()
+    assert procs.stop(again) == 0, again.tail()
+    assert not marker.exists()
