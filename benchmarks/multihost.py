@@ -39,6 +39,7 @@ import itertools
 import json
 import os
 import re
+import secrets
 import shutil
 import statistics
 import subprocess
@@ -47,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import netns
+from psserver.config.common import JOIN_TOKEN_ENV
 
 PREFIX = netns.PREFIX
 """``psbench-``: shared with ``benchmarks.netns``, whose ``cleanup_stale`` reads the same ``<pid>``."""
@@ -221,6 +223,8 @@ class Topology:
             raise ValueError(f"subnet must be a /24 written A.B.C.0/24, got {self.subnet!r}")
         self._net = ".".join(m.groups())
         self.size, self.rate_mbit, self.qdisc, self.delay_ms = nodes, rate_mbit, qdisc, delay_ms
+        self.join_token = secrets.token_hex(16)
+        """The join token of every psserver process run in a node (``wrap``)."""
         self.hub_name = f"{self.prefix}-hub"
         self.names = [f"{self.prefix}-{k}" for k in range(nodes)]
         self.hub: netns.NetNamespace | None = None
@@ -299,8 +303,9 @@ class Topology:
         return f"v{k}"
 
     def wrap(self, k: int, argv: list[str]) -> list[str]:
-        """``argv`` run in node ``k`` (``ip netns exec`` execs it: same PID)."""
-        return ["ip", "netns", "exec", self.namespace(k), *argv]
+        """``argv`` run in node ``k`` (``ip netns exec`` execs it: same PID), with the
+        topology's join token: a server bound beyond loopback refuses to start without one."""
+        return ["ip", "netns", "exec", self.namespace(k), "env", f"{JOIN_TOKEN_ENV}={self.join_token}", *argv]
 
     def counters(self) -> dict[int, Link]:
         """Every node's bytes so far, from its own side (sent: ``tx``, received: ``rx``)."""

@@ -11,7 +11,7 @@ import argparse
 import math
 from pathlib import Path
 
-from psserver.config.common import DataConfig, default_data_dir
+from psserver.config.common import DataConfig, default_data_dir, parse_bytes
 from psserver.config.control import ControlConfig, ObservabilityConfig
 from psserver.config.optimizer import OPTIMIZERS, OptimizerConfig
 from psserver.data import DATASETS, IMAGEFOLDER
@@ -28,6 +28,14 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
     return value
+
+
+def byte_size(text: str) -> int:
+    """argparse's ``type`` for a size flag (``4G``, ``512M``, or bytes)."""
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def path_arg(text: str) -> Path:

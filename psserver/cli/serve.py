@@ -13,6 +13,7 @@ from psserver.cli.args import (
     add_control_arguments,
     add_model_args_argument,
     add_optimizer_arguments,
+    byte_size,
     control_from_args,
     finite_float,
     model_args_from_args,
@@ -78,6 +79,13 @@ class ServeCommand(SubCommand):
                             help="file holding the job's join token; only trainers that know it can join (else "
                                  "$PSSERVER_JOIN_TOKEN; neither: anyone who reaches --port can join). It may be the "
                                  "control plane's --auth-token-file")
+        parser.add_argument("--no-join-token", action="store_true",
+                            help="serve a --host beyond loopback without a join token: anyone who reaches --port can "
+                                 "join, read the model and write it (without this, such a server needs a token)")
+        parser.add_argument("--max-model-bytes", type=byte_size, default=ServerConfig.max_model_bytes, metavar="SIZE",
+                            help="the largest model a server without --model takes from the first trainer, "
+                                 "parameters and buffers (bytes, or with K/M/G/T; default "
+                                 f"{ServerConfig.max_model_bytes >> 30}G)")
         parser.add_argument("--supervise", action="store_true",
                             help="run the server under a supervisor that restarts it if it dies by a signal (SIGKILL, "
                                  "the OOM killer, a crash inside TensorPipe): from its state in shared memory "
@@ -236,6 +244,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         allocator=args.allocator,
         seed=args.seed,
         join_token_file=args.join_token_file,
+        no_join_token=args.no_join_token,
+        max_model_bytes=args.max_model_bytes,
         supervise=args.supervise,
         max_restarts=args.max_restarts,
         num_servers=args.num_servers,

@@ -72,7 +72,32 @@ def check_host(host: str, flag: str) -> None:
         raise ValueError(f"{flag} {host[:80]!r} {problem}")
 
 
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (a name or address, an IPv6 one bracketed or not) is this machine's
+    loopback only: ``localhost`` or an address of 127.0.0.0/8 or ::1. Other names count as
+    reachable from elsewhere (resolving them could wait on a resolver)."""
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if bare.lower().removesuffix(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(bare).is_loopback
+    except ValueError:
+        return False
+
+
 JOIN_TOKEN_ENV = "PSSERVER_JOIN_TOKEN"
+
+
+def parse_bytes(value: str) -> int:
+    """A size in bytes: an integer, or one with a binary suffix (``512M``, ``4G``, ``1T``;
+    ``KiB``/``MiB``/... and ``KB``/``MB``/... read the same); ``ValueError`` for anything else."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", value, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"{value!r} is not a size in bytes (an integer, or one ending in K, M, G or T)")
+    number = float(m.group(1)) * 1024 ** " KMGT".index((m.group(2) or " ").upper())
+    if not 1 <= number < 2 ** 63:
+        raise ValueError(f"{value!r} is not a size of 1 byte to 8 EiB")
+    return int(number)
 
 
 def check_input_file(path: Path | str, flag: str) -> None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from psserver.config.common import (
+    JOIN_TOKEN_ENV,
     MAX_THREADS,
     MIN_CONNECT_TIMEOUT_S,
     MIN_RPC_TIMEOUT_S,
@@ -20,6 +22,7 @@ from psserver.config.common import (
     check_seed,
     check_timeout,
     check_token_file,
+    is_loopback_host,
     parse_host_port,
     read_join_token,
 )
@@ -219,6 +222,13 @@ class ServerConfig:
     """File holding the job's join token, which every trainer must know to join (else
     ``$PSSERVER_JOIN_TOKEN``; neither: anyone who reaches the store may join). It may be the
     control plane's token file."""
+    no_join_token: bool = False
+    """Serve beyond loopback without a join token (anyone who reaches the port may join). A
+    server whose ``host`` is not loopback needs a token unless this says otherwise."""
+    max_model_bytes: int = 1 << 30
+    """The largest model (parameters and buffers, in bytes) a server without ``model`` takes from
+    the first trainer: what it brings is allocated here whole, and a few kilobytes on the wire can
+    declare gigabytes (a stride-0 tensor)."""
     num_servers: int = 1
     """Server processes that together hold the model's parameters, each a partition
     (``psserver.ps.group.partition``); trainers push to and pull from all of them."""
@@ -276,11 +286,24 @@ class ServerConfig:
         if self.allocator not in ALLOCATORS:
             raise ValueError(f"--allocator must be one of {', '.join(ALLOCATORS)}, got {self.allocator!r}")
         check_token_file(self.join_token_file, "--join-token-file")
+        self._check_join_token()
+        if not 1 <= self.max_model_bytes < 2 ** 63:
+            raise ValueError(f"--max-model-bytes must be at least 1, got {self.max_model_bytes}")
         if self.supervise and self.checkpoint.directory is None and not self.memory_state.enabled:
             raise ValueError("--supervise needs a --state-dir or a --checkpoint-dir: what a restarted server "
                              "continues from")
         if self.max_restarts < 1:
             raise ValueError(f"--max-restarts must be >= 1, got {self.max_restarts}")
+
+    def _check_join_token(self) -> None:
+        """A server reachable beyond this machine needs a join token unless told otherwise: without
+        one, any peer that reaches its port joins, reads the model and writes it."""
+        if self.no_join_token or is_loopback_host(self.host):
+            return
+        if self.join_token_file is None and not os.environ.get(JOIN_TOKEN_ENV, "").strip():
+            raise ValueError(f"--host {self.host} is reachable beyond this machine: give the job a join token "
+                             f"(--join-token-file FILE, or ${JOIN_TOKEN_ENV}; every trainer passes the same), or "
+                             "--no-join-token to let anyone who reaches --port join")
 
     def _check_servers(self) -> None:
         if not 1 <= self.num_servers <= 64:

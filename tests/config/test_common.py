@@ -7,8 +7,16 @@ import os
 import pytest
 
 from psserver.config import ServerConfig, TrainerConfig
-from psserver.config.common import check_device, check_output_file, check_seed, parse_host_port, read_join_token
+from psserver.config.common import (
+    check_device,
+    check_output_file,
+    check_seed,
+    parse_bytes,
+    parse_host_port,
+    read_join_token,
+)
 from psserver.config.control import ControlConfig, ObservabilityConfig
+from tests.procs import cli
 
 
 def test_addresses_split_into_host_and_port():
@@ -84,7 +92,7 @@ def test_a_file_to_read_that_is_a_fifo_or_a_directory_is_not_a_regular_file(tmp_
 
 
 @pytest.mark.parametrize(("flag", "build"), [
-    ("--host", lambda host: ServerConfig(host=host)),
+    ("--host", lambda host: ServerConfig(host=host, no_join_token=True)),
     ("--control-host", lambda host: ControlConfig(host=host)),
     ("--metrics-host", lambda host: ObservabilityConfig(metrics_port=9100, metrics_host=host)),
 ])
@@ -105,3 +113,41 @@ def test_an_output_file_that_is_a_fifo_or_a_device_is_refused_at_start(tmp_path)
         check_output_file("/dev/zero", "--stats-out")
     check_output_file(os.devnull, "--stats-out")  # nothing kept, as asked
     check_output_file(tmp_path / "new.json", "--stats-out")
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.1.1", "localhost", "::1", "[::1]"])
+def test_a_loopback_server_needs_no_join_token(host, monkeypatch):
+    monkeypatch.delenv("PSSERVER_JOIN_TOKEN", raising=False)
+    assert ServerConfig(host=host).host == host
+
+
+def test_a_server_beyond_loopback_needs_a_join_token_or_says_it_does_without(monkeypatch, tmp_path):
+    monkeypatch.delenv("PSSERVER_JOIN_TOKEN", raising=False)
+    with pytest.raises(ValueError, match=r"--host 10.1.2.3 is reachable beyond this machine: .*--no-join-token"):
+        ServerConfig(host="10.1.2.3")
+    assert ServerConfig(host="10.1.2.3", no_join_token=True).no_join_token
+    token = tmp_path / "token"
+    token.write_text("secret\n")
+    assert ServerConfig(host="server", join_token_file=token).host == "server"
+    monkeypatch.setenv("PSSERVER_JOIN_TOKEN", "secret")
+    assert ServerConfig(host="10.1.2.3").host == "10.1.2.3"
+
+
+@pytest.mark.parametrize(("text", "size"), [("4096", 4096), ("512M", 512 << 20), ("1g", 1 << 30), ("2GiB", 2 << 30),
+                                            ("1.5K", 1536)])
+def test_sizes_in_bytes(text, size):
+    assert parse_bytes(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "-1", "0", "1X", "1e9", "99999999999T"])
+def test_sizes_that_are_not(text):
+    with pytest.raises(ValueError, match="size"):
+        parse_bytes(text)
+
+
+def test_serve_beyond_loopback_without_a_token_is_one_line_before_anything_starts():
+    r = cli(["serve", "--host", "10.1.2.3", "--no-control", "--max-model-bytes", "2G"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.count("\n") == 1 and "--host 10.1.2.3 is reachable beyond this machine" in r.stderr, r.stderr
+    r = cli(["serve", "--max-model-bytes", "lots"])
+    assert r.returncode == 2 and "'lots' is not a size in bytes" in r.stderr, r.stderr

@@ -72,6 +72,11 @@ class HeldModel(nn.Module):
                                    k[len(prefix):] not in expected and k[len(prefix):] not in aliases)
 
 
+def layout_bytes(layout: ModelLayout) -> int:
+    """Bytes of the tensors ``layout`` declares, in Python integers: known before any is allocated."""
+    return sum(max(e.numel, 0) * e.torch_dtype.itemsize for e in layout.entries)
+
+
 def check_values(layout: ModelLayout, values: Sequence[torch.Tensor]) -> None:
     """``ValueError`` (one line) unless ``values`` are one finite tensor per entry of ``layout``,
     of its shape and dtype."""

@@ -26,7 +26,7 @@ from psserver.config.ps import COMPUTE_MODES, STEP_MODES, default_step
 from psserver.errors import JoinLater
 from psserver.metrics import observe_rpc
 from psserver.models.layout import ModelLayout
-from psserver.ps.engine.held_model import check_values
+from psserver.ps.engine.held_model import check_values, layout_bytes
 from psserver.ps.rpc import torch_rpc
 from psserver.ps.rpc.messages import JoinRequest, Report
 from psserver.ps.rpc.rpc_allowlist import is_optimizer_class
@@ -175,6 +175,11 @@ class Endpoint:
                 return
             if request.values is None:
                 raise ValueError("the server has no model yet and this trainer sent none: join again")
+            size = layout_bytes(layout)
+            if size > self.config.max_model_bytes:
+                raise ValueError(f"this trainer's model is {size:,} bytes, over the server's --max-model-bytes "
+                                 f"{self.config.max_model_bytes:,}: start psserver serve with a larger one (or "
+                                 "--model) to hold it")
             values = list(request.values)
             check_values(layout, values)
             if self.group is not None:  # the other server processes get their pieces first

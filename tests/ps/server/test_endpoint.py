@@ -4,6 +4,7 @@ only to the ops a protocol exposes, calls counted for the drain."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 
@@ -217,3 +218,25 @@ def test_a_step_opened_by_a_call_whose_trainer_was_evicted_meanwhile_is_dropped(
     half.step = evicted_while_waiting  # type: ignore[method-assign]
     endpoint.call("t", "step", (None, torch.randn(2, 1, 28, 28)), None)
     assert endpoint.engine.wait_idle(0.1) == [] and half.pending() == 0
+
+
+def test_a_first_trainers_model_over_max_model_bytes_is_refused_before_anything_is_allocated():
+    """A stride-0 tensor declares gigabytes in a few bytes on the wire: the layout's size is
+    weighed against --max-model-bytes before a value is materialised, and the model is not taken."""
+    cfg = ServerConfig(devices=["cpu"], optimizer=OptimizerConfig(), max_model_bytes=4096)
+    engine = StepEngine(cfg, resolve_devices(cfg.devices))
+    try:
+        ep = Endpoint(cfg, engine, {name: p.server(engine) for name, p in PROTOCOLS.items()}, after_call=lambda: None)
+        ep.open(Members())  # type: ignore[arg-type]
+        request = join_request(0, "big", values=True)
+        huge = [torch.zeros(1).expand(500_000_000), *request.values[1:]]
+        layout = dict(request.layout, entries=[[request.layout["entries"][0][0], [500_000_000],
+                                                *request.layout["entries"][0][2:]], *request.layout["entries"][1:]])
+        refusal = ep.join(dataclasses.replace(request, layout=layout, values=huge))
+        error = refusal["error"]
+        assert "2,000,137,768 bytes" in error and "over the server's --max-model-bytes 4,096" in error
+        assert not engine.has_model
+        # The real model (mlp is bigger than 4 KB too): a larger --max-model-bytes takes it.
+        assert "--max-model-bytes" in ep.join(join_request(0, "mlp", values=True))["error"]
+    finally:
+        engine.close()
