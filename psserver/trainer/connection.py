@@ -546,6 +546,8 @@ def connect(address: str | None = None, *, rank: int | None = None, num_trainers
     if config is not None and not isinstance(config, TrainerConfig):
         raise UsageError(f"psserver.connect: config is a psserver.config.TrainerConfig, not {type(config).__name__}")
     if config is None:
+        if not isinstance(handle_signals, bool):
+            raise UsageError(f"psserver.connect: handle_signals is True or False, not {handle_signals!r}")
         config = _config(address, rank=rank, num_trainers=num_trainers, reconnect=reconnect, token_file=token_file,
                          device=device, wire_dtype=wire_dtype, transport=transport, overlap=overlap,
                          connect_timeout=connect_timeout, rpc_timeout=rpc_timeout, step=step)
@@ -555,6 +557,10 @@ def connect(address: str | None = None, *, rank: int | None = None, num_trainers
 def _config(address: str | None, **kw: Any) -> TrainerConfig:
     if address is not None and not isinstance(address, str):
         raise UsageError(f"psserver.connect: address is 'HOST:PORT', a str, not {type(address).__name__}")
+    if address is not None and not address.strip():
+        raise UsageError("psserver.connect: address '' names no server (None takes the default)")
+    if not isinstance(kw.get("reconnect", False), bool):
+        raise UsageError(f"psserver.connect: reconnect is True or False, not {kw['reconnect']!r}")
     for name in ("device", "wire_dtype", "transport", "overlap"):
         if name in kw and not isinstance(kw[name], str):
             raise UsageError(f"psserver.connect: {name} is a str, not {type(kw[name]).__name__}")

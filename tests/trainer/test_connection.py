@@ -135,11 +135,12 @@ def test_a_builtin_metric_that_does_not_fit_the_outputs_is_one_line(metric, mess
     {"address": 5}, {"address": b"127.0.0.1:1"}, {"device": None}, {"device": 0}, {"config": 5},
     {"rank": "0"}, {"rank": 1.5}, {"rank": True}, {"rank": 10**30}, {"num_trainers": "2"},
     {"num_trainers": 10**30}, {"connect_timeout": "5"}, {"connect_timeout": None}, {"rpc_timeout": 1e308},
-    {"token_file": 5},
+    {"token_file": 5}, {"address": ""}, {"address": "  "}, {"reconnect": "yes"}, {"reconnect": 1},
+    {"handle_signals": "no"},
 ])
 def test_connect_refuses_an_argument_of_the_wrong_type_or_size_in_one_line(kw):
     with pytest.raises(psserver.UsageError) as e:
-        psserver.connect(**{"address": "127.0.0.1:1", **kw}, handle_signals=False)
+        psserver.connect(**{"address": "127.0.0.1:1", "handle_signals": False, **kw})
     assert str(e.value).startswith("psserver.connect: ") and "\n" not in str(e.value)
 
 
