@@ -1,6 +1,6 @@
-"""A user's causal character Transformer with its own sequence loss (``--loss``), trained from a
-text file by a server without ``--model``: the held-out loss falls at least 30 % below the
-untrained model's."""
+"""A user's causal character Transformer with its own sequence loss (``--loss``) and a causal mask
+of ``-inf`` in a buffer, trained from a text file by a server without ``--model``: the held-out
+loss falls at least 30 % below the untrained model's, with no warning about the mask."""
 
 from __future__ import annotations
 
@@ -35,11 +35,12 @@ CHAR_MODEL = '''
             self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
             self.norm = nn.LayerNorm(dim)
             self.head = nn.Linear(dim, vocab)
+            # The common pattern: a causal mask of 0 and -inf, a persistent buffer (in the state_dict).
+            self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq_len))
 
         def forward(self, ids):
             t = ids.shape[1]
-            mask = nn.Transformer.generate_square_subsequent_mask(t, device=ids.device)
-            h = self.blocks(self.tokens(ids) + self.positions[:t], mask=mask, is_causal=True)
+            h = self.blocks(self.tokens(ids) + self.positions[:t], mask=self.mask[:t, :t], is_causal=True)
             return self.head(self.norm(h))
 
 
@@ -121,3 +122,5 @@ def test_a_users_transformer_learns_a_text_file_with_its_own_loss(procs, port, t
     after = metric(t, "loss")
     assert after <= 0.7 * before, (before, after)
     assert "learnt from the first trainer" in server.output()
+    # The -inf mask is a constant, not a statistic gone bad: no warning at all.
+    assert "buffers" not in server.output() and "WARNING" not in t.output(), (server.tail(), t.tail())

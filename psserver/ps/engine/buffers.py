@@ -72,6 +72,16 @@ class ServerBuffers:
         self.numel = sum(t.numel() for t in tensors)
         self._lock = threading.Lock()
         self._latest: dict[str, torch.Tensor] = {}
+        self._set_constants()
+
+    def _set_constants(self) -> None:
+        """Where the buffers hold NaN or inf now, and what: a causal mask's ``-inf`` is a
+        constant that trainers send back as it is; non-finite values anywhere else, or other
+        ones there, are a statistic gone bad."""
+        flat = self.flat()
+        where = (~torch.isfinite(flat)).nonzero().reshape(-1)
+        self._constant_at: torch.Tensor | None = where if where.numel() else None
+        self._constant = flat[where]
 
     def flat(self) -> torch.Tensor:
         return flatten(self.tensors)
@@ -83,9 +93,20 @@ class ServerBuffers:
             raise ValueError(f"buffers of {got} for a model of {self.numel} buffer values")
         return flat.to(torch.float64)
 
+    def acceptable(self, flat: torch.Tensor) -> bool:
+        """Whether ``flat`` is finite wherever the server's buffers are (and equal to them where
+        they are not: a constant mask)."""
+        finite = torch.isfinite(flat)
+        if bool(finite.all()):
+            return True
+        if self._constant_at is None:
+            return False
+        finite[self._constant_at] = True
+        return bool(finite.all()) and bool((flat[self._constant_at] == self._constant).all())
+
     def receive(self, trainer: str, flat: torch.Tensor) -> bool:
-        """``trainer``'s buffers with its update; False (not kept) when they are not finite."""
-        if not bool(torch.isfinite(flat).all()):
+        """``trainer``'s buffers with its update; False (not kept) when they went non-finite."""
+        if not self.acceptable(flat):
             return False
         with self._lock:
             self._latest[trainer] = flat
@@ -114,3 +135,4 @@ class ServerBuffers:
         with torch.no_grad():
             for t, v in zip(self.tensors, values, strict=True):
                 t.copy_(v)
+        self._set_constants()

@@ -83,6 +83,7 @@ class StepEngine:
         self._cond = threading.Condition()
         self._live: set[str] = set()
         self._open: dict[str, int] = {}  # trainer -> samples of its step in flight
+        self._told_buffers: set[str] = set()  # trainers whose non-finite buffers were logged
         self._draining = False
         self.guard = GradientGuard(config.max_grad_norm, config.max_nonfinite_steps)
         self.lr_schedule: LRSchedule | None = None
@@ -468,10 +469,19 @@ class StepEngine:
             if checked is None:
                 log.warning("dropped a step of %s: its gradient is not finite", trainer)
             elif buffers is not None and self.buffers is not None and not self.buffers.receive(trainer, buffers):
-                log.warning("kept the step of %s but not its buffers: they are not finite", trainer)
+                self._refused_buffers(trainer)
             self.updater.submit(trainer, checked, samples)
         finally:  # closed once applied (a drain waits for the update, not just its arrival)
             self.drop_step(trainer)
+
+    def _refused_buffers(self, trainer: str) -> None:
+        """One WARNING per trainer (its steps are kept; its statistics wait until they are finite again)."""
+        with self._cond:
+            told = trainer in self._told_buffers
+            self._told_buffers.add(trainer)
+        if not told:
+            log.warning("kept the steps of %s but not its buffers: NaN or inf where the server's are finite (said "
+                        "once per trainer)", trainer)
 
     def drop_step(self, trainer: str) -> None:
         """``trainer``'s open step ends: given up (nothing is applied), or after its update."""

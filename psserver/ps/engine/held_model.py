@@ -78,8 +78,10 @@ def layout_bytes(layout: ModelLayout) -> int:
 
 
 def check_values(layout: ModelLayout, values: Sequence[torch.Tensor]) -> None:
-    """``ValueError`` (one line) unless ``values`` are one finite tensor per entry of ``layout``,
-    of its shape and dtype."""
+    """``ValueError`` (one line) unless ``values`` are one tensor per entry of ``layout``, of its
+    shape and dtype, finite for a parameter. A buffer may hold NaN or inf: a causal mask of
+    ``-inf`` (``nn.Transformer.generate_square_subsequent_mask``) is a constant, and the server
+    refuses what trainers send only where it was finite (``psserver.ps.engine.buffers``)."""
     if not isinstance(values, list | tuple) or len(values) != len(layout.entries):
         raise ValueError(f"{len(values) if isinstance(values, list | tuple) else type(values).__name__} initial "
                          f"values for a model of {len(layout.entries)} tensors")
@@ -87,5 +89,5 @@ def check_values(layout: ModelLayout, values: Sequence[torch.Tensor]) -> None:
         if not isinstance(v, torch.Tensor) or tuple(v.shape) != e.shape or v.dtype != e.torch_dtype:
             got = f"{list(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else type(v).__name__
             raise ValueError(f"initial value of {e.key} is {got}, its layout says {list(e.shape)} {e.dtype}")
-        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+        if e.kind == PARAMETER and v.is_floating_point() and not bool(torch.isfinite(v).all()):
             raise ValueError(f"initial value of {e.key} is not finite (NaN or inf)")

@@ -408,10 +408,19 @@ class TrainerComputeHalf(TrainerHalf):
             b.remove()  # the replica outlives the session (a library user's model): no hooks, no buffers
         self._buckets = self._staging = None
 
+    _sent_buffers: torch.Tensor | None = None
+    """The buffers this trainer sent last: the server keeps them until others come."""
+
     def owed_buffers(self) -> torch.Tensor | None:
         """The replica's buffers after a step's forward, as they go up with its update (None:
-        this trainer sends none)."""
-        return flatten(self.buffers) if self.send_buffers else None
+        this trainer sends none, or they are what it sent last: a constant mask goes up once)."""
+        if not self.send_buffers:
+            return None
+        flat = flatten(self.buffers)
+        if self._sent_buffers is not None and torch.equal(flat, self._sent_buffers):
+            return None
+        self._sent_buffers = flat
+        return flat
 
     @staticmethod
     def norm_of(grads: list[list[torch.Tensor]], rows: list[dict[str, torch.Tensor]] | None = None) -> float:

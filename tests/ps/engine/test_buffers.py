@@ -149,3 +149,37 @@ def test_a_model_without_buffers_sends_none():
             PullServer(engine).check_buffers(torch.zeros(3))
     finally:
         engine.close()
+
+
+def test_a_constant_mask_of_minus_inf_is_taken_and_a_statistic_gone_bad_is_not():
+    mask = nn.Transformer.generate_square_subsequent_mask(3).double()
+    stat = torch.zeros(2)
+    buffers = ServerBuffers([mask, stat], "average")
+    same = flatten([mask, torch.tensor([1.0, 2.0])])
+    assert buffers.receive("t1", same)
+    buffers.commit()
+    assert torch.equal(mask, nn.Transformer.generate_square_subsequent_mask(3).double()) and stat.tolist() == [1, 2]
+    bad_stat = flatten([mask, torch.tensor([float("inf"), 2.0])])
+    assert not buffers.receive("t2", bad_stat)  # inf where the server's is finite
+    flipped = same.clone()
+    flipped[1] = float("inf")  # +inf where the mask holds -inf: not the constant
+    assert not buffers.receive("t2", flipped)
+    nan = same.clone()
+    nan[1] = float("nan")
+    assert not buffers.receive("t2", nan)
+
+
+def test_buffers_that_did_not_change_since_the_last_send_do_not_go_up_again():
+    """A constant buffer (a mask) goes up with the first update only; a statistic that moves
+    goes up with every one."""
+    cfg = ServerConfig(model=BN_MLP, devices=["cpu"], update="async", optimizer=OptimizerConfig(name="sgd", lr=0.01))
+    engine = StepEngine(cfg, [torch.device("cpu")])
+    try:
+        trainer = make_trainer(engine, PushPullServer(engine), 0)
+        first = trainer.owed_buffers()
+        assert first is not None and trainer.owed_buffers() is None  # nothing moved since
+        x, _ = batches(1, 0)[0]
+        trainer.model.train()(x)  # BatchNorm's statistics move
+        assert trainer.owed_buffers() is not None and trainer.owed_buffers() is None
+    finally:
+        engine.close()

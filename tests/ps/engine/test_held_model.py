@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from psserver.config import OptimizerConfig, ServerConfig
 from psserver.models import build_model
@@ -58,3 +59,19 @@ def test_an_engine_without_model_adopts_the_first_and_checks_the_rest():
             engine.adopt(layout, None, "mlp", {})
     finally:
         engine.close()
+
+
+def test_a_buffer_may_be_minus_inf_but_a_parameter_may_not():
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+            self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(3))
+
+    model = Masked()
+    layout = ModelLayout.of(model)
+    check_values(layout, values_of(model, layout))
+    with torch.no_grad():
+        model.fc.bias[0] = float("-inf")
+    with pytest.raises(ValueError, match=r"initial value of fc\.bias is not finite"):
+        check_values(layout, values_of(model, layout))
