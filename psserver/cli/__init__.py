@@ -30,6 +30,7 @@ from psserver.cli.export import ExportCommand
 from psserver.cli.serve import ServeCommand
 from psserver.cli.train import TrainCommand
 from psserver.errors import ServerLost, UsageError
+from psserver.utils.cpp_log import quiet_cpp_warnings
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def log_level(args: argparse.Namespace) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     # TensorPipe logs a C++ warning for every peer that leaves (EOF on its pipe): routine for
     # a parameter server whose trainers come and go. Keep C++ errors; the user may override.
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    quiet_cpp_warnings()
     parser, commands = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what a supervisor runs again

@@ -33,6 +33,7 @@ from psserver.ps.rpc import rendezvous, torch_rpc, transport
 from psserver.ps.rpc.messages import JoinRequest, Report
 from psserver.ps.server import endpoint
 from psserver.trainer.stop_signals import StopSignals
+from psserver.utils.cpp_log import quiet_cpp_warnings
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ class Session:
         rendezvous.set_transport_interface(config.server_host, local=False)
         torch_rpc.check_version()
         torch_rpc.restrict_unpickler()
+        quiet_cpp_warnings()  # TensorPipe's WARNING for every peer that leaves
         _maybe_inject_join_fault()
         try:
             rpc.init_rpc(

@@ -248,3 +248,19 @@ def test_help_lists_the_librarys_names():
         assert name in text, name
     for name in psserver.__all__:
         assert getattr(psserver, name).__doc__, name
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_a_clean_run_of_two_library_scripts_prints_no_tensorpipe_warning(procs, port, tmp_path):
+    """Each peer that leaves used to make every other one log a C++ WARNING (EOF on its pipe),
+    in the trainers (which imported torch before psserver) and in the server."""
+    server = procs.server(port)
+    scripts = [procs.start(["shard_epochs", str(port), f"out={tmp_path / f'seen{r}.jsonl'}", "epochs=1", "delay=0"],
+                           f"script{r}", prefix=SCRIPT, env={"RANK": str(r), "WORLD_SIZE": "2"}) for r in (0, 1)]
+    for t in scripts:
+        assert t.wait(120) == 0, t.tail()
+    assert procs.stop(server) == 0, server.tail()
+    for p in (server, *scripts):
+        assert "tensorpipe_agent" not in p.output() and "[W" not in p.output(), p.tail()

@@ -52,6 +52,7 @@ from psserver.ps.server.endpoint import Endpoint
 from psserver.ps.server.membership import Member
 from psserver.ps.server.memory_state import MemoryState
 from psserver.telemetry import TrainerStatus
+from psserver.utils.cpp_log import quiet_cpp_warnings
 from psserver.utils.memory import configure_host_allocator, freeze_long_lived
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,7 @@ class PartitionServer:
         where = f"{host}:{port}"
         torch_rpc.check_version()
         torch_rpc.restrict_unpickler()
+        quiet_cpp_warnings()  # TensorPipe's WARNING for every peer that leaves
         token = rendezvous.join_token(cfg)
         store, url = rendezvous.connect_store(host, port, 60.0, cfg.rpc_timeout, token, until_serving=False)
         rpc_id, _ = rendezvous.request_admission(store, cfg.server_rank, where, server=True)

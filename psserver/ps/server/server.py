@@ -36,6 +36,7 @@ from psserver.ps.server.endpoint import Endpoint
 from psserver.ps.server.membership import Membership
 from psserver.ps.server.memory_state import MemoryState
 from psserver.ps.server.status import ServerView
+from psserver.utils.cpp_log import quiet_cpp_warnings
 from psserver.utils.memory import configure_host_allocator, freeze_long_lived
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class ParameterServer:
         cfg = self.config
         torch_rpc.check_version()
         torch_rpc.restrict_unpickler()
+        quiet_cpp_warnings()  # TensorPipe's WARNING for every peer that leaves
         token = rendezvous.join_token(cfg)
         raw_store, self.store, url = rendezvous.create_server_store(cfg.host, cfg.port, cfg.rpc_timeout, token)
         self.published.set(self.store, rendezvous.KEY_SERVER_STATE, rendezvous.STARTING)
