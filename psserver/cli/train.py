@@ -84,6 +84,9 @@ class TrainCommand(SubCommand):
         ps.add_argument("--reconnect", action="store_true",
                         help="if the server goes away or evicts this trainer, rejoin under a fresh name (retrying "
                              "with backoff) and continue where it was; without it, exit code 3")
+        ps.add_argument("--start-over", action="store_true",
+                        help="start this rank's data from the first epoch even where a trainer of this rank left "
+                             "the running job unfinished (by default this one continues where that one stopped)")
         ps.add_argument("--rpc-timeout", type=finite_float, default=60.0,
                         help="RPC timeout in seconds (default 60, at least 1)")
         ps.add_argument("--allocator", choices=ALLOCATORS, default=TrainerConfig.allocator,
@@ -155,6 +158,7 @@ def trainer_config_from_args(args: argparse.Namespace) -> TrainerConfig:
         data=data_from_args(args),
         connect_timeout=args.connect_timeout,
         reconnect=args.reconnect,
+        start_over=args.start_over,
         rpc_timeout=args.rpc_timeout,
         max_steps=args.max_steps,
         progress=False if args.no_progress else None,

@@ -385,6 +385,9 @@ class TrainerConfig:
     """Seconds to keep trying to reach a server that is not up yet."""
     reconnect: bool = False
     """On losing the server, retry with backoff until it is back and continue the epoch."""
+    start_over: bool = False
+    """Start the rank's data from its first epoch even where a trainer of this rank left the
+    running job before finishing (by default the new one continues where that one stopped)."""
     rpc_timeout: float = 60.0
     """Timeout of one RPC, seconds."""
     allocator: str = "cached"

@@ -198,7 +198,21 @@ class Connection:
         session = join(self.config, self._pos if self.resumed else None, self._stop, model, self._argv)
         if self._pos.report is not None:
             session.report = Report(**self._pos.report)
+        if session.continued is not None:
+            self._continue(session.continued)
         return session
+
+    def _continue(self, at: dict[str, int]) -> None:
+        """Take up the position of this rank's last trainer, which left the job unfinished."""
+        pos = self._pos
+        pos.epoch, pos.epoch_samples, pos.batch_idx = at["epoch"], at["epoch_samples"], at["batch_idx"]
+        pos.steps, pos.samples = at["steps"], at["samples"]
+        self.resumed = True
+        for sampler in self._samplers:  # made before the join
+            sampler.resume_at(pos.epoch, pos.epoch_samples)
+        log.info("rank %d continues where its last trainer stopped: epoch %d, %d of its samples in it, step %d "
+                 "(psserver train --start-over, or TrainerConfig(start_over=True), starts over)", self.config.rank,
+                 pos.epoch, pos.epoch_samples, pos.steps)
 
     # ---- training --------------------------------------------------------------------------
 
@@ -297,7 +311,10 @@ class Connection:
             pos.loss = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
         rate = pos.samples / max(1e-6, time.monotonic() - pos.t_start)
         assert self.session is not None
-        self.session.report = Report(pos.steps, pos.samples, pos.loss, rate)
+        # psserver train's loop counts the batch after the step: the report says where the next starts.
+        batches = pos.batch_idx + 1 if self.steps_per_epoch is not None else pos.batch_idx
+        self.session.report = Report(pos.steps, pos.samples, pos.loss, rate, epoch=pos.epoch,
+                                     epoch_samples=pos.epoch_samples, batch_idx=batches)
 
     def _call(self, fn: Callable[[], Any], on_failure: Callable[[Exception], None] | None = None) -> Any:
         """A call of the step; a failed one is diagnosed by asking the server (evicted, lost:
@@ -483,6 +500,10 @@ class Connection:
         if self.session is not None:
             if error is not None and self._announce:
                 log.warning("leaving psserver: the training loop raised %s: %s", type(error).__name__, error)
+            report = self.session.report
+            if error is None and self._stop.signum is None and report is not None:
+                # The loop ran to its end: a trainer of this rank started later starts over.
+                self.session.report = dataclasses.replace(report, finished=True)
             self.session.leave()
         self._stop.__exit__(None, None, None)
         atexit.unregister(self._at_exit)

@@ -30,6 +30,13 @@ class ResumableSampler(DistributedSampler):
         self._handed = (self.epoch, 0)
         """``(epoch, n)``: the indices handed out in that epoch (the resumed ones included)."""
 
+    def resume_at(self, epoch: int, samples: int) -> None:
+        """Skip, in ``epoch``, the first ``samples`` of this shard (a trainer that continues
+        where its rank's last one stopped, learnt at the join after this sampler was made)."""
+        self._resume = (epoch, samples)
+        self.epoch = epoch
+        self._handed = (epoch, 0)
+
     def set_epoch(self, epoch: int) -> None:
         super().set_epoch(epoch)
         if self._on_epoch is not None:

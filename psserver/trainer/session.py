@@ -152,6 +152,17 @@ class Session:
             self.transport = transport.TransportPath(agreed["kind"], agreed["reason"])
             log.info("transport %s", self.transport.describe(self.device))
         self.step_protocol: str = self.info["step"]
+        position = self.info.get("position")
+        self.continued: dict[str, int] | None = None
+        """Where this rank's last trainer stopped in its data, which this fresh one continues from
+        (its gradients numbered on from there); None: it starts over."""
+        if position and steps == 0:
+            if config.start_over:
+                log.info("rank %d starts over (--start-over): its last trainer stopped in epoch %d after %d steps",
+                         config.rank, position["epoch"], position["steps"])
+            else:
+                self.continued = position
+                self.steps_before = position["steps"]
         # Heartbeats from the answer on: the protocol's half may take seconds to set up on a
         # loaded host (plain's DistributedOptimizer imports torch.distributed.optim and calls
         # the server), which a short --trainer-timeout counts (a CI run: evicted before its first step).

@@ -140,10 +140,13 @@ def slow_steps(ps, steps: int = 1000, delay: float = 0.05, validate_s: float = 0
         time.sleep(delay)
 
 
-def shard_epochs(ps, out: str, epochs: int = 2, samples: int = 256, delay: float = 0.05) -> None:
+def shard_epochs(ps, out: str, epochs: int = 2, samples: int = 256, delay: float = 0.05,
+                 record: str = "after") -> None:
     """Epochs over ``ps.sampler`` of a data set of ``samples`` numbered samples, from
     ``ps.epoch`` (a rejoined process continues there): the ids it trains on go to ``out``,
-    appended, one line per step."""
+    appended, one line per step, ``after`` its ``ps.step()`` returned (a step made again after
+    a rejoin is written once) or ``before`` it (a step that ends in leaving on a signal, which
+    the server applied, is written too)."""
     ids = torch.arange(samples)
     data = TensorDataset(torch.randn(samples, 8, generator=torch.Generator().manual_seed(2)), ids % 3, ids)
     model = ps.replica(tiny_net())
@@ -153,9 +156,14 @@ def shard_epochs(ps, out: str, epochs: int = 2, samples: int = 256, delay: float
         sampler.set_epoch(epoch)
         for x, y, seen in loader:
             nn.functional.cross_entropy(model(x), y).backward()
+            line = json.dumps({"epoch": epoch, "ids": seen.tolist(), "pid": __import__("os").getpid()}) + "\n"
+            if record == "before":
+                with open(out, "a") as f:
+                    f.write(line)
             ps.step()
-            with open(out, "a") as f:
-                f.write(json.dumps({"epoch": epoch, "ids": seen.tolist(), "pid": __import__("os").getpid()}) + "\n")
+            if record == "after":
+                with open(out, "a") as f:
+                    f.write(line)
             time.sleep(delay)
     print(f"done: {ps.steps} steps, resumed {ps.resumed}", flush=True)
 

@@ -264,3 +264,35 @@ def test_a_clean_run_of_two_library_scripts_prints_no_tensorpipe_warning(procs, 
     assert procs.stop(server) == 0, server.tail()
     for p in (server, *scripts):
         assert "tensorpipe_agent" not in p.output() and "[W" not in p.output(), p.tail()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_script_stopped_and_started_again_by_hand_continues_where_its_rank_stopped(procs, port, tmp_path):
+    """Ctrl-C (SIGINT) mid-epoch, then the same script again under the same rank, without
+    ``reconnect``: the server tells it where its rank's last trainer stopped, and its sampler
+    continues the epoch: every sample of both epochs once. A run that ended starts over."""
+    server = procs.server(port)
+    seen = tmp_path / "seen.jsonl"
+    args = ["shard_epochs", str(port), f"out={seen}", "delay=0.05", "record=before", "samples=128"]
+    first = procs.start(args, "script", prefix=SCRIPT)
+    while not seen.exists() or len(seen.read_text().splitlines()) < 3:
+        assert first.running(), first.tail()
+        time.sleep(0.05)
+    first.signal(signal.SIGINT)
+    assert first.wait(60) == 130, first.tail()
+    again = procs.start(args, "script-again", prefix=SCRIPT)
+    assert again.wait(120) == 0, again.tail()
+    assert re.search(r"rank 0 continues where its last trainer stopped: epoch 0, \d+ of its samples", again.output())
+    steps = [json.loads(line) for line in seen.read_text().splitlines()]
+    assert len({s["pid"] for s in steps}) == 2
+    for epoch in (0, 1):
+        ids = sorted(i for s in steps if s["epoch"] == epoch for i in s["ids"])
+        assert ids == list(range(128)), (epoch, len(ids))
+    # It finished: the next trainer of rank 0 starts over, and says nothing about it.
+    seen.unlink()
+    third = procs.start(args, "script-third", prefix=SCRIPT)
+    assert third.wait(120) == 0, third.tail()
+    assert "continues" not in third.output() and len(seen.read_text().splitlines()) == 2 * 128 // loops.BATCH
+    assert procs.stop(server) == 0

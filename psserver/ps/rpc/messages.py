@@ -16,6 +16,13 @@ class Report:
     samples_per_s: float
     accuracy: float | None = None
     """Held-out accuracy, once the trainer has evaluated."""
+    epoch: int = 0
+    """The epoch it trains in, and where in it (``epoch_samples`` of its shard, ``batch_idx``
+    batches): what a trainer started again under its rank continues from."""
+    epoch_samples: int = 0
+    batch_idx: int = 0
+    finished: bool = False
+    """Its loop ran to its end: a trainer of its rank started again starts over."""
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,8 @@ class Endpoint:
         self._ops = {"evaluate"} | {op for h in halves.values() for op in (*h.ops, *h.local_ops)}
         self._in_flight = 0
         self._idle = threading.Condition()
+        self._stopped_at: dict[int, dict[str, int]] = {}
+        """rank -> where its last trainer stopped, when it left (or was lost) before its loop's end."""
 
     def open(self, membership: Membership) -> None:
         self.membership = membership
@@ -158,6 +160,8 @@ class Endpoint:
             "sync_trainers": cfg.sync_trainers,
             "optimizer": asdict(optimizer),
             "global_step": self.engine.global_step,
+            # A fresh trainer of a rank whose last one stopped unfinished continues from there.
+            "position": self._stopped_at.get(request.rank) if request.steps == 0 else None,
             "heartbeat_interval": max(0.1, cfg.trainer_timeout / 5),
             "version": __version__,
             **join_info,
@@ -328,6 +332,11 @@ class Endpoint:
     def trainer_gone(self, member: Member, state: str, evicted: bool) -> None:
         """Membership's callback: the trainer's open step and protocol state go, whole."""
         name = member.status.name
+        position = stopped_at(member.report)
+        if position is None:
+            self._stopped_at.pop(member.status.rank, None)
+        else:
+            self._stopped_at[member.status.rank] = position
         self.halves[member.protocol].trainer_gone(name, evicted)
         self.engine.trainer_gone(name)  # may apply a sync round it held up
         if self.group is not None:
@@ -335,9 +344,22 @@ class Endpoint:
         self.after_call()
 
 
+def stopped_at(report: Report | None) -> dict[str, int] | None:
+    """Where a trainer that left stopped in its data (None: it finished, never stepped, or its
+    report does not say: its successor starts over)."""
+    if report is None or report.finished is not False:
+        return None
+    fields = ("epoch", "epoch_samples", "batch_idx", "steps", "samples")
+    values = [getattr(report, f) for f in fields]
+    if not all(type(v) is int and 0 <= v < 2 ** 53 for v in values) or report.steps == 0:
+        return None
+    return dict(zip(fields, values, strict=True))
+
+
 def _record(member: Member, report: Report | None) -> None:
     if report is None:
         return
+    member.report = report
     st = member.status
     st.steps, st.samples = int(report.steps), int(report.samples)
     st.last_loss, st.samples_per_s = float(report.loss), float(report.samples_per_s)

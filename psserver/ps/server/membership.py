@@ -30,6 +30,7 @@ import torch.distributed.rpc as rpc
 
 from psserver.errors import JoinLater, first_line
 from psserver.ps.rpc import torch_rpc
+from psserver.ps.rpc.messages import Report
 from psserver.ps.rpc.rendezvous import ADMITTED, SERVER_NAME, is_trainer_name, ping
 from psserver.ps.rpc.torch_rpc import ALL_WORKERS_KEY, TOKEN_KEY, worker_key
 from psserver.telemetry import TrainerStatus
@@ -55,6 +56,8 @@ class Member:
     protocol: str
     """The step protocol this trainer joined with."""
     last_seen_mono: float = field(default_factory=time.monotonic)
+    report: Report | None = None
+    """The last report it sent (where it is in its data: what a successor of its rank continues from)."""
 
 
 class Membership:

@@ -16,7 +16,7 @@ from psserver.ps.engine.devices import resolve_devices
 from psserver.ps.engine.engine import StepEngine
 from psserver.ps.protocols import PROTOCOLS
 from psserver.ps.rpc.messages import Report
-from psserver.ps.server.endpoint import Endpoint
+from psserver.ps.server.endpoint import Endpoint, stopped_at
 from psserver.ps.server.membership import Member
 from psserver.telemetry import TrainerStatus
 from tests.ps.joins import join_request
@@ -240,3 +240,13 @@ def test_a_first_trainers_model_over_max_model_bytes_is_refused_before_anything_
         assert "--max-model-bytes" in ep.join(join_request(0, "mlp", values=True))["error"]
     finally:
         engine.close()
+
+
+def test_where_a_trainer_stopped_is_kept_only_from_a_plain_report_of_an_unfinished_run():
+    at = Report(37, 2368, 0.5, 10.0, epoch=1, epoch_samples=320, batch_idx=5)
+    assert stopped_at(at) == {"epoch": 1, "epoch_samples": 320, "batch_idx": 5, "steps": 37, "samples": 2368}
+    assert stopped_at(dataclasses.replace(at, finished=True)) is None
+    assert stopped_at(Report(0, 0, 0.0, 0.0)) is None  # never stepped: nothing to continue
+    for bad in ({"epoch": "1"}, {"epoch_samples": -5}, {"batch_idx": 2 ** 60}, {"finished": "no"},
+                {"epoch": True}):
+        assert stopped_at(dataclasses.replace(at, **bad)) is None, bad
