@@ -44,12 +44,15 @@ from psserver.config.env import default_rank, default_server_address, default_wo
 from psserver.errors import DataError, UsageError
 from psserver.models.calling import input_batch_size
 from psserver.models.losses import resolve_loss
+from psserver.ps.rpc.messages import ALLREDUCE_MAX_ELEMENTS as MAX_ELEMENTS
+from psserver.ps.rpc.messages import ALLREDUCE_MAX_NAME as MAX_NAME
+from psserver.ps.rpc.messages import ALLREDUCE_OPS as OPS
 from psserver.ps.rpc.messages import Report
 from psserver.trainer.counting import SampleCounter, sample_count
 from psserver.trainer.recovery import join, recover, shard_count
 from psserver.trainer.rejoin import Position, script_command_line, take_position
 from psserver.trainer.sampler import ResumableSampler
-from psserver.trainer.session import Session
+from psserver.trainer.session import Session, remote_message
 from psserver.trainer.stop_signals import StopSignals
 from psserver.utils.memory import configure_host_allocator
 from psserver.utils.metrics import check_outputs, concat_outputs, resolve_metric
@@ -448,6 +451,37 @@ class Connection:
     def update_mode(self) -> str:
         """The server's ``--update``: async, sync or ssp."""
         return str(self._joined("update_mode").info["update"])
+
+    def allreduce(self, value: float | torch.Tensor, name: str = "", op: str = "average") -> float | torch.Tensor:
+        """``value`` (a number or a small tensor) reduced over the job's live trainers through the
+        server, as Horovod's ``hvd.allreduce`` (``op``: ``average``, ``sum``, ``min``, ``max``):
+        for metrics, as Horovod's ``metric_average``, not gradients. Every trainer of the job
+        (:attr:`num_trainers`) calls it, in the same order (``name`` tells rounds apart); one
+        that left meanwhile is not waited for. The result comes back as ``value`` came (a float,
+        or a tensor of its dtype and device). A round that does not complete ends in a
+        :class:`UsageError` after half the RPC timeout, naming who is missing."""
+        session = self._joined("allreduce")
+        tensor = value if isinstance(value, torch.Tensor) else None
+        if tensor is None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise UsageError(f"ps.allreduce: a value is a number or a tensor, not {type(value).__name__}")
+        if not isinstance(name, str) or len(name) > MAX_NAME or op not in OPS:
+            raise UsageError(f"ps.allreduce: name is a str of at most {MAX_NAME} characters and op one of "
+                             f"{', '.join(OPS)}")
+        sent = torch.tensor(float(value), dtype=torch.float64) if tensor is None else tensor.detach().cpu()
+        if sent.is_complex() or sent.numel() > MAX_ELEMENTS:
+            raise UsageError(f"ps.allreduce: a value is real, of at most {MAX_ELEMENTS} elements (a metric)")
+
+        def attempt() -> torch.Tensor:
+            try:
+                return session.call("allreduce", name, sent, op, self.num_trainers)
+            except RuntimeError as e:
+                message = remote_message(e)
+                if message.startswith("allreduce "):  # the round, not the call, failed
+                    raise UsageError(f"ps.{message}") from None
+                raise
+
+        out = self._call(attempt)
+        return float(out) if tensor is None else out.to(tensor.device, tensor.dtype)
 
     def evaluate(self, data: Dataset | Iterable, *, metric: str | Callable | None = None,
                  loss_fn: Callable | None = None, batch_size: int = 1000) -> float:

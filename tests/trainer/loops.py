@@ -168,6 +168,16 @@ def shard_epochs(ps, out: str, epochs: int = 2, samples: int = 256, delay: float
     print(f"done: {ps.steps} steps, resumed {ps.resumed}", flush=True)
 
 
+def averaged(ps) -> None:
+    """Horovod's ``metric_average``: each rank's own number and a tensor of it, averaged over
+    the live trainers (printed as one JSON line)."""
+    ps.replica(tiny_net())
+    rank = ps.rank
+    mean = ps.allreduce(float(rank), name="avg_loss")
+    total = ps.allreduce(torch.full((2,), rank + 1, dtype=torch.float32), name="counts", op="sum")
+    print(json.dumps({"mean": mean, "total": total.tolist(), "dtype": str(total.dtype)}), flush=True)
+
+
 class DictNet(nn.Module):
     """A Hugging Face style model: its output is a dict (``{"logits": ...}``)."""
 

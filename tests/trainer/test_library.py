@@ -296,3 +296,15 @@ def test_a_script_stopped_and_started_again_by_hand_continues_where_its_rank_sto
     assert third.wait(120) == 0, third.tail()
     assert "continues" not in third.output() and len(seen.read_text().splitlines()) == 2 * 128 // loops.BATCH
     assert procs.stop(server) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_two_trainers_average_a_metric_through_the_server_as_horovods_allreduce(procs, port):
+    procs.server(port)
+    trainers = [procs.trainer(port, r, "--num-trainers", "2", "--entry", f"{ENTRY}:averaged") for r in (0, 1)]
+    for t in trainers:
+        assert t.wait(120) == 0, t.tail()
+        got = json.loads(t.output().strip().splitlines()[-1])
+        assert got == {"mean": 0.5, "total": [3.0, 3.0], "dtype": "torch.float32"}, t.tail()

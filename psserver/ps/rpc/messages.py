@@ -5,6 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+ALLREDUCE_OPS = ("average", "sum", "min", "max")
+"""How ``ps.allreduce`` combines the trainers' values (``psserver.ps.server.averages``)."""
+ALLREDUCE_MAX_ELEMENTS = 1 << 20
+"""What one contribution may hold: metrics and small statistics, not a model."""
+ALLREDUCE_MAX_NAME = 200
+
 
 @dataclass(frozen=True)
 class Report:

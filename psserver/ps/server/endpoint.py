@@ -30,6 +30,7 @@ from psserver.ps.engine.held_model import check_values, layout_bytes
 from psserver.ps.rpc import torch_rpc
 from psserver.ps.rpc.messages import JoinRequest, Report
 from psserver.ps.rpc.rpc_allowlist import is_optimizer_class
+from psserver.ps.server.averages import Averages
 
 if TYPE_CHECKING:
     from psserver.ps.engine.engine import StepEngine
@@ -76,7 +77,9 @@ class Endpoint:
         """Called once the server holds a model it learnt from a trainer (it publishes it)."""
         self._model_lock = threading.Lock()
         # Metric labels: only names a protocol defines, never a caller's arbitrary string.
-        self._ops = {"evaluate"} | {op for h in halves.values() for op in (*h.ops, *h.local_ops)}
+        self.averages = Averages()
+        """``ps.allreduce`` of the trainers (metrics averaged through this server)."""
+        self._ops = {"evaluate", "allreduce"} | {op for h in halves.values() for op in (*h.ops, *h.local_ops)}
         self._in_flight = 0
         self._idle = threading.Condition()
         self._stopped_at: dict[int, dict[str, int]] = {}
@@ -229,9 +232,13 @@ class Endpoint:
                                    "they are back")
             try:
                 half = self.halves[member.protocol]
-                if op != "evaluate" and op not in half.ops:
+                if op == "allreduce":
+                    result = self.averages.reduce(trainer, *args, live=self.membership.names,  # type: ignore[union-attr]
+                                                  timeout=self.config.rpc_timeout / 2)
+                elif op != "evaluate" and op not in half.ops:
                     raise ValueError(f"step protocol {member.protocol!r} has no call {op!r}")
-                result = getattr(half, op)(trainer, *args)
+                else:
+                    result = getattr(half, op)(trainer, *args)
             finally:
                 # After the call: a step the report counts may be applied by this very call
                 # (chained, pushpull), and status must not show it before it is.
@@ -332,6 +339,7 @@ class Endpoint:
     def trainer_gone(self, member: Member, state: str, evicted: bool) -> None:
         """Membership's callback: the trainer's open step and protocol state go, whole."""
         name = member.status.name
+        self.averages.trainer_gone(name)
         position = stopped_at(member.report)
         if position is None:
             self._stopped_at.pop(member.status.rank, None)
