@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import socket
+import sys
 import threading
 import time
 from dataclasses import asdict
@@ -326,11 +327,23 @@ def brought_model_refusal(reference: str | None, args: dict) -> str:
             f"code that a peer named: give this trainer the model yourself ({hint})")
 
 
+def class_reference(cls: type) -> str:
+    """``MODULE:QUALNAME`` of a model's class as a user can import it: a class of a script run
+    with ``python -m pkg.train`` is ``pkg.train:Net``, not ``__main__:Net`` (one of a script run
+    by its path stays ``__main__:...``: nothing imports it by a name)."""
+    module = cls.__module__
+    if module == "__main__":
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        if spec is not None and spec.name and spec.name != "__main__":
+            module = spec.name
+    return f"{module}:{cls.__qualname__}"
+
+
 def instance_spec(model: torch.nn.Module) -> ModelSpec:
     """The spec of a model the library was handed as an instance (``Connection.replica``): named
     by its class, its loss and metric the defaults of a user's model."""
     cls = type(model)
-    return ModelSpec(name=f"{cls.__module__}:{cls.__qualname__}", build=lambda: model, input_shape=None,
+    return ModelSpec(name=class_reference(cls), build=lambda: model, input_shape=None,
                      num_classes=None, description=f"the {cls.__qualname__} instance this trainer brought")
 
 

@@ -11,6 +11,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 from psserver.config import TrainerConfig
 from psserver.errors import UsageError
@@ -72,3 +73,18 @@ def test_a_peer_naming_os_system_runs_nothing_in_later_trainers_nor_after_resume
     assert mine.wait(120) == 0, mine.tail()
     assert procs.stop(again) == 0, again.tail()
     assert not marker.exists()
+
+
+def test_a_class_of_a_script_run_as_a_module_is_named_as_it_imports(monkeypatch):
+    import types
+
+    from psserver.trainer.session import class_reference
+
+    main = types.ModuleType("__main__")
+    main.__spec__ = types.SimpleNamespace(name="mypkg.train")
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    net = type("Net", (), {"__module__": "__main__", "__qualname__": "Net"})
+    assert class_reference(net) == "mypkg.train:Net"
+    main.__spec__ = None  # python train.py: nothing imports it by a name
+    assert class_reference(net) == "__main__:Net"
+    assert class_reference(torch.nn.Linear) == "torch.nn.modules.linear:Linear"
