@@ -11,7 +11,7 @@ import argparse
 import math
 from pathlib import Path
 
-from psserver.config.common import DataConfig, default_data_dir, parse_bytes
+from psserver.config.common import DATA_DIR_ENV, DataConfig, parse_bytes
 from psserver.config.control import ControlConfig, ObservabilityConfig
 from psserver.config.optimizer import OPTIMIZERS, OptimizerConfig
 from psserver.data import DATASETS, IMAGEFOLDER
@@ -123,7 +123,7 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
                    help='keyword arguments of a MODULE:ATTR dataset\'s class or function, a JSON object '
                         '({"root": "/data/x"})')
     g.add_argument("--data-dir", type=path_arg, default=None,
-                   help=f"directory of MNIST IDX files (default: {default_data_dir()}), or of imagefolder's "
+                   help=f"directory of MNIST IDX files (default ${DATA_DIR_ENV}, else ./data), or of imagefolder's "
                         "train/ and val/")
     g.add_argument("--data-workers", type=int, default=None, metavar="N",
                    help="DataLoader worker processes per trainer, which load the next batches while it computes "

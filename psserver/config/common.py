@@ -149,14 +149,12 @@ def check_port(port: int, what: str, allow_zero: bool = False) -> None:
         raise ValueError(f"{what} {port} is out of range {low}..65535")
 
 
+DATA_DIR_ENV = "PSSERVER_DATA_DIR"
+
+
 def default_data_dir() -> Path:
-    """``../shared/data/mnist`` beside the checkout when present, else ``./data``."""
-    env = os.environ.get("PSSERVER_DATA_DIR")
-    if env:
-        return Path(env)
-    here = Path(__file__).resolve().parents[2]
-    shared = here.parent / "shared" / "data" / "mnist"
-    return shared if shared.is_dir() else Path("data")
+    """``$PSSERVER_DATA_DIR``, else ``./data``: never a path of the machine psserver was installed on."""
+    return Path(os.environ.get(DATA_DIR_ENV, "").strip() or "data")
 
 
 @dataclass

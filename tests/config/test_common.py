@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
 from psserver.config import ServerConfig, TrainerConfig
 from psserver.config.common import (
+    DataConfig,
     check_device,
     check_output_file,
     check_seed,
@@ -151,3 +153,11 @@ def test_serve_beyond_loopback_without_a_token_is_one_line_before_anything_start
     assert r.stderr.count("\n") == 1 and "--host 10.1.2.3 is reachable beyond this machine" in r.stderr, r.stderr
     r = cli(["serve", "--max-model-bytes", "lots"])
     assert r.returncode == 2 and "'lots' is not a size in bytes" in r.stderr, r.stderr
+
+
+def test_the_data_directory_never_defaults_to_a_path_of_the_install(monkeypatch):
+    monkeypatch.delenv("PSSERVER_DATA_DIR", raising=False)
+    assert DataConfig().data_dir == Path("data")
+    monkeypatch.setenv("PSSERVER_DATA_DIR", "/srv/mnist")
+    assert DataConfig().data_dir == Path("/srv/mnist")
+    assert "default $PSSERVER_DATA_DIR, else ./data" in " ".join(cli(["train", "--help"]).stdout.split())
