@@ -23,8 +23,10 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import nn
 
+from psserver.config import OptimizerConfig
 from psserver.ps.protocols.base import ServerHalf, StepProtocol, TrainerHalf, register
 from psserver.ps.rpc import torch_rpc
+from psserver.ps.rpc.rpc_allowlist import is_optimizer_class
 from psserver.ps.server.endpoint import SharedOptimizer
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,27 @@ class PlainServer(ServerHalf):
         """The trainer's whole gradient, from :meth:`SharedOptimizer.step` on an RPC thread."""
         self.engine.submit(trainer, grads)
 
+    def agree_named_optimizer(self, optim_cls: type, args: tuple, kwargs: dict) -> str:
+        """The optimizer a user's own ``DistributedOptimizer`` names (the RPC tutorial's loop), as
+        ``ps.replica(model, optimizer=...)`` names one: it sets a server that has none set (no
+        ``--optimizer``, no trainer's choice, no update yet); it is the server's, or it is
+        refused (``ValueError``): its steps would otherwise run an optimizer it never named."""
+        engine = self.engine
+        requested = named_optimizer(optim_cls, args, kwargs)
+        current = engine.optimizer_config
+        try:
+            chosen = engine.agree_optimizer(requested, "a trainer's DistributedOptimizer", replaces_default=True)
+        except ValueError:
+            assert current is not None
+            why = (f" (its default, since {engine.global_step} updates)" if engine.optimizer_defaulted
+                   else " (psserver serve --optimizer/--lr, or the first trainer's choice)")
+            msg = (f"DistributedOptimizer names {requested.describe()}, but this server trains with "
+                   f"{current.describe()}{why}: name that one, or start psserver serve without --optimizer "
+                   "for the first trainer's to apply")
+            log.warning("refused a trainer's %s", msg)
+            raise ValueError(msg) from None
+        return chosen.describe()
+
     def trainer_gone(self, trainer: str, evicted: bool) -> None:
         with self._lock:
             contexts = self._contexts.pop(trainer, [])
@@ -79,6 +102,24 @@ class PlainServer(ServerHalf):
     def close(self) -> None:
         with self._lock:
             self._rrefs = None
+
+
+def named_optimizer(optim_cls: type, args: tuple, kwargs: dict) -> OptimizerConfig:
+    """The configuration of ``optim_cls(params, *args, **kwargs)`` (a ``torch.optim`` class or
+    the functional twin ``DistributedOptimizer`` sends for it): built once over a stand-in
+    parameter and read back as ``ps.replica``'s optimizer is (``OptimizerConfig.from_optimizer``),
+    so that defaults and implementation flags (``foreach``, ``fused``) compare as there.
+    ``ValueError`` for arguments the class refuses."""
+    from torch.distributed.optim.utils import functional_optim_map
+
+    cls = {f: c for c, f in functional_optim_map.items()}.get(optim_cls, optim_cls)
+    name = getattr(cls, "__name__", repr(cls))
+    if not is_optimizer_class(cls) or getattr(torch.optim, name, None) is not cls:
+        raise ValueError(f"DistributedOptimizer names {name}: psserver's server runs torch.optim optimizers only")
+    try:
+        return OptimizerConfig.from_optimizer(cls([torch.zeros(1, requires_grad=True)], *args, **kwargs))
+    except Exception as e:  # noqa: BLE001 - whatever the class raises refuses its arguments
+        raise ValueError(f"DistributedOptimizer names {name} with arguments it refuses: {e}") from None
 
 
 class _NoFunctionalOptimizerWarning(logging.Filter):
