@@ -49,8 +49,9 @@ from psserver.trainer.counting import SampleCounter, sample_count
 from psserver.trainer.recovery import join, recover, shard_count
 from psserver.trainer.rejoin import Position, script_command_line, take_position
 from psserver.trainer.sampler import ResumableSampler
-from psserver.trainer.session import Session
+from psserver.trainer.session import Session, remote_message
 from psserver.trainer.stop_signals import StopSignals
+from psserver.utils.divergence import GrowthWatch
 from psserver.utils.memory import configure_host_allocator
 from psserver.utils.metrics import check_outputs, concat_outputs, resolve_metric
 
@@ -91,6 +92,7 @@ class Connection:
         self._samplers: list[ResumableSampler] = []
         self._wrapper: Any = None  # the last DistributedOptimizer made over this connection (its hooks count passes)
         self._warned_count = False
+        self._losses = GrowthWatch()  # a loss gone far off while finite is told once
         self._rejoin_hooks: list[Callable[[], None]] = []
         self.steps_per_epoch: int | None = None
         """Set by a loop that knows it (``psserver train``'s): a step made again after a lost server
@@ -295,6 +297,9 @@ class Connection:
         pos.epoch_samples += samples
         if loss is not None:
             pos.loss = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+            diverging = self._losses.observe(pos.loss)
+            if diverging:
+                log.warning("loss %s", diverging)
         rate = pos.samples / max(1e-6, time.monotonic() - pos.t_start)
         assert self.session is not None
         self.session.report = Report(pos.steps, pos.samples, pos.loss, rate)
@@ -482,7 +487,8 @@ class Connection:
         self._unhook()
         if self.session is not None:
             if error is not None and self._announce:
-                log.warning("leaving psserver: the training loop raised %s: %s", type(error).__name__, error)
+                log.warning("leaving psserver: the training loop raised %s: %s", type(error).__name__,
+                            remote_message(error))
             self.session.leave()
         self._stop.__exit__(None, None, None)
         atexit.unregister(self._at_exit)

@@ -211,3 +211,28 @@ def test_an_optimizer_the_server_cannot_build_is_refused(engine_of):
     with pytest.raises(ValueError, match=r"torch\.optim optimizers only"):
         plain.agree_named_optimizer(Recorder, (), {})
     assert engine.optimizer_config == OptimizerConfig()
+
+
+def test_outputs_that_grow_by_orders_of_magnitude_are_told_once_in_the_servers_log(engine_of, caplog):
+    """The RPC path's loss stays on the trainer: the server watches the outputs it returns."""
+    engine, plain = engine_of()
+    engine.trainer_joined("t")
+    x = torch.randn(4, 1, 28, 28)
+
+    def forward() -> None:
+        plain.forward("t", x)
+        engine.drop_step("t")
+
+    with caplog.at_level(logging.WARNING, logger="psserver.ps.protocols.plain"):
+        forward()
+        with torch.no_grad():
+            engine.shards[0].module[-1].weight.mul_(10.0)  # tenfold: training's own range
+        forward()
+        assert caplog.records == []
+        with torch.no_grad():
+            engine.shards[0].module[-1].weight.mul_(1e5)
+        forward()
+        forward()
+    told = [r.getMessage() for r in caplog.records]
+    assert len(told) == 1 and "the largest of the model's outputs is" in told[0], told
+    assert "training is diverging" in told[0] and "(global step 0)" in told[0]

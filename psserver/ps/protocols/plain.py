@@ -28,6 +28,7 @@ from psserver.ps.protocols.base import ServerHalf, StepProtocol, TrainerHalf, re
 from psserver.ps.rpc import torch_rpc
 from psserver.ps.rpc.rpc_allowlist import is_optimizer_class
 from psserver.ps.server.endpoint import SharedOptimizer
+from psserver.utils.divergence import GrowthWatch
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class PlainServer(ServerHalf):
         self._lock = threading.Lock()
         self._rrefs: list[rpc.RRef] | None = None
         self._contexts: dict[str, list[int]] = {}  # trainer -> autograd contexts it opened here
+        self._outputs = GrowthWatch()
 
     def join_info(self, trainer: str, request) -> dict:
         with self._lock:
@@ -62,10 +64,24 @@ class PlainServer(ServerHalf):
         try:
             # On this RPC thread, not the compute thread: dist_autograd runs the backward on
             # threads of its own anyway (psserver.ps.engine.compute); a hand-off only adds latency.
-            return self.engine.forward(x, clone=self.engine.needs_clone()).to("cpu")
+            out = self.engine.forward(x, clone=self.engine.needs_clone()).to("cpu")
         except BaseException:
             self.engine.drop_step(trainer)
             raise
+        self._watch(out)
+        return out
+
+    def _watch(self, out: torch.Tensor) -> None:
+        """Tell once when the model's outputs grow by orders of magnitude: the trainer's loss,
+        which would show it, never reaches this server."""
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point() or not out.numel():
+            return
+        largest = float(out.detach().abs().amax())
+        with self._lock:
+            diverging = self._outputs.observe(largest)
+        if diverging:
+            log.warning("the largest of the model's outputs is %s (global step %d)", diverging,
+                        self.engine.global_step)
 
     def submit(self, trainer: str, grads: dict[nn.Parameter, torch.Tensor]) -> None:
         """The trainer's whole gradient, from :meth:`SharedOptimizer.step` on an RPC thread."""
