@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.optim.functional_sgd import _FunctionalSGD
 
 import psserver
-from psserver.config import OptimizerConfig, ServerConfig
+from psserver.config import LRScheduleConfig, OptimizerConfig, ServerConfig
 from psserver.ps.engine.engine import StepEngine
 from psserver.ps.protocols.plain import PlainServer
 
@@ -144,12 +144,13 @@ def test_a_subset_of_the_parameters_is_refused():
 @pytest.fixture
 def engine_of():
     """A server's engine (model mlp, on the CPU) and its RRef path's half, as ``psserver serve``
-    with ``optimizer`` (None: no ``--optimizer``) holds them."""
+    with ``optimizer`` (None: no ``--optimizer``) and the other ``config`` holds them."""
 
     engines = []
 
-    def make(optimizer: OptimizerConfig | None = None):
-        engine = StepEngine(ServerConfig(model="mlp", devices=["cpu"], optimizer=optimizer), [torch.device("cpu")])
+    def make(optimizer: OptimizerConfig | None = None, **config):
+        engine = StepEngine(ServerConfig(model="mlp", devices=["cpu"], optimizer=optimizer, **config),
+                            [torch.device("cpu")])
         engines.append(engine)
         engine.agree_optimizer(None, "trainer_0_0")  # the tutorial's trainer joins naming none
         return engine, PlainServer(engine)
@@ -197,9 +198,20 @@ def test_another_optimizer_than_the_servers_is_refused_in_one_line(engine_of, ca
 def test_a_default_that_has_trained_already_is_kept_and_the_other_optimizer_refused(engine_of):
     engine, plain = engine_of()
     one_update(engine)  # a trainer of ps.replica stepped with the default
-    with pytest.raises(ValueError, match=r"adam\(lr=0\.001.*\(its default, since 1 updates\)"):
+    with pytest.raises(ValueError, match=r"adam\(lr=0\.001.*\(its default, which 1 updates have used: name it, or "
+                                         r"name yours before any step\)"):
         plain.agree_named_optimizer(torch.optim.SGD, (), {"lr": 0.03})
     assert engine.optimizer_config == OptimizerConfig()
+
+
+def test_an_optimizer_the_servers_lr_schedule_cannot_take_is_refused_and_nothing_changes(engine_of):
+    schedule = LRScheduleConfig("OneCycleLR", {"max_lr": 0.1, "total_steps": 100})
+    engine, plain = engine_of(lr_schedule=schedule)
+    with pytest.raises(ValueError, match=r"names adagrad\(lr=0\.01.*: .*optimizer must support momentum"):
+        plain.agree_named_optimizer(torch.optim.Adagrad, (), {})
+    assert engine.optimizer_config == OptimizerConfig() and isinstance(engine.shards[0].optimizer, torch.optim.Adam)
+    plain.agree_named_optimizer(torch.optim.SGD, (), {"lr": 0.03, "momentum": 0.9})
+    assert engine.optimizer_config == OptimizerConfig("sgd", 0.03, momentum=0.9)
 
 
 def test_an_optimizer_the_server_cannot_build_is_refused(engine_of):

@@ -24,6 +24,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 from psserver.config import OptimizerConfig
+from psserver.errors import UserCodeError
 from psserver.ps.protocols.base import ServerHalf, StepProtocol, TrainerHalf, register
 from psserver.ps.rpc import torch_rpc
 from psserver.ps.rpc.rpc_allowlist import is_optimizer_class
@@ -94,16 +95,21 @@ class PlainServer(ServerHalf):
         refused (``ValueError``): its steps would otherwise run an optimizer it never named."""
         engine = self.engine
         requested = named_optimizer(optim_cls, args, kwargs)
-        current = engine.optimizer_config
         try:
             chosen = engine.agree_optimizer(requested, "a trainer's DistributedOptimizer", replaces_default=True)
+        except UserCodeError as e:  # --lr-schedule cannot take it
+            raise ValueError(f"DistributedOptimizer names {requested.describe()}: {e}") from None
         except ValueError:
+            current = engine.optimizer_config
             assert current is not None
-            why = (f" (its default, since {engine.global_step} updates)" if engine.optimizer_defaulted
-                   else " (psserver serve --optimizer/--lr, or the first trainer's choice)")
+            if engine.optimizer_defaulted:
+                why = (f"its default, which {engine.global_step} updates have used: name it, or name yours before "
+                       "any step")
+            else:
+                why = ("psserver serve --optimizer/--lr, or the first trainer's choice: name it, or start psserver "
+                       "serve without --optimizer for the first trainer's to apply")
             msg = (f"DistributedOptimizer names {requested.describe()}, but this server trains with "
-                   f"{current.describe()}{why}: name that one, or start psserver serve without --optimizer "
-                   "for the first trainer's to apply")
+                   f"{current.describe()} ({why})")
             log.warning("refused a trainer's %s", msg)
             raise ValueError(msg) from None
         return chosen.describe()
