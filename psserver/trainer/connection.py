@@ -170,8 +170,9 @@ class Connection:
         """RRefs to the server's parameters, for PyTorch's RPC tutorial loop: ``with
         dist_autograd.context() as ctx``, ``out = ps.forward(x)``, ``dist_autograd.backward(ctx,
         [loss])``, and a ``torch.distributed.optim.DistributedOptimizer`` over these RRefs whose
-        ``step(ctx)`` goes through the server's one shared optimizer (any optimizer class it
-        names: the server's ``--optimizer`` applies). The server must hold the model's code
+        ``step(ctx)`` goes through the server's one shared optimizer: the one it names sets a
+        server started without ``--optimizer``, another than the server's is refused (a
+        ``ValueError`` from its constructor). The server must hold the model's code
         (``psserver serve --model``), since it runs the forward."""
         if self.session is None:
             if self.config.step not in (None, "plain"):
