@@ -334,7 +334,7 @@ class StepEngine:
         while no update has been applied."""
         with self.updater.lock:
             replace = replaces_default and requested is not None and self.optimizer_defaulted \
-                and self.updater.global_step == 0 and self.config.num_servers == 1
+                and self.updater.global_step == 0
             if self.optimizer_config is None or replace:
                 chosen = requested or OptimizerConfig()
                 schedule = self._make_schedule(chosen)  # UserCodeError: the join is refused, nothing is set
