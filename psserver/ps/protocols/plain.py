@@ -10,7 +10,8 @@ gradient it holds).
 with N trainers Adam would keep N sets of moments. Its local optimizer here is the
 endpoint's :class:`~psserver.ps.server.endpoint.SharedOptimizer`: a handle that passes the trainer's
 complete gradient to ``submit`` below, and so to the engine, whose one optimizer per shard
-every trainer shares.
+every trainer shares. The optimizer a user's ``DistributedOptimizer`` names must be that one:
+it sets a server that has none set, another is refused (:meth:`PlainServer.agree_named_optimizer`).
 """
 
 from __future__ import annotations
