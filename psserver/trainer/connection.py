@@ -54,6 +54,7 @@ from psserver.trainer.rejoin import Position, script_command_line, take_position
 from psserver.trainer.sampler import ResumableSampler
 from psserver.trainer.session import Session, remote_message
 from psserver.trainer.stop_signals import StopSignals
+from psserver.utils.divergence import GrowthWatch
 from psserver.utils.memory import configure_host_allocator
 from psserver.utils.metrics import check_outputs, concat_outputs, resolve_metric
 
@@ -94,6 +95,7 @@ class Connection:
         self._samplers: list[ResumableSampler] = []
         self._wrapper: Any = None  # the last DistributedOptimizer made over this connection (its hooks count passes)
         self._warned_count = False
+        self._losses = GrowthWatch()  # a loss gone far off while finite is told once
         self._rejoin_hooks: list[Callable[[], None]] = []
         self.steps_per_epoch: int | None = None
         """Set by a loop that knows it (``psserver train``'s): a step made again after a lost server
@@ -171,8 +173,9 @@ class Connection:
         """RRefs to the server's parameters, for PyTorch's RPC tutorial loop: ``with
         dist_autograd.context() as ctx``, ``out = ps.forward(x)``, ``dist_autograd.backward(ctx,
         [loss])``, and a ``torch.distributed.optim.DistributedOptimizer`` over these RRefs whose
-        ``step(ctx)`` goes through the server's one shared optimizer (any optimizer class it
-        names: the server's ``--optimizer`` applies). The server must hold the model's code
+        ``step(ctx)`` goes through the server's one shared optimizer: the one it names sets a
+        server started without ``--optimizer``, another than the server's is refused (a
+        ``ValueError`` from its constructor). The server must hold the model's code
         (``psserver serve --model``), since it runs the forward."""
         if self.session is None:
             if self.config.step not in (None, "plain"):
@@ -312,6 +315,9 @@ class Connection:
         pos.epoch_samples += samples
         if loss is not None:
             pos.loss = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+            diverging = self._losses.observe(pos.loss)
+            if diverging:
+                log.warning("loss %s", diverging)
         rate = pos.samples / max(1e-6, time.monotonic() - pos.t_start)
         assert self.session is not None
         # psserver train's loop counts the batch after the step: the report says where the next starts.
@@ -533,7 +539,8 @@ class Connection:
         self._unhook()
         if self.session is not None:
             if error is not None and self._announce:
-                log.warning("leaving psserver: the training loop raised %s: %s", type(error).__name__, error)
+                log.warning("leaving psserver: the training loop raised %s: %s", type(error).__name__,
+                            remote_message(error))
             report = self.session.report
             if error is None and self._stop.signum is None and report is not None:
                 # The loop ran to its end: a trainer of this rank started later starts over.

@@ -323,3 +323,13 @@ def test_with_the_wrapper_each_backward_pass_counts_its_micro_batch(connection):
     (model(a) - model(b)).pow(2).sum().backward()  # siamese: one pass of one batch
     opt.step()
     assert connection.session.protocol.pushed == [16, 4]
+
+
+def test_a_reported_loss_that_diverges_while_finite_is_told_once(connection, caplog):
+    model = connection.replica(loops.tiny_net())
+    with caplog.at_level(logging.WARNING, logger="psserver.trainer.connection"):
+        for loss in (2.3, 0.4, -30.0, -3e4, -8.07e8):
+            model(torch.randn(4, 8)).sum().backward()
+            connection.step(loss=torch.tensor(loss))
+    told = [r.getMessage() for r in caplog.records]
+    assert told == [told[0]] and told[0].startswith("loss -3e+04, from 2.3 at first: training is diverging"), told

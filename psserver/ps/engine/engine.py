@@ -77,6 +77,8 @@ class StepEngine:
         self.model_args: dict = dict(config.model_args)
         self.devices = devices
         self.optimizer_config: OptimizerConfig | None = config.optimizer
+        self.optimizer_defaulted = False
+        """Whether the optimizer is the default, no flag or trainer having named one."""
         self.samples_seen = 0
         self.listeners: list[StepListener] = []
         """Called after every optimizer step with (global step, samples), no lock held."""
@@ -325,14 +327,24 @@ class StepEngine:
         """Eval-mode outputs on the CPU (on the compute thread)."""
         return self.compute.run(lambda: self.forward(x, clone=False, train=False).to("cpu"))
 
-    def agree_optimizer(self, requested: OptimizerConfig | None, who: str) -> OptimizerConfig:
-        """The shared optimizer: the first trainer's choice fixes it; another is refused."""
+    def agree_optimizer(self, requested: OptimizerConfig | None, who: str, *,
+                        replaces_default: bool = False) -> OptimizerConfig:
+        """The shared optimizer: the first trainer's choice fixes it; another is refused.
+        ``replaces_default``: ``requested``, named after its trainer joined (a user's own
+        ``DistributedOptimizer``), replaces the default that trainers which named none left,
+        while no update has been applied."""
         with self.updater.lock:
-            if self.optimizer_config is None:
+            replace = replaces_default and requested is not None and self.optimizer_defaulted \
+                and self.updater.global_step == 0
+            if self.optimizer_config is None or replace:
                 chosen = requested or OptimizerConfig()
                 schedule = self._make_schedule(chosen)  # UserCodeError: the join is refused, nothing is set
+                self.optimizer_defaulted = requested is None
                 self.optimizer_config = chosen
                 for s in self.shards:
+                    if replace:  # made anew: no update has used it
+                        with s.lock:
+                            s.optimizer = None
                     s.init_optimizer(self.optimizer_config)
                 self._attach_schedule(schedule)
                 log.info("optimizer %s (set by %s)", self.optimizer_config.describe(), who)
@@ -563,6 +575,7 @@ class StepEngine:
 
         schedule = self._make_schedule(optimizer) if optimizer is not None else None
         self.optimizer_config = optimizer
+        self.optimizer_defaulted = False
         self.compute.run(load)
         self.updater.global_step = global_step
         self.samples_seen = samples_seen

@@ -416,8 +416,9 @@ class SharedOptimizer:
     a handle, no state. torch's RPC calls it, so it belongs to the RPC surface.
 
     ``--step plain`` builds it for its trainer by name. A user's own ``DistributedOptimizer``
-    (the RPC tutorial's loop, ``Connection.parameter_rrefs``) names a ``torch.optim`` class:
-    :func:`new_local_optimizer` builds this handle instead, for no trainer in particular, so
+    (the RPC tutorial's loop, ``Connection.parameter_rrefs``) names a ``torch.optim`` class,
+    which must be the server's (:func:`new_local_optimizer`); it builds this handle instead,
+    for no trainer in particular, so
     that every trainer's step goes through the server's one shared optimizer. Its steps arrive
     through :func:`local_optimizer_step`, which finds the trainer from the step's autograd
     context (torch numbers contexts by the worker that created them) and hands the gradient
@@ -428,7 +429,7 @@ class SharedOptimizer:
         self.params = params
         self.trainer = trainer
         self.requested = requested
-        """The optimizer the user's ``DistributedOptimizer`` named (the server's applies)."""
+        """The optimizer the user's ``DistributedOptimizer`` named (the server's)."""
         self.param_groups = [{"params": params}]
         self.state: dict = {}
         self._mine = {id(p) for p in params}
@@ -450,17 +451,14 @@ class SharedOptimizer:
 
 def new_local_optimizer(optim_cls: type, local_params_rref: list, *args: Any, **kwargs: Any) -> Any:
     """``torch.distributed.optim``'s ``_new_local_optimizer`` as the server runs it: the
-    :class:`SharedOptimizer` handle, whatever ``torch.optim`` class the caller named."""
+    :class:`SharedOptimizer` handle, once the ``torch.optim`` optimizer the caller named is the
+    server's (it sets a server that has none set; another is refused)."""
     if optim_cls is SharedOptimizer:
         return torch_rpc.new_local_optimizer(SharedOptimizer, local_params_rref, *args, **kwargs)
     if not is_optimizer_class(optim_cls):
         raise ValueError(f"DistributedOptimizer names {optim_cls!r}, not a torch.optim optimizer")
-    arguments = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-    requested = f"{optim_cls.__name__.removeprefix('_Functional')}({arguments})"
-    engine = current().engine
-    log.info("a trainer's DistributedOptimizer names %s: its steps go through the server's shared optimizer "
-             "(%s, lr %s)", requested, engine.optimizer_config.name if engine.optimizer_config else "?",
-             engine.learning_rate)
+    # The server's optimizer, as the trainer named it (else ValueError: the step half decides).
+    requested = current().halves["plain"].agree_named_optimizer(optim_cls, args, kwargs)  # type: ignore[attr-defined]
     return torch_rpc.new_local_optimizer(SharedOptimizer, local_params_rref, requested=requested)
 
 
