@@ -71,7 +71,7 @@ def test_status_during_training_then_stop_drains_and_checkpoints(procs, port, tm
         assert st.state == pb.SERVER_STATE_SERVING and st.mode == pb.MODE_PS and st.update_mode == pb.UPDATE_MODE_ASYNC
         assert st.model == "mlp" and st.num_params > 0 and st.global_step > 0 and st.samples_seen > 0
         assert [s.device for s in st.shards] == ["cpu"] and st.shards[0].num_params == st.num_params
-        assert st.shards[0].device_memory_bytes > 0
+        assert st.shards[0].bytes < st.shards[0].state_bytes < 1 << 26  # with its optimizer state, not the RSS
         _wait_for(lambda: client.get_status().samples_per_second > 0, 30, "a throughput", server)
 
         # The CLI, as an operator would run it.
