@@ -120,6 +120,11 @@ class AuthInterceptor(grpc.ServerInterceptor):
         self._allow_admin = allow_unauthenticated_admin
         self._admin_digest = _digest(admin_token) if admin_token and not token else None
 
+    def forget_admin_token(self) -> None:
+        """No local admin token after all (its file could not be written): admin calls are
+        refused, saying how to configure a token."""
+        self._admin_digest = None
+
     def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
         method = handler_call_details.method
         handler = continuation(handler_call_details)

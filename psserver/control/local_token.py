@@ -11,8 +11,9 @@ Where: ``$XDG_RUNTIME_DIR/psserver``, else ``~/.local/state/psserver``; one file
 plane, ``control-<hostname>-<port>.json``, holding the address the server bound, its pid and
 the token. The directory is made 0700 and the file 0600, both opened without following a
 symbolic link; a directory or file that is not this user's own, or that others may write, is
-refused in one line: nothing another local user can write is trusted. The server removes the
-file when it stops; a file left by a server that was killed is skipped (its pid is gone).
+refused in one line (the server logs it and serves without a local token, the CLI stops):
+nothing another local user can write is trusted. The server removes the file when it stops; a
+file left by a server that was killed is skipped (its pid is gone).
 """
 
 from __future__ import annotations

@@ -105,13 +105,11 @@ class ControlServer:
         # Without a configured token, Checkpoint and Shutdown take a random one that only this
         # user can read on this host (psserver.control.local_token), else nobody could use them.
         admin_token = secrets.token_urlsafe(32) if not token and not cfg.allow_unauthenticated_admin else None
+        auth = AuthInterceptor(token, allow_unauthenticated_admin=cfg.allow_unauthenticated_admin,
+                               admin_token=admin_token)
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="psserver-control"),
-            interceptors=[
-                CallLogInterceptor(),
-                AuthInterceptor(token, allow_unauthenticated_admin=cfg.allow_unauthenticated_admin,
-                                admin_token=admin_token),
-            ],
+            interceptors=[CallLogInterceptor(), auth],
             # Without this gRPC sets SO_REUSEPORT and a second server would silently share the
             # port (and half the calls) instead of failing to bind.
             options=[("grpc.so_reuseport", 0)],
@@ -140,9 +138,9 @@ class ControlServer:
         if admin_token is not None:
             try:
                 self.local_token = LocalToken.write(cfg.host, port, admin_token)
-            except UsageError:
-                server.stop(None)
-                raise
+            except UsageError as e:  # serve all the same: training does not stop for its admin commands
+                auth.forget_admin_token()
+                log.warning("no local admin token, so checkpoint and stop over the control plane are refused: %s", e)
         server.start()
         self._server = server
         self._stop.clear()
@@ -188,7 +186,9 @@ class ControlServer:
             log.info("control plane on %s stopped", self.address)
 
     def __enter__(self) -> ControlServer:
-        return self.start()
+        # A server started already (``with ControlServer(...).start()``) is not started twice:
+        # the first gRPC server, and its token file, would be left behind.
+        return self if self._server is not None else self.start()
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

@@ -81,29 +81,36 @@ def test_only_its_owner_can_read_the_file(tmp_path):
     assert not local.path.exists()
 
 
+def _refused_by_server_and_client(target, caplog, why: str) -> None:
+    """The server writes nothing there and says why in one line (it serves all the same, admin
+    calls refused as without the token); the CLI's lookup is the same line, as an error."""
+    with caplog.at_level("WARNING", logger="psserver.control.server"), serve(target) as control:
+        assert control.local_token is None and list(runtime_dir().iterdir()) == []
+        with ControlClient(control.address) as client, pytest.raises(ControlError) as e:
+            client.shutdown()
+        assert e.value.code == grpc.StatusCode.PERMISSION_DENIED and "--auth-token-file" in str(e.value)
+        with pytest.raises(UsageError) as refused:
+            find_local_token(control.address)
+    assert str(refused.value) == (f"control token directory {runtime_dir()} {why}: psserver trusts only a private "
+                                  "one of your own (chmod 700 it, or remove it)")
+    warnings = [r.getMessage() for r in caplog.records if r.name == "psserver.control.server"]
+    assert warnings == ["no local admin token, so checkpoint and stop over the control plane are refused: "
+                        f"{refused.value}"]
+    assert not target.shutdown_requested.is_set()
+
+
 @pytest.mark.parametrize("mode", [0o777, 0o770, 0o702])
-def test_a_directory_others_can_write_is_refused(target, mode):
-    directory = runtime_dir()
-    directory.mkdir(parents=True)
-    directory.chmod(mode)
-    with pytest.raises(UsageError) as e:
-        serve(target)
-    assert str(e.value) == (f"control token directory {directory} is writable by others (mode {mode:03o}): psserver "
-                            "trusts only a private one of your own (chmod 700 it, or remove it)")
-    with pytest.raises(UsageError, match="is writable by others"):
-        find_local_token("127.0.0.1:50051")
-    assert list(directory.iterdir()) == []
+def test_a_directory_others_can_write_is_refused(target, caplog, mode):
+    runtime_dir().mkdir(parents=True)
+    runtime_dir().chmod(mode)
+    _refused_by_server_and_client(target, caplog, f"is writable by others (mode {mode:03o})")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
-def test_a_directory_of_another_user_is_refused(target):
-    directory = runtime_dir()
-    directory.mkdir(parents=True, mode=0o700)
-    os.chown(directory, NOBODY, NOBODY)
-    with pytest.raises(UsageError, match=f"is owned by uid {NOBODY}, not by you"):
-        serve(target)
-    with pytest.raises(UsageError, match=f"is owned by uid {NOBODY}, not by you"):
-        find_local_token("127.0.0.1:50051")
+def test_a_directory_of_another_user_is_refused(target, caplog):
+    runtime_dir().mkdir(parents=True, mode=0o700)
+    os.chown(runtime_dir(), NOBODY, NOBODY)
+    _refused_by_server_and_client(target, caplog, f"is owned by uid {NOBODY}, not by you (uid {os.geteuid()})")
 
 
 def test_symbolic_links_are_not_followed(tmp_path):
@@ -165,3 +172,5 @@ def test_a_configured_token_wins(target, token_file, monkeypatch):
         assert read_token(None) == "env-token"
     with serve(target, allow_unauthenticated_admin=True) as control:
         assert control.local_token is None
+    # ``with`` on a started server does not start a second one, whose file would stay behind.
+    assert not any(runtime_dir().glob("control-*"))
