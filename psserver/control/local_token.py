@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 MAX_FILE_BYTES = 64 * 1024
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_WILDCARD = {"0.0.0.0", "::", "[::]"}
+_WILDCARD = {"0.0.0.0", "::"}  # unbracketed
 
 
 def runtime_dir() -> Path:
@@ -211,7 +211,7 @@ def reaches_bound(address_host: str, bound_host: str) -> bool:
     a, b = address_host.strip("[]").lower(), bound_host.strip("[]").lower()
     if a == b:
         return True
-    wildcard = b in {w.strip("[]") for w in _WILDCARD}
+    wildcard = b in _WILDCARD
     if is_loopback_host(a):
         return wildcard or is_loopback_host(b)
     return wildcard and _is_local_ip(a)
