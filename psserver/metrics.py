@@ -169,12 +169,12 @@ class StatusCollector(Collector):
             yield _gauge("learning_rate", "Learning rate of the server's next optimizer update (--lr-schedule)", lr)
         shard_bytes = GaugeMetricFamily(f"{PREFIX}_shard_bytes", "Bytes of parameters per model shard",
                                         labels=["shard", "device"])
-        shard_mem = GaugeMetricFamily(f"{PREFIX}_shard_device_memory_bytes",
-                                      "Device memory allocated per shard (process RSS on CPU)",
+        shard_mem = GaugeMetricFamily(f"{PREFIX}_shard_state_bytes",
+                                      "Bytes of parameters and optimizer state per model shard (0: not known)",
                                       labels=["shard", "device"])
         for sh in s.shards:
             shard_bytes.add_metric([str(sh.index), sh.device], sh.bytes)
-            shard_mem.add_metric([str(sh.index), sh.device], sh.device_memory_bytes)
+            shard_mem.add_metric([str(sh.index), sh.device], sh.state_bytes)
         yield shard_bytes
         yield shard_mem
 

@@ -23,8 +23,10 @@ class ShardStatus:
     device: str
     num_params: int
     bytes: int
-    device_memory_bytes: int
-    """Memory allocated on the shard's device (CUDA allocator), or the process RSS on CPU."""
+    state_bytes: int
+    """Bytes of the shard's parameters and its optimizer's state (moments, step counts), on
+    its device; 0 where not known (collective mode). Not the process's memory: a CPU shard of
+    85 KB lives in a process of hundreds of MB (torch itself)."""
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """``psserver status``, ``psserver checkpoint``, ``psserver stop``: thin control-plane clients.
 
 All three take ``--address`` (default ``$PSSERVER_CONTROL_ADDRESS`` or 127.0.0.1:50051),
-``--auth-token-file`` (else ``$PSSERVER_AUTH_TOKEN``), ``--tls-ca`` and ``--timeout``. An
+``--auth-token-file`` (else ``$PSSERVER_AUTH_TOKEN``; else, for ``checkpoint`` and ``stop``, the
+admin token a server of this user on this host left in its private file), ``--tls-ca`` and ``--timeout``. An
 unreachable server or a refused token is one line on stderr and exit code 2 (the errors are
 :class:`~psserver.errors.UsageError`; :func:`psserver.cli.main` prints them).
 """
@@ -31,7 +32,8 @@ def add_client_arguments(parser: argparse.ArgumentParser, default_timeout: float
     g.add_argument("--address", default=default_address(),
                    help="control plane HOST:PORT (default $PSSERVER_CONTROL_ADDRESS or 127.0.0.1:50051)")
     g.add_argument("--auth-token-file", type=path_arg, default=None,
-                   help="file holding the bearer token (else $PSSERVER_AUTH_TOKEN)")
+                   help="file holding the bearer token (else $PSSERVER_AUTH_TOKEN; else, for checkpoint and "
+                        "stop, the one a server of yours on this host wrote for this address)")
     g.add_argument("--tls-ca", type=path_arg, default=None,
                    help="PEM CA certificate that signed the server's: connect with TLS")
     g.add_argument("--timeout", type=finite_float, default=default_timeout,
@@ -39,7 +41,9 @@ def add_client_arguments(parser: argparse.ArgumentParser, default_timeout: float
                         f"(default {default_timeout:g})")
 
 
-def client_from_args(args: argparse.Namespace):
+def client_from_args(args: argparse.Namespace, *, admin: bool = False):
+    """The client of ``args``; for an ``admin`` verb (checkpoint, stop) without a token given,
+    with the local admin token a server of this user on this host wrote for the address."""
     from psserver.control.client import ControlClient, read_token
 
     try:
@@ -49,7 +53,8 @@ def client_from_args(args: argparse.Namespace):
     if not MIN_TIMEOUT <= args.timeout <= MAX_TIMEOUT:  # gRPC's deadline overflows past that: 'unreachable'
         raise UsageError(f"--timeout must be between {MIN_TIMEOUT:g} and {MAX_TIMEOUT:g} seconds (one day), "
                          f"got {args.timeout:g}")
-    return ControlClient(args.address, token=read_token(args.auth_token_file), tls_ca=args.tls_ca, timeout=args.timeout)
+    token = read_token(args.auth_token_file, args.address if admin else None)
+    return ControlClient(args.address, token=token, tls_ca=args.tls_ca, timeout=args.timeout)
 
 
 def _emit(text: str) -> None:
@@ -130,7 +135,7 @@ class CheckpointCommand(SubCommand):
     def run(self, args: argparse.Namespace) -> int:
         from psserver.control import convert
 
-        with client_from_args(args) as client:
+        with client_from_args(args, admin=True) as client:
             info = client.checkpoint()
         if args.json:
             _emit(json.dumps(convert.checkpoint_to_dict(info)))
@@ -158,7 +163,7 @@ class StopCommand(SubCommand):
         if args.wait_timeout < 0:
             raise UsageError(f"--wait-timeout must be >= 0, got {args.wait_timeout:g}")
         reason = args.reason or f"psserver stop by {_who()}"
-        with client_from_args(args) as client:
+        with client_from_args(args, admin=True) as client:
             state = client.shutdown(reason=reason)
             _emit(f"server at {client.address} is {enum_name(pb.ServerState, state).lower()}")
             if not args.wait:

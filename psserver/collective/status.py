@@ -13,7 +13,6 @@ import threading
 import time
 from contextlib import AbstractContextManager, nullcontext
 
-import psutil
 import torch
 
 from psserver import __version__
@@ -26,13 +25,6 @@ SYNC_EVERY = 10
 """Steps between the all-gathers that share per-rank progress and control requests."""
 # Layout of the per-rank row exchanged at each sync point.
 ROW = ("steps", "samples", "loss", "samples_per_s", "checkpoint_requested", "stop_requested")
-
-
-def _rss_bytes() -> int:
-    try:
-        return int(psutil.Process().memory_info().rss)
-    except psutil.Error:  # best effort: a status answer never fails for it
-        return 0
 
 
 class CollectiveStatus:
@@ -109,11 +101,10 @@ class CollectiveStatus:
         updates, samples, loss = self.meter.rates()
         if loss != loss:  # the meter gets no losses (they are read in batches): use the latest
             loss = self.last_loss
-        rss = _rss_bytes()
         with self._lock:
             shards = [ShardStatus(index=i, device=dev, num_params=self.num_params // max(1, len(self.devices)),
                                   bytes=4 * self.num_params // max(1, len(self.devices)),
-                                  device_memory_bytes=_device_memory(dev, rss))
+                                  state_bytes=0)  # the optimizer is the training loop's: not known here
                       for i, dev in enumerate(self.devices)]
             return ServerStatus(
                 version=__version__, state=self.state, mode=self.mode, started_at=self.started_at,
@@ -148,12 +139,6 @@ class CollectiveStatus:
         with self._lock:
             if self.state in ("STARTING", "SERVING"):
                 self.state = "DRAINING"
-
-
-def _device_memory(device: str, rss: int) -> int:
-    if device.startswith("cuda") and torch.cuda.is_available():
-        return int(torch.cuda.memory_allocated(torch.device(device)))
-    return rss
 
 
 def control_server(target: CollectiveStatus, control) -> AbstractContextManager:

@@ -22,13 +22,16 @@ class ControlConfig:
     enabled: bool = True
     """Serve the control plane at all."""
     auth_token_file: Path | None = None
-    """File holding the bearer token; else ``$PSSERVER_AUTH_TOKEN``; else no token."""
+    """File holding the bearer token; else ``$PSSERVER_AUTH_TOKEN``; else no token: reads are open,
+    and Checkpoint and Shutdown take a local admin token that only this user on this host can read
+    (``psserver.control.local_token``)."""
     tls_cert: Path | None = None
     """PEM certificate chain: serve TLS instead of plaintext."""
     tls_key: Path | None = None
     """PEM private key matching ``tls_cert``."""
     allow_unauthenticated_admin: bool = False
-    """Allow Checkpoint and Shutdown without a token when no token is configured."""
+    """Allow Checkpoint and Shutdown without a token when no token is configured (no local admin
+    token is written then)."""
     reflection: bool = False
     """Serve gRPC server reflection."""
 

@@ -11,8 +11,10 @@ Status codes, by design:
   token"): the caller has not proven who it is, which is what UNAUTHENTICATED means;
   ``PERMISSION_DENIED`` is kept for "we know the call is not allowed";
 * no token configured, ``Checkpoint``/``Shutdown`` -> ``PERMISSION_DENIED`` unless
-  ``--allow-unauthenticated-admin``: nobody can be authenticated, and mutating the server
-  anonymously is refused by policy.
+  ``--allow-unauthenticated-admin``, or unless they carry the server's local admin token
+  (:mod:`psserver.control.local_token`: a private file that only the server's own user on its
+  host can read; a wrong one is ``UNAUTHENTICATED``): mutating the server anonymously is
+  refused by policy, reads stay open.
 
 ``grpc.health.v1.Health`` is always open (load balancers and kubelets probe it without
 credentials) and is not logged (probes would flood the log).
@@ -112,9 +114,16 @@ def _denied(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str)
 class AuthInterceptor(grpc.ServerInterceptor):
     """Checks ``authorization: Bearer <token>`` on every call but health (see module doc)."""
 
-    def __init__(self, token: str | None, *, allow_unauthenticated_admin: bool = False) -> None:
+    def __init__(self, token: str | None, *, allow_unauthenticated_admin: bool = False,
+                 admin_token: str | None = None) -> None:
         self._digest = _digest(token) if token else None
         self._allow_admin = allow_unauthenticated_admin
+        self._admin_digest = _digest(admin_token) if admin_token and not token else None
+
+    def forget_admin_token(self) -> None:
+        """No local admin token after all (its file could not be written): admin calls are
+        refused, saying how to configure a token."""
+        self._admin_digest = None
 
     def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
         method = handler_call_details.method
@@ -133,13 +142,24 @@ class AuthInterceptor(grpc.ServerInterceptor):
             if not hmac.compare_digest(_digest(presented), self._digest):
                 return _denied(handler, grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token")
         elif method in ADMIN_METHODS and not self._allow_admin:
-            return _denied(
-                handler,
-                grpc.StatusCode.PERMISSION_DENIED,
-                "Checkpoint and Shutdown need authentication: start the server with --auth-token-file "
-                "(or $PSSERVER_AUTH_TOKEN), or with --allow-unauthenticated-admin",
-            )
+            return self._admin(handler, handler_call_details)
         return handler
+
+    def _admin(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        """An admin call to a server without a configured token: only with its local admin token."""
+        presented = bearer_token(details.invocation_metadata) if self._admin_digest is not None else None
+        if presented is not None:
+            if hmac.compare_digest(_digest(presented), self._admin_digest):
+                return handler
+            return _denied(handler, grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token")
+        if self._admin_digest is not None:
+            why = ("Checkpoint and Shutdown need the server's local admin token, which only the psserver CLI of "
+                   "the user who started the server, on its host, finds; or start the server with "
+                   "--auth-token-file (or $PSSERVER_AUTH_TOKEN) and pass the same")
+        else:
+            why = ("Checkpoint and Shutdown need authentication: start the server with --auth-token-file "
+                   "(or $PSSERVER_AUTH_TOKEN), or with --allow-unauthenticated-admin")
+        return _denied(handler, grpc.StatusCode.PERMISSION_DENIED, why)
 
 
 class CallLogInterceptor(grpc.ServerInterceptor):

@@ -50,15 +50,22 @@ def default_address() -> str:
     return os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS
 
 
-def read_token(token_file: Path | str | None) -> str | None:
-    """The token from ``token_file``, else ``$PSSERVER_AUTH_TOKEN``, else None."""
+def read_token(token_file: Path | str | None, local_address: str | None = None) -> str | None:
+    """The token from ``token_file``, else ``$PSSERVER_AUTH_TOKEN``, else (given
+    ``local_address``) the local admin token a server of this user on this host wrote for that
+    address (:mod:`psserver.control.local_token`), else None."""
     if token_file is not None:
         try:
             token = read_token_file(token_file, "--auth-token-file")
         except ValueError as e:
             raise UsageError(str(e)) from None
         return check_token(token, f"--auth-token-file {token_file}")
-    return check_token(os.environ.get(TOKEN_ENV) or None, f"${TOKEN_ENV}")
+    token = check_token(os.environ.get(TOKEN_ENV) or None, f"${TOKEN_ENV}")
+    if token is None and local_address is not None:
+        from psserver.control.local_token import find_local_token
+
+        token = find_local_token(local_address)
+    return token
 
 
 class ControlClient:

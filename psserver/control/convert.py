@@ -69,7 +69,7 @@ def shard_to_proto(shard: ShardStatus) -> pb.Shard:
         device=str(shard.device),
         num_params=int(shard.num_params),
         bytes=int(shard.bytes),
-        device_memory_bytes=int(shard.device_memory_bytes),
+        state_bytes=int(shard.state_bytes),
     )
 
 
@@ -286,7 +286,7 @@ def status_to_dict(msg: pb.ServerStatus) -> dict[str, Any]:
                 "device": s.device,
                 "num_params": s.num_params,
                 "bytes": s.bytes,
-                "device_memory_bytes": s.device_memory_bytes,
+                "state_bytes": s.state_bytes,
             }
             for s in msg.shards
         ],

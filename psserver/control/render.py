@@ -92,10 +92,12 @@ def render_status(status: pb.ServerStatus, trainers: Sequence[pb.Trainer] | None
                      "--remove-stale-state deletes it")
     lines.append("")
     rows = [
-        [str(s.index), s.device, f"{s.num_params:,}", human_bytes(s.bytes), human_bytes(s.device_memory_bytes)]
+        [str(s.index), s.device, f"{s.num_params:,}", human_bytes(s.bytes),
+         human_bytes(s.state_bytes) if s.state_bytes else "-"]
         for s in status.shards
     ]
-    lines += table(["SHARD", "DEVICE", "PARAMS", "SIZE", "DEVICE MEM"], rows, numeric=(0, 2, 3, 4))
+    # SIZE: the parameters; WITH OPTIMIZER: and the optimizer's state (not the process's memory).
+    lines += table(["SHARD", "DEVICE", "PARAMS", "SIZE", "WITH OPTIMIZER"], rows, numeric=(0, 2, 3, 4))
     if len(status.servers) > 1:
         lines.append("")
         lines += render_servers(status.servers).splitlines()

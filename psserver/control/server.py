@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+import secrets
 import ssl
 import threading
 from concurrent import futures
@@ -22,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from psserver.config.control import TOKEN_ENV, ControlConfig
 from psserver.control import SERVICE_NAME
 from psserver.control.auth import AuthInterceptor, CallLogInterceptor, check_token
+from psserver.control.local_token import LocalToken
 from psserver.control.service import ControlService, add_to_server
 from psserver.errors import UsageError
 from psserver.telemetry import ControlTarget
@@ -87,6 +89,8 @@ class ControlServer:
         self._lock = threading.Lock()
         self.port: int = 0
         self.tls = self.config.tls_cert is not None
+        self.local_token: LocalToken | None = None
+        """The private file of the admin token, when no token is configured (see auth)."""
 
     @property
     def address(self) -> str:
@@ -98,12 +102,14 @@ class ControlServer:
         cfg = self.config
         token = check_token(cfg.token(), f"--auth-token-file {cfg.auth_token_file}"
                             if cfg.auth_token_file is not None else f"${TOKEN_ENV}")
+        # Without a configured token, Checkpoint and Shutdown take a random one that only this
+        # user can read on this host (psserver.control.local_token), else nobody could use them.
+        admin_token = secrets.token_urlsafe(32) if not token and not cfg.allow_unauthenticated_admin else None
+        auth = AuthInterceptor(token, allow_unauthenticated_admin=cfg.allow_unauthenticated_admin,
+                               admin_token=admin_token)
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="psserver-control"),
-            interceptors=[
-                CallLogInterceptor(),
-                AuthInterceptor(token, allow_unauthenticated_admin=cfg.allow_unauthenticated_admin),
-            ],
+            interceptors=[CallLogInterceptor(), auth],
             # Without this gRPC sets SO_REUSEPORT and a second server would silently share the
             # port (and half the calls) instead of failing to bind.
             options=[("grpc.so_reuseport", 0)],
@@ -129,6 +135,12 @@ class ControlServer:
         if not port:
             raise UsageError(f"control plane cannot listen on {bind} (port in use? try --control-port 0)")
         self.port = port
+        if admin_token is not None:
+            try:
+                self.local_token = LocalToken.write(cfg.host, port, admin_token)
+            except UsageError as e:  # serve all the same: training does not stop for its admin commands
+                auth.forget_admin_token()
+                log.warning("no local admin token, so checkpoint and stop over the control plane are refused: %s", e)
         server.start()
         self._server = server
         self._stop.clear()
@@ -136,7 +148,8 @@ class ControlServer:
             "control plane listening on %s (%s, %s%s)",
             self.address,
             "TLS" if self.tls else "plaintext",
-            "token required" if token else "no token",
+            "token required" if token else
+            f"admin token for this user in {self.local_token.path}" if self.local_token else "no token",
             ", reflection" if cfg.reflection else "",
         )
         if cfg.host not in _LOOPBACK:
@@ -165,12 +178,17 @@ class ControlServer:
             self.service.close()
         finally:
             server.stop(self.grace if grace is None else grace).wait()
+            if self.local_token is not None:
+                self.local_token.remove()
+                self.local_token = None
             if self._poller is not None:
                 self._poller.join(timeout=1.0)
             log.info("control plane on %s stopped", self.address)
 
     def __enter__(self) -> ControlServer:
-        return self.start()
+        # A server started already (``with ControlServer(...).start()``) is not started twice:
+        # the first gRPC server, and its token file, would be left behind.
+        return self if self._server is not None else self.start()
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

@@ -44,6 +44,7 @@ from psserver.config.env import default_rank, default_server_address, default_wo
 from psserver.errors import DataError, UsageError
 from psserver.models.calling import input_batch_size
 from psserver.models.losses import resolve_loss
+from psserver.ps.rpc import torch_rpc
 from psserver.ps.rpc.messages import ALLREDUCE_MAX_ELEMENTS as MAX_ELEMENTS
 from psserver.ps.rpc.messages import ALLREDUCE_MAX_NAME as MAX_NAME
 from psserver.ps.rpc.messages import ALLREDUCE_OPS as OPS
@@ -197,7 +198,8 @@ class Connection:
             raise UsageError("ps.forward is the RPC tutorial's path: call ps.parameter_rrefs() first (no ps.replica)")
         self.leave_on_signal()  # the step before ended with its optimizer's step(ctx)
         out = self._call(lambda: session.call("forward", x))
-        self._count_step(input_batch_size(x), None)
+        if torch.is_grad_enabled() and torch_rpc.current_autograd_context_id() is not None:
+            self._count_step(input_batch_size(x), None)  # else an evaluation: no backward can reach the server
         return out
 
     def _join(self, model: nn.Module | None) -> Session:

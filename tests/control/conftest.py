@@ -14,9 +14,12 @@ from .fakes import TOKEN, FakeTarget, serve
 
 
 @pytest.fixture(autouse=True)
-def _no_env_token(monkeypatch: pytest.MonkeyPatch) -> None:
+def _no_env_token(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """No token or address from the shell; servers' local admin tokens in a directory of the
+    test's own (``$XDG_RUNTIME_DIR/psserver``), never the user's."""
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     monkeypatch.delenv("PSSERVER_CONTROL_ADDRESS", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path_factory.mktemp("run")))
 
 
 @pytest.fixture

@@ -99,7 +99,7 @@ class FakeTarget:
             version="0.1.0", state=self.state, mode="ps", started_at=self.started_at, model="mlp",
             num_params=1234, update_mode=self.update_mode, sync_trainers=self.sync_trainers, global_step=step,
             samples_seen=samples, updates_per_s=ups, samples_per_s=sps, mean_loss=loss, staleness=self.staleness,
-            shards=[ShardStatus(0, "cpu", 1000, 4000, 50 << 20), ShardStatus(1, "cpu", 234, 936, 50 << 20)],
+            shards=[ShardStatus(0, "cpu", 1000, 4000, 12016), ShardStatus(1, "cpu", 234, 936, 0)],
             last_checkpoint=self.checkpoints[-1] if self.checkpoints else None, servers=list(self.servers),
             tables=list(self.tables), learning_rate=self.learning_rate, lr_schedule=self.lr_schedule,
         )

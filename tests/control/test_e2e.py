@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import signal
+import stat
 import threading
 import time
 from pathlib import Path
@@ -12,8 +13,9 @@ import pytest
 
 from psserver.checkpoint import list_checkpoints, read_checkpoint
 from psserver.control.client import ControlClient, ControlError, ControlUnavailable
+from psserver.control.local_token import runtime_dir
 from psserver.control.v1 import control_pb2 as pb
-from tests.procs import Proc, run
+from tests.procs import Proc, cli, run
 
 from .fakes import TOKEN
 
@@ -69,7 +71,7 @@ def test_status_during_training_then_stop_drains_and_checkpoints(procs, port, tm
         assert st.state == pb.SERVER_STATE_SERVING and st.mode == pb.MODE_PS and st.update_mode == pb.UPDATE_MODE_ASYNC
         assert st.model == "mlp" and st.num_params > 0 and st.global_step > 0 and st.samples_seen > 0
         assert [s.device for s in st.shards] == ["cpu"] and st.shards[0].num_params == st.num_params
-        assert st.shards[0].device_memory_bytes > 0
+        assert st.shards[0].bytes < st.shards[0].state_bytes < 1 << 26  # with its optimizer state, not the RSS
         _wait_for(lambda: client.get_status().samples_per_second > 0, 30, "a throughput", server)
 
         # The CLI, as an operator would run it.
@@ -120,16 +122,28 @@ def test_status_during_training_then_stop_drains_and_checkpoints(procs, port, tm
 
 
 @pytest.mark.timeout(180)
-def test_shutdown_without_admin_rights_is_refused_and_sigterm_still_works(procs, port, tmp_path):
-    server = procs.server(port, "--model", "mlp", control_port=0, log=tmp_path / "server.log")
+def test_the_readme_commands_need_no_token_flag_and_another_user_is_refused(procs, port, tmp_path, monkeypatch):
+    """``psserver serve`` without a token, then ``status``, ``checkpoint`` and ``stop`` as the
+    README writes them: the server's local admin token (a 0600 file in a 0700 directory of this
+    user) lets its own user in, and goes when the server stops; a user without it is refused."""
+    server = procs.server(port, "--model", "mlp", "--checkpoint-dir", str(tmp_path / "ckpt"), control_port=0,
+                          log=tmp_path / "server.log")
     address = _control_address(server)
-    done = _cli("stop", "--address", address)
-    assert done.returncode == 2 and "PERMISSION_DENIED" in done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1
-    with ControlClient(address) as client:
-        assert client.get_status().state == pb.SERVER_STATE_SERVING
-    assert procs.stop(server, timeout=60) == 0, server.tail()
-    assert _cli("status", "--address", address, "--timeout", "3").returncode == 2  # gone: one line, exit 2
+    token_files = list(runtime_dir().glob("control-*.json"))
+    assert len(token_files) == 1 and stat.S_IMODE(token_files[0].stat().st_mode) == 0o600
+    assert stat.S_IMODE(runtime_dir().stat().st_mode) == 0o700
+    _wait_for(lambda: cli(["status", "--address", address]).returncode == 0, 60, "status", server)
+    with monkeypatch.context() as other_user:
+        other_user.setenv("XDG_RUNTIME_DIR", str(tmp_path / "other-user"))
+        done = cli(["stop", "--address", address])
+    assert done.returncode == 2 and "PERMISSION_DENIED" in done.stderr and len(done.stderr.splitlines()) == 1
+    done = cli(["checkpoint", "--address", address])
+    assert done.returncode == 0 and done.stdout.startswith("checkpoint written: "), done.stderr
+    done = cli(["stop", "--address", address])
+    assert done.returncode == 0 and done.stdout.strip() == f"server at {address} is draining", done.stderr
+    assert server.wait(60) == 0, server.tail()
+    assert not token_files[0].exists()
+    assert cli(["status", "--address", address, "--timeout", "3"]).returncode == 2  # gone: one line, exit 2
 
 
 @pytest.mark.timeout(300)

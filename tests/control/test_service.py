@@ -99,7 +99,7 @@ def test_get_status_carries_every_field(server, target):
     assert st.HasField("mean_loss") and 0 < st.mean_loss <= 1
     shards = [(s.index, s.device, s.num_params, s.bytes) for s in st.shards]
     assert shards == [(0, "cpu", 1000, 4000), (1, "cpu", 234, 936)]
-    assert st.shards[0].device_memory_bytes == 50 << 20
+    assert [s.state_bytes for s in st.shards] == [12016, 0]
     assert not st.HasField("last_checkpoint")
     assert abs(st.server_time - time.time()) < 5
     assert len(st.servers) == 0  # one server process: no list

@@ -24,23 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19psserver/v1/control.proto\x12\x0bpsserver.v1\"\x12\n\x10GetStatusRequest\".\n\x12WatchStatusRequest\x12\x18\n\x10interval_seconds\x18\x01 \x01(\x01\"\x15\n\x13ListTrainersRequest\"\x13\n\x11\x43heckpointRequest\"!\n\x0fShutdownRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"f\n\x05Shard\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x12\n\nnum_params\x18\x03 \x01(\x03\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x05 \x01(\x03\":\n\x0e\x43heckpointInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04time\x18\x03 \x01(\x01\"\xe3\x01\n\rServerProcess\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12.\n\x05state\x18\x04 \x01(\x0e\x32\x1f.psserver.v1.ServerProcessState\x12\x12\n\nnum_params\x18\x05 \x01(\x03\x12\r\n\x05\x62ytes\x18\x06 \x01(\x03\x12\x17\n\x0fupdates_applied\x18\x07 \x01(\x03\x12\"\n\x15last_seen_age_seconds\x18\x08 \x01(\x01H\x00\x88\x01\x01\x42\x18\n\x16_last_seen_age_seconds\"\x97\x02\n\x0e\x45mbeddingTable\x12\r\n\x05table\x18\x01 \x01(\t\x12\x13\n\x0bserver_rank\x18\x02 \x01(\x05\x12\x0c\n\x04rows\x18\x03 \x01(\x03\x12\x10\n\x08max_rows\x18\x04 \x01(\x03\x12\x0b\n\x03\x64im\x18\x05 \x01(\x05\x12\r\n\x05\x62ytes\x18\x06 \x01(\x03\x12\x12\n\nadmissions\x18\x07 \x01(\x03\x12\x0f\n\x07refused\x18\x08 \x01(\x03\x12\x11\n\tevictions\x18\t \x01(\x03\x12\x13\n\x0b\x65xpirations\x18\n \x01(\x03\x12\x0f\n\x07lookups\x18\x0b \x01(\x03\x12\x0f\n\x07updates\x18\x0c \x01(\x03\x12\x1a\n\x12lookups_per_second\x18\r \x01(\x01\x12\x1a\n\x12updates_per_second\x18\x0e \x01(\x01\"\x9d\x06\n\x0cServerStatus\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.psserver.v1.ServerState\x12\x1f\n\x04mode\x18\x03 \x01(\x0e\x32\x11.psserver.v1.Mode\x12\x12\n\nstarted_at\x18\x04 \x01(\x01\x12\x16\n\x0euptime_seconds\x18\x05 \x01(\x01\x12\r\n\x05model\x18\x06 \x01(\t\x12\x12\n\nnum_params\x18\x07 \x01(\x03\x12,\n\x0bupdate_mode\x18\x08 \x01(\x0e\x32\x17.psserver.v1.UpdateMode\x12\x15\n\rsync_trainers\x18\t \x01(\x05\x12\x13\n\x0bglobal_step\x18\n \x01(\x03\x12\x14\n\x0csamples_seen\x18\x0b \x01(\x03\x12\x1a\n\x12updates_per_second\x18\x0c \x01(\x01\x12\x1a\n\x12samples_per_second\x18\r \x01(\x01\x12\x16\n\tmean_loss\x18\x0e \x01(\x01H\x00\x88\x01\x01\x12\"\n\x06shards\x18\x0f \x03(\x0b\x32\x12.psserver.v1.Shard\x12\x34\n\x0flast_checkpoint\x18\x10 \x01(\x0b\x32\x1b.psserver.v1.CheckpointInfo\x12\x13\n\x0bserver_time\x18\x11 \x01(\x01\x12\x11\n\tstaleness\x18\x12 \x01(\x05\x12\x1b\n\x13nonfinite_gradients\x18\x13 \x01(\x03\x12\x15\n\rclipped_steps\x18\x14 \x01(\x03\x12+\n\x07servers\x18\x15 \x03(\x0b\x32\x1a.psserver.v1.ServerProcess\x12+\n\x06tables\x18\x16 \x03(\x0b\x32\x1b.psserver.v1.EmbeddingTable\x12\x1a\n\rlearning_rate\x18\x17 \x01(\x01H\x01\x88\x01\x01\x12\x13\n\x0blr_schedule\x18\x18 \x01(\t\x12\x14\n\x0cmemory_state\x18\x19 \x01(\t\x12,\n\x0bstale_state\x18\x1a \x03(\x0b\x32\x17.psserver.v1.StaleStateB\x0c\n\n_mean_lossB\x10\n\x0e_learning_rate\"W\n\nStaleState\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x0b\n\x03run\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x03\x12\x12\n\nstarted_at\x18\x05 \x01(\x01\"\x9e\x03\n\x07Trainer\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x11\n\tjoined_at\x18\x04 \x01(\x01\x12\x11\n\tlast_seen\x18\x05 \x01(\x01\x12\r\n\x05steps\x18\x06 \x01(\x03\x12\x0f\n\x07samples\x18\x07 \x01(\x03\x12\x16\n\tlast_loss\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12\x1a\n\x12samples_per_second\x18\t \x01(\x01\x12(\n\x05state\x18\n \x01(\x0e\x32\x19.psserver.v1.TrainerState\x12\r\n\x05\x63lock\x18\x0b \x01(\x03\x12\x11\n\tstaleness\x18\x0c \x01(\x03\x12\x15\n\rmax_staleness\x18\r \x01(\x03\x12\x0c\n\x04step\x18\x0e \x01(\t\x12\x11\n\tnonfinite\x18\x0f \x01(\x03\x12\x0f\n\x07\x63lipped\x18\x10 \x01(\x03\x12\x0e\n\x06reason\x18\x11 \x01(\t\x12\x0f\n\x07updates\x18\x12 \x01(\x03\x12\x11\n\ttransport\x18\x13 \x01(\t\x12\x18\n\x10transport_reason\x18\x14 \x01(\tB\x0c\n\n_last_loss\"S\n\x14ListTrainersResponse\x12&\n\x08trainers\x18\x01 \x03(\x0b\x32\x14.psserver.v1.Trainer\x12\x13\n\x0bserver_time\x18\x02 \x01(\x01\"E\n\x12\x43heckpointResponse\x12/\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x1b.psserver.v1.CheckpointInfo\";\n\x10ShutdownResponse\x12\'\n\x05state\x18\x01 \x01(\x0e\x32\x18.psserver.v1.ServerState*\xaf\x01\n\x0bServerState\x12\x1c\n\x18SERVER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15SERVER_STATE_STARTING\x10\x01\x12\x18\n\x14SERVER_STATE_SERVING\x10\x02\x12\x19\n\x15SERVER_STATE_DRAINING\x10\x03\x12\x18\n\x14SERVER_STATE_STOPPED\x10\x04\x12\x18\n\x14SERVER_STATE_WAITING\x10\x05*F\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0b\n\x07MODE_PS\x10\x01\x12\x0c\n\x08MODE_DDP\x10\x02\x12\r\n\tMODE_FSDP\x10\x03*\x87\x01\n\nUpdateMode\x12\x1b\n\x17UPDATE_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11UPDATE_MODE_ASYNC\x10\x01\x12\x14\n\x10UPDATE_MODE_SYNC\x10\x02\x12\x1a\n\x16UPDATE_MODE_COLLECTIVE\x10\x03\x12\x13\n\x0fUPDATE_MODE_SSP\x10\x04*w\n\x0cTrainerState\x12\x1d\n\x19TRAINER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14TRAINER_STATE_ACTIVE\x10\x01\x12\x16\n\x12TRAINER_STATE_LEFT\x10\x02\x12\x16\n\x12TRAINER_STATE_LOST\x10\x03*\x9d\x01\n\x12ServerProcessState\x12$\n SERVER_PROCESS_STATE_UNSPECIFIED\x10\x00\x12 \n\x1cSERVER_PROCESS_STATE_SERVING\x10\x01\x12\x1d\n\x19SERVER_PROCESS_STATE_LOST\x10\x02\x12 \n\x1cSERVER_PROCESS_STATE_MISSING\x10\x03\x32\x91\x03\n\x0e\x43ontrolService\x12\x45\n\tGetStatus\x12\x1d.psserver.v1.GetStatusRequest\x1a\x19.psserver.v1.ServerStatus\x12K\n\x0bWatchStatus\x12\x1f.psserver.v1.WatchStatusRequest\x1a\x19.psserver.v1.ServerStatus0\x01\x12S\n\x0cListTrainers\x12 .psserver.v1.ListTrainersRequest\x1a!.psserver.v1.ListTrainersResponse\x12M\n\nCheckpoint\x12\x1e.psserver.v1.CheckpointRequest\x1a\x1f.psserver.v1.CheckpointResponse\x12G\n\x08Shutdown\x12\x1c.psserver.v1.ShutdownRequest\x1a\x1d.psserver.v1.ShutdownResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19psserver/v1/control.proto\x12\x0bpsserver.v1\"\x12\n\x10GetStatusRequest\".\n\x12WatchStatusRequest\x12\x18\n\x10interval_seconds\x18\x01 \x01(\x01\"\x15\n\x13ListTrainersRequest\"\x13\n\x11\x43heckpointRequest\"!\n\x0fShutdownRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"^\n\x05Shard\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x12\n\nnum_params\x18\x03 \x01(\x03\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\x12\x13\n\x0bstate_bytes\x18\x05 \x01(\x03\":\n\x0e\x43heckpointInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04time\x18\x03 \x01(\x01\"\xe3\x01\n\rServerProcess\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12.\n\x05state\x18\x04 \x01(\x0e\x32\x1f.psserver.v1.ServerProcessState\x12\x12\n\nnum_params\x18\x05 \x01(\x03\x12\r\n\x05\x62ytes\x18\x06 \x01(\x03\x12\x17\n\x0fupdates_applied\x18\x07 \x01(\x03\x12\"\n\x15last_seen_age_seconds\x18\x08 \x01(\x01H\x00\x88\x01\x01\x42\x18\n\x16_last_seen_age_seconds\"\x97\x02\n\x0e\x45mbeddingTable\x12\r\n\x05table\x18\x01 \x01(\t\x12\x13\n\x0bserver_rank\x18\x02 \x01(\x05\x12\x0c\n\x04rows\x18\x03 \x01(\x03\x12\x10\n\x08max_rows\x18\x04 \x01(\x03\x12\x0b\n\x03\x64im\x18\x05 \x01(\x05\x12\r\n\x05\x62ytes\x18\x06 \x01(\x03\x12\x12\n\nadmissions\x18\x07 \x01(\x03\x12\x0f\n\x07refused\x18\x08 \x01(\x03\x12\x11\n\tevictions\x18\t \x01(\x03\x12\x13\n\x0b\x65xpirations\x18\n \x01(\x03\x12\x0f\n\x07lookups\x18\x0b \x01(\x03\x12\x0f\n\x07updates\x18\x0c \x01(\x03\x12\x1a\n\x12lookups_per_second\x18\r \x01(\x01\x12\x1a\n\x12updates_per_second\x18\x0e \x01(\x01\"\x9d\x06\n\x0cServerStatus\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.psserver.v1.ServerState\x12\x1f\n\x04mode\x18\x03 \x01(\x0e\x32\x11.psserver.v1.Mode\x12\x12\n\nstarted_at\x18\x04 \x01(\x01\x12\x16\n\x0euptime_seconds\x18\x05 \x01(\x01\x12\r\n\x05model\x18\x06 \x01(\t\x12\x12\n\nnum_params\x18\x07 \x01(\x03\x12,\n\x0bupdate_mode\x18\x08 \x01(\x0e\x32\x17.psserver.v1.UpdateMode\x12\x15\n\rsync_trainers\x18\t \x01(\x05\x12\x13\n\x0bglobal_step\x18\n \x01(\x03\x12\x14\n\x0csamples_seen\x18\x0b \x01(\x03\x12\x1a\n\x12updates_per_second\x18\x0c \x01(\x01\x12\x1a\n\x12samples_per_second\x18\r \x01(\x01\x12\x16\n\tmean_loss\x18\x0e \x01(\x01H\x00\x88\x01\x01\x12\"\n\x06shards\x18\x0f \x03(\x0b\x32\x12.psserver.v1.Shard\x12\x34\n\x0flast_checkpoint\x18\x10 \x01(\x0b\x32\x1b.psserver.v1.CheckpointInfo\x12\x13\n\x0bserver_time\x18\x11 \x01(\x01\x12\x11\n\tstaleness\x18\x12 \x01(\x05\x12\x1b\n\x13nonfinite_gradients\x18\x13 \x01(\x03\x12\x15\n\rclipped_steps\x18\x14 \x01(\x03\x12+\n\x07servers\x18\x15 \x03(\x0b\x32\x1a.psserver.v1.ServerProcess\x12+\n\x06tables\x18\x16 \x03(\x0b\x32\x1b.psserver.v1.EmbeddingTable\x12\x1a\n\rlearning_rate\x18\x17 \x01(\x01H\x01\x88\x01\x01\x12\x13\n\x0blr_schedule\x18\x18 \x01(\t\x12\x14\n\x0cmemory_state\x18\x19 \x01(\t\x12,\n\x0bstale_state\x18\x1a \x03(\x0b\x32\x17.psserver.v1.StaleStateB\x0c\n\n_mean_lossB\x10\n\x0e_learning_rate\"W\n\nStaleState\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x0b\n\x03run\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x03\x12\x12\n\nstarted_at\x18\x05 \x01(\x01\"\x9e\x03\n\x07Trainer\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x11\n\tjoined_at\x18\x04 \x01(\x01\x12\x11\n\tlast_seen\x18\x05 \x01(\x01\x12\r\n\x05steps\x18\x06 \x01(\x03\x12\x0f\n\x07samples\x18\x07 \x01(\x03\x12\x16\n\tlast_loss\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12\x1a\n\x12samples_per_second\x18\t \x01(\x01\x12(\n\x05state\x18\n \x01(\x0e\x32\x19.psserver.v1.TrainerState\x12\r\n\x05\x63lock\x18\x0b \x01(\x03\x12\x11\n\tstaleness\x18\x0c \x01(\x03\x12\x15\n\rmax_staleness\x18\r \x01(\x03\x12\x0c\n\x04step\x18\x0e \x01(\t\x12\x11\n\tnonfinite\x18\x0f \x01(\x03\x12\x0f\n\x07\x63lipped\x18\x10 \x01(\x03\x12\x0e\n\x06reason\x18\x11 \x01(\t\x12\x0f\n\x07updates\x18\x12 \x01(\x03\x12\x11\n\ttransport\x18\x13 \x01(\t\x12\x18\n\x10transport_reason\x18\x14 \x01(\tB\x0c\n\n_last_loss\"S\n\x14ListTrainersResponse\x12&\n\x08trainers\x18\x01 \x03(\x0b\x32\x14.psserver.v1.Trainer\x12\x13\n\x0bserver_time\x18\x02 \x01(\x01\"E\n\x12\x43heckpointResponse\x12/\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x1b.psserver.v1.CheckpointInfo\";\n\x10ShutdownResponse\x12\'\n\x05state\x18\x01 \x01(\x0e\x32\x18.psserver.v1.ServerState*\xaf\x01\n\x0bServerState\x12\x1c\n\x18SERVER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15SERVER_STATE_STARTING\x10\x01\x12\x18\n\x14SERVER_STATE_SERVING\x10\x02\x12\x19\n\x15SERVER_STATE_DRAINING\x10\x03\x12\x18\n\x14SERVER_STATE_STOPPED\x10\x04\x12\x18\n\x14SERVER_STATE_WAITING\x10\x05*F\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0b\n\x07MODE_PS\x10\x01\x12\x0c\n\x08MODE_DDP\x10\x02\x12\r\n\tMODE_FSDP\x10\x03*\x87\x01\n\nUpdateMode\x12\x1b\n\x17UPDATE_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11UPDATE_MODE_ASYNC\x10\x01\x12\x14\n\x10UPDATE_MODE_SYNC\x10\x02\x12\x1a\n\x16UPDATE_MODE_COLLECTIVE\x10\x03\x12\x13\n\x0fUPDATE_MODE_SSP\x10\x04*w\n\x0cTrainerState\x12\x1d\n\x19TRAINER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14TRAINER_STATE_ACTIVE\x10\x01\x12\x16\n\x12TRAINER_STATE_LEFT\x10\x02\x12\x16\n\x12TRAINER_STATE_LOST\x10\x03*\x9d\x01\n\x12ServerProcessState\x12$\n SERVER_PROCESS_STATE_UNSPECIFIED\x10\x00\x12 \n\x1cSERVER_PROCESS_STATE_SERVING\x10\x01\x12\x1d\n\x19SERVER_PROCESS_STATE_LOST\x10\x02\x12 \n\x1cSERVER_PROCESS_STATE_MISSING\x10\x03\x32\x91\x03\n\x0e\x43ontrolService\x12\x45\n\tGetStatus\x12\x1d.psserver.v1.GetStatusRequest\x1a\x19.psserver.v1.ServerStatus\x12K\n\x0bWatchStatus\x12\x1f.psserver.v1.WatchStatusRequest\x1a\x19.psserver.v1.ServerStatus0\x01\x12S\n\x0cListTrainers\x12 .psserver.v1.ListTrainersRequest\x1a!.psserver.v1.ListTrainersResponse\x12M\n\nCheckpoint\x12\x1e.psserver.v1.CheckpointRequest\x1a\x1f.psserver.v1.CheckpointResponse\x12G\n\x08Shutdown\x12\x1c.psserver.v1.ShutdownRequest\x1a\x1d.psserver.v1.ShutdownResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'psserver.control.v1.control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SERVERSTATE']._serialized_start=2389
-  _globals['_SERVERSTATE']._serialized_end=2564
-  _globals['_MODE']._serialized_start=2566
-  _globals['_MODE']._serialized_end=2636
-  _globals['_UPDATEMODE']._serialized_start=2639
-  _globals['_UPDATEMODE']._serialized_end=2774
-  _globals['_TRAINERSTATE']._serialized_start=2776
-  _globals['_TRAINERSTATE']._serialized_end=2895
-  _globals['_SERVERPROCESSSTATE']._serialized_start=2898
-  _globals['_SERVERPROCESSSTATE']._serialized_end=3055
+  _globals['_SERVERSTATE']._serialized_start=2381
+  _globals['_SERVERSTATE']._serialized_end=2556
+  _globals['_MODE']._serialized_start=2558
+  _globals['_MODE']._serialized_end=2628
+  _globals['_UPDATEMODE']._serialized_start=2631
+  _globals['_UPDATEMODE']._serialized_end=2766
+  _globals['_TRAINERSTATE']._serialized_start=2768
+  _globals['_TRAINERSTATE']._serialized_end=2887
+  _globals['_SERVERPROCESSSTATE']._serialized_start=2890
+  _globals['_SERVERPROCESSSTATE']._serialized_end=3047
   _globals['_GETSTATUSREQUEST']._serialized_start=42
   _globals['_GETSTATUSREQUEST']._serialized_end=60
   _globals['_WATCHSTATUSREQUEST']._serialized_start=62
@@ -52,25 +52,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SHUTDOWNREQUEST']._serialized_start=154
   _globals['_SHUTDOWNREQUEST']._serialized_end=187
   _globals['_SHARD']._serialized_start=189
-  _globals['_SHARD']._serialized_end=291
-  _globals['_CHECKPOINTINFO']._serialized_start=293
-  _globals['_CHECKPOINTINFO']._serialized_end=351
-  _globals['_SERVERPROCESS']._serialized_start=354
-  _globals['_SERVERPROCESS']._serialized_end=581
-  _globals['_EMBEDDINGTABLE']._serialized_start=584
-  _globals['_EMBEDDINGTABLE']._serialized_end=863
-  _globals['_SERVERSTATUS']._serialized_start=866
-  _globals['_SERVERSTATUS']._serialized_end=1663
-  _globals['_STALESTATE']._serialized_start=1665
-  _globals['_STALESTATE']._serialized_end=1752
-  _globals['_TRAINER']._serialized_start=1755
-  _globals['_TRAINER']._serialized_end=2169
-  _globals['_LISTTRAINERSRESPONSE']._serialized_start=2171
-  _globals['_LISTTRAINERSRESPONSE']._serialized_end=2254
-  _globals['_CHECKPOINTRESPONSE']._serialized_start=2256
-  _globals['_CHECKPOINTRESPONSE']._serialized_end=2325
-  _globals['_SHUTDOWNRESPONSE']._serialized_start=2327
-  _globals['_SHUTDOWNRESPONSE']._serialized_end=2386
-  _globals['_CONTROLSERVICE']._serialized_start=3058
-  _globals['_CONTROLSERVICE']._serialized_end=3459
+  _globals['_SHARD']._serialized_end=283
+  _globals['_CHECKPOINTINFO']._serialized_start=285
+  _globals['_CHECKPOINTINFO']._serialized_end=343
+  _globals['_SERVERPROCESS']._serialized_start=346
+  _globals['_SERVERPROCESS']._serialized_end=573
+  _globals['_EMBEDDINGTABLE']._serialized_start=576
+  _globals['_EMBEDDINGTABLE']._serialized_end=855
+  _globals['_SERVERSTATUS']._serialized_start=858
+  _globals['_SERVERSTATUS']._serialized_end=1655
+  _globals['_STALESTATE']._serialized_start=1657
+  _globals['_STALESTATE']._serialized_end=1744
+  _globals['_TRAINER']._serialized_start=1747
+  _globals['_TRAINER']._serialized_end=2161
+  _globals['_LISTTRAINERSRESPONSE']._serialized_start=2163
+  _globals['_LISTTRAINERSRESPONSE']._serialized_end=2246
+  _globals['_CHECKPOINTRESPONSE']._serialized_start=2248
+  _globals['_CHECKPOINTRESPONSE']._serialized_end=2317
+  _globals['_SHUTDOWNRESPONSE']._serialized_start=2319
+  _globals['_SHUTDOWNRESPONSE']._serialized_end=2378
+  _globals['_CONTROLSERVICE']._serialized_start=3050
+  _globals['_CONTROLSERVICE']._serialized_end=3451
 # @@protoc_insertion_point(module_scope)

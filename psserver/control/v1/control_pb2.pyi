@@ -93,18 +93,18 @@ class ShutdownRequest(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class Shard(_message.Message):
-    __slots__ = ("index", "device", "num_params", "bytes", "device_memory_bytes")
+    __slots__ = ("index", "device", "num_params", "bytes", "state_bytes")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     NUM_PARAMS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
-    DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     index: int
     device: str
     num_params: int
     bytes: int
-    device_memory_bytes: int
-    def __init__(self, index: _Optional[int] = ..., device: _Optional[str] = ..., num_params: _Optional[int] = ..., bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ...) -> None: ...
+    state_bytes: int
+    def __init__(self, index: _Optional[int] = ..., device: _Optional[str] = ..., num_params: _Optional[int] = ..., bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
     __slots__ = ("path", "step", "time")

@@ -55,13 +55,16 @@ class PlainServer(ServerHalf):
             return {"param_rrefs": self._rrefs}
 
     def forward(self, trainer: str, x: torch.Tensor) -> torch.Tensor:
-        self.engine.wait_turn(trainer)
         ctx = torch_rpc.current_autograd_context_id()
-        if ctx is not None:
-            with self._lock:
-                kept = self._contexts.setdefault(trainer, [])
-                kept.append(ctx)
-                del kept[:-_CONTEXTS_KEPT]
+        if ctx is None:  # outside dist_autograd.context() no backward reaches here: an evaluation, not a step
+            self.engine.wait_applied(trainer)
+            with torch.no_grad():
+                return self.engine.forward(x, clone=False).to("cpu")
+        self.engine.wait_turn(trainer)
+        with self._lock:
+            kept = self._contexts.setdefault(trainer, [])
+            kept.append(ctx)
+            del kept[:-_CONTEXTS_KEPT]
         self.engine.open_step(trainer, int(x.shape[0]))
         try:
             # On this RPC thread, not the compute thread: dist_autograd runs the backward on

@@ -12,11 +12,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-import psutil
+import torch
 
 from psserver import __version__
 from psserver.config import ServerConfig
 from psserver.ps.engine.engine import StepEngine
+from psserver.ps.engine.shard import Shard
 from psserver.ps.group.server_group import ServerGroup
 from psserver.ps.server.checkpointing import CheckpointPolicy
 from psserver.ps.server.endpoint import Endpoint
@@ -87,6 +88,19 @@ class TableRates:
         return self._rates.get(key, (0.0, 0.0))
 
 
+def state_bytes(shard: Shard) -> int:
+    """Bytes of ``shard``'s parameters and its optimizer's state (Adam's two moments and step
+    counts, SGD's momentum buffers): what the shard itself holds on its device, unlike the
+    process's memory (torch alone is hundreds of MB). Read without the shard's lock, so a
+    status call never waits for an update: a state made in a step that runs now may be missed."""
+    n = shard.num_bytes
+    optimizer = shard.optimizer
+    if optimizer is not None:
+        for state in list(optimizer.state.values()):
+            n += sum(v.numel() * v.element_size() for v in list(state.values()) if isinstance(v, torch.Tensor))
+    return n
+
+
 def _nan_if_none(x: float | None) -> float:
     return float("nan") if x is None else float(x)
 
@@ -137,8 +151,8 @@ class ServerView:
             updates_per_s=ups,
             samples_per_s=sps,
             mean_loss=loss,
-            shards=[ShardStatus(s.index, str(s.device), s.num_params, s.num_bytes,
-                                s.device_memory() or psutil.Process().memory_info().rss) for s in engine.shards],
+            shards=[ShardStatus(s.index, str(s.device), s.num_params, s.num_bytes, state_bytes(s))
+                    for s in engine.shards],
             last_checkpoint=self.policy.last,
             checkpoint_interval_s=interval_s,
             checkpoint_every_steps=every_steps,

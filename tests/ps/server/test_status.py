@@ -163,3 +163,41 @@ def test_group_lists_the_tables_peers_last_reported():
     group.peers[2].tables = [table("users", 2)]
     group.peers[1].tables = [table("users", 1), table("items", 1)]
     assert [(t.table, t.server_rank) for t in group.table_statuses()] == [("users", 1), ("items", 1), ("users", 2)]
+
+
+def test_a_shard_shows_its_parameters_and_optimizer_state_not_the_process_memory():
+    """A CPU shard of a small model, after Adam steps: the status, its JSON, the table and the
+    Prometheus gauge all give the shard's own bytes (parameters + two moments + step counts),
+    not the process's resident memory (hundreds of MB of torch)."""
+    import torch
+
+    from psserver.config import OptimizerConfig, ServerConfig
+    from psserver.control import convert, render
+    from psserver.metrics import StatusCollector
+    from psserver.ps.server.server import ParameterServer
+    from psserver.utils.units import human_bytes
+
+    server = ParameterServer(ServerConfig(model="mlp", devices=["cpu"], optimizer=OptimizerConfig("adam", 1e-3)))
+    try:
+        engine = server.engine
+        shard = engine.shards[0]
+        assert server.view.get_status().shards[0].state_bytes == shard.num_bytes  # no optimizer state yet
+        engine.trainer_joined("t")
+        for _ in range(2):
+            engine.open_step("t", 4)
+            engine.submit("t", {p: torch.ones_like(p) for p in engine.trainable})
+        status = server.view.get_status()
+    finally:
+        engine.close()
+    (s,) = status.shards
+    tensors = len(shard.params)
+    assert s.bytes == shard.num_bytes and 3 * s.bytes < s.state_bytes <= 3 * s.bytes + 8 * tensors < 8 << 20
+    msg = convert.status_to_proto(status)
+    assert convert.status_to_dict(msg)["shards"][0]["state_bytes"] == s.state_bytes
+    lines = render.render_status(msg, None, address="x:1").splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("SHARD"))
+    assert lines[head].split()[-2:] == ["WITH", "OPTIMIZER"]
+    assert lines[head + 1].endswith(human_bytes(s.state_bytes))
+    gauges = {(m.name, tuple(sample.labels.items())): sample.value
+              for m in StatusCollector(server.view).collect() for sample in m.samples}
+    assert gauges[("psserver_shard_state_bytes", (("shard", "0"), ("device", "cpu")))] == s.state_bytes
