@@ -18,10 +18,12 @@ front of it: torchrun, a deploy script):
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -85,10 +87,24 @@ def _hooked(**variables: str) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join([str(HOOKS), str(ROOT), os.environ.get("PYTHONPATH", "")]), **variables}
 
 
+_RUNTIME_DIR: list[str] = []
+
+
+def runtime_dir() -> str:
+    """A private ``$XDG_RUNTIME_DIR`` for the children of a test process that has none (a
+    server's local admin token goes there, not into the home of whoever runs the tests);
+    removed at exit."""
+    if not _RUNTIME_DIR:
+        _RUNTIME_DIR.append(tempfile.mkdtemp(prefix="psserver-runtime-"))
+        atexit.register(shutil.rmtree, _RUNTIME_DIR[0], True)
+    return _RUNTIME_DIR[0]
+
+
 def _environment(overrides: Mapping[str, str | None] | None) -> dict[str, str]:
     e = dict(os.environ)
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
     e["PYTHONUNBUFFERED"] = "1"
+    e.setdefault("XDG_RUNTIME_DIR", runtime_dir())  # a test (tests/control) may give its own
     for name in NOT_INHERITED:
         e.pop(name, None)
     for name, value in (overrides or {}).items():
