@@ -82,6 +82,11 @@ def slow_protocol_setup(seconds: float) -> dict[str, str]:
     return _hooked(PSSERVER_TEST_SLOW_PROTOCOL_SETUP=str(seconds))
 
 
+def die_in_join() -> dict[str, str]:
+    """Environment of a trainer that dies inside ``init_rpc`` holding the membership token."""
+    return _hooked(PSSERVER_TEST_DIE_IN_JOIN="1")
+
+
 def _hooked(**variables: str) -> dict[str, str]:
     """``variables`` with ``tests/hooks`` first on ``PYTHONPATH``, where Python finds its sitecustomize."""
     return {"PYTHONPATH": os.pathsep.join([str(HOOKS), str(ROOT), os.environ.get("PYTHONPATH", "")]), **variables}

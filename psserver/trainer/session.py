@@ -107,7 +107,6 @@ class Session:
         torch_rpc.check_version()
         torch_rpc.restrict_unpickler()
         quiet_cpp_warnings()  # TensorPipe's WARNING for every peer that leaves
-        _maybe_inject_join_fault()
         try:
             rpc.init_rpc(
                 self.name,
@@ -353,19 +352,6 @@ def trainer_device(name: str) -> torch.device:
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     return dev
-
-
-def _maybe_inject_join_fault() -> None:
-    """Tests only: ``PSSERVER_FAULT_INJECT=die-in-join`` kills this process inside
-    ``init_rpc`` while it holds the group's membership token, as a crash there would."""
-    if os.environ.get("PSSERVER_FAULT_INJECT") != "die-in-join":
-        return
-
-    def die(agent) -> None:  # noqa: ARG001
-        log.error("injected fault: dying inside init_rpc")
-        os._exit(9)
-
-    torch_rpc.die_inside_init_rpc(die)
 
 
 def remote_message(e: BaseException) -> str:

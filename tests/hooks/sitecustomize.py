@@ -9,6 +9,9 @@ gradients again. Once only: FILE is written first, and a process that finds it d
 With ``$PSSERVER_TEST_SLOW_PROTOCOL_SETUP=S``, a trainer takes S seconds more to set up its
 step protocol's half once the server has answered its join (as ``--step plain``'s
 ``DistributedOptimizer`` can on a loaded host).
+
+With ``$PSSERVER_TEST_DIE_IN_JOIN=1``, a trainer dies (exit 9) inside ``init_rpc`` while it
+holds its RPC group's membership token, as a crash there would.
 """
 
 from __future__ import annotations
@@ -61,3 +64,12 @@ if _SLOW_SETUP:
         return Slow()
 
     _session.get_protocol = get_protocol
+
+if os.environ.get("PSSERVER_TEST_DIE_IN_JOIN"):
+    from torch.distributed.rpc import backend_registry
+
+    def die(agent) -> None:  # noqa: ARG001 - called where torch sets the joiner's devices, token held
+        print("injected fault: dying inside init_rpc", flush=True)
+        os._exit(9)
+
+    backend_registry._set_devices_and_reverse_device_map = die

@@ -16,7 +16,7 @@ from psserver.checkpoint import list_checkpoints, read_checkpoint
 from psserver.config.ps import STEP_MODES
 from psserver.control.client import ControlClient
 from psserver.control.v1 import control_pb2 as pb
-from tests.procs import MNIST_ARGS, accuracy, free_port
+from tests.procs import MNIST_ARGS, accuracy, die_in_join, free_port
 from tests.ps import die_mid_step
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -129,11 +129,7 @@ def test_ten_kill_rejoin_cycles(procs, port):
 @pytest.mark.timeout(300)
 def test_join_that_dies_holding_the_token_blocks_nothing(procs, port):
     server = procs.server(port, "--model", "mlp", "--trainer-timeout", "2")
-    os.environ["PSSERVER_FAULT_INJECT"] = "die-in-join"
-    try:
-        dying = procs.trainer(port, 0, "--max-steps", "5")
-    finally:
-        del os.environ["PSSERVER_FAULT_INJECT"]
+    dying = procs.trainer(port, 0, "--max-steps", "5", env=die_in_join())
     assert dying.wait(60) == 9, dying.tail()
     ok = procs.trainer(port, 0, "--max-steps", "20")
     assert ok.wait(120) == 0, ok.tail()

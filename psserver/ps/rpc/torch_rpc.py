@@ -239,9 +239,3 @@ def restrict_unpickler() -> None:
     rpc_internal._unpickler = RestrictedUnpickler
     log.debug("RPC unpickler restricted to psserver's RPC surface")
 
-
-def die_inside_init_rpc(die) -> None:
-    """Tests only: run ``die(agent)`` inside ``init_rpc`` while the membership token is held."""
-    from torch.distributed.rpc import backend_registry
-
-    backend_registry._set_devices_and_reverse_device_map = die
