@@ -82,6 +82,15 @@ def slow_protocol_setup(seconds: float) -> dict[str, str]:
     return _hooked(PSSERVER_TEST_SLOW_PROTOCOL_SETUP=str(seconds))
 
 
+def slow_steps(seconds: float, pythonpath: str | None = None) -> dict[str, str]:
+    """Environment of a ``psserver train`` that sleeps ``seconds`` before each step (a slow
+    trainer), with ``pythonpath`` (a user's code) after the hooks."""
+    env = _hooked(PSSERVER_TEST_STEP_DELAY=str(seconds))
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(HOOKS), pythonpath])
+    return env
+
+
 def die_in_join() -> dict[str, str]:
     """Environment of a trainer that dies inside ``init_rpc`` holding the membership token."""
     return _hooked(PSSERVER_TEST_DIE_IN_JOIN="1")

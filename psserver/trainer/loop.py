@@ -20,7 +20,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import resource
 import signal
 import sys
@@ -50,14 +49,6 @@ from psserver.utils.progress import Progress
 from psserver.utils.references import is_reference
 
 log = logging.getLogger(__name__)
-
-def _test_step_delay() -> float:
-    """Tests only: ``PSSERVER_TEST_STEP_DELAY`` seconds of sleep per step, a slow trainer."""
-    try:
-        return max(0.0, float(os.environ.get("PSSERVER_TEST_STEP_DELAY", "0")))
-    except ValueError:
-        return 0.0
-
 
 class ThreadShare:
     """The trainer's torch threads: ``--compute-threads``, or its share of the host's usable
@@ -150,7 +141,6 @@ def _run(ps: Connection, data: Batches, eval_set, metric: str, metric_fn: Callab
     progress = Progress(total, desc=f"trainer {config.rank}", enabled=config.progress)
     if pos.steps:
         progress.update(pos.steps)
-    delay = _test_step_delay()
     first = True  # this process's first step: a failure there is the data not fitting the model
     try:
         while pos.epoch < config.epochs and (total is None or pos.steps < total):
@@ -161,8 +151,6 @@ def _run(ps: Connection, data: Batches, eval_set, metric: str, metric_fn: Callab
                     ps.leave_on_signal()
                 if first:
                     check_batch(xb, yb, config.data.dataset)
-                if delay:
-                    time.sleep(delay)
                 threads.update(session)
                 check = (lambda e, x=xb, y=yb: _first_step_failed(session, config, spec, e, x, y)) if first else None
                 loss = ps.train_step(xb, yb, samples=_batch_len(xb, yb), on_failure=check)

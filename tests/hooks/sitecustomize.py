@@ -10,6 +10,9 @@ With ``$PSSERVER_TEST_SLOW_PROTOCOL_SETUP=S``, a trainer takes S seconds more to
 step protocol's half once the server has answered its join (as ``--step plain``'s
 ``DistributedOptimizer`` can on a loaded host).
 
+With ``$PSSERVER_TEST_STEP_DELAY=S``, ``psserver train`` sleeps S seconds before each step: a
+slow trainer (one caught mid-run, a straggler).
+
 With ``$PSSERVER_TEST_DIE_IN_JOIN=1``, a trainer dies (exit 9) inside ``init_rpc`` while it
 holds its RPC group's membership token, as a crash there would.
 """
@@ -73,3 +76,18 @@ if os.environ.get("PSSERVER_TEST_DIE_IN_JOIN"):
         os._exit(9)
 
     backend_registry._set_devices_and_reverse_device_map = die
+
+_STEP_DELAY = os.environ.get("PSSERVER_TEST_STEP_DELAY")
+
+if _STEP_DELAY:
+    import time
+
+    from psserver.trainer.connection import Connection
+
+    _train_step = Connection.train_step
+
+    def train_step(self, *args, **kwargs):
+        time.sleep(float(_STEP_DELAY))
+        return _train_step(self, *args, **kwargs)
+
+    Connection.train_step = train_step

@@ -14,11 +14,11 @@ import pytest
 import torch.distributed as dist
 
 from psserver.ps.rpc.rendezvous import request_admission
-from tests.procs import Proc, ProcessGroup, free_port, slow_protocol_setup
+from tests.procs import Proc, ProcessGroup, free_port, slow_protocol_setup, slow_steps
 
 pytestmark = pytest.mark.multiprocess
 
-DELAY = {"PSSERVER_TEST_STEP_DELAY": "0.05"}  # a trainer slow enough to be caught mid-run
+DELAY = slow_steps(0.05)  # a trainer slow enough to be caught mid-run
 SHARDS = 8  # the synthetic 4,096 samples over 8 ranks, batches of 16: 32 steps an epoch
 RUN = ["--num-trainers", str(SHARDS), "--batch-size", "16", "--epochs", "2"]
 JOINED = r"joined psserver \S+ as (trainer_\d+_\d+)"
@@ -125,7 +125,7 @@ def test_a_preempted_trainer_leaves_and_the_sync_round_goes_on(procs, port, sig,
     server = procs.server(port, "--model", "mlp", "--update", "sync", "--sync-trainers", "2",
                           "--trainer-timeout", "30")
     common = ["--num-trainers", "2", "--batch-size", "16"]
-    delay = {"PSSERVER_TEST_STEP_DELAY": "0.02"}
+    delay = slow_steps(0.02)
     t0 = procs.trainer(port, 0, *common, "--epochs", "2", "--max-steps", "150", env=delay)
     t1 = procs.trainer(port, 1, *common, "--epochs", "100", env=delay)
     for t in (t0, t1):
@@ -194,7 +194,7 @@ def test_a_trainer_rejoins_a_restarted_server_on_its_first_try(procs, port, tmp_
     assert [request_admission(store, rank, "test")[0] for rank in (10, 11, 12)] == [1, 2, 3]
     del store
     t = procs.trainer(port, 0, "--max-steps", "150", "--reconnect", "--rpc-timeout", "10",
-                      env={"PSSERVER_TEST_STEP_DELAY": "0.02"})
+                      env=slow_steps(0.02))
     t.wait_for(JOINED, timeout=60)
     server.wait_for(r"checkpoint step [1-9]\d* written", timeout=60)
     server.signal(signal.SIGKILL)

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from psserver.checkpoint import list_checkpoints, read_checkpoint
-from tests.procs import Proc, cli, free_port
+from tests.procs import Proc, cli, free_port, slow_steps
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -53,7 +53,7 @@ class Soak:
         t = self.procs.trainer(self.port, rank, "--num-trainers", "2", "--epochs", "1000",
                                "--max-steps", str(steps), "--step", step, "--reconnect", "--batch-size", "32",
                                log=self.tmp / f"trainer-{rank}-{self.runs}.log",
-                               env={"PSSERVER_TEST_STEP_DELAY": "0.02", "OMP_NUM_THREADS": "1"})
+                               env={**slow_steps(0.02), "OMP_NUM_THREADS": "1"})
         t.max_steps = steps  # type: ignore[attr-defined]
         t.started = time.monotonic()  # type: ignore[attr-defined]
         self.trainers[rank] = t

@@ -15,13 +15,13 @@ import pytest
 
 from psserver.control.client import ControlClient
 from psserver.control.v1 import control_pb2 as pb
-from tests.procs import Proc, cli, free_port
+from tests.procs import Proc, cli, free_port, slow_steps
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 S = 2
 TRAINER_TIMEOUT = 3.0
-SLOW_DELAY = 0.2  # seconds of sleep per step of the slow trainer (PSSERVER_TEST_STEP_DELAY)
+SLOW_DELAY = 0.2  # seconds of sleep per step of the slow trainer (tests.procs.slow_steps)
 
 
 def _trainers(client: ControlClient) -> dict[int, pb.Trainer]:
@@ -53,7 +53,7 @@ def test_ssp_holds_the_fast_trainer_and_a_dead_slow_one_holds_it_only_until_evic
     # The slow one first: a trainer alone is bounded by nobody, and the fast one must not be
     # done before the slow one is even there.
     slow = procs.trainer(port, 1, *common, "--max-steps", "100000", log=tmp_path / "slow.log",
-                         env={**one_thread, "PSSERVER_TEST_STEP_DELAY": str(SLOW_DELAY)})
+                         env={**one_thread, **slow_steps(SLOW_DELAY)})
     slow.wait_for("joined psserver", timeout=90)
     fast = procs.trainer(port, 0, *common, "--max-steps", "400", log=tmp_path / "fast.log", env=one_thread)
     everyone = [server, slow, fast]

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.procs import accuracy, metric
+from tests.procs import accuracy, metric, slow_steps
 from tests.userproject import PNG_DATASET, pythonpath, write_package
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -118,7 +118,7 @@ def test_a_rejoin_with_workers_continues_its_epoch(procs, port, project):
     import time
 
     server = procs.server(port, "--model", "mnist_cnn", "--trainer-timeout", "2")
-    env = {"PYTHONPATH": pythonpath(project / "code"), "PSSERVER_TEST_STEP_DELAY": "0.05"}
+    env = slow_steps(0.05, pythonpath(project / "code"))
     t = procs.trainer(port, 0, "--num-trainers", "4", "--data-workers", "2", "--reconnect", *user_data(project),
                       env=env)
     name = t.wait_for(r"joined psserver \S+ as (trainer_\d+_\d+)", timeout=60).group(1)

@@ -16,7 +16,7 @@ from psserver.checkpoint import checkpoint_path, list_checkpoints, read_checkpoi
 from psserver.control.client import ControlClient
 from psserver.control.v1.control_pb2 import ServerState
 from psserver.ps.group.partition import PartitionPlan
-from tests.procs import MNIST_ARGS, accuracy, cli, free_port, run, start_servers, wait_until
+from tests.procs import MNIST_ARGS, accuracy, cli, free_port, run, slow_steps, start_servers, wait_until
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -127,7 +127,7 @@ def test_a_killed_server_comes_back_and_every_server_returns_to_one_checkpoint(p
     ckpt = tmp_path / "ckpt"
     common = ["--model", "mlp", "--checkpoint-every", "20", "--trainer-timeout", "2"]
     servers = start_servers(procs, port, 2, *common, ckpt=ckpt)
-    slow = {"PSSERVER_TEST_STEP_DELAY": "0.02"}
+    slow = slow_steps(0.02)
     keeps = procs.trainer(port, 0, "--num-trainers", "2", "--epochs", "3", "--reconnect", env=slow)
     quits = procs.trainer(port, 1, "--num-trainers", "2", "--epochs", "3", env=slow)
     servers[0].wait_for(r"checkpoint step (\d+) written", timeout=90)
@@ -162,7 +162,7 @@ def test_a_server_killed_mid_step_continues_from_memory_and_every_step_lands_onc
               "--state-key", "job"]
     servers = start_servers(procs, port, 2, *common, control=True)
     address = "{}:{}".format(*servers[0].wait_for(LISTENING.pattern, timeout=30).groups())
-    slow = {"PSSERVER_TEST_STEP_DELAY": "0.02"}
+    slow = slow_steps(0.02)
     train = ["--num-trainers", "2", "--epochs", "5", "--max-steps", "150", "--batch-size", "32", "--reconnect"]
     trainers = [procs.trainer(port, r, *train, env=slow) for r in range(2)]
     client = ControlClient(address, timeout=10)

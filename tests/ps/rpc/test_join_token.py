@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from tests.procs import ROOT, accuracy
+from tests.procs import ROOT, accuracy, slow_steps
 
 TOKEN = "job-token-for-the-tests-0123456789abcdef"
 JOINED = r"joined psserver \S+ as (trainer_\d+_\d+)"
@@ -90,7 +90,7 @@ def test_a_strangers_init_rpc_does_not_find_the_server(procs, port, token_file):
     stranger's group is a group of its own; the server is not in it and runs nothing."""
     server = procs.server(port, "--model", "mlp", "--join-token-file", str(token_file))
     t = procs.trainer(port, 0, "--dataset", "synthetic", "--max-steps", "400", "--join-token-file", str(token_file),
-                      env={"PSSERVER_TEST_STEP_DELAY": "0.02"})
+                      env=slow_steps(0.02))
     t.wait_for(JOINED, timeout=60)
     r = subprocess.run([sys.executable, "-c", STRANGER, str(port)], capture_output=True, text=True, timeout=60,
                        cwd=ROOT)
@@ -113,7 +113,7 @@ def test_store_writes_by_a_stranger_change_nothing(procs, port, token_file, mode
     auth = ["--join-token-file", str(token_file)] if mode == "token" else []
     server = procs.server(port, "--model", "mlp", *auth)
     t0 = procs.trainer(port, 0, "--dataset", "synthetic", "--num-trainers", "2", "--max-steps", "300", *auth,
-                       env={"PSSERVER_TEST_STEP_DELAY": "0.02"})
+                       env=slow_steps(0.02))
     t0.wait_for(JOINED, timeout=60)
     stranger = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=30))
     stranger.set("psserver/live/0", "stranger")

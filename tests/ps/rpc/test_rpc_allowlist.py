@@ -36,7 +36,7 @@ from psserver.ps.rpc.messages import JoinRequest, Report
 from psserver.ps.rpc.rpc_allowlist import RefusedCall
 from psserver.ps.server import endpoint
 from psserver.telemetry import RPC_REFUSALS, RefusalLog
-from tests.procs import ROOT, env, free_port
+from tests.procs import ROOT, env, free_port, slow_steps
 from tests.ps import stranger
 from tests.ps.joins import join_request
 from tests.test_metrics import FakeTarget, scrape, value
@@ -215,7 +215,7 @@ def test_a_stranger_in_the_rpc_group_runs_nothing(procs, port, tmp_path):
     metrics = free_port()
     server = procs.server(port, "--model", "mlp", "--metrics-port", str(metrics))
     trainer = procs.trainer(port, 0, "--epochs", "1000", "--max-steps", "600",
-                            env={"PSSERVER_TEST_STEP_DELAY": "0.02"})  # 12 s at least
+                            env=slow_steps(0.02))  # 12 s at least
     trainer.wait_for(r"joined psserver \S+ as trainer_0_1", timeout=60)
     pwned = tmp_path / "pwned"
     r = subprocess.run([sys.executable, "-m", "tests.ps.stranger", str(port), str(pwned)], capture_output=True,

@@ -17,7 +17,7 @@ import torch
 from psserver.checkpoint import find_latest
 from psserver.control.client import ControlClient
 from psserver.ps.server.supervisor import describe, resume_argv, server_argv
-from tests.procs import MNIST_ARGS, Proc, accuracy, die_after_update, free_port
+from tests.procs import MNIST_ARGS, Proc, accuracy, die_after_update, free_port, slow_steps
 
 JOINED = r"joined psserver \S+ as (trainer_\d+_\d+)"
 FOUND = r"found the state of run \S+ in memory: \S+, generation \d+, global step (\d+), (\d+) samples"
@@ -114,7 +114,7 @@ def test_a_server_killed_three_times_and_crashed_by_bytes_loses_no_update(procs,
     # 40 ms a step more: the 252 steps outlast the four deaths (in one CI run they ended before
     # the fourth: the overlapped trainers are fast, a restart's pause is not).
     trainers = [procs.trainer(port, r, "--num-trainers", "2", "--epochs", "4", "--reconnect", "--overlap", "on",
-                              *MNIST_ARGS, env={"PSSERVER_TEST_STEP_DELAY": "0.04"}) for r in (0, 1)]
+                              *MNIST_ARGS, env=slow_steps(0.04)) for r in (0, 1)]
     for t in trainers:
         t.wait_for(JOINED, timeout=90)
     standby = int(sup.wait_for(r"standby server ready \(pid (\d+)\)", timeout=60)[1])
@@ -163,7 +163,7 @@ def sync_run(procs, port: int, ckpt, *server_flags: str, server_env: dict | None
     sup = procs.server(port, "--model", "mlp", "--update", "sync", "--sync-trainers", "2", "--checkpoint-dir",
                        str(ckpt), *server_flags, control_port=ctl, env=server_env)
     trainers = [procs.trainer(port, r, "--num-trainers", "2", "--max-steps", str(SYNC_STEPS), "--compute-threads", "1",
-                              "--reconnect", *MNIST_ARGS, env={"PSSERVER_TEST_STEP_DELAY": "0.05"}) for r in (0, 1)]
+                              "--reconnect", *MNIST_ARGS, env=slow_steps(0.05)) for r in (0, 1)]
     if kill_mid_round_at is not None:
         with ControlClient(f"127.0.0.1:{ctl}", timeout=5) as client:
             deadline = time.monotonic() + 120
