@@ -25,6 +25,8 @@ def userpkg(tmp_path, monkeypatch):
     (pkg / "needs_dep.py").write_text("import not_installed_anywhere\n")
     (pkg / "raises.py").write_text("raise RuntimeError('configuration missing')\n")
     (pkg / "exits.py").write_text("import sys\nsys.exit(0)\n")
+    (pkg / "base_raises.py").write_text("class Boom(BaseException):\n    pass\nraise Boom('no config')\n")
+    (pkg / "hard_exits.py").write_text("import os\ntry:\n    os._exit(0)\nexcept Exception:\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     yield pkg
     for name in [m for m in sys.modules if m == "userpkg" or m.startswith("userpkg.")]:
@@ -46,6 +48,8 @@ def test_loads_module_attributes_and_nested_ones(userpkg):
                               r"No module named 'not_installed_anywhere'"),
     ("userpkg.raises:Net", r"importing module 'userpkg.raises' failed: RuntimeError: configuration missing"),
     ("userpkg.exits:Net", r"importing module 'userpkg.exits' failed: SystemExit: 0"),  # not psserver's exit
+    ("userpkg.base_raises:Net", r"importing module 'userpkg.base_raises' failed: Boom: no config"),
+    ("userpkg.hard_exits:Net", r"importing module 'userpkg.hard_exits' failed: called os._exit\(0\)"),
     ("userpkg.things:Nope", r"'userpkg.things' has no attribute 'Nope'"),
     ("userpkg.things:Holder.Nope", r"'userpkg.things:Holder' has no attribute 'Nope'"),
 ])

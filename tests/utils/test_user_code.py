@@ -1,0 +1,97 @@
+"""User code psserver runs (an import, a constructor, a first loss call) is bounded: an
+``os._exit`` in it is one line, and a hang in it is named and stopped, while code that computes
+is left alone however long it takes."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from psserver.errors import UserCodeError
+from psserver.utils import user_code
+from psserver.utils.references import call_user
+from psserver.utils.user_code import ExitCalled, FirstCallBounded, running_user_code, timeout_s
+from tests.procs import run
+from tests.userproject import pythonpath, write_package
+
+
+@pytest.fixture
+def stopped(monkeypatch):
+    """What the watchdog says instead of ending this process; ``release`` unblocks the code."""
+    said: list[str] = []
+    release = threading.Event()
+
+    def stop(message: str) -> None:
+        said.append(message)
+        release.set()
+
+    monkeypatch.setattr(user_code, "_stop_process", stop)
+    monkeypatch.setenv(user_code.TIMEOUT_ENV, "0.2")
+    return said, release
+
+
+def test_a_hung_dataset_constructor_is_named_and_stopped(stopped):
+    said, release = stopped
+    call_user(lambda: release.wait(30), (), {}, "--dataset mypkg.data:Slow")
+    assert said == [f"--dataset mypkg.data:Slow has been blocked for over 0.2 s: stopped (${user_code.TIMEOUT_ENV} "
+                    "seconds, default 300; raise it for code that waits that long, 0 for no limit)"]
+
+
+def test_code_that_computes_is_not_stopped():
+    said: list[str] = []
+    with running_user_code("computing", 0.05, expire=said.append):
+        start = time.thread_time()
+        while time.thread_time() - start < 0.3:  # six limits of CPU time
+            pass
+    assert said == []
+
+
+def test_os_exit_in_user_code_is_an_error_in_its_thread_only(monkeypatch):
+    monkeypatch.setenv(user_code.TIMEOUT_ENV, "0")
+    with pytest.raises(UserCodeError, match=r"^--model m raised called os._exit\(3\)"):
+        call_user(lambda: os._exit(3), (), {}, "--model m")
+    assert os._exit is user_code._real_exit  # put back
+    calls = []
+    monkeypatch.setattr(user_code, "_real_exit", calls.append)
+    with running_user_code("elsewhere", None):
+        other = threading.Thread(target=os._exit, args=(5,))  # psserver's own thread: exits as asked
+        other.start()
+        other.join()
+        with pytest.raises(ExitCalled):
+            os._exit(4)
+    assert calls == [5]
+
+
+def test_a_first_loss_call_that_exits_is_one_line(monkeypatch):
+    monkeypatch.setenv(user_code.TIMEOUT_ENV, "0")
+    loss = FirstCallBounded(lambda out, target: os._exit(0), "--loss mypkg.losses:bad")
+    with pytest.raises(UserCodeError, match=r"^--loss mypkg.losses:bad called os._exit\(0\) in its first call$"):
+        loss(1, 2)
+    twice = FirstCallBounded(lambda a, b: a + b, "--loss x:y")
+    assert twice(1, 2) == 3 and twice(2, 2) == 4
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "nan", "inf"])
+def test_a_bad_timeout_is_one_line(monkeypatch, value):
+    monkeypatch.setenv(user_code.TIMEOUT_ENV, value)
+    with pytest.raises(UserCodeError, match=rf"^\${user_code.TIMEOUT_ENV}='{value}' is not a number of seconds"):
+        timeout_s()
+    monkeypatch.setenv(user_code.TIMEOUT_ENV, "0")
+    assert timeout_s() is None
+    monkeypatch.delenv(user_code.TIMEOUT_ENV)
+    assert timeout_s() == user_code.DEFAULT_TIMEOUT_S
+
+
+def test_an_import_that_hangs_ends_the_process_in_one_line(tmp_path):
+    """End to end: the watchdog's exit, which no in-process test can take."""
+    write_package(tmp_path, "hangpkg", {"models": "import threading\nthreading.Event().wait()\n"})
+    done = run(["serve", "--port", "1", "--model", "hangpkg.models:Net"], timeout=60,
+               env={"PYTHONPATH": pythonpath(tmp_path), user_code.TIMEOUT_ENV: "0.3"})
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr
+    assert len(lines) == 1 and lines[0].endswith(
+        "--model hangpkg.models:Net: importing module 'hangpkg.models' has been blocked for over 0.3 s: stopped "
+        f"(${user_code.TIMEOUT_ENV} seconds, default 300; raise it for code that waits that long, 0 for no limit)")
