@@ -18,6 +18,7 @@ Two things no ``try`` catches are made visible here, for the thread that runs th
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -148,16 +149,19 @@ def running_user_code(what: str, limit: float | None,
 
 class FirstCallBounded:
     """``fn``, whose first call runs under :func:`running_user_code` (a user's loss: the first
-    step is where it hangs if it ever does); later calls go straight through, at no cost."""
+    step is where it hangs if it ever does); later calls go straight through."""
 
-    def __init__(self, fn: Callable, what: str) -> None:
-        self.fn, self.what = fn, what
+    def __init__(self, fn: Callable, what: str, *, on_first: Callable[[], None] | None = None) -> None:
+        functools.update_wrapper(self, fn)
+        self.fn, self.what, self.on_first = fn, what, on_first
         self._first = True
 
     def __call__(self, *args, **kwargs):
         if not self._first:
             return self.fn(*args, **kwargs)
         self._first = False
+        if self.on_first is not None:
+            self.on_first()
         limit = timeout_s()
         try:
             with running_user_code(f"{self.what}: its first call", limit):
@@ -166,4 +170,19 @@ class FirstCallBounded:
             raise UserCodeError(f"{self.what} {e} in its first call") from None
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "ExitCalled", "FirstCallBounded", "running_user_code", "timeout_s"]
+def bound_first_call(fn: Callable, what: str) -> Callable:
+    """``fn`` with its first call bounded (:class:`FirstCallBounded`). An ``nn.Module`` stays
+    itself (its parameters, ``.to()``, ``isinstance``): only its ``forward`` is wrapped, and put
+    back at that first call."""
+    from torch import nn
+
+    if isinstance(fn, nn.Module):
+        module = fn
+        object.__setattr__(module, "forward", FirstCallBounded(
+            module.forward, what, on_first=lambda: module.__dict__.pop("forward", None)))
+        return module
+    return FirstCallBounded(fn, what)
+
+
+__all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "ExitCalled", "FirstCallBounded", "bound_first_call",
+           "running_user_code", "timeout_s"]

@@ -9,11 +9,12 @@ import threading
 import time
 
 import pytest
+import torch
 
 from psserver.errors import UserCodeError
 from psserver.utils import user_code
 from psserver.utils.references import call_user
-from psserver.utils.user_code import ExitCalled, FirstCallBounded, running_user_code, timeout_s
+from psserver.utils.user_code import ExitCalled, FirstCallBounded, bound_first_call, running_user_code, timeout_s
 from tests.procs import run
 from tests.userproject import pythonpath, write_package
 
@@ -72,6 +73,24 @@ def test_a_first_loss_call_that_exits_is_one_line(monkeypatch):
         loss(1, 2)
     twice = FirstCallBounded(lambda a, b: a + b, "--loss x:y")
     assert twice(1, 2) == 3 and twice(2, 2) == 4
+
+
+def test_a_loss_module_stays_itself_and_its_first_call_is_bounded(monkeypatch):
+    monkeypatch.setenv(user_code.TIMEOUT_ENV, "0")
+    calls = []
+
+    class Exits(torch.nn.Module):
+        def forward(self, out, target):
+            calls.append(out)
+            if len(calls) == 1:
+                os._exit(0)
+            return out
+
+    loss = Exits()
+    assert bound_first_call(bound_first_call(loss, "--loss a:Exits"), "--loss a:Exits") is loss
+    with pytest.raises(UserCodeError, match=r"^--loss a:Exits called os._exit\(0\) in its first call$"):
+        loss(1, 2)
+    assert loss(3, 4) == 3 and "forward" not in vars(loss)
 
 
 @pytest.mark.parametrize("value", ["soon", "-1", "nan", "inf"])
