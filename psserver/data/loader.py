@@ -31,6 +31,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler, TensorDataset
 
 from psserver.errors import DataError
+from psserver.utils.user_code import ExitCalled, running_user_code, timeout_s
 
 log = logging.getLogger(__name__)
 
@@ -291,9 +292,11 @@ def check_samples(dataset: Dataset, name: str) -> None:
     if size == 0:
         raise DataError(f"dataset {name} is empty")
     check_size(size, name)
+    limit = timeout_s()
     try:
-        sample = dataset[0]
-    except Exception as e:  # noqa: BLE001 - the user's dataset failed: one line
+        with running_user_code(f"dataset {name}: reading sample 0", limit):
+            sample = dataset[0]
+    except (Exception, ExitCalled) as e:  # noqa: BLE001 - the user's dataset failed: one line
         log.debug("reading sample 0 of %s failed", name, exc_info=True)
         raise DataError(f"dataset {name}: reading sample 0 failed: {_last_line(e)}") from None
     check_sample(sample, name)
@@ -348,6 +351,8 @@ def _kind(value: Any) -> str:
 def _last_line(e: BaseException) -> str:
     """The useful line of an exception, also one a DataLoader worker re-raised with its
     traceback in the message (the original exception is the last line)."""
+    if isinstance(e, ExitCalled):
+        return str(e)
     lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
     if not lines:
         return type(e).__name__

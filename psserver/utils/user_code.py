@@ -53,6 +53,8 @@ _lock = threading.Lock()
 _guarded: dict[int, int] = {}
 """Thread ident -> how many :func:`running_user_code` it is inside."""
 _owner_pid = 0
+_outer_exit = os._exit
+"""What ``os._exit`` was before the first :func:`running_user_code` replaced it (put back after)."""
 
 
 def _exit_in_user_code(code: int) -> None:
@@ -60,7 +62,7 @@ def _exit_in_user_code(code: int) -> None:
     process (not in a child forked meanwhile, not in psserver's other threads)."""
     if os.getpid() == _owner_pid and threading.get_ident() in _guarded:
         raise ExitCalled(code)
-    _real_exit(code)
+    _outer_exit(code)
 
 
 def timeout_s() -> float | None:
@@ -94,16 +96,22 @@ class _Watchdog(threading.Thread):
     def __init__(self, what: str, limit: float, expire: Callable[[str], None]) -> None:
         super().__init__(name="psserver-user-code-watchdog", daemon=True)
         self.what, self.limit, self.expire = what, limit, expire
-        self.clock = time.pthread_getcpuclockid(threading.get_ident())
+        try:
+            self.clock: int | None = time.pthread_getcpuclockid(threading.get_ident())
+        except (AttributeError, OSError):  # no per-thread CPU clock here (macOS): wall-clock time counts
+            self.clock = None
         self.done = threading.Event()
+
+    def _cpu(self) -> float:
+        return 0.0 if self.clock is None else time.clock_gettime(self.clock)
 
     def run(self) -> None:
         tick = min(1.0, self.limit / 10)
         blocked = 0.0
-        cpu = time.clock_gettime(self.clock)
+        cpu = self._cpu()
         while not self.done.wait(tick):
             try:
-                now_cpu = time.clock_gettime(self.clock)
+                now_cpu = self._cpu()
             except OSError:  # the thread is gone
                 return
             blocked = 0.0 if now_cpu - cpu >= BUSY_FRACTION * tick else blocked + tick
@@ -123,11 +131,12 @@ def running_user_code(what: str, limit: float | None,
     of blocked time (None: none; :func:`timeout_s` reads the user's, before the user's code runs
     so that a bad value is not taken for the code's error); ``expire``: what the watchdog does
     (by default: one line, exit 2)."""
-    global _owner_pid
+    global _owner_pid, _outer_exit
     ident = threading.get_ident()
     with _lock:
         if not _guarded:
             _owner_pid = os.getpid()
+            _outer_exit = os._exit
             os._exit = _exit_in_user_code
         _guarded[ident] = _guarded.get(ident, 0) + 1
     watchdog = None
@@ -144,7 +153,7 @@ def running_user_code(what: str, limit: float | None,
             if not _guarded[ident]:
                 del _guarded[ident]
             if not _guarded:
-                os._exit = _real_exit
+                os._exit = _outer_exit
 
 
 class FirstCallBounded:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -10,8 +11,13 @@ from psserver.errors import UsageError, UserCodeError
 from psserver.utils.references import call_user, load_reference, parse_json_args
 
 
+def exits_recorded(code: int) -> None:
+    raise AssertionError(f"os._exit({code}) reached the process")
+
+
 @pytest.fixture
 def userpkg(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "_exit", exits_recorded)  # one that escapes fails, not ends, the test process
     pkg = tmp_path / "userpkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")

@@ -10,13 +10,25 @@ import time
 
 import pytest
 import torch
+from torch.utils.data import Dataset
 
-from psserver.errors import UserCodeError
+from psserver.data import check_samples
+from psserver.errors import DataError, UserCodeError
 from psserver.utils import user_code
 from psserver.utils.references import call_user
 from psserver.utils.user_code import ExitCalled, FirstCallBounded, bound_first_call, running_user_code, timeout_s
 from tests.procs import run
 from tests.userproject import pythonpath, write_package
+
+
+def exits_recorded(code: int) -> None:
+    raise AssertionError(f"os._exit({code}) reached the process")
+
+
+@pytest.fixture(autouse=True)
+def no_exit(monkeypatch):
+    """An ``os._exit`` that escaped fails the test instead of ending the test process."""
+    monkeypatch.setattr(os, "_exit", exits_recorded)
 
 
 @pytest.fixture
@@ -41,6 +53,34 @@ def test_a_hung_dataset_constructor_is_named_and_stopped(stopped):
                     "seconds, default 300; raise it for code that waits that long, 0 for no limit)"]
 
 
+class SlowSample(Dataset):
+    def __init__(self, release: threading.Event) -> None:
+        self.release = release
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        if not self.release.wait(30):
+            os._exit(0)  # never released: stands for any exit
+        return torch.zeros(2), 0
+
+
+def test_a_dataset_whose_first_sample_hangs_is_named_and_stopped(stopped):
+    said, release = stopped
+    check_samples(SlowSample(release), "mypkg.data:Slow")
+    assert len(said) == 1 and said[0].startswith("dataset mypkg.data:Slow: reading sample 0 has been blocked for "
+                                                 "over 0.2 s: stopped")
+
+
+def test_a_dataset_whose_first_sample_exits_is_one_line(monkeypatch):
+    monkeypatch.setenv(user_code.TIMEOUT_ENV, "0")
+    release = threading.Event()
+    release.wait = lambda timeout: False  # type: ignore[method-assign]
+    with pytest.raises(DataError, match=r"^dataset d: reading sample 0 failed: called os._exit\(0\)$"):
+        check_samples(SlowSample(release), "d")
+
+
 def test_code_that_computes_is_not_stopped():
     said: list[str] = []
     with running_user_code("computing", 0.05, expire=said.append):
@@ -54,16 +94,16 @@ def test_os_exit_in_user_code_is_an_error_in_its_thread_only(monkeypatch):
     monkeypatch.setenv(user_code.TIMEOUT_ENV, "0")
     with pytest.raises(UserCodeError, match=r"^--model m raised called os._exit\(3\)"):
         call_user(lambda: os._exit(3), (), {}, "--model m")
-    assert os._exit is user_code._real_exit  # put back
+    assert os._exit is exits_recorded  # put back
     calls = []
-    monkeypatch.setattr(user_code, "_real_exit", calls.append)
+    monkeypatch.setattr(os, "_exit", calls.append)
     with running_user_code("elsewhere", None):
-        other = threading.Thread(target=os._exit, args=(5,))  # psserver's own thread: exits as asked
+        other = threading.Thread(target=lambda: os._exit(5))  # psserver's own thread: exits as asked
         other.start()
         other.join()
         with pytest.raises(ExitCalled):
             os._exit(4)
-    assert calls == [5]
+    assert calls == [5] and os._exit == calls.append
 
 
 def test_a_first_loss_call_that_exits_is_one_line(monkeypatch):
