@@ -9,12 +9,14 @@ reports it with exit code 2.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import json
 import logging
 import math
 import re
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -43,8 +45,11 @@ def load_reference(reference: str, what: str) -> Any:
         raise UserCodeError(f"{what} {reference!r} is not MODULE:ATTR (for example mypkg.models:MyNet)")
     module_name, _, attr_path = reference.strip().partition(":")
     limit = timeout_s()
+    # A module imported before runs no code again: no watchdog to start for it.
+    guard = (contextlib.nullcontext() if module_name in sys.modules else
+             running_user_code(f"{what} {reference}: importing module {module_name!r}", limit))
     try:
-        with running_user_code(f"{what} {reference}: importing module {module_name!r}", limit):
+        with guard:
             module = importlib.import_module(module_name)
     except KeyboardInterrupt:
         raise
