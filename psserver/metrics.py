@@ -8,7 +8,8 @@ so the parameter server and collective rank 0 share them (server processes i > 0
 :func:`start_server_process_exporter`):
 
 - Prometheus: a private :class:`CollectorRegistry` (several servers can run in one process,
-  as tests do) served over HTTP; a custom collector reads the snapshots at scrape time, so no
+  as tests do) served over HTTP by one thread with a cap on connections
+  (``psserver.utils.metrics_http``); a custom collector reads the snapshots at scrape time, so no
   polling thread is needed. The only pushed metric is the RPC handling-time histogram, fed by
   :func:`observe_rpc` or the :func:`rpc_timed` decorator.
 - TensorBoard: a background thread writes scalars from the snapshot every few seconds with
@@ -27,7 +28,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -41,6 +42,7 @@ from psserver.telemetry import (
     ServerStatus,
     TrainerStatus,
 )
+from psserver.utils.metrics_http import MetricsHTTPServer
 
 log = logging.getLogger(__name__)
 
@@ -413,8 +415,7 @@ class Exporters:
         self.target = target
         self.registry, self._rpc_histogram = build_registry(target, server_rank)
         self.metrics_address: tuple[str, int] | None = None
-        self._httpd: Any = None
-        self._http_thread: threading.Thread | None = None
+        self._httpd: MetricsHTTPServer | None = None
         self.tensorboard: TensorBoardWriter | None = None
         self._closed = False
 
@@ -428,7 +429,7 @@ class Exporters:
 
     def start_http(self, host: str, port: int) -> None:
         try:
-            self._httpd, self._http_thread = start_http_server(port, addr=host, registry=self.registry)
+            self._httpd = MetricsHTTPServer(host, port, self.registry)
         except OSError as e:
             raise UsageError(f"cannot serve metrics on {host}:{port}: {e.strerror or e}") from None
         self.metrics_address = (host, int(self._httpd.server_address[1]))
@@ -440,10 +441,7 @@ class Exporters:
         self._closed = True
         _unregister(self)
         if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            if self._http_thread is not None:
-                self._http_thread.join(timeout=5)
+            self._httpd.close()
         if self.tensorboard is not None:
             try:
                 self.tensorboard.close()

@@ -324,6 +324,24 @@ def test_scrape_survives_a_broken_target():
         assert value(scrape(ex.metrics_port), "psserver_scrape_error") == 1
 
 
+def test_slow_connections_hold_no_thread_and_a_scrape_still_answers():
+    from psserver.metrics import start_exporters
+
+    with start_exporters(FakeTarget(), ObservabilityConfig(metrics_port=0)) as ex:
+        threads = threading.active_count()
+        slow = []
+        try:
+            for _ in range(300):  # a request never finished: each held a thread for ever
+                s = socket.create_connection(("127.0.0.1", ex.metrics_port))
+                s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+                slow.append(s)
+            assert value(scrape(ex.metrics_port), "psserver_up") == 1
+            assert threading.active_count() == threads
+        finally:
+            for s in slow:
+                s.close()
+
+
 def test_tensorboard_scalars_by_global_step(tmp_path):
     pytest.importorskip("tensorboard")
     from psserver.metrics import start_exporters

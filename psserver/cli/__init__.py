@@ -15,6 +15,7 @@ import datetime
 import faulthandler
 import logging
 import os
+import signal
 import sys
 import tempfile
 import traceback
@@ -30,6 +31,7 @@ from psserver.cli.export import ExportCommand
 from psserver.cli.serve import ServeCommand
 from psserver.cli.train import TrainCommand
 from psserver.errors import ServerLost, UsageError
+from psserver.trainer.stop_signals import Stopped
 from psserver.utils.cpp_log import quiet_cpp_warnings
 
 log = logging.getLogger(__name__)
@@ -157,7 +159,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # system's own words for it, in one line.
         print(f"psserver {verb}: error: {path_error(e)}", file=sys.stderr)
         return 1
-    except Exception as e:  # noqa: BLE001 - a bug: the traceback to a file, one line here
+    except Stopped as s:  # SIGTERM or SIGINT where a trainer's own loop could not leave (--entry)
+        print(f"psserver {verb}: received {signal.Signals(s.signum).name} {s.why}: exiting", file=sys.stderr)
+        return s.code
+    except (SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - a bug, or a BaseException of the user's code that no
+        # narrower handler names: the traceback to a file, one line here, never a raw traceback
         return internal_error(verb, e, argv)
 
 

@@ -102,12 +102,18 @@ class OptimizerConfig:
                                  f"it takes {', '.join(takes)}")
         if not self.args:
             return
-        # The optimizer's own checks of its arguments (betas in [0, 1), eps >= 0, ...), before any
-        # trainer trains. Only then: building one imports torch's compiler the first time (1-2 s).
+        _check_kinds(cls, self.name, self.args)
+        # The optimizer's own checks of its arguments (betas in [0, 1), eps >= 0, ...), and one step
+        # as the server takes it (fused where it can: the fused kernel is what refuses a string
+        # ``amsgrad``), before any trainer trains. Only then: building one imports torch's compiler
+        # the first time (1-2 s).
+        param = torch.zeros(1, requires_grad=True)
+        param.grad = torch.ones(1)
         try:
-            make_optimizer([torch.zeros(1, requires_grad=True)], self)
+            make_optimizer([param], self, fused=True).step()
         except Exception as e:  # noqa: BLE001 - whatever the class raises is a refusal of its arguments
-            raise ValueError(f"--optimizer-args {self.args}: {self.name} refuses them: {e}") from None
+            raise ValueError(f"--optimizer-args {self.args}: {self.name} refuses them: "
+                             f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer) -> OptimizerConfig:
@@ -137,6 +143,25 @@ class OptimizerConfig:
     def describe(self) -> str:
         extra = "".join(f", {k}={v}" for k, v in self.args.items())
         return f"{self.name}(lr={self.lr:g}, momentum={self.momentum:g}, weight_decay={self.weight_decay:g}{extra})"
+
+
+def _check_kinds(cls: type, name: str, args: dict[str, Any]) -> None:
+    """Each argument of the kind of its default: a flag (``amsgrad``) a JSON true or false, a
+    number a number, a pair (``betas``) a list of as many. A string ``"yes"`` is truthy to the
+    plain step and a TypeError to the fused one, and ``"no"`` would be taken as yes."""
+    defaults = {key: p.default for key, p in inspect.signature(cls.__init__).parameters.items()}
+    for key, value in args.items():
+        default = defaults.get(key)
+        if isinstance(default, bool):
+            ok, kind = isinstance(value, bool), "true or false"
+        elif isinstance(default, int | float):
+            ok, kind = isinstance(value, int | float) and not isinstance(value, bool), "a number"
+        elif isinstance(default, tuple):
+            ok, kind = isinstance(value, list | tuple) and len(value) == len(default), f"a list of {len(default)}"
+        else:
+            continue
+        if not ok:
+            raise ValueError(f"--optimizer-args: {name}'s {key} is {kind}, got {str(value)[:40]!r}")
 
 
 def make_optimizer(params: list, config: OptimizerConfig, *, fused: bool = False) -> torch.optim.Optimizer:

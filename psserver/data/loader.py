@@ -26,15 +26,21 @@ import math
 from collections.abc import Iterator, Mapping, Sized
 from typing import Any
 
+import psutil
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler, TensorDataset
 
 from psserver.errors import DataError
+from psserver.utils.user_code import ExitCalled, running_user_code, timeout_s
 
 log = logging.getLogger(__name__)
 
 PREFETCH_BATCHES = 2
 """Batches each worker loads ahead (the DataLoader's ``prefetch_factor``)."""
+INDEX_BYTES_PER_SAMPLE = 64
+"""Memory one sample's index takes while an epoch's order is made (``DistributedSampler``'s
+``randperm(n).tolist()``, its shard's slice and this module's copy of it): measured 48 bytes for
+the first two in CPython 3.11."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +181,7 @@ class Batches:
             raise DataError(f"dataset {name} is empty" if isinstance(dataset, Sized) else
                             f"dataset {name} is a map-style Dataset without __len__ (define it, or make it an "
                             "IterableDataset)")
+        check_size(len(dataset), name)
         sampler = DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
                                      drop_last=False)
         self._batches = _EpochBatches(sampler, batch_size, as_tensor=self.tensors)
@@ -284,12 +291,27 @@ def check_samples(dataset: Dataset, name: str) -> None:
         raise DataError(f"dataset {name}: its __len__ gives no number of samples ({_last_line(e)})") from None
     if size == 0:
         raise DataError(f"dataset {name} is empty")
+    check_size(size, name)
+    limit = timeout_s()
     try:
-        sample = dataset[0]
-    except Exception as e:  # noqa: BLE001 - the user's dataset failed: one line
+        with running_user_code(f"dataset {name}: reading sample 0", limit):
+            sample = dataset[0]
+    except (Exception, ExitCalled) as e:  # noqa: BLE001 - the user's dataset failed: one line
         log.debug("reading sample 0 of %s failed", name, exc_info=True)
         raise DataError(f"dataset {name}: reading sample 0 failed: {_last_line(e)}") from None
     check_sample(sample, name)
+
+
+def check_size(size: int, name: str) -> None:
+    """``DataError`` for a map-style dataset whose ``__len__`` claims more samples than this host
+    could hold the indices of (an epoch's order is a list of them all): one line now, not a
+    ``MemoryError`` or an out-of-memory kill when the first epoch starts."""
+    need = size * INDEX_BYTES_PER_SAMPLE
+    available = psutil.virtual_memory().available
+    if need > available:
+        raise DataError(f"dataset {name} has {size:.3g} samples by its __len__: an epoch's order of them would take "
+                        f"{need / 2**30:.3g} GiB, more than the {available / 2**30:.3g} GiB this host has available "
+                        "(an IterableDataset streams them instead)")
 
 
 def check_sample(sample: Any, name: str) -> None:
@@ -329,6 +351,8 @@ def _kind(value: Any) -> str:
 def _last_line(e: BaseException) -> str:
     """The useful line of an exception, also one a DataLoader worker re-raised with its
     traceback in the message (the original exception is the last line)."""
+    if isinstance(e, ExitCalled):
+        return str(e)
     lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
     if not lines:
         return type(e).__name__
@@ -337,5 +361,5 @@ def _last_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0]}"
 
 
-__all__ = ["PREFETCH_BATCHES", "Batches", "ShardInfo", "check_batch", "check_sample", "check_samples",
-           "is_tensor_dataset", "shard_info"]
+__all__ = ["INDEX_BYTES_PER_SAMPLE", "PREFETCH_BATCHES", "Batches", "ShardInfo", "check_batch", "check_sample",
+           "check_samples", "check_size", "is_tensor_dataset", "shard_info"]

@@ -12,6 +12,7 @@ from torch.nn import functional as F
 
 from psserver.errors import UserCodeError
 from psserver.utils.references import call_user, is_reference, load_reference
+from psserver.utils.user_code import bound_first_call
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def resolve_loss(reference: str | None, default: str = "cross_entropy") -> Calla
     if not callable(target):
         raise UserCodeError(f"--loss {name} is a {type(target).__name__}, not a callable (output, target) -> "
                             "scalar or an nn.Module class")
-    return target
+    return bound_first_call(target, f"--loss {name}")
 
 
 def loss_name(reference: str | None, default: str = "cross_entropy") -> str:

@@ -185,22 +185,37 @@ def build_model(model: str | ModelSpec, seed: int = 0, embedding_dim: int | None
         built = call_user(spec.build, positional, spec.args, f"--model {spec.name}")
     if not isinstance(built, nn.Module):
         raise UserCodeError(f"--model {spec.name} returned a {type(built).__name__}, not an nn.Module")
+    _check_built(built, spec)
     return built
+
+
+def _check_built(model: nn.Module, spec: ModelSpec) -> None:
+    """``UserCodeError`` (one line) for a model no trainer or server can hold: one with a tensor
+    on the meta device (no values to send or train), or, dense, with no parameter at all (a
+    model with tables may keep all of its parameters in them)."""
+    named = itertools.chain(model.named_parameters(), model.named_buffers())
+    on_meta = next((name for name, t in named if t.is_meta), None)
+    if on_meta is not None:
+        raise UserCodeError(f"--model {spec.name} returned a model on the meta device ({on_meta!r} has no values): "
+                            "build it on the CPU")
+    if not spec.sparse and next(model.parameters(), None) is None:
+        raise UserCodeError(f"--model {spec.name} returned a {type(model).__name__} with no parameters: nothing "
+                            "to train")
 
 
 def split_stages(model: nn.Module, n: int) -> list[nn.Module]:
     """Split ``model`` into ``n`` consecutive non-empty stages, minimising the largest
     stage's parameter count (the classic linear-partition DP; models have few blocks)."""
-    blocks = list(model.children())
     if n < 1:
         raise ValueError("need at least one stage")
+    if n == 1:  # whatever its blocks: a model of one layer, or none, is one stage
+        return [model]
+    blocks = list(model.children())
     if n > 1 and not isinstance(model, nn.Sequential):
         raise ValueError(f"a {type(model).__name__} is not an nn.Sequential of blocks: it runs as one stage "
                          "(give the server one device)")
     if n > len(blocks):
         raise ValueError(f"model has {len(blocks)} blocks, cannot split into {n} stages")
-    if n == 1:
-        return [model]
     sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
     prefix = [0]
     for size in sizes:

@@ -9,6 +9,8 @@ How a trainer's run ends early:
 - The server answers that it is no member (evicted: it was stopped or paused past the server's
   ``--trainer-timeout``, or evicted by the server's guard), or the server is gone: exit 3, or
   with ``--reconnect`` the trainer rejoins under a fresh name and continues where it was.
+  Evicted along with its last step (no later call fails on it): exit 3 all the same, with the
+  server's reason, never a success.
 
 A rejoin runs in a fresh process image of the same command line (``psserver.trainer.rejoin`` says
 why).
@@ -33,7 +35,7 @@ from torch.utils.data import IterableDataset, default_collate
 
 from psserver.config import TrainerConfig
 from psserver.data import Batches, check_batch, default_workers, load_dataset
-from psserver.errors import DataError, UsageError
+from psserver.errors import DataError, Evicted, UsageError
 from psserver.models import ModelSpec
 from psserver.models.calling import call_model, describe_input, input_batch_size, move_input
 from psserver.models.losses import loss_name
@@ -171,6 +173,7 @@ def _run(ps: Connection, data: Batches, eval_set, metric: str, metric_fn: Callab
         progress.close()
         if ps.stop_signal is not None:
             ps.leave_on_signal()
+        _check_not_evicted(ps)
         score = _evaluate(ps, eval_set, metric, metric_fn)
     finally:
         progress.close()
@@ -190,6 +193,20 @@ def _run(ps: Connection, data: Batches, eval_set, metric: str, metric_fn: Callab
              "row_payload_bytes": getattr(session.protocol, "row_payload", None)}))
     print(f"rank {config.rank} {metric} {score:.4f}", flush=True)
     return 0
+
+
+def _check_not_evicted(ps: Connection) -> None:
+    """``Evicted`` (exit 3, one line with the server's reason) when the server evicted this
+    trainer along with one of its last steps: no later call failed on it, and the run would
+    otherwise end as a success (exit 0, a metric of a model it no longer trains)."""
+    session = ps.session
+    assert session is not None
+    if session.evicted is None:
+        return
+    name = session.name
+    session.abandon()
+    raise Evicted(f"{name} was evicted by the psserver at {ps.config.server_host}:{ps.config.server_port} "
+                  f"with its last steps: {session.evicted}")
 
 
 def _batches(config: TrainerConfig, dataset, session: Session, *, rank: int = 0, num_replicas: int = 1,

@@ -39,6 +39,8 @@ from psserver.utils.cpp_log import quiet_cpp_warnings
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 10.0
+EVICTION_NOTICE = "evicted by the server: "
+"""How the server's notice of an eviction starts (``psserver.ps.server.endpoint``), its reason after."""
 """How long a trainer whose call failed waits for the server to say whether it is a member."""
 
 
@@ -72,6 +74,8 @@ class Session:
         """Steps this rank trained before this join (its position; 0 for a fresh trainer)."""
         self.bucket_cap_mb = config.bucket_cap_mb
         self.closed = False
+        self.evicted: str | None = None
+        """Why the server evicted this trainer, once it said so along with a call."""
         self.device = trainer_device(config.device)
         self.wire_dtype = WIRE_DTYPES[config.wire_dtype]
         token = rendezvous.join_token(config)
@@ -179,12 +183,20 @@ class Session:
                  self.info["optimizer"]["name"], self.info["compute"], self.step_protocol,
                  f" on {self.device}" if self.info["compute"] == "trainer" else "")
 
+    def _told(self, notices: list[str]) -> None:
+        """What the server told along with a call (a step its guard dropped, an eviction: its
+        reason is kept in :attr:`evicted`, for a run that ends before its next call fails)."""
+        for notice in notices:
+            log.warning("%s", notice)
+            if notice.startswith(EVICTION_NOTICE):
+                self.evicted = notice[len(EVICTION_NOTICE):]
+
     def call(self, op: str, *args):
         """``op`` of the server half of this session's step protocol (the trainer half's channel);
         what the server tells along (a step it dropped) is logged."""
         result, notices, self.progress = rpc.rpc_sync(rendezvous.SERVER_NAME, endpoint.call,
                                                       args=(self.name, op, args, self.report))
-        _log_notices(notices)
+        self._told(notices)
         return result
 
     def call_async(self, op: str, *args):
@@ -192,7 +204,7 @@ class Session:
         ``wait()`` gives its result or raises as :meth:`call` would."""
         def result(future):
             value, notices, _ = future.value()  # raises what the call raised
-            _log_notices(notices)
+            self._told(notices)
             return value
 
         return rpc.rpc_async(rendezvous.SERVER_NAME, endpoint.call, args=(self.name, op, args, None)).then(result)
@@ -211,7 +223,7 @@ class Session:
                 continue
             if i == 0:
                 self.progress = progress
-                _log_notices(notices)
+                self._told(notices)
             results.append(result)
         if failed is not None:
             i, e = failed
@@ -366,7 +378,3 @@ def remote_message(e: BaseException) -> str:
     return lines[0] if lines else type(e).__name__
 
 
-def _log_notices(notices: list[str]) -> None:
-    """What the server told along with a call (a step its guard dropped, an eviction)."""
-    for notice in notices:
-        log.warning("%s", notice)

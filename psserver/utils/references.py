@@ -9,17 +9,20 @@ reports it with exit code 2.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import json
 import logging
 import math
 import re
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 from psserver.errors import UserCodeError
+from psserver.utils.user_code import ExitCalled, running_user_code, timeout_s
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +44,23 @@ def load_reference(reference: str, what: str) -> Any:
     if not _REFERENCE.match(reference.strip()):
         raise UserCodeError(f"{what} {reference!r} is not MODULE:ATTR (for example mypkg.models:MyNet)")
     module_name, _, attr_path = reference.strip().partition(":")
+    limit = timeout_s()
+    # A module imported before runs no code again: no watchdog to start for it.
+    guard = (contextlib.nullcontext() if module_name in sys.modules else
+             running_user_code(f"{what} {reference}: importing module {module_name!r}", limit))
     try:
-        module = importlib.import_module(module_name)
+        with guard:
+            module = importlib.import_module(module_name)
+    except KeyboardInterrupt:
+        raise
     except ModuleNotFoundError as e:
         if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
             raise UserCodeError(f"{what} {reference}: module {module_name!r} is not importable (no module named "
                              f"{e.name!r}; is its package on PYTHONPATH?)") from None
         raise UserCodeError(f"{what} {reference}: importing module {module_name!r} failed: {_one_line(e)}") from None
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - any error in the user's module is the user's, told in
-        # one line; a sys.exit() in it too (it would end psserver with its code, 0 included)
+    except BaseException as e:  # noqa: BLE001 - any error in the user's module is the user's, told in one
+        # line: a sys.exit() or os._exit() in it too (it would end psserver with its code, 0 included), and
+        # a BaseException of its own; only Ctrl-C stays an interrupt
         log.debug("importing %s failed", module_name, exc_info=True)
         raise UserCodeError(f"{what} {reference}: importing module {module_name!r} failed: {_one_line(e)}") from None
     obj: Any = module
@@ -104,10 +115,14 @@ def call_user(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], what:
     """``fn(*args, **kwargs)`` with the arguments checked first; an exception inside the user's
     code becomes one ``ValueError`` line naming it and where it was raised."""
     check_arguments(fn, args, kwargs, what)
+    limit = timeout_s()
     try:
-        return fn(*args, **kwargs)
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's code failed (or called sys.exit()): say
-        # where, in one line
+        with running_user_code(what, limit):
+            return fn(*args, **kwargs)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - the user's code failed (or called sys.exit() or os._exit(),
+        # or raised a BaseException of its own): say where, in one line
         raise user_code_failed(what, e) from None
 
 
@@ -130,6 +145,8 @@ def _finite(value: Any) -> bool:
 
 
 def _one_line(e: BaseException) -> str:
+    if isinstance(e, ExitCalled):
+        return str(e)
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 

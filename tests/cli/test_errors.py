@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ from psserver.checkpoint import CheckpointError
 from psserver.cli import bench, main
 from psserver.cli.control import StatusCommand
 from psserver.errors import DataError, ServerLost, UsageError
+from psserver.trainer.stop_signals import Stopped
 
 
 def _raising(error: BaseException):
@@ -68,6 +70,26 @@ def test_unexpected_value_error_is_an_internal_error(monkeypatch, capsys, log_di
     assert "Traceback (most recent call last)" in text and "in run" in text
     assert "second line of torch's message" in text
     assert "command: psserver status --timeout 3" in text
+
+
+class UsersBaseException(BaseException):
+    """What a user's code may raise where no narrower handler names it (its training step)."""
+
+
+def test_a_base_exception_is_one_line_not_a_raw_traceback(monkeypatch, capsys, log_dir):
+    monkeypatch.setattr(StatusCommand, "run", _raising(UsersBaseException("out of budget")))
+    assert main(["status"]) == 1
+    path = log_dir / f"psserver-status-{os.getpid()}.log"
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"psserver status: internal error: UsersBaseException: out of budget (traceback in {path})"]
+    assert "UsersBaseException: out of budget" in path.read_text()
+
+
+def test_a_stop_a_loop_could_not_leave_on_is_its_signal_code(monkeypatch, capsys, log_dir):
+    monkeypatch.setattr(StatusCommand, "run", _raising(Stopped(signal.SIGTERM, "while waiting for the server")))
+    assert main(["status"]) == 143
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "psserver status: received SIGTERM while waiting for the server: exiting"]
 
 
 def test_internal_error_without_a_message(monkeypatch, capsys, log_dir):

@@ -44,7 +44,10 @@ def test_its_own_arguments_reach_the_optimizer_and_survive_a_round_trip():
     ({"args": {"fused": False}}, "may not set 'fused': the server decides it"),
     ({"args": {"nesterov": True}}, "adam takes no argument 'nesterov'; it takes betas"),
     ({"args": {"betas": [0.9, 1.5]}}, "adam refuses them: Invalid beta parameter"),
-    ({"args": {"betas": "fast"}}, "adam refuses them"),
+    ({"args": {"betas": "fast"}}, "adam's betas is a list of 2, got 'fast'"),
+    ({"args": {"amsgrad": "yes"}}, "adam's amsgrad is true or false, got 'yes'"),
+    ({"name": "rmsprop", "args": {"centered": "no"}}, "rmsprop's centered is true or false, got 'no'"),
+    ({"args": {"eps": "1e-8"}}, "adam's eps is a number, got '1e-8'"),
     ({"args": [1]}, "must be a JSON object"),
     ({"lr": float("nan")}, "learning rate must be a finite number"),
     ({"lr": 0}, "learning rate must be positive"),
@@ -58,6 +61,9 @@ def test_what_the_server_cannot_run_is_refused_with_the_reason(kw, message):
 def test_the_cli_takes_optimizer_args_and_refuses_bad_ones_in_one_line():
     r = cli(["serve", "--port", "1", "--no-control", "--optimizer", "adam", "--optimizer-args", '{"betas": [0.9, 2]}'])
     assert r.returncode == 2 and "adam refuses them: Invalid beta parameter at index 1: 2" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = cli(["serve", "--port", "1", "--no-control", "--optimizer-args", '{"amsgrad": "yes"}'])
+    assert r.returncode == 2 and r.stderr.strip().endswith("adam's amsgrad is true or false, got 'yes'"), r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     r = cli(["serve", "--port", "1", "--no-control", "--optimizer", "adam", "--optimizer-args", "{not json"])
     assert r.returncode == 2 and "--optimizer-args is not JSON" in r.stderr, r.stderr

@@ -198,6 +198,16 @@ def test_bad_samples_are_one_line(dataset, match):
         check_samples(dataset, "d")
 
 
+def test_a_length_no_host_could_index_is_one_line():
+    huge = Samples((torch.zeros(3), 1), n=10**15)
+    match = (r"^dataset d has 1e\+15 samples by its __len__: an epoch's order of them would take 5.96e\+07 GiB, more "
+             r"than the .* GiB this host has available \(an IterableDataset streams them instead\)$")
+    with pytest.raises(DataError, match=match):
+        check_samples(huge, "d")
+    with pytest.raises(DataError, match=match):
+        Batches(huge, name="d", batch_size=2)
+
+
 def test_bad_batches_are_one_line():
     with pytest.raises(DataError, match=r"a batch's input is a str"):
         check_batch("x", torch.zeros(2), "d")

@@ -103,6 +103,19 @@ def not_a_model():
     return 42
 
 
+def on_meta():
+    with torch.device("meta"):
+        return nn.Sequential(nn.Linear(4, 3))
+
+
+def no_parameters():
+    return nn.Sequential(nn.ReLU())
+
+
+def one_layer():
+    return nn.Linear(4, 3)
+
+
 INSTANCE = TwoTower()
 '''
 
@@ -145,6 +158,21 @@ def test_bad_model_references(user_models, reference, args, match):
 def test_a_function_that_returns_no_module(user_models):
     with pytest.raises(UserCodeError, match=r"--model mymodels:not_a_model returned a int, not an nn.Module"):
         build_model(resolve_model("mymodels:not_a_model"))
+
+
+@pytest.mark.parametrize(("attr", "match"), [
+    ("on_meta", r"^--model mymodels:on_meta returned a model on the meta device \('0.weight' has no values\): "
+                r"build it on the CPU$"),
+    ("no_parameters", r"^--model mymodels:no_parameters returned a Sequential with no parameters: nothing to train$"),
+])
+def test_a_model_with_nothing_to_train_is_one_line(user_models, attr, match):
+    with pytest.raises(UserCodeError, match=match):
+        build_model(resolve_model(f"mymodels:{attr}"))
+
+
+def test_a_model_of_one_layer_is_one_stage(user_models):
+    model = build_model(resolve_model("mymodels:one_layer"))
+    assert split_stages(model, 1) == [model]
 
 
 def test_built_in_models_are_entry_points_of_the_group():

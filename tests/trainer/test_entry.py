@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import json
+import sys
+
 import pytest
 
 import psserver
 from psserver.cli import main
 from tests.procs import free_port
+from tests.userproject import write_package
 
 SERVER = ["--server", "127.0.0.1:1", "--connect-timeout", "1"]
 
@@ -25,6 +29,49 @@ def test_a_bad_entry_is_one_line_and_exit_2(capsys, argv, says):
     assert main(["train", *SERVER, *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0], err
+
+
+ENTRIES = """
+class Boom(BaseException):
+    pass
+
+
+def returns(ps, value):
+    return eval(value)
+
+
+def raises(ps):
+    raise Boom("out of tokens")
+"""
+
+
+@pytest.fixture
+def entries(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(write_package(tmp_path, "userentry", {"loops": ENTRIES})))
+    yield "userentry.loops"
+    for name in [m for m in sys.modules if m.startswith("userentry")]:
+        del sys.modules[name]
+
+
+@pytest.mark.parametrize("value,code,says", [
+    ("None", 0, None),
+    ("3", 3, None),
+    ("10**30", 2, "returned an int of 31 digits: return None or an exit code in 0..255"),
+    ("-1", 2, "returned -1: return None or an exit code in 0..255"),
+    ("256", 2, "returned 256: return None or an exit code in 0..255"),
+    ("'done'", 2, "returned str: return None or an exit code in 0..255"),
+])
+def test_what_an_entry_returns_is_its_exit_code_or_one_line(capsys, entries, value, code, says):
+    argv = ["train", *SERVER, "--entry", f"{entries}:returns", "--entry-args", json.dumps({"value": value})]
+    assert main(argv) == code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [] if says is None else len(err) == 1 and err[0].endswith(says), err
+
+
+def test_a_base_exception_of_an_entry_is_one_line(capsys, entries):
+    assert main(["train", *SERVER, "--entry", f"{entries}:raises"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--entry {entries}:raises raised Boom: out of tokens (at " in err[0], err
 
 
 @pytest.mark.parametrize("kwargs,says", [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -10,8 +11,13 @@ from psserver.errors import UsageError, UserCodeError
 from psserver.utils.references import call_user, load_reference, parse_json_args
 
 
+def exits_recorded(code: int) -> None:
+    raise AssertionError(f"os._exit({code}) reached the process")
+
+
 @pytest.fixture
 def userpkg(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "_exit", exits_recorded)  # one that escapes fails, not ends, the test process
     pkg = tmp_path / "userpkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
@@ -25,6 +31,8 @@ def userpkg(tmp_path, monkeypatch):
     (pkg / "needs_dep.py").write_text("import not_installed_anywhere\n")
     (pkg / "raises.py").write_text("raise RuntimeError('configuration missing')\n")
     (pkg / "exits.py").write_text("import sys\nsys.exit(0)\n")
+    (pkg / "base_raises.py").write_text("class Boom(BaseException):\n    pass\nraise Boom('no config')\n")
+    (pkg / "hard_exits.py").write_text("import os\ntry:\n    os._exit(0)\nexcept Exception:\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     yield pkg
     for name in [m for m in sys.modules if m == "userpkg" or m.startswith("userpkg.")]:
@@ -46,6 +54,8 @@ def test_loads_module_attributes_and_nested_ones(userpkg):
                               r"No module named 'not_installed_anywhere'"),
     ("userpkg.raises:Net", r"importing module 'userpkg.raises' failed: RuntimeError: configuration missing"),
     ("userpkg.exits:Net", r"importing module 'userpkg.exits' failed: SystemExit: 0"),  # not psserver's exit
+    ("userpkg.base_raises:Net", r"importing module 'userpkg.base_raises' failed: Boom: no config"),
+    ("userpkg.hard_exits:Net", r"importing module 'userpkg.hard_exits' failed: called os._exit\(0\)"),
     ("userpkg.things:Nope", r"'userpkg.things' has no attribute 'Nope'"),
     ("userpkg.things:Holder.Nope", r"'userpkg.things:Holder' has no attribute 'Nope'"),
 ])

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 SCHEDULED_KEYS = ("lr", "momentum", "betas")
 """Hyperparameters copied from the reference optimizer into the shards' (those they have)."""
+TRIED_STEPS = 10
+"""Steps of a copy of the schedule taken at the start, whose values are checked there."""
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, config: LRScheduleConfig) -> LRScheduler:
@@ -85,33 +87,65 @@ class LRSchedule:
         # Once (no gradient: it changes nothing): a scheduler whose optimizer never stepped warns
         # at its first step. Stepping it at every update would cost more than the schedule.
         self.reference.step()
-        self._try_a_step()
         self.keys = tuple(k for k in SCHEDULED_KEYS if k in self.reference.param_groups[0])
+        self._try_first_steps()
         self.steps = 0
         self._failed = False
-        self._warned_nonfinite = False
-        if not math.isfinite(self.lr):
-            raise UserCodeError(f"--lr-schedule {config.name} gives a learning rate of {self.lr} at step 0")
+        self._warned_bad = False
 
-    def _try_a_step(self) -> None:
-        """Step a copy of the scheduler once: arguments it refuses only when it steps (a
-        ``T_max`` of 0) fail the start, not the first update."""
+    def _try_first_steps(self) -> None:
+        """Step a copy of the scheduler :data:`TRIED_STEPS` times: arguments it refuses only when
+        it steps (a ``T_max`` of 0) and values no optimizer can take (a string, a negative or
+        non-finite lr) in its first steps fail the start, not the first updates."""
+        what = f"--lr-schedule {self.config.name} {self.config.args}"
+        bad = self._bad(self.reference.param_groups[0])
+        if bad:
+            raise UserCodeError(f"{what} gives {bad} at step 0")
         try:
-            trial = copy.deepcopy((self.reference, self.scheduler))[1]
-        except Exception:  # noqa: BLE001 - a user's scheduler that cannot be copied is tried at its first step
+            reference, trial = copy.deepcopy((self.reference, self.scheduler))
+        except Exception:  # noqa: BLE001 - a user's scheduler that cannot be copied is checked as it steps
             return
-        try:
-            with warnings.catch_warnings():  # the copy's optimizer never stepped: torch warns of the order
-                warnings.simplefilter("ignore")
-                trial.step()
-        except Exception as e:  # noqa: BLE001 - whatever the user's arguments make it raise
-            raise UserCodeError(f"--lr-schedule {self.config.name} {self.config.args}: its first step failed: "
-                                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        for step in range(1, TRIED_STEPS + 1):
+            try:
+                with warnings.catch_warnings():  # the copy's optimizer never stepped: torch warns of the order
+                    warnings.simplefilter("ignore")
+                    trial.step()
+            except Exception as e:  # noqa: BLE001 - whatever the user's arguments make it raise
+                if step > 1 and not isinstance(e, TypeError):
+                    return  # a schedule that ends (OneCycleLR past total_steps) keeps its last lr
+                # at its first step, or values of the wrong kind (a factor "x") at any
+                raise UserCodeError(f"{what}: its {'first step' if step == 1 else f'step {step}'} failed: "
+                                    f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+            bad = self._bad(reference.param_groups[0])
+            if bad:
+                raise UserCodeError(f"{what} gives {bad} at step {step}")
+
+    def _bad(self, group: dict[str, Any]) -> str:
+        """What no optimizer can take among the scheduled values of ``group`` (``lr 'x'``, ``lr
+        -0.1``), or empty: an lr that is a finite number >= 0, a momentum that is a finite number,
+        betas that are finite numbers."""
+        for key in self.keys:
+            value = group[key]
+            values = value if key == "betas" and isinstance(value, tuple | list) else (value,)
+            for v in values:
+                number = float(v) if isinstance(v, int | float) and not isinstance(v, bool) else (
+                    float(v) if isinstance(v, torch.Tensor) and v.numel() == 1 and v.is_floating_point() else None)
+                if number is None:
+                    return f"{key} {str(value)[:40]!r} (not a number)"
+                if not math.isfinite(number):
+                    return f"{key} {value}"
+                if key == "lr" and number < 0:
+                    return f"a negative learning rate ({number:g})"
+        return ""
 
     @property
     def lr(self) -> float:
-        """The learning rate of the next update (at global step ``steps``)."""
-        return float(self.reference.param_groups[0]["lr"])
+        """The learning rate of the next update (at global step ``steps``); NaN when the schedule
+        gives no number (:meth:`apply` keeps the last good one then)."""
+        try:
+            return float(self.reference.param_groups[0]["lr"])
+        except (TypeError, ValueError):
+            return math.nan
 
     def describe(self) -> str:
         return self.config.describe()
@@ -120,15 +154,19 @@ class LRSchedule:
 
     def apply(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Before the update at global step ``steps``: its learning rate into every optimizer.
-        A non-finite one is not applied (the last one stays; one ERROR line)."""
+        Values no optimizer can take (a negative or non-finite lr, a string: :meth:`_bad`) are not
+        applied: the last good ones stay, and one WARNING line says so (not one per step). The
+        server keeps training rather than stop every trainer for a schedule that went wrong
+        mid-run; a schedule whose first values are wrong is refused at the start."""
         group = self.reference.param_groups[0]
-        values = {k: group[k] for k in self.keys}
-        if not math.isfinite(values["lr"]):
-            if not self._warned_nonfinite:
-                self._warned_nonfinite = True
-                log.error("the learning-rate schedule gives %s at step %d: the last finite learning rate stays",
-                          values["lr"], self.steps)
+        bad = self._bad(group)
+        if bad:
+            if not self._warned_bad:
+                self._warned_bad = True
+                log.warning("the learning-rate schedule %s gives %s at step %d: the last good values stay (said once)",
+                            self.describe(), bad, self.steps)
             return
+        values = {k: group[k] for k in self.keys}
         for opt in optimizers:
             for g in opt.param_groups:
                 for k, v in values.items():

@@ -193,7 +193,16 @@ def userpkg(tmp_path, monkeypatch):
         "                      lambda t: min(1.0, (t + 1) / warm) * 0.5 * (1 + math.cos(math.pi * t / total)))\n"
         "def not_a_scheduler(optimizer):\n    return 42\n"
         "def plateau(optimizer):\n    return L.ReduceLROnPlateau(optimizer)\n"
-        "NUMBER = 3\n")
+        "NUMBER = 3\n"
+        "class Going(L.LRScheduler):\n"
+        "    '''0.1 until step `at`, then `value` (a string, a negative number, NaN).'''\n"
+        "    def __init__(self, optimizer, at=0, value='x'):\n"
+        "        self.at, self.value = at, value\n"
+        "        super().__init__(optimizer)\n"
+        "    def get_lr(self):\n"
+        "        v = float(self.value) if self.value in ('inf', 'nan') else self.value\n"
+        "        return [0.1 if self.last_epoch < self.at else v for _ in self.base_lrs]\n"
+        "def strings(optimizer):\n    return L.LambdaLR(optimizer, lambda t: 1.0 if t < 3 else 'x')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     yield pkg
     for name in [m for m in sys.modules if m == "userlr" or m.startswith("userlr.")]:
@@ -244,6 +253,31 @@ def test_arguments_the_scheduler_refuses_are_one_line():
         LRSchedule(LRScheduleConfig("OneCycleLR", {"max_lr": 0.1}), SGD)
     with pytest.raises(UserCodeError, match=r"OneCycleLR raised ValueError: optimizer must support momentum"):
         LRSchedule(LRScheduleConfig("OneCycleLR", {"max_lr": 0.1, "total_steps": 10}), OptimizerConfig("adagrad"))
+
+
+@pytest.mark.parametrize(("name", "args", "match"), [
+    ("ExponentialLR", {"gamma": -1}, r"^--lr-schedule ExponentialLR \{'gamma': -1\} gives a negative learning rate "
+                                     r"\(-0.1\) at step 1$"),
+    ("userlr.schedules:Going", {}, r"^--lr-schedule userlr.schedules:Going \{\} gives lr 'x' \(not a number\) at "
+                                   r"step 0$"),
+    ("userlr.schedules:Going", {"at": 4, "value": -0.5}, r"gives a negative learning rate \(-0.5\) at step 4$"),
+    ("userlr.schedules:Going", {"at": 2, "value": "nan"}, r"gives lr nan at step 2$"),
+    ("userlr.schedules:strings", {}, r"^--lr-schedule userlr.schedules:strings \{\}: its step 3 failed: TypeError: "),
+])
+def test_a_schedule_whose_first_values_no_optimizer_takes_is_refused_at_start(userpkg, name, args, match):
+    with pytest.raises(UserCodeError, match=match) as info:
+        LRSchedule(LRScheduleConfig(name, args), SGD)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["x", -0.5, "inf"])
+def test_a_schedule_that_goes_wrong_later_keeps_the_last_good_lr_and_says_so_once(userpkg, caplog, value):
+    schedule = LRSchedule(LRScheduleConfig("userlr.schedules:Going", {"at": 20, "value": value}), SGD)
+    with caplog.at_level(logging.WARNING, logger="psserver.ps.engine.lr_schedule"):
+        lrs = [d["lr"] for d in drive(schedule, 40)]
+    assert lrs == [0.1] * 40
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "at step 20: the last good values stay" in warnings[0].getMessage()
 
 
 # ---- on the server: every update mode, the optimizer's own lr ---------------------------------
