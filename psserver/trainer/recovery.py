@@ -151,8 +151,9 @@ def recover(session: Session, config: TrainerConfig, error: BaseException, pos: 
     stop.check("after its eviction" if what == EVICTED else "after losing its server")
     if not config.reconnect:
         if what == EVICTED:
-            raise Evicted(f"{name} was evicted by the psserver at {where} (no sign of life within its "
-                          "--trainer-timeout, or a gradient it would not keep); use --reconnect to rejoin")
+            why = session.evicted or ("no sign of life within its --trainer-timeout, or a gradient it would not "
+                                      "keep")
+            raise Evicted(f"{name} was evicted by the psserver at {where} ({why}); use --reconnect to rejoin")
         raise ServerLost(f"lost the server at {where} ({reason}); use --reconnect to wait for it")
     if what == EVICTED:
         log.warning("%s was evicted by the psserver at %s: rejoining under a fresh name", name, where)
