@@ -17,6 +17,7 @@ what it writes there it writes as its own user (often root). So:
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import stat
@@ -58,7 +59,7 @@ def open_root(root: Path, create: bool) -> int | None:
             raise MemoryStateError(f"--state-dir {root}: it went while it was being made") from None
         return None
     except OSError as e:
-        raise MemoryStateError(f"--state-dir {root}: cannot open it ({_why(e)})") from None
+        raise MemoryStateError(f"--state-dir {root}: cannot open it ({_why(e, root.name, None)})") from None
     try:
         _trusted(os.fstat(fd), root)
     except BaseException:
@@ -80,7 +81,7 @@ def open_dir(parent: int, name: str, where: Path, create: bool) -> int | None:
             raise MemoryStateError(f"{where / name}: it went while it was being made") from None
         return None
     except OSError as e:
-        raise MemoryStateError(f"{where / name}: cannot open it ({_why(e)})") from None
+        raise MemoryStateError(f"{where / name}: cannot open it ({_why(e, name, parent)})") from None
     try:
         _trusted(os.fstat(fd), where / name)
     except BaseException:
@@ -126,7 +127,7 @@ def open_file(fd: int, name: str, where: Path, flags: int = os.O_RDONLY) -> int 
     except FileNotFoundError:
         return None
     except OSError as e:
-        raise MemoryStateError(f"{where / name}: cannot open it ({_why(e)})") from None
+        raise MemoryStateError(f"{where / name}: cannot open it ({_why(e, name, fd)})") from None
     try:
         st = os.fstat(f)
         if not stat.S_ISREG(st.st_mode):
@@ -186,9 +187,11 @@ def rmdir(fd: int, name: str) -> None:
         os.rmdir(name, dir_fd=fd)
 
 
-def _why(e: OSError) -> str:
-    if e.errno == 40:  # ELOOP: O_NOFOLLOW met a symbolic link
-        return "a symbolic link, not followed"
-    if e.errno == 20:  # ENOTDIR
+def _why(e: OSError, name: str, dir_fd: int | None) -> str:
+    """Why ``name`` (in ``dir_fd``; a path when None) would not open: a link is named as one."""
+    with contextlib.suppress(OSError):
+        if stat.S_ISLNK(os.stat(e.filename if dir_fd is None else name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+            return "a symbolic link, not followed"
+    if e.errno == errno.ENOTDIR:
         return "not a directory"
     return e.strerror or str(e)
