@@ -205,7 +205,7 @@ class MemoryState:
                 return None
             data = sd.read_file(fd, META, self.dir, MAX_META_BYTES)
             if data is None:
-                if os.path.lexists(self.dir / LEGACY_META):
+                if LEGACY_META in os.listdir(fd):
                     raise refuse(f"{LEGACY_META} is the metadata of an older psserver, not read")
                 return None
             meta, digest = parse_meta(data)
