@@ -84,6 +84,7 @@ def supervise(argv: Sequence[str], max_restarts: int, *, resume: bool = True,
     ``restart_codes``: exit codes that restart it too, as a death by a signal does."""
     command = server_argv(argv)
     env = dict(os.environ, **{SUPERVISOR_ENV: str(os.getpid())})
+    env.pop(FALLBACK_ENV, None)  # the first start never discards a state: only a restart of this supervisor's
     in_memory = state is not None and state.enabled
     if in_memory:
         from psserver.ps.server.state_dir import open_root
