@@ -68,6 +68,7 @@ def scan(root: Path) -> list[Segment]:
 
 
 def scan_open(fd: int, root: Path) -> list[Segment]:
+    """``scan`` of the directory ``root`` already open as ``fd`` (checked by whoever opened it)."""
     out = []
     for key in sd.subdirs(fd):
         try:
