@@ -121,8 +121,9 @@ class CheckpointConfig:
             raise ValueError("--new-run needs --checkpoint-dir")
 
 
-DEFAULT_STATE_DIR = "/dev/shm/psserver"
-"""Where ``--supervise`` keeps the state when ``--state-dir`` is not given (Linux's shared memory)."""
+DEFAULT_STATE_DIR = f"/dev/shm/psserver-{os.geteuid()}"
+"""Where ``--supervise`` keeps the state when ``--state-dir`` is not given (Linux's shared memory):
+one directory per user, made by the server with mode 0700 (one another user made is refused)."""
 STATE_KEY_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
 

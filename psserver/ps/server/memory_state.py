@@ -11,9 +11,11 @@ for that, checkpoints stay.
 A segment is ``<--state-dir>/<key>/server-<rank>/``:
 
 - ``tensors-<generation>.bin``: the tensors, after a header holding the update journal
-  (``begin``/``end`` around each update, the global step, the samples).
-- ``meta.pkl``: what the tensors are (the checkpoint's structure, each tensor replaced by its
-  slot) and which generation is current; replaced atomically. The set of tensors changes a
+  (``begin``/``end`` around each update, the global step, the samples) and the digest of the
+  generation's metadata.
+- ``meta.json``: what the tensors are (the checkpoint's structure, each tensor replaced by its
+  slot; which tensors were finite when written) and which generation is current; plain data
+  (``state_meta``), replaced atomically. The set of tensors changes a
   few times in a run (a model learnt from a trainer, an optimizer's state made by its first
   step, a table's slots doubled by a lookup): each time a new generation is written beside the
   old one, which goes once ``meta`` names the new one, so a death at any moment leaves one
@@ -21,6 +23,13 @@ A segment is ``<--state-dir>/<key>/server-<rank>/``:
   at the end of the update it grew during (a death inside that one loses the update's rows).
 - ``owner.json``: the processes that own it (the server, its supervisor), so a segment whose
   owners are gone is told apart from one in use.
+
+The directory and everything in it are this user's alone (``state_dir``: mode 0700, refused
+when another user made it or can write it; no symbolic link followed). A restart checks what it
+maps: the metadata's digest against the tensors file's, the file's size against the slots, the
+journal's counters, and that each tensor finite when written still is. A state that fails is
+refused in one line; under ``--supervise`` with checkpoints the restart discards it instead,
+says so in one WARNING line, and resumes from the newest checkpoint.
 
 The key names the run: a server maps only its own key's state (``--state-key``; the
 supervisor gives its key to every restart, a Kubernetes pod its UID), so a fresh run never
@@ -45,73 +54,30 @@ import contextlib
 import json
 import logging
 import os
-import pickle
 import shutil
 import socket
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
 
 from psserver.config import MemoryStateConfig
 from psserver.config.ps import DEFAULT_STATE_DIR
-from psserver.errors import UsageError
 from psserver.ps.engine.engine import StepEngine
-from psserver.ps.server.state_arena import Arena, ArenaError, Journal, Slot
-from psserver.ps.server.supervisor import SUPERVISOR_ENV
-from psserver.utils.processes import boot_id, running, start_time
+from psserver.ps.server import state_dir as sd
+from psserver.ps.server.state_arena import FINITE_CHECKED, MAX_COUNT, Arena, ArenaError, Journal, Slot
+from psserver.ps.server.state_dir import MemoryStateError
+from psserver.ps.server.state_layout import all_finite, check, fill, state_layout, unplaceable
+from psserver.ps.server.state_meta import MAX_META_BYTES, MetaError, dump_meta, parse_meta
+from psserver.ps.server.state_segments import OWNER, Segment, scan, scan_open
+from psserver.ps.server.supervisor import FALLBACK_ENV, SUPERVISOR_ENV
+from psserver.utils.processes import boot_id, start_time
 
 log = logging.getLogger(__name__)
 
-META, OWNER = "meta.pkl", "owner.json"
-FORMAT = 1
-_TENSOR = "__psserver_tensor__"
+META, LEGACY_META = "meta.json", "meta.pkl"
 
-
-class MemoryStateError(UsageError):
-    """A segment that cannot be used (its files are torn or of another format)."""
-
-
-@dataclass
-class Segment:
-    """One server process's state in ``--state-dir``."""
-
-    path: Path
-    key: str
-    owner: dict | None
-
-    @property
-    def alive(self) -> bool:
-        """Whether a process that owns it still runs on this host (since this boot)."""
-        o = self.owner
-        if not o or o.get("boot_id") != boot_id():
-            return False
-        return any(running(pid, start) for pid, start in ((o.get("pid"), o.get("pid_start")),
-                                                            (o.get("supervisor"), o.get("supervisor_start"))))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(f.stat().st_size for f in self.path.glob("tensors-*.bin"))
-
-    def describe(self) -> str:
-        o = self.owner or {}
-        return (f"{self.path} ({self.nbytes / 2**20:.1f} MiB, run {o.get('run', '?')}, left by pid "
-                f"{o.get('pid', '?')} on {time.strftime('%Y-%m-%d %H:%M', time.localtime(o.get('started', 0)))})")
-
-
-def scan(root: Path) -> list[Segment]:
-    """Every segment under ``root`` (whatever its key)."""
-    out = []
-    if not root.is_dir():
-        return out
-    for key_dir in sorted(p for p in root.iterdir() if p.is_dir()):
-        for seg in sorted(p for p in key_dir.iterdir() if p.is_dir() and p.name.startswith("server-")):
-            out.append(Segment(seg, key_dir.name, _read_owner(seg)))
-    return out
+__all__ = ["MemoryState", "MemoryStateError", "Segment", "scan", "state_layout", "unsupported_reason"]
 
 
 class MemoryState:
@@ -135,6 +101,8 @@ class MemoryState:
         """Rank -> its last gradient applied, as the state found in memory records it."""
         self._engine: StepEngine | None = None
         self._snapshot: Callable[[], dict] | None = None
+        self._fds: dict[str, int] = {}
+        """Open descriptors of the root, the key's and the segment's directories (once made or found)."""
         self.disabled: str | None = None
         """Why this server keeps no state in memory after all (None: it does)."""
 
@@ -147,17 +115,50 @@ class MemoryState:
             return f"{self.dir} (written at the first update)"
         return f"{self.dir}, generation {arena.generation}, {arena.size / 2**20:.1f} MiB"
 
+    # ---- the directories (descriptors: no link on the way is followed) -------------------------
+
+    def _open(self, level: str, create: bool) -> int | None:
+        """The descriptor of ``root``, ``key`` or ``segment``, each checked to be this user's alone."""
+        fd = self._fds.get(level)
+        if fd is not None:
+            return fd
+        if level == "root":
+            fd = sd.open_root(self.root, create)
+        else:
+            parent = self._open("root" if level == "key" else "key", create)
+            if parent is None:
+                return None
+            where, name = (self.root, self.key) if level == "key" else (self.dir.parent, self.dir.name)
+            fd = sd.open_dir(parent, name, where, create)
+        if fd is not None:
+            self._fds[level] = fd
+        return fd
+
+    def _close(self) -> None:
+        for fd in self._fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds.clear()
+
     # ---- start ---------------------------------------------------------------------------------
 
     def prepare(self) -> None:
-        """Report (or delete) other runs' dead segments."""
-        for seg in scan(self.root):
+        """Check the directory (this user's alone: made so when missing); report (or delete)
+        other runs' dead segments."""
+        root = self._open("root", create=True)
+        assert root is not None
+        for seg in scan_open(root, self.root):
             if seg.key == self.key or seg.alive:
                 continue
             if self.config.remove_stale:
-                shutil.rmtree(seg.path, ignore_errors=True)
-                with contextlib.suppress(OSError):
-                    seg.path.parent.rmdir()
+                with contextlib.suppress(MemoryStateError):
+                    key_fd = sd.open_dir(root, seg.key, self.root, create=False)
+                    if key_fd is not None:
+                        try:
+                            sd.remove_tree(key_fd, seg.path.name)
+                        finally:
+                            os.close(key_fd)
+                        sd.rmdir(root, seg.key)
                 log.warning("removed the stale state of a job that is gone: %s", seg.describe())
             else:
                 self.stale.append(seg)
@@ -166,26 +167,19 @@ class MemoryState:
 
     def load(self) -> tuple[dict, Path] | None:
         """The state this run's previous process left (checkpoint structure, tensors mapped), or
-        None when it left none."""
-        meta_path = self.dir / META
-        if not meta_path.exists():
-            return None
+        None when it left none, or (a supervised restart with checkpoints) one that failed its
+        check, discarded."""
         try:
-            with open(meta_path, "rb") as f:
-                meta = _PlainUnpickler(f).load()
-            if meta.get("format") != FORMAT:
-                raise MemoryStateError(f"format {meta.get('format')!r}, this psserver reads {FORMAT}")
-            arena = Arena.open(self.dir / meta["file"])
-            journal = arena.journal()
-            if journal.generation != meta["generation"]:
-                raise MemoryStateError(f"{arena.path} is generation {journal.generation}, meta names "
-                                       f"{meta['generation']}")
-            slots = [Slot(o, d, tuple(s)) for o, d, s in meta["slots"]]
-            views = [arena.view(slot) for slot in slots]
-        except (OSError, pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError, ArenaError) as e:
-            raise MemoryStateError(f"the state in {self.dir} cannot be read ({e}); move it away to start "
-                                   "without it") from None
-        state = _fill(meta["state"], views)
+            found = self._load()
+        except MemoryStateError as e:
+            if not os.environ.get(FALLBACK_ENV):
+                raise
+            log.warning("%s: discarded; resuming from the newest good checkpoint instead", e)
+            self._discard()
+            return None
+        if found is None:
+            return None
+        state, arena, slots, journal = found
         step, samples = journal.global_step, journal.samples
         if journal.torn:
             step, samples = journal.next_step, journal.next_samples
@@ -200,6 +194,47 @@ class MemoryState:
         self.ranks = arena.ranks()
         return state, self.dir
 
+    def _load(self) -> tuple[dict, Arena, list[Slot], Journal] | None:
+        def refuse(why: str) -> MemoryStateError:
+            return MemoryStateError(f"the state in {self.dir} cannot be read ({why}); move it away to start "
+                                    "without it")
+
+        try:
+            fd = self._open("segment", create=False)
+            if fd is None:
+                return None
+            data = sd.read_file(fd, META, self.dir, MAX_META_BYTES)
+            if data is None:
+                if LEGACY_META in os.listdir(fd):
+                    raise refuse(f"{LEGACY_META} is the metadata of an older psserver, not read")
+                return None
+            meta, digest = parse_meta(data)
+            if meta["key"] != self.key:
+                raise refuse(f"it says it is the state of key {meta['key']!r}")
+            arena = Arena.open(self.dir / meta["file"], dir_fd=fd)
+        except MemoryStateError as e:
+            raise refuse(str(e).removeprefix(f"{self.dir}/")) from None
+        except (OSError, MetaError, ArenaError) as e:
+            raise refuse(str(e)) from None
+        why = check(arena, meta, digest)
+        if why is not None:
+            raise refuse(why)
+        views = [arena.view(slot) for slot in meta["slots"]]
+        bad = [i for i, (view, finite) in enumerate(zip(views, meta["finite"], strict=True))
+               if finite and not all_finite(view)]
+        if bad:
+            raise refuse(f"{len(bad)} of its {len(views)} tensors hold NaN or infinite values that were finite "
+                         f"when written, the first is tensor {bad[0]} {tuple(views[bad[0]].shape)}")
+        return fill(meta["state"], views), arena, meta["slots"], arena.journal()
+
+    def _discard(self) -> None:
+        """A state that failed its check: its files go (the directory stays), so that no restart maps it."""
+        fd = self._fds.get("segment")
+        if fd is None:
+            return
+        for name in (META, LEGACY_META, *sd.files(fd, "tensors-")):
+            sd.unlink(fd, name)
+
     def attach(self, engine: StepEngine, snapshot: Callable[[], dict], run: str) -> None:
         """Keep ``engine``'s state in the segment from now on (``snapshot``: the checkpoint
         structure of its live tensors, taken under the updater's lock; ``run``: its run id)."""
@@ -208,6 +243,10 @@ class MemoryState:
             self.disabled = why
             log.warning("state in memory: off, %s; a restarted server resumes from its last checkpoint", why)
             return
+        for name, count in (("global step", engine.global_step), ("sample count", engine.samples_seen)):
+            if not 0 <= count <= MAX_COUNT:
+                raise MemoryStateError(f"--state-dir: the {name} {count} is beyond what the state in memory counts "
+                                       f"(0 to 2^62)")
         self._make_dir()
         self._engine, self._snapshot = engine, snapshot
         self._write_owner(run)
@@ -227,6 +266,8 @@ class MemoryState:
 
     def begin(self, global_step: int, samples: int, applied: list[tuple[int, int]]) -> None:
         assert self._engine is not None
+        if self.disabled is not None:
+            return
         if self.arena is not None and self._engine.state_signature() != self._signature:
             self._bind()  # a table grew since the last update (a lookup created rows)
         self._next = (global_step, self._samples + samples)
@@ -237,6 +278,8 @@ class MemoryState:
     def commit(self) -> None:
         global_step, self._samples = self._next
         assert self._engine is not None
+        if self.disabled is not None:
+            return
         if self._engine.state_signature() != self._signature:
             # Some of the update went to tensors outside the segment (an optimizer's first
             # state, a table grown by a lookup while it was applied): a new generation holds it
@@ -264,50 +307,59 @@ class MemoryState:
         started = time.perf_counter()
         state = snapshot()
         structure, tensors = state_layout(state)
-        off_host = next((t.device for t in tensors if t.device.type != "cpu"), None)
-        if off_host is not None:
-            raise TypeError(f"a tensor on {off_host} cannot be kept in shared memory")
+        why = unplaceable(tensors)
+        if why is not None:
+            self._give_up(why)
+            return
+        fd = self._fds["segment"]
         generation = (self.arena.generation + 1) if self.arena is not None else 1
         journal = Journal(generation, self._seq, self._seq, engine.global_step, self._samples, engine.global_step,
                           self._samples)
         name = f"tensors-{generation}.bin"
         path = self.dir / name
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()  # a generation a dead process began and never named
+        sd.unlink(fd, name)  # a generation a dead process began and never named
         try:
-            arena, slots = Arena.create(path, tensors, journal)
+            arena, slots = Arena.create(path, tensors, journal, dir_fd=fd)
             arena.write_ranks(engine.sequences.applied)
+            finite = [t.dtype in FINITE_CHECKED and all_finite(t) for t in tensors]
+            data, digest = dump_meta(generation, name, self.key, slots, finite, structure)
+            arena.write_digest(digest)
+            sd.write_file(fd, META, data)
+        except TypeError as e:  # a value in the structure JSON does not carry
+            sd.unlink(fd, name)
+            self._give_up(str(e))
+            return
         except OSError as e:
-            path.unlink(missing_ok=True)
+            sd.unlink(fd, name)
             need = Arena.plan(tensors)[1]
             free = shutil.disk_usage(self.dir).free
             self._give_up(f"cannot write {path} ({e.strerror or e}; it needs {need / 2**20:.1f} MiB, "
                           f"{free / 2**20:.1f} MiB free there)")
             return
-        meta = {"format": FORMAT, "generation": generation, "file": name, "key": self.key,
-                "slots": [(s.offset, s.dtype, s.shape) for s in slots], "state": structure}
-        tmp = self.dir / f"{META}.tmp"
-        with open(tmp, "wb") as f:
-            pickle.dump(meta, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, self.dir / META)
         old = self.arena
         self.arena, self._slots = arena, slots
         self._signature = engine.state_signature()
-        for f in self.dir.glob("tensors-*.bin"):
-            if f.name != name:
-                f.unlink(missing_ok=True)  # the old mapping lives on until its last view goes
+        for f in sd.files(fd, "tensors-", ".bin"):
+            if f != name:
+                sd.unlink(fd, f)  # the old mapping lives on until its last view goes
         log.info("state in memory: %s, generation %d, %d tensors, %.1f MiB (%.0f ms)%s", path, generation,
                  len(tensors), arena.size / 2**20, (time.perf_counter() - started) * 1e3,
                  "" if old is None else f", replacing generation {old.generation}")
 
     def _make_dir(self) -> None:
+        """The segment's directory, made (mode 0700 at each level) where missing."""
         for attempt in range(3):
             try:
-                self.dir.mkdir(parents=True, exist_ok=True)
+                self._open("segment", create=True)
                 return
-            except FileNotFoundError:  # another server removed the empty default directory between two levels
+            except MemoryStateError:
+                # another server removed the empty key directory between two levels
+                self._fds.pop("segment", None)
+                key = self._fds.pop("key", None)
+                if key is not None:
+                    os.close(key)
                 if attempt == 2:
-                    raise MemoryStateError(f"--state-dir {self.root}: cannot create {self.dir}") from None
+                    raise
             except OSError as e:
                 raise MemoryStateError(f"--state-dir {self.root}: cannot create {self.dir} ({e.strerror})") from None
 
@@ -317,34 +369,38 @@ class MemoryState:
             self._engine.sequences.durable = None
         # The tensors may still be views of the last generation and change without its journal:
         # no restart may map it.
-        (self.dir / META).unlink(missing_ok=True)
+        fd = self._fds.get("segment")
+        if fd is not None:
+            sd.unlink(fd, META)
         log.error("state in memory: off from now on, %s; a restarted server resumes from its last checkpoint", why)
 
     # ---- stop ----------------------------------------------------------------------------------
 
     def release(self) -> None:
-        """The server stopped cleanly: its segment goes."""
+        """The server stopped cleanly: its segment goes (nothing outside the state directory)."""
         if self._engine is not None:
             self._engine.sequences.durable = None
         self.arena = None
-        shutil.rmtree(self.dir, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            self.dir.parent.rmdir()  # the key's directory, once no server of it has a segment
-            if self.root == Path(DEFAULT_STATE_DIR):
-                self.root.rmdir()  # psserver's own directory, once no job's state is in it
+        with contextlib.suppress(MemoryStateError, OSError):
+            key = self._open("key", create=False)
+            if key is not None:
+                sd.remove_tree(key, self.dir.name)
+                sd.rmdir(self._fds["root"], self.key)  # the key's directory, once no server of it has a segment
+        self._close()
+        if self.root == Path(DEFAULT_STATE_DIR):
+            with contextlib.suppress(OSError):
+                os.rmdir(self.root)  # psserver's own directory, once no job's state is in it
         if self.disabled is None:
             log.info("state in memory released: %s", self.dir)
 
     def _write_owner(self, run: str) -> None:
         supervisor = os.environ.get(SUPERVISOR_ENV)
-        sup = int(supervisor) if supervisor and supervisor.isdigit() else None
+        sup = int(supervisor) if supervisor and supervisor.isdigit() and 0 < int(supervisor) < 2**31 else None
         owner = {"pid": os.getpid(), "pid_start": start_time(os.getpid()), "supervisor": sup,
                  "supervisor_start": start_time(sup) if sup else None, "boot_id": boot_id(),
                  "host": socket.gethostname(), "key": self.key, "started": time.time(),
                  "run": run}
-        tmp = self.dir / f"{OWNER}.tmp"
-        tmp.write_text(json.dumps(owner))
-        os.replace(tmp, self.dir / OWNER)
+        sd.write_file(self._fds["segment"], OWNER, json.dumps(owner).encode())
 
 
 def unsupported_reason(engine: StepEngine) -> str | None:
@@ -357,56 +413,3 @@ def unsupported_reason(engine: StepEngine) -> str | None:
     if any(d.type != "cpu" for d in engine.devices):
         return f"the model lives on {', '.join(str(d) for d in engine.devices)}, not in host memory"
     return None
-
-
-def state_layout(state: Any) -> tuple[Any, list[torch.Tensor]]:
-    """``state`` (nested dicts, lists and tuples) with each tensor replaced by a reference, and
-    its tensors in the order of the references, each tensor object once: how the state in memory
-    lays out its file (``benchmarks.state_copy`` lays out its host copy so too)."""
-    tensors: list[torch.Tensor] = []
-    return _refs(state, tensors, {}), tensors
-
-
-def _refs(obj: Any, tensors: list[torch.Tensor], seen: dict[int, int]) -> Any:
-    """``obj`` with each tensor replaced by its index in ``tensors`` (one per tensor object)."""
-    if isinstance(obj, torch.Tensor):
-        index = seen.get(id(obj))
-        if index is None:
-            index = seen[id(obj)] = len(tensors)
-            tensors.append(obj)
-        return (_TENSOR, index)
-    if isinstance(obj, dict):
-        return {k: _refs(v, tensors, seen) for k, v in obj.items()}
-    if isinstance(obj, torch.Size):
-        return tuple(obj)
-    if isinstance(obj, (list, tuple)):
-        out = [_refs(v, tensors, seen) for v in obj]
-        return out if isinstance(obj, list) else tuple(out)
-    return obj
-
-
-def _fill(obj: Any, views: list[torch.Tensor]) -> Any:
-    if isinstance(obj, tuple) and len(obj) == 2 and obj[0] == _TENSOR:
-        return views[obj[1]]
-    if isinstance(obj, dict):
-        return {k: _fill(v, views) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_fill(v, views) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_fill(v, views) for v in obj)
-    return obj
-
-
-class _PlainUnpickler(pickle.Unpickler):
-    """Builtin containers and scalars only: a segment's metadata names no class."""
-
-    def find_class(self, module: str, name: str):  # noqa: ARG002
-        raise pickle.UnpicklingError(f"{module}.{name} in a state segment's metadata")
-
-
-def _read_owner(seg: Path) -> dict | None:
-    try:
-        return json.loads((seg / OWNER).read_text())
-    except (OSError, ValueError):
-        return None
-

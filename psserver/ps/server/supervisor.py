@@ -12,7 +12,8 @@ parent process without RPC, tensors or listening ports of its own: it runs the s
 child, forwards SIGTERM and SIGINT to it, and when the child dies by a signal it starts it
 again. It gives every child one state key (``$PSSERVER_STATE_KEY``), so the restarted one maps
 the memory its predecessor wrote; with checkpoints it adds ``--resume``, which a restart uses
-when that memory is gone. Trainers started with ``--reconnect`` rejoin.
+when that memory is gone, or fails the checks a restart makes (it says so, in one WARNING
+line). Trainers started with ``--reconnect`` rejoin.
 
 A restart does not wait for Python to import torch: beside the server the supervisor keeps a
 *standby*, the same command started ahead with everything imported, blocked on its stdin
@@ -48,6 +49,9 @@ STANDBY_DELAY_S = 15.0
 """The standby is started this long after the server (or its restart) started."""
 SUPERVISOR_ENV = "PSSERVER_SUPERVISOR_PID"
 """Set for the child: the process that owns its state in memory across restarts."""
+FALLBACK_ENV = "PSSERVER_STATE_FALLBACK"
+"""Set for a restart that resumes from a checkpoint when its state in memory is gone: a state
+that fails its check is discarded too (one WARNING line), rather than ending the job."""
 
 
 def server_argv(argv: Sequence[str]) -> list[str]:
@@ -80,8 +84,12 @@ def supervise(argv: Sequence[str], max_restarts: int, *, resume: bool = True,
     ``restart_codes``: exit codes that restart it too, as a death by a signal does."""
     command = server_argv(argv)
     env = dict(os.environ, **{SUPERVISOR_ENV: str(os.getpid())})
+    env.pop(FALLBACK_ENV, None)  # the first start never discards a state: only a restart of this supervisor's
     in_memory = state is not None and state.enabled
     if in_memory:
+        from psserver.ps.server.state_dir import open_root
+
+        os.close(open_root(state.directory, create=True))  # this user's alone, or one line before anything runs
         env[STATE_DIR_ENV] = str(state.directory)  # the child runs without --supervise, which implies it
         env[KEY_ENV] = state.key or uuid.uuid4().hex[:16]
         log.info("supervised server's state in memory: %s/%s", state.directory, env[KEY_ENV])
@@ -89,6 +97,7 @@ def supervise(argv: Sequence[str], max_restarts: int, *, resume: bool = True,
     spare: subprocess.Popen | None = None
     stopping: list[int] = []
     restart_command = resume_argv(command) if resume else command
+    restart_env = {**env, FALLBACK_ENV: "1"} if resume else env
 
     def forward(signum, frame):  # noqa: ARG001
         stopping.append(signum)
@@ -96,7 +105,7 @@ def supervise(argv: Sequence[str], max_restarts: int, *, resume: bool = True,
             child.send_signal(signum)
 
     def standby() -> subprocess.Popen:
-        return subprocess.Popen(restart_command, env={**env, STANDBY_ENV: "1"}, stdin=subprocess.PIPE)
+        return subprocess.Popen(restart_command, env={**restart_env, STANDBY_ENV: "1"}, stdin=subprocess.PIPE)
 
     started = time.monotonic()
 
@@ -130,7 +139,7 @@ def supervise(argv: Sequence[str], max_restarts: int, *, resume: bool = True,
                       describe(code), source, len(restarts), max_restarts, RESTART_WINDOW_S / 60)
             time.sleep(0.5)  # let the kernel release its ports
             promoted = _promote(spare)
-            child, spare = promoted or subprocess.Popen(restart_command, env=env), None
+            child, spare = promoted or subprocess.Popen(restart_command, env=restart_env), None
             started = time.monotonic()
             log.info("supervising psserver serve (pid %d%s)", child.pid, ", the standby" if promoted else "")
     finally:

@@ -100,7 +100,7 @@ def test_a_server_built_again_on_a_dead_ones_segment_holds_every_applied_update(
     want = state_of(first)
     assert want["step"] == 7 and want["samples"] == 56
     files = sorted(p.name for p in (state_dir / "run-a" / "server-0").iterdir())
-    assert files == ["meta.pkl", "owner.json", "tensors-2.bin"]  # the model; its optimizer state (step 1)
+    assert files == ["meta.json", "owner.json", "tensors-2.bin"]  # the model; its optimizer state (step 1)
     first.engine.compute.close()  # (its threads only: the segment stays as a dead process leaves it)
 
     second = ParameterServer(config)
@@ -229,7 +229,7 @@ def test_an_unreadable_segment_is_one_line(state_dir):
     first = ParameterServer(server_config(state_dir))
     first.engine.close()
     seg = state_dir / "run-a" / "server-0"
-    (seg / "meta.pkl").write_bytes(b"\x80\x05not a pickle")
+    (seg / "meta.json").write_bytes(b"{not json")
     with pytest.raises(MemoryStateError, match=r"cannot be read .*move it away"):
         ParameterServer(server_config(state_dir))
 
@@ -271,7 +271,7 @@ def test_a_filesystem_full_at_a_later_generation_leaves_nothing_to_map(state_dir
     try:
         train(server, 3)
         assert server.memory.disabled.startswith("cannot write") and server.engine.global_step == 3
-        assert not (state_dir / "run-a" / "server-0" / "meta.pkl").exists()
+        assert not (state_dir / "run-a" / "server-0" / "meta.json").exists()
     finally:
         server.engine.compute.close()
     monkeypatch.setattr(os, "posix_fallocate", allocate)
