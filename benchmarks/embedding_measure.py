@@ -143,6 +143,21 @@ def inside(readings: list, t0: float, t1: float) -> tuple | None:
     return got[0], got[-1]
 
 
+def around(readings: list, t0: float, t1: float) -> tuple | None:
+    """The last of ``readings`` at or before ``t0`` (else the first) and the first at or after
+    ``t1`` (else the last): a window a little wider than [t0, t1], for a run too short or too
+    disturbed to hold two readings inside it."""
+    def t(r) -> float:
+        return r.t if hasattr(r, "t") else r[0]
+
+    if len(readings) < 2:
+        return None
+    before = [r for r in readings if t(r) <= t0] or readings[:1]
+    after = [r for r in readings if t(r) >= t1] or readings[-1:]
+    a, b = before[-1], after[0]
+    return (a, b) if t(b) > t(a) else (readings[0], readings[-1]) if t(readings[-1]) > t(readings[0]) else None
+
+
 # ---- (A): the ideal bytes of every step -------------------------------------------------------
 
 
@@ -229,8 +244,11 @@ def bytes_window(readings: list[Reading], node: int, ends: list[list[float]], id
     steps each left out). ``ideals``: (up, down) of each trainer's steps, in order."""
     leg = paired_stats.leg_rate(ends, batch_size, skip)
     pair = inside(readings, leg["start"], leg["end"])
-    if pair is None:
-        raise RuntimeError("fewer than two counter readings inside the run's window (raise --bytes-steps)")
+    if pair is None:  # a loaded machine: the readings nearest the window's ends, the figure flagged
+        pair = around(readings, leg["start"], leg["end"])
+        if pair is None:
+            raise RuntimeError("fewer than two counter readings in the whole run (raise --bytes-steps)")
+        leg[paired_stats.DISTURBED] = "fewer than two counter readings inside the run's window: the nearest outside it"
     a, b = pair
     up = down = steps = 0
     for e, ideal in zip(ends, ideals, strict=True):

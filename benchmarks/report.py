@@ -92,7 +92,10 @@ def markdown_rows(paired: dict) -> list[str]:
     for name, row in paired["setups"].items():
         per = " ".join(f"{x:.3f}" for x in row.get("x_local", []))
         mb = row.get("median_bytes_per_step")
-        lines.append(f"| {name} | {row['median_samples_per_s']:.0f} | {row.get('median_x_local', float('nan')):.3f} | "
+        flag = f" (disturbed in round {', '.join(str(r + 1) for r in row['disturbed_rounds'])})" \
+            if row.get("disturbed_rounds") else ""
+        lines.append(f"| {name}{flag} | {row['median_samples_per_s']:.0f} | "
+                     f"{row.get('median_x_local', float('nan')):.3f} | "
                      f"{row.get('rounds_at_or_above_0.90', '-')}/{paired['rounds']} | {per} | "
                      f"{statistics.median(row['step_ms']):.1f} | {_num(None if mb is None else mb / 1e6, '{:.2f}')} | "
                      f"{_num(row.get('median_server_cpu_ms_per_step'), '{:.1f}')} |")
