@@ -206,7 +206,7 @@ def all_commands() -> list[Command]:
         cmds += commands_in_yaml(path)
     for path in sorted(DEPLOY.rglob("*.sbatch")) + sorted(DEPLOY.rglob("*.sh")):
         cmds += commands_in_shell(path.read_text(), str(path.relative_to(ROOT)))
-    for path in [ROOT / "README.md", *sorted(DEPLOY.rglob("*.md"))]:
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted(DEPLOY.rglob("*.md"))]:
         if path.is_file():
             cmds += commands_in_markdown(path)
     return cmds

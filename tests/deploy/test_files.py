@@ -831,7 +831,7 @@ def test_mesh_addresses_agree_with_the_readmes():
         assert option(c.argv, "--join-token-file"), c
     # the README's own commands name the mesh's server address literally
     assert any(option(c.argv, "--host") == server for c in serves if "@block" in c.source)
-    root = (ROOT / "README.md").read_text()
+    root = (ROOT / "docs" / "reliability-and-security.md").read_text()
     assert f"--host {server}" in root and f"--server {server}:" in root
 
 
@@ -852,7 +852,8 @@ def test_readme_documents_ports_and_security():
         assert word in text, word
 
 
-@pytest.mark.parametrize("readme", [ROOT / "README.md", *sorted(DEPLOY.rglob("*.md"))],
+@pytest.mark.parametrize("readme", [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+                                    *sorted(DEPLOY.rglob("*.md"))],
                          ids=lambda p: str(p.relative_to(ROOT)))
 def test_readme_links_exist(readme):
     text = readme.read_text()
@@ -866,7 +867,7 @@ def test_readmes_document_the_security_model():
     for word in ("--join-token-file", "PSSERVER_JOIN_TOKEN", "HMAC-SHA256", "allow-list", "--supervise",
                  "--max-restarts", "plaintext", "8 MB", "wireguard/README.md", "exits 2"):
         assert word in deploy, word
-    root = (ROOT / "README.md").read_text()
+    root = (ROOT / "docs" / "reliability-and-security.md").read_text()
     assert "\n## Security\n" in root
     section = root.split("\n## Security\n", 1)[1].split("\n## ", 1)[0]
     for word in ("--join-token-file", "PSSERVER_JOIN_TOKEN", "openssl rand -hex 32", "secrets.token_hex(32)",
