@@ -45,3 +45,11 @@ def test_every_flag_the_docs_name_is_one_a_verb_takes(page, cli_flags):
     known = cli_flags | OTHER_TOOLS | (benchmark_flags() if page.name == "benchmarks.md" else set())
     unknown = flags_in(page.read_text()) - known
     assert not unknown, f"{page.relative_to(ROOT)} names flags no psserver verb takes: {sorted(unknown)}"
+
+
+def test_every_environment_variable_psserver_reads_is_documented():
+    source = "\n".join(p.read_text() for p in (ROOT / "psserver").rglob("*.py"))
+    read = set(re.findall(r"[\"'](PSSERVER_[A-Z_]+)[\"']", source))
+    documented = (ROOT / "docs" / "configuration.md").read_text()
+    missing = sorted(v for v in read if f"`{v}`" not in documented)
+    assert not missing, f"docs/configuration.md does not document {missing}"
