@@ -26,6 +26,8 @@ from psserver.errors import first_line
 from psserver.models.layout import ModelLayout
 from psserver.ps.server.optimizer_state import MAX_STEPS, check_optimizer_state, is_finite
 
+MAX_SERVERS = 64
+"""Server processes a job may have (``--num-servers``' bound)."""
 MAX_DEPTH = 32
 """How deep a payload may nest (a server's is at most 8 levels: shards, optimizer, state, ...)."""
 
@@ -109,12 +111,17 @@ def check_state(state: dict, path: Path) -> None:
             layout = ModelLayout.from_dict(layout)
         except ValueError as e:
             bad(f"its layout is {e}")
-        held = _elements_held(tensors)
-        if state.get("partition") is None and sum(e.numel for e in layout.entries) > held:
-            # A server adopts the layout before it loads the tensors: a layout the file does
-            # not hold would be allocated first (a shape of 10^12: a torch allocation error).
-            bad(f"its layout has {sum(e.numel for e in layout.entries)} elements, more than the {held} its tensors "
-                "hold")
+        # A server adopts the layout before it loads the tensors: a layout the file does not
+        # hold would be allocated first (a shape of 10^12: a torch allocation error). One
+        # server's partition holds its share of the model, within 1/16 of the mean
+        # (psserver.ps.group.partition): the whole is at most twice the shares of all servers.
+        held, declared = _elements_held(tensors), sum(e.numel for e in layout.entries)
+        servers = 1 if state.get("partition") is None else state["partition"]["num_servers"]
+        if servers > MAX_SERVERS:
+            bad(f"its partition is one of {servers} servers, more than the {MAX_SERVERS} a job has")
+        if declared > (held if servers == 1 else 2 * servers * held):
+            bad(f"its layout has {declared} elements, more than the {held} its tensors hold"
+                + (f" (as one of {servers} servers)" if servers > 1 else ""))
     _check_optimizers(state, bad)
 
 

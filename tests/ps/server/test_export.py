@@ -216,3 +216,40 @@ def test_export_of_a_directory_stops_at_an_unsafe_newest_checkpoint(tmp_path, ca
     assert err == [f"psserver export: error: refusing {newest}: its payload would load posix.system, which a psserver "
                    "checkpoint never holds (tampered with, or not written by psserver)"], err
     assert not (tmp_path / "m.pt").exists()
+
+
+def _partitions(state: dict, num_servers: int) -> list[dict]:
+    """``state`` (one server's, whole model) as the files of ``num_servers`` server processes."""
+    from psserver.models.layout import ModelLayout
+    from psserver.ps.group.partition import make_plan
+
+    layout = ModelLayout.from_dict(state["layout"])
+    module = state["shards"][0]["module"]
+    plan = make_plan([e.numel for e in layout.parameters], num_servers)
+    flats = plan.split([module[e.key] for e in layout.parameters])
+    return [{**state, "global_step": 7,
+             "partition": {"server_rank": s, "num_servers": num_servers, "plan": plan.to_dict()},
+             "shards": [{"module": {"piece.0": flats[s].clone()}, "optimizer": None}],
+             "param_shapes": [[("piece.0", tuple(flats[s].shape))]], "buffers": []}
+            for s in range(num_servers)]
+
+
+def test_partitions_are_gathered_in_process_and_a_layout_they_do_not_hold_is_refused(tmp_path, capsys, server_state):
+    """Nothing of the layout's size is made before the partitions add up to it."""
+    from psserver.checkpoint import checkpoint_path, write_checkpoint
+
+    parts = _partitions(server_state, 2)
+    for s, part in enumerate(parts):
+        write_checkpoint(checkpoint_path(tmp_path / "ok" / f"server-{s}", 7), part, run="r")
+    assert main(["export", str(tmp_path / "ok"), "--out", str(tmp_path / "m.pt")]) == 0
+    exported = torch.load(tmp_path / "m.pt", weights_only=True)
+    for key, value in server_state["shards"][0]["module"].items():
+        assert torch.equal(exported[key], value), key
+    bigger = {**server_state["layout"], "entries": [*server_state["layout"]["entries"],
+                                                    ["extra", [1000], "float32", "parameter", True]]}
+    for s, part in enumerate(parts):
+        write_checkpoint(checkpoint_path(tmp_path / "bad" / f"server-{s}", 7), {**part, "layout": bigger}, run="r")
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "bad"), "--out", str(tmp_path / "n.pt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "its partitions hold 235146 parameter elements, its layout 236146" in err[0], err
