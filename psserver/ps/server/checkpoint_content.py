@@ -26,6 +26,9 @@ from psserver.errors import first_line
 from psserver.models.layout import ModelLayout
 from psserver.ps.server.optimizer_state import MAX_STEPS, check_optimizer_state, is_finite
 
+TABLE_NON_NEGATIVE = frozenset({"sum", "v", "t"})
+"""An embedding table's optimizer state that is never negative: row-wise Adagrad's sums, lazy
+Adam's second moments and step counts (``psserver.ps.sparse.table``)."""
 MAX_SERVERS = 64
 """Server processes a job may have (``--num-servers``' bound)."""
 MAX_DEPTH = 32
@@ -104,6 +107,14 @@ def check_state(state: dict, path: Path) -> None:
             bad(f"its table {name!r} has ids that are {_tensor_kind(table['ids'])}, not dense integers")
         if not _is_dense(table["weights"]) or not table["weights"].is_floating_point():
             bad(f"its table {name!r} has weights that are {_tensor_kind(table['weights'])}, not dense floats")
+        if "step" in table and (not _is_count(table["step"]) or table["step"] > MAX_STEPS):
+            bad(f"its table {name!r} is at step {_kind(table['step'])}, not a count a run reaches")
+        rows = table.get("state") or {}
+        for key, value in rows.items() if isinstance(rows, dict) else ():
+            if key in TABLE_NON_NEGATIVE and isinstance(value, torch.Tensor) and _is_dense(value) \
+                    and not value.is_complex() and value.numel() and float(value.amin()) < 0:
+                where = _path(("tables", "tables", name, "state", key))
+                bad(f"its {where} holds negative values, which {key} never has")
     _check_tensors(tensors, bad)
     layout = state.get("layout")
     if layout is not None:

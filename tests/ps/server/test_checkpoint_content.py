@@ -190,6 +190,19 @@ def test_shared_lists_are_walked_once(tmp_path, server_state):
     check_state({**server_state, "version": _shared(30)}, tmp_path / "ckpt.pt")
 
 
+@pytest.mark.parametrize(("table", "message"), [
+    ({"state": {"sum": torch.tensor([-1.0, 0.0])}},
+     "its tables.tables.t.state.sum holds negative values, which sum never has"),
+    ({"state": {"v": torch.tensor([[0.0], [-2.0]])}}, "its tables.tables.t.state.v holds negative values"),
+    ({"step": 2**63 - 1}, f"its table 't' is at step {2**63 - 1}, not a count a run reaches"),
+    ({"weights": torch.tensor([[0.0, float("nan"), 0.0]] * 2)},
+     "its tables.tables.t.weights holds values that are not finite"),
+], ids=["adagrad-sum", "adam-v", "step", "nan-row"])
+def test_an_embedding_tables_state_is_checked(tmp_path, server_state, table, message):
+    rows = {"ids": torch.arange(2), "weights": torch.zeros(2, 3), "state": {}, "step": 3, **table}
+    assert refused({**server_state, "tables": {"dim": 3, "tables": {"t": rows}}}, tmp_path).startswith(message)
+
+
 def _nested(depth: int) -> list:
     value: list = []
     for _ in range(depth):
