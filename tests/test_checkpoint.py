@@ -272,12 +272,12 @@ def test_a_weights_only_refusal_of_any_wording_is_unsafe(tmp_path, monkeypatch):
 
 
 def test_a_forged_length_costs_no_memory_before_the_checksum_fails(tmp_path):
-    """A sparse file of 256 MB whose header claims all of it: the checksum is computed as the
+    """A sparse file of 64 MB whose header claims all of it: the checksum is computed as the
     file is read (it held the whole payload in memory, twice, before it failed)."""
     import tracemalloc
 
     path = checkpoint_path(tmp_path, 1)
-    size = 256 << 20
+    size = 64 << 20
     header = json.dumps({"magic": "PSSERVER-CKPT", "format": 2, "run": "r", "time": 1.0, "sha256": "0" * 64,
                          "length": size}).encode() + b"\n"
     with open(path, "wb") as f:
