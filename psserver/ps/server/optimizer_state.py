@@ -157,10 +157,18 @@ def _stand_in_state(group: dict, ranks: set[int], config: OptimizerConfig, where
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            optimizer = cls(list(params.values()), **hyper)
+            optimizer = cls(list(params.values()), **hyper)  # the class's checks of its hyperparameters
+            # Then the group as the server loads it: torch takes the saved group whole (a key
+            # it lacks, say lr, failed every step), and the server sets fused after it.
+            optimizer.load_state_dict({"state": {}, "param_groups": [{**group, "params": list(range(len(params)))}]})
+            for g in optimizer.param_groups:
+                g["fused"] = True if config.name in FUSED else g.get("fused")
             for p in params.values():
                 p.grad = torch.linspace(-1.0, 1.0, p.numel()).reshape(p.shape)
             optimizer.step()
+    except KeyError as e:
+        raise ValueError(f"its {where}.param_groups.0 has no {_short(e.args[0] if e.args else e)}, which a step "
+                         f"of {config.name} needs") from None
     except Exception as e:  # noqa: BLE001 - whatever the class refuses, the checkpoint's hyperparameters did
         raise ValueError(f"its {where}.param_groups.0 are hyperparameters {config.name} refuses: "
                          f"{first_line(e)[:160]}") from None

@@ -127,6 +127,8 @@ def test_a_negative_second_moment_or_step_is_refused(tmp_path, server_state, nam
      "its shards.0.optimizer.param_groups.0.'lr' is nan, not a hyperparameter"),
     (lambda s: s["shards"][0]["optimizer"]["param_groups"][0].__setitem__("lr", -1.0),
      "its shards.0.optimizer.param_groups.0 are hyperparameters adam refuses: Invalid learning rate: -1.0"),
+    (lambda s: s["shards"][0]["optimizer"]["param_groups"][0].pop("lr"),
+     "its shards.0.optimizer.param_groups.0 has no 'lr', which a step of adam needs"),
     (lambda s: s["shards"][0]["optimizer"]["param_groups"][0].__setitem__("amsgrad", "yes"),
      "its shards.0.optimizer.param_groups.0 are hyperparameters adam refuses: "),
     (lambda s: s["shards"][0]["optimizer"]["param_groups"][0].__setitem__("eps", torch.zeros(10)),
@@ -136,7 +138,7 @@ def test_a_negative_second_moment_or_step_is_refused(tmp_path, server_state, nam
     (lambda s: s.__setitem__("optimizer_config", None),
      "its shards hold optimizer state but it has no optimizer_config"),
 ], ids=["nan", "step-huge", "step-number", "int-moment", "missing", "extra", "unknown-id", "lr-nan", "lr-negative",
-        "amsgrad-yes", "eps-tensor", "params-short", "no-config"])
+        "lr-missing", "amsgrad-yes", "eps-tensor", "params-short", "no-config"])
 def test_adams_state_is_checked_before_it_is_loaded(tmp_path, server_state, change, message):
     state = trained(server_state, "adam")
     change(state)
