@@ -49,7 +49,7 @@ LEGACY_RUN = "legacy"
 """The run of format-1 files: one run of its own, never pruned, never continued."""
 _NAME = re.compile(r"^ckpt-(\d{12})\.pt$")
 _TEMPORARY = re.compile(r"^\.(?:ckpt-\d{12}\.pt\.tmp|psserver-probe)-(\d+)$")
-_UNSUPPORTED_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)")
+_GLOBAL = re.compile(r"\bGLOBAL ([\w.]+)")
 
 
 class CheckpointError(UsageError):
@@ -178,7 +178,7 @@ def _parse_header(path: Path, line: bytes) -> Header:
         if not isinstance(run, str) or not run or run == LEGACY_RUN or not isinstance(written, (int, float)):
             raise CheckpointError(f"{path} is not a psserver checkpoint (bad run id or time in its header)")
     length, digest = header.get("length"), header.get("sha256")
-    if not isinstance(length, int) or not isinstance(digest, str):
+    if not isinstance(length, int) or isinstance(length, bool) or length < 0 or not isinstance(digest, str):
         raise CheckpointError(f"{path} is not a psserver checkpoint (bad length or checksum in its header)")
     if written is None:
         try:
@@ -188,51 +188,110 @@ def _parse_header(path: Path, line: bytes) -> Header:
     return Header(path, fmt, run, float(written), digest, length)
 
 
-def _read(path: Path, *, payload: bool) -> tuple[Header, bytes]:
+_CHUNK = 1 << 20
+"""Bytes read at a time: the checksum is computed on the file as it is read, never on a copy."""
+
+
+def _open(path: Path) -> Any:
     path = Path(path)
     if path.exists() and not path.is_file() and not path.is_dir():  # a FIFO or a device: open() would wait
         raise CheckpointError(f"{path} is not a regular file")
     try:
-        with open(path, "rb") as f:
-            line = f.readline(4096)
-            data = f.read() if payload else b""
+        return open(path, "rb")  # noqa: SIM115 - the callers close it
     except OSError as e:
         raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
-    return _parse_header(path, line), data
+
+
+def _read_header(path: Path, f: Any) -> Header:
+    """The header of the open file ``f``, once the file is as long as the header says (its
+    size is checked before a byte of the payload is read, so a forged length allocates nothing)."""
+    try:
+        line = f.readline(4096)
+        size = os.fstat(f.fileno()).st_size
+    except OSError as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
+    header = _parse_header(Path(path), line)
+    have = size - len(line)
+    if have < header.length:
+        raise CheckpointError(f"{path} is truncated ({have} of {header.length} bytes)")
+    if have > header.length:
+        raise CheckpointError(f"{path} is not a psserver checkpoint ({have} bytes where its header says "
+                              f"{header.length})")
+    return header
+
+
+def _digest(path: Path, f: Any, length: int) -> str:
+    """SHA-256 of the next ``length`` bytes of ``f``, read ``_CHUNK`` at a time."""
+    sha = hashlib.sha256()
+    done = 0
+    try:
+        while done < length:
+            chunk = f.read(min(_CHUNK, length - done))
+            if not chunk:
+                raise CheckpointError(f"{path} is truncated ({done} of {length} bytes)")
+            sha.update(chunk)
+            done += len(chunk)
+    except OSError as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
+    return sha.hexdigest()
 
 
 def read_header(path: Path) -> Header:
     """The header of ``path`` (one short read); ``CheckpointError`` if it has none."""
-    return _read(path, payload=False)[0]
+    with _open(path) as f:
+        try:
+            line = f.readline(4096)
+        except OSError as e:
+            raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
+    return _parse_header(Path(path), line)
 
 
-def verify(path: Path) -> tuple[Header, bytes]:
-    """The header and payload of ``path`` once the payload matches its checksum (nothing is
-    unpickled); ``CheckpointError`` if it does not."""
-    header, payload = _read(path, payload=True)
-    if len(payload) != header.length:
-        raise CheckpointError(f"{path} is truncated ({len(payload)} of {header.length} bytes)")
-    if hashlib.sha256(payload).hexdigest() != header.sha256:
-        raise CheckpointError(f"{path} is corrupt (checksum mismatch)")
+def verify(path: Path) -> Header:
+    """The header of ``path`` once its payload matches its checksum, in constant memory
+    (nothing is unpickled, nothing is kept); ``CheckpointError`` if it does not."""
+    with _open(path) as f:
+        header = _read_header(path, f)
+        if _digest(path, f, header.length) != header.sha256:
+            raise CheckpointError(f"{path} is corrupt (checksum mismatch)")
+    return header
+
+
+def _verified_payload(path: Path) -> tuple[Header, bytes]:
+    """The header and payload of ``path``: the checksum is computed streaming first, so a file
+    that does not match costs no memory, then the payload is read (and checked again: the file
+    may change between the two reads)."""
+    with _open(path) as f:
+        header = _read_header(path, f)
+        start = f.tell()
+        if _digest(path, f, header.length) != header.sha256:
+            raise CheckpointError(f"{path} is corrupt (checksum mismatch)")
+        try:
+            f.seek(start)
+            payload = f.read(header.length)
+        except OSError as e:
+            raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
+    if len(payload) != header.length or hashlib.sha256(payload).hexdigest() != header.sha256:
+        raise CheckpointError(f"{path} changed while it was read (checksum mismatch)")
     return header, payload
 
 
 def load_checkpoint(path: Path) -> tuple[Header, dict[str, Any]]:
     """Verify and load one file: its header and state. ``CheckpointError`` with the reason if
     it is not valid, ``UnsafeCheckpointError`` if its payload holds more than tensors and data."""
-    header, payload = verify(path)
+    header, payload = _verified_payload(path)
     try:
         with warnings.catch_warnings():  # torch's (a sparse tensor's invariants...): the checks below word it
             warnings.simplefilter("ignore")
             state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        unsafe = _UNSUPPORTED_GLOBAL.search(str(e))
-        if unsafe:
-            raise UnsafeCheckpointError(
-                f"refusing {path}: its payload would load {unsafe.group(1)}, which a psserver checkpoint never "
-                "holds (tampered with, or not written by psserver)") from None
-        raise CheckpointError(f"{path} holds no loadable state ({_first_line(e)})") from None
-    except (RuntimeError, EOFError, ValueError) as e:
+        # The weights-only unpickler's refusal, however torch words it (it changed between
+        # versions): the checksum holds, so the file was made to be this way.
+        unsafe = _GLOBAL.search(str(e))
+        what = (f"would load {unsafe.group(1)}, which a psserver checkpoint never holds" if unsafe
+                else f"is refused by torch's weights-only loader ({_first_line(e)})")
+        raise UnsafeCheckpointError(
+            f"refusing {path}: its payload {what} (tampered with, or not written by psserver)") from None
+    except (RuntimeError, EOFError, ValueError, RecursionError, MemoryError) as e:
         raise CheckpointError(f"{path} holds no loadable state ({_first_line(e)})") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} holds a {type(state).__name__}, not a psserver checkpoint")
@@ -242,7 +301,7 @@ def load_checkpoint(path: Path) -> tuple[Header, dict[str, Any]]:
 def _first_line(e: BaseException) -> str:
     """The informative line of torch's multi-line load errors."""
     lines = [x.strip() for x in str(e).splitlines() if x.strip()]
-    return next((x for x in lines if x.startswith("Unsupported")), lines[0] if lines else type(e).__name__)[:200]
+    return next((x for x in lines if "unsupported" in x.lower()), lines[0] if lines else type(e).__name__)[:200]
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:

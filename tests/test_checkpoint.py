@@ -233,3 +233,71 @@ def test_a_header_nested_too_deep_is_a_bad_header(tmp_path):
         read_header(path)
     with pytest.raises(CheckpointError, match=r"bad header"):
         verify(path)
+
+
+class CallsOsSystem:
+    """A payload that would run a shell command when loaded without ``weights_only``."""
+
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+def test_a_payload_calling_os_system_is_unsafe_and_stops_the_search(tmp_path):
+    """torch 2.14 words this refusal ("unsupported GLOBAL posix.system whose module posix is
+    blocked") unlike the ``exec`` one: it was a 'no loadable state', skipped for the older file."""
+    write_checkpoint(checkpoint_path(tmp_path, 1), state(1), run="r")
+    crafted = checkpoint_path(tmp_path, 2)
+    write_checkpoint(crafted, {"global_step": 2, "w": CallsOsSystem()}, run="r")
+    with pytest.raises(UnsafeCheckpointError, match=r"refusing \S+ckpt-000000000002.pt: its payload would load "
+                                                    r"posix.system, which a psserver checkpoint never holds") as e:
+        read_checkpoint(crafted)
+    assert "\n" not in str(e.value)
+    with pytest.raises(UnsafeCheckpointError, match=r"ckpt-000000000002\.pt"):
+        find_latest(tmp_path)
+
+
+def test_a_weights_only_refusal_of_any_wording_is_unsafe(tmp_path, monkeypatch):
+    """The refusal is told by its type (``pickle.UnpicklingError``), not by torch's words."""
+    import pickle
+
+    def refuse(*args, **kwargs):
+        raise pickle.UnpicklingError("the loader says no\nin words never seen before")
+
+    write_checkpoint(checkpoint_path(tmp_path, 1), state(1), run="r")
+    write_checkpoint(checkpoint_path(tmp_path, 2), state(2), run="r")
+    monkeypatch.setattr(torch, "load", refuse)
+    with pytest.raises(UnsafeCheckpointError, match=r"its payload is refused by torch's weights-only loader "
+                                                    r"\(the loader says no\) \(tampered with"):
+        find_latest(tmp_path)
+
+
+def test_a_forged_length_costs_no_memory_before_the_checksum_fails(tmp_path):
+    """A sparse file of 64 MB whose header claims all of it: the checksum is computed as the
+    file is read (it held the whole payload in memory, twice, before it failed)."""
+    import tracemalloc
+
+    path = checkpoint_path(tmp_path, 1)
+    size = 64 << 20
+    header = json.dumps({"magic": "PSSERVER-CKPT", "format": 2, "run": "r", "time": 1.0, "sha256": "0" * 64,
+                         "length": size}).encode() + b"\n"
+    with open(path, "wb") as f:
+        f.write(header)
+        f.truncate(len(header) + size)  # a hole: no disk, no memory
+    tracemalloc.start()
+    try:
+        for read in (verify, read_checkpoint):
+            with pytest.raises(CheckpointError, match="checksum mismatch"):
+                read(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, peak
+
+
+def test_a_length_other_than_the_files_is_refused_before_reading(tmp_path):
+    path = checkpoint_path(tmp_path, 1)
+    write_checkpoint(path, state(1))
+    with open(path, "ab") as f:
+        f.write(b"more")
+    with pytest.raises(CheckpointError, match=r"is not a psserver checkpoint \(\d+ bytes where its header says"):
+        verify(path)

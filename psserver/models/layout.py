@@ -23,6 +23,11 @@ from torch import nn
 
 LAYOUT_FORMAT = 1
 PARAMETER, BUFFER = "parameter", "buffer"
+MAX_DIMS = 64
+"""More dimensions than any tensor of torch has (its kernels take at most 25)."""
+MAX_BYTES = 1 << 50
+"""1 PiB: a bound past every model, so that sizes stay within torch's int64 before a policy
+(``--max-model-bytes``) is applied to them."""
 
 
 @dataclass(frozen=True)
@@ -108,24 +113,53 @@ class ModelLayout:
 
     @classmethod
     def from_dict(cls, d: object) -> ModelLayout:
-        """A layout sent or recorded as plain data, checked whole (``ValueError``: not a layout)."""
+        """A layout sent or recorded as plain data, checked whole without allocating anything
+        (``ValueError``: not a layout): strings for names, ints >= 0 for dimensions, known
+        dtypes, a total of at most ``MAX_BYTES``."""
         try:
-            if not isinstance(d, dict) or d["format"] != LAYOUT_FORMAT:
+            if not isinstance(d, dict) or d.get("format") != LAYOUT_FORMAT:
                 raise ValueError("unknown layout format")
+            raw, raw_aliases = d["entries"], d.get("aliases", [])
+            if not isinstance(raw, list | tuple) or not isinstance(raw_aliases, list | tuple):
+                raise ValueError("its entries and aliases are not lists")
             entries = []
-            for key, shape, dtype, kind, requires_grad in d["entries"]:
+            for item in raw:
+                if not isinstance(item, list | tuple) or len(item) != 5:
+                    raise ValueError(f"an entry is {_short(item)}, not [key, shape, dtype, kind, requires_grad]")
+                key, shape, dtype, kind, requires_grad = item
                 if not isinstance(key, str) or kind not in (PARAMETER, BUFFER) or not isinstance(requires_grad, bool):
-                    raise ValueError(f"bad entry {key!r}")
-                if not all(isinstance(n, int) and n >= 0 for n in shape):
+                    raise ValueError(f"bad entry {_short(key)}")
+                if not isinstance(shape, list | tuple):
                     raise ValueError(f"bad shape of {key!r}")
-                dtype_of(dtype)
-                entries.append(Entry(key, tuple(shape), dtype, kind, requires_grad))
-            aliases = tuple((str(a), str(b)) for a, b in d.get("aliases", []))
+                entry = Entry(key, tuple(shape), dtype, kind, requires_grad)
+                _check_entry(entry)
+                entries.append(entry)
+            aliases = []
+            for item in raw_aliases:
+                if not (isinstance(item, list | tuple) and len(item) == 2 and all(isinstance(k, str) for k in item)):
+                    raise ValueError(f"an alias is {_short(item)}, not [key, key]")
+                aliases.append((item[0], item[1]))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"not a model layout ({e})") from None
-        if len({e.key for e in entries}) != len(entries):
+        keys = {e.key for e in entries}
+        if len(keys) != len(entries):
             raise ValueError("not a model layout (a key is there twice)")
-        return cls(tuple(entries), aliases)
+        for key, first in aliases:
+            if first not in keys or key in keys:
+                raise ValueError(f"not a model layout (alias {key!r} of {first!r} is not one of another entry)")
+        layout = cls(tuple(entries), tuple(aliases))
+        if layout.nbytes() > MAX_BYTES:
+            raise ValueError(f"not a model layout ({layout.nbytes()} bytes, more than the {MAX_BYTES} any model holds)")
+        return layout
+
+    def nbytes(self) -> int:
+        """The bytes of every entry (numel times element size, in Python ints: nothing is
+        allocated, nothing overflows); ``ValueError`` only for a malformed layout."""
+        total = 0
+        for e in self.entries:
+            _check_entry(e)
+            total += e.numel * e.torch_dtype.itemsize
+        return total
 
     def difference(self, other: ModelLayout, limit: int = 3) -> str:
         """One line naming the first keys where ``other`` differs from this layout ("" when equal)."""
@@ -170,12 +204,35 @@ def values_of(model: nn.Module, layout: ModelLayout) -> list[torch.Tensor]:
     return [state[e.key].detach().to("cpu") for e in layout.entries]
 
 
+def _check_entry(e: Entry) -> None:
+    """``ValueError`` for an entry that no tensor can have: dimensions that are not ints >= 0
+    (or too many of them), a name that is no dtype, a parameter that is not floating point."""
+    if not isinstance(e.key, str):
+        raise ValueError(f"bad entry {_short(e.key)}")
+    if len(e.shape) > MAX_DIMS or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                          for n in e.shape):
+        raise ValueError(f"bad shape of {e.key!r}: {_short(list(e.shape))}")
+    if not isinstance(e.dtype, str):
+        raise ValueError(f"bad dtype of {e.key!r}: {_short(e.dtype)}")
+    dtype = dtype_of(e.dtype)
+    if e.kind == PARAMETER and not dtype.is_floating_point:
+        raise ValueError(f"parameter {e.key!r} is {e.dtype}: a parameter server holds floating-point parameters")
+    if e.numel * dtype.itemsize > MAX_BYTES:
+        raise ValueError(f"{e.key!r} of shape {_short(list(e.shape))} is larger than any model")
+
+
+def _short(value: object) -> str:
+    """A value in a message, cut short."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
 def dtype_of(name: str) -> torch.dtype:
-    dtype = getattr(torch, str(name), None)
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r}")
     return dtype

@@ -7,7 +7,12 @@ import torch
 from torch import nn
 
 from psserver.models import build_model
-from psserver.models.layout import ModelLayout, values_of
+from psserver.models.layout import Entry, ModelLayout, values_of
+
+
+def _one(shape, dtype="float32", key="w") -> dict:
+    """A layout of one parameter, as plain data."""
+    return {"format": 1, "entries": [[key, shape, dtype, "parameter", True]]}
 
 
 class Tied(nn.Module):
@@ -65,10 +70,35 @@ def test_a_difference_names_the_first_keys_that_differ():
                                  {"format": 1, "entries": [["w", [2], "nofloat", "parameter", True]]},
                                  {"format": 1, "entries": [["w", [2], "float32", "weights", True]]},
                                  {"format": 1, "entries": [["w", [2], "float32", "parameter", True]] * 2},
-                                 {"format": 1, "entries": [[1, 2]]}])
+                                 {"format": 1, "entries": [[1, 2]]},
+                                 _one([10**12, 10**12]), _one([2] * 65), _one([True]), _one([2.0]), _one(["2"]),
+                                 _one(7), _one([2], dtype="Tensor"), _one([2], dtype=["float32"]),
+                                 _one([2], dtype="int64"), _one([2], key=None),
+                                 {"format": 1, "entries": {"w": 1}},
+                                 {"format": 1, "entries": [["w", [2], "float32", "parameter", True]],
+                                  "aliases": [["v", ["w"]]]},
+                                 {"format": 1, "entries": [["w", [2], "float32", "parameter", True]],
+                                  "aliases": [["v", "u"]]}],
+                         ids=lambda v: repr(v)[:50])
 def test_garbage_is_not_a_layout(bad):
+    """Checked whole before anything is built from it: a shape of 10^12 x 10^12 was a torch
+    RuntimeError (storage size overflowed), a bool dimension a TypeError, in the server."""
     with pytest.raises(ValueError, match="not a model layout"):
         ModelLayout.from_dict(bad)
+
+
+def test_nbytes_is_the_sum_of_numel_times_element_size():
+    layout = ModelLayout.of(Tied())
+    assert layout.nbytes() == sum(t.numel() * t.element_size() for t in values_of(Tied(), layout))
+    huge = ModelLayout.from_dict(_one([10**12]))  # no tensor is made for it
+    assert huge.nbytes() == 4 * 10**12
+    assert ModelLayout.from_dict(_one([0, 5])).nbytes() == 0
+    with pytest.raises(ValueError, match="bad shape"):
+        ModelLayout((Entry("w", (-1, 2), "float32", "parameter"),)).nbytes()
+    with pytest.raises(ValueError, match="unknown dtype"):
+        ModelLayout((Entry("w", (2,), "float99", "parameter"),)).nbytes()
+
+
 
 
 def test_an_integer_parameter_is_refused():

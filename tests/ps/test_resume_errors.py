@@ -73,7 +73,7 @@ def _crafted(tmp_path, change) -> object:
      "is not a psserver checkpoint: its optimizer_config has fields no optimizer has (nope)"),
     (lambda s: {**s, "rng": 4}, "is not a psserver checkpoint: its rng is not a random generator's state"),
     (lambda s: {**s, "optimizer_config": {"name": "adam"}, "shards": [{**s["shards"][0], "optimizer": {"state": 5}}]},
-     "does not load into this server: "),
+     "is not a psserver checkpoint: its shards.0.optimizer is not an optimizer's state (state and param_groups)"),
     (lambda s: {**s, "rng": torch.zeros(3, dtype=torch.uint8)},
      "does not load into this server: RuntimeError: Expected a CPUGeneratorImplState"),
     (lambda s: {**s, "shards": [{**s["shards"][0],
@@ -141,3 +141,38 @@ def test_a_header_nested_too_deep_is_one_line(tmp_path, capsys):
     assert main(["serve", "--no-control", "--resume", str(path)]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         f"psserver serve: error: {path} is not a psserver checkpoint (bad header)"]
+
+
+def test_an_optimizer_state_that_does_not_fit_its_parameters_is_refused_at_load(tmp_path):
+    """An Adam exp_avg of shape [1] for a [256, 784] weight, under a valid checksum, was resumed,
+    and the first step killed the server (SIGSEGV in the fused Adam). The unaltered file of the
+    same server resumes: the check refuses nothing a server writes."""
+    from psserver.checkpoint import CheckpointError
+    from psserver.config import OptimizerConfig
+
+    server = ParameterServer(ServerConfig(model="mlp", devices=["cpu"]))
+    try:
+        server.engine.agree_optimizer(OptimizerConfig(name="adam"), "a test")
+        shard = server.engine.shards[0]
+        shard.apply({p: torch.ones_like(p) for p in shard.params})
+        state = server.policy.snapshot()
+    finally:
+        server.engine.close()
+    write_checkpoint(checkpoint_path(tmp_path / "good", 1), state)
+    state["shards"][0]["optimizer"]["state"][0]["exp_avg"] = torch.zeros(1)
+    path = checkpoint_path(tmp_path / "bad", 1)
+    write_checkpoint(path, state)
+
+    def resume(directory) -> ParameterServer:
+        return ParameterServer(ServerConfig(model="mlp", devices=["cpu"],
+                                            checkpoint=CheckpointConfig(directory=directory, resume="latest")))
+
+    with pytest.raises(CheckpointError) as e:
+        resume(tmp_path / "bad").engine.close()
+    assert str(e.value) == (f"{path} is not a psserver checkpoint: its shards.0.optimizer.state.0.exp_avg has shape "
+                            "[1], adam keeps it [256, 784] for parameter 1.weight of shape [256, 784]")
+    good = resume(tmp_path / "good")
+    try:
+        assert good.engine.global_step == 0 and good.engine.shards[0].optimizer is not None
+    finally:
+        good.engine.close()

@@ -3,13 +3,17 @@ reads it.
 
 The checksum proves a file whole, not that psserver wrote it: a payload made by hand or by another
 program (keys missing, other types) was a KeyError or TypeError half-way through a resume or an
-export. :func:`check_state` names the first field that is not what ``CheckpointPolicy._describe``
-writes; :func:`load_error` words what it does not look into (optimizer state, tensor shapes) when
-loading fails.
+export, an optimizer state of another shape a crash at the first step, an expanded tensor or a
+forged layout gigabytes allocated. :func:`check_state` names the first field that is not what
+``CheckpointPolicy._describe`` writes, before anything is built from it (the optimizer state:
+``psserver.ps.server.optimizer_state``); :func:`load_error` words what it does not look into
+(a tensor of another shape than the model's, a table's rows) when loading fails. Both run when a
+file is loaded, never per step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, NoReturn
@@ -19,6 +23,16 @@ import torch
 from psserver.checkpoint import CheckpointError
 from psserver.config import OptimizerConfig
 from psserver.errors import first_line
+from psserver.models.layout import ModelLayout
+from psserver.ps.server.optimizer_state import MAX_STEPS, check_optimizer_state, is_finite
+
+TABLE_NON_NEGATIVE = frozenset({"sum", "v", "t"})
+"""An embedding table's optimizer state that is never negative: row-wise Adagrad's sums, lazy
+Adam's second moments and step counts (``psserver.ps.sparse.table``)."""
+MAX_SERVERS = 64
+"""Server processes a job may have (``--num-servers``' bound)."""
+MAX_DEPTH = 32
+"""How deep a payload may nest (a server's is at most 8 levels: shards, optimizer, state, ...)."""
 
 
 def check_state(state: dict, path: Path) -> None:
@@ -31,11 +45,14 @@ def check_state(state: dict, path: Path) -> None:
     def bad(why: str) -> NoReturn:
         raise CheckpointError(f"{path} is not a psserver checkpoint: {why}")
 
+    tensors = _walk(state, bad)  # first: the checks below would recurse into a payload nested too deep
     for key in ("global_step", "samples_seen"):
         if key not in state:
             bad(f"it has no {key}")
         if not _is_count(state[key]):
             bad(f"its {key} is {_kind(state[key])}, not a count")
+        if state[key] > MAX_STEPS:
+            bad(f"its {key} is {state[key]}, past the {MAX_STEPS} a run reaches")
     if "shards" not in state:
         bad("it has no shards")
     shards = state["shards"]
@@ -90,23 +107,123 @@ def check_state(state: dict, path: Path) -> None:
             bad(f"its table {name!r} has ids that are {_tensor_kind(table['ids'])}, not dense integers")
         if not _is_dense(table["weights"]) or not table["weights"].is_floating_point():
             bad(f"its table {name!r} has weights that are {_tensor_kind(table['weights'])}, not dense floats")
-    # Every tensor psserver writes is dense (strided) and real: a sparse, nested, quantized or
-    # complex one was an internal RuntimeError (or torch's warnings) in the restore or the export.
-    for where, tensor in _tensors(state, ()):
+        if "step" in table and (not _is_count(table["step"]) or table["step"] > MAX_STEPS):
+            bad(f"its table {name!r} is at step {_kind(table['step'])}, not a count a run reaches")
+        rows = table.get("state") or {}
+        for key, value in rows.items() if isinstance(rows, dict) else ():
+            if key in TABLE_NON_NEGATIVE and isinstance(value, torch.Tensor) and _is_dense(value) \
+                    and not value.is_complex() and value.numel() and float(value.amin()) < 0:
+                where = _path(("tables", "tables", name, "state", key))
+                bad(f"its {where} holds negative values, which {key} never has")
+    _check_tensors(tensors, bad)
+    layout = state.get("layout")
+    if layout is not None:
+        try:
+            layout = ModelLayout.from_dict(layout)
+        except ValueError as e:
+            bad(f"its layout is {e}")
+        # A server adopts the layout before it loads the tensors: a layout the file does not
+        # hold would be allocated first (a shape of 10^12: a torch allocation error). One
+        # server's partition holds its share of the model, within 1/16 of the mean
+        # (psserver.ps.group.partition): the whole is at most twice the shares of all servers.
+        held, declared = _elements_held(tensors), sum(e.numel for e in layout.entries)
+        servers = 1 if state.get("partition") is None else state["partition"]["num_servers"]
+        if servers > MAX_SERVERS:
+            bad(f"its partition is one of {servers} servers, more than the {MAX_SERVERS} a job has")
+        if declared > (held if servers == 1 else 2 * servers * held):
+            bad(f"its layout has {declared} elements, more than the {held} its tensors hold"
+                + (f" (as one of {servers} servers)" if servers > 1 else ""))
+    _check_optimizers(state, bad)
+
+
+def _walk(state: dict, bad: Callable[[str], NoReturn]) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor in ``state`` (dicts, lists, tuples) with the path of keys to it, walked
+    without recursion; a payload nested deeper than ``MAX_DEPTH`` is refused (5,000 levels were
+    a RecursionError, an internal error)."""
+    found: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()  # a pickle may share a container: each is walked once (a chain of shared
+    stack: list[tuple[Any, tuple]] = [(state, ())]  # lists would be walked 2**depth times)
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, torch.Tensor):
+            found.append((_path(where), value))  # every reference: each is copied where it is used
+            continue
+        if isinstance(value, dict):
+            items: Any = value.items()
+        elif isinstance(value, list | tuple):
+            items = enumerate(value)
+        else:
+            continue
+        if len(where) >= MAX_DEPTH:
+            bad(f"its {_path(where[:4])}... is nested more than {MAX_DEPTH} deep")
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        stack.extend((v, (*where, k)) for k, v in items)
+    found.reverse()
+    return found
+
+
+def _path(where: tuple) -> str:
+    """Keys as a field's name in a message (each cut short)."""
+    return ".".join(str(k) if len(str(k)) <= 40 else str(k)[:37] + "..." for k in where)
+
+
+def _check_tensors(tensors: list[tuple[str, torch.Tensor]], bad: Callable[[str], NoReturn]) -> None:
+    """Every tensor psserver writes is dense (strided), real, finite and its own copy: a sparse,
+    nested, quantized or complex one was an internal RuntimeError (or torch's warnings) in the
+    restore or the export, and a view larger than its data (``torch.zeros(1).expand(n)``: a few
+    bytes in the file) was materialised at its full size."""
+    declared = 0
+    for where, tensor in tensors:
         if not _is_dense(tensor) or tensor.is_complex():
-            bad(f"its {'.'.join(map(str, where))} is {_tensor_kind(tensor)}, not a dense real tensor")
+            bad(f"its {where} is {_tensor_kind(tensor)}, not a dense real tensor")
+        size = tensor.numel() * tensor.element_size()
+        if size > tensor.untyped_storage().nbytes():
+            bad(f"its {where} is a view of {size} bytes over {tensor.untyped_storage().nbytes()} bytes of data (an "
+                "expanded tensor), which psserver never writes")
+        declared += size
+    if declared > sum(_storages(tensors).values()):
+        bad(f"its tensors are views of {declared} bytes over {sum(_storages(tensors).values())} bytes of data, which "
+            "psserver never writes")
+    for where, tensor in tensors:
+        if not is_finite(tensor):
+            bad(f"its {where} holds values that are not finite (nan or inf)")
 
 
-def _tensors(value: Any, where: tuple) -> Any:
-    """Every tensor in ``value`` (dicts, lists, tuples), with the path of keys to it."""
-    if isinstance(value, torch.Tensor):
-        yield where, value
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from _tensors(v, (*where, k))
-    elif isinstance(value, list | tuple):
-        for i, v in enumerate(value):
-            yield from _tensors(v, (*where, i))
+def _storages(tensors: list[tuple[str, torch.Tensor]]) -> dict[int, int]:
+    """The bytes of each distinct storage the tensors view, by address."""
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for _, t in tensors}
+
+
+def _elements_held(tensors: list[tuple[str, torch.Tensor]]) -> int:
+    """How many elements the file's data holds (each storage counted once, in its tensors' element size)."""
+    sizes: dict[int, int] = {}
+    for _, t in tensors:
+        storage = t.untyped_storage()
+        sizes[storage.data_ptr()] = max(sizes.get(storage.data_ptr(), 0), storage.nbytes() // t.element_size())
+    return sum(sizes.values())
+
+
+def _check_optimizers(state: dict, bad: Callable[[str], NoReturn]) -> None:
+    """Each shard's optimizer state against its parameters (``psserver.ps.server.optimizer_state``)."""
+    saved = [(i, shard["optimizer"]) for i, shard in enumerate(state["shards"]) if shard.get("optimizer") is not None]
+    if not saved:
+        return
+    if not state.get("optimizer_config"):
+        bad("its shards hold optimizer state but it has no optimizer_config")
+    try:
+        config = OptimizerConfig(**state["optimizer_config"])
+    except (ValueError, TypeError) as e:
+        bad(f"its optimizer_config: {first_line(e)}")
+    shapes = state.get("param_shapes") or []
+    for i, optimizer in saved:
+        if i >= len(shapes):
+            bad(f"its param_shapes do not list shard {i}'s parameters, which its optimizer state is for")
+        try:
+            check_optimizer_state(optimizer, [(n, tuple(s)) for n, s in shapes[i]], config, f"shards.{i}.optimizer")
+        except ValueError as e:
+            bad(str(e))
 
 
 def _is_dense(tensor: torch.Tensor) -> bool:

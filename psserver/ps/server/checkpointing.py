@@ -406,7 +406,7 @@ class CheckpointPolicy:
         except ValueError as e:
             raise CheckpointError(f"checkpoint {path}: {e}") from None
         except (KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:
-            # What check_state does not look into (optimizer state, tensor shapes, tables' rows).
+            # What check_state does not look into (tensor shapes against the model's, tables' rows).
             log.debug("loading %s failed", path, exc_info=True)
             raise CheckpointError(f"checkpoint {path} does not load into this server: {load_error(e)}") from None
         self._steps_at_checkpoint = engine.global_step

@@ -158,10 +158,9 @@ def _tensors(path: Path, state: dict, layout: ModelLayout) -> list[torch.Tensor]
         if missing:
             raise ValueError(f"the checkpoint has no {', '.join(missing[:3])}")
         return [merged[e.key] for e in layout.entries]
-    plan = PartitionPlan.from_dict(partition["plan"])
     step = int(state["global_step"])
     flats = [_flat(state)]
-    for server in range(1, plan.num_servers):
+    for server in range(1, int(partition["num_servers"])):
         other = checkpoint_path(path.parent.parent / f"server-{server}", step)
         if not other.is_file():
             raise ValueError(f"server {server}'s partition of step {step} is missing ({other})")
@@ -170,7 +169,13 @@ def _tensors(path: Path, state: dict, layout: ModelLayout) -> list[torch.Tensor]
             raise ValueError(f"{other} is not server {server}'s partition of step {step}")
         flats.append(_flat(part))
     params = layout.parameters
-    like = [torch.empty(e.shape) for e in params]
+    # The layout is the file's word: nothing of its size is made before the partitions, which
+    # the files hold, add up to it.
+    held, declared = sum(f.numel() for f in flats), sum(e.numel for e in params)
+    if held != declared:
+        raise ValueError(f"its partitions hold {held} parameter elements, its layout {declared}")
+    plan = PartitionPlan.from_dict(partition["plan"])
+    like = [torch.empty(e.shape, device="meta") for e in params]
     gathered = plan.gather(flats, like)
     buffers = state.get("buffers") or []
     if len(buffers) != len(layout.buffers):

@@ -123,8 +123,8 @@ def _module(state: dict, **changes) -> dict:
     (lambda s: {**s, "partition": 4}, " is not a psserver checkpoint: its partition field is 4, not a dict"),
     (lambda s: {**s, "tables": {"tables": {"t": 1}}},
      " is not a psserver checkpoint: its tables are not ids and weights by table name"),
-    (lambda s: _module(s, **{"1.weight": torch.zeros(3)}),
-     ": cannot export it: 1.weight: a tensor of shape (3,) for an entry of (256, 784)"),
+    (lambda s: _module(s, **{"5.bias": torch.zeros(3)}),
+     ": cannot export it: 5.bias: a tensor of shape (3,) for an entry of (10,)"),
     (lambda s: _module(s, **{"1.weight": s["shards"][0]["module"]["1.weight"].to_sparse()}),
      " is not a psserver checkpoint: its shards.0.module.1.weight is a sparse_coo tensor, not a dense real tensor"),
     (lambda s: _module(s, **{"1.bias": s["shards"][0]["module"]["1.bias"].to(torch.complex64)}),
@@ -152,3 +152,104 @@ def test_a_wrong_payload_with_a_valid_checksum_is_one_line_exit_2(tmp_path, caps
         err = capsys.readouterr().err.strip().splitlines()
         assert err == [f"psserver export: error: {path}{message}"], err
         assert not (tmp_path / out).exists()
+
+
+def _nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _layout(state: dict, key: str, shape: list) -> dict:
+    layout = {**state["layout"], "entries": [[e[0], shape if e[0] == key else e[1], *e[2:]]
+                                             for e in state["layout"]["entries"]]}
+    return {**state, "layout": layout}
+
+
+@pytest.mark.parametrize(("craft", "message"), [
+    (lambda s: _layout(_module(s, **{"5.bias": torch.zeros(1).expand(10_000_000)}), "5.bias", [10_000_000]),
+     " is not a psserver checkpoint: its shards.0.module.5.bias is a view of 40000000 bytes over 4 bytes of data"),
+    (lambda s: {**s, "version": _nested(5000)}, " is not a psserver checkpoint: its version.0.0.0... is nested more"),
+    (lambda s: _layout(s, "1.weight", [10**12]),
+     " is not a psserver checkpoint: its layout has 1000000034442 elements"),
+], ids=["expanded", "nested", "layout-huge"])
+@pytest.mark.parametrize("command", ["export", "serve"])
+def test_a_payload_larger_or_deeper_than_its_file_is_one_line_exit_2(tmp_path, capsys, server_state, craft, message,
+                                                                       command):
+    """An expanded tensor in a small file was materialised at full size by export (6.2 GB for
+    500M elements); a layout of 10^12 elements was allocated by the resume (internal error), a
+    payload nested 5,000 deep a RecursionError in both (internal error, exit 1)."""
+    import sys
+
+    from psserver.checkpoint import checkpoint_path, write_checkpoint
+
+    path = checkpoint_path(tmp_path, 7)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)  # torch.save pickles recursively
+    try:
+        write_checkpoint(path, craft(server_state))
+    finally:
+        sys.setrecursionlimit(limit)
+    argv = (["export", str(path), "--out", str(tmp_path / "m.pt")] if command == "export"
+            else ["serve", "--no-control", "--resume", str(path)])
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"psserver {command}: error: {path}{message}"), err
+    assert not (tmp_path / "m.pt").exists()
+
+
+class CallsOsSystem:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+def test_export_of_a_directory_stops_at_an_unsafe_newest_checkpoint(tmp_path, capsys, server_state):
+    """It took the older checkpoint silently when torch worded the refusal otherwise."""
+    from psserver.checkpoint import checkpoint_path, write_checkpoint
+
+    write_checkpoint(checkpoint_path(tmp_path, 7), server_state, run="r")
+    newest = checkpoint_path(tmp_path, 8)
+    write_checkpoint(newest, {**server_state, "global_step": 8, "version": CallsOsSystem()}, run="r")
+    assert main(["export", str(tmp_path), "--out", str(tmp_path / "m.pt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"psserver export: error: refusing {newest}: its payload would load posix.system, which a psserver "
+                   "checkpoint never holds (tampered with, or not written by psserver)"], err
+    assert not (tmp_path / "m.pt").exists()
+
+
+def _partitions(state: dict, num_servers: int) -> list[dict]:
+    """``state`` (one server's, whole model) as the files of ``num_servers`` server processes."""
+    from psserver.models.layout import ModelLayout
+    from psserver.ps.group.partition import make_plan
+
+    layout = ModelLayout.from_dict(state["layout"])
+    module = state["shards"][0]["module"]
+    plan = make_plan([e.numel for e in layout.parameters], num_servers)
+    flats = plan.split([module[e.key] for e in layout.parameters])
+    return [{**state, "global_step": 7,
+             "partition": {"server_rank": s, "num_servers": num_servers, "plan": plan.to_dict()},
+             "shards": [{"module": {"piece.0": flats[s].clone()}, "optimizer": None}],
+             "param_shapes": [[("piece.0", tuple(flats[s].shape))]], "buffers": []}
+            for s in range(num_servers)]
+
+
+def test_partitions_are_gathered_in_process_and_a_layout_they_do_not_hold_is_refused(tmp_path, capsys, server_state):
+    """Nothing of the layout's size is made before the partitions add up to it."""
+    from psserver.checkpoint import checkpoint_path, write_checkpoint
+
+    parts = _partitions(server_state, 2)
+    for s, part in enumerate(parts):
+        write_checkpoint(checkpoint_path(tmp_path / "ok" / f"server-{s}", 7), part, run="r")
+    assert main(["export", str(tmp_path / "ok"), "--out", str(tmp_path / "m.pt")]) == 0
+    exported = torch.load(tmp_path / "m.pt", weights_only=True)
+    for key, value in server_state["shards"][0]["module"].items():
+        assert torch.equal(exported[key], value), key
+    bigger = {**server_state["layout"], "entries": [*server_state["layout"]["entries"],
+                                                    ["extra", [1000], "float32", "parameter", True]]}
+    for s, part in enumerate(parts):
+        write_checkpoint(checkpoint_path(tmp_path / "bad" / f"server-{s}", 7), {**part, "layout": bigger}, run="r")
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "bad"), "--out", str(tmp_path / "n.pt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "its partitions hold 235146 parameter elements, its layout 236146" in err[0], err
