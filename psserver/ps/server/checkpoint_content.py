@@ -13,6 +13,7 @@ file is loaded, never per step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
@@ -115,7 +116,7 @@ def check_state(state: dict, path: Path) -> None:
                     and not value.is_complex() and value.numel() and float(value.amin()) < 0:
                 where = _path(("tables", "tables", name, "state", key))
                 bad(f"its {where} holds negative values, which {key} never has")
-    _check_tensors(tensors, bad)
+    _check_tensors(tensors, bad, _buffer_paths(state))
     layout = state.get("layout")
     if layout is not None:
         try:
@@ -169,11 +170,28 @@ def _path(where: tuple) -> str:
     return ".".join(str(k) if len(str(k)) <= 40 else str(k)[:37] + "..." for k in where)
 
 
-def _check_tensors(tensors: list[tuple[str, torch.Tensor]], bad: Callable[[str], NoReturn]) -> None:
-    """Every tensor psserver writes is dense (strided), real, finite and its own copy: a sparse,
-    nested, quantized or complex one was an internal RuntimeError (or torch's warnings) in the
-    restore or the export, and a view larger than its data (``torch.zeros(1).expand(n)``: a few
-    bytes in the file) was materialised at its full size."""
+def _buffer_paths(state: dict) -> set[str]:
+    """Where the payload holds the model's buffers (the layout's, under each shard's module, or
+    a partitioned server's list): a buffer may hold inf (a causal mask's ``-inf``), never NaN."""
+    paths = {_path(("buffers", i)) for i in range(len(state.get("buffers") or []))}
+    try:
+        buffers = {e.key for e in ModelLayout.from_dict(state["layout"]).buffers}
+    except (KeyError, TypeError, ValueError):  # no layout (or a bad one, refused below): every tensor finite
+        return paths
+    keys = state.get("state_keys") or [{} for _ in state["shards"]]
+    for i, shard in enumerate(state["shards"]):
+        for key in shard["module"]:
+            if keys[i].get(key, key) in buffers:
+                paths.add(_path(("shards", i, "module", key)))
+    return paths
+
+
+def _check_tensors(tensors: list[tuple[str, torch.Tensor]], bad: Callable[[str], NoReturn],
+                   buffers: set[str]) -> None:
+    """Every tensor psserver writes is dense (strided), real, finite (a buffer: not NaN) and its
+    own copy: a sparse, nested, quantized or complex one was an internal RuntimeError (or
+    torch's warnings) in the restore or the export, and a view larger than its data
+    (``torch.zeros(1).expand(n)``: a few bytes in the file) was materialised at its full size."""
     declared = 0
     for where, tensor in tensors:
         if not _is_dense(tensor) or tensor.is_complex():
@@ -187,7 +205,11 @@ def _check_tensors(tensors: list[tuple[str, torch.Tensor]], bad: Callable[[str],
         bad(f"its tensors are views of {declared} bytes over {sum(_storages(tensors).values())} bytes of data, which "
             "psserver never writes")
     for where, tensor in tensors:
-        if not is_finite(tensor):
+        if where in buffers:
+            if tensor.is_floating_point() and tensor.numel() and (math.isnan(float(tensor.amin()))
+                                                                  or math.isnan(float(tensor.amax()))):
+                bad(f"its buffer {where} holds nan")
+        elif not is_finite(tensor):
             bad(f"its {where} holds values that are not finite (nan or inf)")
 
 

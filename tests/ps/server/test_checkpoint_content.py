@@ -225,3 +225,27 @@ def test_a_servers_own_checkpoint_with_adam_resumes(tmp_path, server_state):
     path = checkpoint_path(tmp_path, 7)
     write_checkpoint(path, trained(server_state, "adam"))
     check_state(read_checkpoint(path), path)
+
+
+def test_a_buffer_may_hold_minus_inf_but_not_nan_and_a_parameter_neither(tmp_path):
+    """A causal mask of -inf is a constant the model's own checkpoint holds: resumed and exported;
+    NaN in a buffer, or inf in a parameter, is refused."""
+    from psserver.models.layout import ModelLayout
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+            self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(3))
+
+    model = Masked()
+    state = {"global_step": 1, "samples_seen": 4, "shards": [{"module": model.state_dict(), "optimizer": None}],
+             "layout": ModelLayout.of(model).to_dict()}
+    check_state(state, tmp_path / "c.pt")
+    state["shards"][0]["module"]["mask"] = torch.full((3, 3), float("nan"))
+    with pytest.raises(CheckpointError, match="buffer shards.0.module.mask holds nan"):
+        check_state(state, tmp_path / "c.pt")
+    state["shards"][0]["module"]["mask"] = model.mask
+    state["shards"][0]["module"]["fc.bias"] = torch.full((3,), float("-inf"))
+    with pytest.raises(CheckpointError, match=r"fc\.bias holds values that are not finite"):
+        check_state(state, tmp_path / "c.pt")
