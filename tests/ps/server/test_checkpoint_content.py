@@ -243,7 +243,7 @@ def test_a_buffer_may_hold_minus_inf_but_not_nan_and_a_parameter_neither(tmp_pat
              "layout": ModelLayout.of(model).to_dict()}
     check_state(state, tmp_path / "c.pt")
     state["shards"][0]["module"]["mask"] = torch.full((3, 3), float("nan"))
-    with pytest.raises(CheckpointError, match="buffer shards.0.module.mask holds nan"):
+    with pytest.raises(CheckpointError, match=r"buffer shards\.0\.module\.mask holds nan"):
         check_state(state, tmp_path / "c.pt")
     state["shards"][0]["module"]["mask"] = model.mask
     state["shards"][0]["module"]["fc.bias"] = torch.full((3,), float("-inf"))
