@@ -108,14 +108,9 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_checkpoint(path: Path, state: dict[str, Any], *, run: str | None = None,
-                     fault_after_bytes: int | None = None) -> int:
+def write_checkpoint(path: Path, state: dict[str, Any], *, run: str | None = None) -> int:
     """Write ``state`` atomically as a checkpoint of ``run`` (None: a run of its own); returns
-    the bytes written. A failed write removes its temporary file and raises ``OSError``.
-
-    ``fault_after_bytes`` (tests only, also ``$PSSERVER_CKPT_FAULT_AFTER``) kills the process
-    after writing that many bytes of the temporary file, to prove a crash mid-write is safe.
-    """
+    the bytes written. A failed write removes its temporary file and raises ``OSError``."""
     buf = io.BytesIO()
     torch.save(state, buf)
     payload = buf.getvalue()
@@ -126,18 +121,9 @@ def write_checkpoint(path: Path, state: dict[str, Any], *, run: str | None = Non
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    if fault_after_bytes is None and os.environ.get("PSSERVER_CKPT_FAULT_AFTER"):
-        fault_after_bytes = int(os.environ["PSSERVER_CKPT_FAULT_AFTER"])
     try:
         with open(tmp, "wb") as f:
-            data = header + payload
-            if fault_after_bytes is not None:
-                f.write(data[:fault_after_bytes])
-                f.flush()
-                os.fsync(f.fileno())
-                log.error("injected fault: dying after %d bytes of %s", fault_after_bytes, tmp)
-                os._exit(17)
-            f.write(data)
+            f.write(header + payload)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

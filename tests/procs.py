@@ -91,6 +91,12 @@ def slow_steps(seconds: float, pythonpath: str | None = None) -> dict[str, str]:
     return env
 
 
+def die_mid_checkpoint(after_bytes: int) -> dict[str, str]:
+    """Environment of a server that dies once it has written ``after_bytes`` of a checkpoint's
+    temporary file."""
+    return _hooked(PSSERVER_TEST_CKPT_FAULT_AFTER=str(after_bytes))
+
+
 def die_in_join() -> dict[str, str]:
     """Environment of a trainer that dies inside ``init_rpc`` holding the membership token."""
     return _hooked(PSSERVER_TEST_DIE_IN_JOIN="1")

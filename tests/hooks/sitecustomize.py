@@ -13,6 +13,9 @@ step protocol's half once the server has answered its join (as ``--step plain``'
 With ``$PSSERVER_TEST_STEP_DELAY=S``, ``psserver train`` sleeps S seconds before each step: a
 slow trainer (one caught mid-run, a straggler).
 
+With ``$PSSERVER_TEST_CKPT_FAULT_AFTER=N``, a server dies (exit 17) once it has written N bytes
+of a checkpoint's temporary file, as a crash in the middle of the write would.
+
 With ``$PSSERVER_TEST_DIE_IN_JOIN=1``, a trainer dies (exit 9) inside ``init_rpc`` while it
 holds its RPC group's membership token, as a crash there would.
 """
@@ -91,3 +94,38 @@ if _STEP_DELAY:
         return _train_step(self, *args, **kwargs)
 
     Connection.train_step = train_step
+
+_CKPT_FAULT = os.environ.get("PSSERVER_TEST_CKPT_FAULT_AFTER")
+
+if _CKPT_FAULT:
+    import builtins
+
+    import psserver.checkpoint as _checkpoint
+
+    class _DyingFile:
+        """A checkpoint's temporary file that takes N bytes, makes them durable, and ends the process."""
+
+        def __init__(self, f) -> None:
+            self._f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self._f.close()
+
+        def write(self, data: bytes) -> int:
+            self._f.write(data[:int(_CKPT_FAULT)])
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            print(f"injected fault: dying after {_CKPT_FAULT} bytes of {self._f.name}", flush=True)
+            os._exit(17)
+
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+
+    def _open(path, mode="r", *args, **kwargs):
+        f = builtins.open(path, mode, *args, **kwargs)
+        return _DyingFile(f) if ".tmp-" in os.path.basename(str(path)) and "w" in mode else f
+
+    _checkpoint.open = _open

@@ -29,7 +29,7 @@ from psserver.checkpoint import (
 from psserver.cli import main
 from psserver.config import OptimizerConfig, ServerConfig
 from psserver.ps.server.server import ParameterServer
-from tests.procs import free_port, run
+from tests.procs import die_mid_checkpoint, free_port, run
 
 OLD_RUN = "0ld" + "0" * 29
 SERVE = ["--model", "mlp", "--compute-threads", "1"]
@@ -266,7 +266,7 @@ def test_crafted_checkpoint_is_refused_and_never_run(tmp_path, how):
 @pytest.mark.timeout(240)
 def test_temporary_files_of_a_killed_writer_are_removed_at_start(procs, port, tmp_path):
     dying = procs.server(port, *SERVE, "--checkpoint-dir", str(tmp_path),
-                         env={"PSSERVER_CKPT_FAULT_AFTER": "4096"})
+                         env=die_mid_checkpoint(4096))
     t = procs.trainer(port, 0, "--max-steps", "2")
     assert t.wait(120) == 0, t.tail()
     dying.signal(signal.SIGTERM)

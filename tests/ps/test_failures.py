@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import sys
@@ -16,7 +15,7 @@ from psserver.checkpoint import list_checkpoints, read_checkpoint
 from psserver.config.ps import STEP_MODES
 from psserver.control.client import ControlClient
 from psserver.control.v1 import control_pb2 as pb
-from tests.procs import MNIST_ARGS, accuracy, die_in_join, free_port
+from tests.procs import MNIST_ARGS, accuracy, die_in_join, die_mid_checkpoint, free_port
 from tests.ps import die_mid_step
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -193,12 +192,8 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(procs, port, tm
     server.signal(signal.SIGKILL)
     server.wait(10)
     good = read_checkpoint(tmp_path / "ckpt-000000000020.pt")
-    os.environ["PSSERVER_CKPT_FAULT_AFTER"] = "4096"
-    try:
-        dying = procs.server(port, "--model", "mlp", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "10",
-                             "--resume")
-    finally:
-        del os.environ["PSSERVER_CKPT_FAULT_AFTER"]
+    dying = procs.server(port, "--model", "mlp", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "10",
+                         "--resume", env=die_mid_checkpoint(4096))
     t = procs.trainer(port, 0, "--max-steps", "30")
     assert dying.wait(120) == 17, dying.tail()  # died mid-write of step 30
     t.wait(60)
