@@ -46,6 +46,15 @@ class Exported:
     tensors: int
 
 
+def model_note(reference: object) -> str | None:
+    """What a reader of the export's JSON should know of a model reference nothing imports by
+    its name: a class of a script run by its path is ``__main__:Net``."""
+    if isinstance(reference, str) and reference.startswith("__main__:"):
+        return (f"{reference.partition(':')[2]} was defined in the script that trained it (its __main__), which "
+                "nothing imports by that name: load the state_dict into that class where the script defines it")
+    return None
+
+
 def export(source: Path, out: Path) -> Exported:
     """Write the model of checkpoint ``source`` (a file, or a ``--checkpoint-dir``: its newest
     complete checkpoint) to ``out`` (``.safetensors`` or ``.pt``). ``UsageError`` of one line
@@ -98,6 +107,9 @@ def export(source: Path, out: Path) -> Exported:
         "tables": None if tables_path is None else tables_path.name,
         "psserver": __version__,
     }
+    note = model_note(state.get("model"))
+    if note:
+        info["model_note"] = note
     try:
         _atomic(meta, lambda f: f.write(json.dumps(info, indent=2).encode() + b"\n"))
     except OSError as e:

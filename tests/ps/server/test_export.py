@@ -253,3 +253,16 @@ def test_partitions_are_gathered_in_process_and_a_layout_they_do_not_hold_is_ref
     assert main(["export", str(tmp_path / "bad"), "--out", str(tmp_path / "n.pt")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "its partitions hold 235146 parameter elements, its layout 236146" in err[0], err
+
+
+def test_an_export_of_a_scripts_model_says_what_its_name_is(tmp_path, capsys, server_state):
+    """``__main__:Net`` (a class of a script run by its path) imports by no name: the JSON says so."""
+    from psserver.checkpoint import checkpoint_path, write_checkpoint
+
+    write_checkpoint(checkpoint_path(tmp_path, 7), {**server_state, "model": "__main__:Net"}, run="r")
+    assert main(["export", str(tmp_path), "--out", str(tmp_path / "m.pt")]) == 0
+    meta = json.loads((tmp_path / "m.json").read_text())
+    assert meta["model"] == "__main__:Net" and "Net was defined in the script that trained it" in meta["model_note"]
+    write_checkpoint(checkpoint_path(tmp_path, 8), {**server_state, "global_step": 8}, run="r")
+    assert main(["export", str(tmp_path), "--out", str(tmp_path / "m.pt")]) == 0
+    assert "model_note" not in json.loads((tmp_path / "m.json").read_text())
