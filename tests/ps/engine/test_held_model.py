@@ -61,13 +61,16 @@ def test_an_engine_without_model_adopts_the_first_and_checks_the_rest():
         engine.close()
 
 
-def test_a_buffer_may_be_minus_inf_but_a_parameter_may_not():
-    class Masked(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(3, 3)
-            self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(3))
+class Masked(nn.Module):
+    """The smallest model with a causal mask of ``-inf`` in a (persistent) buffer."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(3))
+
+
+def test_a_buffer_may_be_minus_inf_but_a_parameter_may_not():
     model = Masked()
     layout = ModelLayout.of(model)
     check_values(layout, values_of(model, layout))
