@@ -50,27 +50,18 @@ def open_root(root: Path, create: bool) -> int | None:
     symbolic link, another user's, or writable by others."""
     if create:
         root.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(root, DIR_MODE)
-    try:
-        fd = os.open(root, DIR_FLAGS)
-    except FileNotFoundError:
-        if create:
-            raise MemoryStateError(f"--state-dir {root}: it went while it was being made") from None
-        return None
-    except OSError as e:
-        raise MemoryStateError(f"--state-dir {root}: cannot open it ({_why(e, root.name, None)})") from None
-    try:
-        _trusted(os.fstat(fd), root)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return _open_trusted(str(root), None, root, f"--state-dir {root}", create)
 
 
 def open_dir(parent: int, name: str, where: Path, create: bool) -> int | None:
     """A descriptor of ``name`` in the directory ``parent`` (which is ``where``), created
     (mode 0700) when ``create``; None when it is missing and not created."""
+    return _open_trusted(name, parent, where / name, str(where / name), create)
+
+
+def _open_trusted(name: str, parent: int | None, path: Path, what: str, create: bool) -> int | None:
+    """``name`` (in ``parent``, else as a path) opened as a directory without following a link,
+    made 0700 when ``create``, and checked to be this user's alone (``_trusted``)."""
     if create:
         with contextlib.suppress(FileExistsError):
             os.mkdir(name, DIR_MODE, dir_fd=parent)
@@ -78,12 +69,12 @@ def open_dir(parent: int, name: str, where: Path, create: bool) -> int | None:
         fd = os.open(name, DIR_FLAGS, dir_fd=parent)
     except FileNotFoundError:
         if create:
-            raise MemoryStateError(f"{where / name}: it went while it was being made") from None
+            raise MemoryStateError(f"{what}: it went while it was being made") from None
         return None
     except OSError as e:
-        raise MemoryStateError(f"{where / name}: cannot open it ({_why(e, name, parent)})") from None
+        raise MemoryStateError(f"{what}: cannot open it ({_why(e, path.name, parent)})") from None
     try:
-        _trusted(os.fstat(fd), where / name)
+        _trusted(os.fstat(fd), path)
     except BaseException:
         os.close(fd)
         raise
