@@ -54,7 +54,7 @@ class TrainCommand(SubCommand):
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         t = TrainerConfig  # the class: its fields' defaults
         parser.add_argument("--mode", choices=MODES, default=PS, action=ModeAction, mode_flags=self.mode_flags,
-                            help=f"{PS}: join a parameter server (default); {DDP}/{FSDP}: collective training. "
+                            help=f"{PS}: join a parameter server; {DDP}/{FSDP}: collective training (default {PS}). "
                                  "--help after it shows that mode's flags")
         parser.add_argument("--model", default=None,
                             help=MODEL_HELP + " (ps mode: default the server's model, else mnist_cnn; ddp/fsdp: "
