@@ -64,6 +64,10 @@ class ModeFlags:
     def modes(self, action: argparse.Action) -> frozenset[str]:
         return self._modes.get(action, EVERY)
 
+    def help_of(self, action: argparse.Action) -> str | None:
+        """``action``'s help whatever mode ``--help`` shows now."""
+        return self._help.get(action, action.help)
+
     def show(self, mode: str) -> None:
         """Let ``--help`` show ``mode``'s flags only: the others' help is suppressed, and a group
         left empty loses its description too (argparse then leaves the whole section out)."""

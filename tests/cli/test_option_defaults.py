@@ -228,7 +228,7 @@ def help_texts(verb: str) -> list[tuple[argparse.Action, str]]:
     mode_flags = getattr(command, "mode_flags", None)
     helps = []
     for action in parser._actions:
-        text = mode_flags._help.get(action, action.help) if mode_flags is not None else action.help
+        text = mode_flags.help_of(action) if mode_flags is not None else action.help
         if action.option_strings and text and text != argparse.SUPPRESS:
             helps.append((action, text))
     return helps
