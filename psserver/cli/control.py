@@ -30,11 +30,12 @@ WAIT_TIMEOUT = 300.0
 
 
 def add_client_arguments(parser: argparse.ArgumentParser, default_timeout: float) -> None:
+    from psserver.control import ADDRESS_ENV, DEFAULT_ADDRESS
     from psserver.control.client import default_address
 
     g = parser.add_argument_group("connection")
     g.add_argument("--address", default=default_address(),
-                   help="control plane HOST:PORT (default $PSSERVER_CONTROL_ADDRESS or 127.0.0.1:50051)")
+                   help=f"control plane HOST:PORT (default ${ADDRESS_ENV} or {DEFAULT_ADDRESS})")
     g.add_argument("--auth-token-file", type=path_arg, default=None,
                    help="file holding the bearer token (else $PSSERVER_AUTH_TOKEN; else, for checkpoint and "
                         "stop, the one a server of yours on this host wrote for this address)")
