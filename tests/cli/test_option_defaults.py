@@ -276,3 +276,15 @@ def test_a_literal_default_that_differs_is_caught(monkeypatch):
         test_no_help_shows_a_default_other_than_the_real_one("train")
     with pytest.raises(AssertionError):
         test_no_flags_build_the_trainers_default_config()
+
+
+def test_defaults_kept_outside_the_config_agree_with_it():
+    """What a client, the library or the trainer falls back to where no flag reaches them."""
+    from psserver.config.env import default_server_address
+    from psserver.control import DEFAULT_ADDRESS
+    from psserver.trainer.session import DEFAULT_MODEL
+
+    assert DEFAULT_ADDRESS == f"{ControlConfig.host}:{ControlConfig.port}"
+    assert default_server_address() == f"{TrainerConfig.server_host}:{TrainerConfig.server_port}"
+    model = next(text for action, text in help_texts("train") if action.dest == "model")
+    assert f"ps mode: default the server's model, else {DEFAULT_MODEL}" in model
