@@ -1,5 +1,7 @@
 """``psserver train``: a trainer; ``--mode ps`` (default) joins a parameter server,
-``--mode ddp|fsdp`` trains with collectives instead (see ``psserver.collective``).
+``--mode ddp|fsdp`` trains with collectives instead (see ``psserver.collective``). One parser
+takes both modes' flags; ``--help`` shows the mode's, and the other mode's are refused
+(``psserver.cli.modes``). Each default is its config field's (``psserver.cli.defaults``).
 
 A ``--mode ps`` trainer exits 0 when done, 2 for bad input (a rank whose holder is alive), 3
 when its server is lost or evicts it (unless ``--reconnect``), 143 / 130 after leaving on
