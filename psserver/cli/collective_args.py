@@ -1,8 +1,9 @@
 """Flags of ``psserver train --mode ddp|fsdp`` and the ``CollectiveConfig`` built from them.
 
-Shared flags (--model, --epochs, --batch-size, optimizer, data, control plane, --max-steps,
---no-progress) come from ``psserver.cli.train`` and ``psserver.cli.args``; the ones here are
-collective-only. Every combination that can be checked without a process group is checked
+Shared flags (--model, --epochs, --batch-size, --bucket-cap-mb, optimizer, data, --max-steps,
+--no-progress) come from ``psserver.cli.train`` and ``psserver.cli.args``; the ones here, and the
+control plane's, are collective-only (``COLLECTIVE_GROUPS``, ``psserver.cli.modes``). Every
+combination that can be checked without a process group is checked
 (by ``CollectiveConfig``) before any worker starts: one line, exit code 2. Running the
 workers is ``psserver.collective.run.run_collective``.
 
@@ -18,13 +19,15 @@ from __future__ import annotations
 import argparse
 
 from psserver.cli.args import (
+    CONTROL_GROUP,
+    METRICS_GROUP,
     control_from_args,
     data_from_args,
-    finite_float,
     model_args_from_args,
     optimizer_from_args,
     path_arg,
 )
+from psserver.cli.modes import COLLECTIVE, DDP, FSDP
 from psserver.config import OptimizerConfig
 from psserver.config.collective import (
     BACKENDS,
@@ -39,60 +42,82 @@ from psserver.config.collective import (
 from psserver.config.env import launcher_env
 from psserver.errors import UsageError
 
+RUN_GROUP = "collective training (--mode ddp|fsdp)"
+LAUNCH_GROUP = "collective launch (--mode ddp|fsdp)"
+DDP_GROUP = "DDP (--mode ddp)"
+FSDP_GROUP = "FSDP (--mode fsdp)"
+CHECKPOINT_GROUP = "collective checkpoints (--mode ddp|fsdp)"
+COLLECTIVE_GROUPS: dict[str, frozenset[str]] = {
+    RUN_GROUP: COLLECTIVE, LAUNCH_GROUP: COLLECTIVE, DDP_GROUP: frozenset({DDP}), FSDP_GROUP: frozenset({FSDP}),
+    CHECKPOINT_GROUP: COLLECTIVE, CONTROL_GROUP: COLLECTIVE, METRICS_GROUP: COLLECTIVE,
+}
+"""The modes of each argument group of ``psserver train`` that is not common to all
+(``psserver.cli.modes``): the control plane of a ``--mode ps`` job is its server's."""
+LOSS_IS_PS = ("--loss and --metric apply to --mode ps (--mode {mode} trains with cross-entropy and reports "
+              "accuracy)")
+
 
 def add_collective_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the collective-only flags to ``psserver train``, one group per concern."""
-    g = parser.add_argument_group("collective launch", "--mode ddp|fsdp: where the workers come from")
-    g.add_argument("--nproc-per-node", type=int, default=None,
-                   help="standalone: spawn N workers on this host (not under torchrun, which has its own)")
-    g.add_argument("--master-addr", default="127.0.0.1",
-                   help="standalone: rendezvous address (default 127.0.0.1; torchrun: $MASTER_ADDR)")
-    g.add_argument("--master-port", type=int, default=0,
-                   help="standalone: rendezvous port (default 0: a free one; torchrun: $MASTER_PORT)")
-    g.add_argument("--backend", default="auto",
-                   help=f"process-group backend: {', '.join(BACKENDS)} (default auto: nccl on GPU, else gloo)")
-    g.add_argument("--seed", type=int, default=0,
-                   help="seed of the initial parameters (default 0; a PS trainer's come from its server: serve --seed)")
-    g.add_argument("--result-file", default=None,
+    r = parser.add_argument_group(RUN_GROUP)
+    r.add_argument("--seed", type=int, default=CollectiveConfig.seed,
+                   help=f"seed of the initial parameters, the same on every rank (default {CollectiveConfig.seed})")
+    r.add_argument("--result-file", default=CollectiveConfig.result_file,
                    help="write a JSON summary per rank ({rank} in the name is replaced); for scripts and tests")
-    g.add_argument("--nccl-nsocks-perthread", type=int, default=None,
+    lc = LaunchConfig  # the class: its fields' defaults
+    g = parser.add_argument_group(LAUNCH_GROUP, "where the workers come from")
+    g.add_argument("--nproc-per-node", type=int, default=lc.nproc_per_node,
+                   help="standalone: spawn N workers on this host (not under torchrun, which has its own)")
+    g.add_argument("--master-addr", default=lc.master_addr,
+                   help=f"standalone: rendezvous address (default {lc.master_addr}; torchrun: $MASTER_ADDR)")
+    g.add_argument("--master-port", type=int, default=lc.master_port,
+                   help=f"standalone: rendezvous port (default {lc.master_port}: a free one; torchrun: $MASTER_PORT)")
+    g.add_argument("--backend", default=lc.backend,
+                   help=f"process-group backend: {', '.join(BACKENDS)} (default {lc.backend}: nccl on GPU, else gloo)")
+    g.add_argument("--nccl-nsocks-perthread", type=int, default=lc.nccl_nsocks_perthread,
                    help="NCCL_NSOCKS_PERTHREAD: sockets per helper thread (TCP transport; set before the "
                         "process group starts, GPU only)")
-    g.add_argument("--nccl-socket-nthreads", type=int, default=None,
+    g.add_argument("--nccl-socket-nthreads", type=int, default=lc.nccl_socket_nthreads,
                    help="NCCL_SOCKET_NTHREADS: CPU helper threads per connection (TCP transport)")
-    g.add_argument("--nccl-min-nchannels", type=int, default=None,
+    g.add_argument("--nccl-min-nchannels", type=int, default=lc.nccl_min_nchannels,
                    help="NCCL_MIN_NCHANNELS: minimum number of channels (rings/trees)")
-    d = parser.add_argument_group("DDP (--mode ddp)")
+    o = DDPOptions
+    d = parser.add_argument_group(DDP_GROUP, "and --bucket-cap-mb above")
     d.add_argument("--static-graph", action="store_true", help="the graph is the same every step")
     d.add_argument("--gradient-as-bucket-view", action="store_true",
                    help="gradients are views into the all-reduce buckets (less memory, one copy fewer)")
-    d.add_argument("--bucket-cap-mb", type=finite_float, default=DDPOptions.bucket_cap_mb,
-                   help="gradient bucket size in MiB (default 25): DDP's all-reduce buckets; with --mode ps, "
-                        "those a --step pushpull trainer fills during backward")
     d.add_argument("--find-unused-parameters", action="store_true",
                    help="look for parameters without gradients every step (slower)")
-    d.add_argument("--comm-hook", default="none", help=f"communication hook: {', '.join(COMM_HOOKS)}")
-    d.add_argument("--powersgd-rank", type=int, default=DDPOptions.powersgd_rank,
-                   help="PowerSGD matrix approximation rank (default 1)")
-    d.add_argument("--powersgd-start-iter", type=int, default=DDPOptions.powersgd_start_iter,
-                   help="plain all-reduce before this step, PowerSGD after (default 2, minimum 2)")
-    d.add_argument("--localsgd-start-iter", type=int, default=DDPOptions.localsgd_start_iter,
-                   help="post-local-SGD: global all-reduce before this step (default 8)")
-    d.add_argument("--model-averaging-period", type=int, default=DDPOptions.model_averaging_period,
-                   help="post-local-SGD: average parameters every N steps (default 4)")
-    d.add_argument("--localsgd-group-size", type=int, default=None,
+    d.add_argument("--comm-hook", default=o.comm_hook,
+                   help=f"communication hook: {', '.join(COMM_HOOKS)} (default {o.comm_hook})")
+    d.add_argument("--powersgd-rank", type=int, default=o.powersgd_rank,
+                   help=f"PowerSGD matrix approximation rank (default {o.powersgd_rank})")
+    d.add_argument("--powersgd-start-iter", type=int, default=o.powersgd_start_iter,
+                   help=f"plain all-reduce before this step, PowerSGD after (default {o.powersgd_start_iter}, "
+                        "minimum 2)")
+    d.add_argument("--localsgd-start-iter", type=int, default=o.localsgd_start_iter,
+                   help=f"post-local-SGD: global all-reduce before this step (default {o.localsgd_start_iter})")
+    d.add_argument("--model-averaging-period", type=int, default=o.model_averaging_period,
+                   help=f"post-local-SGD: average parameters every N steps (default {o.model_averaging_period})")
+    d.add_argument("--localsgd-group-size", type=int, default=o.localsgd_group_size,
                    help="post-local-SGD: ranks per gradient subgroup after warm-up (default: per node; 1: none)")
-    f = parser.add_argument_group("FSDP (--mode fsdp)", "FSDP2 (fully_shard), optionally with tensor parallelism")
-    f.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
-                   help="free gathered parameters after forward (default: yes; --no-... keeps them, ZeRO-2)")
-    f.add_argument("--mixed-precision", default="none", help=f"{', '.join(MIXED_PRECISION)} (default none)")
-    f.add_argument("--tp-size", type=int, default=1,
-                   help="tensor-parallel degree: 2-D mesh, TP inside groups of T ranks, FSDP across (llama_tiny)")
-    c = parser.add_argument_group("collective checkpoints", "--mode ddp|fsdp: torch.distributed.checkpoint, sharded")
-    c.add_argument("--checkpoint-dir", type=path_arg, default=None, help="directory of step-N/ checkpoints")
-    c.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (default: at the end)")
-    c.add_argument("--keep-checkpoints", type=int, default=3, help="keep the newest N (default 3)")
-    c.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
+    fo = FSDPOptions
+    f = parser.add_argument_group(FSDP_GROUP, "FSDP2 (fully_shard), optionally with tensor parallelism")
+    f.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=fo.reshard_after_forward,
+                   help="free gathered parameters after forward (default: "
+                        f"{'yes' if fo.reshard_after_forward else 'no'}; --no-... keeps them, ZeRO-2)")
+    f.add_argument("--mixed-precision", default=fo.mixed_precision,
+                   help=f"{', '.join(MIXED_PRECISION)} (default {fo.mixed_precision})")
+    f.add_argument("--tp-size", type=int, default=fo.tp_size,
+                   help="tensor-parallel degree: 2-D mesh, TP inside groups of T ranks, FSDP across (llama_tiny; "
+                        f"default {fo.tp_size})")
+    ck = CollectiveCheckpointConfig
+    c = parser.add_argument_group(CHECKPOINT_GROUP, "torch.distributed.checkpoint, sharded")
+    c.add_argument("--checkpoint-dir", type=path_arg, default=ck.directory, help="directory of step-N/ checkpoints")
+    c.add_argument("--checkpoint-every", type=int, default=ck.every_steps,
+                   help=f"save every N steps (default {ck.every_steps}: at the end)")
+    c.add_argument("--keep-checkpoints", type=int, default=ck.keep, help=f"keep the newest N (default {ck.keep})")
+    c.add_argument("--resume", nargs="?", const="latest", default=ck.resume, metavar="PATH",
                    help="resume from the newest complete checkpoint in --checkpoint-dir, or from PATH")
 
 
@@ -111,15 +136,14 @@ def collective_config_from_args(args: argparse.Namespace) -> CollectiveConfig:
         if args.rank not in (None, 0):
             raise UsageError("--rank is set by the launcher in collective mode (use --nproc-per-node or torchrun)")
     if getattr(args, "loss", None) is not None or getattr(args, "metric", None) is not None:
-        raise UsageError(f"--loss and --metric apply to --mode ps (--mode {args.mode} trains with cross-entropy and "
-                         "reports accuracy)")
+        raise UsageError(LOSS_IS_PS.format(mode=args.mode))
     if args.num_trainers is not None and args.num_trainers != world:
         raise UsageError(f"--num-trainers {args.num_trainers} does not match the world size {world} "
                          f"({'WORLD_SIZE' if torchrun else '--nproc-per-node'})")
     control, obs = control_from_args(args)
     return CollectiveConfig(
         mode=args.mode,
-        model=args.model or "mnist_cnn",
+        model=args.model or CollectiveConfig.model,
         model_args=model_args_from_args(args),
         seed=args.seed,
         epochs=args.epochs,

@@ -23,14 +23,19 @@ from psserver.errors import UsageError
 
 MIN_TIMEOUT = 0.01
 MAX_TIMEOUT = 86400.0
+WATCH_INTERVAL = 2.0
+"""``status --watch``: seconds between updates."""
+WAIT_TIMEOUT = 300.0
+"""``stop --wait``: seconds to wait for the server to go."""
 
 
 def add_client_arguments(parser: argparse.ArgumentParser, default_timeout: float) -> None:
+    from psserver.control import ADDRESS_ENV, DEFAULT_ADDRESS
     from psserver.control.client import default_address
 
     g = parser.add_argument_group("connection")
     g.add_argument("--address", default=default_address(),
-                   help="control plane HOST:PORT (default $PSSERVER_CONTROL_ADDRESS or 127.0.0.1:50051)")
+                   help=f"control plane HOST:PORT (default ${ADDRESS_ENV} or {DEFAULT_ADDRESS})")
     g.add_argument("--auth-token-file", type=path_arg, default=None,
                    help="file holding the bearer token (else $PSSERVER_AUTH_TOKEN; else, for checkpoint and "
                         "stop, the one a server of yours on this host wrote for this address)")
@@ -71,8 +76,8 @@ class StatusCommand(SubCommand):
                             help='print JSON: {"status": {...}, "trainers": [...]} (one line per update with --watch)')
         parser.add_argument("--watch", action="store_true",
                             help="keep printing updates until Ctrl-C or the server stops")
-        parser.add_argument("--interval", type=finite_float, default=2.0,
-                            help="seconds between --watch updates (default 2)")
+        parser.add_argument("--interval", type=finite_float, default=WATCH_INTERVAL,
+                            help=f"seconds between --watch updates (default {WATCH_INTERVAL:g})")
         add_client_arguments(parser, default_timeout=10.0)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -151,8 +156,8 @@ class StopCommand(SubCommand):
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--reason", default=None, help="written to the server's log (default: user@host)")
         parser.add_argument("--wait", action="store_true", help="return only once the server has gone")
-        parser.add_argument("--wait-timeout", type=finite_float, default=300.0,
-                            help="seconds --wait waits before giving up (default 300)")
+        parser.add_argument("--wait-timeout", type=finite_float, default=WAIT_TIMEOUT,
+                            help=f"seconds --wait waits before giving up (default {WAIT_TIMEOUT:g})")
         add_client_arguments(parser, default_timeout=10.0)
 
     def run(self, args: argparse.Namespace) -> int:

@@ -20,7 +20,8 @@ import threading
 import time
 
 from psserver.cli.base import SubCommand, config_errors
-from psserver.config.ps import COMPUTE_MODES, UPDATE_MODES
+from psserver.config.common import DataConfig
+from psserver.config.ps import COMPUTE_MODES, UPDATE_MODES, ServerConfig
 from psserver.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,10 @@ log = logging.getLogger(__name__)
 MAX_TRAINERS = 16
 """The most trainers ``demo`` starts: each is a whole ``psserver train`` process on this host
 (100000 were spawned); a larger job is ``serve`` and ``train`` run as such."""
+DEMO_MODEL = "mnist_cnn"
+DEMO_TRAINERS = 2
+DEMO_EPOCHS = 2
+"""The demo's own defaults: a small job that shows learning in a minute (not a trainer's)."""
 
 
 def _free_port() -> int:
@@ -48,14 +53,18 @@ class DemoCommand(SubCommand):
     help = "run a server and two trainers on generated data (no download) and print their accuracy"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--model", default="mnist_cnn", help="model (default mnist_cnn)")
-        parser.add_argument("--trainers", type=int, default=2,
-                            help=f"number of trainers (default 2, at most {MAX_TRAINERS})")
-        parser.add_argument("--epochs", type=int, default=2, help="epochs per trainer (default 2)")
-        parser.add_argument("--update", choices=UPDATE_MODES, default="async", help="update mode (default async)")
-        parser.add_argument("--compute", choices=list(COMPUTE_MODES), default=next(iter(COMPUTE_MODES)),
-                            help="where the trainers' steps run (default trainer: each trainer runs the model)")
-        parser.add_argument("--dataset", default="synthetic", help="synthetic (default) or mnist")
+        parser.add_argument("--model", default=DEMO_MODEL, help=f"model (default {DEMO_MODEL})")
+        parser.add_argument("--trainers", type=int, default=DEMO_TRAINERS,
+                            help=f"number of trainers (default {DEMO_TRAINERS}, at most {MAX_TRAINERS})")
+        parser.add_argument("--epochs", type=int, default=DEMO_EPOCHS,
+                            help=f"epochs per trainer (default {DEMO_EPOCHS})")
+        parser.add_argument("--update", choices=UPDATE_MODES, default=ServerConfig.update,
+                            help=f"update mode (default {ServerConfig.update})")
+        compute = next(iter(COMPUTE_MODES))
+        parser.add_argument("--compute", choices=list(COMPUTE_MODES), default=compute,
+                            help=f"where the trainers' steps run (default {compute}: each trainer runs the model)")
+        parser.add_argument("--dataset", default=DataConfig.dataset,
+                            help=f"synthetic or mnist (default {DataConfig.dataset})")
         parser.add_argument("--data-dir", default=None, help="MNIST directory (with --dataset mnist)")
         parser.add_argument("--train-split", type=int, default=None, help="see psserver train --train-split")
 
@@ -63,7 +72,6 @@ class DemoCommand(SubCommand):
         if not 1 <= args.trainers <= MAX_TRAINERS:
             raise UsageError(f"--trainers must be in 1..{MAX_TRAINERS} (each is a process on this host), "
                              f"got {args.trainers}")
-        from psserver.config.common import DataConfig
         from psserver.config.ps import TrainerConfig
         from psserver.models import check_model_name
 

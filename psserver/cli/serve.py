@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import socket
 from pathlib import Path
 
 from psserver.cli.args import (
@@ -22,8 +20,21 @@ from psserver.cli.args import (
 )
 from psserver.cli.base import SubCommand, config_errors
 from psserver.config import CheckpointConfig, EmbeddingConfig, LRScheduleConfig, MemoryStateConfig, ServerConfig
+from psserver.config.common import MIN_RPC_TIMEOUT_S, MIN_TRAINER_TIMEOUT_S
 from psserver.config.embedding import EVICTION_POLICIES, ROW_OPTIMIZERS
-from psserver.config.env import env_int
+from psserver.config.env import (
+    COORDINATOR_VAR,
+    NUM_SERVERS_VAR,
+    SERVER_RANK_VAR,
+    STATE_DIR_VAR,
+    STATE_KEY_VAR,
+    default_coordinator,
+    default_num_servers,
+    default_serve_port,
+    default_state_dir,
+    default_state_key,
+    server_rank_from_env,
+)
 from psserver.config.ps import BUFFER_POLICIES, COMPUTE_MODES, DEFAULT_STATE_DIR, UPDATE_MODES
 from psserver.utils.memory import ALLOCATORS
 from psserver.utils.references import parse_json_args
@@ -34,23 +45,26 @@ class ServeCommand(SubCommand):
     help = "run the parameter server (RPC rank 0) until SIGINT/SIGTERM"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-        parser.add_argument("--port", type=int, default=env_int("MASTER_PORT", 29500),
-                            help="rendezvous port trainers connect to (default $MASTER_PORT or 29500)")
+        parser.add_argument("--host", default=ServerConfig.host, help=f"address to bind (default {ServerConfig.host})")
+        parser.add_argument("--port", type=int, default=default_serve_port(ServerConfig.port),
+                            help=f"rendezvous port trainers connect to (default $MASTER_PORT or {ServerConfig.port})")
         parser.add_argument("--model", default=None,
                             help=MODEL_HELP + " (default: none; the server learns the model from the first trainer "
                                  "that joins, its layout and initial values, and runs none of its code)")
         add_model_args_argument(parser)
         parser.add_argument("--devices", default=None,
                             help="comma-separated devices, one model stage each (default: all GPUs, else cpu)")
-        parser.add_argument("--update", choices=UPDATE_MODES, default="async",
+        parser.add_argument("--update", choices=UPDATE_MODES, default=ServerConfig.update,
                             help="async: apply updates as they arrive; sync: one step per K gradients, averaged; "
-                                 "ssp: async, no trainer more than --staleness steps ahead of the slowest")
-        parser.add_argument("--sync-trainers", type=int, default=2, help="K of --update sync (default 2)")
+                                 "ssp: async, no trainer more than --staleness steps ahead of the slowest (default "
+                                 f"{ServerConfig.update})")
+        parser.add_argument("--sync-trainers", type=int, default=ServerConfig.sync_trainers,
+                            help=f"K of --update sync (default {ServerConfig.sync_trainers})")
         parser.add_argument("--buffers", choices=BUFFER_POLICIES, default=ServerConfig.buffers,
                             help="the model's buffers (BatchNorm statistics) on the server: average of what the "
-                                 "trainers send with their updates (sync: each round's mean; default), or rank0's, as "
-                                 "DDP's broadcast_buffers; trainers load the server's every step")
+                                 "trainers send with their updates (sync: each round's mean), or rank0's, as "
+                                 "DDP's broadcast_buffers; trainers load the server's every step (default "
+                                 f"{ServerConfig.buffers})")
         parser.add_argument("--staleness", type=int, default=ServerConfig.staleness,
                             help=f"S of --update ssp (0: bulk-synchronous; default {ServerConfig.staleness})")
         parser.add_argument("--compute", choices=list(COMPUTE_MODES), default=None,
@@ -65,16 +79,21 @@ class ServeCommand(SubCommand):
         g.add_argument("--max-nonfinite-steps", type=int, default=ServerConfig.max_nonfinite_steps, metavar="N",
                        help="evict a trainer after N non-finite gradients in a row "
                             f"(default {ServerConfig.max_nonfinite_steps})")
-        parser.add_argument("--trainer-timeout", type=finite_float, default=5.0,
-                            help="seconds without heartbeat before a trainer is evicted (default 5, at least 0.5)")
-        parser.add_argument("--rpc-timeout", type=finite_float, default=60.0,
-                            help="RPC timeout in seconds (default 60, at least 1)")
-        parser.add_argument("--rpc-threads", type=int, default=16, help="RPC worker threads (default 16)")
-        parser.add_argument("--compute-threads", type=int, default=0, help="torch threads (default: all cores)")
-        parser.add_argument("--allocator", choices=ALLOCATORS, default="cached",
-                            help="host memory: cached keeps freed buffers for the next step (default); "
-                                 "system returns them to the kernel at once")
-        parser.add_argument("--seed", type=int, default=0, help="seed of the initial parameters")
+        parser.add_argument("--trainer-timeout", type=finite_float, default=ServerConfig.trainer_timeout,
+                            help=f"seconds without heartbeat before a trainer is evicted (default "
+                                 f"{ServerConfig.trainer_timeout:g}, at least {MIN_TRAINER_TIMEOUT_S:g})")
+        parser.add_argument("--rpc-timeout", type=finite_float, default=ServerConfig.rpc_timeout,
+                            help=f"RPC timeout in seconds (default {ServerConfig.rpc_timeout:g}, at least "
+                                 f"{MIN_RPC_TIMEOUT_S:g})")
+        parser.add_argument("--rpc-threads", type=int, default=ServerConfig.rpc_threads,
+                            help=f"RPC worker threads (default {ServerConfig.rpc_threads})")
+        parser.add_argument("--compute-threads", type=int, default=ServerConfig.compute_threads,
+                            help=f"torch threads (default {ServerConfig.compute_threads}: all cores)")
+        parser.add_argument("--allocator", choices=ALLOCATORS, default=ServerConfig.allocator,
+                            help="host memory: cached keeps freed buffers for the next step; system returns them to "
+                                 f"the kernel at once (default {ServerConfig.allocator})")
+        parser.add_argument("--seed", type=int, default=ServerConfig.seed,
+                            help=f"seed of the initial parameters (default {ServerConfig.seed})")
         parser.add_argument("--join-token-file", type=path_arg, default=None,
                             help="file holding the job's join token; only trainers that know it can join (else "
                                  "$PSSERVER_JOIN_TOKEN; neither: anyone who reaches --port can join). It may be the "
@@ -94,36 +113,40 @@ class ServeCommand(SubCommand):
                             help="supervised: give up after N restarts within ten minutes "
                                  f"(default {ServerConfig.max_restarts})")
         m = parser.add_argument_group("several server processes")
-        m.add_argument("--num-servers", type=int, default=env_int("PSSERVER_NUM_SERVERS", 1), metavar="S",
+        m.add_argument("--num-servers", type=int, default=default_num_servers(ServerConfig.num_servers), metavar="S",
                        help="server processes that hold the parameters together, each a partition "
-                            "(default $PSSERVER_NUM_SERVERS or 1)")
+                            f"(default ${NUM_SERVERS_VAR} or {ServerConfig.num_servers})")
         m.add_argument("--server-rank", type=int, default=default_server_rank(), metavar="I",
-                       help="this server's rank, 0 coordinates (default $PSSERVER_SERVER_RANK, else $SLURM_PROCID, "
-                            "else the ordinal of a StatefulSet pod's hostname NAME-I, else 0)")
-        m.add_argument("--coordinator", default=default_coordinator(), metavar="HOST:PORT",
-                       help="server 0's --host:--port, for servers of rank > 0 (default $PSSERVER_COORDINATOR, "
+                       help=f"this server's rank, 0 coordinates (default ${SERVER_RANK_VAR}, else $SLURM_PROCID, "
+                            "else the ordinal of a StatefulSet pod's hostname NAME-I, else "
+                            f"{ServerConfig.server_rank})")
+        m.add_argument("--coordinator", default=default_coordinator(ServerConfig.coordinator), metavar="HOST:PORT",
+                       help=f"server 0's --host:--port, for servers of rank > 0 (default ${COORDINATOR_VAR}, "
                             "else $MASTER_ADDR:$MASTER_PORT)")
         add_embedding_arguments(parser)
         c = parser.add_argument_group("checkpoints")
         c.add_argument("--checkpoint-dir", type=path_arg, default=None, help="directory of checkpoints")
-        c.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N global steps")
-        c.add_argument("--checkpoint-interval", type=finite_float, default=0.0, help="checkpoint every N seconds")
-        c.add_argument("--keep-checkpoints", type=int, default=3,
-                       help="keep this run's newest N valid checkpoints; other runs' files stay (default 3)")
+        c.add_argument("--checkpoint-every", type=int, default=CheckpointConfig.every_steps,
+                       help=f"checkpoint every N global steps (default {CheckpointConfig.every_steps}: not by steps)")
+        c.add_argument("--checkpoint-interval", type=finite_float, default=CheckpointConfig.interval_s,
+                       help=f"checkpoint every N seconds (default {CheckpointConfig.interval_s:g}: not by time)")
+        c.add_argument("--keep-checkpoints", type=int, default=CheckpointConfig.keep,
+                       help=f"keep this run's newest N valid checkpoints; other runs' files stay (default "
+                            f"{CheckpointConfig.keep})")
         c.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
                        help="continue the run of the newest valid checkpoint in --checkpoint-dir, or resume from PATH")
         c.add_argument("--new-run", action="store_true",
                        help="start a new run in a --checkpoint-dir that holds another run's checkpoints, leaving "
                             "their files alone (without it or --resume, such a start is refused)")
         s = parser.add_argument_group("state in shared memory")
-        s.add_argument("--state-dir", default=os.environ.get("PSSERVER_STATE_DIR"), metavar="DIR|off",
+        s.add_argument("--state-dir", default=default_state_dir(), metavar="DIR|off",
                        help="keep the model's live state (parameters, buffers, optimizer state, step) in files "
                             "under DIR, a memory filesystem, so a server process that dies comes back with every "
-                            "update it had applied (default $PSSERVER_STATE_DIR, else "
+                            f"update it had applied (default ${STATE_DIR_VAR}, else "
                             f"{DEFAULT_STATE_DIR} with --supervise, else off)")
-        s.add_argument("--state-key", default=os.environ.get("PSSERVER_STATE_KEY"), metavar="KEY",
+        s.add_argument("--state-key", default=default_state_key(MemoryStateConfig.key), metavar="KEY",
                        help="the run that state belongs to: a server maps only its own key's state (default "
-                            "$PSSERVER_STATE_KEY; none: a new run's key; --supervise keeps one across restarts)")
+                            f"${STATE_KEY_VAR}; none: a new run's key; --supervise keeps one across restarts)")
         s.add_argument("--remove-stale-state", action="store_true",
                        help="delete the state that jobs whose processes are gone left in --state-dir (it is "
                             "reported either way)")
@@ -161,10 +184,11 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
                         "or a function (optimizer, **args) -> scheduler (default: none, the lr stays --lr)")
     g.add_argument("--lr-schedule-args", default=None, metavar="JSON",
                    help='keyword arguments of the scheduler beside the optimizer, a JSON object ({"T_max": 1000})')
-    g.add_argument("--warmup-steps", type=int, default=0, metavar="N",
+    g.add_argument("--warmup-steps", type=int, default=LRScheduleConfig.warmup_steps, metavar="N",
                    help="linear warm-up: the lr at step t < N is --lr * (t+1)/N, then the schedule from its own step "
                         "0, as SequentialLR(opt, [LinearLR(opt, start_factor=1/N, end_factor=1.0, total_iters=N-1), "
-                        "schedule], milestones=[N]); without --lr-schedule the lr stays --lr after it (default 0)")
+                        "schedule], milestones=[N]); without --lr-schedule the lr stays --lr after it (default "
+                        f"{LRScheduleConfig.warmup_steps})")
 
 
 def schedule_from_args(args: argparse.Namespace) -> LRScheduleConfig:
@@ -174,26 +198,28 @@ def schedule_from_args(args: argparse.Namespace) -> LRScheduleConfig:
 
 def add_embedding_arguments(parser: argparse.ArgumentParser) -> None:
     """The tables of a recommendation model (``mf``, ``dlrm_tiny``), held only by the servers."""
-    d = EmbeddingConfig()
     e = parser.add_argument_group("embedding tables (models with tables: mf, dlrm_tiny)")
-    e.add_argument("--embedding-dim", type=int, default=None, metavar="D",
+    d = EmbeddingConfig  # the class: its fields' defaults
+    e.add_argument("--embedding-dim", type=int, default=d.dim, metavar="D",
                    help="width of a row (default: the model's)")
     e.add_argument("--embedding-max-rows", type=int, default=d.max_rows, metavar="N",
                    help=f"rows per table per server process at most; past it rows are evicted (default {d.max_rows})")
     e.add_argument("--embedding-eviction", choices=EVICTION_POLICIES, default=d.eviction,
-                   help="which rows go past the bound: least recently (lru, default) or least often (lfu) touched")
+                   help="which rows go past the bound: least recently (lru) or least often (lfu) touched "
+                        f"(default {d.eviction})")
     e.add_argument("--embedding-ttl", type=int, default=d.ttl_steps, metavar="STEPS",
-                   help="evict rows untouched for this many steps (default 0: never)")
+                   help=f"evict rows untouched for this many steps (default {d.ttl_steps}: never)")
     e.add_argument("--embedding-admit-after", type=int, default=d.admit_after, metavar="N",
                    help="an id becomes a row once N training batches held it; before, it reads a shared default "
-                        "row (default 1: at once)")
+                        f"row (default {d.admit_after}: at once)")
     e.add_argument("--embedding-optimizer", choices=ROW_OPTIMIZERS, default=d.optimizer,
                    help=f"row-wise optimizer of the tables (default {d.optimizer}); the dense part uses --optimizer")
     e.add_argument("--embedding-lr", type=finite_float, default=d.lr, help=f"its learning rate (default {d.lr:g})")
     e.add_argument("--embedding-init-std", type=finite_float, default=d.init_std,
                    help=f"std of a new row's values (default {d.init_std:g})")
-    e.add_argument("--embedding-prefill", type=int, default=0, metavar="N",
-                   help="create N rows per table at start, as if trainers had touched them (benchmarks)")
+    e.add_argument("--embedding-prefill", type=int, default=d.prefill_rows, metavar="N",
+                   help="create N rows per table at start, as if trainers had touched them (benchmarks; default "
+                        f"{d.prefill_rows})")
 
 
 def embedding_from_args(args: argparse.Namespace) -> EmbeddingConfig:
@@ -204,20 +230,8 @@ def embedding_from_args(args: argparse.Namespace) -> EmbeddingConfig:
 
 
 def default_server_rank() -> int:
-    """Where launchers say it: ours, Slurm's task rank, a StatefulSet pod's ordinal (``ps-2``)."""
-    for name in ("PSSERVER_SERVER_RANK", "SLURM_PROCID"):
-        rank = env_int(name, None)
-        if rank is not None:
-            return rank
-    m = re.search(r"-(\d+)$", os.environ.get("HOSTNAME", "") or socket.gethostname())
-    return int(m.group(1)) if m else 0
-
-
-def default_coordinator() -> str | None:
-    if os.environ.get("PSSERVER_COORDINATOR"):
-        return os.environ["PSSERVER_COORDINATOR"]
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    return f"{addr}:{port}" if addr and port else None
+    """``--server-rank``'s default: where launchers say it, else ``ServerConfig.server_rank``."""
+    return server_rank_from_env(ServerConfig.server_rank)
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:

@@ -157,8 +157,8 @@ class LaunchConfig:
     """Spawn this many workers here (standalone); None: one process, or torchrun's."""
     master_addr: str = "127.0.0.1"
     """Rendezvous address of a standalone launch (torchrun: $MASTER_ADDR)."""
-    master_port: int = 29500
-    """Rendezvous port of a standalone launch (0: pick a free one; torchrun: $MASTER_PORT)."""
+    master_port: int = 0
+    """Rendezvous port of a standalone launch (0: a free one, picked at launch; torchrun: $MASTER_PORT)."""
     backend: str = "auto"
     """``auto`` (nccl when CUDA is available, else gloo), ``nccl`` or ``gloo``."""
     world_size: int = 1

@@ -1,7 +1,9 @@
 """Defaults that launchers set in the environment: torchrun's ``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR`` and ``MASTER_PORT``, Slurm's ``SLURM_PROCID`` and ``SLURM_NTASKS``, and our own
-``PSSERVER_SERVER``. The CLI's flags and the library's ``psserver.connect`` read them here, so
-both agree.
+``PSSERVER_SERVER``, ``PSSERVER_NUM_SERVERS``, ``PSSERVER_SERVER_RANK``, ``PSSERVER_COORDINATOR``,
+``PSSERVER_STATE_DIR`` and ``PSSERVER_STATE_KEY``. Each is read by one function here, which the
+CLI's flags and the library's ``psserver.connect`` both call, so they agree; where the variable
+is unset the function returns the dataclass field's own default, passed in by the caller.
 
 A variable that is not an int is no default (a launcher's business, not ours); one that is an int
 out of range is refused, naming the variable (:class:`LauncherEnvError`), not reported as the
@@ -10,6 +12,8 @@ flag it defaults and the user never gave ("--num-trainers must be >= 1")."""
 from __future__ import annotations
 
 import os
+import re
+import socket
 from dataclasses import dataclass
 
 from psserver.config.common import parse_host_port
@@ -19,6 +23,12 @@ SERVER_VAR = "PSSERVER_SERVER"
 """The parameter server's ``HOST:PORT`` (or ``HOST``, port 29500) for ``--mode ps`` trainers, as
 BytePS's ``DMLC_PS_ROOT_URI``/``DMLC_PS_ROOT_PORT``: ahead of ``MASTER_ADDR``/``MASTER_PORT``."""
 DEFAULT_SERVER_PORT = 29500
+"""The parameter server's rendezvous port (``ServerConfig.port``, ``TrainerConfig.server_port``)."""
+NUM_SERVERS_VAR = "PSSERVER_NUM_SERVERS"
+SERVER_RANK_VAR = "PSSERVER_SERVER_RANK"
+COORDINATOR_VAR = "PSSERVER_COORDINATOR"
+STATE_DIR_VAR = "PSSERVER_STATE_DIR"
+STATE_KEY_VAR = "PSSERVER_STATE_KEY"
 TORCHELASTIC_VARS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
 """What torchrun's agent (torch.distributed.elastic ``LocalElasticAgent``) puts in every
 worker's environment besides RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; Slurm's srun, a
@@ -150,3 +160,42 @@ def default_server_address(default_port: int = DEFAULT_SERVER_PORT, option: str 
         host = f"[{host}]"
     port = env_int("MASTER_PORT", default_port, 1, 65535, "the default server port")
     return f"{host}:{port}"
+
+
+def default_serve_port(default: int = DEFAULT_SERVER_PORT) -> int:
+    """``psserver serve --port``: ``$MASTER_PORT`` (a Slurm script's), else ``default``."""
+    return env_int("MASTER_PORT", default)
+
+
+def default_num_servers(default: int) -> int:
+    """``--num-servers``: ``$PSSERVER_NUM_SERVERS``, else ``default``."""
+    return env_int(NUM_SERVERS_VAR, default)
+
+
+def server_rank_from_env(default: int) -> int:
+    """``--server-rank``, where launchers say it: ``$PSSERVER_SERVER_RANK``, Slurm's task rank, a
+    StatefulSet pod's ordinal (``ps-2``); else ``default``."""
+    for name in (SERVER_RANK_VAR, "SLURM_PROCID"):
+        rank = env_int(name, None)
+        if rank is not None:
+            return rank
+    m = re.search(r"-(\d+)$", os.environ.get("HOSTNAME", "") or socket.gethostname())
+    return int(m.group(1)) if m else default
+
+
+def default_coordinator(default: str | None) -> str | None:
+    """``--coordinator``: ``$PSSERVER_COORDINATOR``, else ``$MASTER_ADDR:$MASTER_PORT``, else ``default``."""
+    if os.environ.get(COORDINATOR_VAR):
+        return os.environ[COORDINATOR_VAR]
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    return f"{addr}:{port}" if addr and port else default
+
+
+def default_state_dir() -> str | None:
+    """``--state-dir``: ``$PSSERVER_STATE_DIR`` (None: off, or the supervisor's default)."""
+    return os.environ.get(STATE_DIR_VAR)
+
+
+def default_state_key(default: str | None) -> str | None:
+    """``--state-key``: ``$PSSERVER_STATE_KEY``, else ``default``."""
+    return os.environ.get(STATE_KEY_VAR, default)

@@ -28,6 +28,7 @@ from psserver.config.common import (
 )
 from psserver.config.control import ControlConfig, ObservabilityConfig
 from psserver.config.embedding import EmbeddingConfig
+from psserver.config.env import DEFAULT_SERVER_PORT
 from psserver.config.optimizer import OptimizerConfig
 from psserver.config.schedule import LRScheduleConfig
 from psserver.utils.memory import ALLOCATORS
@@ -165,7 +166,7 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     """Address the RPC rendezvous store and the RPC transport bind to (only this one)."""
-    port: int = 29500
+    port: int = DEFAULT_SERVER_PORT
     """Port of the RPC rendezvous store; trainers use ``--server HOST:PORT``."""
     model: str | None = None
     """A model name (entry point of ``psserver.models``) or ``MODULE:ATTR`` (an ``nn.Module``
@@ -365,7 +366,7 @@ class TrainerConfig:
     """Trainer rank (0-based): picks the data shard; unique among live trainers."""
     server_host: str = "127.0.0.1"
     """Host of the server's rendezvous store."""
-    server_port: int = 29500
+    server_port: int = DEFAULT_SERVER_PORT
     """Port of the server's rendezvous store."""
     num_trainers: int | None = None
     """Number of data shards; None: learnt from the server (its sync K, else WORLD_SIZE)."""

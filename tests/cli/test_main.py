@@ -267,27 +267,56 @@ def test_eval_batch_size_reaches_a_ps_trainer():
     assert trainer_config_from_args(parser.parse_args(["train", "--eval-batch-size", "7"])).eval_batch_size == 7
 
 
-def test_train_help_groups_flags_by_mode(capsys):
+def _train_help(capsys, *mode: str) -> dict[str, str]:
     with pytest.raises(SystemExit) as e:
-        main(["train", "--help"])
+        main(["train", *mode, "--help"])
     assert e.value.code == 0
-    sections = _help_sections(capsys.readouterr().out)
-    expected = {
-        "parameter server (--mode ps)": ["--server", "--rank", "--num-trainers", "--step", "--connect-timeout",
-                                         "--reconnect", "--rpc-timeout"],
-        "DDP (--mode ddp)": ["--static-graph", "--comm-hook", "--powersgd-rank", "--bucket-cap-mb"],
-        "FSDP (--mode fsdp)": ["--reshard-after-forward", "--mixed-precision", "--tp-size"],
-        "collective launch": ["--nproc-per-node", "--master-addr", "--master-port", "--backend"],
-        "control plane": ["--control-port", "--no-control", "--auth-token-file"],
-        "metrics": ["--metrics-port", "--tensorboard-dir"],
-        "data": ["--dataset", "--data-dir", "--train-split"],
-        "optimizer": ["--optimizer", "--lr", "--momentum", "--weight-decay"],
-    }
+    return _help_sections(capsys.readouterr().out)
+
+
+def _flags(text: str) -> set[str]:
+    return set(re.findall(r"^ +(--[\w-]+)", text, re.M))
+
+
+COMMON = {
+    "options": ["--mode", "--model", "--epochs", "--batch-size", "--max-steps", "--rank", "--num-trainers"],
+    "data": ["--dataset", "--data-dir", "--train-split"],
+    "optimizer": ["--optimizer", "--lr", "--momentum", "--weight-decay"],
+}
+BY_MODE = {
+    "ps": {"parameter server (--mode ps)": ["--server", "--step", "--connect-timeout", "--reconnect",
+                                            "--rpc-timeout", "--transport", "--loss", "--entry"],
+           "options": ["--bucket-cap-mb"]},
+    "ddp": {"DDP (--mode ddp)": ["--static-graph", "--comm-hook", "--powersgd-rank"],
+            "options": ["--bucket-cap-mb"]},
+    "fsdp": {"FSDP (--mode fsdp)": ["--reshard-after-forward", "--mixed-precision", "--tp-size"]},
+}
+COLLECTIVE = {
+    "collective training (--mode ddp|fsdp)": ["--seed", "--result-file"],
+    "collective launch (--mode ddp|fsdp)": ["--nproc-per-node", "--master-addr", "--master-port", "--backend"],
+    "collective checkpoints (--mode ddp|fsdp)": ["--checkpoint-dir", "--resume"],
+    "control plane": ["--control-port", "--no-control", "--auth-token-file"],
+    "metrics": ["--metrics-port", "--tensorboard-dir"],
+}
+
+
+@pytest.mark.parametrize("mode", ["ps", "ddp", "fsdp"])
+def test_train_help_shows_the_flags_of_its_mode(capsys, mode):
+    """``train --help`` is a parameter-server trainer's; ``--mode ddp|fsdp --help`` the collective
+    mode's own: each flag under its group, and no other mode's flag anywhere."""
+    sections = _train_help(capsys, *([] if mode == "ps" else ["--mode", mode]))
+    expected: dict[str, list[str]] = {title: list(flags) for title, flags in COMMON.items()}
+    for title, flags in {**BY_MODE[mode], **(COLLECTIVE if mode != "ps" else {})}.items():
+        expected.setdefault(title, []).extend(flags)
     for title, flags in expected.items():
         assert title in sections, (title, list(sections))
-        for flag in flags:
-            assert re.search(rf"^ +{re.escape(flag)}(?![\w-])", sections[title], re.M), (title, flag)
-    assert "--step" not in sections["options"] and "--tp-size" not in sections["options"]
+        assert set(flags) <= _flags(sections[title]), (title, set(flags) - _flags(sections[title]))
+    assert set(sections) <= set(expected), set(sections) - set(expected)
+    shown = set().union(*map(_flags, sections.values()))
+    others = {flag for m, groups in BY_MODE.items() if m != mode for flags in groups.values() for flag in flags}
+    if mode == "ps":
+        others |= {flag for flags in COLLECTIVE.values() for flag in flags}
+    assert not (shown & others - set(expected.get("options", []))), shown & others
 
 
 def test_step_modes_come_from_the_config():

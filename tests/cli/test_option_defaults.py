@@ -1,0 +1,290 @@
+"""Every option's default is written once, on its config dataclass field: the CLI's default of each
+flag that feeds a field is the field's, the configuration built from no flags is the dataclass's
+own, and no help text shows a default other than the real one."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from psserver.cli import build_parser
+from psserver.cli.args import byte_size, id_count
+from psserver.cli.defaults import field_default
+from psserver.config import (
+    CheckpointConfig,
+    CollectiveConfig,
+    ControlConfig,
+    DataConfig,
+    EmbeddingConfig,
+    LRScheduleConfig,
+    MemoryStateConfig,
+    ObservabilityConfig,
+    ServerConfig,
+    TrainerConfig,
+)
+from psserver.config.collective import CollectiveCheckpointConfig, DDPOptions, FSDPOptions, LaunchConfig
+from psserver.data import GENERATED_SIZES
+
+Field = tuple[type, str]
+
+CONTROL: dict[str, list[Field]] = {
+    "control_host": [(ControlConfig, "host")], "control_port": [(ControlConfig, "port")],
+    "auth_token_file": [(ControlConfig, "auth_token_file")], "tls_cert": [(ControlConfig, "tls_cert")],
+    "tls_key": [(ControlConfig, "tls_key")],
+    "allow_unauthenticated_admin": [(ControlConfig, "allow_unauthenticated_admin")],
+    "reflection": [(ControlConfig, "reflection")], "metrics_port": [(ObservabilityConfig, "metrics_port")],
+    "metrics_host": [(ObservabilityConfig, "metrics_host")],
+    "tensorboard_dir": [(ObservabilityConfig, "tensorboard_dir")],
+}
+DATA: dict[str, list[Field]] = {
+    "dataset": [(DataConfig, "dataset")], "data_dir": [(DataConfig, "data_dir")],
+    "data_workers": [(DataConfig, "workers")], "image_size": [(DataConfig, "image_size")],
+    "train_split": [(DataConfig, "train_split")], "download": [(DataConfig, "download")],
+    "data_seed": [(DataConfig, "seed")], "train_samples": [(DataConfig, "synthetic_train")],
+    "eval_samples": [(DataConfig, "synthetic_eval")], "id_space": [(DataConfig, "id_space")],
+    "click_vocab": [(DataConfig, "click_vocab")],
+}
+
+
+def same_name(cls: type, *names: str) -> dict[str, list[Field]]:
+    return {name: [(cls, name)] for name in names}
+
+
+SERVE: dict[str, list[Field]] = {
+    **same_name(ServerConfig, "host", "port", "model", "devices", "update", "buffers", "sync_trainers", "staleness",
+                "compute", "max_grad_norm", "max_nonfinite_steps", "trainer_timeout", "rpc_timeout", "rpc_threads",
+                "compute_threads", "allocator", "seed", "join_token_file", "no_join_token", "max_model_bytes",
+                "supervise", "max_restarts", "num_servers", "server_rank", "coordinator"),
+    "lr_schedule": [(LRScheduleConfig, "name")], "warmup_steps": [(LRScheduleConfig, "warmup_steps")],
+    "embedding_dim": [(EmbeddingConfig, "dim")], "embedding_max_rows": [(EmbeddingConfig, "max_rows")],
+    "embedding_eviction": [(EmbeddingConfig, "eviction")], "embedding_ttl": [(EmbeddingConfig, "ttl_steps")],
+    "embedding_admit_after": [(EmbeddingConfig, "admit_after")],
+    "embedding_optimizer": [(EmbeddingConfig, "optimizer")], "embedding_lr": [(EmbeddingConfig, "lr")],
+    "embedding_init_std": [(EmbeddingConfig, "init_std")], "embedding_prefill": [(EmbeddingConfig, "prefill_rows")],
+    "checkpoint_dir": [(CheckpointConfig, "directory")], "checkpoint_every": [(CheckpointConfig, "every_steps")],
+    "checkpoint_interval": [(CheckpointConfig, "interval_s")], "keep_checkpoints": [(CheckpointConfig, "keep")],
+    "resume": [(CheckpointConfig, "resume")], "new_run": [(CheckpointConfig, "new_run")],
+    "state_dir": [(MemoryStateConfig, "directory")], "state_key": [(MemoryStateConfig, "key")],
+    "remove_stale_state": [(MemoryStateConfig, "remove_stale")],
+    **CONTROL,
+}
+TRAIN: dict[str, list[Field]] = {
+    **{name: [(TrainerConfig, name), (CollectiveConfig, name)]
+       for name in ("epochs", "batch_size", "eval_batch_size", "max_steps", "compute_threads")},
+    "model": [(CollectiveConfig, "model")],  # ps: None, the server's (TrainerConfig.model)
+    "rank": [(TrainerConfig, "rank")], "num_trainers": [(TrainerConfig, "num_trainers")],
+    "bucket_cap_mb": [(TrainerConfig, "bucket_cap_mb"), (DDPOptions, "bucket_cap_mb")],
+    **same_name(TrainerConfig, "compute", "step", "device", "transport", "overlap", "wire_dtype", "connect_timeout",
+                "reconnect", "start_over", "rpc_timeout", "allocator", "join_token_file", "stats_out", "loss",
+                "metric"),
+    **same_name(CollectiveConfig, "seed", "result_file"),
+    **same_name(LaunchConfig, "nproc_per_node", "master_addr", "master_port", "backend", "nccl_nsocks_perthread",
+                "nccl_socket_nthreads", "nccl_min_nchannels"),
+    **same_name(DDPOptions, "static_graph", "gradient_as_bucket_view", "find_unused_parameters", "comm_hook",
+                "powersgd_rank", "powersgd_start_iter", "localsgd_start_iter", "model_averaging_period",
+                "localsgd_group_size"),
+    **same_name(FSDPOptions, "reshard_after_forward", "mixed_precision", "tp_size"),
+    "checkpoint_dir": [(CollectiveCheckpointConfig, "directory")],
+    "checkpoint_every": [(CollectiveCheckpointConfig, "every_steps")],
+    "keep_checkpoints": [(CollectiveCheckpointConfig, "keep")], "resume": [(CollectiveCheckpointConfig, "resume")],
+    **DATA, **CONTROL,
+}
+DEMO: dict[str, list[Field]] = {"update": [(ServerConfig, "update")], "dataset": [(DataConfig, "dataset")]}
+FIELDS: dict[str, dict[str, list[Field]]] = {"serve": SERVE, "train": TRAIN, "demo": DEMO}
+"""Verb -> flag dest -> the config fields it feeds."""
+
+NOT_A_FIELD: dict[str, dict[str, str]] = {
+    "train": {"mode": "which configuration is built", "no_progress": "progress=False; None decides by the terminal",
+              "no_control": "ControlConfig.enabled, negated"},
+    "serve": {"no_control": "ControlConfig.enabled, negated"},
+    "demo": {"model": "the demo's own", "trainers": "the demo's own", "epochs": "the demo's own",
+             "compute": "the first of COMPUTE_MODES"},
+    "status": {"address": "$PSSERVER_CONTROL_ADDRESS", "timeout": "per verb", "interval": "the client's"},
+    "checkpoint": {"address": "$PSSERVER_CONTROL_ADDRESS", "timeout": "per verb"},
+    "stop": {"address": "$PSSERVER_CONTROL_ADDRESS", "timeout": "per verb", "wait_timeout": "the client's"},
+}
+"""Flags with a default that feeds no config field, and where it comes from instead."""
+VERBS = ("serve", "train", "status", "checkpoint", "stop", "export", "demo")
+"""Every verb but ``bench``, whose flags are the benchmark harness's (``benchmarks/``), no config's."""
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "MASTER_ADDR",
+                "MASTER_PORT", "PSSERVER_SERVER", "PSSERVER_NUM_SERVERS", "PSSERVER_SERVER_RANK",
+                "PSSERVER_COORDINATOR", "PSSERVER_STATE_DIR", "PSSERVER_STATE_KEY", "PSSERVER_DATA_DIR",
+                "PSSERVER_CONTROL_ADDRESS", "PSSERVER_JOIN_TOKEN", "TORCHELASTIC_RUN_ID",
+                "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
+
+
+@pytest.fixture(autouse=True)
+def _no_environment_defaults(monkeypatch):
+    """The defaults the dataclasses state, not the ones a launcher's environment gives."""
+    for name in LAUNCHER_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOSTNAME", "host")  # no StatefulSet ordinal (ps-2) for --server-rank
+
+
+def verb_parser(verb: str, *argv: str) -> tuple[argparse.ArgumentParser, argparse.Namespace | None, object]:
+    """The parser of ``verb`` with its arguments added, the namespace of ``argv`` (None: not
+    parsed), and the verb's command."""
+    parser, commands = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    args = parser.parse_args([verb, *argv]) if verb != "export" else None
+    if args is None:
+        sub.choices[verb].parse_known_args(["x", "--out", "y"])
+    return sub.choices[verb], args, commands[verb]
+
+
+def options(verb: str) -> list[argparse.Action]:
+    parser, _, _ = verb_parser(verb)
+    return [a for a in parser._actions if a.option_strings and a.dest != "help"]
+
+
+@pytest.mark.parametrize("verb", VERBS)
+def test_a_flags_default_is_its_fields(verb):
+    """Each flag that feeds a field defaults to the field's default, or to None (left out: the
+    config's, which the tests below check); a flag with any other default says where it comes from."""
+    fields, other = FIELDS.get(verb, {}), NOT_A_FIELD.get(verb, {})
+    wrong = []
+    for action in options(verb):
+        if action.dest in fields:
+            for cls, name in fields[action.dest]:
+                if action.default is not None and action.default != field_default(cls, name):
+                    wrong.append(f"{action.option_strings[0]} defaults to {action.default!r}, "
+                                 f"{cls.__name__}.{name} to {field_default(cls, name)!r}")
+        elif action.default not in (None, False) and action.dest not in other:
+            wrong.append(f"{action.option_strings[0]} defaults to {action.default!r} and feeds no config field named "
+                         "here (FIELDS or NOT_A_FIELD)")
+    assert not wrong, "\n".join(wrong)
+    assert set(fields) <= {a.dest for a in options(verb)}, "a field named for a flag that is gone"
+
+
+def test_no_flags_build_the_servers_default_config():
+    from psserver.cli.serve import server_config_from_args
+
+    _, args, _ = verb_parser("serve")
+    assert server_config_from_args(args) == ServerConfig()
+
+
+def test_no_flags_build_the_trainers_default_config():
+    from psserver.cli.train import trainer_config_from_args
+
+    _, args, _ = verb_parser("train")
+    assert trainer_config_from_args(args) == TrainerConfig()
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_no_flags_build_the_collective_default_config(mode):
+    from psserver.cli.collective_args import collective_config_from_args
+
+    _, args, _ = verb_parser("train", "--mode", mode)
+    assert collective_config_from_args(args) == CollectiveConfig(mode=mode)
+
+
+def test_the_control_planes_default_is_on():
+    """``--no-control`` negates ``ControlConfig.enabled``: left out, the plane is served."""
+    assert field_default(ControlConfig, "enabled") is True and field_default(CollectiveConfig, "control").enabled
+
+
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e-?\d+)?|\d+\^\d+|\d+[KMGT]")
+"""A number as a help shows it: 60, 0.05, 1e-3, 2^40, 1G."""
+DEFAULT_VALUE = re.compile(r"\bdefault ((?:\$\w+(?:, else|,| or)\s+)*)([^\s,;)]+?)(?=[\s,;)]|:\s|$)")
+"""``default VALUE``, ``default $VAR or VALUE``, ``default $A, $B, else VALUE``."""
+BOOLEAN_WORDS = {"yes": True, "no": False, "on": True, "off": False}
+
+
+def real_default(verb: str, action: argparse.Action) -> Any:
+    """What a flag left out means: its default, else (None) the field's it feeds."""
+    if action.default is not None:
+        return action.default
+    fields = FIELDS.get(verb, {}).get(action.dest)
+    return field_default(*fields[0]) if fields else None
+
+
+def shown_matches(text: str, value: Any) -> bool | None:
+    """Whether ``text``, shown in a help as the default, is ``value``; None: ``text`` is words
+    that state no value of this type (``default the server's model``, ``by default this one``)."""
+    if isinstance(value, bool):
+        return BOOLEAN_WORDS[text] == value if text in BOOLEAN_WORDS else None
+    if not NUMBER.fullmatch(text):
+        if value is None or isinstance(value, int | float) or text == "the":
+            return None
+        return Path(text) == value if isinstance(value, Path) else text == str(value)
+    if not isinstance(value, int | float):
+        return False  # a number shown for a flag without one
+    for parse in (float, id_count, byte_size):
+        try:
+            if parse(text) == value:
+                return True
+        except (ValueError, argparse.ArgumentTypeError):
+            continue
+    return False
+
+
+def help_texts(verb: str) -> list[tuple[argparse.Action, str]]:
+    """Every option's help, of every mode (``train`` hides the other modes' flags)."""
+    parser, _, command = verb_parser(verb)
+    mode_flags = getattr(command, "mode_flags", None)
+    helps = []
+    for action in parser._actions:
+        text = mode_flags.help_of(action) if mode_flags is not None else action.help
+        if action.option_strings and text and text != argparse.SUPPRESS:
+            helps.append((action, text))
+    return helps
+
+
+@pytest.mark.parametrize("verb", VERBS)
+def test_no_help_shows_a_default_other_than_the_real_one(verb):
+    wrong = []
+    checked = 0
+    for action, text in help_texts(verb):
+        if action.dest in ("train_samples", "eval_samples"):  # per dataset: GENERATED_SIZES
+            column = 0 if action.dest == "train_samples" else 1
+            for name, sizes in GENERATED_SIZES.items():
+                assert f"{name}: default {sizes[column]}" in text, (action.dest, text)
+            continue
+        value = real_default(verb, action)
+        for m in DEFAULT_VALUE.finditer(text):
+            shown = m.group(2)
+            matches = shown_matches(shown, value)
+            if matches is None:
+                continue
+            checked += 1
+            if not matches:
+                wrong.append(f"{action.option_strings[0]}: help says default {shown}, it is {value!r}")
+    assert not wrong, "\n".join(wrong)
+    assert checked or verb in ("export", "checkpoint"), "no default found in any help: the pattern is stale"
+
+
+def test_a_literal_default_that_differs_is_caught(monkeypatch):
+    """The checks above fail for a flag that writes its own default again, differing."""
+    from psserver.cli import train
+
+    add = train.TrainCommand.add_arguments
+
+    def literal(self, parser):
+        add(self, parser)
+        action = next(a for a in parser._actions if a.dest == "connect_timeout")
+        monkeypatch.setattr(action, "default", 30.0)
+
+    monkeypatch.setattr(train.TrainCommand, "add_arguments", literal)
+    said = "--connect-timeout defaults to 30.0, TrainerConfig.connect_timeout"
+    with pytest.raises(AssertionError, match=re.escape(said)):
+        test_a_flags_default_is_its_fields("train")
+    with pytest.raises(AssertionError, match=re.escape("--connect-timeout: help says default 60, it is 30.0")):
+        test_no_help_shows_a_default_other_than_the_real_one("train")
+    with pytest.raises(AssertionError):
+        test_no_flags_build_the_trainers_default_config()
+
+
+def test_defaults_kept_outside_the_config_agree_with_it():
+    """What a client, the library or the trainer falls back to where no flag reaches them."""
+    from psserver.config.env import default_server_address
+    from psserver.control import DEFAULT_ADDRESS
+    from psserver.trainer.session import DEFAULT_MODEL
+
+    assert DEFAULT_ADDRESS == f"{ControlConfig.host}:{ControlConfig.port}"
+    assert default_server_address() == f"{TrainerConfig.server_host}:{TrainerConfig.server_port}"
+    model = next(text for action, text in help_texts("train") if action.dest == "model")
+    assert f"ps mode: default the server's model, else {DEFAULT_MODEL}" in model
