@@ -83,6 +83,8 @@ class Connection:
         self.resumed = resumed is not None
         """Whether this process continues a trainer that rejoined (``reconnect=True``)."""
         self._pos = resumed or Position()
+        self._resume: tuple[int, int] | None = (self._pos.epoch, self._pos.epoch_samples) if resumed else None
+        """``(epoch, samples)`` a sampler skips once: what the epoch trained before a rejoin or a restart."""
         self._argv = rejoin_command()
         self._stop = StopSignals()
         if handle_signals:
@@ -210,15 +212,26 @@ class Connection:
             self._continue(session.continued)
         return session
 
+    def _skip(self, epoch: int, take: bool) -> int:
+        """How many samples of ``epoch`` the first sampler to go through it skips (those trained
+        on before a rejoin or a restart): taken once, by one sampler (a held-out sampler made
+        with ``ps.sampler`` too goes through its epoch whole)."""
+        pending = self._resume
+        if pending is None or pending[0] != epoch:
+            return 0
+        if take:
+            self._resume = None
+        return pending[1]
+
     def _continue(self, at: dict[str, int]) -> None:
         """Take up the position of this rank's last trainer, which left the job unfinished."""
         pos = self._pos
         pos.epoch, pos.epoch_samples, pos.batch_idx = at["epoch"], at["epoch_samples"], at["batch_idx"]
         pos.steps, pos.samples = at["steps"], at["samples"]
+        pos.samples_before = pos.samples
         self.resumed = True
-        for sampler in self._samplers:  # made before the join
-            sampler.resume_at(pos.epoch, pos.epoch_samples)
-        log.info("rank %d continues where its last trainer stopped: epoch %d, %d of its samples in it, step %d "
+        self._resume = (pos.epoch, pos.epoch_samples)
+        log.warning("rank %d continues where its last trainer stopped: epoch %d, %d of its samples in it, step %d "
                  "(psserver train --start-over, or TrainerConfig(start_over=True), starts over)", self.config.rank,
                  pos.epoch, pos.epoch_samples, pos.steps)
 
@@ -231,9 +244,9 @@ class Connection:
         the epoch it was in without the samples already trained on. Before the join (on any
         rank) the shard count must come from ``num_trainers`` or ``$WORLD_SIZE``: the server's
         sync K is known only from its answer to the join."""
-        resume = (self._pos.epoch, self._pos.epoch_samples) if self.resumed else None
         sampler = ResumableSampler(dataset, num_replicas=self.num_trainers, rank=self.config.rank, shuffle=shuffle,
-                                   seed=seed, drop_last=drop_last, on_epoch=self._on_epoch, resume=resume)
+                                   seed=seed, drop_last=drop_last, on_epoch=self._on_epoch, skip=self._skip,
+                                   epoch=self._pos.epoch)
         self._samplers.append(sampler)
         return sampler
 
@@ -320,7 +333,7 @@ class Connection:
             diverging = self._losses.observe(pos.loss)
             if diverging:
                 log.warning("loss %s", diverging)
-        rate = pos.samples / max(1e-6, time.monotonic() - pos.t_start)
+        rate = (pos.samples - pos.samples_before) / max(1e-6, time.monotonic() - pos.t_start)
         assert self.session is not None
         # psserver train's loop counts the batch after the step: the report says where the next starts.
         batches = pos.batch_idx + 1 if self.steps_per_epoch is not None else pos.batch_idx

@@ -161,7 +161,8 @@ def _run(ps: Connection, data: Batches, eval_set, metric: str, metric_fn: Callab
                 if config.stats_out is not None:
                     pos.step_ends.append(time.monotonic())
                 pos.batch_idx += 1
-                progress.update(loss=loss, rate=pos.samples / max(1e-6, time.monotonic() - pos.t_start))
+                progress.update(loss=loss, rate=(pos.samples - pos.samples_before) / max(1e-6, time.monotonic() -
+                                                                                          pos.t_start))
                 if total is not None and pos.steps >= total:
                     break
             if steps_per_epoch is None and read == 0 and pos.batch_idx == 0:
@@ -181,9 +182,10 @@ def _run(ps: Connection, data: Batches, eval_set, metric: str, metric_fn: Callab
         session.report = dataclasses.replace(session.report, accuracy=score)
     ps.close()
     elapsed = time.monotonic() - pos.t_start
-    log.info("rank %d: %d steps, %d samples in %.1fs (%.1f samples/s), final loss %.4f, %s %.4f",
-             config.rank, pos.steps, pos.samples, elapsed, pos.samples / max(elapsed, 1e-6), pos.loss, metric,
-             score)
+    mine = pos.samples - pos.samples_before  # a trainer started again by hand: what this process trained
+    log.info("rank %d: %d steps, %d samples%s in %.1fs (%.1f samples/s), final loss %.4f, %s %.4f",
+             config.rank, pos.steps, pos.samples, f" ({mine} by this process)" if pos.samples_before else "", elapsed,
+             mine / max(elapsed, 1e-6), pos.loss, metric, score)
     if config.stats_out is not None:
         _write(config.stats_out, json.dumps(
             {"rank": config.rank, "batch_size": config.batch_size, "start": pos.t_start, "step_ends": pos.step_ends,

@@ -49,6 +49,9 @@ class Position:
     report: dict[str, Any] | None = None
     """The last :class:`Report`'s fields."""
     reconnects: int = 0
+    samples_before: int = 0
+    """Samples its rank's last trainer trained, which this process (started again by hand) took
+    up: left out of this process's rate."""
 
 
 def reexec(pos: Position, stop: StopSignals, argv: Sequence[str] | None = None) -> NoReturn:

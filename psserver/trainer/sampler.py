@@ -19,33 +19,24 @@ class ResumableSampler(DistributedSampler):
 
     def __init__(self, dataset: Dataset, *, num_replicas: int, rank: int, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False, on_epoch: Callable[[int], None] | None = None,
-                 resume: tuple[int, int] | None = None) -> None:
+                 skip: Callable[[int, bool], int] | None = None, epoch: int = 0) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
                          drop_last=drop_last)
+        self.epoch = epoch  # the connection's (ps.epoch): a rejoined trainer's, until set_epoch
         self._on_epoch = on_epoch
-        self._resume = resume
-        """``(epoch, samples)``: in that epoch, the first ``samples`` of this shard were trained on."""
-        if resume is not None:
-            self.epoch = resume[0]
+        self._skip_of = skip
+        """``skip(epoch, take)``: the samples of this shard in ``epoch`` trained on before a rejoin,
+        taken (``take``) by the first sampler of the connection to go through that epoch."""
         self._handed = (self.epoch, 0)
         """``(epoch, n)``: the indices handed out in that epoch (the resumed ones included)."""
-
-    def resume_at(self, epoch: int, samples: int) -> None:
-        """Skip, in ``epoch``, the first ``samples`` of this shard (a trainer that continues
-        where its rank's last one stopped, learnt at the join after this sampler was made)."""
-        self._resume = (epoch, samples)
-        self.epoch = epoch
-        self._handed = (epoch, 0)
 
     def set_epoch(self, epoch: int) -> None:
         super().set_epoch(epoch)
         if self._on_epoch is not None:
             self._on_epoch(epoch)
 
-    def _skip(self) -> int:
-        if self._resume is None or self._resume[0] != self.epoch:
-            return 0
-        return self._resume[1]
+    def _skip(self, take: bool = False) -> int:
+        return 0 if self._skip_of is None else self._skip_of(self.epoch, take)
 
     def handed_out(self, epoch: int) -> int:
         """How many indices this sampler has handed out in ``epoch`` (those a resumed epoch
@@ -53,8 +44,7 @@ class ResumableSampler(DistributedSampler):
         return self._handed[1] if self._handed[0] == epoch else 0
 
     def __iter__(self) -> Iterator[int]:
-        skip = self._skip()
-        self._resume = None  # once: the epoch after it, and a second pass over it, are whole
+        skip = self._skip(take=True)  # once: the epoch after it, a second pass, another sampler: whole
         epoch = self.epoch
         handed = (self._handed[1] if self._handed[0] == epoch else 0) + skip
         self._handed = (epoch, handed)

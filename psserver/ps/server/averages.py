@@ -46,7 +46,8 @@ class Averages:
         self._rounds: dict[str, list[_Round]] = {}
 
     def reduce(self, trainer: str, name: object, value: object, op: object, expected: object,
-               live: Callable[[], list[str]], timeout: float) -> torch.Tensor:
+               live: Callable[[], list[str]], timeout: float, ranks_seen: Callable[[], int] = lambda: 0
+               ) -> torch.Tensor:
         """``value`` of ``trainer`` reduced with every live trainer's of the same round of
         ``name``; ``ValueError`` for a bad argument, ``RuntimeError`` when the round does not
         complete within ``timeout`` (naming who did not contribute)."""
@@ -69,18 +70,22 @@ class Averages:
             self._cond.notify_all()
             while rnd.result is None:
                 missing = set(live()) - set(rnd.values)
-                if not missing and len(set(rnd.values) | rnd.gone) >= expected:
+                # Every live trainer is in, and no trainer of the job is still to come: the round
+                # counts ``expected`` (with those that left while it was open), or every rank
+                # of the job has joined once (one that left before the round is not waited for).
+                if not missing and (len(set(rnd.values) | rnd.gone) >= expected or ranks_seen() >= expected):
                     rnd.result = _combine(list(rnd.values.values()), rnd.op)
                     self._cond.notify_all()
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    late = expected - len(set(rnd.values) | rnd.gone)
                     del rnd.values[trainer]
                     if not rnd.values:
                         rounds.remove(rnd)
                     if not rounds:
                         del self._rounds[name]
-                    who = ", ".join(sorted(missing)) or f"{expected - len(rnd.values)} of the job's {expected} trainers"
+                    who = ", ".join(sorted(missing)) or f"{late} of the job's {expected} trainers (not joined yet)"
                     raise RuntimeError(f"allreduce {name!r}: {who} did not take part within {timeout:g}s (every "
                                        "trainer calls it, in the same order)")
                 self._cond.wait(min(left, 0.5))  # membership changes without telling this condition

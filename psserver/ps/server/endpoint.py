@@ -82,6 +82,8 @@ class Endpoint:
         self._ops = {"evaluate", "allreduce"} | {op for h in halves.values() for op in (*h.ops, *h.local_ops)}
         self._in_flight = 0
         self._idle = threading.Condition()
+        self._ranks_seen: set[int] = set()
+        """Ranks that have joined this server (``ps.allreduce`` waits only for ranks still to come)."""
         self._stopped_at: dict[int, dict[str, int]] = {}
         """rank -> where its last trainer stopped, when it left (or was lost) before its loop's end."""
 
@@ -149,6 +151,7 @@ class Endpoint:
                 raise
             join_info = {**join_info, **self.group.join_info()}
         self.engine.trainer_joined(request.name)
+        self._ranks_seen.add(request.rank)
         # The trainer heartbeats once it has this answer: the other server processes' part of
         # the join (their first optimizer, say) must not count against its --trainer-timeout.
         # Evicted meanwhile: a refusal (NotAMember), not a KeyError raised into torch's RPC.
@@ -234,7 +237,8 @@ class Endpoint:
                 half = self.halves[member.protocol]
                 if op == "allreduce":
                     result = self.averages.reduce(trainer, *args, live=self.membership.names,  # type: ignore[union-attr]
-                                                  timeout=self.config.rpc_timeout / 2)
+                                                  timeout=self.config.rpc_timeout / 2,
+                                                  ranks_seen=lambda: len(self._ranks_seen))
                 elif op != "evaluate" and op not in half.ops:
                     raise ValueError(f"step protocol {member.protocol!r} has no call {op!r}")
                 else:

@@ -90,3 +90,15 @@ def test_a_round_nobody_completes_names_who_is_missing_and_bad_values_are_refuse
                   timeout=0.3)
     told = [str(g) for g in got.values() if isinstance(g, ValueError)]
     assert len(told) == 1 and "every trainer calls it alike" in told[0], got
+
+
+def test_a_trainer_that_left_before_the_round_is_not_waited_for():
+    """Rank 0 left (Ctrl-C) before rank 1's next round: the job's 2 ranks have both joined
+    once, so rank 1's round completes with itself (it waited 30 s and raised)."""
+    averages = Averages()
+    got = averages.reduce("b", "m", torch.tensor(3.0), "average", 2, live=lambda: ["b"], timeout=5,
+                          ranks_seen=lambda: 2)
+    assert float(got) == 3.0
+    with pytest.raises(RuntimeError, match="1 of the job's 2 trainers \\(not joined yet\\)"):
+        averages.reduce("b", "m", torch.tensor(3.0), "average", 2, live=lambda: ["b"], timeout=0.2,
+                        ranks_seen=lambda: 1)
