@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from psserver.config import OptimizerConfig, TrainerConfig, parse_host_port
 from psserver.config.env import default_rank, default_server_address, default_world_size
-from psserver.errors import DataError, UsageError
+from psserver.errors import DataError, ServerLost, UsageError
 from psserver.models.calling import input_batch_size
 from psserver.models.losses import resolve_loss
 from psserver.ps.rpc import torch_rpc
@@ -50,7 +50,7 @@ from psserver.ps.rpc.messages import ALLREDUCE_MAX_NAME as MAX_NAME
 from psserver.ps.rpc.messages import ALLREDUCE_OPS as OPS
 from psserver.ps.rpc.messages import Report
 from psserver.trainer.counting import SampleCounter, sample_count
-from psserver.trainer.recovery import join, recover, shard_count
+from psserver.trainer.recovery import FAILED, diagnose, join, recover, shard_count
 from psserver.trainer.rejoin import Position, script_command_line, take_position
 from psserver.trainer.sampler import ResumableSampler
 from psserver.trainer.session import Session, remote_message
@@ -590,7 +590,26 @@ class Connection:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         quiet = exc is None or (isinstance(exc, SystemExit) and exc.code in (0, None))
+        if isinstance(exc, RuntimeError) and "autograd context" in str(exc) and self.session is not None \
+                and not self._closed:
+            # The RPC tutorial's loop calls dist_autograd itself: after an eviction (the server
+            # released the trainer's contexts) its backward fails there, before any call of ours.
+            try:
+                self._recover_from(exc)
+            except ServerLost as e:  # Evicted too: the one line the user gets, not torch's frames
+                raise e from None
         self._leave(None if quiet else exc)
+
+    def _recover_from(self, error: RuntimeError) -> None:
+        """An eviction or a lost server that surfaced in the user's own RPC call: ``Evicted`` or
+        ``ServerLost`` (with ``reconnect``, the rejoin) instead of torch's C++ frames; nothing
+        when the server says this trainer is a member (the error is the user's)."""
+        assert self.session is not None
+        if diagnose(self.session, error) == FAILED:
+            return
+        self._pos.report = asdict(self.session.report) if self.session.report is not None else None
+        self._unhook()
+        recover(self.session, self.config, error, self._pos, self._stop, self._run_before_rejoin, self._argv)
 
     def __repr__(self) -> str:
         name = self.session.name if self.session is not None else "not joined"

@@ -333,3 +333,28 @@ def test_a_reported_loss_that_diverges_while_finite_is_told_once(connection, cap
             connection.step(loss=torch.tensor(loss))
     told = [r.getMessage() for r in caplog.records]
     assert told == [told[0]] and told[0].startswith("loss -3e+04, from 2.3 at first: training is diverging"), told
+
+
+def test_an_eviction_surfacing_in_the_users_own_dist_autograd_call_is_one_exception(connection, monkeypatch):
+    """The RPC tutorial's loop: after an eviction its dist_autograd.backward fails inside torch
+    ("Could not find autograd context", C++ frames): the ``with`` block turns it into Evicted,
+    its context suppressed; a RuntimeError of a trainer the server still counts stays as it is."""
+    from psserver.errors import Evicted
+    from psserver.trainer import connection as module
+
+    def recover(session, config, error, *rest):
+        raise Evicted("trainer_0_1 was evicted by the psserver at 127.0.0.1:1 (missed heartbeats)")
+
+    monkeypatch.setattr(module, "recover", recover)
+    monkeypatch.setattr(module, "diagnose", lambda session, error: "evicted")
+    connection.replica(loops.tiny_net())
+    with pytest.raises(Evicted) as e, connection:
+        raise RuntimeError("Could not find autograd context with id: 12\nException raised from ... (C++ frames)")
+    assert e.value.__suppress_context__ and "evicted" in str(e.value)
+
+    ps = psserver.connect("127.0.0.1:1", num_trainers=1, handle_signals=False)
+    monkeypatch.setattr(ps, "_join", StandInSession)
+    monkeypatch.setattr(module, "diagnose", lambda session, error: module.FAILED)
+    ps.replica(loops.tiny_net())
+    with pytest.raises(RuntimeError, match="Could not find autograd context"), ps:
+        raise RuntimeError("Could not find autograd context with id: 13")
