@@ -369,6 +369,8 @@ class StepAnalysis:
     mean_samples_per_s: float
     steps: int
     latencies_s: list[float]
+    disturbed: str | None = None
+    """Why the figure is not what the method measures (a loaded machine), when it is not."""
 
     def steps_between(self, ends: list[list[float]], t0: float, t1: float) -> int:
         return sum(1 for e in ends for t in e if t0 < t <= t1)
@@ -382,6 +384,7 @@ class StepAnalysis:
             "measured_s": self.end - self.start,
             "step_p50_ms": 1e3 * percentile(self.latencies_s, 0.5) if self.latencies_s else None,
             "step_p95_ms": 1e3 * percentile(self.latencies_s, 0.95) if self.latencies_s else None,
+            **({"disturbed": self.disturbed} if self.disturbed else {}),
         }
 
 
@@ -397,17 +400,21 @@ def analyze_steps(step_ends: list[list[float]], batch_size: int, *, warmup_s: fl
     ends = [sorted(e) for e in step_ends if e]
     if not ends or len(ends) != len(step_ends):
         raise ValueError("a process recorded no steps")
+    if any(len(e) < 2 for e in ends):
+        raise ValueError("a process recorded fewer than two steps")
+    if any(len(e) <= warmup_steps + 1 for e in ends):  # a loaded machine: the whole run, flagged
+        return _whole_run(ends, batch_size, f"only {min(len(e) for e in ends)} steps recorded, fewer than the "
+                                            "warm-up: the whole run's rate")
     starts = []
     for e in ends:
-        if len(e) <= warmup_steps + 1:
-            raise ValueError(f"only {len(e)} steps recorded, fewer than the warm-up")
         i = warmup_steps
         while i < len(e) - 1 and e[i] - e[0] < warmup_s:
             i += 1
         starts.append(e[i])
     start, end = max(starts), min(e[-1] for e in ends)
     if end <= start:
-        raise ValueError("the processes never stepped at the same time after warm-up")
+        return _whole_run(ends, batch_size, "the processes never stepped at the same time after warm-up: each "
+                                            "one's whole-run rate, summed")
     n = max(min_windows, int((end - start) / window_s))
     length = (end - start) / n
     windows = []
@@ -419,6 +426,15 @@ def analyze_steps(step_ends: list[list[float]], batch_size: int, *, warmup_s: fl
     lat = [b - a for e in ends for a, b in itertools.pairwise(e) if start < b <= end]
     return StepAnalysis(start, end, statistics.median(windows), windows, total * batch_size / (end - start),
                         total, lat)
+
+
+def _whole_run(ends: list[list[float]], batch_size: int, why: str) -> StepAnalysis:
+    """A run too short or too disturbed for windows: each process's rate over its own steps,
+    summed, marked (the report shows it; the run does not fail)."""
+    rate = sum((len(e) - 1) * batch_size / (e[-1] - e[0]) for e in ends if e[-1] > e[0])
+    lat = [b - a for e in ends for a, b in itertools.pairwise(e)]
+    start, end = min(e[0] for e in ends), max(e[-1] for e in ends)
+    return StepAnalysis(start, end, rate, [rate], rate, sum(len(e) - 1 for e in ends), lat, disturbed=why)
 
 
 def wire_bytes_per_step(samples: list[Sample], step_ends: list[list[float]], t0: float, t1: float) -> dict | None:

@@ -41,7 +41,7 @@ def setup_rows(result: dict) -> list[list[str]]:
         idle = s.get("server_idle_cpu_pct")
         idle_cell = "-" if idle is None else f"{idle:.2f} (alone {s.get('server_idle_alone_cpu_pct', 0):.2f})"
         rows.append([
-            s["name"],
+            s["name"] + (" (disturbed)" if s.get("disturbed") else ""),
             _num(s.get("samples_per_s")),
             _num(s.get("ratio_to_local"), "{:.2f}"),
             _num(s.get("paired_x_local"), "{:.3f}"),

@@ -199,9 +199,12 @@ class Connection:
         if session.step_protocol != "plain":
             raise UsageError("ps.forward is the RPC tutorial's path: call ps.parameter_rrefs() first (no ps.replica)")
         self.leave_on_signal()  # the step before ended with its optimizer's step(ctx)
-        out = self._call(lambda: session.call("forward", x))
-        if torch.is_grad_enabled() and torch_rpc.current_autograd_context_id() is not None:
-            self._count_step(input_batch_size(x), None)  # else an evaluation: no backward can reach the server
+        # Under no_grad or outside a dist_autograd context no backward can reach the server: an
+        # evaluation, which opens no step there and counts none here.
+        training = torch.is_grad_enabled() and torch_rpc.current_autograd_context_id() is not None
+        out = self._call(lambda: session.call("forward", x, training))
+        if training:
+            self._count_step(input_batch_size(x), None)
         return out
 
     def _join(self, model: nn.Module | None) -> Session:

@@ -25,9 +25,12 @@ class PlainSession:
         self.info = {"update": "async", "param_rrefs": []}
         self.progress = (0, 0.01, 0)
         self.lock = threading.Lock()
+        self.marked: list[bool] = []
+        """What each forward told the server: a training step, or an evaluation."""
 
-    def call(self, op: str, x: torch.Tensor) -> torch.Tensor:
+    def call(self, op: str, x: torch.Tensor, training: bool) -> torch.Tensor:
         assert op == "forward"
+        self.marked.append(training)
         return self.model(x)
 
     def leave(self) -> None:
@@ -57,3 +60,4 @@ def test_only_a_forward_that_can_train_is_a_step(plain):
     assert (ps.steps, ps.samples) == (1, 32)
     assert (ps.session.report.steps, ps.session.report.samples) == (1, 32)
     assert ps.position.epoch_samples == 32  # what a rejoined sampler skips
+    assert ps.session.marked == [True, False, False, False, False]  # the server opens a step for the first only

@@ -119,7 +119,9 @@ def test_a_killed_library_trainer_is_evicted_and_its_rank_rejoins(procs, port):
     server.wait_for(r"trainer trainer_0_1 missed heartbeats .* marking it LOST", timeout=30)
     again = entry(procs, port, "slow_steps", args={"steps": 5})
     assert again.wait(60) == 0, again.tail()
-    server.wait_for(r"trainer trainer_0_2 \(rank 0\) left after 5 steps", timeout=10)
+    # It continues where its rank stopped (the server kept the killed one's position): its steps count on.
+    before = int(re.search(r"rank 0 continues where its last trainer stopped: .* step (\d+)", again.output()).group(1))
+    server.wait_for(rf"trainer trainer_0_2 \(rank 0\) left after {before + 5} steps", timeout=10)
 
 
 @pytest.mark.slow

@@ -54,12 +54,15 @@ class PlainServer(ServerHalf):
                 self._rrefs = [rpc.RRef(p) for p in self.engine.params]
             return {"param_rrefs": self._rrefs}
 
-    def forward(self, trainer: str, x: torch.Tensor) -> torch.Tensor:
-        ctx = torch_rpc.current_autograd_context_id()
-        if ctx is None:  # outside dist_autograd.context() no backward reaches here: an evaluation, not a step
+    def forward(self, trainer: str, x: torch.Tensor, training: bool = True) -> torch.Tensor:
+        """The model on ``x`` for a step (its backward reaches the server), or with ``training``
+        False for an evaluation (the trainer called it under ``no_grad`` or outside a
+        ``dist_autograd`` context, where no backward can come): no step, no graph kept."""
+        if training is False:
             self.engine.wait_applied(trainer)
             with torch.no_grad():
                 return self.engine.forward(x, clone=False).to("cpu")
+        ctx = torch_rpc.current_autograd_context_id()
         self.engine.wait_turn(trainer)
         with self._lock:
             kept = self._contexts.setdefault(trainer, [])

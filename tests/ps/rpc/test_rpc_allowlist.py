@@ -41,7 +41,7 @@ from tests.ps import stranger
 from tests.ps.joins import join_request
 from tests.test_metrics import FakeTarget, scrape, value
 
-NOT_RPC = {"install", "current"}
+NOT_RPC = {"install", "current", "stopped_at"}
 """Public functions of the endpoint that are not its RPC surface (the server's own plumbing)."""
 
 
