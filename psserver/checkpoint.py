@@ -24,6 +24,7 @@ import logging
 import os
 import pickle
 import re
+import stat
 import threading
 import time
 import uuid
@@ -122,7 +123,7 @@ def write_checkpoint(path: Path, state: dict[str, Any], *, run: str | None = Non
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(_create_private(tmp), "wb") as f:
             f.write(header + payload)
             f.flush()
             os.fsync(f.fileno())
@@ -132,6 +133,18 @@ def write_checkpoint(path: Path, state: dict[str, Any], *, run: str | None = Non
         raise
     fsync_dir(path.parent)
     return len(header) + len(payload)
+
+
+def _create_private(path: Path) -> int:
+    """A descriptor of a new file at ``path`` (0600), made by this call: whatever lies there under
+    the name (a link planted to a file elsewhere, a dead writer's file of the same pid) is
+    removed first, never followed."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, flags, 0o600)
+    except FileExistsError:
+        os.unlink(path)  # the link itself, not what it points to
+        return os.open(path, flags, 0o600)
 
 
 def _unlink_quietly(path: Path) -> bool:
@@ -277,8 +290,10 @@ def load_checkpoint(path: Path) -> tuple[Header, dict[str, Any]]:
                 else f"is refused by torch's weights-only loader ({_first_line(e)})")
         raise UnsafeCheckpointError(
             f"refusing {path}: its payload {what} (tampered with, or not written by psserver)") from None
-    except (RuntimeError, EOFError, ValueError, RecursionError, MemoryError) as e:
-        raise CheckpointError(f"{path} holds no loadable state ({_first_line(e)})") from None
+    except (RuntimeError, EOFError, ValueError, RecursionError, MemoryError, IndexError, KeyError, TypeError,
+            AttributeError, OverflowError) as e:
+        # A payload of a few malformed pickle opcodes (the unpickler's stack or memo out of reach).
+        raise CheckpointError(f"{path} holds no loadable state ({type(e).__name__}: {_first_line(e)})") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} holds a {type(state).__name__}, not a psserver checkpoint")
     return header, state
@@ -357,9 +372,13 @@ def check_writable(directory: Path) -> None:
         raise CheckpointDirError(f"--checkpoint-dir {directory} cannot be created: {e.strerror or e}") from None
     if not directory.is_dir():
         raise CheckpointDirError(f"--checkpoint-dir {directory} is not a directory")
+    mode = directory.stat().st_mode
+    if mode & stat.S_IWOTH:
+        raise CheckpointDirError(f"--checkpoint-dir {directory} is writable by every user (mode {mode & 0o7777:o}): "
+                                 "another could plant checkpoints or links there; chmod o-w it, or use another")
     probe = directory / f".psserver-probe-{os.getpid()}"
     try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = _create_private(probe)
     except OSError as e:
         raise CheckpointDirError(f"--checkpoint-dir {directory} is not writable: {e.strerror or e}") from None
     try:

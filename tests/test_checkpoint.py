@@ -13,6 +13,7 @@ import torch
 from psserver.checkpoint import (
     FORMAT,
     LEGACY_RUN,
+    MAGIC,
     CheckpointDirError,
     Checkpointer,
     CheckpointError,
@@ -301,3 +302,35 @@ def test_a_length_other_than_the_files_is_refused_before_reading(tmp_path):
         f.write(b"more")
     with pytest.raises(CheckpointError, match=r"is not a psserver checkpoint \(\d+ bytes where its header says"):
         verify(path)
+
+
+def test_a_directory_every_user_can_write_is_refused_and_a_planted_link_is_never_followed(tmp_path):
+    """Another user who can write the directory would plant links at the temporary names (root
+    then overwrote the linked file) or checkpoints of their own."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    with pytest.raises(CheckpointDirError, match="writable by every user"):
+        check_writable(shared)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("root's file")
+    path = checkpoint_path(mine, 5)
+    (mine / f".{path.name}.tmp-{os.getpid()}").symlink_to(victim)
+    (mine / f".psserver-probe-{os.getpid()}").symlink_to(victim)
+    check_writable(mine)
+    write_checkpoint(path, {"global_step": 5}, run="r")
+    assert victim.read_text() == "root's file" and read_checkpoint(path)["global_step"] == 5
+
+
+@pytest.mark.parametrize("payload", [b"s.", b"a.", b"\x80\x02t.", b"h\x05.", b"(\x88\x88u."])
+def test_a_payload_of_malformed_opcodes_is_no_loadable_state(tmp_path, payload):
+    """A valid checksum over a few bytes the weights-only unpickler chokes on (IndexError,
+    KeyError): one line, not an internal error."""
+    path = tmp_path / "ckpt-000000000001.pt"
+    header = json.dumps({"magic": MAGIC, "format": FORMAT, "run": "r", "time": 0.0,
+                         "sha256": hashlib.sha256(payload).hexdigest(), "length": len(payload)}).encode() + b"\n"
+    path.write_bytes(header + payload)
+    with pytest.raises(CheckpointError, match="holds no loadable state"):
+        read_checkpoint(path)

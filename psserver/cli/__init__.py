@@ -178,6 +178,17 @@ def path_error(e: OSError) -> str:
     return f"{name}: {e.strerror or type(e).__name__}"
 
 
+def _new_private_file(path: Path) -> tuple[int, Path]:
+    """A file made for this write alone (0600), never one planted under its name: a link another
+    user left in the temporary directory, to a file of ours, would have us overwrite that file.
+    Where the name is taken, a fresh one beside it."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), path
+    except FileExistsError:
+        fd, name = tempfile.mkstemp(prefix=path.stem + "-", suffix=path.suffix, dir=path.parent)
+        return fd, Path(name)
+
+
 def internal_error(verb: str, error: BaseException, argv: Sequence[str] | None = None) -> int:
     """Write ``error``'s traceback to ``psserver-<verb>-<pid>.log`` (in ``$PSSERVER_LOG_DIR``,
     else, or when that cannot be written, the temporary directory), say where in one line; 1.
@@ -193,7 +204,8 @@ def internal_error(verb: str, error: BaseException, argv: Sequence[str] | None =
     for path in candidates:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "w") as f:
+            fd, path = _new_private_file(path)
+            with os.fdopen(fd, "w") as f:
                 f.write(f"{datetime.datetime.now().isoformat(timespec='seconds')} psserver {__version__}: "
                         f"internal error in {verb}\n")
                 f.write(f"command: psserver {' '.join(sys.argv[1:] if argv is None else argv)}\n")

@@ -9,7 +9,6 @@ covers the time between steps. The training loop around it: ``psserver.trainer.l
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -27,6 +26,7 @@ from psserver.errors import ServerUnavailable, UsageError
 from psserver.models import ModelSpec, build_model, get_model_spec
 from psserver.models.layout import ModelLayout, values_of
 from psserver.models.losses import resolve_loss
+from psserver.models.registry import model_names
 from psserver.ps.engine.devices import resolve_device
 from psserver.ps.protocols import TrainerHalf, get_protocol
 from psserver.ps.protocols.trainer_compute import WIRE_DTYPES
@@ -35,6 +35,7 @@ from psserver.ps.rpc.messages import JoinRequest, Report
 from psserver.ps.server import endpoint
 from psserver.trainer.stop_signals import StopSignals
 from psserver.utils.cpp_log import quiet_cpp_warnings
+from psserver.utils.references import is_reference
 
 log = logging.getLogger(__name__)
 
@@ -307,14 +308,20 @@ DEFAULT_MODEL = "mnist_cnn"
 
 def choose_model(config: TrainerConfig, published: dict) -> ModelSpec:
     """The trainer's model: its ``--model``, else the one the server's operator pinned (``serve
-    --model``), else ``mnist_cnn``. A model another trainer brought (or a checkpoint recorded) is
-    never built from its reference: that would run code a peer named. ``UsageError`` for that,
-    and for a model a server without ``--model`` cannot hold."""
+    --model``) when it is a model name this trainer's own install registers, else ``mnist_cnn``.
+    No ``MODULE:ATTR`` read from the server is ever built: the store the server publishes it in
+    can be written by whoever reaches it (with the join token, by any holder), and a model
+    another trainer brought (or a checkpoint recorded) is a peer's choice. ``UsageError`` for
+    those, and for a model a server without ``--model`` cannot hold."""
     brought = published.get("model") if not published.get("pinned") else None
     if config.model is not None:
         spec = get_model_spec(config.model, config.model_args)
     elif published.get("pinned") and published.get("model"):
-        spec = get_model_spec(published["model"], published.get("model_args"))
+        pinned = published["model"]
+        if not isinstance(pinned, str) or is_reference(pinned) or pinned not in model_names():
+            raise UsageError(f"the server pins model {printable(pinned)}, which is not a model name of this "
+                             "install: psserver builds no code the server names, pass --model yourself")
+        spec = get_model_spec(pinned, published.get("model_args"))
     elif published.get("fingerprint") is not None and (brought, published.get("model_args") or {}) != (DEFAULT_MODEL,
                                                                                                        {}):
         raise UsageError(brought_model_refusal(brought, published.get("model_args") or {}))
@@ -326,16 +333,17 @@ def choose_model(config: TrainerConfig, published: dict) -> ModelSpec:
     return spec
 
 
-def brought_model_refusal(reference: str | None, args: dict) -> str:
-    """Why a trainer without ``--model`` does not take the model another trainer brought, and what to pass."""
-    if not reference:
-        hint = "--model MODULE:ATTR naming it, or ps.replica(model)"
-    elif reference.startswith("__main__:"):
-        hint = f"ps.replica(model) with the {reference.partition(':')[2]} of that script, or --model MODULE:ATTR"
-    else:
-        hint = f"--model {reference}" + (f" --model-args '{json.dumps(args)}'" if args else "")
-    return (f"the server holds a model another trainer brought ({reference or 'unnamed'}); psserver never runs "
-            f"code that a peer named: give this trainer the model yourself ({hint})")
+def printable(value: object, limit: int = 80) -> str:
+    """A name a peer sent, fit for one log or error line: quoted, control characters escaped, cut short."""
+    text = repr(value) if isinstance(value, str) else repr(type(value).__name__)
+    return text if len(text) <= limit else text[:limit - 4] + "...'"
+
+
+def brought_model_refusal(reference: str | None, args: dict) -> str:  # noqa: ARG001 - args are the peer's: not echoed
+    """Why a trainer without ``--model`` does not take the model another trainer brought."""
+    return (f"the server holds a model another trainer brought ({printable(reference) if reference else 'unnamed'}); "
+            "psserver never runs code that a peer named: give this trainer its model yourself (--model MODULE:ATTR "
+            "of your own code, or ps.replica(model))")
 
 
 def class_reference(cls: type) -> str:

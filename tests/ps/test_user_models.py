@@ -36,7 +36,7 @@ def test_a_server_without_the_users_code_trains_it_checks_it_and_resumes_it(proc
                     "first trainer", timeout=90)
     # No --model: the name the first trainer sent is not code this one runs; it says what to pass.
     bare = procs.trainer(port, 1, *train, env=user_path)
-    assert bare.wait(120) == 2 and "give this trainer the model yourself (--model usernets.cnn:BNNet)" in bare.output()
+    assert bare.wait(120) == 2 and "'usernets.cnn:BNNet'); psserver never runs code" in bare.output()
     second = procs.trainer(port, 1, "--model", "usernets.cnn:BNNet", *train, env=user_path)
     for t in (first, second):
         assert t.wait(300) == 0, t.tail()

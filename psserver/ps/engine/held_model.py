@@ -89,5 +89,9 @@ def check_values(layout: ModelLayout, values: Sequence[torch.Tensor]) -> None:
         if not isinstance(v, torch.Tensor) or tuple(v.shape) != e.shape or v.dtype != e.torch_dtype:
             got = f"{list(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else type(v).__name__
             raise ValueError(f"initial value of {e.key} is {got}, its layout says {list(e.shape)} {e.dtype}")
+        if v.is_complex():  # buffers travel as one float64 tensor: the imaginary part would be lost
+            raise ValueError(f"initial value of {e.key} is complex, which the server does not hold")
         if e.kind == PARAMETER and v.is_floating_point() and not bool(torch.isfinite(v).all()):
             raise ValueError(f"initial value of {e.key} is not finite (NaN or inf)")
+        if v.is_floating_point() and bool(torch.isnan(v).any()):  # a buffer's inf is a mask; NaN is no value
+            raise ValueError(f"initial value of {e.key} holds NaN")

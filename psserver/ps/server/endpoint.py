@@ -178,6 +178,10 @@ class Endpoint:
         it, with its initial values (``ValueError``: a model that differs, or no values)."""
         if request.layout is None:
             raise ValueError("this trainer sent no model layout (a psserver older than this server?)")
+        if request.model is not None and not (isinstance(request.model, str) and 0 < len(request.model) <= 200
+                                              and request.model.isprintable()):
+            raise ValueError("this trainer names its model with something other than a line of at most 200 "
+                             "printable characters")
         layout = ModelLayout.from_dict(request.layout)
         with self._model_lock:  # two first trainers: one brings the model, the other is checked against it
             if self.engine.has_model:

@@ -61,10 +61,12 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from psserver.checkpoint import CheckpointError
 from psserver.config import MemoryStateConfig
 from psserver.config.ps import DEFAULT_STATE_DIR
 from psserver.ps.engine.engine import StepEngine
 from psserver.ps.server import state_dir as sd
+from psserver.ps.server.checkpoint_content import check_state
 from psserver.ps.server.state_arena import FINITE_CHECKED, MAX_COUNT, Arena, ArenaError, Journal, Slot
 from psserver.ps.server.state_dir import MemoryStateError
 from psserver.ps.server.state_layout import all_finite, check, fill, state_layout, unplaceable
@@ -187,6 +189,17 @@ class MemoryState:
                         "parameters and optimizer state hold it, the others do not; it counts as applied (its "
                         "trainers do not send it again)", step)
         state["global_step"], state["samples_seen"] = step, samples
+        try:  # what a checkpoint is checked for (a negative second moment stays finite)
+            check_state(state, self.dir)
+        except CheckpointError as e:
+            why = str(e).removeprefix(f"{self.dir} ")
+            error = MemoryStateError(f"the state in {self.dir} fails the checks of a checkpoint ({why}); move it "
+                                     "away to start without it")
+            if not os.environ.get(FALLBACK_ENV):
+                raise error from None
+            log.warning("%s: discarded; resuming from the newest good checkpoint instead", error)
+            self._discard()
+            return None
         log.info("found the state of run %s in memory: %s, generation %d, global step %d, %d samples",
                  state.get("run"), self.dir, journal.generation, step, samples)
         self.arena, self._slots = arena, slots  # kept mapped until the next generation replaces it

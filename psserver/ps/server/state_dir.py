@@ -114,7 +114,8 @@ def open_file(fd: int, name: str, where: Path, flags: int = os.O_RDONLY) -> int 
     """A descriptor of the regular file ``name`` in ``fd`` (``where``), this user's and
     writable by nobody else; None when it is missing. ``MemoryStateError`` otherwise."""
     try:
-        f = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        # O_NONBLOCK: a FIFO planted under the name is opened (and refused below), not waited on.
+        f = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=fd)
     except FileNotFoundError:
         return None
     except OSError as e:

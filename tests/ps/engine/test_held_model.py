@@ -78,3 +78,17 @@ def test_a_buffer_may_be_minus_inf_but_a_parameter_may_not():
         model.fc.bias[0] = float("-inf")
     with pytest.raises(ValueError, match=r"initial value of fc\.bias is not finite"):
         check_values(layout, values_of(model, layout))
+
+
+def test_a_buffer_of_nan_or_complex_values_is_refused():
+    """NaN made the server's own checkpoint unloadable; a complex buffer lost its imaginary part."""
+    model = Masked()
+    layout = ModelLayout.of(model)
+    values = values_of(model, layout)
+    values[-1] = torch.full_like(values[-1], float("nan"))
+    with pytest.raises(ValueError, match="initial value of mask holds NaN"):
+        check_values(layout, values)
+    model.register_buffer("phase", torch.ones(2, dtype=torch.complex64))
+    layout = ModelLayout.of(model)
+    with pytest.raises(ValueError, match="initial value of phase is complex"):
+        check_values(layout, values_of(model, layout))

@@ -36,7 +36,7 @@ class OddBuffers(nn.Module):
         super().__init__()
         self.fc = nn.Linear(4, 2)
         self.register_buffer("counts", torch.tensor([0, 1, 2, 65535], dtype=torch.int32).to(torch.uint16))
-        self.register_buffer("phase", torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64))
+        self.register_buffer("phase", torch.tensor([1.5, -2.25], dtype=torch.bfloat16))
 
     def forward(self, x):
         return self.fc(x)
@@ -163,6 +163,31 @@ def test_a_state_overwritten_with_nan_is_refused(state_dir):
     data[16384:16384 + 4 * payload] = struct.pack("<f", float("nan")) * payload
     path.write_bytes(bytes(data))
     with pytest.raises(MemoryStateError, match=r"hold NaN or infinite values that were finite when written"):
+        ParameterServer(config)
+
+
+def test_a_state_of_finite_values_no_optimizer_keeps_is_refused(state_dir):
+    """-1 everywhere is finite, but no Adam keeps a negative second moment or step: the state
+    gets a checkpoint's checks at restart (it was restored, then every step was NaN)."""
+    config = server_config(state_dir)
+    dead_server(config)
+    path = tensors_file(segment(state_dir))
+    data = bytearray(path.read_bytes())
+    payload = (len(data) - 16384) // 4
+    data[16384:16384 + 4 * payload] = struct.pack("<f", -1.0) * payload
+    path.write_bytes(bytes(data))
+    with pytest.raises(MemoryStateError, match=r"fails the checks of a checkpoint \(.*negative"):
+        ParameterServer(config)
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_planted_for_the_metadata_is_refused_not_waited_on(state_dir):
+    config = server_config(state_dir)
+    dead_server(config)
+    meta = segment(state_dir) / "meta.json"
+    meta.unlink()
+    os.mkfifo(meta, 0o600)
+    with pytest.raises(MemoryStateError, match="is not a regular file"):
         ParameterServer(config)
 
 
@@ -356,7 +381,8 @@ def test_without_a_checkpoint_a_failed_state_is_one_line(state_dir):
 
 # ---- dtypes ---------------------------------------------------------------------------------------
 
-def test_buffers_of_uint16_and_complex64_are_kept_and_come_back(state_dir):
+def test_buffers_of_uint16_and_bfloat16_are_kept_and_come_back(state_dir):
+    """(A complex buffer a first trainer brings is refused at the join: buffers travel as float64.)"""
     config = server_config(state_dir, model=ODD)
     first = ParameterServer(config)
     train(first, 2)
