@@ -123,7 +123,7 @@ def write_checkpoint(path: Path, state: dict[str, Any], *, run: str | None = Non
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with os.fdopen(_create_private(tmp), "wb") as f:
+        with open(_create_private(tmp), "wb") as f:
             f.write(header + payload)
             f.flush()
             os.fsync(f.fileno())
@@ -373,7 +373,7 @@ def check_writable(directory: Path) -> None:
     if not directory.is_dir():
         raise CheckpointDirError(f"--checkpoint-dir {directory} is not a directory")
     mode = directory.stat().st_mode
-    if mode & stat.S_IWOTH:
+    if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:  # sticky (/tmp, a tmpfs): no one removes ours
         raise CheckpointDirError(f"--checkpoint-dir {directory} is writable by every user (mode {mode & 0o7777:o}): "
                                  "another could plant checkpoints or links there; chmod o-w it, or use another")
     probe = directory / f".psserver-probe-{os.getpid()}"

@@ -309,7 +309,7 @@ def test_a_directory_every_user_can_write_is_refused_and_a_planted_link_is_never
     then overwrote the linked file) or checkpoints of their own."""
     shared = tmp_path / "shared"
     shared.mkdir()
-    shared.chmod(0o1777)
+    shared.chmod(0o777)
     with pytest.raises(CheckpointDirError, match="writable by every user"):
         check_writable(shared)
     mine = tmp_path / "mine"

@@ -26,7 +26,6 @@ from psserver.errors import ServerUnavailable, UsageError
 from psserver.models import ModelSpec, build_model, get_model_spec
 from psserver.models.layout import ModelLayout, values_of
 from psserver.models.losses import resolve_loss
-from psserver.models.registry import model_names
 from psserver.ps.engine.devices import resolve_device
 from psserver.ps.protocols import TrainerHalf, get_protocol
 from psserver.ps.protocols.trainer_compute import WIRE_DTYPES
@@ -35,7 +34,6 @@ from psserver.ps.rpc.messages import JoinRequest, Report
 from psserver.ps.server import endpoint
 from psserver.trainer.stop_signals import StopSignals
 from psserver.utils.cpp_log import quiet_cpp_warnings
-from psserver.utils.references import is_reference
 
 log = logging.getLogger(__name__)
 
@@ -308,20 +306,17 @@ DEFAULT_MODEL = "mnist_cnn"
 
 def choose_model(config: TrainerConfig, published: dict) -> ModelSpec:
     """The trainer's model: its ``--model``, else the one the server's operator pinned (``serve
-    --model``) when it is a model name this trainer's own install registers, else ``mnist_cnn``.
-    No ``MODULE:ATTR`` read from the server is ever built: the store the server publishes it in
-    can be written by whoever reaches it (with the join token, by any holder), and a model
-    another trainer brought (or a checkpoint recorded) is a peer's choice. ``UsageError`` for
-    those, and for a model a server without ``--model`` cannot hold."""
+    --model``), else ``mnist_cnn``. A model another trainer brought (or a checkpoint recorded) is
+    a peer's choice and never built. (The pinned one is read from the rendezvous store, which a
+    join token keeps to the job's members: without one, whoever reaches the store could name it.)
+    ``UsageError`` for a brought model, and for a model a server without ``--model`` cannot hold."""
     brought = published.get("model") if not published.get("pinned") else None
     if config.model is not None:
         spec = get_model_spec(config.model, config.model_args)
     elif published.get("pinned") and published.get("model"):
-        pinned = published["model"]
-        if not isinstance(pinned, str) or is_reference(pinned) or pinned not in model_names():
-            raise UsageError(f"the server pins model {printable(pinned)}, which is not a model name of this "
-                             "install: psserver builds no code the server names, pass --model yourself")
-        spec = get_model_spec(pinned, published.get("model_args"))
+        if not isinstance(published["model"], str):
+            raise UsageError(f"the server pins model {printable(published['model'])}, which is not a model name")
+        spec = get_model_spec(published["model"], published.get("model_args"))
     elif published.get("fingerprint") is not None and (brought, published.get("model_args") or {}) != (DEFAULT_MODEL,
                                                                                                        {}):
         raise UsageError(brought_model_refusal(brought, published.get("model_args") or {}))

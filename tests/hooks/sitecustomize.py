@@ -126,6 +126,6 @@ if _CKPT_FAULT:
 
     def _open(path, mode="r", *args, **kwargs):
         f = builtins.open(path, mode, *args, **kwargs)
-        return _DyingFile(f) if ".tmp-" in os.path.basename(str(path)) and "w" in mode else f
+        return _DyingFile(f) if "w" in mode else f  # write_checkpoint's temporary (by its descriptor)
 
     _checkpoint.open = _open

@@ -80,7 +80,8 @@ def test_lost_trainer_is_evicted_and_the_other_finishes(procs, port, mnist_dir, 
     assert t0.wait(300) == 0, f"{t0.tail()}\n--- server ---\n{server.tail()}"
     assert accuracy(t0) >= 0.96
     # The rank comes back as a new incarnation and trains.
-    again = procs.trainer(port, 1, "--num-trainers", "2", "--max-steps", "20", *flags, *MNIST_ARGS)
+    # (--start-over: a fresh trainer of the rank, not one that continues the lost one's data.)
+    again = procs.trainer(port, 1, "--num-trainers", "2", "--max-steps", "20", "--start-over", *flags, *MNIST_ARGS)
     assert again.wait(120) == 0, again.tail()
     assert "as trainer_1_2" in again.output()
     if how == HANG:

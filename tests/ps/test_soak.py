@@ -52,6 +52,7 @@ class Soak:
         self.runs += 1
         t = self.procs.trainer(self.port, rank, "--num-trainers", "2", "--epochs", "1000",
                                "--max-steps", str(steps), "--step", step, "--reconnect", "--batch-size", "32",
+                               "--start-over",  # each one its own count of steps, not its rank's last one's
                                log=self.tmp / f"trainer-{rank}-{self.runs}.log",
                                env={**slow_steps(0.02), "OMP_NUM_THREADS": "1"})
         t.max_steps = steps  # type: ignore[attr-defined]
