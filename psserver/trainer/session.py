@@ -319,7 +319,7 @@ def choose_model(config: TrainerConfig, published: dict) -> ModelSpec:
         spec = get_model_spec(published["model"], published.get("model_args"))
     elif published.get("fingerprint") is not None and (brought, published.get("model_args") or {}) != (DEFAULT_MODEL,
                                                                                                        {}):
-        raise UsageError(brought_model_refusal(brought, published.get("model_args") or {}))
+        raise UsageError(brought_model_refusal(brought))
     else:
         spec = get_model_spec(DEFAULT_MODEL)
     if spec.sparse and not published.get("pinned"):
@@ -334,7 +334,7 @@ def printable(value: object, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit - 4] + "...'"
 
 
-def brought_model_refusal(reference: str | None, args: dict) -> str:  # noqa: ARG001 - args are the peer's: not echoed
+def brought_model_refusal(reference: str | None) -> str:
     """Why a trainer without ``--model`` does not take the model another trainer brought."""
     return (f"the server holds a model another trainer brought ({printable(reference) if reference else 'unnamed'}); "
             "psserver never runs code that a peer named: give this trainer its model yourself (--model MODULE:ATTR "
