@@ -21,9 +21,9 @@ from torch import nn
 
 from psserver.checkpoint import CheckpointError
 from psserver.config import CheckpointConfig, MemoryStateConfig
-from psserver.ps.server.memory_state import MemoryState, MemoryStateError, scan
-from psserver.ps.server.server import ParameterServer
-from psserver.ps.server.supervisor import FALLBACK_ENV
+from psserver.server.server import ParameterServer
+from psserver.server.state.memory import MemoryState, MemoryStateError, scan
+from psserver.server.state.supervisor import FALLBACK_ENV
 from tests.ps.server.test_memory_state import assert_same, server_config, state_of, train
 
 ODD = "tests.ps.server.test_state_checks:OddBuffers"
@@ -286,7 +286,7 @@ def _json_meta(seg) -> dict:
 
 @pytest.mark.parametrize("case", ["shape", "nested", "list", "too-big", "dtype", "reference"])
 def test_metadata_of_the_wrong_shape_is_one_line(state_dir, case):
-    from psserver.ps.server.state_meta import _digest
+    from psserver.server.state.meta import _digest
 
     config = server_config(state_dir)
     dead_server(config)
@@ -354,7 +354,7 @@ def test_a_supervised_restart_falls_back_to_the_newest_checkpoint_saying_so(stat
 
 
 def test_the_supervisor_lets_only_restarts_with_checkpoints_fall_back(tmp_path, monkeypatch):
-    from psserver.ps.server import supervisor
+    from psserver.server.state import supervisor
 
     seen = tmp_path / "seen"
     child = [sys.executable, "-c", f"import os, pathlib, signal; p = pathlib.Path({str(seen)!r}); "
@@ -398,7 +398,7 @@ def test_buffers_of_uint16_and_bfloat16_are_kept_and_come_back(state_dir):
 
 
 def test_a_tensor_the_file_cannot_hold_turns_the_state_off_in_one_line_not_every_step(state_dir, caplog):
-    from psserver.ps.server.state_layout import unplaceable
+    from psserver.server.state.layout import unplaceable
 
     assert unplaceable([torch.zeros(2), torch.zeros(2, dtype=torch.float8_e4m3fn)]).startswith("a torch.strided tensor")
     assert unplaceable([torch.zeros(2).to_sparse()]).startswith("a torch.sparse_coo tensor")

@@ -17,7 +17,7 @@ import pytest
 
 from psserver.config import MemoryStateConfig
 from psserver.config.ps import DEFAULT_STATE_DIR
-from psserver.ps.server.memory_state import MemoryState
+from psserver.server.state.memory import MemoryState
 from tests.procs import run
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("useradd") is None or shutil.which("userdel") is None,
