@@ -61,6 +61,9 @@ class Endpoint:
         """Server 0 of several server processes: the others (``psserver.server.group.server_group``)."""
         self.state = "STARTING"
         self.on_model: Callable[[], None] = lambda: None
+        self.published_model: dict[str, Any] = {}
+        """The model as trainers learn it before they join (``model_info``): what the server
+        publishes in its store, from the server itself."""
         """Called once the server holds a model it learnt from a trainer (it publishes it)."""
         self._model_lock = threading.Lock()
         # Metric labels: only names a protocol defines, never a caller's arbitrary string.
@@ -290,6 +293,13 @@ class Endpoint:
         except NotAMember:
             return NOT_A_MEMBER
         return self.state
+
+    def model_info(self) -> dict[str, Any]:
+        """The model the server holds, whether the operator pinned it (``serve --model``), and what
+        a trainer without a model of its own builds it with. Asked over RPC, not read from the
+        store: whoever may write the store (anyone who reaches it without a join token, any
+        holder of one) could name code there, and a trainer builds the model it learns here."""
+        return dict(self.published_model)
 
     def host_trainers(self, trainer: str) -> int:
         """Live trainers on ``trainer``'s host, itself included (it takes its share of the

@@ -82,19 +82,12 @@ class Session:
                 config.server_host, config.server_port, config.connect_timeout, config.rpc_timeout, token
             )
         published = rendezvous.model_info(self.store)
-        self.spec: ModelSpec = choose_model(config, published) if model is None else instance_spec(model)
-        """This trainer's model: the library's instance, else ``--model``, else the server's."""
-        self.loss_fn = resolve_loss(config.loss, self.spec.loss)
-        """The training loss (``--loss``, else the model's), which the trainer half computes."""
-        self.model: torch.nn.Module = model if model is not None else build_model(
-            self.spec, seed=int(published.get("seed") or 0), embedding_dim=published.get("embedding_dim"))
-        """The replica (the library's instance, or as built, on the CPU): its layout is checked at the join."""
-        try:
-            layout = ModelLayout.of(self.model)
-        except ValueError as e:  # a state no server holds (a complex parameter)
-            raise UsageError(f"model {self.spec.name}: {e}") from None
-        # While the server holds no model, the join brings this one's initial values.
-        values = values_of(self.model, layout) if published.get("fingerprint") is None else None
+        # A model of the trainer's own is built before the join (its build may take a while); the
+        # server's is learnt from the server itself once this trainer is in the RPC group, never
+        # from the store, which others may write (see Endpoint.model_info).
+        own = model is not None or config.model is not None
+        if own:
+            layout, values = self._take_model(config, model, published)
         # Before joining the RPC group, whose join calls every member: the server evicts the
         # dead ones (this rank's crashed holder, say) or refuses a rank whose holder is alive.
         rpc_id, incarnation = rendezvous.request_admission(self.store, config.rank,
@@ -122,6 +115,13 @@ class Session:
         except RuntimeError as e:  # the group or the server went away while this trainer joined
             msg = str(e).splitlines()[0]
             raise JoinLost(f"cannot join the RPC group of {config.server_host}:{config.server_port}: {msg}") from None
+        if not own:
+            try:
+                served = rpc.rpc_sync(rendezvous.SERVER_NAME, calls.model_info, timeout=config.rpc_timeout)
+                layout, values = self._take_model(config, None, served)
+            except BaseException:
+                self._shutdown(graceful=True)
+                raise
         optimizer = asdict(config.optimizer) if config.optimizer else None
         request = JoinRequest(config.rank, self.name, socket.gethostname(), os.getpid(), config.step, optimizer,
                               config.compute, config.wire_dtype, str(self.device), self.spec.name, self.spec.args,
@@ -180,6 +180,23 @@ class Session:
                  config.server_host, config.server_port, self.name, self.spec.name, self.info["update"],
                  self.info["optimizer"]["name"], self.info["compute"], self.step_protocol,
                  f" on {self.device}" if self.info["compute"] == "trainer" else "")
+
+    def _take_model(self, config: TrainerConfig, model: torch.nn.Module | None,
+                    info: dict) -> tuple[ModelLayout, list[torch.Tensor] | None]:
+        """This trainer's model (``info``: what the server published of its own), its layout, and
+        the initial values the join brings while the server holds no model."""
+        self.spec: ModelSpec = choose_model(config, info) if model is None else instance_spec(model)
+        """This trainer's model: the library's instance, else ``--model``, else the server's."""
+        self.loss_fn = resolve_loss(config.loss, self.spec.loss)
+        """The training loss (``--loss``, else the model's), which the trainer half computes."""
+        self.model: torch.nn.Module = model if model is not None else build_model(
+            self.spec, seed=int(info.get("seed") or 0), embedding_dim=info.get("embedding_dim"))
+        """The replica (the library's instance, or as built, on the CPU): its layout is checked at the join."""
+        try:
+            layout = ModelLayout.of(self.model)
+        except ValueError as e:  # a state no server holds (a complex parameter)
+            raise UsageError(f"model {self.spec.name}: {e}") from None
+        return layout, values_of(self.model, layout) if info.get("fingerprint") is None else None
 
     def _told(self, notices: list[str]) -> None:
         """What the server told along with a call (a step its guard dropped, an eviction: its
@@ -306,8 +323,8 @@ DEFAULT_MODEL = "mnist_cnn"
 def choose_model(config: TrainerConfig, published: dict) -> ModelSpec:
     """The trainer's model: its ``--model``, else the one the server's operator pinned (``serve
     --model``), else ``mnist_cnn``. A model another trainer brought (or a checkpoint recorded) is
-    a peer's choice and never built. (The pinned one is read from the rendezvous store, which a
-    join token keeps to the job's members: without one, whoever reaches the store could name it.)
+    a peer's choice and never built. (``published`` comes from the server over RPC when this
+    trainer builds the server's model, never from the store, which others may write.)
     ``UsageError`` for a brought model, and for a model a server without ``--model`` cannot hold."""
     brought = published.get("model") if not published.get("pinned") else None
     if config.model is not None:
