@@ -6,7 +6,8 @@ what it writes there it writes as its own user (often root). So:
 
 - the directory is the server's own: created with mode 0700, and refused when it exists owned
   by another user or writable by its group or others (whoever could write it could plant a
-  state, or a symbolic link that makes the server overwrite a file elsewhere);
+  state, or a symbolic link that makes the server overwrite a file elsewhere), or when a
+  directory above it would let another user replace it (``psserver.utils.private_paths``);
 - every directory below it is opened relative to its parent's descriptor without following
   symbolic links (``O_NOFOLLOW``, ``dir_fd``), and checked the same way;
 - files are created ``O_EXCL | O_NOFOLLOW`` with mode 0600, replaced by a rename inside their
@@ -24,8 +25,8 @@ import stat
 from pathlib import Path
 
 from psserver.errors import UsageError
+from psserver.utils.private_paths import DIR_FLAGS, not_private, unsafe_parent
 
-DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_MODE, DIR_MODE = 0o600, 0o700
 
 
@@ -35,19 +36,19 @@ class MemoryStateError(UsageError):
 
 def _trusted(st: os.stat_result, what: Path) -> None:
     """``what`` (described by ``st``) belongs to this user and nobody else can write it."""
-    uid = os.geteuid()
-    if st.st_uid != uid:
-        raise MemoryStateError(f"{what} belongs to uid {st.st_uid}, not to this user (uid {uid}): another user may "
-                               "have made it; remove it, or give --state-dir a directory of your own")
-    if st.st_mode & 0o022:
-        raise MemoryStateError(f"{what} is writable by its group or others (mode {stat.S_IMODE(st.st_mode):o}): "
-                               f"chmod go-w {what}, or give --state-dir a directory of your own")
+    why = not_private(st)
+    if why is not None:
+        raise MemoryStateError(f"{what} {why}: another user may have made it or may change it; remove it or "
+                               "chmod go-w it, or give --state-dir a directory of your own")
 
 
 def open_root(root: Path, create: bool) -> int | None:
     """A descriptor of the state directory ``root``, created (mode 0700) when ``create`` and
     missing; None when it is missing and not created. ``MemoryStateError`` when it is a
     symbolic link, another user's, or writable by others."""
+    why = unsafe_parent(root)
+    if why is not None:
+        raise MemoryStateError(f"--state-dir {root}: {why}; give --state-dir a directory of your own")
     if create:
         root.parent.mkdir(parents=True, exist_ok=True)
     return _open_trusted(str(root), None, root, f"--state-dir {root}", create)

@@ -86,8 +86,23 @@ def test_a_directory_of_another_user_is_refused_in_one_line(tmp_path):
     theirs = tmp_path / "theirs"
     theirs.mkdir(mode=0o755)
     os.chown(theirs, 65534, 65534)
-    with pytest.raises(MemoryStateError, match=r"belongs to uid 65534, not to this user \(uid 0\)"):
+    with pytest.raises(MemoryStateError, match=r"is owned by uid 65534, not by this user \(uid 0\)"):
         MemoryState(MemoryStateConfig(theirs, "k"), 0).prepare()
+
+
+def test_a_directory_under_one_another_user_can_write_is_refused_naming_it(tmp_path):
+    """Whoever may rename the state directory away can put their own in its place: a parent
+    writable by others without the sticky bit is refused, one with it (``/tmp``, ``/dev/shm``)
+    is not."""
+    open_parent = tmp_path / "open"
+    open_parent.mkdir()
+    open_parent.chmod(0o777)
+    with pytest.raises(MemoryStateError, match=rf"{open_parent}, above it, is writable by its group or others without "
+                                               r"the sticky bit \(mode 777\)"):
+        MemoryState(MemoryStateConfig(open_parent / "state", "k"), 0).prepare()
+    open_parent.chmod(0o1777)
+    MemoryState(MemoryStateConfig(open_parent / "state", "k"), 0).prepare()
+    assert (open_parent / "state").is_dir()
 
 
 def test_the_state_is_made_private_and_a_planted_link_is_replaced_not_followed(state_dir, tmp_path):
