@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from psserver.config import loop
 from psserver.config.common import (
     JOIN_TOKEN_ENV,
     MAX_THREADS,
@@ -23,17 +24,39 @@ from psserver.config.common import (
     check_timeout,
     check_token_file,
     is_loopback_host,
+    parse_bytes,
     parse_host_port,
     read_join_token,
 )
 from psserver.config.control import ControlConfig, ObservabilityConfig
 from psserver.config.embedding import EmbeddingConfig
-from psserver.config.env import DEFAULT_SERVER_PORT
+from psserver.config.env import (
+    COORDINATOR_VAR,
+    DEFAULT_SERVER_PORT,
+    NUM_SERVERS_VAR,
+    SERVER_RANK_VAR,
+    STATE_DIR_VAR,
+    STATE_KEY_VAR,
+    default_coordinator,
+    default_num_servers,
+    default_rank,
+    default_serve_port,
+    default_state_dir,
+    default_state_key,
+    default_world_size,
+    server_rank_from_env,
+)
+from psserver.config.loop import MODEL_ARGS_HELP, MODEL_HELP
 from psserver.config.optimizer import OptimizerConfig
+from psserver.config.options import comma_list, option
 from psserver.config.schedule import LRScheduleConfig
 from psserver.utils.memory import ALLOCATORS
 
 UPDATE_MODES = ("async", "sync", "ssp")
+PS_GROUP = "parameter server (--mode ps)"
+GUARD_GROUP = "guarding the shared model"
+SERVERS_GROUP = "several server processes"
+"""Argument groups of fields shown apart from their configuration's (``Option.group``)."""
 MAX_TRAINERS = 1 << 16
 """The most data shards a job may name (``--num-trainers``): far past any job, and a sampler of
 1e20 shards ran out of memory only after the trainer had joined."""
@@ -75,6 +98,12 @@ STEP_MODES: dict[str, StepMode] = {
 default of each mode first. Adding a protocol: its module and its entry here."""
 
 
+COMPUTE_HELP = ("ps mode, where forward and backward run (default: the server's pin, else trainer): "
+                + "; ".join(f"{name} = {line}" for name, line in COMPUTE_MODES.items()))
+STEP_HELP = ("ps mode, how a step crosses (default: the first of its --compute): "
+             + "; ".join(f"{name} = [{mode.compute}] {mode.help}" for name, mode in STEP_MODES.items()))
+
+
 def default_step(compute: str) -> str:
     """The step protocol a trainer speaks when it names only where it computes."""
     return next(name for name, mode in STEP_MODES.items() if mode.compute == compute)
@@ -89,19 +118,25 @@ def check_compute(compute: str | None, flag: str = "--compute") -> None:
 class CheckpointConfig:
     """Where and when the server writes checkpoints."""
 
-    directory: Path | None = None
+    directory: Path | None = option(None, flag="--checkpoint-dir", help="directory of checkpoints")
     """Directory of checkpoints; None disables periodic and SIGTERM checkpoints."""
-    every_steps: int = 0
+    every_steps: int = option(0, flag="--checkpoint-every",
+                              help="checkpoint every N global steps (default {default}: not by steps)")
     """Write one every N global steps (0: never by step count)."""
-    interval_s: float = 0.0
+    interval_s: float = option(0.0, flag="--checkpoint-interval",
+                               help="checkpoint every N seconds (default {default}: not by time)")
     """Write one every N seconds while training (0: never by time)."""
-    keep: int = 3
+    keep: int = option(3, flag="--keep-checkpoints",
+                       help="keep this run's newest N valid checkpoints; other runs' files stay (default {default})")
     """Keep this run's newest N valid checkpoints and delete its older ones; other runs' files
     in ``directory`` are never deleted."""
-    resume: str | None = None
+    resume: str | None = option(
+        None, const="latest", metavar="PATH",
+        help="continue the run of the newest valid checkpoint in --checkpoint-dir, or resume from PATH")
     """``latest`` (continue the run of the newest valid checkpoint in ``directory``) or a
     checkpoint path."""
-    new_run: bool = False
+    new_run: bool = option(False, help="start a new run in a --checkpoint-dir that holds another run's checkpoints, "
+                                       "leaving their files alone (without it or --resume, such a start is refused)")
     """Start a new run in a ``directory`` that holds another run's checkpoints, leaving their
     files alone (without it, or ``resume``, such a start is refused so that no run is mixed up
     with another by mistake)."""
@@ -133,14 +168,23 @@ class MemoryStateConfig:
     """The server's live state in named shared memory, which outlives the process: a server
     process that dies (any signal) and comes back maps it again and loses no applied update."""
 
-    directory: Path | None = None
+    directory: Path | None = option(
+        None, flag="--state-dir", parse=str, metavar="DIR|off", env_default=default_state_dir,
+        help="keep the model's live state (parameters, buffers, optimizer state, step) in files under DIR, a memory "
+             "filesystem, so a server process that dies comes back with every update it had applied (default "
+             f"${STATE_DIR_VAR}, else {DEFAULT_STATE_DIR} with --supervise, else off)")
     """Where the state files live: a memory filesystem (``/dev/shm/psserver``, a Kubernetes
     ``emptyDir`` with ``medium: Memory``); None: the state lives in the process only."""
-    key: str | None = None
+    key: str | None = option(
+        None, flag="--state-key", metavar="KEY", env_default=lambda: default_state_key(None),
+        help=f"the run that state belongs to: a server maps only its own key's state (default ${STATE_KEY_VAR}; "
+             "none: a new run's key; --supervise keeps one across restarts)")
     """The run the state belongs to. A server maps only the state of its own key; a server
     given none (a fresh run) makes one. ``--supervise`` hands its key to every restart; in
     Kubernetes the pod's UID keeps it across container restarts."""
-    remove_stale: bool = False
+    remove_stale: bool = option(
+        False, flag="--remove-stale-state",
+        help="delete the state that jobs whose processes are gone left in --state-dir (it is reported either way)")
     """Delete the state left behind by jobs whose processes are gone (they are reported either way)."""
 
     def __post_init__(self) -> None:
@@ -164,32 +208,46 @@ class MemoryStateConfig:
 class ServerConfig:
     """``psserver serve``: the long-running parameter server (RPC rank 0)."""
 
-    host: str = "127.0.0.1"
+    host: str = option("127.0.0.1", help="address to bind (default {default})")
     """Address the RPC rendezvous store and the RPC transport bind to (only this one)."""
-    port: int = DEFAULT_SERVER_PORT
+    port: int = option(DEFAULT_SERVER_PORT, env_default=lambda: default_serve_port(None),
+                       help="rendezvous port trainers connect to (default $MASTER_PORT or {default})")
     """Port of the RPC rendezvous store; trainers use ``--server HOST:PORT``."""
-    model: str | None = None
+    model: str | None = option(
+        None, help=MODEL_HELP + " (default: none; the server learns the model from the first trainer that joins, its "
+                                "layout and initial values, and runs none of its code)")
     """A model name (entry point of ``psserver.models``) or ``MODULE:ATTR`` (an ``nn.Module``
     class or a function returning one), which pins the model and is imported here; None: the
     server runs none of the model's code and learns it from the first trainer that joins (its
     layout and initial values), or from the checkpoint it resumes."""
-    model_args: dict = field(default_factory=dict)
+    model_args: dict = option(factory=dict, metavar="JSON", help=MODEL_ARGS_HELP)
     """Keyword arguments of the model's class or function (``--model-args JSON``)."""
-    devices: list[str] | None = None
+    devices: list[str] | None = option(
+        None, parse=comma_list, help="comma-separated devices, one model stage each (default: all GPUs, else cpu)")
     """One model stage per device, in order; None: every visible GPU, else ``cpu``."""
-    update: str = "async"
+    update: str = option(
+        "async", choices=UPDATE_MODES,
+        help="async: apply updates as they arrive; sync: one step per K gradients, averaged; ssp: async, no trainer "
+             "more than --staleness steps ahead of the slowest (default {default})")
     """``async``: apply each trainer's update as it arrives; ``sync``: one step per K gradients,
     averaged; ``ssp``: as async, but no live trainer runs more than ``staleness`` steps ahead of
     the slowest live one (stale synchronous parallel)."""
-    sync_trainers: int = 2
+    sync_trainers: int = option(2, help="K of --update sync (default {default})")
     """K in sync mode: gradients averaged per optimizer step (capped by live trainers)."""
-    staleness: int = 4
+    staleness: int = option(4, help="S of --update ssp (0: bulk-synchronous; default {default})")
     """S of ``ssp``: how many steps the fastest live trainer may run ahead of the slowest
     (0: bulk-synchronous)."""
-    buffers: str = "average"
+    buffers: str = option(
+        "average", choices=BUFFER_POLICIES,
+        help="the model's buffers (BatchNorm statistics) on the server: average of what the trainers send with their "
+             "updates (sync: each round's mean), or rank0's, as DDP's broadcast_buffers; trainers load the server's "
+             "every step (default {default})")
     """The model's buffers (BatchNorm statistics) on the server: ``average`` of what the
     trainers send (a sync round's mean in sync mode), or ``rank0``'s (DDP's broadcast_buffers)."""
-    compute: str | None = None
+    compute: str | None = option(
+        None, choices=list(COMPUTE_MODES),
+        help="pin where every trainer's steps run, trainer or server (default: each trainer's choice, trainer unless "
+             "it says otherwise)")
     """Pin where every trainer's step runs (``trainer`` or ``server``); None: each trainer
     chooses (``psserver train --compute``), trainer compute unless it says otherwise."""
     optimizer: OptimizerConfig | None = None
@@ -197,47 +255,78 @@ class ServerConfig:
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     """The learning rate of that optimizer over the server's global steps (the embedding
     tables' row optimizers keep ``embedding.lr``)."""
-    max_grad_norm: float | None = None
+    max_grad_norm: float | None = option(
+        None, metavar="NORM", group=GUARD_GROUP,
+        help="clip each trainer step's gradient to this L2 norm (default: no clipping; a gradient with NaN or inf is "
+             "always dropped)")
     """Clip each trainer step's whole gradient to this L2 norm before it is applied (None: no
     clipping). A gradient whose norm is NaN or inf is never applied, whatever this says."""
-    max_nonfinite_steps: int = 3
+    max_nonfinite_steps: int = option(
+        3, metavar="N", group=GUARD_GROUP,
+        help="evict a trainer after N non-finite gradients in a row (default {default})")
     """Evict a trainer after this many non-finite gradients in a row (each one is dropped)."""
-    trainer_timeout: float = 5.0
+    trainer_timeout: float = option(
+        5.0, help="seconds without heartbeat before a trainer is evicted (default {default}, at least "
+                  f"{MIN_TRAINER_TIMEOUT_S:g})")
     """Seconds without a heartbeat after which a trainer is declared lost and evicted."""
-    rpc_timeout: float = 60.0
+    rpc_timeout: float = option(
+        60.0, help=f"RPC timeout in seconds (default {{default}}, at least {MIN_RPC_TIMEOUT_S:g})")
     """Default timeout of one RPC, seconds."""
-    rpc_threads: int = 16
+    rpc_threads: int = option(16, help="RPC worker threads (default {default})")
     """Threads serving RPC requests (sync mode parks one per waiting trainer)."""
-    compute_threads: int = 0
+    compute_threads: int = option(0, help="torch threads (default {default}: all cores)")
     """torch intra-op threads of the server (0: number of cores)."""
-    allocator: str = "cached"
+    allocator: str = option(
+        "cached", choices=ALLOCATORS,
+        help="host memory: cached keeps freed buffers for the next step; system returns them to the kernel at once "
+             "(default {default})")
     """Host memory policy: ``cached`` keeps freed memory for the next step (glibc), ``system``
     returns it to the kernel at once (each step page-faults its buffers in again)."""
-    seed: int = 0
+    seed: int = option(0, help="seed of the initial parameters (default {default})")
     """Seed of the model's initial parameters."""
-    supervise: bool = False
+    supervise: bool = option(
+        False, help="run the server under a supervisor that restarts it if it dies by a signal (SIGKILL, the OOM "
+                    "killer, a crash inside TensorPipe): from its state in shared memory (--state-dir, default "
+                    f"{DEFAULT_STATE_DIR} here), else its last checkpoint")
     """Run the server as the child of a supervisor that restarts it when it dies by a signal:
     from its state in shared memory (``memory_state``), else its last checkpoint."""
-    max_restarts: int = 5
+    max_restarts: int = option(
+        5, metavar="N", help="supervised: give up after N restarts within ten minutes (default {default})")
     """Restarts the supervisor allows within ten minutes before it gives up."""
-    join_token_file: Path | None = None
+    join_token_file: Path | None = option(
+        None, help=f"file holding the job's join token; only trainers that know it can join (else ${JOIN_TOKEN_ENV}; "
+                   "neither: anyone who reaches --port can join). It may be the control plane's --auth-token-file")
     """File holding the job's join token, which every trainer must know to join (else
     ``$PSSERVER_JOIN_TOKEN``; neither: anyone who reaches the store may join). It may be the
     control plane's token file."""
-    no_join_token: bool = False
+    no_join_token: bool = option(
+        False, help="serve a --host beyond loopback without a join token: anyone who reaches --port can join, read "
+                    "the model and write it (without this, such a server needs a token)")
     """Serve beyond loopback without a join token (anyone who reaches the port may join). A
     server whose ``host`` is not loopback needs a token unless this says otherwise."""
-    max_model_bytes: int = 1 << 30
+    max_model_bytes: int = option(
+        1 << 30, parse=parse_bytes, metavar="SIZE", show=lambda n: f"{n >> 30}G" if n % (1 << 30) == 0 else str(n),
+        help="the largest model a server without --model takes from the first trainer, parameters and buffers "
+             "(bytes, or with K/M/G/T; default {default})")
     """The largest model (parameters and buffers, in bytes) a server without ``model`` takes from
     the first trainer: what it brings is allocated here whole, and a few kilobytes on the wire can
     declare gigabytes (a stride-0 tensor)."""
-    num_servers: int = 1
+    num_servers: int = option(
+        1, metavar="S", group=SERVERS_GROUP, env_default=lambda: default_num_servers(None),
+        help=f"server processes that hold the parameters together, each a partition (default ${NUM_SERVERS_VAR} or "
+             "{default})")
     """Server processes that together hold the model's parameters, each a partition
     (``psserver.ps.group.partition``); trainers push to and pull from all of them."""
-    server_rank: int = 0
+    server_rank: int = option(
+        0, metavar="I", group=SERVERS_GROUP, env_default=lambda: server_rank_from_env(None),
+        help=f"this server's rank, 0 coordinates (default ${SERVER_RANK_VAR}, else $SLURM_PROCID, else the ordinal of "
+             "a StatefulSet pod's hostname NAME-I, else {default})")
     """This process's place among them: 0 coordinates (store, membership, control plane,
     checkpoint schedule), the others hold their partition and follow it."""
-    coordinator: str | None = None
+    coordinator: str | None = option(
+        None, metavar="HOST:PORT", group=SERVERS_GROUP, env_default=lambda: default_coordinator(None),
+        help=f"server 0's --host:--port, for servers of rank > 0 (default ${COORDINATOR_VAR}, else "
+             "$MASTER_ADDR:$MASTER_PORT)")
     """``HOST:PORT`` of server 0's store (its ``--host``/``--port``), for a server of rank > 0."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint policy."""
@@ -362,88 +451,128 @@ class TrainerConfig:
     """``psserver train --rank N`` in parameter-server mode. Frozen: what ``__post_init__``
     checked stays checked (``dataclasses.replace`` makes a changed one, checked again)."""
 
-    rank: int = 0
+    rank: int = option(
+        0, common=True, env_default=default_rank,
+        help="trainer rank (default $RANK, $SLURM_PROCID, else {default}; ddp/fsdp: the launcher's, which it must "
+             "match)")
     """Trainer rank (0-based): picks the data shard; unique among live trainers."""
     server_host: str = "127.0.0.1"
     """Host of the server's rendezvous store."""
     server_port: int = DEFAULT_SERVER_PORT
     """Port of the server's rendezvous store."""
-    num_trainers: int | None = None
+    num_trainers: int | None = option(
+        None, common=True, env_default=default_world_size,
+        help="number of data shards (default $WORLD_SIZE, else learnt from the server; ddp/fsdp: the world size, "
+             "which it must match)")
     """Number of data shards; None: learnt from the server (its sync K, else WORLD_SIZE)."""
-    epochs: int = 1
+    epochs: int = loop.epochs()
     """Passes over this trainer's shard."""
-    batch_size: int = 64
+    batch_size: int = loop.batch_size()
     """Samples per step."""
     optimizer: OptimizerConfig | None = None
     """Requested server optimizer; must match the server's if it already has one."""
-    model: str | None = None
+    model: str | None = option(None, common=True, help=loop.model_help)
     """This trainer's model, a name or ``MODULE:ATTR``; None: the server's (its ``--model``, or
     the model the first trainer brought), else ``mnist_cnn``. Its layout must be the server's."""
-    model_args: dict | None = None
+    model_args: dict | None = option(None, common=True, metavar="JSON", help=MODEL_ARGS_HELP)
     """Keyword arguments of ``model`` (``--model-args``); None: the server's, with the server's model."""
     data: DataConfig = field(default_factory=DataConfig)
     """Dataset and split."""
-    connect_timeout: float = 60.0
+    connect_timeout: float = option(
+        60.0, group=PS_GROUP,
+        help=f"seconds to wait for a server that is still starting (default {{default}}, at least "
+             f"{MIN_CONNECT_TIMEOUT_S:g})")
     """Seconds to keep trying to reach a server that is not up yet."""
-    reconnect: bool = False
+    reconnect: bool = option(
+        False, group=PS_GROUP,
+        help="if the server goes away or evicts this trainer, rejoin under a fresh name (retrying with backoff) and "
+             "continue where it was; without it, exit code 3")
     """On losing the server, retry with backoff until it is back and continue the epoch."""
-    start_over: bool = False
+    start_over: bool = option(
+        False, group=PS_GROUP,
+        help="start this rank's data from the first epoch even where a trainer of this rank left the running job "
+             "unfinished (by default this one continues where that one stopped)")
     """Start the rank's data from its first epoch even where a trainer of this rank left the
     running job before finishing (by default the new one continues where that one stopped)."""
-    rpc_timeout: float = 60.0
+    rpc_timeout: float = option(
+        60.0, group=PS_GROUP, help=f"RPC timeout in seconds (default {{default}}, at least {MIN_RPC_TIMEOUT_S:g})")
     """Timeout of one RPC, seconds."""
-    allocator: str = "cached"
+    allocator: str = option(
+        "cached", choices=ALLOCATORS, group=PS_GROUP,
+        help="host memory: cached keeps a step's freed buffers for the next one, system returns them to the kernel "
+             "at once (each step maps and zero-fills them again; default {default})")
     """Host memory policy of the trainer, as the server's ``--allocator``: ``cached`` keeps the
     step's freed buffers for the next step instead of mapping and zero-filling them again."""
-    compute_threads: int = 0
+    compute_threads: int = loop.compute_threads()
     """torch intra-op threads of the trainer; 0: its share of the CPUs it may use (affinity and
     cgroup quota, divided among the trainers the server knows on this host, followed as they
     come and go) when it computes, one when the server does (server compute)."""
-    device: str = "cpu"
+    device: str = option("cpu", group=PS_GROUP,
+                         help="trainer compute: run the model on cpu or cuda:N (default {default})")
     """Where trainer compute runs the model (``cpu`` or ``cuda:N``)."""
-    transport: str = "auto"
+    transport: str = option(
+        "auto", choices=TRANSPORTS, group=PS_GROUP,
+        help="trainer compute: how parameters and gradients travel: device-map (GPU to GPU on one host, no host "
+             "copy), staged (pinned host memory), cpu; auto takes the best the two sides allow and logs why "
+             "(default {default})")
     """How its parameters and gradients travel (``psserver.ps.rpc.transport``): ``auto`` picks
     ``device-map`` (CUDA to CUDA on one host, no host copy) where both sides are on GPUs of one
     host, else ``staged`` (pinned host memory) for a GPU trainer, else ``cpu``; a path named here
     that cannot be used is an error."""
-    wire_dtype: str = "fp32"
+    wire_dtype: str = option(
+        "fp32", choices=WIRE_DTYPES, group=PS_GROUP,
+        help="trainer compute: dtype of parameters and gradients in flight (the server keeps fp32 master weights and "
+             "optimizer state; default {default})")
     """dtype of parameters and gradients in flight (trainer compute); the server keeps fp32
     master weights and optimizer state."""
-    overlap: str = "auto"
+    overlap: str = option(
+        "auto", choices=OVERLAP_MODES, group=PS_GROUP,
+        help="--step pushpull: compute the next step while the last one's gradient is handed in (on the parameters "
+             "of the reply before: one step staler); async, or ssp with --staleness >= 1; auto: on for a GPU trainer "
+             "in async (default {default})")
     """Whether a ``--step pushpull`` trainer computes its next step while the call that hands
     in the last one is in flight (``OVERLAP_MODES``): its gradient then comes from the
     parameters of the reply before, one step older. ``async``, and ``ssp`` with ``--staleness``
     >= 1 (the server bounds such a trainer one step tighter, so the bound holds); never sync.
     ``auto``: on for a GPU trainer (``--device cuda:N``) in async, where the exchange is worth
     hiding; ssp overlaps when asked (``on``)."""
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float = loop.bucket_cap_mb()
     """MiB of gradient per bucket that a ``--step pushpull`` trainer fills from autograd hooks
     during backward (``psserver.ps.engine.buckets``; DDP's ``bucket_cap_mb``): a bucket is
     copied and cast into the flat buffer, and on the staged path starts its copy to the host,
     while backward goes on."""
-    eval_batch_size: int = 1000
+    eval_batch_size: int = loop.eval_batch_size()
     """Batch size of the final evaluation."""
-    max_steps: int = 0
+    max_steps: int = loop.max_steps()
     """Stop after this many steps in total (0: run all epochs); for smoke tests and benchmarks."""
-    progress: bool | None = None
+    progress: bool | None = loop.progress()
     """Show a tqdm bar (None: only when stderr is a terminal)."""
-    compute: str | None = None
+    compute: str | None = option(None, choices=list(COMPUTE_MODES), group=PS_GROUP, help=lambda: COMPUTE_HELP)
     """Where the step's forward and backward run (``COMPUTE_MODES``); None: the step
     protocol's, else the server's pin, else ``trainer``."""
-    step: str | None = None
+    step: str | None = option(None, choices=list(STEP_MODES), group=PS_GROUP, help=lambda: STEP_HELP)
     """How a step reaches the server (``STEP_MODES``, ``psserver.ps.protocols``); None: the
     default protocol of the compute mode."""
-    stats_out: Path | None = None
+    stats_out: Path | None = option(None, group=PS_GROUP, help="write per-step timings as JSON (for benchmarks)")
     """Write per-step timings (monotonic end time of each step, samples) as JSON here."""
-    join_token_file: Path | None = None
+    join_token_file: Path | None = option(
+        None, group=PS_GROUP, help=f"file holding the job's join token, for a server that asks for one (else "
+                             f"${JOIN_TOKEN_ENV})")
     """File holding the job's join token (else ``$PSSERVER_JOIN_TOKEN``), for a server that
     asks for one."""
-    loss: str | None = None
+    loss: str | None = option(
+        None, group=PS_GROUP, metavar="NAME|MODULE:ATTR",
+        help="training loss: cross_entropy, mse, bce, or MODULE:ATTR (a callable (output, target) -> scalar, or an "
+             "nn.Module class made without arguments); default: the model's (cross_entropy for a MODULE:ATTR model)")
     """The training loss (``--loss``): a name of ``psserver.models.losses.LOSSES`` or
     ``MODULE:ATTR``, a callable ``(output, target) -> scalar`` or an ``nn.Module`` class
     (instantiated without arguments); None: the model spec's (cross-entropy for a user's model).
     The protocols take it from ``psserver.models.losses.resolve_loss(loss, spec.loss)``."""
-    metric: str | None = None
+    metric: str | None = option(
+        None, group=PS_GROUP, metavar="NAME|MODULE:ATTR",
+        help="held-out metric printed at the end: accuracy, rmse, auc, loss (mean held-out loss) or MODULE:ATTR (a "
+             "callable (outputs, targets) -> float over the whole held-out set); default: the model's (accuracy for "
+             "a MODULE:ATTR model)")
     """The held-out metric printed at the end (``--metric``): ``accuracy``, ``rmse``, ``auc``,
     ``loss`` (the mean held-out loss under the training loss) or ``MODULE:ATTR``, a callable
     ``(outputs, targets) -> float`` over the whole held-out set; None: the model spec's."""
@@ -476,16 +605,9 @@ class TrainerConfig:
             raise ValueError(f"--num-trainers must be in 1..{MAX_TRAINERS}, got {self.num_trainers}")
         if self.num_trainers is not None and self.rank >= self.num_trainers:
             raise ValueError(f"--rank {self.rank} must be < --num-trainers {self.num_trainers}")
-        if self.epochs < 1:
-            raise ValueError(f"--epochs must be >= 1, got {self.epochs}")
-        if self.batch_size < 1:
-            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
-        if self.eval_batch_size < 1:
-            raise ValueError(f"--eval-batch-size must be >= 1, got {self.eval_batch_size}")
+        loop.check_loop(self)
         check_timeout(self.connect_timeout, "--connect-timeout", MIN_CONNECT_TIMEOUT_S)
         check_timeout(self.rpc_timeout, "--rpc-timeout", MIN_RPC_TIMEOUT_S)
-        if self.max_steps < 0:
-            raise ValueError("--max-steps must be >= 0")
         check_compute(self.compute)
         if self.step is not None:
             if self.step not in STEP_MODES:
