@@ -21,7 +21,8 @@ import time
 
 from psserver.cli.base import SubCommand, config_errors
 from psserver.config.common import DataConfig
-from psserver.config.ps import COMPUTE_MODES, UPDATE_MODES, ServerConfig
+from psserver.config.protocols import COMPUTE_MODES
+from psserver.config.server import UPDATE_MODES, ServerConfig
 from psserver.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class DemoCommand(SubCommand):
         if not 1 <= args.trainers <= MAX_TRAINERS:
             raise UsageError(f"--trainers must be in 1..{MAX_TRAINERS} (each is a process on this host), "
                              f"got {args.trainers}")
-        from psserver.config.ps import TrainerConfig
+        from psserver.config.trainer import TrainerConfig
         from psserver.models import check_model_name
 
         data_kwargs = {"dataset": args.dataset, "train_split": args.train_split}

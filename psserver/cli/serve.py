@@ -12,7 +12,7 @@ from psserver.cli.builder import add_options, build
 from psserver.config import CheckpointConfig, EmbeddingConfig, LRScheduleConfig, MemoryStateConfig, ServerConfig
 from psserver.config.env import server_rank_from_env
 from psserver.config.options import field_default
-from psserver.config.ps import DEFAULT_STATE_DIR
+from psserver.config.server import DEFAULT_STATE_DIR
 
 
 class ServeCommand(SubCommand):

@@ -31,7 +31,7 @@ from psserver.cli.collective_args import (
 from psserver.cli.modes import DDP, FSDP, MODES, PS, ModeAction, ModeFlags
 from psserver.config import TrainerConfig, parse_host_port
 from psserver.config.env import DEFAULT_SERVER_PORT, default_server_address
-from psserver.config.ps import PS_GROUP
+from psserver.config.trainer import PS_GROUP
 from psserver.errors import UsageError
 from psserver.utils.references import parse_json_args
 

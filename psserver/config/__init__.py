@@ -8,8 +8,10 @@ from psserver.config.collective import CollectiveConfig
 from psserver.config.common import DataConfig, parse_host_port
 from psserver.config.control import ControlConfig, ObservabilityConfig
 from psserver.config.embedding import EmbeddingConfig
-from psserver.config.ps import CheckpointConfig, MemoryStateConfig, OptimizerConfig, ServerConfig, TrainerConfig
+from psserver.config.optimizer import OptimizerConfig
 from psserver.config.schedule import LRScheduleConfig
+from psserver.config.server import CheckpointConfig, MemoryStateConfig, ServerConfig
+from psserver.config.trainer import TrainerConfig
 
 __all__ = [
     "CheckpointConfig",

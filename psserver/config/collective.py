@@ -20,8 +20,8 @@ from psserver.config.common import (
     check_seed,
 )
 from psserver.config.control import ControlConfig, ObservabilityConfig
+from psserver.config.optimizer import OptimizerConfig
 from psserver.config.options import option
-from psserver.config.ps import OptimizerConfig
 
 MODES = ("ddp", "fsdp")
 RUN_GROUP = "collective training (--mode ddp|fsdp)"
