@@ -9,13 +9,14 @@ configuration (validated in its ``__post_init__``: call it inside
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from psserver.cli.builder import add_options, argparse_type, build, given
 from psserver.config.common import DataConfig
 from psserver.config.control import ControlConfig, ObservabilityConfig
 from psserver.config.optimizer import OptimizerConfig
 from psserver.config.options import finite_float as _finite_float
-from psserver.config.options import path_value
+from psserver.config.options import flag_of, path_value
 
 finite_float = argparse_type(_finite_float, "finite_float")
 """argparse's ``type`` for a number flag of a verb without a configuration (``status --timeout``)."""
@@ -49,15 +50,14 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
 
 def data_from_args(args: argparse.Namespace) -> DataConfig:
     """The DataConfig of the data flags; ``ValueError`` for a flag the dataset does not use."""
-    from psserver.config.options import flag_of
-    from psserver.data import DATASETS, IMAGEFOLDER
+    from psserver.data import DATASETS, IMAGEFOLDER  # torch: not at parser build
 
     values = given(DataConfig, args)
     dataset = values.get("dataset", "").strip()
     if dataset == IMAGEFOLDER and "data_dir" not in values:
         raise ValueError("--dataset imagefolder needs --data-dir DIR (DIR/train/<class>/<image>, "
                          "DIR/val/<class>/<image>)")
-    fields = {f.name: f for f in DataConfig.__dataclass_fields__.values()}
+    fields = {f.name: f for f in dataclasses.fields(DataConfig)}
     for name, datasets in DATASET_FLAGS.items():
         if name in values and dataset not in datasets and dataset in DATASETS:  # an unknown one: DataConfig says so
             raise ValueError(f"{flag_of(fields[name])} applies to --dataset {' or '.join(datasets)} only, "
