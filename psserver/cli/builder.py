@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -73,21 +73,22 @@ def _group(parser: argparse.ArgumentParser, title: str) -> Any:
 
 
 def add_options(parser: argparse.ArgumentParser, cls: type, group: str | None = None, description: str | None = None,
-                *, left_out: str | None = None) -> None:
+                *, left_out: str | None = None, only: Collection[str] | None = None) -> None:
     """A flag for each option field of dataclass ``cls`` (in the argument group ``group``; a
     ``common`` option above the groups). A field whose flag the parser has already, from the same
     declaration of another configuration (``--epochs`` of both training modes), feeds that flag.
 
     ``left_out``: the flags default to None and the help's ``{default}`` reads ``left_out``
     (which may hold ``{default}``, the field's): the configuration is then built only when one
-    of them is given (the optimizer of ``serve``, which takes the first trainer's otherwise)."""
+    of them is given (the optimizer of ``serve``, which takes the first trainer's otherwise).
+    ``only``: the flags of these fields alone (``demo`` passes a few on to the processes it starts)."""
     hints = typing.get_type_hints(cls)
     target: Any = _group(parser, group) if group else parser
     if group and description:
         target.description = description
     for f in dataclasses.fields(cls):
         opt = option_of(f)
-        if opt is None:
+        if opt is None or (only is not None and f.name not in only):
             continue
         flag = flag_of(f)
         default = field_default(cls, f.name)

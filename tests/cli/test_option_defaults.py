@@ -17,7 +17,6 @@ from psserver.cli.builder import FIELDS_ATTR
 from psserver.config import (
     CollectiveConfig,
     ControlConfig,
-    DataConfig,
     ServerConfig,
     TrainerConfig,
 )
@@ -27,8 +26,6 @@ from psserver.data import GENERATED_SIZES
 
 Field = tuple[type, str]
 
-DEMO: dict[str, list[Field]] = {"update": [(ServerConfig, "update")], "dataset": [(DataConfig, "dataset")]}
-"""``demo``'s own flags (its parser is written by hand) that take a configuration's default."""
 HAND_WRITTEN: dict[str, dict[str, str]] = {
     "train": {"mode": "which configuration is built", "server": "HOST:PORT, split into server_host and server_port",
               "entry": "the function run_entry calls", "entry_args": "that function's keyword arguments"},
@@ -37,9 +34,9 @@ HAND_WRITTEN: dict[str, dict[str, str]] = {
 """The flags of ``serve`` and ``train`` that are no configuration field, and what they are."""
 
 
-def fields_of(verb: str, action: argparse.Action) -> list[Field]:
-    """The configuration fields ``action`` feeds: those it was built from, or (demo) the listed ones."""
-    return getattr(action, FIELDS_ATTR, None) or (DEMO.get(action.dest, []) if verb == "demo" else [])
+def fields_of(action: argparse.Action) -> list[Field]:
+    """The configuration fields ``action`` feeds: those it was built from."""
+    return getattr(action, FIELDS_ATTR, None) or []
 
 
 NOT_A_FIELD: dict[str, dict[str, str]] = {
@@ -91,7 +88,7 @@ def test_a_flags_default_is_its_fields(verb):
     other = NOT_A_FIELD.get(verb, {})
     wrong = []
     for action in options(verb):
-        fields = fields_of(verb, action)
+        fields = fields_of(action)
         for cls, name in fields:
             default = field_default(cls, name)
             if action.default not in (None, default) and not (isinstance(action, argparse._StoreTrueAction)
@@ -182,7 +179,7 @@ def real_default(verb: str, action: argparse.Action) -> Any:
     """What a flag left out means: its default, else (None) the field's it feeds."""
     if action.default is not None and not isinstance(action, argparse._StoreTrueAction):
         return action.default
-    fields = fields_of(verb, action)
+    fields = fields_of(action)
     return field_default(*fields[0]) if fields else action.default
 
 
