@@ -1,7 +1,11 @@
-"""Configuration as dataclasses: the CLI builds them, the rest of the code only reads them.
+"""Configuration as dataclasses, one per component: the CLI builds them, the rest of the code
+only reads them.
 
-Each field has a docstring; validation lives in ``__post_init__`` and raises ``ValueError``,
-which the CLI reports as one line with exit code 2.
+Each field has a docstring; a field that is also a flag is made with
+:func:`psserver.config.options.option`, which declares the flag's name, help, parser and choices
+beside the default, and the CLI derives the flag from it (``psserver.cli.builder``).
+Validation lives in ``__post_init__`` and raises ``ValueError``, which the CLI reports as one
+line with exit code 2.
 """
 
 from psserver.config.collective import CollectiveConfig

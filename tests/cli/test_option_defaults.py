@@ -1,6 +1,7 @@
-"""Every option's default is written once, on its config dataclass field: the CLI's default of each
-flag that feeds a field is the field's, the configuration built from no flags is the dataclass's
-own, and no help text shows a default other than the real one."""
+"""Every option is written once, on its config dataclass field: every flag of ``serve`` and
+``train`` but four is built from a field (its default, type, choices and help the field's), a flag
+is never declared by two fields, the configuration built from no flags is the dataclass's own,
+and no help text shows a default other than the real one."""
 
 from __future__ import annotations
 
