@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from psserver.config.options import option
+from psserver.config.options import check_choices, option
 
 EVICTION_POLICIES = ("lru", "lfu")
 ROW_OPTIMIZERS = ("rowwise_adagrad", "lazy_adam")
@@ -55,16 +55,11 @@ class EmbeddingConfig:
             raise ValueError(f"--embedding-dim must be in 1..4096, got {self.dim}")
         if self.max_rows < 1:
             raise ValueError(f"--embedding-max-rows must be >= 1, got {self.max_rows}")
-        if self.eviction not in EVICTION_POLICIES:
-            raise ValueError(f"--embedding-eviction must be one of {', '.join(EVICTION_POLICIES)}, "
-                             f"got {self.eviction!r}")
+        check_choices(self)
         if self.ttl_steps < 0:
             raise ValueError(f"--embedding-ttl must be >= 0 steps, got {self.ttl_steps}")
         if self.admit_after < 1:
             raise ValueError(f"--embedding-admit-after must be >= 1, got {self.admit_after}")
-        if self.optimizer not in ROW_OPTIMIZERS:
-            raise ValueError(f"--embedding-optimizer must be one of {', '.join(ROW_OPTIMIZERS)}, "
-                             f"got {self.optimizer!r}")
         if not self.lr > 0:
             raise ValueError(f"--embedding-lr must be positive, got {self.lr}")
         if not 0 <= self.prefill_rows <= self.max_rows:

@@ -88,6 +88,21 @@ def field_default(cls: type, name: str) -> Any:
     raise AttributeError(f"{cls.__name__} has no field {name!r}")
 
 
+def check_choices(config: Any) -> None:
+    """Each field of ``config`` whose option has choices holds one of them (or None, where that is
+    its default): the choices the flag offers are the ones a configuration the library builds is
+    held to, declared once. ``ValueError`` naming the flag."""
+    for f in dataclasses.fields(config):
+        opt = option_of(f)
+        if opt is None or opt.choices is None:
+            continue
+        value = getattr(config, f.name)
+        if value is None and field_default(type(config), f.name) is None:
+            continue
+        if value not in opt.choices:
+            raise ValueError(f"{flag_of(f)} must be one of {', '.join(opt.choices)}, got {value!r}")
+
+
 # Value parsers: text to value, ValueError with a readable message.
 
 def finite_float(text: str) -> float:

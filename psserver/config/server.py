@@ -43,8 +43,8 @@ from psserver.config.env import (
 )
 from psserver.config.loop import MODEL_ARGS_HELP, MODEL_HELP
 from psserver.config.optimizer import OptimizerConfig
-from psserver.config.options import comma_list, option
-from psserver.config.protocols import COMPUTE_MODES, check_compute
+from psserver.config.options import check_choices, comma_list, option
+from psserver.config.protocols import COMPUTE_MODES
 from psserver.config.schedule import LRScheduleConfig
 from psserver.utils.memory import ALLOCATORS
 
@@ -291,15 +291,11 @@ class ServerConfig:
         elif get_model_spec(self.model, self.model_args).sparse:
             self._check_tables()
         self._check_servers()
-        if self.update not in UPDATE_MODES:
-            raise ValueError(f"--update must be one of {', '.join(UPDATE_MODES)}, got {self.update!r}")
-        if self.buffers not in BUFFER_POLICIES:
-            raise ValueError(f"--buffers must be one of {', '.join(BUFFER_POLICIES)}, got {self.buffers!r}")
+        check_choices(self)
         if self.sync_trainers < 1:
             raise ValueError(f"--sync-trainers must be >= 1, got {self.sync_trainers}")
         if self.staleness < 0:
             raise ValueError(f"--staleness must be >= 0, got {self.staleness}")
-        check_compute(self.compute)
         if self.max_grad_norm is not None and not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):
             raise ValueError(f"--max-grad-norm must be a positive number, got {self.max_grad_norm}")
         if self.max_nonfinite_steps < 1:
@@ -316,8 +312,6 @@ class ServerConfig:
         if not 0 <= self.compute_threads <= MAX_THREADS:
             raise ValueError(f"--compute-threads must be in 0..{MAX_THREADS}, got {self.compute_threads}")
         check_seed(self.seed, "--seed")
-        if self.allocator not in ALLOCATORS:
-            raise ValueError(f"--allocator must be one of {', '.join(ALLOCATORS)}, got {self.allocator!r}")
         check_token_file(self.join_token_file, "--join-token-file")
         self._check_join_token()
         if not 1 <= self.max_model_bytes < 2 ** 63:

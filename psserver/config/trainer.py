@@ -28,8 +28,8 @@ from psserver.config.env import (
 )
 from psserver.config.loop import MODEL_ARGS_HELP
 from psserver.config.optimizer import OptimizerConfig
-from psserver.config.options import option
-from psserver.config.protocols import COMPUTE_HELP, COMPUTE_MODES, STEP_HELP, STEP_MODES, check_compute
+from psserver.config.options import check_choices, option
+from psserver.config.protocols import COMPUTE_HELP, COMPUTE_MODES, STEP_HELP, STEP_MODES
 from psserver.utils.memory import ALLOCATORS
 
 PS_GROUP = "parameter server (--mode ps)"
@@ -183,8 +183,7 @@ class TrainerConfig:
         from psserver.utils.metrics import resolve_metric
 
         check_token_file(self.join_token_file, "--join-token-file")
-        if self.allocator not in ALLOCATORS:
-            raise ValueError(f"--allocator must be one of {', '.join(ALLOCATORS)}, got {self.allocator!r}")
+        check_choices(self)
         if self.model_args is not None and self.model is None:
             raise ValueError("--model-args needs --model")
         if self.model is not None:
@@ -208,26 +207,17 @@ class TrainerConfig:
         loop.check_loop(self)
         check_timeout(self.connect_timeout, "--connect-timeout", MIN_CONNECT_TIMEOUT_S)
         check_timeout(self.rpc_timeout, "--rpc-timeout", MIN_RPC_TIMEOUT_S)
-        check_compute(self.compute)
         if self.step is not None:
-            if self.step not in STEP_MODES:
-                raise ValueError(f"--step must be one of {', '.join(STEP_MODES)}, got {self.step!r}")
             mode = STEP_MODES[self.step].compute
             if self.compute is not None and self.compute != mode:
                 raise ValueError(f"--step {self.step} is a protocol of --compute {mode}, not --compute {self.compute}")
             object.__setattr__(self, "compute", mode)
-        if self.wire_dtype not in WIRE_DTYPES:
-            raise ValueError(f"--wire-dtype must be one of {', '.join(WIRE_DTYPES)}, got {self.wire_dtype!r}")
         check_device(self.device, "--device")
         if not 0 <= self.compute_threads <= MAX_THREADS:
             raise ValueError(f"--compute-threads must be in 0..{MAX_THREADS}, got {self.compute_threads}")
         if not isinstance(self.bucket_cap_mb, int | float) or not math.isfinite(self.bucket_cap_mb) \
                 or not 0 < self.bucket_cap_mb <= MAX_BUCKET_CAP_MB:
             raise ValueError(f"--bucket-cap-mb must be a number in (0, {MAX_BUCKET_CAP_MB}], got {self.bucket_cap_mb}")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"--transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
-        if self.overlap not in OVERLAP_MODES:
-            raise ValueError(f"--overlap must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap!r}")
         if self.overlap == "on" and (self.compute == "server" or self.step not in (None, "pushpull")):
             raise ValueError("--overlap on is for --step pushpull (the trainer computes its steps)")
         if self.transport in ("device-map", "staged") and not self.device.startswith("cuda"):
