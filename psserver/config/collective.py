@@ -236,7 +236,7 @@ class CollectiveConfig:
 
     mode: str = "ddp"
     """``ddp`` (replicated model, all-reduced gradients) or ``fsdp`` (sharded with FSDP2)."""
-    model: str = option("mnist_cnn", help=None)
+    model: str = option(loop.COLLECTIVE_MODEL, help=None)
     """A model name (entry point of ``psserver.models``) or ``MODULE:ATTR``."""
     model_args: dict = option(factory=dict, help=None)
     """Keyword arguments of the model's class or function (``--model-args JSON``)."""

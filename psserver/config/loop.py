@@ -11,6 +11,10 @@ from psserver.config.options import option
 MODEL_HELP = ("a model name (mnist_cnn, mlp, mlp_wide, resnet18, resnet50, mf, dlrm_tiny, llama_tiny, or one a package "
               "registers in the entry-point group psserver.models) or MODULE:ATTR, an nn.Module class or a "
               "function returning one")
+COLLECTIVE_MODEL = "mnist_cnn"
+"""``CollectiveConfig.model``'s default (a ``--mode ps`` trainer's is its server's model)."""
+TRAIN_MODEL_HELP = MODEL_HELP + (" (ps mode: default the server's model, else mnist_cnn; ddp/fsdp: default "
+                                 f"{COLLECTIVE_MODEL})")
 MODEL_ARGS_HELP = 'keyword arguments of the model\'s class or function, a JSON object ({"width": 64})'
 
 
@@ -54,11 +58,3 @@ def check_loop(config: Any) -> None:
     if config.max_steps < 0:
         raise ValueError("--max-steps must be >= 0")
 
-
-def model_help() -> str:
-    """``--model``'s help: the default of each mode (the collective one is ``CollectiveConfig``'s)."""
-    from psserver.config.collective import CollectiveConfig
-    from psserver.config.options import field_default
-
-    return MODEL_HELP + (" (ps mode: default the server's model, else mnist_cnn; ddp/fsdp: default "
-                         f"{field_default(CollectiveConfig, 'model')})")

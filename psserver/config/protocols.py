@@ -31,7 +31,7 @@ STEP_MODES: dict[str, StepMode] = {
                                   "(1 round trip; server compute's default)"),
     "plain": StepMode("server", "forward RPC + dist_autograd.backward + DistributedOptimizer.step (3)"),
 }
-"""Step protocols (``psserver.ps.protocols``, one module each), each for one compute mode, the
+"""Step protocols (``psserver.server.steps``, one module each), each for one compute mode, the
 default of each mode first. Adding a protocol: its module and its entry here."""
 
 

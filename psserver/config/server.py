@@ -50,7 +50,7 @@ from psserver.utils.memory import ALLOCATORS
 
 UPDATE_MODES = ("async", "sync", "ssp")
 BUFFER_POLICIES = ("average", "rank0")
-"""How the server's copy of the model's buffers follows the trainers' (``psserver.ps.engine.buffers``)."""
+"""How the server's copy of the model's buffers follows the trainers' (``psserver.common.tensors``)."""
 GUARD_GROUP = "guarding the shared model"
 SERVERS_GROUP = "several server processes"
 """Argument groups of server fields shown apart from the others (``Option.group``)."""
@@ -258,7 +258,7 @@ class ServerConfig:
         help=f"server processes that hold the parameters together, each a partition (default ${NUM_SERVERS_VAR} or "
              "{default})")
     """Server processes that together hold the model's parameters, each a partition
-    (``psserver.ps.group.partition``); trainers push to and pull from all of them."""
+    (``psserver.common.partition``); trainers push to and pull from all of them."""
     server_rank: int = option(
         0, metavar="I", group=SERVERS_GROUP, env_default=lambda: server_rank_from_env(None),
         help=f"this server's rank, 0 coordinates (default ${SERVER_RANK_VAR}, else $SLURM_PROCID, else the ordinal of "

@@ -41,9 +41,9 @@ MAX_BUCKET_CAP_MB = 1 << 16
 """The largest gradient bucket, in MiB (64 GiB: one bucket for any model)."""
 WIRE_DTYPES = ("fp32", "bf16", "fp16")
 TRANSPORTS = ("auto", "device-map", "staged", "cpu")
-"""``--transport`` (``psserver.ps.rpc.transport``; ``auto``: the best path the two sides allow)."""
+"""``--transport`` (``psserver.common.transport``; ``auto``: the best path the two sides allow)."""
 OVERLAP_MODES = ("auto", "on", "off")
-"""``--overlap`` (``psserver.ps.protocols.pushpull``; ``auto``: on for a GPU trainer in async)."""
+"""``--overlap`` (``psserver.server.steps.pushpull``; ``auto``: on for a GPU trainer in async)."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class TrainerConfig:
     """Samples per step."""
     optimizer: OptimizerConfig | None = None
     """Requested server optimizer; must match the server's if it already has one."""
-    model: str | None = option(None, common=True, help=loop.model_help)
+    model: str | None = option(None, common=True, help=loop.TRAIN_MODEL_HELP)
     """This trainer's model, a name or ``MODULE:ATTR``; None: the server's (its ``--model``, or
     the model the first trainer brought), else ``mnist_cnn``. Its layout must be the server's."""
     model_args: dict | None = option(None, common=True, metavar="JSON", help=MODEL_ARGS_HELP)
@@ -115,7 +115,7 @@ class TrainerConfig:
         help="trainer compute: how parameters and gradients travel: device-map (GPU to GPU on one host, no host "
              "copy), staged (pinned host memory), cpu; auto takes the best the two sides allow and logs why "
              "(default {default})")
-    """How its parameters and gradients travel (``psserver.ps.rpc.transport``): ``auto`` picks
+    """How its parameters and gradients travel (``psserver.common.transport``): ``auto`` picks
     ``device-map`` (CUDA to CUDA on one host, no host copy) where both sides are on GPUs of one
     host, else ``staged`` (pinned host memory) for a GPU trainer, else ``cpu``; a path named here
     that cannot be used is an error."""
@@ -138,7 +138,7 @@ class TrainerConfig:
     hiding; ssp overlaps when asked (``on``)."""
     bucket_cap_mb: float = loop.bucket_cap_mb()
     """MiB of gradient per bucket that a ``--step pushpull`` trainer fills from autograd hooks
-    during backward (``psserver.ps.engine.buckets``; DDP's ``bucket_cap_mb``): a bucket is
+    during backward (``psserver.trainer.compute.buckets``; DDP's ``bucket_cap_mb``): a bucket is
     copied and cast into the flat buffer, and on the staged path starts its copy to the host,
     while backward goes on."""
     eval_batch_size: int = loop.eval_batch_size()
@@ -151,7 +151,7 @@ class TrainerConfig:
     """Where the step's forward and backward run (``COMPUTE_MODES``); None: the step
     protocol's, else the server's pin, else ``trainer``."""
     step: str | None = option(None, choices=list(STEP_MODES), group=PS_GROUP, help=lambda: STEP_HELP)
-    """How a step reaches the server (``STEP_MODES``, ``psserver.ps.protocols``); None: the
+    """How a step reaches the server (``STEP_MODES``, ``psserver.server.steps``); None: the
     default protocol of the compute mode."""
     stats_out: Path | None = option(None, group=PS_GROUP, help="write per-step timings as JSON (for benchmarks)")
     """Write per-step timings (monotonic end time of each step, samples) as JSON here."""
@@ -180,7 +180,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         from psserver.models import get_model_spec
         from psserver.models.losses import resolve_loss
-        from psserver.utils.metrics import resolve_metric
+        from psserver.utils.eval_metrics import resolve_metric
 
         check_token_file(self.join_token_file, "--join-token-file")
         check_choices(self)

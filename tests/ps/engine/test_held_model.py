@@ -9,8 +9,8 @@ from torch import nn
 from psserver.config import OptimizerConfig, ServerConfig
 from psserver.models import build_model
 from psserver.models.layout import ModelLayout, values_of
-from psserver.ps.engine.engine import StepEngine
-from psserver.ps.engine.held_model import HeldModel, check_values
+from psserver.server.engine.engine import StepEngine
+from psserver.server.engine.held_model import HeldModel, check_values
 from tests.models.test_layout import Tied
 
 

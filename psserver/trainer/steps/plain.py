@@ -1,0 +1,66 @@
+"""``--step plain``: the reference protocol, three round trips, torch's distributed API end to end.
+
+Trainer: inside ``dist_autograd.context()``, ``rpc_sync(forward)`` (the batch goes, the
+server runs the model, the output comes back tied to the server's graph), the loss on the
+trainer, ``dist_autograd.backward`` (the output's gradient goes back, the server runs its part
+of the backward into the context) and ``DistributedOptimizer.step`` (the server applies the
+gradient it holds).
+
+``DistributedOptimizer`` builds one local optimizer per trainer on the parameters' owner, so
+with N trainers Adam would keep N sets of moments. Its local optimizer here is the
+:class:`~psserver.common.calls.SharedOptimizer`: a handle that passes the trainer's
+complete gradient to ``submit`` below, and so to the engine, whose one optimizer per shard
+every trainer shares. The optimizer a user's ``DistributedOptimizer`` names must be that one:
+it sets a server that has none set, another is refused (:meth:`PlainServer.agree_named_optimizer`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed.autograd as dist_autograd
+
+from psserver.common.calls import SharedOptimizer
+from psserver.trainer.steps.base import TrainerHalf, register
+
+log = logging.getLogger(__name__)
+
+
+
+class _NoFunctionalOptimizerWarning(logging.Filter):
+    """DistributedOptimizer warns on every construction that SharedOptimizer has no
+    TorchScript twin: true, and irrelevant (it only hands the gradient over)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.args and SharedOptimizer in record.args)  # type: ignore[operator]
+
+
+logging.getLogger("torch.distributed.optim.optimizer").addFilter(_NoFunctionalOptimizerWarning())
+
+
+
+class PlainTrainer(TrainerHalf):
+    def __init__(self, channel) -> None:
+        super().__init__(channel)
+        # Here, not at the top: torch.distributed.optim imports FSDP, DTensor and sympy (0.6 s
+        # of every psserver process's start, though only --step plain uses it).
+        from torch.distributed.optim import DistributedOptimizer
+
+        self.optimizer: DistributedOptimizer | None = DistributedOptimizer(
+            SharedOptimizer, channel.info["param_rrefs"], trainer=channel.name)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        assert self.optimizer is not None
+        with dist_autograd.context() as ctx:
+            out = self.channel.call("forward", x)
+            loss = self.channel.loss_fn(out, y)
+            dist_autograd.backward(ctx, [loss])
+            self.optimizer.step(ctx)
+        return float(loss.detach())
+
+    def close(self) -> None:
+        self.optimizer = None
+
+
+register('plain', PlainTrainer)
