@@ -1,18 +1,7 @@
-"""``--step chained``: one round trip per step, the loss still on the trainer.
+"""The trainer half of ``--step chained``: each call hands in the last step's output gradient
+and the next batch; the loss and its gradient with respect to the output are computed here.
 
-A plain step costs three round trips; on a 2-core host each is 1.5-2.5 ms of a ~45 ms step.
-But a trainer knows its next batch before it sends the last step's output gradient, so one
-message can carry both: call *t* brings the gradient of output *t-1* and batch *t*; the
-server runs the backward of step *t-1*, applies its update, then runs the forward of batch
-*t* and returns output *t*. The server's order of work is the plain step's (update *t-1*
-lands before forward *t*), so the arithmetic is the same; only the round trips go. The
-trainer differentiates its own loss with respect to the output (any loss), and a last call
-without a batch hands in the final gradient, before it evaluates or leaves.
-
-Between two calls the server holds the step's graph (its activations), as a
-``dist_autograd`` context holds it between forward and backward. A trainer that dies or is
-evicted in between contributes nothing: its open step is dropped whole. All of it runs on
-the engine's compute thread, so the server's OpenMP workers stay hot.
+The protocol, its order of work and why: its server half, ``psserver.server.steps.chained``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-"""``--step plain``: the reference protocol, three round trips, torch's distributed API end to end.
+"""The trainer half of ``--step plain``: forward on the server inside a ``dist_autograd`` context,
+the loss here, ``dist_autograd.backward`` and ``DistributedOptimizer.step`` through the
+server's shared optimizer.
 
-Trainer: inside ``dist_autograd.context()``, ``rpc_sync(forward)`` (the batch goes, the
-server runs the model, the output comes back tied to the server's graph), the loss on the
-trainer, ``dist_autograd.backward`` (the output's gradient goes back, the server runs its part
-of the backward into the context) and ``DistributedOptimizer.step`` (the server applies the
-gradient it holds).
-
-``DistributedOptimizer`` builds one local optimizer per trainer on the parameters' owner, so
-with N trainers Adam would keep N sets of moments. Its local optimizer here is the
-:class:`~psserver.common.calls.SharedOptimizer`: a handle that passes the trainer's
-complete gradient to ``submit`` below, and so to the engine, whose one optimizer per shard
-every trainer shares. The optimizer a user's ``DistributedOptimizer`` names must be that one:
-it sets a server that has none set, another is refused (:meth:`PlainServer.agree_named_optimizer`).
+The protocol, its order of work and why: its server half, ``psserver.server.steps.plain``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
-"""``--step pull``: trainer compute, the reference protocol, torch's distributed API end to end.
+"""The trainer half of ``--step pull``: the parameters pulled inside a ``dist_autograd`` context,
+forward and backward on this trainer's device, the gradients delivered by
+``dist_autograd.backward`` and applied through the server's shared optimizer.
 
-Inside ``dist_autograd.context()`` the trainer pulls the parameters with one RPC whose
-results are the server's parameter tensors (in the wire dtype), so the copies the trainer
-receives stay tied to them: it runs forward and backward on its own device,
-``dist_autograd.backward`` delivers the parameters' gradients to the server, and
-``DistributedOptimizer.step`` applies them there through the shared optimizer
-(``SharedOptimizer``, as ``--step plain``). Three round trips per step.
-
-A model with embedding tables pulls its batch's rows in the same call: the server returns
-each table's rows as a leaf of its own autograd graph, so ``dist_autograd.backward`` carries
-the rows' gradients back into the server's context, where the step's ``submit`` takes them
-(as rows, the ids served) beside the dense ones.
+The protocol, its order of work and why: its server half, ``psserver.server.steps.pull``.
 """
 
 from __future__ import annotations

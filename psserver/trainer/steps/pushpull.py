@@ -1,25 +1,8 @@
-"""``--step pushpull``: trainer compute, one round trip per step, one flat buffer per shard.
+"""The trainer half of ``--step pushpull``: one call per step pushes the flat gradient of the
+last step (one buffer per server shard, large buckets sent ahead while backward runs) and
+pulls the flat parameters of the next.
 
-Each call pushes the flat gradient of the trainer's step *t* (one buffer per server shard) and
-pulls the flat parameters for its step *t+1*: the server applies the update, then copies the
-parameters out at one step, both on its compute thread. The order of work is that of ``pull``
-(the update of step *t* lands before the parameters of step *t+1* are read), with one round
-trip instead of three and no autograd context on either side. A last call without a batch
-hands in the final gradient, before the trainer evaluates or leaves; a trainer that dies in
-between contributes nothing for that step.
-
-Each gradient carries its number, the trainer's step it ends (``psserver.server.engine.journal``):
-a trainer whose server process died rejoins the restarted one and sends again the gradient
-whose reply it never got, which is applied only if the dead process had not applied it.
-
-A step's gradient may come in parts: the trainer sends each large bucket as soon as its
-backward has filled it (``part``, ``psserver.server.engine.gradient_parts``), and the call that ends the step
-carries the rest, so most of the gradient is on its way while backward still runs.
-
-A model with embedding tables (``psserver.server.sparse``) rides the same call: it carries the row
-gradients of step *t* (the server remembers which ids it served) and the unique ids of step
-*t+1*'s batch that this server owns, and its reply carries their rows beside the dense
-parameters. One request per server per step, the rows' bytes grow with the batch, not the table.
+The protocol, its order of work and why: its server half, ``psserver.server.steps.pushpull``.
 """
 
 from __future__ import annotations

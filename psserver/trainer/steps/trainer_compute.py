@@ -1,12 +1,8 @@
-"""What the trainer-compute protocols share (``pull``, ``pushpull``).
+"""What the trainer halves of ``pull`` and ``pushpull`` share: the replica on the trainer's
+device, loaded from the server's flat parameters, its flat gradient in the wire dtype,
+the transport, evaluation on the replica.
 
-The trainer keeps a replica of the model on its own device; the server keeps the fp32 master
-weights and the optimizer state, sends parameters and receives gradients in the trainer's
-wire dtype (``--wire-dtype``), as one flat buffer per shard. Where the buffers travel is the
-trainer's transport (``psserver.common.transport``): as CUDA tensors from device to device
-(``device-map``, ``--step pushpull``), through pinned host buffers the trainer reuses every step
-(``staged``), or through host memory (``cpu``). The trainer evaluates on its replica, loaded
-once from the server's current parameters.
+The protocol, its order of work and why: its server half, ``psserver.server.steps.trainer_compute``.
 """
 
 from __future__ import annotations
