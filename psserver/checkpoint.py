@@ -38,7 +38,7 @@ import torch
 
 from psserver.errors import UsageError
 from psserver.telemetry import CheckpointInfo
-from psserver.utils.private_paths import untrusted_file
+from psserver.utils.private_paths import unsafe_parent, untrusted_file
 from psserver.utils.processes import pid_alive
 
 log = logging.getLogger(__name__)
@@ -378,10 +378,18 @@ def check_writable(directory: Path) -> None:
         raise CheckpointDirError(f"--checkpoint-dir {directory} cannot be created: {e.strerror or e}") from None
     if not directory.is_dir():
         raise CheckpointDirError(f"--checkpoint-dir {directory} is not a directory")
-    mode = directory.stat().st_mode
-    if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:  # sticky (/tmp, a tmpfs): no one removes ours
-        raise CheckpointDirError(f"--checkpoint-dir {directory} is writable by every user (mode {mode & 0o7777:o}): "
-                                 "another could plant checkpoints or links there; chmod o-w it, or use another")
+    st = directory.stat()
+    mode = st.st_mode
+    if mode & 0o022 and not mode & stat.S_ISVTX:  # sticky (/tmp, a tmpfs): no one renames or removes ours
+        raise CheckpointDirError(f"--checkpoint-dir {directory} is writable by its group or others (mode "
+                                 f"{mode & 0o7777:o}): another user could plant checkpoints or links there, or swap "
+                                 "ours; chmod go-w it, or use another")
+    if st.st_uid not in (0, os.geteuid()):  # the owner of a sticky directory may still rename in it
+        raise CheckpointDirError(f"--checkpoint-dir {directory} is owned by uid {st.st_uid}: that user can swap the "
+                                 "checkpoints in it; use a directory of your own")
+    why = unsafe_parent(directory / "x")
+    if why is not None:
+        raise CheckpointDirError(f"--checkpoint-dir {directory}: {why}; use a directory of your own")
     probe = directory / f".psserver-probe-{os.getpid()}"
     try:
         fd = _create_private(probe)

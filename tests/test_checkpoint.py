@@ -310,7 +310,10 @@ def test_a_directory_every_user_can_write_is_refused_and_a_planted_link_is_never
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
-    with pytest.raises(CheckpointDirError, match="writable by every user"):
+    with pytest.raises(CheckpointDirError, match=r"writable by its group or others \(mode 777\)"):
+        check_writable(shared)
+    shared.chmod(0o770)
+    with pytest.raises(CheckpointDirError, match=r"writable by its group or others \(mode 770\)"):
         check_writable(shared)
     mine = tmp_path / "mine"
     mine.mkdir()
@@ -351,3 +354,19 @@ def test_a_checkpoint_another_user_planted_or_can_change_is_never_resumed(tmp_pa
     assert loaded["global_step"] == 10
     assert "ckpt-000000000040.pt is owned by uid 65534" in caplog.text
     assert "ckpt-000000000030.pt is writable by its group or others (mode 664)" in caplog.text
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory to another uid")
+def test_a_directory_of_another_user_or_under_one_is_refused(tmp_path):
+    """Its owner may swap the checkpoints in it between the check of a file and its load (a
+    rename exchange), sticky bit or not; a directory under one of theirs they can replace."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(CheckpointDirError, match="is owned by uid 65534"):
+        check_writable(theirs)
+    theirs.chmod(0o1777)
+    with pytest.raises(CheckpointDirError, match="is owned by uid 65534"):
+        check_writable(theirs)
+    with pytest.raises(CheckpointDirError, match=rf"{theirs}, above it, is owned by uid 65534"):
+        check_writable(theirs / "mine")

@@ -32,14 +32,21 @@ def not_private(st: os.stat_result, *, unreadable: bool = False) -> str | None:
 
 def unsafe_parent(path: Path) -> str | None:
     """Why a directory above ``path`` would let another user replace it, else None: the first
-    such directory and what is wrong with it."""
+    such directory (or symbolic link on the way to it) and what is wrong with it. Both the
+    path as written (a link in it must be root's or this user's: whoever owns a link can
+    point it elsewhere) and the directories it resolves to are checked."""
     uid = os.geteuid()
-    parent = Path(os.path.realpath(Path(path).parent))
-    for directory in (parent, *parent.parents):
+    written = Path(os.path.abspath(path)).parent
+    resolved = Path(os.path.realpath(written))
+    for directory in (*reversed((written, *written.parents)), resolved, *resolved.parents):
         try:
-            st = os.stat(directory)
+            st = os.lstat(directory)
         except OSError:
             continue  # not there yet: made by this user, 0700
+        if stat.S_ISLNK(st.st_mode):
+            if st.st_uid not in (0, uid):
+                return f"{directory}, on the way to it, is a link of uid {st.st_uid}: that user can point it elsewhere"
+            continue  # what it points at is checked as resolved
         if st.st_uid not in (0, uid):
             return f"{directory}, above it, is owned by uid {st.st_uid}: that user can replace what is in it"
         if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:

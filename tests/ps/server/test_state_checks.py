@@ -105,6 +105,22 @@ def test_a_directory_under_one_another_user_can_write_is_refused_naming_it(tmp_p
     assert (open_parent / "state").is_dir()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a link to another uid")
+def test_a_link_of_another_user_on_the_way_is_refused(tmp_path):
+    """A link in a sticky directory that another user owns they can point anywhere: the state
+    would be written where they choose."""
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    (tmp_path / "target").mkdir(mode=0o700)
+    link = sticky / "theirs"
+    link.symlink_to(tmp_path / "target")
+    os.lchown(link, 65534, 65534)
+    with pytest.raises(MemoryStateError, match=rf"{link}, on the way to it, is a link of uid 65534"):
+        MemoryState(MemoryStateConfig(link / "state", "k"), 0).prepare()
+    assert list((tmp_path / "target").iterdir()) == []
+
+
 def test_the_state_is_made_private_and_a_planted_link_is_replaced_not_followed(state_dir, tmp_path):
     """Links named as the temporaries of ``meta`` and ``owner`` point at files outside: those
     files keep their bytes, the state's files are the server's own (0600, in 0700 directories)."""
