@@ -42,14 +42,16 @@ def _step_two(procs, port, *extra):
 
 
 @pytest.mark.timeout(300)
-def test_plain_sync_counts_every_round_and_the_server_keeps_serving(procs, port):
+def test_plain_sync_counts_every_step_and_the_server_keeps_serving(procs, port):
     """The reference protocol (``--step plain``: dist_autograd and DistributedOptimizer), in
-    sync rounds of two: one optimizer step per round. (Plain trainers reach the bar in async, and
-    a rank rejoins as a new incarnation with a trainer lost on top, in tests/ps/test_failures.py's
-    hang-async case.)"""
+    sync rounds of two: every step of both trainers counted. (Plain trainers reach the bar in
+    async, and a rank rejoins as a new incarnation with a trainer lost on top, in
+    tests/ps/test_failures.py's hang-async case.)"""
     server = procs.server(port, "--model", "mlp", "--update", "sync", "--sync-trainers", "2")
     for t in _step_two(procs, port, "--step", "plain"):
         assert "--compute server --step plain" in t.output(), t.tail()
+    for rank in (0, 1):
+        server.wait_for(rf"trainer trainer_{rank}_1 \(rank {rank}\) left after {SMALL_STEPS} steps", timeout=10)
     assert server.running()
     # The server outlives its trainers: a third one joins (rank 0 again, a new incarnation).
     # It computes on the trainer (the default), after two trainers that computed on the server.
