@@ -175,12 +175,15 @@ def run(args: Sequence[str], *, timeout: float = 60, env: Mapping[str, str | Non
 def cli(args: Sequence[str]) -> subprocess.CompletedProcess:
     """``psserver ARGS`` run by ``psserver.cli.main`` in this process, its stdout and stderr
     captured as text (argparse's exit as its code), the launcher and token variables of
-    ``NOT_INHERITED`` hidden as from a child and the environment as it was afterwards. Only for
-    verbs that return by themselves: nothing here bounds its time but the test's."""
+    ``NOT_INHERITED`` hidden as from a child, and the environment and torch's thread count
+    (``--compute-threads``, set before a refusal) as they were afterwards. Only for verbs that
+    return by themselves: nothing here bounds its time but the test's."""
+    import torch
+
     from psserver.cli import main
 
     out, err = io.StringIO(), io.StringIO()
-    saved = dict(os.environ)
+    saved, threads = dict(os.environ), torch.get_num_threads()
     for k in NOT_INHERITED:
         os.environ.pop(k, None)
     try:
@@ -192,6 +195,7 @@ def cli(args: Sequence[str]) -> subprocess.CompletedProcess:
     finally:
         os.environ.clear()
         os.environ.update(saved)
+        torch.set_num_threads(threads)
     return subprocess.CompletedProcess(["psserver", *args], code, out.getvalue(), err.getvalue())
 
 

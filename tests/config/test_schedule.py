@@ -8,7 +8,7 @@ import pytest
 from psserver.cli import main
 from psserver.config import LRScheduleConfig, ServerConfig
 from psserver.config.schedule import REFUSED, scheduler_names
-from tests.procs import free_port, run
+from tests.procs import cli, free_port
 
 SERVE = ["serve", "--no-control", "--model", "mlp", "--devices", "cpu"]
 
@@ -86,8 +86,8 @@ def test_a_warmup_that_is_not_a_number_is_argparses_one_line(capsys):
 def test_arguments_the_class_refuses_fail_at_start_in_one_line():
     """OneCycleLR takes the arguments' names but not their combination: the server tries the
     schedule before it serves, and stops with one line."""
-    r = run([*SERVE, "--port", str(free_port()), "--lr-schedule", "OneCycleLR", "--lr-schedule-args",
-             '{"max_lr": 0.1}'], timeout=120)
+    r = cli([*SERVE, "--port", str(free_port()), "--lr-schedule", "OneCycleLR", "--lr-schedule-args",
+             '{"max_lr": 0.1}'])
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(

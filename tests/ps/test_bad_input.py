@@ -1,4 +1,7 @@
-"""Bad input: one line on stderr, exit code 2, no traceback, and a running server unaffected."""
+"""Bad input: one line on stderr, exit code 2, no traceback, and a running server unaffected.
+
+A refusal that needs no server runs ``psserver.cli.main`` in this process (``tests.procs.cli``);
+one real child shows the same line and exit code from ``python -m psserver`` itself."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import time
 
 import pytest
 
-from tests.procs import MNIST_ARGS, ROOT, env, free_port
+from tests.procs import MNIST_ARGS, ROOT, cli, env, free_port
 
 pytestmark = pytest.mark.multiprocess
 
@@ -32,31 +35,31 @@ def assert_usage_error(result: subprocess.CompletedProcess, *fragments: str) -> 
 
 @pytest.mark.timeout(60)
 def test_unknown_model_lists_known_ones():
-    r = run_cli("serve", "--model", "nope", "--no-control")
+    r = run_cli("serve", "--model", "nope", "--no-control")  # a real child: its stderr and exit code
     assert_usage_error(r, "unknown model 'nope'", "mnist_cnn", "mlp", "resnet18")
 
 
 @pytest.mark.timeout(60)
 def test_unknown_dataset():
-    r = run_cli("train", "--dataset", "imagenet", "--server", "127.0.0.1:1")
+    r = cli(["train", "--dataset", "imagenet", "--server", "127.0.0.1:1"])
     assert_usage_error(r, "unknown dataset 'imagenet'", "mnist", "synthetic")
 
 
 @pytest.mark.timeout(60)
 def test_missing_data_dir(tmp_path):
-    r = run_cli("train", "--dataset", "mnist", "--data-dir", str(tmp_path / "nowhere"), "--server", "127.0.0.1:1")
+    r = cli(["train", "--dataset", "mnist", "--data-dir", str(tmp_path / "nowhere"), "--server", "127.0.0.1:1"])
     assert_usage_error(r, "does not exist")
 
 
 @pytest.mark.timeout(60)
 def test_unreachable_server():
-    r = run_cli("train", "--server", f"127.0.0.1:{free_port()}", "--connect-timeout", "1")
+    r = cli(["train", "--server", f"127.0.0.1:{free_port()}", "--connect-timeout", "1"])
     assert_usage_error(r, "cannot reach a psserver")
 
 
 @pytest.mark.timeout(60)
 def test_bad_server_address():
-    assert_usage_error(run_cli("train", "--server", "host:notaport"), "not a number")
+    assert_usage_error(cli(["train", "--server", "host:notaport"]), "not a number")
 
 
 @pytest.mark.timeout(60)
@@ -64,7 +67,7 @@ def test_port_in_use():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        r = run_cli("serve", "--port", str(s.getsockname()[1]), "--no-control")
+        r = cli(["serve", "--port", str(s.getsockname()[1]), "--no-control"])
     assert_usage_error(r, "cannot listen on 127.0.0.1")
 
 
@@ -73,11 +76,12 @@ def test_taken_rank_and_bad_inputs_leave_a_running_server_alone(procs, port, mni
     server = procs.server(port, "--model", "mnist_cnn")
     first = procs.trainer(port, 0, "--num-trainers", "2", "--epochs", "1", *MNIST_ARGS)
     first.wait_for("joined psserver", timeout=60)
-    r = run_cli("train", "--server", f"127.0.0.1:{port}", "--rank", "0", "--num-trainers", "2", "--no-progress")
+    # Refused at their join, before init_rpc: in this process.
+    r = cli(["train", "--server", f"127.0.0.1:{port}", "--rank", "0", "--num-trainers", "2", "--no-progress"])
     assert_usage_error(r, "rank 0 is already taken by live trainer trainer_0_1")
     # A trainer asking for another optimizer than the server's is refused the same way.
-    r = run_cli("train", "--server", f"127.0.0.1:{port}", "--rank", "1", "--num-trainers", "2", "--optimizer", "sgd",
-                "--no-progress")
+    r = cli(["train", "--server", f"127.0.0.1:{port}", "--rank", "1", "--num-trainers", "2", "--optimizer", "sgd",
+             "--no-progress"])
     assert_usage_error(r, "this server trains with adam")
     # Wrong model/data combination (mnist_cnn takes 1x28x28, synthetic is generated to fit,
     # so use a dataset-shape mismatch through resnet18 elsewhere); the server keeps going:

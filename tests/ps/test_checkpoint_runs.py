@@ -29,7 +29,7 @@ from psserver.checkpoint import (
 from psserver.cli import main
 from psserver.config import OptimizerConfig, ServerConfig
 from psserver.server.server import ParameterServer
-from tests.procs import die_mid_checkpoint, free_port, run
+from tests.procs import cli, die_mid_checkpoint, free_port
 
 OLD_RUN = "0ld" + "0" * 29
 SERVE = ["--model", "mlp", "--compute-threads", "1"]
@@ -77,8 +77,9 @@ def one_line(stderr: str) -> str:
 
 
 def serve_once(*args: str) -> subprocess.CompletedProcess:
-    """``psserver serve`` expected to refuse at start (it never serves)."""
-    return run(["serve", "--port", str(free_port()), "--no-control", *SERVE, *args], timeout=90)
+    """``psserver serve`` expected to refuse at start (it never serves), in this process: a
+    refusal needs no child that spends seconds importing torch."""
+    return cli(["serve", "--port", str(free_port()), "--no-control", *SERVE, *args])
 
 
 @pytest.fixture

@@ -34,7 +34,7 @@ def wait_lost(server, name: str, timeout: float) -> float:
 # half-way to being applied: the server must then count exactly DIE_AT - 1 of its updates.
 KILL, HANG, DIE_MID_STEP = "kill", "hang", "die-mid-step"
 DIE_AT = 25
-SHARD, EPOCHS, BATCH = 4000, 3, 64  # MNIST_ARGS (--train-split 8000) over --num-trainers 2
+SHARD, EPOCHS, BATCH = 4000, 3, 64  # MNIST_ARGS (--train-split 8000) over --num-trainers 2; 3 epochs to the bar
 STEPS_PER_EPOCH = -(-SHARD // BATCH)
 
 
@@ -51,18 +51,21 @@ STEPS_PER_EPOCH = -(-SHARD // BATCH)
 )
 def test_lost_trainer_is_evicted_and_the_other_finishes(procs, port, mnist_dir, tmp_path, how, update, flags, step):
     """Server compute (``plain``, ``chained``) and trainer compute (the default ``pushpull``,
-    ``pull``): the lost trainer is evicted, the other finishes and reaches the bar, the rank
-    rejoins, and the server stops cleanly (no step of the lost trainer is left open)."""
+    ``pull``): the lost trainer is evicted, the other finishes, the rank rejoins, and the server
+    stops cleanly (no step of the lost trainer is left open). A hung or killed trainer's partner
+    trains three epochs to the bar (plain async, pushpull sync, chained sync: the bar of each
+    with a trainer lost on top); one that died mid-step is counted to the sample over one epoch."""
     ctl = free_port()
     server = procs.server(port, "--model", "mnist_cnn", "--trainer-timeout", "2", "--update", update,
                           "--sync-trainers", "2", "--checkpoint-dir", str(tmp_path), control_port=ctl)
     common = ["--num-trainers", "2", *flags, *MNIST_ARGS]
-    t0 = procs.trainer(port, 0, "--epochs", str(EPOCHS), *common)
+    epochs = 1 if how == DIE_MID_STEP else EPOCHS
+    t0 = procs.trainer(port, 0, "--epochs", str(epochs), *common)
     if how == DIE_MID_STEP:
-        t1 = procs.trainer(port, 1, "--epochs", str(EPOCHS), *common, prefix=DIE_MID_STEP_PREFIX,
+        t1 = procs.trainer(port, 1, "--epochs", str(epochs), *common, prefix=DIE_MID_STEP_PREFIX,
                            env={die_mid_step.ENV: str(DIE_AT)})
     else:
-        t1 = procs.trainer(port, 1, "--epochs", str(EPOCHS), *common)
+        t1 = procs.trainer(port, 1, "--epochs", str(epochs), *common)
     for t in (t0, t1):
         t.wait_for("joined psserver", timeout=90)
     for t in (t0, t1):
@@ -78,7 +81,8 @@ def test_lost_trainer_is_evicted_and_the_other_finishes(procs, port, mnist_dir, 
         (lost,) = [tr for tr in client.list_trainers() if tr.name == "trainer_1_1"]
     assert lost.state == pb.TRAINER_STATE_LOST
     assert t0.wait(300) == 0, f"{t0.tail()}\n--- server ---\n{server.tail()}"
-    assert accuracy(t0) >= 0.96
+    if how != DIE_MID_STEP:
+        assert accuracy(t0) >= 0.96
     # The rank comes back as a new incarnation and trains.
     # (--start-over: a fresh trainer of the rank, not one that continues the lost one's data.)
     again = procs.trainer(port, 1, "--num-trainers", "2", "--max-steps", "20", "--start-over", *flags, *MNIST_ARGS)
@@ -100,9 +104,9 @@ def test_lost_trainer_is_evicted_and_the_other_finishes(procs, port, mnist_dir, 
     # samples, and in async one optimizer step each); the one it died in counts for nothing.
     assert lost.steps == DIE_AT - 1 and lost.samples == (DIE_AT - 1) * BATCH, lost
     final = read_checkpoint(list_checkpoints(tmp_path)[0])
-    assert final["samples_seen"] == EPOCHS * SHARD + (DIE_AT - 1) * BATCH + 20 * BATCH
+    assert final["samples_seen"] == epochs * SHARD + (DIE_AT - 1) * BATCH + 20 * BATCH
     if update == "async":
-        assert final["global_step"] == EPOCHS * STEPS_PER_EPOCH + (DIE_AT - 1) + 20
+        assert final["global_step"] == epochs * STEPS_PER_EPOCH + (DIE_AT - 1) + 20
 
 
 @pytest.mark.timeout(400)
@@ -218,7 +222,9 @@ def test_trainer_reconnects_to_a_restarted_server(procs, port, tmp_path, compute
     """The server is SIGKILLed mid-training and restarted with ``--resume``: a ``--reconnect``
     trainer continues from its checkpoint in the same compute mode, another exits with 3."""
     server = procs.server(port, "--model", "mlp", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "5")
-    t = procs.trainer(port, 0, "--epochs", "20", "--reconnect", "--rpc-timeout", "10", "--compute", compute)
+    # 5 epochs of 64 steps: the synthetic task is learnt in a few hundred (0.5 shows the steps
+    # after the reconnect landed); the first checkpoint comes at step 5, long before the end.
+    t = procs.trainer(port, 0, "--epochs", "5", "--reconnect", "--rpc-timeout", "10", "--compute", compute)
     plain = procs.trainer(port, 1, "--num-trainers", "2", "--epochs", "50", "--compute", compute)
     t.wait_for("joined psserver", timeout=60)
     plain.wait_for("joined psserver", timeout=60)

@@ -1,6 +1,6 @@
 """A trainer whose batches turn to NaN next to a healthy one, through the real CLI and RPC:
-the shared model stays finite and trains to the bar; one that sends nothing but NaN is evicted
-with a reason ``psserver status`` shows."""
+the shared model stays finite and learns, every poisoned step dropped and counted; one that
+sends nothing but NaN is evicted with a reason ``psserver status`` shows."""
 
 from __future__ import annotations
 
@@ -15,14 +15,16 @@ from tests.ps import poisoned_trainer
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 POISONED = [sys.executable, "-m", "tests.ps.poisoned_trainer"]
-BAR = 0.96
+# One epoch (63 steps a trainer): a model the NaNs had reached would score 0.1 or fail to
+# evaluate; mnist_cnn learns past this within the epoch.
+BAR = 0.9
 
 
 @pytest.mark.timeout(420)
 def test_a_trainer_sending_nan_every_other_step_does_not_poison_the_model(procs, port, mnist_dir, tmp_path):
     ctl = free_port()
     server = procs.server(port, "--max-grad-norm", "50", control_port=ctl)
-    common = ["--num-trainers", "2", "--epochs", "3", *MNIST_ARGS]
+    common = ["--num-trainers", "2", "--epochs", "1", *MNIST_ARGS]
     healthy = procs.trainer(port, 0, *common)
     poisoned = procs.trainer(port, 1, *common, prefix=POISONED, env={poisoned_trainer.ENV: "2"})
     for t in (healthy, poisoned):
@@ -35,15 +37,15 @@ def test_a_trainer_sending_nan_every_other_step_does_not_poison_the_model(procs,
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
     rows = {r["rank"]: r for r in data["trainers"]}
-    # Rank 1 poisons every other one of its 3 x 63 steps: 94 dropped, never 3 in a row.
-    assert rows[1]["nonfinite"] == 94 and rows[0]["nonfinite"] == 0 and rows[1]["reason"] == ""
-    assert data["status"]["nonfinite_gradients"] == 94
+    # Rank 1 poisons every other one of its 63 steps: 31 dropped, never 3 in a row.
+    assert rows[1]["nonfinite"] == 31 and rows[0]["nonfinite"] == 0 and rows[1]["reason"] == ""
+    assert data["status"]["nonfinite_gradients"] == 31
     # Each trainer's path, and why, in the status and in its log (psserver.common.transport).
     assert {(r["transport"], r["transport_reason"]) for r in rows.values()} == {("cpu", "the trainer runs on the CPU")}
     assert "transport cpu: the trainer runs on the CPU" in healthy.output()
     assert procs.stop(server) == 0
-    # 2 x 189 steps, 94 of them dropped: one optimizer step per applied gradient.
-    assert "global step 284" in server.output(), server.tail()
+    # 2 x 63 steps, 31 of them dropped: one optimizer step per applied gradient.
+    assert "global step 95" in server.output(), server.tail()
 
 
 @pytest.mark.timeout(180)

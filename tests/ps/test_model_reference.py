@@ -19,6 +19,7 @@ import torch
 from psserver.config import TrainerConfig
 from psserver.errors import UsageError
 from psserver.trainer.session import choose_model
+from tests.procs import cli
 
 FORGED = [sys.executable, "-m", "tests.ps.model_naming_trainer"]
 
@@ -58,11 +59,12 @@ def test_a_peer_naming_os_system_runs_nothing_in_later_trainers_nor_after_resume
     assert "model os:system" in server.output()  # recorded as what it is: a name
 
     def victim() -> str:
-        t = procs.trainer(port, 1, "--max-steps", "2")
-        assert t.wait(120) == 2, t.tail()
-        assert "Traceback" not in t.output()
-        errors = [line for line in t.output().splitlines() if "error:" in line]
-        assert len(errors) == 1, t.tail()
+        """A later trainer, in this process: refused at its join, before it builds a model."""
+        r = cli(["train", "--server", f"127.0.0.1:{port}", "--rank", "1", "--no-progress", "--max-steps", "2"])
+        assert r.returncode == 2, r.stderr
+        assert "Traceback" not in r.stderr
+        errors = [line for line in r.stderr.splitlines() if "error:" in line]
+        assert len(errors) == 1, r.stderr
         return errors[0]
 
     line = victim()

@@ -6,10 +6,11 @@ tests/ps/test_user_project.py, with the user's model.)"""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
-from tests.procs import accuracy, metric, slow_steps
+from tests.procs import accuracy, cli, metric, slow_steps
 from tests.userproject import PNG_DATASET, pythonpath, write_package
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -100,13 +101,19 @@ def test_a_dataset_of_the_wrong_shape_is_one_line_at_the_first_step(procs, port,
     (["--metric", "f1"], "unknown metric 'f1'"),
     (["--dataset", "imagefolder", "--data-dir", "/nonexistent"], "--data-dir /nonexistent does not exist"),
 ])
-def test_bad_references_are_one_line_before_joining(procs, port, project, args, fragment):
-    """No server is needed: the configuration refuses them (exit 2, one line)."""
-    trainer = procs.trainer(port, 0, "--connect-timeout", "1", *args,
-                            env={"PYTHONPATH": pythonpath(project / "code")})
-    assert trainer.wait(60) == 2, trainer.tail()
-    errors = [line for line in trainer.output().splitlines() if "error:" in line]
-    assert len(errors) == 1 and fragment in errors[0], trainer.output()
+def test_bad_references_are_one_line_before_joining(port, project, args, fragment, monkeypatch):
+    """No server is needed: the configuration refuses them (exit 2, one line), in this process
+    with the user's code on its path as on a trainer's."""
+    monkeypatch.syspath_prepend(str(project / "code"))
+    try:
+        r = cli(["train", "--server", f"127.0.0.1:{port}", "--rank", "0", "--no-progress", "--connect-timeout", "1",
+                 *args])
+    finally:
+        for name in [m for m in sys.modules if m == "digits" or m.startswith("digits.")]:
+            del sys.modules[name]  # another test's package of that name is not this one
+    assert r.returncode == 2, r.stderr
+    errors = [line for line in r.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and fragment in errors[0], r.stderr
 
 
 @pytest.mark.timeout(240)

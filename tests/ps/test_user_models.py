@@ -7,12 +7,13 @@ trainer against it, and resumes from its checkpoint without the package."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
 
 from psserver.checkpoint import list_checkpoints, read_checkpoint
-from tests.procs import MNIST_ARGS, accuracy
+from tests.procs import MNIST_ARGS, accuracy, cli
 from tests.userproject import BN_CNN, pythonpath, write_package
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -21,6 +22,20 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 def user_path(tmp_path):
     """A directory holding the user's package ``usernets``; the trainers' PYTHONPATH."""
     return {"PYTHONPATH": pythonpath(write_package(tmp_path / "user", "usernets", {"cnn": BN_CNN}))}
+
+
+def refused(port: int, rank: int, user_path: dict[str, str], *args: str):
+    """``psserver train`` refused at its join, in this process with the user's package on its
+    path as on a trainer's (removed again afterwards)."""
+    added = [d for d in user_path["PYTHONPATH"].split(os.pathsep) if d not in sys.path]
+    sys.path[:0] = added
+    try:
+        return cli(["train", "--server", f"127.0.0.1:{port}", "--rank", str(rank), "--no-progress", *args])
+    finally:
+        for d in added:
+            sys.path.remove(d)
+        for name in [m for m in sys.modules if m == "usernets" or m.startswith("usernets.")]:
+            del sys.modules[name]
 
 
 @pytest.mark.timeout(420)
@@ -35,8 +50,8 @@ def test_a_server_without_the_users_code_trains_it_checks_it_and_resumes_it(proc
     server.wait_for(r"model usernets.cnn:BNNet \(\d+ parameters, 6 buffer\(s\); fingerprint \w+\) learnt from the "
                     "first trainer", timeout=90)
     # No --model: the name the first trainer sent is not code this one runs; it says what to pass.
-    bare = procs.trainer(port, 1, *train, env=user_path)
-    assert bare.wait(120) == 2 and "'usernets.cnn:BNNet'); psserver never runs code" in bare.output()
+    bare = refused(port, 1, user_path, *train)
+    assert bare.returncode == 2 and "'usernets.cnn:BNNet'); psserver never runs code" in bare.stderr, bare.stderr
     second = procs.trainer(port, 1, "--model", "usernets.cnn:BNNet", *train, env=user_path)
     for t in (first, second):
         assert t.wait(300) == 0, t.tail()
@@ -44,13 +59,12 @@ def test_a_server_without_the_users_code_trains_it_checks_it_and_resumes_it(proc
     assert "model usernets.cnn:BNNet" in second.output() or "usernets.cnn:BNNet" in second.output()
 
     # One layer wider: refused in one line naming it.
-    wider = procs.trainer(port, 0, "--model", "usernets.cnn:BNNet", "--model-args", '{"width": 48}', *train,
-                          env=user_path)
-    assert wider.wait(120) == 2
-    err = [line for line in wider.output().splitlines() if "error:" in line]
+    wider = refused(port, 0, user_path, "--model", "usernets.cnn:BNNet", "--model-args", '{"width": 48}', *train)
+    assert wider.returncode == 2, wider.stderr
+    err = [line for line in wider.stderr.splitlines() if "error:" in line]
     assert len(err) == 1 and "conv1.weight is [48, 1, 3, 3] float32, the server's [32, 1, 3, 3] float32" in err[0], \
-        wider.tail()
-    assert "Traceback" not in wider.output()
+        wider.stderr
+    assert "Traceback" not in wider.stderr
 
     assert procs.stop(server) == 0, server.tail()
     final = read_checkpoint(list_checkpoints(ckpt)[0])

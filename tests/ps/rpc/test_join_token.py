@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from tests.procs import ROOT, accuracy, slow_steps
+from tests.procs import ROOT, accuracy, cli, slow_steps
 
 TOKEN = "job-token-for-the-tests-0123456789abcdef"
 JOINED = r"joined psserver \S+ as (trainer_\d+_\d+)"
@@ -46,8 +46,10 @@ def token_file(tmp_path):
     return path
 
 
-def error_lines(proc) -> list[str]:
-    return [line for line in proc.output().splitlines() if "error:" in line]
+def train_once(port: int, rank: int, *extra: str):
+    """``psserver train`` expected to be refused at its join (before ``init_rpc``), in this
+    process: a refusal needs no child that spends seconds importing torch."""
+    return cli(["train", "--server", f"127.0.0.1:{port}", "--rank", str(rank), "--no-progress", *extra])
 
 
 @pytest.mark.multiprocess
@@ -58,16 +60,16 @@ def test_a_trainer_without_the_token_is_refused_in_one_line(procs, port, tmp_pat
     wrong.write_text("not the token")
     empty.write_text("\n")
     run = ["--dataset", "synthetic", "--max-steps", "5", "--connect-timeout", "30"]
-    cases = {
-        "wrong": (procs.trainer(port, 0, *run, "--join-token-file", str(wrong)), "did not accept this join token"),
-        "missing": (procs.trainer(port, 1, *run, env={"PSSERVER_JOIN_TOKEN": None}), "needs a join token"),
-        "empty": (procs.trainer(port, 2, *run, "--join-token-file", str(empty)), "is empty"),
+    cases = {  # PSSERVER_JOIN_TOKEN is hidden from cli() as from a child
+        "wrong": (train_once(port, 0, *run, "--join-token-file", str(wrong)), "did not accept this join token"),
+        "missing": (train_once(port, 1, *run), "needs a join token"),
+        "empty": (train_once(port, 2, *run, "--join-token-file", str(empty)), "is empty"),
     }
-    for name, (trainer, expected) in cases.items():
-        assert trainer.wait(60) == 2, (name, trainer.tail())
-        lines = error_lines(trainer)
-        assert len(lines) == 1 and expected in lines[0], (name, trainer.output())
-        assert "Traceback" not in trainer.output(), name
+    for name, (refused, expected) in cases.items():
+        assert refused.returncode == 2, (name, refused.stderr)
+        lines = [line for line in refused.stderr.splitlines() if "error:" in line]
+        assert len(lines) == 1 and expected in lines[0], (name, refused.stderr)
+        assert "Traceback" not in refused.stderr, name
     good = procs.trainer(port, 0, *run, env={"PSSERVER_JOIN_TOKEN": TOKEN})
     assert good.wait(60) == 0, good.tail()
 
@@ -76,11 +78,11 @@ def test_a_trainer_without_the_token_is_refused_in_one_line(procs, port, tmp_pat
 @pytest.mark.timeout(120)
 def test_a_trainer_with_a_token_does_not_join_an_open_server(procs, port, token_file):
     procs.server(port, "--model", "mlp")
-    t = procs.trainer(port, 0, "--dataset", "synthetic", "--max-steps", "5", "--join-token-file", str(token_file))
-    assert t.wait(60) == 2, t.tail()
-    assert error_lines(t) == [f"psserver train: error: the psserver at 127.0.0.1:{port} takes no join token, but "
-                              "this trainer has one: start the server with the same --join-token-file, or drop it "
-                              "here"], t.output()
+    r = train_once(port, 0, "--dataset", "synthetic", "--max-steps", "5", "--join-token-file", str(token_file))
+    assert r.returncode == 2, r.stderr
+    assert [line for line in r.stderr.splitlines() if "error:" in line] == [
+        f"psserver train: error: the psserver at 127.0.0.1:{port} takes no join token, but this trainer has one: "
+        "start the server with the same --join-token-file, or drop it here"], r.stderr
 
 
 @pytest.mark.multiprocess
