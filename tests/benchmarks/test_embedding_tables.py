@@ -1,4 +1,4 @@
-"""``benchmarks.embedding_tables`` (with its ``embedding_*`` parts): the pure parts
+"""``benchmarks.studies.embedding.tables`` (with its ``embedding_*`` parts): the pure parts
 always run; the quick run needs root, ``ip`` and ``tc`` (namespaces, veth links, shapers) and is
 skipped, with the reason, where ``multihost.available()`` says no. It only reaches the addresses
 of the topologies it builds, and leaves no namespace or process behind."""
@@ -11,11 +11,11 @@ import sys
 
 import pytest
 
-from benchmarks import embedding_hosts as eh
-from benchmarks import embedding_measure as em
-from benchmarks import embedding_report as er
-from benchmarks import embedding_tables as et
-from benchmarks import measure, multihost
+from benchmarks.harness import measure, multihost
+from benchmarks.studies.embedding import hosts as eh
+from benchmarks.studies.embedding import measure as em
+from benchmarks.studies.embedding import report as er
+from benchmarks.studies.embedding import tables as et
 
 
 def _ours(pid: int) -> list[str]:
@@ -121,7 +121,7 @@ def test_quick_run_measures_bytes_and_rates_and_leaves_nothing(tmp_path):
     # to the ideal, not the rates' size, are checked (with 20 steps of rates the server's counters
     # were read too few times for a rate). About 40 s on the 2-core VM; the margin is for a machine
     # that other jobs load.
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.embedding_tables", "--quick", "--trainers", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.studies.embedding.tables", "--quick", "--trainers", "2",
                              "--bytes-steps", "80", "--timeout", "220", "--results-dir", str(tmp_path)],
                             cwd=measure.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=measure.child_env(), start_new_session=True)

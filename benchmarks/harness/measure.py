@@ -21,7 +21,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository checkout the harness runs in (its children import psserver and benchmarks from it)."""
+RESULTS = ROOT / "benchmarks" / "results"
+"""Where results go by default: committed JSON and the tables made from it."""
 
 
 # ---- child processes ------------------------------------------------------------------------
@@ -157,7 +160,7 @@ def psserver_argv(*args: str) -> list[str]:
 
 
 def worker_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "benchmarks.workers", *args]
+    return [sys.executable, "-m", "benchmarks.harness.workers", *args]
 
 
 # ---- socket bytes (ss) ----------------------------------------------------------------------
