@@ -48,7 +48,7 @@ class Run:
         self.seconds = args.seconds or (4.0 if args.quick else 10.0)
         self.warmup = args.warmup if args.warmup is not None else (1.5 if args.quick else 3.0)
         self.window = args.window or max(1.0, self.seconds / 6)
-        self.idle_s = args.idle_seconds if args.idle_seconds is not None else (2.0 if args.quick else 4.0)
+        self.idle_s = args.idle_seconds if args.idle_seconds is not None else (0.0 if args.quick else 4.0)
         self.rounds, self.round_steps, self.round_skip = round_settings(args)
         self.local: dict[str, dict] = {}  # variant -> bursts, device, threads, peak RSS
         self.counter = 0

@@ -68,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=float, default=None, help="window length in seconds (default seconds/6)")
     p.add_argument("--idle-seconds", type=float, default=None,
                    help="seconds of server CPU measured with trainers joined and idle, async setups "
-                        "(default 4; quick 2; 0: skip)")
+                        "(default 4; --quick 0: skip)")
     p.add_argument("--rounds", type=int, default=None,
                    help="paired rounds after the one-window pass, for the throughput targets "
                         "(default 6; quick 1: a smoke run, no claim; 0: none)")
@@ -163,9 +163,10 @@ def _run_args(args: argparse.Namespace, command: str, setups: list[Setup]) -> in
     if not any(is_ceiling(s) for s in locals_):
         locals_ = [parse_setup("local"), *locals_]  # the ceiling is always measured
     others = [s for s in setups if s.kind != "local"]
-    bursts = 2 if args.quick or len(others) < 3 else 3
+    # --quick: one burst of each local loop, before the others (a smoke run: no drift to spread over)
+    bursts = 1 if args.quick else 2 if len(others) < 3 else 3
     burst_s = max(bench.window * 3, bench.seconds * (1.0 if args.quick else 1.5) / bursts)
-    burst_at = {0, len(others)} | ({len(others) // 2} if bursts == 3 else set())
+    burst_at = {0} | ({len(others)} if bursts >= 2 else set()) | ({len(others) // 2} if bursts == 3 else set())
     results: dict[str, dict] = {}
     try:
         for i in range(len(others) + 1):
