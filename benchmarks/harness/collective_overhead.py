@@ -265,7 +265,7 @@ def _table(results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks collective_overhead", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="short windows (about a minute in all)")
     p.add_argument("--model", default="mnist_cnn")
     p.add_argument("--batch-size", type=int, default=64)
