@@ -103,7 +103,8 @@ def one_kill(sup: subprocess.Popen, port: int, out: Output, trainers: list[subpr
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks restart", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks restart", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="mnist_cnn")
     p.add_argument("--kills", type=int, default=5)
     p.add_argument("--out", type=Path, default=RESULTS)
