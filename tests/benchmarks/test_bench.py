@@ -173,8 +173,8 @@ def test_quick_run_writes_json_table_and_chart(tmp_path):
     # About 100 s on the 2-core VM (one paired round, short windows: the table's shape, not its numbers,
     # is checked here). The margin is for a machine that other jobs load: beside three other suites
     # (load average 15) the same run took 8 minutes, and a 450 s limit failed it, which no figure did.
-    # 30 steps a paired run: with 10, and once with 20 (a CI run while another process imported torch beside it), a process of a
-    # run finished before the last one got past its warm-up ("never stepped together").
+    # 30 steps a paired run: with 10, and once with 20 (a CI run while another process imported torch
+    # beside it), a process of a run finished before the last one got past its warm-up ("never stepped together").
     proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--rounds", "1", "--seconds", "2",
                            "--warmup", "0.5", "--idle-seconds", "1", "--round-steps", "30", "--round-skip", "3",
                            "--results-dir", str(tmp_path)],
