@@ -38,6 +38,7 @@ import torch
 
 from psserver.errors import UsageError
 from psserver.telemetry import CheckpointInfo
+from psserver.utils.private_paths import untrusted_file
 from psserver.utils.processes import pid_alive
 
 log = logging.getLogger(__name__)
@@ -321,10 +322,15 @@ def list_checkpoints(directory: Path) -> list[Path]:
 
 def resume_order(directory: Path) -> tuple[list[Path], list[CheckpointError]]:
     """Checkpoint files in the order a resume tries them: the run written to most recently
-    first, each run's newest step first; and the errors of the files without a valid header."""
+    first, each run's newest step first; and the errors of the files without a valid header or
+    that another user could have written (``untrusted_file``)."""
     runs: dict[str, list[Header]] = {}
     unreadable: list[CheckpointError] = []
     for path in list_checkpoints(directory):
+        why = untrusted_file(path)
+        if why is not None:  # planted by another user (a directory of /tmp's kind lets them)
+            unreadable.append(CheckpointError(f"{path} {why}: only this user's own checkpoints are resumed"))
+            continue
         try:
             header = read_header(path)
         except CheckpointError as e:

@@ -137,7 +137,7 @@ class TableStatus:
 
 @dataclass
 class StaleStateStatus:
-    """State a job that is gone left in ``--state-dir`` (``psserver.ps.server.memory_state``)."""
+    """State a job that is gone left in ``--state-dir`` (``psserver.server.state.memory``)."""
 
     path: str
     bytes: int
@@ -308,4 +308,4 @@ class RefusalLog:
 CONTROL_REFUSALS = RefusalLog()
 """The process's control-plane refusals (one control plane per process)."""
 RPC_REFUSALS = RefusalLog(max_keys=50, key_chars=100)
-"""Globals the process's RPC layer refused to unpickle, by name (``psserver.ps.rpc.rpc_allowlist``)."""
+"""Globals the process's RPC layer refused to unpickle, by name (``psserver.common.rpc_allowlist``)."""

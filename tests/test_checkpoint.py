@@ -334,3 +334,20 @@ def test_a_payload_of_malformed_opcodes_is_no_loadable_state(tmp_path, payload):
     path.write_bytes(header + payload)
     with pytest.raises(CheckpointError, match="holds no loadable state"):
         read_checkpoint(path)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another uid")
+def test_a_checkpoint_another_user_planted_or_can_change_is_never_resumed(tmp_path, caplog):
+    """In a directory others may create files in (sticky, as /tmp), a newer checkpoint of
+    another user's, or one its group can rewrite, is skipped in one line; this user's own is
+    resumed."""
+    tmp_path.chmod(0o1777)
+    write_checkpoint(checkpoint_path(tmp_path, 10), state(10), run="mine")
+    write_checkpoint(checkpoint_path(tmp_path, 30), state(30), run="mine")
+    checkpoint_path(tmp_path, 30).chmod(0o664)
+    write_checkpoint(checkpoint_path(tmp_path, 40), state(40), run="theirs")
+    os.chown(checkpoint_path(tmp_path, 40), 65534, 65534)
+    _, loaded = find_latest(tmp_path)
+    assert loaded["global_step"] == 10
+    assert "ckpt-000000000040.pt is owned by uid 65534" in caplog.text
+    assert "ckpt-000000000030.pt is writable by its group or others (mode 664)" in caplog.text

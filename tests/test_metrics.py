@@ -1,4 +1,4 @@
-"""Prometheus and TensorBoard exporters (psserver/metrics.py).
+"""Prometheus and TensorBoard exporters (psserver/exporters.py).
 
 Unit tests drive a fake ControlTarget in-process; the multiprocess test scrapes a real
 ``psserver serve --metrics-port`` while a real trainer trains, then SIGKILLs the trainer and
@@ -101,7 +101,7 @@ class FakeTarget:
 
 
 def test_prometheus_endpoint_reads_status_at_scrape_time():
-    from psserver.metrics import start_exporters
+    from psserver.exporters import start_exporters
 
     target = FakeTarget()
     ex = start_exporters(target, ObservabilityConfig(metrics_port=0))
@@ -146,7 +146,7 @@ def test_prometheus_endpoint_reads_status_at_scrape_time():
 
 
 def test_server_process_metrics_follow_the_snapshot():
-    from psserver.metrics import start_exporters
+    from psserver.exporters import start_exporters
 
     def of(samples: dict, metric: str) -> dict[str, float]:
         """{server label: value} of one metric."""
@@ -177,7 +177,7 @@ def test_server_process_metrics_follow_the_snapshot():
 
 
 def test_embedding_metrics_follow_the_snapshot():
-    from psserver.metrics import start_exporters
+    from psserver.exporters import start_exporters
 
     def of(samples: dict, metric: str) -> dict[tuple[str, str], float]:
         """{(table, server): value} of one metric."""
@@ -225,7 +225,7 @@ def test_embedding_metrics_follow_the_snapshot():
 def test_waiting_state_and_checkpoint_schedule_are_exported_for_the_alerts():
     """deploy/prometheus/rules.yml alerts on a WAITING job and on a checkpoint older than its
     interval (or steps): both need the server to export them."""
-    from psserver.metrics import start_exporters
+    from psserver.exporters import start_exporters
 
     target = FakeTarget()
     with start_exporters(target, ObservabilityConfig(metrics_port=0)) as ex:
@@ -249,7 +249,7 @@ def test_server_status_carries_the_checkpoint_schedule_only_with_a_checkpoint_di
     from types import SimpleNamespace
 
     from psserver.config.ps import CheckpointConfig
-    from psserver.ps.server.status import ServerView
+    from psserver.server.status import ServerView
 
     def schedule(checkpoint: CheckpointConfig) -> tuple[float, int]:
         view = SimpleNamespace(config=SimpleNamespace(checkpoint=checkpoint))
@@ -262,7 +262,7 @@ def test_server_status_carries_the_checkpoint_schedule_only_with_a_checkpoint_di
 def test_server_process_exporter_serves_its_rank_process_metrics_and_rpc_times():
     """Server i > 0 of --num-servers: Prometheus scrapes every server process (deploy/prometheus/),
     so each serves its own process metrics and RPC times; the job's state stays server 0's."""
-    from psserver.metrics import observe_rpc, start_server_process_exporter
+    from psserver.exporters import observe_rpc, start_server_process_exporter
 
     assert start_server_process_exporter(ObservabilityConfig(), 1) is None  # no --metrics-port: nothing
     ex = start_server_process_exporter(ObservabilityConfig(metrics_port=0), 2)
@@ -280,7 +280,7 @@ def test_server_process_exporter_serves_its_rank_process_metrics_and_rpc_times()
 
 
 def test_two_exporters_in_one_process_and_rpc_histogram():
-    from psserver.metrics import observe_rpc, rpc_timed, start_exporters
+    from psserver.exporters import observe_rpc, rpc_timed, start_exporters
 
     a = start_exporters(FakeTarget(), ObservabilityConfig(metrics_port=0))
     b = start_exporters(FakeTarget(), ObservabilityConfig(metrics_port=0))
@@ -306,7 +306,7 @@ def test_two_exporters_in_one_process_and_rpc_histogram():
 
 
 def test_metrics_port_in_use_is_a_usage_error():
-    from psserver.metrics import start_exporters
+    from psserver.exporters import start_exporters
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -316,7 +316,7 @@ def test_metrics_port_in_use_is_a_usage_error():
 
 
 def test_scrape_survives_a_broken_target():
-    from psserver.metrics import start_exporters
+    from psserver.exporters import start_exporters
 
     target = FakeTarget()
     target.get_status = lambda: (_ for _ in ()).throw(RuntimeError("boom"))  # type: ignore[method-assign]
@@ -325,7 +325,7 @@ def test_scrape_survives_a_broken_target():
 
 
 def test_slow_connections_hold_no_thread_and_a_scrape_still_answers():
-    from psserver.metrics import start_exporters
+    from psserver.exporters import start_exporters
 
     with start_exporters(FakeTarget(), ObservabilityConfig(metrics_port=0)) as ex:
         threads = threading.active_count()
@@ -344,7 +344,7 @@ def test_slow_connections_hold_no_thread_and_a_scrape_still_answers():
 
 def test_tensorboard_scalars_by_global_step(tmp_path):
     pytest.importorskip("tensorboard")
-    from psserver.metrics import start_exporters
+    from psserver.exporters import start_exporters
 
     target = FakeTarget()
     ex = start_exporters(target, ObservabilityConfig(tensorboard_dir=tmp_path / "tb"), tensorboard_interval_s=0.1)
@@ -367,7 +367,7 @@ def test_tensorboard_scalars_by_global_step(tmp_path):
 def test_tensorboard_missing_is_one_line(monkeypatch, tmp_path):
     import builtins
 
-    from psserver.metrics import start_exporters
+    from psserver.exporters import start_exporters
 
     real_import = builtins.__import__
 
@@ -456,7 +456,7 @@ def test_real_server_metrics_during_training(tmp_path, procs):
 
 
 def test_serve_metrics_is_a_context_manager_for_collective_rank0():
-    from psserver.metrics import serve_metrics
+    from psserver.exporters import serve_metrics
 
     with serve_metrics(FakeTarget(), ObservabilityConfig(metrics_port=0)) as ex:
         port = ex.metrics_port

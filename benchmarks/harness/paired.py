@@ -157,7 +157,7 @@ class Rounds:
     def _server(self, setup: Setup) -> tuple[int, measure.Child]:
         # One server per step variant too: in a deployment a job's trainers share one --step,
         # and dist_autograd's backward (plain) gives the server more OpenMP teams, which
-        # slows every later step of that server (psserver.ps.engine.compute).
+        # slows every later step of that server (psserver.server.engine.compute).
         key = server_key(setup)
         if key not in self.servers:
             port = measure.free_port()

@@ -174,7 +174,7 @@ def run_psserver(argv: list[str]) -> int:
         elif argv[0] == "--join-token" and len(argv) > 1:
             os.environ["PSSERVER_JOIN_TOKEN"], argv = argv[1], argv[2:]
         elif argv[0] == "--no-allowlist":
-            from psserver.ps.rpc import torch_rpc
+            from psserver.common import torch_rpc
 
             torch_rpc.restrict_unpickler = lambda: None
             argv = argv[1:]

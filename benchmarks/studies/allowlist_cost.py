@@ -1,7 +1,7 @@
 """What the RPC allow-list costs per message: torch's own unpickling against psserver's
-restricted one (``psserver.ps.rpc.torch_rpc.restrict_unpickler``), in-process, in paired rounds.
+restricted one (``psserver.common.torch_rpc.restrict_unpickler``), in-process, in paired rounds.
 
-The messages are those of a ``pushpull`` step: the trainer's call (``endpoint.call`` of
+The messages are those of a ``pushpull`` step: the trainer's call (``calls.call`` of
 ``exchange`` with the flat gradient) read by the server, and the server's reply (the flat
 parameters and the notices) read by the trainer. Each round times both unpicklers over the same
 messages, alternating which goes first; the ratio is taken per round, then the median.
@@ -20,15 +20,14 @@ import time
 import torch
 import torch.distributed.rpc.internal as rpc_internal
 
+from psserver.common import calls, rpc_allowlist, torch_rpc
 from psserver.models import build_model
-from psserver.ps.rpc import rpc_allowlist, torch_rpc
-from psserver.ps.server import endpoint
 
 
 def messages(model: str) -> list[tuple[bytes, list[torch.Tensor]]]:
     flat = torch.cat([p.detach().reshape(-1) for p in build_model(model).parameters()])
     pickler = rpc_internal._internal_rpc_pickler
-    call = rpc_internal.PythonUDF(endpoint.call, ("trainer_0_1", "exchange", [flat.clone()], 64), {})
+    call = rpc_internal.PythonUDF(calls.call, ("trainer_0_1", "exchange", [flat.clone()], 64), {})
     reply = ([flat.clone()], ["notice"])
     return [pickler.serialize(call), pickler.serialize(reply)]
 
@@ -53,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     restricted = torch_rpc._restricted_deserialize
     for fn in (original, restricted):  # both read what they should
         call, reply = (fn(d, t) for d, t in msgs)
-        assert call.func is endpoint.call and torch.equal(reply[0][0], msgs[1][1][0])
+        assert call.func is calls.call and torch.equal(reply[0][0], msgs[1][1][0])
     before = dict(rpc_allowlist.refused_counts())
     rows = []
     for r in range(args.rounds):

@@ -24,13 +24,13 @@ def measure(model: str, steps: int, wire_dtype: str, threads: int, optimizer: di
     the server's optimizer built as torch builds it by default, for a comparison)."""
     import torch
 
+    from psserver.common.devices import resolve_devices
+    from psserver.common.messages import JoinRequest
+    from psserver.common.transport import WIRE_DTYPES
     from psserver.config import OptimizerConfig, ServerConfig
-    from psserver.ps.engine import shard
-    from psserver.ps.engine.devices import resolve_devices
-    from psserver.ps.engine.engine import StepEngine
-    from psserver.ps.protocols.pushpull import PushPullServer
-    from psserver.ps.protocols.trainer_compute import WIRE_DTYPES
-    from psserver.ps.rpc.messages import JoinRequest
+    from psserver.server.engine import shard
+    from psserver.server.engine.engine import StepEngine
+    from psserver.server.steps.pushpull import PushPullServer
 
     torch.set_num_threads(threads)
     cfg = ServerConfig(model=model, devices=["cpu"], optimizer=OptimizerConfig(**(optimizer or {})))

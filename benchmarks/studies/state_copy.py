@@ -44,7 +44,7 @@ class HostCopy:
     def __init__(self, directory: Path, name: str, tensors: list, *, register: bool) -> None:
         import torch
 
-        from psserver.ps.server.state_arena import HEADER_BYTES, Arena, Journal, Slot
+        from psserver.server.state.arena import HEADER_BYTES, Arena, Journal, Slot
 
         self.tensors = tensors
         self.device = tensors[0].device
@@ -105,12 +105,12 @@ def run(model: str, device_name: str, batch_size: int, rounds: int, steps: int, 
     import torch
     import torch.nn.functional as F
 
+    from psserver.common.messages import JoinRequest
     from psserver.config import OptimizerConfig, ServerConfig
     from psserver.models import build_model, get_model_spec
-    from psserver.ps.engine.engine import StepEngine
-    from psserver.ps.protocols.pushpull import PushPullServer
-    from psserver.ps.rpc.messages import JoinRequest
-    from psserver.ps.server.memory_state import state_layout
+    from psserver.server.engine.engine import StepEngine
+    from psserver.server.state.memory import state_layout
+    from psserver.server.steps.pushpull import PushPullServer
 
     device = torch.device(device_name)
     spec = get_model_spec(model, {})

@@ -84,7 +84,7 @@ class DemoCommand(SubCommand):
                           data=DataConfig(**data_kwargs), progress=False)
         port = _free_port()
         exe = [sys.executable, "-m", "psserver"]
-        # A join token of the demo's own, as a real job has one (psserver.ps.rpc.rendezvous.namespace).
+        # A join token of the demo's own, as a real job has one (psserver.common.rendezvous.namespace).
         env = dict(os.environ, PYTHONUNBUFFERED="1", PSSERVER_JOIN_TOKEN=secrets.token_hex(16))
         for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(var, None)

@@ -24,7 +24,7 @@ class ExportCommand(SubCommand):
                                  "<table>.rows")
 
     def run(self, args: argparse.Namespace) -> int:
-        from psserver.ps.server.export import export
+        from psserver.server.checkpoints.export import export
 
         done = export(args.checkpoint, args.out)
         sys.stdout.write(f"exported step {done.step}: {done.tensors} tensors to {done.model}"

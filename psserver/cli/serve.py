@@ -156,14 +156,14 @@ class ServeCommand(SubCommand):
         with config_errors():
             config = server_config_from_args(args)
         if config.supervise:
-            from psserver.ps.server.supervisor import supervise
+            from psserver.server.state.supervisor import supervise
 
             # A partition server that lost server 0 exits 3: restarted, it waits for server 0 to be
             # back and continues from its state in memory (kept by this process's key).
             return supervise(args.argv, config.max_restarts, resume=config.checkpoint.directory is not None,
                              state=config.memory_state, restart_codes=(3,) if config.server_rank > 0 else ())
-        from psserver.ps.server.server import run_server  # (imports torch: what a standby has done ahead)
-        from psserver.ps.server.supervisor import STANDBY_ENV, standby_wait
+        from psserver.server.server import run_server  # (imports torch: what a standby has done ahead)
+        from psserver.server.state.supervisor import STANDBY_ENV, standby_wait
 
         if os.environ.get(STANDBY_ENV) and not standby_wait():
             return 0

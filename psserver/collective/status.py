@@ -181,6 +181,6 @@ def metrics_endpoint(target: CollectiveStatus, observability: ObservabilityConfi
     read from the same status snapshots the control plane serves."""
     if observability.metrics_port is None and observability.tensorboard_dir is None:
         return nullcontext()
-    from psserver.metrics import serve_metrics
+    from psserver.exporters import serve_metrics
 
     return serve_metrics(target, observability)

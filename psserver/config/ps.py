@@ -41,11 +41,11 @@ MAX_BUCKET_CAP_MB = 1 << 16
 """The largest gradient bucket, in MiB (64 GiB: one bucket for any model)."""
 WIRE_DTYPES = ("fp32", "bf16", "fp16")
 BUFFER_POLICIES = ("average", "rank0")
-"""How the server's copy of the model's buffers follows the trainers' (``psserver.ps.engine.buffers``)."""
+"""How the server's copy of the model's buffers follows the trainers' (``psserver.common.tensors``)."""
 TRANSPORTS = ("auto", "device-map", "staged", "cpu")
-"""``--transport`` (``psserver.ps.rpc.transport``; ``auto``: the best path the two sides allow)."""
+"""``--transport`` (``psserver.common.transport``; ``auto``: the best path the two sides allow)."""
 OVERLAP_MODES = ("auto", "on", "off")
-"""``--overlap`` (``psserver.ps.protocols.pushpull``; ``auto``: on for a GPU trainer in async)."""
+"""``--overlap`` (``psserver.server.steps.pushpull``; ``auto``: on for a GPU trainer in async)."""
 COMPUTE_MODES: dict[str, str] = {
     "trainer": "the trainer runs forward and backward on parameters it pulls; the server applies the "
                "gradient (default: adding trainers adds throughput)",
@@ -71,7 +71,7 @@ STEP_MODES: dict[str, StepMode] = {
                                   "(1 round trip; server compute's default)"),
     "plain": StepMode("server", "forward RPC + dist_autograd.backward + DistributedOptimizer.step (3)"),
 }
-"""Step protocols (``psserver.ps.protocols``, one module each), each for one compute mode, the
+"""Step protocols (``psserver.server.steps``, one module each), each for one compute mode, the
 default of each mode first. Adding a protocol: its module and its entry here."""
 
 
@@ -233,7 +233,7 @@ class ServerConfig:
     declare gigabytes (a stride-0 tensor)."""
     num_servers: int = 1
     """Server processes that together hold the model's parameters, each a partition
-    (``psserver.ps.group.partition``); trainers push to and pull from all of them."""
+    (``psserver.common.partition``); trainers push to and pull from all of them."""
     server_rank: int = 0
     """This process's place among them: 0 coordinates (store, membership, control plane,
     checkpoint schedule), the others hold their partition and follow it."""
@@ -402,7 +402,7 @@ class TrainerConfig:
     device: str = "cpu"
     """Where trainer compute runs the model (``cpu`` or ``cuda:N``)."""
     transport: str = "auto"
-    """How its parameters and gradients travel (``psserver.ps.rpc.transport``): ``auto`` picks
+    """How its parameters and gradients travel (``psserver.common.transport``): ``auto`` picks
     ``device-map`` (CUDA to CUDA on one host, no host copy) where both sides are on GPUs of one
     host, else ``staged`` (pinned host memory) for a GPU trainer, else ``cpu``; a path named here
     that cannot be used is an error."""
@@ -418,7 +418,7 @@ class TrainerConfig:
     hiding; ssp overlaps when asked (``on``)."""
     bucket_cap_mb: float = 25.0
     """MiB of gradient per bucket that a ``--step pushpull`` trainer fills from autograd hooks
-    during backward (``psserver.ps.engine.buckets``; DDP's ``bucket_cap_mb``): a bucket is
+    during backward (``psserver.trainer.compute.buckets``; DDP's ``bucket_cap_mb``): a bucket is
     copied and cast into the flat buffer, and on the staged path starts its copy to the host,
     while backward goes on."""
     eval_batch_size: int = 1000
@@ -431,7 +431,7 @@ class TrainerConfig:
     """Where the step's forward and backward run (``COMPUTE_MODES``); None: the step
     protocol's, else the server's pin, else ``trainer``."""
     step: str | None = None
-    """How a step reaches the server (``STEP_MODES``, ``psserver.ps.protocols``); None: the
+    """How a step reaches the server (``STEP_MODES``, ``psserver.server.steps``); None: the
     default protocol of the compute mode."""
     stats_out: Path | None = None
     """Write per-step timings (monotonic end time of each step, samples) as JSON here."""
@@ -451,7 +451,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         from psserver.models import get_model_spec
         from psserver.models.losses import resolve_loss
-        from psserver.utils.metrics import resolve_metric
+        from psserver.utils.eval_metrics import resolve_metric
 
         check_token_file(self.join_token_file, "--join-token-file")
         if self.allocator not in ALLOCATORS:

@@ -2,7 +2,7 @@
 arguments and the warm-up, checked before anything starts.
 
 The schedule is the server's, which owns the optimizer; trainers never see it. It is built and
-stepped by ``psserver.ps.engine.lr_schedule``; this module only names and checks it, so a bad flag is
+stepped by ``psserver.server.engine.lr_schedule``; this module only names and checks it, so a bad flag is
 one line and exit code 2 before the model is built.
 """
 

@@ -32,11 +32,11 @@ from pathlib import Path
 from psserver.config.common import is_loopback_host, parse_host_port
 from psserver.control.auth import check_token
 from psserver.errors import UsageError
+from psserver.utils.private_paths import DIR_FLAGS, not_private, unsafe_parent
 
 log = logging.getLogger(__name__)
 
 MAX_FILE_BYTES = 64 * 1024
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _WILDCARD = {"0.0.0.0", "::"}  # unbracketed
 
 
@@ -57,13 +57,7 @@ def file_name(port: int) -> str:
 
 def _problem(st: os.stat_result, kind: str) -> str | None:
     """Why a directory or file with ``st`` is not this user's private one, else None."""
-    if st.st_uid != os.geteuid():
-        return f"is owned by uid {st.st_uid}, not by you (uid {os.geteuid()})"
-    if st.st_mode & 0o022:
-        return f"is writable by others (mode {stat.S_IMODE(st.st_mode):03o})"
-    if kind == "file" and st.st_mode & 0o077:
-        return f"is readable by others (mode {stat.S_IMODE(st.st_mode):03o})"
-    return None
+    return not_private(st, unreadable=kind == "file")
 
 
 def _refuse(kind: str, path: Path, why: str) -> UsageError:
@@ -76,6 +70,9 @@ def open_private_dir(path: Path, *, create: bool) -> int | None:
     when ``create`` and missing (None when missing and not ``create``); ``UsageError`` in one
     line for a symbolic link, a non-directory, or a directory of another user or writable by
     others."""
+    why = unsafe_parent(path)
+    if why is not None:
+        raise _refuse("directory", path, f"is not safe: {why}")
     if create:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -84,7 +81,7 @@ def open_private_dir(path: Path, *, create: bool) -> int | None:
         except OSError as e:
             raise UsageError(f"cannot make the control token directory {path}: {e.strerror or e}") from None
     try:
-        fd = os.open(path, _DIR_FLAGS)
+        fd = os.open(path, DIR_FLAGS)
     except FileNotFoundError:
         if create:
             raise UsageError(f"cannot open the control token directory {path}: it vanished") from None

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import TensorDataset
 
+from psserver.utils.eval_metrics import auc  # re-exported: it lived here first
 from psserver.utils.hashing import mix64, normal_by_id
-from psserver.utils.metrics import auc  # re-exported: it lived here first
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ class ModelLayout:
     @classmethod
     def of(cls, model: nn.Module) -> ModelLayout:
         """The layout of ``model``; ``ValueError`` for a state a server cannot hold (a
-        parameter that is not floating point)."""
+        parameter that is not floating point, a complex buffer)."""
         keys = model.state_dict(keep_vars=True)
         by_tensor: dict[int, str] = {}
         entries: list[Entry] = []
@@ -80,6 +80,8 @@ class ModelLayout:
         for name, b in model.named_buffers():
             if name not in keys or id(b) in by_tensor:
                 continue  # a non-persistent buffer is not in the state_dict; a shared one is an alias
+            if b.is_complex():  # buffers travel as one float64 tensor: the imaginary part would be lost
+                raise ValueError(f"buffer {name} is {b.dtype}: a parameter server holds real-valued buffers")
             entries.append(Entry(name, tuple(b.shape), _name(b.dtype), BUFFER, False))
             by_tensor[id(b)] = name
         aliases = []

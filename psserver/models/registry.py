@@ -92,7 +92,7 @@ def check_spec(spec: ModelSpec) -> ModelSpec:
     """``spec``, checked: ``ValueError`` for a spec the trainers could not run (found when it
     is defined, not mid-training)."""
     from psserver.models.losses import LOSSES
-    from psserver.utils.metrics import METRICS
+    from psserver.utils.eval_metrics import METRICS
 
     if spec.loss not in LOSSES:
         raise ValueError(f"model {spec.name!r}: unknown loss {spec.loss!r}; known: {', '.join(sorted(LOSSES))}")

@@ -39,16 +39,16 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from psserver.common import torch_rpc
+from psserver.common.messages import ALLREDUCE_MAX_ELEMENTS as MAX_ELEMENTS
+from psserver.common.messages import ALLREDUCE_MAX_NAME as MAX_NAME
+from psserver.common.messages import ALLREDUCE_OPS as OPS
+from psserver.common.messages import Report
 from psserver.config import OptimizerConfig, TrainerConfig, parse_host_port
 from psserver.config.env import default_rank, default_server_address, default_world_size
 from psserver.errors import DataError, ServerLost, UsageError
 from psserver.models.calling import input_batch_size
 from psserver.models.losses import resolve_loss
-from psserver.ps.rpc import torch_rpc
-from psserver.ps.rpc.messages import ALLREDUCE_MAX_ELEMENTS as MAX_ELEMENTS
-from psserver.ps.rpc.messages import ALLREDUCE_MAX_NAME as MAX_NAME
-from psserver.ps.rpc.messages import ALLREDUCE_OPS as OPS
-from psserver.ps.rpc.messages import Report
 from psserver.trainer.counting import SampleCounter, sample_count
 from psserver.trainer.recovery import FAILED, diagnose, join, recover, shard_count
 from psserver.trainer.rejoin import Position, script_command_line, take_position
@@ -56,8 +56,8 @@ from psserver.trainer.sampler import ResumableSampler
 from psserver.trainer.session import Session, remote_message
 from psserver.trainer.stop_signals import StopSignals
 from psserver.utils.divergence import GrowthWatch
+from psserver.utils.eval_metrics import check_outputs, concat_outputs, resolve_metric
 from psserver.utils.memory import configure_host_allocator
-from psserver.utils.metrics import check_outputs, concat_outputs, resolve_metric
 
 log = logging.getLogger(__name__)
 
@@ -509,7 +509,7 @@ class Connection:
 
     def evaluate(self, data: Dataset | Iterable, *, metric: str | Callable | None = None,
                  loss_fn: Callable | None = None, batch_size: int = 1000) -> float:
-        """``metric`` (default accuracy; a name of ``psserver.utils.metrics``, ``"loss"`` with
+        """``metric`` (default accuracy; a name of ``psserver.utils.eval_metrics``, ``"loss"`` with
         ``loss_fn``, or a callable ``(outputs, targets) -> float``) of the replica on the
         server's current parameters, over ``data``: a ``Dataset`` of ``(input, target)`` or an
         iterable of such batches. The replica is loaded from the server first (after this

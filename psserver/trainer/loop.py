@@ -45,8 +45,8 @@ from psserver.trainer.rejoin import command_line
 from psserver.trainer.session import Session, remote_message
 from psserver.trainer.stop_signals import Stopped
 from psserver.utils.cpus import share, usable_cpus
+from psserver.utils.eval_metrics import check_outputs, resolve_metric
 from psserver.utils.memory import freeze_long_lived
-from psserver.utils.metrics import check_outputs, resolve_metric
 from psserver.utils.progress import Progress
 from psserver.utils.references import is_reference
 

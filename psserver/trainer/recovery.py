@@ -18,11 +18,10 @@ from typing import NoReturn
 import torch
 import torch.distributed.rpc as rpc
 
+from psserver.common import calls, rendezvous
+from psserver.common.messages import Report
 from psserver.config import TrainerConfig
 from psserver.errors import AdmissionUnanswered, Evicted, ServerLost, UsageError
-from psserver.ps.rpc import rendezvous
-from psserver.ps.rpc.messages import Report
-from psserver.ps.server import endpoint
 from psserver.trainer.rejoin import Position, reexec
 from psserver.trainer.session import (
     PROBE_TIMEOUT_S,
@@ -68,7 +67,7 @@ def join(config: TrainerConfig, position: Position | None, stop: StopSignals, mo
             return Session(config, stop, model)
         except (JoinLost, AdmissionUnanswered) as e:  # --reconnect: a server lost during the first join too
             log.warning("joining failed (%s): rejoining in a fresh process", e)
-            reexec(Position(), stop, argv)  # RPC is never initialised twice in one process (psserver.ps.rpc.torch_rpc)
+            reexec(Position(), stop, argv)  # RPC is never initialised twice in one process (psserver.common.torch_rpc)
     where = f"{config.server_host}:{config.server_port}"
     delay = 0.5
     attempt = 0
@@ -129,7 +128,7 @@ def _ask_server(session: Session, error: BaseException | None) -> str:
             if attempt + 1 == PROBE_TRIES:
                 return LOST
             time.sleep(PROBE_RETRY_S)
-    if state == endpoint.NOT_A_MEMBER:
+    if state == calls.NOT_A_MEMBER:
         return EVICTED
     return FAILED if state == "SERVING" else LOST
 

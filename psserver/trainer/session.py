@@ -1,8 +1,8 @@
 """A trainer's session with the parameter server: one membership of its RPC group.
 
 The :class:`Session` is the join, the heartbeat, the leave, and the channel its step
-protocol's trainer half calls the server through (``psserver.ps.protocols``). Progress and
-liveness ride on every call as a :class:`~psserver.ps.rpc.messages.Report`; a low-rate heartbeat
+protocol's trainer half calls the server through (``psserver.trainer.steps``). Progress and
+liveness ride on every call as a :class:`~psserver.common.messages.Report`; a low-rate heartbeat
 covers the time between steps. The training loop around it: ``psserver.trainer.loop``.
 """
 
@@ -21,17 +21,16 @@ from dataclasses import asdict
 import torch
 import torch.distributed.rpc as rpc
 
+from psserver.common import calls, rendezvous, torch_rpc, transport
+from psserver.common.devices import resolve_device
+from psserver.common.messages import JoinRequest, Report
+from psserver.common.transport import WIRE_DTYPES
 from psserver.config import TrainerConfig
 from psserver.errors import ServerUnavailable, UsageError
 from psserver.models import ModelSpec, build_model, get_model_spec
 from psserver.models.layout import ModelLayout, values_of
 from psserver.models.losses import resolve_loss
-from psserver.ps.engine.devices import resolve_device
-from psserver.ps.protocols import TrainerHalf, get_protocol
-from psserver.ps.protocols.trainer_compute import WIRE_DTYPES
-from psserver.ps.rpc import rendezvous, torch_rpc, transport
-from psserver.ps.rpc.messages import JoinRequest, Report
-from psserver.ps.server import endpoint
+from psserver.trainer.steps import TrainerHalf, trainer_half
 from psserver.trainer.stop_signals import StopSignals
 from psserver.utils.cpp_log import quiet_cpp_warnings
 
@@ -39,7 +38,7 @@ log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 10.0
 EVICTION_NOTICE = "evicted by the server: "
-"""How the server's notice of an eviction starts (``psserver.ps.server.endpoint``), its reason after."""
+"""How the server's notice of an eviction starts (``psserver.server.endpoint``), its reason after."""
 """How long a trainer whose call failed waits for the server to say whether it is a member."""
 
 
@@ -83,19 +82,12 @@ class Session:
                 config.server_host, config.server_port, config.connect_timeout, config.rpc_timeout, token
             )
         published = rendezvous.model_info(self.store)
-        self.spec: ModelSpec = choose_model(config, published) if model is None else instance_spec(model)
-        """This trainer's model: the library's instance, else ``--model``, else the server's."""
-        self.loss_fn = resolve_loss(config.loss, self.spec.loss)
-        """The training loss (``--loss``, else the model's), which the trainer half computes."""
-        self.model: torch.nn.Module = model if model is not None else build_model(
-            self.spec, seed=int(published.get("seed") or 0), embedding_dim=published.get("embedding_dim"))
-        """The replica (the library's instance, or as built, on the CPU): its layout is checked at the join."""
-        try:
-            layout = ModelLayout.of(self.model)
-        except ValueError as e:  # a state no server holds (a complex parameter)
-            raise UsageError(f"model {self.spec.name}: {e}") from None
-        # While the server holds no model, the join brings this one's initial values.
-        values = values_of(self.model, layout) if published.get("fingerprint") is None else None
+        # A model of the trainer's own is built before the join (its build may take a while); the
+        # server's is learnt from the server itself once this trainer is in the RPC group, never
+        # from the store, which others may write (see Endpoint.model_info).
+        own = model is not None or config.model is not None
+        if own:
+            layout, values = self._take_model(config, model, published)
         # Before joining the RPC group, whose join calls every member: the server evicts the
         # dead ones (this rank's crashed holder, say) or refuses a rank whose holder is alive.
         rpc_id, incarnation = rendezvous.request_admission(self.store, config.rank,
@@ -123,6 +115,13 @@ class Session:
         except RuntimeError as e:  # the group or the server went away while this trainer joined
             msg = str(e).splitlines()[0]
             raise JoinLost(f"cannot join the RPC group of {config.server_host}:{config.server_port}: {msg}") from None
+        if not own:
+            try:
+                served = rpc.rpc_sync(rendezvous.SERVER_NAME, calls.model_info, timeout=config.rpc_timeout)
+                layout, values = self._take_model(config, None, served)
+            except BaseException:
+                self._shutdown(graceful=True)
+                raise
         optimizer = asdict(config.optimizer) if config.optimizer else None
         request = JoinRequest(config.rank, self.name, socket.gethostname(), os.getpid(), config.step, optimizer,
                               config.compute, config.wire_dtype, str(self.device), self.spec.name, self.spec.args,
@@ -130,7 +129,7 @@ class Session:
                               transport_reason=self.transport.reason, overlap=config.overlap)
         t0 = time.perf_counter()
         try:
-            self.info = rpc.rpc_sync(rendezvous.SERVER_NAME, endpoint.join, args=(request,))
+            self.info = rpc.rpc_sync(rendezvous.SERVER_NAME, calls.join, args=(request,))
         except Exception as e:  # noqa: BLE001 - the server's refusal is the user's answer
             self._shutdown(graceful=False)
             raise UsageError(f"server refused the join: {remote_message(e)}") from None
@@ -173,7 +172,7 @@ class Session:
         self._hb = threading.Thread(target=self._heartbeat, name="psserver-heartbeat", daemon=True)
         self._hb.start()
         try:
-            self.protocol: TrainerHalf = get_protocol(self.step_protocol).trainer(self)
+            self.protocol: TrainerHalf = trainer_half(self.step_protocol)(self)
         except BaseException:
             self._stop.set()
             raise
@@ -181,6 +180,23 @@ class Session:
                  config.server_host, config.server_port, self.name, self.spec.name, self.info["update"],
                  self.info["optimizer"]["name"], self.info["compute"], self.step_protocol,
                  f" on {self.device}" if self.info["compute"] == "trainer" else "")
+
+    def _take_model(self, config: TrainerConfig, model: torch.nn.Module | None,
+                    info: dict) -> tuple[ModelLayout, list[torch.Tensor] | None]:
+        """This trainer's model (``info``: what the server published of its own), its layout, and
+        the initial values the join brings while the server holds no model."""
+        self.spec: ModelSpec = choose_model(config, info) if model is None else instance_spec(model)
+        """This trainer's model: the library's instance, else ``--model``, else the server's."""
+        self.loss_fn = resolve_loss(config.loss, self.spec.loss)
+        """The training loss (``--loss``, else the model's), which the trainer half computes."""
+        self.model: torch.nn.Module = model if model is not None else build_model(
+            self.spec, seed=int(info.get("seed") or 0), embedding_dim=info.get("embedding_dim"))
+        """The replica (the library's instance, or as built, on the CPU): its layout is checked at the join."""
+        try:
+            layout = ModelLayout.of(self.model)
+        except ValueError as e:  # a state no server holds (a complex parameter)
+            raise UsageError(f"model {self.spec.name}: {e}") from None
+        return layout, values_of(self.model, layout) if info.get("fingerprint") is None else None
 
     def _told(self, notices: list[str]) -> None:
         """What the server told along with a call (a step its guard dropped, an eviction: its
@@ -193,7 +209,7 @@ class Session:
     def call(self, op: str, *args):
         """``op`` of the server half of this session's step protocol (the trainer half's channel);
         what the server tells along (a step it dropped) is logged."""
-        result, notices, self.progress = rpc.rpc_sync(rendezvous.SERVER_NAME, endpoint.call,
+        result, notices, self.progress = rpc.rpc_sync(rendezvous.SERVER_NAME, calls.call,
                                                       args=(self.name, op, args, self.report))
         self._told(notices)
         return result
@@ -206,12 +222,12 @@ class Session:
             self._told(notices)
             return value
 
-        return rpc.rpc_async(rendezvous.SERVER_NAME, endpoint.call, args=(self.name, op, args, None)).then(result)
+        return rpc.rpc_async(rendezvous.SERVER_NAME, calls.call, args=(self.name, op, args, None)).then(result)
 
     def call_each(self, op: str, args: list[tuple]) -> list:
         """``op`` on every server process at once, ``args[i]`` for server i; their results in
         order. When any failed (after all have answered), ``PartitionCallError`` naming it."""
-        futures = [rpc.rpc_async(name, endpoint.call, args=(self.name, op, a, self.report if i == 0 else None))
+        futures = [rpc.rpc_async(name, calls.call, args=(self.name, op, a, self.report if i == 0 else None))
                    for i, (name, a) in enumerate(zip(self.servers, args, strict=True))]
         results, failed = [], None
         for i, fut in enumerate(futures):
@@ -233,20 +249,20 @@ class Session:
         interval = float(self.info["heartbeat_interval"])
         while not self._stop.wait(interval):
             try:
-                rpc.rpc_async(rendezvous.SERVER_NAME, endpoint.heartbeat, args=(self.name, self.report),
+                rpc.rpc_async(rendezvous.SERVER_NAME, calls.heartbeat, args=(self.name, self.report),
                               timeout=max(1.0, interval * 4))
             except RuntimeError:  # the training loop reports a lost server
                 pass
 
     def host_trainers(self) -> int:
         """Live trainers on this host as the server knows them, this one included."""
-        return int(rpc.rpc_sync(rendezvous.SERVER_NAME, endpoint.host_trainers, args=(self.name,),
+        return int(rpc.rpc_sync(rendezvous.SERVER_NAME, calls.host_trainers, args=(self.name,),
                                 timeout=min(self.config.rpc_timeout, PROBE_TIMEOUT_S)))
 
     def probe(self) -> str:
-        """The server's state, asked as a heartbeat (``endpoint.NOT_A_MEMBER`` once this trainer
+        """The server's state, asked as a heartbeat (``calls.NOT_A_MEMBER`` once this trainer
         was evicted); an RPC error when the server is gone."""
-        return rpc.rpc_sync(rendezvous.SERVER_NAME, endpoint.heartbeat, args=(self.name, self.report),
+        return rpc.rpc_sync(rendezvous.SERVER_NAME, calls.heartbeat, args=(self.name, self.report),
                             timeout=min(self.config.rpc_timeout, PROBE_TIMEOUT_S))
 
     def leave(self) -> None:
@@ -257,7 +273,7 @@ class Session:
         self._stop.set()
         try:
             self.protocol.flush()
-            rpc.rpc_sync(rendezvous.SERVER_NAME, endpoint.leave, args=(self.name, self.report), timeout=10)
+            rpc.rpc_sync(rendezvous.SERVER_NAME, calls.leave, args=(self.name, self.report), timeout=10)
             self._shutdown(graceful=True)
         except Exception:  # noqa: BLE001 - server already gone: leave locally
             self._shutdown(graceful=False)
@@ -307,8 +323,8 @@ DEFAULT_MODEL = "mnist_cnn"
 def choose_model(config: TrainerConfig, published: dict) -> ModelSpec:
     """The trainer's model: its ``--model``, else the one the server's operator pinned (``serve
     --model``), else ``mnist_cnn``. A model another trainer brought (or a checkpoint recorded) is
-    a peer's choice and never built. (The pinned one is read from the rendezvous store, which a
-    join token keeps to the job's members: without one, whoever reaches the store could name it.)
+    a peer's choice and never built. (``published`` comes from the server over RPC when this
+    trainer builds the server's model, never from the store, which others may write.)
     ``UsageError`` for a brought model, and for a model a server without ``--model`` cannot hold."""
     brought = published.get("model") if not published.get("pinned") else None
     if config.model is not None:

@@ -345,7 +345,7 @@ def test_trainer_compute_targets_and_capacity_from_paired_rounds():
 
 def test_server_half_times_an_exchange_without_rpc(caplog):
     from benchmarks.studies import server_half
-    from psserver.ps.engine import shard
+    from psserver.server.engine import shard
 
     wall, cpu = server_half.measure("mlp", 5, "bf16", 1)
     assert 0 < wall < 1000 and 0 < cpu < 1000

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.harness import setups, targets, workers
-from psserver.ps.rpc import torch_rpc
+from psserver.common import torch_rpc
 
 
 def test_token_and_open_setups_build_their_command_lines():

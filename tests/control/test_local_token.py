@@ -103,14 +103,22 @@ def _refused_by_server_and_client(target, caplog, why: str) -> None:
 def test_a_directory_others_can_write_is_refused(target, caplog, mode):
     runtime_dir().mkdir(parents=True)
     runtime_dir().chmod(mode)
-    _refused_by_server_and_client(target, caplog, f"is writable by others (mode {mode:03o})")
+    _refused_by_server_and_client(target, caplog, f"is writable by its group or others (mode {mode:03o})")
+
+
+def test_a_private_directory_under_one_others_can_write_is_refused(target, caplog):
+    runtime_dir().mkdir(parents=True, mode=0o700)
+    runtime_dir().parent.chmod(0o777)
+    _refused_by_server_and_client(target, caplog, f"is not safe: {runtime_dir().parent}, above it, is writable by "
+                                  "its group or others without the sticky bit (mode 777): another user can replace "
+                                  "what is in it")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
 def test_a_directory_of_another_user_is_refused(target, caplog):
     runtime_dir().mkdir(parents=True, mode=0o700)
     os.chown(runtime_dir(), NOBODY, NOBODY)
-    _refused_by_server_and_client(target, caplog, f"is owned by uid {NOBODY}, not by you (uid {os.geteuid()})")
+    _refused_by_server_and_client(target, caplog, f"is owned by uid {NOBODY}, not by this user (uid {os.geteuid()})")
 
 
 def test_symbolic_links_are_not_followed(tmp_path):
@@ -135,7 +143,7 @@ def test_a_file_others_can_read_or_write_is_refused():
     local = LocalToken.write("127.0.0.1", 50051)
     for mode in (0o644, 0o660):
         local.path.chmod(mode)
-        with pytest.raises(UsageError, match=r"is (readable|writable) by others"):
+        with pytest.raises(UsageError, match=r"is (readable|writable) by (its group or )?others"):
             find_local_token("127.0.0.1:50051")
     local.path.chmod(0o600)
     assert find_local_token("127.0.0.1:50051") == local.token

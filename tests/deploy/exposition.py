@@ -94,11 +94,11 @@ def exported_names() -> set[str]:
     """Every sample name the server can export: a full status's and a broken status's exposition,
     each read over HTTP from the real exporter."""
     from psserver.config import ObservabilityConfig
-    from psserver.metrics import start_exporters
+    from psserver.exporters import start_exporters
 
     target = realistic_target()
     names: set[str] = set()
-    quiet = logging.getLogger("psserver.metrics")
+    quiet = logging.getLogger("psserver.exporters")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # the broken status logs its traceback: expected here
     try:

@@ -133,7 +133,7 @@ def test_promtool_finds_no_problem_in_a_full_exposition():
     """Every family the collector can produce (server processes, embedding tables, a checkpoint,
     refusals, the RPC histogram), linted by ``promtool check metrics``."""
     from psserver.config import ObservabilityConfig
-    from psserver.metrics import observe_rpc, start_exporters
+    from psserver.exporters import observe_rpc, start_exporters
     from tests.deploy.exposition import realistic_target
 
     with start_exporters(realistic_target(), ObservabilityConfig(metrics_port=0)) as ex:

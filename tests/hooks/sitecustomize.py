@@ -30,7 +30,7 @@ _ONCE = os.environ.get("PSSERVER_TEST_DIE_ONCE")
 if _AFTER and _ONCE:
     import signal
 
-    from psserver.ps.engine.sequences import GradientSequences
+    from psserver.server.engine.journal import GradientSequences
 
     _commit = GradientSequences.commit
     _count = [0]
@@ -54,22 +54,18 @@ if _SLOW_SETUP:
 
     from psserver.trainer import session as _session
 
-    _get_protocol = _session.get_protocol
+    _trainer_half = _session.trainer_half
 
-    def get_protocol(name):
-        protocol = _get_protocol(name)
+    def trainer_half(name):
+        half = _trainer_half(name)
 
-        class Slow:
-            def __getattr__(self, attr):
-                return getattr(protocol, attr)
+        def slow(channel):
+            time.sleep(float(_SLOW_SETUP))
+            return half(channel)
 
-            def trainer(self, channel):
-                time.sleep(float(_SLOW_SETUP))
-                return protocol.trainer(channel)
+        return slow
 
-        return Slow()
-
-    _session.get_protocol = get_protocol
+    _session.trainer_half = trainer_half
 
 if os.environ.get("PSSERVER_TEST_DIE_IN_JOIN"):
     from torch.distributed.rpc import backend_registry

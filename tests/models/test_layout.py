@@ -106,3 +106,12 @@ def test_an_integer_parameter_is_refused():
     model.steps = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
     with pytest.raises(ValueError, match=r"parameter steps is torch\.int64"):
         ModelLayout.of(model)
+
+
+def test_a_complex_buffer_is_refused_not_halved():
+    """Buffers travel as one float64 tensor: a complex one would come back without its
+    imaginary part, on a server that built the model itself (``serve --model``) too."""
+    model = nn.Linear(2, 2)
+    model.register_buffer("phase", torch.tensor([1 + 2j]))
+    with pytest.raises(ValueError, match=r"buffer phase is torch\.complex64"):
+        ModelLayout.of(model)

@@ -31,8 +31,8 @@ def _die(step: int) -> None:
 def install(at_step: int) -> None:
     from torch.distributed.optim import DistributedOptimizer
 
-    from psserver.ps.protocols.chained import ChainedTrainer
-    from psserver.ps.protocols.pushpull import PushPullTrainer
+    from psserver.trainer.steps.chained import ChainedTrainer
+    from psserver.trainer.steps.pushpull import PushPullTrainer
 
     count = {"optimizer": 0, "owed": 0}
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from psserver.common.devices import resolve_devices
+from psserver.common.messages import JoinRequest
 from psserver.config import OptimizerConfig, ServerConfig
 from psserver.models import build_model, get_model_spec
 from psserver.models.layout import ModelLayout, values_of
 from psserver.models.losses import get_loss
-from psserver.ps.engine.devices import resolve_devices
-from psserver.ps.engine.engine import StepEngine
-from psserver.ps.rpc.messages import JoinRequest
+from psserver.server.engine.engine import StepEngine
 
 
 def join_request(rank: int = 0, name: str = "t", *, model: str = "mlp", step: str | None = None,

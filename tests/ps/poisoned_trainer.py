@@ -14,7 +14,7 @@ ENV = "PSSERVER_TEST_POISON_EVERY"
 
 
 def install(every: int) -> None:
-    from psserver.ps import protocols
+    from psserver.trainer.steps import HALVES
 
     count = {"steps": 0}
 
@@ -28,9 +28,8 @@ def install(every: int) -> None:
 
         return wrapper
 
-    for name in protocols.PROTOCOLS:
-        trainer = protocols.get_protocol(name).trainer
-        trainer.step = poisoned(trainer.step)
+    for half in HALVES.values():
+        half.step = poisoned(half.step)
 
 
 if __name__ == "__main__":

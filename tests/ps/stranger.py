@@ -5,7 +5,7 @@ no part of psserver's RPC surface, each attempt meant to create the file PWNED o
 something. Prints one JSON line (``{"members": [...], "results": {worker: {attempt: {"ok":
 bool, "value" | "error": str}}}}``), then leaves the group.
 
-``ping`` (``psserver.ps.rpc.rendezvous.ping``, which psserver does call on its workers) is the
+``ping`` (``psserver.common.rendezvous.ping``, which psserver does call on its workers) is the
 control: it answers, so the stranger is in the group and the refusals are the allow-list's.
 """
 
@@ -20,7 +20,7 @@ import sys
 
 import torch.distributed.rpc as rpc
 
-from psserver.ps.rpc.rendezvous import ping
+from psserver.common.rendezvous import ping
 
 
 def attempts(pwned: str) -> dict[str, tuple]:

@@ -28,7 +28,7 @@ from psserver.checkpoint import (
 )
 from psserver.cli import main
 from psserver.config import OptimizerConfig, ServerConfig
-from psserver.ps.server.server import ParameterServer
+from psserver.server.server import ParameterServer
 from tests.procs import die_mid_checkpoint, free_port, run
 
 OLD_RUN = "0ld" + "0" * 29

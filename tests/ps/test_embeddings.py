@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from psserver.checkpoint import list_checkpoints, read_checkpoint
+from psserver.common.partition import owner
 from psserver.config import MemoryStateConfig
 from psserver.control.client import ControlClient
 from psserver.data.clicks import ClickLogSpec, make_click_log
 from psserver.models import build_model
-from psserver.ps.server.memory_state import MemoryState
-from psserver.ps.sparse.table import EmbeddingTable
-from psserver.ps.sparse.tables import owner
+from psserver.server.sparse.table import EmbeddingTable
+from psserver.server.state.memory import MemoryState
 from tests.procs import cli, free_port, metric, run, start_servers
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]

@@ -32,7 +32,7 @@ def test_trainer_device_without_cuda_is_a_clear_error():
 @needs_gpu
 def test_shard_runs_on_its_device():
     from psserver.config import OptimizerConfig
-    from psserver.ps.engine.shard import Shard
+    from psserver.server.engine.shard import Shard
 
     shard = Shard(0, torch.nn.Sequential(torch.nn.Linear(8, 4)), torch.device("cuda:0"))
     shard.init_optimizer(OptimizerConfig())
@@ -82,7 +82,7 @@ def test_a_server_on_a_gpu_says_its_state_is_not_kept_in_memory(tmp_path, caplog
     """Device memory dies with the process: the state in memory is off, with its reason in the
     log and in ``psserver status``, not silently (a restart resumes from a checkpoint)."""
     from psserver.config import MemoryStateConfig, OptimizerConfig, ServerConfig
-    from psserver.ps.server.server import ParameterServer
+    from psserver.server.server import ParameterServer
 
     cfg = ServerConfig(model="mlp", devices=["cuda:0"], optimizer=OptimizerConfig(),
                        memory_state=MemoryStateConfig(tmp_path, "run-a"))

@@ -38,7 +38,7 @@ def test_a_trainer_sending_nan_every_other_step_does_not_poison_the_model(procs,
     # Rank 1 poisons every other one of its 3 x 63 steps: 94 dropped, never 3 in a row.
     assert rows[1]["nonfinite"] == 94 and rows[0]["nonfinite"] == 0 and rows[1]["reason"] == ""
     assert data["status"]["nonfinite_gradients"] == 94
-    # Each trainer's path, and why, in the status and in its log (psserver.ps.rpc.transport).
+    # Each trainer's path, and why, in the status and in its log (psserver.common.transport).
     assert {(r["transport"], r["transport_reason"]) for r in rows.values()} == {("cpu", "the trainer runs on the CPU")}
     assert "transport cpu: the trainer runs on the CPU" in healthy.output()
     assert procs.stop(server) == 0

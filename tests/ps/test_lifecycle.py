@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch.distributed as dist
 
-from psserver.ps.rpc.rendezvous import request_admission
+from psserver.common.rendezvous import request_admission
 from tests.procs import Proc, ProcessGroup, free_port, slow_protocol_setup, slow_steps
 
 pytestmark = pytest.mark.multiprocess

@@ -3,12 +3,15 @@
 The first trainer to join a server without ``--model`` brings the model's layout and values,
 and names it. A peer can name anything (``os:system`` with a command as its argument): the
 trainers after it must not call that, neither while the server runs nor after ``--resume``
-from a checkpoint that recorded the name."""
+from a checkpoint that recorded the name, nor when someone who may write the server's store
+marks that name as the operator's pinned model there."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import sys
+import threading
 
 import pytest
 import torch
@@ -64,6 +67,12 @@ def test_a_peer_naming_os_system_runs_nothing_in_later_trainers_nor_after_resume
 
     line = victim()
     assert "never runs code that a peer named" in line and "'os:system'" in line, line
+    # Whoever may write the store (anyone who reaches it without a join token) marks the name
+    # pinned, as often as it likes, while the next victim starts: the server puts its key back
+    # within a poll, but a trainer that read the store would have read the forgery.
+    with forged_pin(port, {"command": f"touch {marker}"}):
+        line = victim()
+    assert "never runs code that a peer named" in line, line
     assert procs.stop(server) == 0, server.tail()
     again = procs.server(port, "--checkpoint-dir", str(ckpt), "--resume")
     again.wait_for("learnt from a checkpoint", timeout=30)
@@ -73,6 +82,32 @@ def test_a_peer_naming_os_system_runs_nothing_in_later_trainers_nor_after_resume
     assert mine.wait(120) == 0, mine.tail()
     assert procs.stop(again) == 0, again.tail()
     assert not marker.exists()
+
+
+class forged_pin:
+    """Writes the server's published model back as pinned, with ``args``, until the block ends."""
+
+    def __init__(self, port: int, args: dict) -> None:
+        import torch.distributed as dist
+
+        self.store = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=30))
+        info = json.loads(self.store.get("psserver/model"))
+        self.value = json.dumps({**info, "pinned": True, "model_args": args})
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._write, daemon=True)
+
+    def _write(self) -> None:
+        while not self.done.wait(0.002):
+            self.store.set("psserver/model", self.value)
+
+    def __enter__(self) -> forged_pin:
+        self.store.set("psserver/model", self.value)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        self.thread.join(5)
 
 
 def test_a_class_of_a_script_run_as_a_module_is_named_as_it_imports(monkeypatch):

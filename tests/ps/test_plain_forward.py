@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from psserver.config import OptimizerConfig, ServerConfig
-from psserver.ps.engine.engine import StepEngine
-from psserver.ps.protocols.plain import PlainServer
+from psserver.server.engine.engine import StepEngine
+from psserver.server.steps.plain import PlainServer
 
 
 def clock(engine: StepEngine) -> int:

@@ -10,15 +10,16 @@ import pytest
 import torch
 from torch import nn
 
+from psserver.common.devices import resolve_devices
 from psserver.config import OptimizerConfig, ServerConfig
 from psserver.models import build_model
-from psserver.ps.engine.devices import resolve_devices
-from psserver.ps.engine.engine import ShuttingDown, StepEngine
-from psserver.ps.protocols import PROTOCOLS
-from psserver.ps.protocols.chained import ChainedServer
-from psserver.ps.protocols.plain import PlainServer
-from psserver.ps.protocols.pull import PullServer
-from psserver.ps.protocols.pushpull import PushPullServer
+from psserver.server.engine.engine import ShuttingDown, StepEngine
+from psserver.server.steps import HALVES as SERVER_HALVES
+from psserver.server.steps.chained import ChainedServer
+from psserver.server.steps.plain import PlainServer
+from psserver.server.steps.pull import PullServer
+from psserver.server.steps.pushpull import PushPullServer
+from psserver.trainer.steps import HALVES as TRAINER_HALVES
 from tests.ps.joins import join_request
 
 CUDA = pytest.param("cuda:0", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -91,7 +92,7 @@ def assert_same_weights(engine: StepEngine, ref: list[torch.Tensor], device: str
 def test_every_registered_protocol_is_a_step_mode():
     from psserver.config.ps import STEP_MODES
 
-    assert sorted(PROTOCOLS) == sorted(STEP_MODES)
+    assert sorted(SERVER_HALVES) == sorted(TRAINER_HALVES) == sorted(STEP_MODES)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
@@ -215,7 +216,7 @@ def test_a_rejoined_overlapping_trainers_first_call_counts_its_staleness_from_it
 def test_pushpull_in_a_narrow_wire_dtype_keeps_fp32_master_weights(make_engine, wire):
     """Parameters go out and gradients come in as ``wire``; the server's weights and Adam state
     stay fp32, and the update is the fp32 update of the rounded gradient."""
-    from psserver.ps.protocols.trainer_compute import WIRE_DTYPES
+    from psserver.common.transport import WIRE_DTYPES
 
     dtype = WIRE_DTYPES[wire]
     engine, _ = make_engine(optimizer="sgd", lr=0.1)

@@ -14,7 +14,7 @@ from psserver.cli import main
 from psserver.config import CheckpointConfig, ServerConfig
 from psserver.models import build_model, get_model_spec
 from psserver.models.layout import ModelLayout, values_of
-from psserver.ps.server.server import ParameterServer
+from psserver.server.server import ParameterServer
 
 
 def make_checkpoint(tmp_path, model: str, devices: list[str]):

@@ -14,13 +14,14 @@ import pytest
 import torch
 from torch import nn
 
+from psserver.common.devices import resolve_devices
+from psserver.common.transport import WIRE_DTYPES
 from psserver.config import OptimizerConfig, ServerConfig
 from psserver.models import build_model
-from psserver.ps.engine.devices import resolve_devices
-from psserver.ps.engine.engine import StepEngine
-from psserver.ps.protocols import trainer_compute
-from psserver.ps.protocols.pushpull import PushPullServer, PushPullTrainer
-from psserver.ps.protocols.trainer_compute import WIRE_DTYPES
+from psserver.server.engine.engine import StepEngine
+from psserver.server.steps.pushpull import PushPullServer
+from psserver.trainer.steps import trainer_compute
+from psserver.trainer.steps.pushpull import PushPullTrainer
 from tests.ps.joins import give_replica, join_request, mlp_engine
 
 CUDA = pytest.param("cuda:0", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -86,7 +87,7 @@ def test_the_replica_trains_on_its_device_like_a_local_loop(engine, device):
     # The reference computes on the same device: a CPU loop would differ from the GPU's kernels by
     # rounding that Adam turns into steps of size lr wherever a gradient is near zero.
     ref = build_model("mlp", seed=0).to(device)
-    opt = torch.optim.Adam(ref.parameters(), lr=0.01, fused=True)  # as the server's (psserver.ps.engine.shard)
+    opt = torch.optim.Adam(ref.parameters(), lr=0.01, fused=True)  # as the server's (psserver.server.engine.shard)
     for x, y in batches(5):
         loss = trainer.step(x, y)
         opt.zero_grad()

@@ -39,7 +39,7 @@ def local_loop(model_name: str, steps: int, batch_size: int, lr: float, data: Da
     x_all, y_all = train_set.tensors
     steps_per_epoch = (len(sampler) + batch_size - 1) // batch_size
     model = build_model(model_name, seed=0)
-    # the server's Adam (psserver.ps.engine.shard.FUSED)
+    # the server's Adam (psserver.server.engine.shard.FUSED)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, fused=True)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

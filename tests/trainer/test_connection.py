@@ -17,7 +17,7 @@ from torch.optim.swa_utils import AveragedModel
 from torch.utils.data import DataLoader, TensorDataset
 
 import psserver
-from psserver.utils.metrics import concat_outputs
+from psserver.utils.eval_metrics import concat_outputs
 from tests.trainer import loops
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import psserver
-from psserver.ps.rpc import torch_rpc
+from psserver.common import torch_rpc
 
 
 class PlainSession:

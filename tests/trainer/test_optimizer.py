@@ -16,8 +16,8 @@ from torch.distributed.optim.functional_sgd import _FunctionalSGD
 
 import psserver
 from psserver.config import LRScheduleConfig, OptimizerConfig, ServerConfig
-from psserver.ps.engine.engine import StepEngine
-from psserver.ps.protocols.plain import PlainServer
+from psserver.server.engine.engine import StepEngine
+from psserver.server.steps.plain import PlainServer
 
 
 class Recorder:
@@ -235,7 +235,7 @@ def test_outputs_that_grow_by_orders_of_magnitude_are_told_once_in_the_servers_l
         plain.forward("t", x)
         engine.drop_step("t")
 
-    with caplog.at_level(logging.WARNING, logger="psserver.ps.protocols.plain"):
+    with caplog.at_level(logging.WARNING, logger="psserver.server.steps.plain"):
         forward()
         with torch.no_grad():
             engine.shards[0].module[-1].weight.mul_(10.0)  # tenfold: training's own range

@@ -13,10 +13,10 @@ import time
 import pytest
 import torch.distributed as dist
 
+from psserver.common import rendezvous
+from psserver.common.rendezvous import request_admission
 from psserver.config import TrainerConfig
 from psserver.errors import AdmissionUnanswered, UsageError
-from psserver.ps.rpc import rendezvous
-from psserver.ps.rpc.rendezvous import request_admission
 from psserver.trainer import recovery
 from psserver.trainer.rejoin import Position
 from psserver.trainer.session import JoinDeferred

@@ -1,4 +1,4 @@
-"""Held-out metrics by name (``psserver.utils.metrics``) and training losses by name."""
+"""Held-out metrics by name (``psserver.utils.eval_metrics``) and training losses by name."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from psserver.models.losses import LOSSES, get_loss
-from psserver.utils.metrics import METRICS, accuracy, auc, get_metric, rmse
+from psserver.utils.eval_metrics import METRICS, accuracy, auc, get_metric, rmse
 
 
 def test_auc_is_the_mann_whitney_statistic_with_ties_counted_half():
@@ -98,7 +98,7 @@ def usermetric(tmp_path, monkeypatch):
 
 
 def test_metrics_by_name_loss_and_reference(usermetric):
-    from psserver.utils.metrics import resolve_metric
+    from psserver.utils.eval_metrics import resolve_metric
 
     out, y = torch.tensor([[3.0, 2.0, 1.0], [1.0, 2.0, 3.0]]), torch.tensor([1, 0])
     assert resolve_metric(None, "rmse") == ("rmse", rmse)
@@ -124,7 +124,7 @@ def test_bad_metrics_are_one_line_at_configuration(usermetric, reference, match)
 
 def test_a_failing_user_metric_is_one_line(usermetric):
     from psserver.errors import UserCodeError
-    from psserver.utils.metrics import resolve_metric
+    from psserver.utils.eval_metrics import resolve_metric
 
     out, y = torch.zeros(2, 3), torch.tensor([1, 0])
     with pytest.raises(UserCodeError, match=r"--metric usermetric.m:broken raised ZeroDivisionError: division by zero "

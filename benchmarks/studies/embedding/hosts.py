@@ -48,7 +48,7 @@ with ControlClient(address, timeout=5) as client:
 _GATE = r"""
 import os, sys, time
 ready, go, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
-from psserver.ps.protocols import trainer_compute
+from psserver.trainer.steps import trainer_compute
 first = trainer_compute.TrainerComputeHalf.step
 def gated(self, x, y):
     trainer_compute.TrainerComputeHalf.step = first

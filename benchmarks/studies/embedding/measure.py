@@ -217,17 +217,17 @@ def rpc_pickle_sizes(dim: int) -> dict:
     import torch
     from torch.distributed.rpc.internal import PythonUDF, _internal_rpc_pickler
 
+    from psserver.common import calls
+    from psserver.common.messages import Report
     from psserver.models import get_model_spec
-    from psserver.ps.rpc.messages import Report
-    from psserver.ps.server import endpoint
 
     names = [d.name for d in get_model_spec("mf").tables]
     rows = {"grads": {n: torch.zeros(10, dim + 1) for n in names},
             "ids": {n: torch.zeros(10, dtype=torch.int64) for n in names}}
     report = Report(steps=1234, samples=1_263_616, loss=0.8813, samples_per_s=106_496.2)
     call = ("trainer_0_1", "exchange", ([torch.zeros(1)], 1024, None, rows))
-    up, up_tensors = _internal_rpc_pickler.serialize(PythonUDF(endpoint.call, (*call, report), {}))
-    bare, _ = _internal_rpc_pickler.serialize(PythonUDF(endpoint.call, (*call, None), {}))
+    up, up_tensors = _internal_rpc_pickler.serialize(PythonUDF(calls.call, (*call, report), {}))
+    bare, _ = _internal_rpc_pickler.serialize(PythonUDF(calls.call, (*call, None), {}))
     down, down_tensors = _internal_rpc_pickler.serialize((([torch.zeros(1)], {n: torch.zeros(10, dim + 1)
                                                                                for n in names}), []))
     return {"request": len(up), "report": len(up) - len(bare), "reply": len(down),

@@ -1,4 +1,4 @@
-"""Gradient buckets (``psserver.ps.engine.buckets``): which parameters share a bucket, and a
+"""Gradient buckets (``psserver.trainer.compute.buckets``): which parameters share a bucket, and a
 flat gradient filled from autograd hooks while backward runs that equals the gradient packed
 after it. Device-independent: the same hooks run on a GPU's backward."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from psserver.ps.engine.buckets import FIRST_BUCKET_BYTES, GradBuckets, assign_buckets
+from psserver.trainer.compute.buckets import FIRST_BUCKET_BYTES, GradBuckets, assign_buckets
 
 
 def test_buckets_start_from_the_last_parameters_and_tile_the_model():

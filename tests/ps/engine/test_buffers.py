@@ -10,11 +10,13 @@ import pytest
 import torch
 from torch import nn
 
+from psserver.common.tensors import flatten, persistent_buffers, unflatten_into
 from psserver.config import OptimizerConfig, ServerConfig
-from psserver.ps.engine.buffers import ServerBuffers, flatten, persistent_buffers, unflatten_into
-from psserver.ps.engine.engine import StepEngine
-from psserver.ps.protocols.pull import PullServer
-from psserver.ps.protocols.pushpull import PushPullServer, PushPullTrainer
+from psserver.server.engine.buffers import ServerBuffers
+from psserver.server.engine.engine import StepEngine
+from psserver.server.steps.pull import PullServer
+from psserver.server.steps.pushpull import PushPullServer
+from psserver.trainer.steps.pushpull import PushPullTrainer
 from tests.ps.joins import give_replica, join_request
 
 BN_MLP = "tests.ps.engine.test_buffers:BNMLP"

@@ -1,4 +1,4 @@
-"""The server's compute thread (``psserver.ps.engine.compute``): every call runs on one thread, in
+"""The server's compute thread (``psserver.server.engine.compute``): every call runs on one thread, in
 order, with its result or exception handed back, and nothing hangs after ``close``."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from psserver.ps.engine.compute import ComputeThread
+from psserver.server.engine.compute import ComputeThread
 
 
 def test_calls_from_many_threads_run_on_one_thread():

@@ -1,4 +1,4 @@
-"""Flat buffers (``psserver.ps.engine.flat``): what crosses between trainer and server, one
+"""Flat buffers (``psserver.trainer.compute.flat``): what crosses between trainer and server, one
 buffer per shard, packed and unpacked without allocating per step. Device-independent: the
 same calls run on a GPU's tensors."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from psserver.ps.engine.flat import FlatBuffer, copy_flat_into
+from psserver.trainer.compute.flat import FlatBuffer, copy_flat_into
 
 
 def tensors():

@@ -6,10 +6,11 @@ import pytest
 import torch
 from torch import nn
 
+from psserver.common.tensors import total_norm
 from psserver.config import OptimizerConfig
-from psserver.ps.engine.engine import make_updater
-from psserver.ps.engine.guard import GradientGuard, total_norm
-from psserver.ps.engine.shard import Shard
+from psserver.server.engine.engine import make_updater
+from psserver.server.engine.guard import GradientGuard
+from psserver.server.engine.shard import Shard
 
 
 def _grads(model: nn.Module, scale: float = 1.0) -> dict[nn.Parameter, torch.Tensor]:

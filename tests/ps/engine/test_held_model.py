@@ -9,8 +9,8 @@ from torch import nn
 from psserver.config import OptimizerConfig, ServerConfig
 from psserver.models import build_model
 from psserver.models.layout import ModelLayout, values_of
-from psserver.ps.engine.engine import StepEngine
-from psserver.ps.engine.held_model import HeldModel, check_values
+from psserver.server.engine.engine import StepEngine
+from psserver.server.engine.held_model import HeldModel, check_values
 from tests.models.test_layout import Tied
 
 
@@ -88,7 +88,12 @@ def test_a_buffer_of_nan_or_complex_values_is_refused():
     values[-1] = torch.full_like(values[-1], float("nan"))
     with pytest.raises(ValueError, match="initial value of mask holds NaN"):
         check_values(layout, values)
-    model.register_buffer("phase", torch.ones(2, dtype=torch.complex64))
-    layout = ModelLayout.of(model)
+    # A peer's layout may say complex (ModelLayout.of refuses to make one): its values are refused.
+    model.register_buffer("phase", torch.ones(2))
+    plain = ModelLayout.of(model).to_dict()
+    plain["entries"] = [[*e[:2], "complex64", *e[3:]] if e[0] == "phase" else e for e in plain["entries"]]
+    layout = ModelLayout.from_dict(plain)
+    values = values_of(model, ModelLayout.of(model))
+    values[-1] = values[-1].to(torch.complex64)
     with pytest.raises(ValueError, match="initial value of phase is complex"):
-        check_values(layout, values_of(model, layout))
+        check_values(layout, values)

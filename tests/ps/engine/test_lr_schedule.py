@@ -17,10 +17,10 @@ from psserver.checkpoint import load_checkpoint, write_checkpoint
 from psserver.config import CheckpointConfig, LRScheduleConfig, OptimizerConfig, ServerConfig
 from psserver.config.optimizer import make_optimizer
 from psserver.errors import UserCodeError
-from psserver.ps.engine.engine import StepEngine, make_updater
-from psserver.ps.engine.lr_schedule import LRSchedule
-from psserver.ps.engine.shard import Shard
-from psserver.ps.server.server import ParameterServer
+from psserver.server.engine.engine import StepEngine, make_updater
+from psserver.server.engine.lr_schedule import LRSchedule
+from psserver.server.engine.shard import Shard
+from psserver.server.server import ParameterServer
 
 # A scheduler stepped before its optimizer warns (torch would then skip a value): never here.
 pytestmark = pytest.mark.filterwarnings("error:Detected call of `lr_scheduler.step\\(\\)` before:UserWarning")
@@ -138,7 +138,7 @@ def test_another_schedule_at_resume_takes_over_as_if_from_step_0(caplog):
     drive(old, 30)
     new_config = LRScheduleConfig("CosineAnnealingLR", {"T_max": 100}, 10)
     new = LRSchedule(new_config, SGD)
-    with caplog.at_level(logging.WARNING, logger="psserver.ps.engine.lr_schedule"):
+    with caplog.at_level(logging.WARNING, logger="psserver.server.engine.lr_schedule"):
         new.restore(old.state_dict(), 30)
     assert "takes over at global step 30 as if it had run from step 0" in caplog.text
     assert "StepLR(step_size=5)" in caplog.text
@@ -155,7 +155,7 @@ def test_another_schedule_at_resume_takes_over_as_if_from_step_0(caplog):
 def test_a_schedule_that_ends_keeps_its_last_lr(caplog):
     """OneCycleLR raises past its total_steps: the server keeps training at the last lr."""
     schedule = LRSchedule(LRScheduleConfig("OneCycleLR", {"max_lr": 0.5, "total_steps": 10}), SGD)
-    with caplog.at_level(logging.ERROR, logger="psserver.ps.engine.lr_schedule"):
+    with caplog.at_level(logging.ERROR, logger="psserver.server.engine.lr_schedule"):
         lrs = [d["lr"] for d in drive(schedule, 15)]
     assert lrs[:10] == pytest.approx([d["lr"] for d in local_lrs(schedule.config, SGD, 10)], abs=TOL)
     assert lrs[11:] == [lrs[10]] * 4  # torch's step 10 still gives one; its 11th raises
@@ -273,7 +273,7 @@ def test_a_schedule_whose_first_values_no_optimizer_takes_is_refused_at_start(us
 @pytest.mark.parametrize("value", ["x", -0.5, "inf"])
 def test_a_schedule_that_goes_wrong_later_keeps_the_last_good_lr_and_says_so_once(userpkg, caplog, value):
     schedule = LRSchedule(LRScheduleConfig("userlr.schedules:Going", {"at": 20, "value": value}), SGD)
-    with caplog.at_level(logging.WARNING, logger="psserver.ps.engine.lr_schedule"):
+    with caplog.at_level(logging.WARNING, logger="psserver.server.engine.lr_schedule"):
         lrs = [d["lr"] for d in drive(schedule, 40)]
     assert lrs == [0.1] * 40
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -302,7 +302,7 @@ def test_every_update_mode_applies_the_schedule_once_per_update(mode, caplog):
     up.lr_schedule = LRSchedule(config, SGD)
     for t in ("a", "b"):
         up.trainer_joined(t)
-    with caplog.at_level(logging.DEBUG, logger="psserver.ps.engine.updates"):
+    with caplog.at_level(logging.DEBUG, logger="psserver.server.engine.updates"):
         rounds = 0
         while up.global_step < 40:
             before = [p.detach().clone() for s in shards for p in s.params]
@@ -405,7 +405,7 @@ def test_a_resume_without_the_schedule_goes_back_to_the_optimizers_lr(tmp_path, 
         server.engine.close()
     plain = dataclasses.replace(scheduled, lr_schedule=LRScheduleConfig(),
                                 checkpoint=CheckpointConfig(resume=str(path)))
-    with caplog.at_level(logging.WARNING, logger="psserver.ps.engine.engine"):
+    with caplog.at_level(logging.WARNING, logger="psserver.server.engine.engine"):
         resumed = ParameterServer(plain)
     try:
         assert resumed.engine.learning_rate == 0.1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from psserver.ps.engine.parts import GradientParts
+from psserver.server.engine.gradient_parts import GradientParts
 
 CPU = torch.device("cpu")
 

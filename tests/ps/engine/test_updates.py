@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from psserver.config import OptimizerConfig
-from psserver.ps.engine.engine import make_updater
-from psserver.ps.engine.shard import Shard, warm_optimizers
-from psserver.ps.engine.sync_updates import SyncUpdater
-from psserver.ps.engine.updates import AsyncUpdater, SSPUpdater, Updater
+from psserver.server.engine.engine import make_updater
+from psserver.server.engine.shard import Shard, warm_optimizers
+from psserver.server.engine.sync_updates import SyncUpdater
+from psserver.server.engine.updates import AsyncUpdater, SSPUpdater, Updater
 
 
 def make_shard():

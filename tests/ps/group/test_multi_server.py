@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from psserver.checkpoint import checkpoint_path, list_checkpoints, read_checkpoint, step_of
+from psserver.common.partition import PartitionPlan
 from psserver.control.client import ControlClient
 from psserver.control.v1.control_pb2 import ServerState
-from psserver.ps.group.partition import PartitionPlan
 from tests.procs import MNIST_ARGS, accuracy, cli, free_port, run, slow_steps, start_servers, wait_until
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from psserver.common.partition import SPLIT_ABOVE, PartitionPlan, Piece, make_plan
 from psserver.models import build_model
-from psserver.ps.group.partition import SPLIT_ABOVE, PartitionPlan, Piece, make_plan
 
 
 def sizes_of(model: str) -> list[int]:

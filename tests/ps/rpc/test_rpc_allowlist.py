@@ -1,5 +1,5 @@
-"""The RPC layer's allow-list (``psserver.ps.rpc.rpc_allowlist``, installed by
-``psserver.ps.rpc.torch_rpc.restrict_unpickler``).
+"""The RPC layer's allow-list (``psserver.common.rpc_allowlist``, installed by
+``psserver.common.torch_rpc.restrict_unpickler``).
 
 Unit tests read pickles through the restricted deserializer in this process, as torch's C++
 handler would; the end-to-end test has a stranger join the RPC group of a real server while a
@@ -31,18 +31,18 @@ from torch.distributed.optim.optimizer import (
 )
 from torch.distributed.rpc._utils import _update_group_membership
 
-from psserver.ps.rpc import rendezvous, rpc_allowlist, torch_rpc
-from psserver.ps.rpc.messages import JoinRequest, Report
-from psserver.ps.rpc.rpc_allowlist import RefusedCall
-from psserver.ps.server import endpoint
+from psserver.common import calls, rendezvous, rpc_allowlist, torch_rpc
+from psserver.common.messages import JoinRequest, Report
+from psserver.common.rpc_allowlist import RefusedCall
+from psserver.server.endpoint import NotAMember
 from psserver.telemetry import RPC_REFUSALS, RefusalLog
 from tests.procs import ROOT, env, free_port, slow_steps
 from tests.ps import stranger
 from tests.ps.joins import join_request
 from tests.test_metrics import FakeTarget, scrape, value
 
-NOT_RPC = {"install", "current", "stopped_at"}
-"""Public functions of the endpoint that are not its RPC surface (the server's own plumbing)."""
+NOT_RPC = {"install", "current"}
+"""Public functions of the RPC surface's module that are no RPC (the server's own plumbing)."""
 
 
 @pytest.fixture
@@ -94,7 +94,7 @@ def qualified(fn) -> str:
     (builtins.getattr, ("x", "upper")),
     (functools.partial(os.system, "touch pwned"), ()),
     (torch.load, ("pwned",)),
-    (endpoint.install, (None,)),  # public, but unplugging the endpoint is no RPC
+    (calls.install, (None,)),  # public, but unplugging the endpoint is no RPC
     (SystemExit, ()),  # an exception class, but not one a reply may raise in its caller
 ], ids=lambda v: v.__name__ if hasattr(v, "__name__") else None)
 def test_refuses_what_is_no_part_of_psservers_rpc_surface(read, fn, args, tmp_path, monkeypatch):
@@ -120,33 +120,33 @@ def test_refuses_a_hostile_pickle_inside_the_arguments(read):
         (Reduced(_load_from_bytes, b"x"), "torch.storage._load_from_bytes"),
         (Reduced(getattr, pickler, "_script_module_receiver"),
          "builtins.getattr(torch.distributed.rpc.internal._InternalRPCPickler, '_script_module_receiver')"),
-        (Reduced(getattr, Report, "__init__"), "builtins.getattr(psserver.ps.rpc.messages.Report, '__init__')"),
+        (Reduced(getattr, Report, "__init__"), "builtins.getattr(psserver.common.messages.Report, '__init__')"),
         (Reduced(getattr, "x", "upper"), "builtins.getattr(<builtins.str object>, 'upper')"),
         (Reduced(_local_invoke, None, "step", (), {}), "torch.distributed.rpc.rref_proxy._local_invoke"),
     ]:
         with pytest.raises(RefusedCall, match=re.escape(repr(name))):
-            read(call(endpoint.heartbeat, "trainer_0_1", hostile))
+            read(call(calls.heartbeat, "trainer_0_1", hostile))
 
 
 def test_accepts_what_psserver_and_torch_send(read):
     report = Report(3, 192, 0.5, 100.0, accuracy=0.9)
     x = torch.randn(4, 3)
-    msg = read(call(endpoint.call, "trainer_0_1", "exchange", ([x, None], 64), report))
-    assert msg.func is endpoint.call
+    msg = read(call(calls.call, "trainer_0_1", "exchange", ([x, None], 64), report))
+    assert msg.func is calls.call
     assert msg.args[2][0][0].equal(x) and msg.args[3] == report
     request = join_request(0, "trainer_0_1", optimizer={"name": "adam", "lr": 0.01}, wire_dtype="bf16", values=True)
-    got = read(call(endpoint.join, request)).args[0]
+    got = read(call(calls.join, request)).args[0]
     assert isinstance(got, JoinRequest) and got.layout == request.layout and got.model == "mlp"
     assert all(a.equal(b) for a, b in zip(got.values, request.values, strict=True))
-    for fn in (endpoint.heartbeat, endpoint.leave, rendezvous.ping, endpoint.SharedOptimizer):
+    for fn in (calls.heartbeat, calls.leave, rendezvous.ping, calls.SharedOptimizer):
         assert read(call(fn)).func is fn
     # A peer's join or leave runs torch's, then puts back the devices and reply maps it wipes.
     assert read(call(_update_group_membership)).func is torch_rpc.update_group_membership
     # DistributedOptimizer's calls run as the server's own (its one shared optimizer), whatever class they name
-    assert read(call(_new_local_optimizer)).func is endpoint.new_local_optimizer
-    assert read(call(_new_functional_local_optimizer)).func is endpoint.new_local_optimizer
-    assert read(call(_local_optimizer_step)).func is endpoint.local_optimizer_step
-    assert read(call(_functional_local_optimizer_step)).func is endpoint.local_optimizer_step
+    assert read(call(_new_local_optimizer)).func is calls.new_local_optimizer
+    assert read(call(_new_functional_local_optimizer)).func is calls.new_local_optimizer
+    assert read(call(_local_optimizer_step)).func is calls.local_optimizer_step
+    assert read(call(_functional_local_optimizer_step)).func is calls.local_optimizer_step
     assert read([torch.optim.SGD, _FunctionalAdam]) == [torch.optim.SGD, _FunctionalAdam]
     data = [torch.nn.Parameter(torch.ones(2)), torch.bfloat16, torch.device("cpu"), torch.Size([2, 3]),
             OrderedDict(a=1), {"step": "pushpull", "ids": {1, 2}}, (b"\x00", 1.5, None, True)]
@@ -157,7 +157,7 @@ def test_accepts_what_psserver_and_torch_send(read):
 
 def test_remote_exceptions_still_arrive_as_exceptions(read):
     """A failed call's reply names the exception's type: the caller rebuilds it from its message."""
-    for exc in (ValueError, RuntimeError, KeyError, endpoint.NotAMember, torch.distributed.DistStoreError,
+    for exc in (ValueError, RuntimeError, KeyError, NotAMember, torch.distributed.DistStoreError,
                 RefusedCall):
         reply = read(rpc_internal.RemoteException("On psserver: it failed", exc))
         assert reply.exception_type is exc
@@ -165,12 +165,12 @@ def test_remote_exceptions_still_arrive_as_exceptions(read):
             rpc_internal._handle_exception(reply)
 
 
-def test_every_public_endpoint_function_is_rpc_surface_or_deliberately_not():
-    public = {name for name, fn in inspect.getmembers(endpoint, inspect.isfunction)
-              if fn.__module__ == endpoint.__name__ and not name.startswith("_")}
-    surface = {name for module, name in rpc_allowlist.ALLOWED if module == endpoint.__name__}
-    surface |= {name for module, name in rpc_allowlist.REPLACED.values() if module == endpoint.__name__}
-    assert public - NOT_RPC == surface - {"SharedOptimizer"}, "a new endpoint function: allow it, or add it to NOT_RPC"
+def test_every_public_function_of_the_surface_is_rpc_or_deliberately_not():
+    public = {name for name, fn in inspect.getmembers(calls, inspect.isfunction)
+              if fn.__module__ == calls.__name__ and not name.startswith("_")}
+    surface = {name for module, name in rpc_allowlist.ALLOWED if module == calls.__name__}
+    surface |= {name for module, name in rpc_allowlist.REPLACED.values() if module == calls.__name__}
+    assert public - NOT_RPC == surface - {"SharedOptimizer"}, "a new function: allow it, or add it to NOT_RPC"
     assert not NOT_RPC & surface
 
 
@@ -194,7 +194,7 @@ def test_refusals_are_counted_bounded_and_their_log_rate_limited(monkeypatch, ca
 
 
 def test_refusals_are_a_prometheus_counter(read):
-    from psserver.metrics import build_registry
+    from psserver.exporters import build_registry
 
     with pytest.raises(RefusedCall):
         read(call(builtins.exec, "1"))

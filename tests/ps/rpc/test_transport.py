@@ -1,4 +1,4 @@
-"""The choice of the path a trainer's flat buffers take (``psserver.ps.rpc.transport``), and what
+"""The choice of the path a trainer's flat buffers take (``psserver.common.transport``), and what
 the server makes of it at the join: pure decisions, tested without a GPU (``torch.device`` of a
 CUDA index needs none)."""
 
@@ -9,12 +9,12 @@ import dataclasses
 import pytest
 import torch
 
+from psserver.common import rendezvous
+from psserver.common.transport import TransportPath, choose_path, device_maps, host_id
 from psserver.config import TrainerConfig
 from psserver.errors import UsageError
-from psserver.ps.protocols.pushpull import PushPullServer
-from psserver.ps.protocols.trainer_compute import TrainerComputeServer
-from psserver.ps.rpc import rendezvous
-from psserver.ps.rpc.transport import TransportPath, choose_path, device_maps, host_id
+from psserver.server.steps.pushpull import PushPullServer
+from psserver.server.steps.trainer_compute import TrainerComputeServer
 from tests.ps.joins import join_request, mlp_engine
 
 CUDA0 = torch.device("cuda", 0)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from psserver.ps.rpc import rendezvous
-from psserver.ps.rpc.rendezvous import (
+from psserver.common import rendezvous
+from psserver.common.rendezvous import (
     ADMITTED,
     KEY_ADMIT_ANSWER,
     KEY_ADMIT_REQUEST,
@@ -19,8 +19,8 @@ from psserver.ps.rpc.rendezvous import (
     namespace,
     scoped,
 )
-from psserver.ps.server import admission
-from psserver.ps.server.admission import AdmissionDesk, PublishedKeys
+from psserver.server import admission
+from psserver.server.admission import AdmissionDesk, PublishedKeys
 
 
 def announce(store, rank) -> int:

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from psserver.ps.server.averages import Averages
+from psserver.server.averages import Averages
 
 
 def run_all(averages: Averages, live: list[str], calls: dict[str, tuple], timeout: float = 5.0) -> dict:

@@ -14,8 +14,8 @@ from torch import nn
 from psserver.checkpoint import CheckpointError, checkpoint_path, read_checkpoint, write_checkpoint
 from psserver.config import OptimizerConfig
 from psserver.config.optimizer import REFUSED, _classes, make_optimizer
-from psserver.ps.server.checkpoint_content import check_state
-from psserver.ps.server.optimizer_state import MAX_STEPS
+from psserver.server.checkpoints.content import check_state
+from psserver.server.checkpoints.optimizer_state import MAX_STEPS
 
 OPTIMIZERS = [(name, {}) for name in sorted(_classes()) if name not in REFUSED] + [
     ("adam", {"args": {"amsgrad": True}}), ("sgd", {"momentum": 0.9}),
@@ -29,7 +29,7 @@ def server_state() -> dict:
     """What a server holding a small model (learnt from a trainer's layout) writes into a checkpoint."""
     from psserver.config import ServerConfig
     from psserver.models.layout import ModelLayout, values_of
-    from psserver.ps.server.server import ParameterServer
+    from psserver.server.server import ParameterServer
 
     model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
     server = ParameterServer(ServerConfig(devices=["cpu"]))

@@ -11,13 +11,13 @@ import time
 import pytest
 import torch
 
+from psserver.common.devices import resolve_devices
+from psserver.common.messages import Report
 from psserver.config import OptimizerConfig, ServerConfig
-from psserver.ps.engine.devices import resolve_devices
-from psserver.ps.engine.engine import StepEngine
-from psserver.ps.protocols import PROTOCOLS
-from psserver.ps.rpc.messages import Report
-from psserver.ps.server.endpoint import Endpoint, stopped_at
-from psserver.ps.server.membership import Member
+from psserver.server.endpoint import Endpoint, stopped_at
+from psserver.server.engine.engine import StepEngine
+from psserver.server.membership import Member
+from psserver.server.steps import HALVES
 from psserver.telemetry import TrainerStatus
 from tests.ps.joins import join_request
 
@@ -63,7 +63,7 @@ class Members:
 def endpoint():
     cfg = ServerConfig(model="mlp", devices=["cpu"], optimizer=OptimizerConfig())
     engine = StepEngine(cfg, resolve_devices(cfg.devices))
-    ep = Endpoint(cfg, engine, {name: p.server(engine) for name, p in PROTOCOLS.items()}, after_call=lambda: None)
+    ep = Endpoint(cfg, engine, {name: half(engine) for name, half in HALVES.items()}, after_call=lambda: None)
     ep.open(Members())  # type: ignore[arg-type]
     yield ep
     engine.close()
@@ -226,7 +226,7 @@ def test_a_first_trainers_model_over_max_model_bytes_is_refused_before_anything_
     cfg = ServerConfig(devices=["cpu"], optimizer=OptimizerConfig(), max_model_bytes=4096)
     engine = StepEngine(cfg, resolve_devices(cfg.devices))
     try:
-        ep = Endpoint(cfg, engine, {name: p.server(engine) for name, p in PROTOCOLS.items()}, after_call=lambda: None)
+        ep = Endpoint(cfg, engine, {name: half(engine) for name, half in HALVES.items()}, after_call=lambda: None)
         ep.open(Members())  # type: ignore[arg-type]
         request = join_request(0, "big", values=True)
         huge = [torch.zeros(1).expand(500_000_000), *request.values[1:]]

@@ -101,7 +101,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
 def server_state() -> dict:
     """What a server of ``mlp`` on the CPU writes into a checkpoint."""
     from psserver.config import ServerConfig
-    from psserver.ps.server.server import ParameterServer
+    from psserver.server.server import ParameterServer
 
     server = ParameterServer(ServerConfig(model="mlp", devices=["cpu"]))
     try:
@@ -220,8 +220,8 @@ def test_export_of_a_directory_stops_at_an_unsafe_newest_checkpoint(tmp_path, ca
 
 def _partitions(state: dict, num_servers: int) -> list[dict]:
     """``state`` (one server's, whole model) as the files of ``num_servers`` server processes."""
+    from psserver.common.partition import make_plan
     from psserver.models.layout import ModelLayout
-    from psserver.ps.group.partition import make_plan
 
     layout = ModelLayout.from_dict(state["layout"])
     module = state["shards"][0]["module"]

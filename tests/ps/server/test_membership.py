@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from psserver.ps.rpc.torch_rpc import ALL_WORKERS_KEY
-from psserver.ps.server import membership as membership_module
-from psserver.ps.server.membership import ALIVE, DEAD, STRANGER_LIMIT_S, Member, Membership
+from psserver.common.torch_rpc import ALL_WORKERS_KEY
+from psserver.server import membership as membership_module
+from psserver.server.membership import ALIVE, DEAD, STRANGER_LIMIT_S, Member, Membership
 from psserver.telemetry import TrainerStatus
 
 TIMEOUT = 5.0

@@ -16,9 +16,9 @@ from psserver.cli import main
 from psserver.config import LRScheduleConfig, MemoryStateConfig, OptimizerConfig, ServerConfig
 from psserver.control.convert import status_to_proto
 from psserver.control.render import render_status
-from psserver.ps.server.memory_state import MemoryState, MemoryStateError, scan, state_layout
-from psserver.ps.server.server import ParameterServer
-from psserver.ps.server.state_arena import Arena, ArenaError, Journal
+from psserver.server.server import ParameterServer
+from psserver.server.state.arena import Arena, ArenaError, Journal
+from psserver.server.state.memory import MemoryState, MemoryStateError, scan, state_layout
 
 
 def server_config(state_dir, key="run-a", **kw) -> ServerConfig:
@@ -190,7 +190,7 @@ def test_a_clean_stop_releases_the_segment(state_dir):
 def test_a_clean_stop_removes_the_default_directory_once_empty(state_dir, monkeypatch):
     """``/dev/shm/psserver`` (the default, psserver's own) goes with the last state in it; a
     directory the user named stays."""
-    from psserver.ps.server import memory_state
+    from psserver.server.state import memory as memory_state
 
     default = state_dir / "default"
     monkeypatch.setattr(memory_state, "DEFAULT_STATE_DIR", str(default))
@@ -211,7 +211,7 @@ def test_a_model_on_a_gpu_or_a_sync_group_is_not_kept_and_says_why():
     server on a GPU: ``tests/ps/test_gpu.py``)."""
     from types import SimpleNamespace
 
-    from psserver.ps.server.memory_state import unsupported_reason
+    from psserver.server.state.memory import unsupported_reason
 
     def engine(devices, update="async", plan=None):
         return SimpleNamespace(devices=[torch.device(d) for d in devices], config=SimpleNamespace(update=update),

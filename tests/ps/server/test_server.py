@@ -12,8 +12,8 @@ from torch import nn
 
 from psserver.checkpoint import list_checkpoints, read_checkpoint
 from psserver.config import CheckpointConfig, OptimizerConfig, ServerConfig
-from psserver.ps.engine.engine import ShuttingDown
-from psserver.ps.server.server import ParameterServer
+from psserver.server.engine.engine import ShuttingDown
+from psserver.server.server import ParameterServer
 
 
 @pytest.mark.slow

@@ -21,9 +21,9 @@ from torch import nn
 
 from psserver.checkpoint import CheckpointError
 from psserver.config import CheckpointConfig, MemoryStateConfig
-from psserver.ps.server.memory_state import MemoryState, MemoryStateError, scan
-from psserver.ps.server.server import ParameterServer
-from psserver.ps.server.supervisor import FALLBACK_ENV
+from psserver.server.server import ParameterServer
+from psserver.server.state.memory import MemoryState, MemoryStateError, scan
+from psserver.server.state.supervisor import FALLBACK_ENV
 from tests.ps.server.test_memory_state import assert_same, server_config, state_of, train
 
 ODD = "tests.ps.server.test_state_checks:OddBuffers"
@@ -86,8 +86,23 @@ def test_a_directory_of_another_user_is_refused_in_one_line(tmp_path):
     theirs = tmp_path / "theirs"
     theirs.mkdir(mode=0o755)
     os.chown(theirs, 65534, 65534)
-    with pytest.raises(MemoryStateError, match=r"belongs to uid 65534, not to this user \(uid 0\)"):
+    with pytest.raises(MemoryStateError, match=r"is owned by uid 65534, not by this user \(uid 0\)"):
         MemoryState(MemoryStateConfig(theirs, "k"), 0).prepare()
+
+
+def test_a_directory_under_one_another_user_can_write_is_refused_naming_it(tmp_path):
+    """Whoever may rename the state directory away can put their own in its place: a parent
+    writable by others without the sticky bit is refused, one with it (``/tmp``, ``/dev/shm``)
+    is not."""
+    open_parent = tmp_path / "open"
+    open_parent.mkdir()
+    open_parent.chmod(0o777)
+    with pytest.raises(MemoryStateError, match=rf"{open_parent}, above it, is writable by its group or others without "
+                                               r"the sticky bit \(mode 777\)"):
+        MemoryState(MemoryStateConfig(open_parent / "state", "k"), 0).prepare()
+    open_parent.chmod(0o1777)
+    MemoryState(MemoryStateConfig(open_parent / "state", "k"), 0).prepare()
+    assert (open_parent / "state").is_dir()
 
 
 def test_the_state_is_made_private_and_a_planted_link_is_replaced_not_followed(state_dir, tmp_path):
@@ -286,7 +301,7 @@ def _json_meta(seg) -> dict:
 
 @pytest.mark.parametrize("case", ["shape", "nested", "list", "too-big", "dtype", "reference"])
 def test_metadata_of_the_wrong_shape_is_one_line(state_dir, case):
-    from psserver.ps.server.state_meta import _digest
+    from psserver.server.state.meta import _digest
 
     config = server_config(state_dir)
     dead_server(config)
@@ -354,7 +369,7 @@ def test_a_supervised_restart_falls_back_to_the_newest_checkpoint_saying_so(stat
 
 
 def test_the_supervisor_lets_only_restarts_with_checkpoints_fall_back(tmp_path, monkeypatch):
-    from psserver.ps.server import supervisor
+    from psserver.server.state import supervisor
 
     seen = tmp_path / "seen"
     child = [sys.executable, "-c", f"import os, pathlib, signal; p = pathlib.Path({str(seen)!r}); "
@@ -398,7 +413,7 @@ def test_buffers_of_uint16_and_bfloat16_are_kept_and_come_back(state_dir):
 
 
 def test_a_tensor_the_file_cannot_hold_turns_the_state_off_in_one_line_not_every_step(state_dir, caplog):
-    from psserver.ps.server.state_layout import unplaceable
+    from psserver.server.state.layout import unplaceable
 
     assert unplaceable([torch.zeros(2), torch.zeros(2, dtype=torch.float8_e4m3fn)]).startswith("a torch.strided tensor")
     assert unplaceable([torch.zeros(2).to_sparse()]).startswith("a torch.sparse_coo tensor")

@@ -17,7 +17,7 @@ import pytest
 
 from psserver.config import MemoryStateConfig
 from psserver.config.ps import DEFAULT_STATE_DIR
-from psserver.ps.server.memory_state import MemoryState
+from psserver.server.state.memory import MemoryState
 from tests.procs import run
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("useradd") is None or shutil.which("userdel") is None,
@@ -83,7 +83,7 @@ def test_a_directory_another_user_made_first_is_refused_and_nothing_outside_is_t
         got = serve(port, "--state-dir", str(root), "--state-key", "job", "--remove-stale-state")
         assert got.returncode == 2, got.stderr[-3000:]
         lines = got.stderr.strip().splitlines()
-        assert len(lines) == 1 and f"{root} belongs to uid" in lines[0], lines
+        assert len(lines) == 1 and f"{root} is owned by uid" in lines[0], lines
         assert "not to this user (uid 0)" in lines[0]
         assert snapshot(outside) == before  # no link followed: not written, not deleted
         assert sorted(str(p) for p in root.rglob("*")) == inside  # nothing made or removed in their directory
@@ -103,7 +103,7 @@ def test_the_default_directory_made_first_by_another_user_is_refused(stranger, p
         assert made.returncode == 0, made.stderr
         got = serve(port)
         assert got.returncode == 2 and len(got.stderr.strip().splitlines()) == 1, got.stderr[-3000:]
-        assert f"{default} belongs to uid" in got.stderr
+        assert f"{default} is owned by uid" in got.stderr
         assert os.listdir(default) == []
     finally:
         shutil.rmtree(default, ignore_errors=True)

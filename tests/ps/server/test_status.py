@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from psserver.ps.group import server_group
-from psserver.ps.group.partition_server import PartitionServer
-from psserver.ps.rpc.torch_rpc import RestrictedUnpickler
-from psserver.ps.server.status import ServerView, TableRates
+from psserver.common.torch_rpc import RestrictedUnpickler
+from psserver.server.group import server_group
+from psserver.server.group.partition_server import PartitionServer
+from psserver.server.status import ServerView, TableRates
 from psserver.telemetry import TableStatus
 
 
@@ -173,8 +173,8 @@ def test_a_shard_shows_its_parameters_and_optimizer_state_not_the_process_memory
 
     from psserver.config import OptimizerConfig, ServerConfig
     from psserver.control import convert, render
-    from psserver.metrics import StatusCollector
-    from psserver.ps.server.server import ParameterServer
+    from psserver.exporters import StatusCollector
+    from psserver.server.server import ParameterServer
     from psserver.utils.units import human_bytes
 
     server = ParameterServer(ServerConfig(model="mlp", devices=["cpu"], optimizer=OptimizerConfig("adam", 1e-3)))

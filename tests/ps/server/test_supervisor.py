@@ -16,7 +16,7 @@ import torch
 
 from psserver.checkpoint import find_latest
 from psserver.control.client import ControlClient
-from psserver.ps.server.supervisor import describe, resume_argv, server_argv
+from psserver.server.state.supervisor import describe, resume_argv, server_argv
 from tests.procs import MNIST_ARGS, Proc, accuracy, die_after_update, free_port, slow_steps
 
 JOINED = r"joined psserver \S+ as (trainer_\d+_\d+)"
@@ -67,7 +67,7 @@ def test_a_restart_resumes_the_run_and_never_starts_a_new_one():
 def test_an_exit_code_it_is_told_of_restarts_the_server_as_a_signal_does(tmp_path, monkeypatch):
     """A partition server that lost server 0 exits 3: its supervisor starts it again (to wait for
     server 0 and continue from its state in memory); any other exit code ends the supervisor."""
-    from psserver.ps.server import supervisor
+    from psserver.server.state import supervisor
 
     runs = tmp_path / "runs"
     child = [sys.executable, "-c", f"import pathlib, sys; p = pathlib.Path({str(runs)!r}); "

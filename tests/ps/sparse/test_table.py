@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from psserver.ps.sparse.index import IdIndex
-from psserver.ps.sparse.table import EmbeddingTable, TableSpec
+from psserver.server.sparse.index import IdIndex
+from psserver.server.sparse.table import EmbeddingTable, TableSpec
 
 
 def test_the_index_finds_inserts_and_removes_batches_of_ids_of_any_size():

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from psserver.common.partition import owner
 from psserver.config import EmbeddingConfig
 from psserver.models import TableDef
-from psserver.ps.engine.guard import GradientGuard
-from psserver.ps.sparse.batch import RowBatch
-from psserver.ps.sparse.tables import RowGrads, SparseTables, owner
+from psserver.server.engine.guard import GradientGuard
+from psserver.server.sparse.tables import RowGrads, SparseTables
+from psserver.trainer.compute.rows import RowBatch
 
 DEFS = (TableDef("user", 0, 1), TableDef("item", 1, 0))
 
@@ -127,7 +128,7 @@ def test_state_round_trips_bit_for_bit_and_prefill_creates_owned_rows() -> None:
 def test_a_sync_round_sums_the_rows_trainers_share_into_one_step() -> None:
     """Two trainers' row gradients in one sync round: an id both touched takes one lazy-Adam
     step with the average of their gradients, as a dense parameter would."""
-    from psserver.ps.engine.sync_updates import SyncUpdater
+    from psserver.server.engine.sync_updates import SyncUpdater
 
     t, ref = tables(optimizer="lazy_adam"), tables(optimizer="lazy_adam")
     steps = []

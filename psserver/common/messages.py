@@ -1,0 +1,91 @@
+"""What trainers and the server send each other besides tensors: plain frozen dataclasses,
+importable by both sides (and by the step protocols) without importing the endpoint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ALLREDUCE_OPS = ("average", "sum", "min", "max")
+"""How ``ps.allreduce`` combines the trainers' values (``psserver.server.averages``)."""
+ALLREDUCE_MAX_ELEMENTS = 1 << 20
+"""What one contribution may hold: metrics and small statistics, not a model."""
+ALLREDUCE_MAX_NAME = 200
+
+
+@dataclass(frozen=True)
+class Report:
+    """A trainer's progress, riding on its calls (the control plane shows it)."""
+
+    steps: int
+    samples: int
+    loss: float
+    samples_per_s: float
+    accuracy: float | None = None
+    """Held-out accuracy, once the trainer has evaluated."""
+    epoch: int = 0
+    """The epoch it trains in, and where in it (``epoch_samples`` of its shard, ``batch_idx``
+    batches): what a trainer started again under its rank continues from."""
+    epoch_samples: int = 0
+    batch_idx: int = 0
+    finished: bool = False
+    """Its loop ran to its end: a trainer of its rank started again starts over."""
+
+
+@dataclass(frozen=True)
+class JoinRequest:
+    rank: int
+    name: str
+    """The trainer's RPC name (``trainer_<rank>_<incarnation>``)."""
+    host: str
+    pid: int
+    step: str | None
+    """The step protocol the trainer speaks; None: the default of ``compute``."""
+    optimizer: dict | None
+    """The optimizer it asks for (``OptimizerConfig`` fields), None for the server's."""
+    compute: str | None = None
+    """Where it wants its steps to run; None: the server's pin, else ``trainer``."""
+    wire_dtype: str = "fp32"
+    """dtype of the parameters and gradients it exchanges (trainer compute)."""
+    device: str = "cpu"
+    """Where it runs the model (trainer compute)."""
+    model: str | None = None
+    """The reference of the trainer's model (``--model``), plain text the server only records."""
+    model_args: dict | None = None
+    """Its ``--model-args``."""
+    layout: dict | None = None
+    """The ``ModelLayout`` of its replica, as plain data, checked against the server's."""
+    values: list | None = None
+    """Its initial tensors in the layout's order, sent only while the server has no model (the
+    first trainer's become the model's, as Horovod's ``broadcast_parameters`` from rank 0)."""
+    steps: int = 0
+    """Steps this rank trained before this join: 0 for a fresh trainer, its position for one
+    that rejoins (its gradients are numbered by step across rejoins)."""
+    transport: str = "cpu"
+    """The path its flat buffers take (``psserver.common.transport``): ``device-map`` ones cross
+    as CUDA tensors, and the server replies with CUDA tensors too."""
+    transport_reason: str = ""
+    """Why that path, as the trainer logged it (``psserver status`` shows it)."""
+    overlap: str = "off"
+    """Its ``--overlap`` (``auto``, ``on``, ``off``): whether it may compute a step while the
+    call that hands in the one before is in flight (the server decides, by its update mode)."""
+
+
+@dataclass(frozen=True)
+class ServerHello:
+    """A server process of rank > 0 registering with server 0 (several server processes)."""
+
+    rank: int
+    num_servers: int
+    model: str
+    seed: int
+    host: str
+    pid: int
+    parameters: int
+    """Elements of the partition it built: server 0 checks it against its own plan."""
+    checkpoints: bool
+    """Whether it has a ``--checkpoint-dir`` (needed when server 0 has one)."""
+    lr_schedule: dict | None = None
+    """Its learning-rate schedule (``LRScheduleConfig`` fields): every server steps server 0's."""
+    memory_step: int | None = None
+    """The global step of the state a dead process of it left in memory (None: none found):
+    server 0 says whether it continues from there (``ServerGroup.register``)."""

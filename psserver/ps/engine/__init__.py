@@ -1,3 +1,0 @@
-"""The tensor work of a server process, no RPC: the step engine, shards and their optimizers, the
-updaters (async, sync, ssp), the guard, buffers, a held model, the learning-rate schedule, the
-compute thread."""

@@ -1,2 +1,0 @@
-"""Several server processes: the partition plan, server 0's group of the others, a server of rank
-> 0, and the one RPC function they call each other through."""

@@ -1,0 +1,16 @@
+"""The trainer halves of the step protocols, one module per ``--step`` name, registered on
+import (see ``base``); each protocol's server half is the module of the same name in
+``psserver.server.steps``."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from psserver.trainer.steps.base import HALVES, TrainerHalf, trainer_half
+
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name != "base":
+        importlib.import_module(f"{__name__}.{_module.name}")
+
+__all__ = ["HALVES", "TrainerHalf", "trainer_half"]
