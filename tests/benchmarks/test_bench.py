@@ -48,6 +48,12 @@ def test_analyze_steps_two_processes():
     assert short.samples_per_s == pytest.approx(80) and "fewer than the warm-up" in short.to_dict()["disturbed"]
     with pytest.raises(ValueError):
         measure.analyze_steps([[0.1]], 8, warmup_s=1.0)
+    # Steps longer than the windows (a local loop at 2.2 s a step beside other suites, windows of
+    # 1 s): most windows held no step end and the median window was 0, which the quick run then
+    # divided by. Now the interval's mean, flagged.
+    slow = measure.analyze_steps([[3.0 * i for i in range(1, 7)]], 64, warmup_s=1.5, warmup_steps=3, window_s=1.0)
+    assert slow.samples_per_s == pytest.approx(64 / 3.0) and slow.windows == [slow.samples_per_s]
+    assert "steps longer than the windows" in slow.to_dict()["disturbed"]
 
 
 def test_wire_bytes_per_step_uses_snapshots_inside_the_window():

@@ -166,8 +166,10 @@ print("ok")
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(600)
 def test_one_short_round_against_a_live_server(tmp_path, capsys):
+    # The bound is for a machine that other jobs load: beside three other suites (load average 12-17)
+    # this round took 153 s once and passed 180 s another time.
     argv = ["--setups", "in-memory,user-dataset-w1", "--rounds", "1", "--steps", "30", "--skip", "5",
             "--warm-up-steps", "0", "--load-wait", "0", "--results-dir", str(tmp_path)]
     assert dl.main(argv) == 0

@@ -85,6 +85,8 @@ class Run:
                                   window_s=self.window)
         pool = self.local.setdefault(setup.name, {"bursts": [], "rss": 0.0})
         pool["bursts"].append({**a.to_dict(), "latencies": a.latencies_s})
+        if a.disturbed:
+            pool["disturbed"] = a.disturbed
         pool["device"], pool["threads"] = data.get("device"), data.get("threads")
         pool["rss"] = max([pool["rss"], *(v / 2**20 for v in sampler.peak_rss.values())])
         side = f" x {len(runs)} side by side" if len(runs) > 1 else ""
@@ -107,6 +109,7 @@ class Run:
             "peak_rss_mb": {"local": pool["rss"]},
             "devices": [pool["device"]],
             "torch_threads": pool["threads"],
+            **({"disturbed": pool["disturbed"]} if pool.get("disturbed") else {}),
         }
 
     def local_steps_per_s(self) -> float:

@@ -222,7 +222,7 @@ def _run_args(args: argparse.Namespace, command: str, setups: list[Setup]) -> in
     for s in setups:
         r = {**s.to_dict(), **results.get(s.name, {"error": "not run"})}
         if not r.get("error"):
-            r["ratio_to_local"] = r["samples_per_s"] / local["samples_per_s"]
+            r["ratio_to_local"] = r["samples_per_s"] / local["samples_per_s"] if local["samples_per_s"] > 0 else None
             if r["kind"] == "ps" and r.get("bytes_per_step") is not None:
                 # Trainer compute: the floor is the gradient up and the parameters down in the wire dtype.
                 floor = trainer_compute_floor(args.model, r["wire"]) if r.get("compute") == "trainer" else lb["total"]
