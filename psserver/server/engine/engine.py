@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -61,6 +62,22 @@ def make_updater(mode: str, shards: list[Shard], on_step: OnStep, sync_trainers:
         return AsyncUpdater(shards, on_step)
     raise ValueError(f"unknown update mode {mode!r}")
 
+
+
+class EngineState(NamedTuple):
+    """The engine's state at one step, as checkpoints and the state in memory take it."""
+
+    shards: list[dict]
+    """Each shard's parameters and optimizer state (``Shard.state_dict`` or ``live_state``)."""
+    global_step: int
+    samples: int
+    """Samples seen, across trainers."""
+    tables: dict | None
+    """The embedding tables' rows (None: no tables)."""
+    lr_schedule: dict | None
+    """The learning-rate schedule's state (None: no schedule)."""
+    buffers: list[torch.Tensor] | None
+    """The buffers held outside the shards (server 0 of several; else None)."""
 
 class StepEngine:
     """The model in stages, one shared optimizer per stage, and the update mode."""
@@ -525,30 +542,30 @@ class StepEngine:
             self._cond.wait_for(lambda: not self._open, timeout)
             return sorted(self._open)
 
-    def copy_state(self) -> tuple[list[dict], int, int, dict | None, dict | None, list[torch.Tensor] | None]:
+    def copy_state(self) -> EngineState:
         """CPU copies of every shard, the global step, samples seen, the tables' rows (None: no
         tables), the learning-rate schedule's state (None: none) and the buffers held outside the
         shards (server 0 of several; else None), all at one step."""
 
-        def copy() -> tuple[list[dict], int, int, dict | None, dict | None, list[torch.Tensor] | None]:
+        def copy() -> EngineState:
             with self.updater.lock:
                 tables = self.tables.state_dict() if self.tables is not None else None
                 schedule = self.lr_schedule.state_dict() if self.lr_schedule is not None else None
                 buffers = self.buffers.state() if self.buffers is not None and self.plan is not None else None
-                return ([s.state_dict() for s in self.shards], self.updater.global_step, self.samples_seen, tables,
-                        schedule, buffers)
+                return EngineState([s.state_dict() for s in self.shards], self.updater.global_step,
+                                   self.samples_seen, tables, schedule, buffers)
 
         return self.compute.run(copy)
 
-    def live_state(self) -> tuple[list[dict], int, int, dict | None, dict | None, list[torch.Tensor] | None]:
+    def live_state(self) -> EngineState:
         """(updater's lock held, and the tables' lock) What ``copy_state`` gives, with the
         engine's own tensors instead of copies: the tensors every update writes to (the tables'
         in ``SparseTables.live_state``'s form)."""
         tables = self.tables.live_state() if self.tables is not None else None
         schedule = self.lr_schedule.state_dict() if self.lr_schedule is not None else None
         buffers = list(self.buffers.tensors) if self.buffers is not None and self.plan is not None else None
-        return ([s.live_state() for s in self.shards], self.updater.global_step, self.samples_seen, tables, schedule,
-                buffers)
+        return EngineState([s.live_state() for s in self.shards], self.updater.global_step, self.samples_seen, tables,
+                           schedule, buffers)
 
     def state_signature(self) -> tuple:
         """(updater's lock held) Changes when the set of tensors ``live_state`` holds changes
