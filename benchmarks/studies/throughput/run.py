@@ -1,7 +1,7 @@
 """The benchmark harness: local loops, PS (async/sync/ssp, 1/2/4 trainers, server or trainer
 compute, with a straggler), DDP and FSDP in one run.
 
-    python -m benchmarks.run --quick                       # 2-3 minutes on 2 cores
+    python -m benchmarks.run --quick                       # a smoke run: 5-8 minutes on 2 loaded cores
     python -m benchmarks.run --model mnist_cnn --batch-size 64       # ~45 minutes on 2 cores
     python -m benchmarks.run --model resnet18 --batch-size 32 --setups local,ps-async-1
     psserver bench ...                                     # the same, as a CLI verb
@@ -62,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=None,
                    help="measured seconds per setup, after warm-up (default 10; --quick 4)")
     p.add_argument("--quick", action="store_true",
-                   help=f"fewer setups ({QUICK_SETUPS}) and short windows: 2-3 minutes on 2 cores")
+                   help=f"a smoke run, no claim: fewer setups ({QUICK_SETUPS}), short windows, one paired round")
     p.add_argument("--setups", default=None, help=f"comma-separated (default {FULL_SETUPS})")
     p.add_argument("--warmup", type=float, default=None, help="seconds discarded per process (default 3; quick 1.5)")
     p.add_argument("--window", type=float, default=None, help="window length in seconds (default seconds/6)")
