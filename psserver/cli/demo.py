@@ -20,8 +20,10 @@ import threading
 import time
 
 from psserver.cli.base import SubCommand, config_errors
+from psserver.cli.builder import add_options, build
 from psserver.config.common import DataConfig
-from psserver.config.ps import COMPUTE_MODES, UPDATE_MODES, ServerConfig
+from psserver.config.protocols import COMPUTE_MODES
+from psserver.config.server import ServerConfig
 from psserver.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,8 @@ DEMO_MODEL = "mnist_cnn"
 DEMO_TRAINERS = 2
 DEMO_EPOCHS = 2
 """The demo's own defaults: a small job that shows learning in a minute (not a trainer's)."""
+DEMO_DATA = ("dataset", "data_dir", "train_split")
+"""The data flags the demo takes, each ``DataConfig``'s (``psserver.cli.builder``)."""
 
 
 def _free_port() -> int:
@@ -58,30 +62,23 @@ class DemoCommand(SubCommand):
                             help=f"number of trainers (default {DEMO_TRAINERS}, at most {MAX_TRAINERS})")
         parser.add_argument("--epochs", type=int, default=DEMO_EPOCHS,
                             help=f"epochs per trainer (default {DEMO_EPOCHS})")
-        parser.add_argument("--update", choices=UPDATE_MODES, default=ServerConfig.update,
-                            help=f"update mode (default {ServerConfig.update})")
+        add_options(parser, ServerConfig, only=("update",))
         compute = next(iter(COMPUTE_MODES))
         parser.add_argument("--compute", choices=list(COMPUTE_MODES), default=compute,
                             help=f"where the trainers' steps run (default {compute}: each trainer runs the model)")
-        parser.add_argument("--dataset", default=DataConfig.dataset,
-                            help=f"synthetic or mnist (default {DataConfig.dataset})")
-        parser.add_argument("--data-dir", default=None, help="MNIST directory (with --dataset mnist)")
-        parser.add_argument("--train-split", type=int, default=None, help="see psserver train --train-split")
+        add_options(parser, DataConfig, "data", "passed on to every trainer", only=DEMO_DATA)
 
     def run(self, args: argparse.Namespace) -> int:
         if not 1 <= args.trainers <= MAX_TRAINERS:
             raise UsageError(f"--trainers must be in 1..{MAX_TRAINERS} (each is a process on this host), "
                              f"got {args.trainers}")
-        from psserver.config.ps import TrainerConfig
+        from psserver.config.trainer import TrainerConfig
         from psserver.models import check_model_name
 
-        data_kwargs = {"dataset": args.dataset, "train_split": args.train_split}
-        if args.data_dir:
-            data_kwargs["data_dir"] = args.data_dir
         with config_errors():  # before any process starts: the trainers' flags as they will see them
             check_model_name(args.model)
             TrainerConfig(rank=0, num_trainers=args.trainers, epochs=args.epochs, compute=args.compute,
-                          data=DataConfig(**data_kwargs), progress=False)
+                          data=build(DataConfig, args), progress=False)
         port = _free_port()
         exe = [sys.executable, "-m", "psserver"]
         # A join token of the demo's own, as a real job has one (psserver.common.rendezvous.namespace).
@@ -91,8 +88,8 @@ class DemoCommand(SubCommand):
         serve = [*exe, "serve", "--port", str(port), "--model", args.model, "--no-control", "--update", args.update,
                  "--sync-trainers", str(args.trainers)]
         data = ["--dataset", args.dataset]
-        if args.data_dir:
-            data += ["--data-dir", args.data_dir]
+        if args.data_dir is not None:
+            data += ["--data-dir", str(args.data_dir)]
         if args.train_split is not None:
             data += ["--train-split", str(args.train_split)]
         procs: list[subprocess.Popen] = []

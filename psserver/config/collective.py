@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from psserver.config import loop
 from psserver.config.common import (
     DataConfig,
     check_host,
@@ -19,9 +20,11 @@ from psserver.config.common import (
     check_seed,
 )
 from psserver.config.control import ControlConfig, ObservabilityConfig
-from psserver.config.ps import OptimizerConfig
+from psserver.config.optimizer import OptimizerConfig
+from psserver.config.options import option
 
 MODES = ("ddp", "fsdp")
+RUN_GROUP = "collective training (--mode ddp|fsdp)"
 BACKENDS = ("auto", "nccl", "gloo")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd", "powersgd+fp16", "post-localsgd")
 MIXED_PRECISION = ("none", "bf16", "fp16")
@@ -60,25 +63,31 @@ def max_nproc_per_node() -> int:
 class DDPOptions:
     """Knobs of ``torch.nn.parallel.DistributedDataParallel`` (the ones Lightning's DDPStrategy documents)."""
 
-    static_graph: bool = False
+    static_graph: bool = option(False, help="the graph is the same every step")
     """The graph (used parameters, their order) is the same every step: DDP can skip re-discovery."""
-    gradient_as_bucket_view: bool = False
+    gradient_as_bucket_view: bool = option(
+        False, help="gradients are views into the all-reduce buckets (less memory, one copy fewer)")
     """Gradients are views into the all-reduce buckets: saves one copy and peak memory."""
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float = loop.bucket_cap_mb()
     """All-reduce bucket size in MiB (DDP's default is 25)."""
-    find_unused_parameters: bool = False
+    find_unused_parameters: bool = option(
+        False, help="look for parameters without gradients every step (slower)")
     """Traverse the autograd graph each step to find parameters without a gradient."""
-    comm_hook: str = "none"
+    comm_hook: str = option("none", help=f"communication hook: {', '.join(COMM_HOOKS)} (default {{default}})")
     """Gradient communication hook: none, fp16, bf16, powersgd, powersgd+fp16, post-localsgd."""
-    powersgd_rank: int = 1
+    powersgd_rank: int = option(1, help="PowerSGD matrix approximation rank (default {default})")
     """PowerSGD ``matrix_approximation_rank`` (>= 1; higher: more accurate, more bytes)."""
-    powersgd_start_iter: int = 2
+    powersgd_start_iter: int = option(
+        2, help="plain all-reduce before this step, PowerSGD after (default {default}, minimum 2)")
     """Plain all-reduce for the first N steps, PowerSGD after (>= 2 with error feedback)."""
-    localsgd_start_iter: int = 8
+    localsgd_start_iter: int = option(
+        8, help="post-local-SGD: global all-reduce before this step (default {default})")
     """Post-local-SGD: global gradient all-reduce for the first N steps, local SGD after."""
-    model_averaging_period: int = 4
+    model_averaging_period: int = option(
+        4, help="post-local-SGD: average parameters every N steps (default {default})")
     """Post-local-SGD: average the parameters of all ranks every N steps (PeriodicModelAverager)."""
-    localsgd_group_size: int | None = None
+    localsgd_group_size: int | None = option(
+        None, help="post-local-SGD: ranks per gradient subgroup after warm-up (default: per node; 1: none)")
     """Post-local-SGD: ranks per gradient-averaging subgroup after the warm-up (None: one per
     node, PyTorch's default; 1: purely local steps between parameter averagings)."""
 
@@ -106,11 +115,14 @@ class DDPOptions:
 class FSDPOptions:
     """Knobs of FSDP2 (``torch.distributed.fsdp.fully_shard``) and of tensor parallelism."""
 
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool = option(
+        True, help="free gathered parameters after forward (default: {default}; --no-... keeps them, ZeRO-2)")
     """Free the gathered parameters after forward (ZeRO-3); False keeps them until backward (ZeRO-2)."""
-    mixed_precision: str = "none"
+    mixed_precision: str = option("none", help=f"{', '.join(MIXED_PRECISION)} (default {{default}})")
     """Compute in bf16 or fp16 with fp32 master weights (``MixedPrecisionPolicy``), or none."""
-    tp_size: int = 1
+    tp_size: int = option(
+        1, help="tensor-parallel degree: 2-D mesh, TP inside groups of T ranks, FSDP across (llama_tiny; default "
+                "{default})")
     """Tensor-parallel degree: a 2-D mesh (dp = world / tp, tp) with TP inside each group."""
 
     def __post_init__(self) -> None:
@@ -126,13 +138,15 @@ class FSDPOptions:
 class CollectiveCheckpointConfig:
     """Sharded checkpoints with ``torch.distributed.checkpoint`` (one directory per save)."""
 
-    directory: Path | None = None
+    directory: Path | None = option(None, flag="--checkpoint-dir", help="directory of step-N/ checkpoints")
     """Directory of ``step-N/`` checkpoints; None: no checkpoints."""
-    every_steps: int = 0
+    every_steps: int = option(0, flag="--checkpoint-every", help="save every N steps (default {default}: at the end)")
     """Save every N steps (0: only at the end of training)."""
-    keep: int = 3
+    keep: int = option(3, flag="--keep-checkpoints", help="keep the newest N (default {default})")
     """Keep the newest N complete checkpoints."""
-    resume: str | None = None
+    resume: str | None = option(
+        None, const="latest", metavar="PATH",
+        help="resume from the newest complete checkpoint in --checkpoint-dir, or from PATH")
     """``latest`` (newest complete checkpoint in ``directory``) or a ``step-N`` directory."""
 
     def __post_init__(self) -> None:
@@ -153,23 +167,30 @@ class CollectiveCheckpointConfig:
 class LaunchConfig:
     """Where the processes come from: torchrun's environment or our own spawn."""
 
-    nproc_per_node: int | None = None
+    nproc_per_node: int | None = option(
+        None, help="standalone: spawn N workers on this host (not under torchrun, which has its own)")
     """Spawn this many workers here (standalone); None: one process, or torchrun's."""
-    master_addr: str = "127.0.0.1"
+    master_addr: str = option(
+        "127.0.0.1", help="standalone: rendezvous address (default {default}; torchrun: $MASTER_ADDR)")
     """Rendezvous address of a standalone launch (torchrun: $MASTER_ADDR)."""
-    master_port: int = 0
+    master_port: int = option(
+        0, help="standalone: rendezvous port (default {default}: a free one; torchrun: $MASTER_PORT)")
     """Rendezvous port of a standalone launch (0: a free one, picked at launch; torchrun: $MASTER_PORT)."""
-    backend: str = "auto"
+    backend: str = option(
+        "auto", help=f"process-group backend: {', '.join(BACKENDS)} (default {{default}}: nccl on GPU, else gloo)")
     """``auto`` (nccl when CUDA is available, else gloo), ``nccl`` or ``gloo``."""
     world_size: int = 1
     """Number of processes in the job (resolved from torchrun's env or ``nproc_per_node``)."""
     under_torchrun: bool = False
     """RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* come from torchrun (or any env:// launcher)."""
-    nccl_nsocks_perthread: int | None = None
+    nccl_nsocks_perthread: int | None = option(
+        None, help="NCCL_NSOCKS_PERTHREAD: sockets per helper thread (TCP transport; set before the process group "
+                   "starts, GPU only)")
     """Sets NCCL_NSOCKS_PERTHREAD (sockets per NCCL helper thread, TCP transport) before init."""
-    nccl_socket_nthreads: int | None = None
+    nccl_socket_nthreads: int | None = option(
+        None, help="NCCL_SOCKET_NTHREADS: CPU helper threads per connection (TCP transport)")
     """Sets NCCL_SOCKET_NTHREADS (CPU helper threads per NCCL connection) before init."""
-    nccl_min_nchannels: int | None = None
+    nccl_min_nchannels: int | None = option(None, help="NCCL_MIN_NCHANNELS: minimum number of channels (rings/trees)")
     """Sets NCCL_MIN_NCHANNELS (minimum rings/trees NCCL uses) before init."""
 
     def __post_init__(self) -> None:
@@ -215,29 +236,32 @@ class CollectiveConfig:
 
     mode: str = "ddp"
     """``ddp`` (replicated model, all-reduced gradients) or ``fsdp`` (sharded with FSDP2)."""
-    model: str = "mnist_cnn"
+    model: str = option(loop.COLLECTIVE_MODEL, help=None)
     """A model name (entry point of ``psserver.models``) or ``MODULE:ATTR``."""
-    model_args: dict = field(default_factory=dict)
+    model_args: dict = option(factory=dict, help=None)
     """Keyword arguments of the model's class or function (``--model-args JSON``)."""
-    seed: int = 0
+    seed: int = option(0, group=RUN_GROUP,
+                       help="seed of the initial parameters, the same on every rank (default {default})")
     """Seed of the initial parameters (the same on every rank)."""
-    epochs: int = 1
+    epochs: int = loop.epochs()
     """Passes over the training set (each rank sees 1/world of it per epoch)."""
-    batch_size: int = 64
+    batch_size: int = loop.batch_size()
     """Samples per step per rank."""
-    eval_batch_size: int = 1000
+    eval_batch_size: int = loop.eval_batch_size()
     """Batch size of the final evaluation on rank 0."""
-    max_steps: int = 0
+    max_steps: int = loop.max_steps()
     """Stop after this many steps in total (0: run all epochs)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Local optimizer of each rank (adam, lr 1e-3 by default)."""
     data: DataConfig = field(default_factory=DataConfig)
     """Dataset and split."""
-    compute_threads: int = 0
+    compute_threads: int = loop.compute_threads()
     """torch intra-op threads per process (0: cores / local processes)."""
-    progress: bool | None = None
+    progress: bool | None = loop.progress()
     """tqdm bar on rank 0 (None: only on a terminal)."""
-    result_file: str | None = None
+    result_file: str | None = option(
+        None, group=RUN_GROUP,
+        help="write a JSON summary per rank ({rank} in the name is replaced); for scripts and tests")
     """Write a JSON summary per rank here (``{rank}`` is replaced); for tests and scripts."""
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     """Process launch and backend."""
@@ -266,14 +290,7 @@ class CollectiveConfig:
         if self.mode not in MODES:
             raise ValueError(f"unknown --mode {self.mode!r}; collective modes: {', '.join(MODES)}")
         spec = get_model_spec(self.model, self.model_args)
-        if self.epochs < 1:
-            raise ValueError(f"--epochs must be >= 1, got {self.epochs}")
-        if self.batch_size < 1:
-            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
-        if self.eval_batch_size < 1:
-            raise ValueError(f"--eval-batch-size must be >= 1, got {self.eval_batch_size}")
-        if self.max_steps < 0:
-            raise ValueError("--max-steps must be >= 0")
+        loop.check_loop(self)
         if self.compute_threads < 0:
             raise ValueError("--compute-threads must be >= 0")
         self._check_combinations(spec)

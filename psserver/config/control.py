@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from psserver.config.common import check_host, check_input_file, check_output_dir, check_port, read_token_file
+from psserver.config.options import option
 
 TOKEN_ENV = "PSSERVER_AUTH_TOKEN"
 
@@ -15,24 +16,26 @@ TOKEN_ENV = "PSSERVER_AUTH_TOKEN"
 class ControlConfig:
     """The gRPC control plane served by ``psserver serve`` (and collective rank 0)."""
 
-    host: str = "127.0.0.1"
+    host: str = option("127.0.0.1", flag="--control-host", help="control plane address (default {default})")
     """Address the control plane binds to."""
-    port: int = 50051
+    port: int = option(50051, flag="--control-port", help="control plane port (default {default}; 0 picks one)")
     """Port of the control plane (0: pick a free one, logged at start)."""
-    enabled: bool = True
+    enabled: bool = option(True, flag="--no-control", negate=True, help="do not serve the control plane")
     """Serve the control plane at all."""
-    auth_token_file: Path | None = None
+    auth_token_file: Path | None = option(
+        None, help=f"bearer token required on every call but health (else ${TOKEN_ENV})")
     """File holding the bearer token; else ``$PSSERVER_AUTH_TOKEN``; else no token: reads are open,
     and Checkpoint and Shutdown take a local admin token that only this user on this host can read
     (``psserver.control.local_token``)."""
-    tls_cert: Path | None = None
+    tls_cert: Path | None = option(None, help="PEM certificate: serve TLS")
     """PEM certificate chain: serve TLS instead of plaintext."""
-    tls_key: Path | None = None
+    tls_key: Path | None = option(None, help="PEM private key of --tls-cert")
     """PEM private key matching ``tls_cert``."""
-    allow_unauthenticated_admin: bool = False
+    allow_unauthenticated_admin: bool = option(
+        False, help="allow Checkpoint/Shutdown without a token when no token is configured")
     """Allow Checkpoint and Shutdown without a token when no token is configured (no local admin
     token is written then)."""
-    reflection: bool = False
+    reflection: bool = option(False, help="serve gRPC server reflection")
     """Serve gRPC server reflection."""
 
     def __post_init__(self) -> None:
@@ -60,11 +63,11 @@ class ControlConfig:
 class ObservabilityConfig:
     """Prometheus metrics and TensorBoard event files."""
 
-    metrics_port: int | None = None
+    metrics_port: int | None = option(None, help="serve Prometheus metrics on this port")
     """Serve Prometheus metrics on this port (None: off)."""
-    metrics_host: str = "127.0.0.1"
+    metrics_host: str = option("127.0.0.1", help="address of the metrics endpoint (default {default})")
     """Address of the metrics endpoint."""
-    tensorboard_dir: Path | None = None
+    tensorboard_dir: Path | None = option(None, help="write TensorBoard event files here")
     """Write loss, accuracy and throughput with torch's SummaryWriter here."""
 
     def __post_init__(self) -> None:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from psserver.config.options import option
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "rmsprop")
 """The short list the help shows; every other optimizer of ``torch.optim`` is taken too (:func:`optimizer_class`)."""
@@ -61,16 +63,22 @@ def _accepts(cls: type, arg: str) -> bool:
 class OptimizerConfig:
     """The server-side optimizer, one instance per shard, shared by every trainer."""
 
-    name: str = "adam"
+    name: str = option("adam", flag="--optimizer", metavar="NAME",
+                       help=f"server-side optimizer, one per shard, shared by all trainers: {', '.join(OPTIMIZERS)} "
+                            "or any other of torch.optim by name (nadam, radam, adamax, adadelta, ...) "
+                            "(default {default})")
     """A ``torch.optim`` optimizer, by its class name in lower case (sgd, adam, adamw, adagrad,
     rmsprop, nadam, radam, adamax, adadelta, asgd, rprop, adafactor)."""
-    lr: float = 1e-3
+    lr: float = option(1e-3, help="learning rate (default {default})")
     """Learning rate."""
-    momentum: float = 0.0
+    momentum: float = option(0.0, help="momentum (sgd, rmsprop; default {default})")
     """Momentum (the optimizers that take one: sgd, rmsprop)."""
-    weight_decay: float = 0.0
+    weight_decay: float = option(0.0, help="L2 penalty (default {default})")
     """L2 penalty (decoupled for adamw)."""
-    args: dict[str, Any] = field(default_factory=dict)
+    args: dict[str, Any] = option(
+        factory=dict, flag="--optimizer-args", metavar="JSON",
+        help='the optimizer\'s other keyword arguments, a JSON object ({"betas": [0.9, 0.95], "eps": 1e-6}, '
+             '{"nesterov": true}; default {default})', show=lambda value: "none")
     """The optimizer's other keyword arguments (``betas``, ``eps``, ``nesterov``, ``amsgrad``,
     ...), as JSON gives them (``--optimizer-args``)."""
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from psserver.config.options import option
 from psserver.errors import UserCodeError
 from psserver.utils.references import check_arguments, is_reference, load_reference
 
@@ -76,13 +77,23 @@ class LRScheduleConfig:
     """The learning rate of the server's optimizer over its global steps (``--lr-schedule``,
     ``--lr-schedule-args``, ``--warmup-steps``); disabled by default: the lr stays ``--lr``."""
 
-    name: str | None = None
+    name: str | None = option(
+        None, flag="--lr-schedule", metavar="NAME|MODULE:ATTR",
+        help="a torch.optim.lr_scheduler class by name (CosineAnnealingLR, StepLR, MultiStepLR, LinearLR, "
+             "ExponentialLR, PolynomialLR, OneCycleLR, CyclicLR, ...), or MODULE:ATTR: a scheduler class or a "
+             "function (optimizer, **args) -> scheduler (default: none, the lr stays --lr)")
     """A ``torch.optim.lr_scheduler`` class by name (``CosineAnnealingLR``, ``StepLR``, ...), or
     ``MODULE:ATTR``: a scheduler class or a function ``(optimizer, **args) -> scheduler``; None:
     no schedule (only the warm-up, if any, then the base lr)."""
-    args: dict[str, Any] = field(default_factory=dict)
+    args: dict[str, Any] = option(
+        factory=dict, flag="--lr-schedule-args", metavar="JSON",
+        help='keyword arguments of the scheduler beside the optimizer, a JSON object ({"T_max": 1000})')
     """Keyword arguments of the scheduler, beside the optimizer (``--lr-schedule-args JSON``)."""
-    warmup_steps: int = 0
+    warmup_steps: int = option(
+        0, metavar="N",
+        help="linear warm-up: the lr at step t < N is --lr * (t+1)/N, then the schedule from its own step 0, as "
+             "SequentialLR(opt, [LinearLR(opt, start_factor=1/N, end_factor=1.0, total_iters=N-1), schedule], "
+             "milestones=[N]); without --lr-schedule the lr stays --lr after it (default {default})")
     """N > 0: a linear warm-up before the schedule, as ``SequentialLR([LinearLR(start_factor=1/N,
     end_factor=1.0, total_iters=N-1), schedule], milestones=[N])``: the lr at step t < N is
     base lr * (t+1)/N, and the schedule starts at its own step 0 at step N. 0: none."""

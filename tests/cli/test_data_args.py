@@ -6,7 +6,9 @@ import argparse
 
 import pytest
 
-from psserver.cli.args import add_data_arguments, data_from_args, id_count
+from psserver.cli import main
+from psserver.cli.args import add_data_arguments, data_from_args
+from psserver.config.options import id_count
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -22,9 +24,14 @@ def test_id_counts(text, value):
 
 
 @pytest.mark.parametrize("text", ["2^x", "two", "2^-1", "2^65", "1e12", ""])
-def test_bad_id_counts_are_argparse_errors(text):
-    with pytest.raises(argparse.ArgumentTypeError, match="2\\^"):
+def test_bad_id_counts_are_one_line_usage_errors(text, capsys):
+    with pytest.raises(ValueError, match="2\\^"):
         id_count(text)
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--dataset", "synthetic_clicks", "--id-space", text])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "argument --id-space: " in err[0] and "2^" in err[0], err
 
 
 def test_the_flags_reach_the_config():

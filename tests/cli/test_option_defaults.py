@@ -1,10 +1,12 @@
-"""Every option's default is written once, on its config dataclass field: the CLI's default of each
-flag that feeds a field is the field's, the configuration built from no flags is the dataclass's
-own, and no help text shows a default other than the real one."""
+"""Every option is written once, on its config dataclass field: every flag of ``serve`` and
+``train`` but four is built from a field (its default, type, choices and help the field's), a flag
+is never declared by two fields, the configuration built from no flags is the dataclass's own,
+and no help text shows a default other than the real one."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any
@@ -12,95 +14,34 @@ from typing import Any
 import pytest
 
 from psserver.cli import build_parser
-from psserver.cli.args import byte_size, id_count
-from psserver.cli.defaults import field_default
+from psserver.cli.builder import FIELDS_ATTR
 from psserver.config import (
-    CheckpointConfig,
     CollectiveConfig,
     ControlConfig,
-    DataConfig,
-    EmbeddingConfig,
-    LRScheduleConfig,
-    MemoryStateConfig,
-    ObservabilityConfig,
     ServerConfig,
     TrainerConfig,
 )
-from psserver.config.collective import CollectiveCheckpointConfig, DDPOptions, FSDPOptions, LaunchConfig
+from psserver.config.common import parse_bytes as byte_size
+from psserver.config.options import field_default, id_count
 from psserver.data import GENERATED_SIZES
 
 Field = tuple[type, str]
 
-CONTROL: dict[str, list[Field]] = {
-    "control_host": [(ControlConfig, "host")], "control_port": [(ControlConfig, "port")],
-    "auth_token_file": [(ControlConfig, "auth_token_file")], "tls_cert": [(ControlConfig, "tls_cert")],
-    "tls_key": [(ControlConfig, "tls_key")],
-    "allow_unauthenticated_admin": [(ControlConfig, "allow_unauthenticated_admin")],
-    "reflection": [(ControlConfig, "reflection")], "metrics_port": [(ObservabilityConfig, "metrics_port")],
-    "metrics_host": [(ObservabilityConfig, "metrics_host")],
-    "tensorboard_dir": [(ObservabilityConfig, "tensorboard_dir")],
+HAND_WRITTEN: dict[str, dict[str, str]] = {
+    "train": {"mode": "which configuration is built", "server": "HOST:PORT, split into server_host and server_port",
+              "entry": "the function run_entry calls", "entry_args": "that function's keyword arguments"},
+    "serve": {},
 }
-DATA: dict[str, list[Field]] = {
-    "dataset": [(DataConfig, "dataset")], "data_dir": [(DataConfig, "data_dir")],
-    "data_workers": [(DataConfig, "workers")], "image_size": [(DataConfig, "image_size")],
-    "train_split": [(DataConfig, "train_split")], "download": [(DataConfig, "download")],
-    "data_seed": [(DataConfig, "seed")], "train_samples": [(DataConfig, "synthetic_train")],
-    "eval_samples": [(DataConfig, "synthetic_eval")], "id_space": [(DataConfig, "id_space")],
-    "click_vocab": [(DataConfig, "click_vocab")],
-}
+"""The flags of ``serve`` and ``train`` that are no configuration field, and what they are."""
 
 
-def same_name(cls: type, *names: str) -> dict[str, list[Field]]:
-    return {name: [(cls, name)] for name in names}
+def fields_of(action: argparse.Action) -> list[Field]:
+    """The configuration fields ``action`` feeds: those it was built from."""
+    return getattr(action, FIELDS_ATTR, None) or []
 
-
-SERVE: dict[str, list[Field]] = {
-    **same_name(ServerConfig, "host", "port", "model", "devices", "update", "buffers", "sync_trainers", "staleness",
-                "compute", "max_grad_norm", "max_nonfinite_steps", "trainer_timeout", "rpc_timeout", "rpc_threads",
-                "compute_threads", "allocator", "seed", "join_token_file", "no_join_token", "max_model_bytes",
-                "supervise", "max_restarts", "num_servers", "server_rank", "coordinator"),
-    "lr_schedule": [(LRScheduleConfig, "name")], "warmup_steps": [(LRScheduleConfig, "warmup_steps")],
-    "embedding_dim": [(EmbeddingConfig, "dim")], "embedding_max_rows": [(EmbeddingConfig, "max_rows")],
-    "embedding_eviction": [(EmbeddingConfig, "eviction")], "embedding_ttl": [(EmbeddingConfig, "ttl_steps")],
-    "embedding_admit_after": [(EmbeddingConfig, "admit_after")],
-    "embedding_optimizer": [(EmbeddingConfig, "optimizer")], "embedding_lr": [(EmbeddingConfig, "lr")],
-    "embedding_init_std": [(EmbeddingConfig, "init_std")], "embedding_prefill": [(EmbeddingConfig, "prefill_rows")],
-    "checkpoint_dir": [(CheckpointConfig, "directory")], "checkpoint_every": [(CheckpointConfig, "every_steps")],
-    "checkpoint_interval": [(CheckpointConfig, "interval_s")], "keep_checkpoints": [(CheckpointConfig, "keep")],
-    "resume": [(CheckpointConfig, "resume")], "new_run": [(CheckpointConfig, "new_run")],
-    "state_dir": [(MemoryStateConfig, "directory")], "state_key": [(MemoryStateConfig, "key")],
-    "remove_stale_state": [(MemoryStateConfig, "remove_stale")],
-    **CONTROL,
-}
-TRAIN: dict[str, list[Field]] = {
-    **{name: [(TrainerConfig, name), (CollectiveConfig, name)]
-       for name in ("epochs", "batch_size", "eval_batch_size", "max_steps", "compute_threads")},
-    "model": [(CollectiveConfig, "model")],  # ps: None, the server's (TrainerConfig.model)
-    "rank": [(TrainerConfig, "rank")], "num_trainers": [(TrainerConfig, "num_trainers")],
-    "bucket_cap_mb": [(TrainerConfig, "bucket_cap_mb"), (DDPOptions, "bucket_cap_mb")],
-    **same_name(TrainerConfig, "compute", "step", "device", "transport", "overlap", "wire_dtype", "connect_timeout",
-                "reconnect", "start_over", "rpc_timeout", "allocator", "join_token_file", "stats_out", "loss",
-                "metric"),
-    **same_name(CollectiveConfig, "seed", "result_file"),
-    **same_name(LaunchConfig, "nproc_per_node", "master_addr", "master_port", "backend", "nccl_nsocks_perthread",
-                "nccl_socket_nthreads", "nccl_min_nchannels"),
-    **same_name(DDPOptions, "static_graph", "gradient_as_bucket_view", "find_unused_parameters", "comm_hook",
-                "powersgd_rank", "powersgd_start_iter", "localsgd_start_iter", "model_averaging_period",
-                "localsgd_group_size"),
-    **same_name(FSDPOptions, "reshard_after_forward", "mixed_precision", "tp_size"),
-    "checkpoint_dir": [(CollectiveCheckpointConfig, "directory")],
-    "checkpoint_every": [(CollectiveCheckpointConfig, "every_steps")],
-    "keep_checkpoints": [(CollectiveCheckpointConfig, "keep")], "resume": [(CollectiveCheckpointConfig, "resume")],
-    **DATA, **CONTROL,
-}
-DEMO: dict[str, list[Field]] = {"update": [(ServerConfig, "update")], "dataset": [(DataConfig, "dataset")]}
-FIELDS: dict[str, dict[str, list[Field]]] = {"serve": SERVE, "train": TRAIN, "demo": DEMO}
-"""Verb -> flag dest -> the config fields it feeds."""
 
 NOT_A_FIELD: dict[str, dict[str, str]] = {
-    "train": {"mode": "which configuration is built", "no_progress": "progress=False; None decides by the terminal",
-              "no_control": "ControlConfig.enabled, negated"},
-    "serve": {"no_control": "ControlConfig.enabled, negated"},
+    "train": {"mode": "which configuration is built"},
     "demo": {"model": "the demo's own", "trainers": "the demo's own", "epochs": "the demo's own",
              "compute": "the first of COMPUTE_MODES"},
     "status": {"address": "$PSSERVER_CONTROL_ADDRESS", "timeout": "per verb", "interval": "the client's"},
@@ -145,19 +86,60 @@ def options(verb: str) -> list[argparse.Action]:
 def test_a_flags_default_is_its_fields(verb):
     """Each flag that feeds a field defaults to the field's default, or to None (left out: the
     config's, which the tests below check); a flag with any other default says where it comes from."""
-    fields, other = FIELDS.get(verb, {}), NOT_A_FIELD.get(verb, {})
+    other = NOT_A_FIELD.get(verb, {})
     wrong = []
     for action in options(verb):
-        if action.dest in fields:
-            for cls, name in fields[action.dest]:
-                if action.default is not None and action.default != field_default(cls, name):
-                    wrong.append(f"{action.option_strings[0]} defaults to {action.default!r}, "
-                                 f"{cls.__name__}.{name} to {field_default(cls, name)!r}")
-        elif action.default not in (None, False) and action.dest not in other:
+        fields = fields_of(action)
+        for cls, name in fields:
+            default = field_default(cls, name)
+            if action.default not in (None, default) and not (isinstance(action, argparse._StoreTrueAction)
+                                                              and default is not False):
+                wrong.append(f"{action.option_strings[0]} defaults to {action.default!r}, "
+                             f"{cls.__name__}.{name} to {default!r}")
+        if not fields and action.default not in (None, False) and action.dest not in other:
             wrong.append(f"{action.option_strings[0]} defaults to {action.default!r} and feeds no config field named "
-                         "here (FIELDS or NOT_A_FIELD)")
+                         "here (NOT_A_FIELD)")
     assert not wrong, "\n".join(wrong)
-    assert set(fields) <= {a.dest for a in options(verb)}, "a field named for a flag that is gone"
+
+
+@pytest.mark.parametrize("verb", sorted(HAND_WRITTEN))
+def test_every_flag_of_serve_and_train_is_a_configuration_field(verb):
+    """The flag, its default, type, choices and help are the field's (``psserver.config.options``):
+    none is written in the CLI. A flag added by hand for a field would either clash with the
+    field's (argparse refuses an option string twice) or show up here, built from no field."""
+    built = {a.dest for a in options(verb) if getattr(a, FIELDS_ATTR, None)}
+    by_hand = {a.dest for a in options(verb)} - built
+    assert by_hand == set(HAND_WRITTEN[verb]), f"flags of {verb} written by hand: {sorted(by_hand)}"
+    assert len(built) > 40
+
+
+def test_a_flag_declared_by_two_fields_is_refused():
+    """Two configurations share a flag only by sharing its declaration (``psserver.config.loop``);
+    a second, different declaration of the same flag is an error when the parser is built."""
+    from psserver.cli.builder import add_options
+    from psserver.config.options import option
+
+    @dataclasses.dataclass
+    class First:
+        epochs: int = option(1, help="epochs (default {default})")
+
+    @dataclasses.dataclass
+    class Again:
+        epochs: int = option(2, help="epochs (default {default})")
+
+    parser = argparse.ArgumentParser()
+    add_options(parser, First)
+    with pytest.raises(AssertionError, match="--epochs is declared by two fields"):
+        add_options(parser, Again)
+
+
+def test_a_shared_declaration_is_one_flag_feeding_both_modes():
+    """``--epochs`` is ``TrainerConfig.epochs`` and ``CollectiveConfig.epochs``, one flag."""
+    parser, _, _ = verb_parser("train")
+    (action,) = [a for a in parser._actions if "--epochs" in a.option_strings]
+    assert getattr(action, FIELDS_ATTR) == [(TrainerConfig, "epochs"), (CollectiveConfig, "epochs")]
+    assert TrainerConfig.__dataclass_fields__["epochs"].metadata == CollectiveConfig.__dataclass_fields__[
+        "epochs"].metadata
 
 
 def test_no_flags_build_the_servers_default_config():
@@ -196,10 +178,10 @@ BOOLEAN_WORDS = {"yes": True, "no": False, "on": True, "off": False}
 
 def real_default(verb: str, action: argparse.Action) -> Any:
     """What a flag left out means: its default, else (None) the field's it feeds."""
-    if action.default is not None:
+    if action.default is not None and not isinstance(action, argparse._StoreTrueAction):
         return action.default
-    fields = FIELDS.get(verb, {}).get(action.dest)
-    return field_default(*fields[0]) if fields else None
+    fields = fields_of(action)
+    return field_default(*fields[0]) if fields else action.default
 
 
 def shown_matches(text: str, value: Any) -> bool | None:

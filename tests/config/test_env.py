@@ -3,12 +3,14 @@ own rendezvous (its MASTER_ADDR:MASTER_PORT), else a hand-set or Slurm MASTER_AD
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from psserver.config.common import parse_host_port
 from psserver.config.env import SERVER_VAR, default_server_address, under_torchelastic
 from psserver.errors import UsageError
-from tests.procs import NOT_INHERITED
+from tests.procs import NOT_INHERITED, ROOT
 
 # What torchrun's agent puts in a worker's environment (LocalElasticAgent._start_workers).
 TORCHRUN = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
@@ -156,3 +158,20 @@ def test_a_launchers_variable_that_is_no_int_is_still_no_default(monkeypatch):
 
     _set(monkeypatch, RANK="abc", SLURM_PROCID="3", WORLD_SIZE="1.5", MASTER_PORT="x")
     assert (default_rank(), default_world_size(), default_server_address()) == (3, None, "127.0.0.1:29500")
+
+
+READ_BY_NAME = re.compile(
+    r"""(?:environ(?:\.get)?[(\[]|getenv\(|env_int\(|_launcher_var\(|_(?:VAR|ENV) = )["']([A-Z][A-Z0-9_]+)["']""")
+"""How psserver reads a variable by name: ``os.environ.get("X")``, ``os.environ["X"]``,
+``os.getenv("X")``, ``env_int("X", ...)`` and the ``*_VAR`` / ``*_ENV`` constants it reads through."""
+
+
+def test_every_environment_variable_read_by_name_is_documented():
+    """Launchers' variables too (MASTER_PORT, SLURM_PROCID, HOSTNAME), not only PSSERVER_*: a
+    default taken from the environment is one the user must be able to find."""
+    source = "\n".join(p.read_text() for p in (ROOT / "psserver").rglob("*.py"))
+    read = set(READ_BY_NAME.findall(source))
+    assert {"MASTER_PORT", "SLURM_PROCID", "PSSERVER_DATA_DIR", "HOSTNAME"} <= read, "the pattern is stale"
+    documented = (ROOT / "docs" / "configuration.md").read_text()
+    missing = sorted(v for v in read if f"`{v}`" not in documented and f"`{v.split('_')[0]}_*`" not in documented)
+    assert not missing, f"docs/configuration.md does not document {missing}"

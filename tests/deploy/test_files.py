@@ -875,6 +875,6 @@ def test_readmes_document_the_security_model():
                  "deploy/README.md#security-model", "Metrics"):
         assert word in section, word
     # a refusal metric, once it exists, is named where the refusals are described
-    metric = re.search(r"(psserver_rpc_refusals\w*)", (ROOT / "psserver" / "metrics.py").read_text())
+    metric = re.search(r"(psserver_rpc_refusals\w*)", (ROOT / "psserver" / "exporters.py").read_text())
     if metric:
         assert metric.group(1).removesuffix("_total") in section + deploy
