@@ -9,7 +9,7 @@
 #   resnet18    benchmarks.paired --setups gpu, ResNet-18 b32, 3 paired rounds
 #   mnist       the same for mnist_cnn b64
 #   cross-host  TensorPipe limited to cuda_basic,basic (what crosses hosts without GPUDirect),
-#               local against one pushpull trainer, ResNet-18 b32; then benchmarks.state_copy
+#               local against one pushpull trainer, ResNet-18 b32; then python -m benchmarks state_copy
 #   resnet50    the gpu setups for ResNet-50 b32 (23.5M parameters)
 #
 # Results go to benchmarks/results/gpu-h100/: the paired JSON and Markdown, and every part's
@@ -66,7 +66,7 @@ paired() {  # paired MODEL BATCH [more flags]: SIGINT at the limit, SIGKILL 20 s
       PSSERVER_TP_CHANNELS=cuda_basic,basic paired resnet18 32 --setups local,ps-pushpull-async-1 --rounds 3 \
         --results-dir "$results/cuda-basic"
       first=$?
-      timeout -s INT -k 20 "$(left)" python3 -m benchmarks.state_copy --model resnet18 --batch-size 32 \
+      timeout -s INT -k 20 "$(left)" python3 -m benchmarks state_copy --model resnet18 --batch-size 32 \
         --device cuda:0 --results-dir "$results"
       second=$?
       [ "$first" -ne 0 ] && exit "$first"

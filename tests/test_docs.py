@@ -36,7 +36,7 @@ def test_the_readme_is_short_and_links_every_page():
 
 def benchmark_flags() -> set[str]:
     """The flags of the benchmarks' own command lines (``python -m benchmarks.X``)."""
-    source = "\n".join(p.read_text() for p in (ROOT / "benchmarks").glob("*.py"))
+    source = "\n".join(p.read_text() for p in (ROOT / "benchmarks").rglob("*.py"))
     return set(re.findall(r"add_argument\(\s*\"(--[a-z][a-z0-9-]+)\"", source))
 
 

@@ -1,5 +1,5 @@
 """A user's project, made by a test outside the repository: image files and a package of code
-(``benchmarks.userproject`` writes them; the data-loading benchmark makes the same project).
+(``benchmarks.harness.userproject`` writes them; the data-loading benchmark makes the same project).
 
 - ``write_mnist_pngs(root, n_train, n_val)``: the real MNIST split as grayscale PNG files in
   the ``imagefolder`` layout, ``root/train/<label>/<i>.png`` and ``root/val/<label>/<i>.png``.
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import userproject as _written
-from benchmarks.userproject import MNIST_TRAIN_SPLIT, PNG_DATASET, write_package
+from benchmarks.harness import userproject as _written
+from benchmarks.harness.userproject import MNIST_TRAIN_SPLIT, PNG_DATASET, write_package
 from tests.procs import MNIST_DIR, ROOT
 
 __all__ = ["BN_CNN", "MNIST_TRAIN_SPLIT", "PNG_DATASET", "mnist_images", "pythonpath", "write_mnist_pngs",
@@ -28,12 +28,12 @@ __all__ = ["BN_CNN", "MNIST_TRAIN_SPLIT", "PNG_DATASET", "mnist_images", "python
 
 
 def mnist_images(data_dir: Path = MNIST_DIR) -> tuple[np.ndarray, np.ndarray]:
-    """``benchmarks.userproject.mnist_images`` of the tests' MNIST split."""
+    """``benchmarks.harness.userproject.mnist_images`` of the tests' MNIST split."""
     return _written.mnist_images(data_dir)
 
 
 def write_mnist_pngs(root: Path, n_train: int, n_val: int, data_dir: Path = MNIST_DIR) -> Path:
-    """``benchmarks.userproject.write_mnist_pngs`` of the tests' MNIST split."""
+    """``benchmarks.harness.userproject.write_mnist_pngs`` of the tests' MNIST split."""
     return _written.write_mnist_pngs(root, n_train, n_val, data_dir)
 
 

@@ -55,7 +55,7 @@ LOG_DIR_ENV = "PSSERVER_LOG_DIR"
 class _Parser(argparse.ArgumentParser):
     """Usage errors are one line and exit code 2; no abbreviated flags (``--compute`` must not
     become ``--compute-threads``). A verb's parser gets its arguments when it is used, so one
-    verb's imports (``bench``: the checkout's ``benchmarks``) never affect another's."""
+    verb's imports never affect another's."""
 
     def __init__(self, *args, command: SubCommand | None = None, **kwargs) -> None:
         kwargs.setdefault("allow_abbrev", False)

@@ -1,47 +1,28 @@
-"""``psserver bench``: the throughput harness of ``benchmarks/`` (``python -m benchmarks.run``).
+"""``psserver bench``: removed; the benchmarks run from a repository checkout.
 
-The harness lives in the repository checkout (``benchmarks/``, not part of the installed
-package); this verb finds it next to the ``psserver`` package of an editable install, and
-is a usage error (one line, exit code 2) anywhere else.
+The benchmarks measure psserver from outside (processes of their own, ``benchmarks/results``
+and its committed JSON), so they live in the repository, not in the installed package, and the
+installed CLI never imports a checkout: this verb only says where they went (one line, exit 2).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import shlex
-import sys
-from pathlib import Path
-from types import ModuleType
 
-from psserver.cli.base import SubCommand, config_errors
+from psserver.cli.base import SubCommand
 from psserver.errors import UsageError
 
-
-def _harness() -> ModuleType:
-    """``benchmarks.run``, importable as is or from the checkout this package lives in."""
-    try:
-        return importlib.import_module("benchmarks.run")
-    except ModuleNotFoundError as e:
-        if e.name != "benchmarks":  # the harness is there but one of its imports is not: a bug
-            raise
-    root = Path(__file__).resolve().parents[2]
-    if not (root / "benchmarks" / "run.py").is_file():
-        raise UsageError(f"psserver bench needs the repository checkout: no benchmarks/run.py in {root}")
-    sys.path.insert(0, str(root))
-    return importlib.import_module("benchmarks.run")
+MOVED = ("psserver bench was removed: the benchmarks run from a repository checkout, "
+         "`python -m benchmarks.run --quick` there (`python -m benchmarks --help` lists every study)")
 
 
 class BenchCommand(SubCommand):
     name = "bench"
-    help = "measure local loop, PS (1/2/4 trainers, async/sync), DDP and FSDP in one run (repository checkout)"
+    help = "removed: run `python -m benchmarks.run` in a repository checkout"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        _harness().add_arguments(parser)
+        """Refused before its flags are read, whatever they are (``--help`` included)."""
+        raise UsageError(MOVED)
 
-    def run(self, args: argparse.Namespace) -> int:
-        command = "psserver " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        harness = _harness()
-        with config_errors():  # the harness names a bad flag in a ValueError
-            setups = harness.check_args(args)
-        return harness.run_args(args, setups, command=command)
+    def run(self, args: argparse.Namespace) -> int:  # never reached: add_arguments refuses first
+        raise UsageError(MOVED)

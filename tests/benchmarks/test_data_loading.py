@@ -1,4 +1,4 @@
-"""``benchmarks.data_loading``: the flags each setup hands its trainers, the
+"""``benchmarks.studies.data_loading``: the flags each setup hands its trainers, the
 arithmetic on fabricated step times and CPU samples, the report, the user's project it
 writes, and one short real round."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import data_loading as dl
-from benchmarks import measure
+from benchmarks.harness import measure
+from benchmarks.studies import data_loading as dl
 from tests.procs import MNIST_DIR
 
 
@@ -135,7 +135,7 @@ def test_ratios_are_taken_round_by_round_and_reported():
     summary.update(rounds=3, cores=2, runs=runs,
                    per_round=[{"order": dl.rotate(names, r), "load_at_start": [0.4, 1, 1], "waited_s": 12.0,
                                "quiet": r != 1} for r in range(3)])
-    result = {"command": "python -m benchmarks.data_loading", "time": "now", "wall_s": 60.0,
+    result = {"command": "python -m benchmarks data_loading", "time": "now", "wall_s": 60.0,
               "load_before": [0.4, 0.5, 0.6], "load_after": [1.5, 1.0, 0.8],
               "config": {"model": "mnist_cnn", "batch_size": 64, "steps": 200, "skip": 40}, "summary": summary}
     md = dl.markdown(result)
@@ -166,8 +166,10 @@ print("ok")
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(600)
 def test_one_short_round_against_a_live_server(tmp_path, capsys):
+    # The bound is for a machine that other jobs load: beside three other suites (load average 12-17)
+    # this round took 153 s once and passed 180 s another time.
     argv = ["--setups", "in-memory,user-dataset-w1", "--rounds", "1", "--steps", "30", "--skip", "5",
             "--warm-up-steps", "0", "--load-wait", "0", "--results-dir", str(tmp_path)]
     assert dl.main(argv) == 0

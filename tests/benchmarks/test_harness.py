@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from benchmarks import capacity, measure, netns, paired, run, setups, targets, throttle
+from benchmarks.harness import capacity, measure, netns, paired, setups, targets, throttle
+from benchmarks.studies.throughput import run
 
 
 def _value(argv: list[str], flag: str) -> str:
@@ -22,7 +23,7 @@ def _value(argv: list[str], flag: str) -> str:
 
 def test_new_setup_names_parse_and_build_their_command_lines():
     pair = setups.parse_setup("local-1t-x2")
-    assert (pair["kind"], pair["procs"], pair["threads"]) == ("local", 2, 1)
+    assert (pair.kind, pair.procs, pair.threads) == ("local", 2, 1)
     assert not setups.is_ceiling(pair) and setups.is_ceiling(setups.parse_setup("local-1t"))
     assert setups.process_env(pair) == {"OMP_NUM_THREADS": "1"}
     assert setups.process_env(setups.parse_setup("local")) == {}
@@ -33,17 +34,17 @@ def test_new_setup_names_parse_and_build_their_command_lines():
     assert setups.process_env(setups.parse_setup("ps-chained-async-2")) == {}
 
     pp = setups.parse_setup("ps-pushpull-bf16-async-2")
-    assert (pp["step"], pp["wire"], pp["compute"], pp["update"], pp["trainers"]) == ("pushpull", "bf16", "trainer",
+    assert (pp.step, pp.wire, pp.compute, pp.update, pp.trainers) == ("pushpull", "bf16", "trainer",
                                                                                       "async", 2)
     argv = setups.trainer_argv(pp, 1, port=4242, batch_size=64, steps=80, stats_out="/x.json")
     assert _value(argv, "--step") == "pushpull" and _value(argv, "--wire-dtype") == "bf16"
     assert _value(argv, "--rank") == "1" and _value(argv, "--num-trainers") == "2"
     assert _value(argv, "--server") == "127.0.0.1:4242" and _value(argv, "--max-steps") == "80"
     assert setups.process_env(pp) == {}  # a PS trainer sizes its own threads
-    assert setups.parse_setup("ps-pull-async-1")["wire"] == "fp32"
+    assert setups.parse_setup("ps-pull-async-1").wire == "fp32"
 
     ssp = setups.parse_setup("ps-pushpull-ssp4-2-straggler")
-    assert (ssp["update"], ssp["staleness"], ssp["straggler"]) == ("ssp", 4, True)
+    assert (ssp.update, ssp.staleness, ssp.straggler) == ("ssp", 4, True)
     server = setups.server_argv(ssp, model="mnist_cnn", port=7, devices=None, tp_channels="basic")
     assert _value(server, "--update") == "ssp" and _value(server, "--staleness") == "4"
     assert "--staleness" not in setups.server_argv(setups.parse_setup("ps-async-2"), model="mnist_cnn", port=7,
@@ -51,7 +52,7 @@ def test_new_setup_names_parse_and_build_their_command_lines():
     assert setups.server_key(ssp) != setups.server_key(setups.parse_setup("ps-pushpull-async-2"))
     # -sock: the server's tensors cross the sockets (TensorPipe basic), whatever the run's channels.
     sock = setups.parse_setup("ps-pushpull-bf16-async-2-sock")
-    assert sock["sock"] and sock["wire"] == "bf16" and setups.channels_of(sock, "default") == "basic"
+    assert sock.sock and sock.wire == "bf16" and setups.channels_of(sock, "default") == "basic"
     assert setups.server_key(sock) != setups.server_key(setups.parse_setup("ps-pushpull-bf16-async-2"))
     assert _value(setups.server_argv(sock, model="m", port=7, devices=None, tp_channels="default"),
                   "--channels") == "basic"
@@ -64,22 +65,22 @@ def test_new_setup_names_parse_and_build_their_command_lines():
     assert setups.steps_for(setups.parse_setup("ps-pushpull-async-2"), 0, 80) == 80
 
     ddp = setups.parse_setup("ddp-2-straggler")
-    assert (ddp["kind"], ddp["threads"], setups.straggler_index(ddp)) == ("ddp", 1, 1)
+    assert (ddp.kind, ddp.threads, setups.straggler_index(ddp)) == ("ddp", 1, 1)
     assert setups.steps_for(ddp, 0, 80) == 80  # lockstep
     rank = setups.ddp_rank_argv(ddp, model="mnist_cnn", batch_size=64, steps=50, stats_out="r.json")
-    assert rank[1:4] == ["-m", "benchmarks.workers", "ddp"] and _value(rank, "--threads") == "1"
+    assert rank[1:4] == ["-m", "benchmarks.harness.workers", "ddp"] and _value(rank, "--threads") == "1"
     env = setups.ddp_rank_env(ddp, 1, master_port=1234)
     assert env == {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234", "OMP_NUM_THREADS": "1"}
-    assert "straggler" not in setups.parse_setup("ddp-2")
+    assert not setups.parse_setup("ddp-2").straggler
 
     for bad in ("ps-chained-bf16-async-1", "ps-bf16-async-1", "ps-pushpull-async-1-straggler", "local-1t-x1",
                 "fsdp-2-straggler", "ps-pushpull-ssp-2", "ps-pushpull-fp8-async-2"):
         with pytest.raises(ValueError):
             setups.parse_setup(bad)
     named = paired.TRAINER_COMPUTE_SETUPS
-    assert [s["name"] for s in setups.parse_setups(named)] == named.split(",")
-    assert all(paired.pairable(s) for s in setups.parse_setups(run.FULL_SETUPS) if s["kind"] != "fsdp")
+    assert [s.name for s in setups.parse_setups(named)] == named.split(",")
+    assert all(paired.pairable(s) for s in setups.parse_setups(run.FULL_SETUPS) if s.kind != "fsdp")
 
 
 def test_run_and_paired_flags(capsys):
@@ -91,7 +92,7 @@ def test_run_and_paired_flags(capsys):
         err = capsys.readouterr().err
         assert "error:" in err and "Traceback" not in err, argv
     args = paired.parse_args(["--setups", "trainer-compute", "--warm-up-steps", "0"])
-    assert [s["name"] for s in args.setups] == paired.TRAINER_COMPUTE_SETUPS.split(",") and args.warm_up_steps == 0
+    assert [s.name for s in args.setups] == paired.TRAINER_COMPUTE_SETUPS.split(",") and args.warm_up_steps == 0
     for argv in (["--setups", "local-1t-x2,ps-pushpull-async-2"], ["--warm-up-steps", "-1"]):
         with pytest.raises(SystemExit) as e:  # the pair is no ceiling; negative warm-up
             paired.parse_args(argv)
@@ -343,16 +344,16 @@ def test_trainer_compute_targets_and_capacity_from_paired_rounds():
 
 
 def test_server_half_times_an_exchange_without_rpc(caplog):
-    from benchmarks import server_half
+    from benchmarks.studies import server_half
     from psserver.server.engine import shard
 
     wall, cpu = server_half.measure("mlp", 5, "bf16", 1)
     assert 0 < wall < 1000 and 0 < cpu < 1000
-    with caplog.at_level("INFO", logger="benchmarks.server_half"):
+    with caplog.at_level("INFO", logger="benchmarks.studies.server_half"):
         assert server_half.main(["--model", "mlp", "--steps", "3"]) == 0
     assert "pushpull exchange in-process, mlp, adam, wire fp32" in caplog.text
     caplog.clear()
-    with caplog.at_level("INFO", logger="benchmarks.server_half"):
+    with caplog.at_level("INFO", logger="benchmarks.studies.server_half"):
         assert server_half.main(["--model", "mlp", "--steps", "3", "--optimizer", "sgd", "--momentum", "0.9",
                                  "--unfused-rounds", "2"]) == 0
     assert caplog.text.count("torch's default") == 3 and "median" in caplog.text

@@ -35,3 +35,18 @@ def test_a_cycle_is_found(tmp_path, monkeypatch):
     (pkg / "c.py").write_text("from cyclic import b\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert import_cycles("cyclic") == ["cyclic.a -> cyclic.b -> cyclic.a", "cyclic.b -> cyclic.a -> cyclic.b"]
+
+
+@pytest.mark.timeout(120)
+def test_the_harness_imports_no_study():
+    """Studies are built on the harness, never the reverse: a study can move or go without
+    touching what the others stand on."""
+    import grimp
+
+    graph = grimp.build_graph("benchmarks", cache_dir=None)
+    harness = {m for m in graph.modules if m.startswith("benchmarks.harness")}
+    studies = {m for m in graph.modules if m.startswith("benchmarks.studies")}
+    assert harness and studies
+    chains = [(h, s) for h in sorted(harness) for s in sorted(studies)
+              if graph.find_shortest_chain(importer=h, imported=s) is not None]
+    assert not chains, chains

@@ -1,4 +1,4 @@
-"""``benchmarks.multihost``: several hosts on one machine (namespaces, veth links to a bridge,
+"""``benchmarks.harness.multihost``: several hosts on one machine (namespaces, veth links to a bridge,
 ``tc`` rate limits). The pure parts always run; the real topology needs root, ``ip`` and ``tc``
 and is skipped, with the reason, where ``multihost.available()`` says no."""
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from benchmarks import multihost, netns
+from benchmarks.harness import multihost, netns
 
 
 def _skip_unless_available() -> None:
@@ -41,7 +41,7 @@ def test_shaper_commands_cover_both_qdiscs():
 def test_names_and_subnets_belong_to_their_harness():
     assert multihost.owner_pid("psbench-123-m0-hub") == 123
     assert multihost.owner_pid("psbench-123-m4-17") == 123
-    assert multihost.owner_pid("psbench-123-0") is None  # benchmarks.netns's own namespaces
+    assert multihost.owner_pid("psbench-123-0") is None  # benchmarks.harness.netns's own namespaces
     assert multihost.owner_pid("other-123-m0-hub") is None
     nets = {multihost.subnet_for(4242, s) for s in range(5)}
     assert len(nets) == 5
@@ -120,11 +120,11 @@ def test_everything_is_removed_after_an_error_and_stale_topologies_are_cleaned()
             subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=10, check=False)
 
 
-# ---- benchmarks.servers_scaling: its pure parts (the real run is the benchmark itself) --------
+# ---- benchmarks.studies.servers_scaling: its pure parts (the real run is the benchmark itself) --------
 
 
 def test_scaling_layout_and_command_lines():
-    from benchmarks import servers_scaling as sc
+    from benchmarks.studies import servers_scaling as sc
 
     lay = sc.layout([1, 2, 4], 8)
     assert lay.servers == {1: [0], 2: [1, 2], 4: [3, 4, 5, 6]} and lay.trainers == list(range(7, 15))
@@ -137,7 +137,7 @@ def test_scaling_layout_and_command_lines():
     assert "--sync-trainers" not in other and "--num-servers" not in sc.server_args(0, 1, host="h", coordinator="h")
     t = sc.trainer_args(3, 8, server="10.1.2.2", batch_size=8, steps=12, stats_out="s.json")
     assert t[t.index("--server") + 1] == "10.1.2.2:29500" and t[t.index("--step") + 1] == "pushpull"
-    assert sc.server_command(head)[1:6] == ["-m", "benchmarks.workers", "psserver", "--channels", "basic"]
+    assert sc.server_command(head)[1:6] == ["-m", "benchmarks.harness.workers", "psserver", "--channels", "basic"]
 
 
 def _leg(bw: float, per_step: float, rate: float) -> dict:
@@ -146,7 +146,7 @@ def _leg(bw: float, per_step: float, rate: float) -> dict:
 
 
 def test_scaling_ratios_are_taken_round_by_round_and_checked_against_the_targets():
-    from benchmarks import servers_scaling as sc
+    from benchmarks.studies import servers_scaling as sc
 
     runs = {1: [_leg(100, 10, 1), _leg(50, 10, 0.5), _leg(100, 10, 1)],
             2: [_leg(190, 10.2, 1.9), _leg(95, 10.1, 0.95), _leg(170, 10.0, 1.7)],
@@ -175,7 +175,7 @@ def test_scaling_ratios_are_taken_round_by_round_and_checked_against_the_targets
 
 
 def test_scaling_arguments():
-    from benchmarks import servers_scaling as sc
+    from benchmarks.studies import servers_scaling as sc
 
     quick = sc.parse_args(["--quick"])
     assert (quick.servers, quick.trainers, quick.rounds, quick.warm_up_steps) == ([1, 2], 2, 1, 0)

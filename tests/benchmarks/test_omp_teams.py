@@ -1,4 +1,4 @@
-"""``benchmarks.omp_teams``: the three thread modes run in fresh processes and are tabled."""
+"""``benchmarks.studies.omp_teams``: the three thread modes run in fresh processes and are tabled."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from benchmarks import omp_teams
+from benchmarks.studies import omp_teams
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
-"""Paired rounds (``benchmarks.paired``): the arithmetic on fabricated step times
-(``benchmarks.paired_stats``), the flags, and one short real measurement against live servers."""
+"""Paired rounds (``benchmarks.harness.paired``): the arithmetic on fabricated step times
+(``benchmarks.harness.paired_stats``), the flags, and one short real measurement against live servers."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import subprocess
 import psutil
 import pytest
 
-from benchmarks import netns, paired, paired_stats, report, setups
+from benchmarks.harness import netns, paired, paired_stats, report, setups
 
 
 def test_leg_rate_counts_only_while_every_process_steps():
@@ -72,9 +72,9 @@ def test_flags_are_checked(capsys):
         err = capsys.readouterr().err
         assert f"error: {message}" in err and "Traceback" not in err, argv
     gpu = paired.parse_args(["--setups", "gpu", "--trainer-device", "cuda:0", "--devices", "cuda:0", "--netns", "off"])
-    assert {s.get("transport") for s in gpu.setups} == {None, "staged", "cpu"}
+    assert {s.transport for s in gpu.setups} == {None, "staged", "cpu"}
     args = paired.parse_args(["--setups", "local-cached, ps-chained-async-2"])
-    assert [s["name"] for s in args.setups] == ["local-cached", "ps-chained-async-2"]
+    assert [s.name for s in args.setups] == ["local-cached", "ps-chained-async-2"]
     with pytest.raises(ValueError, match="fsdp-2"):
         paired.measure_rounds(setups.parse_setups("local,fsdp-2"), rounds=1, model="mnist_cnn", batch_size=8,
                               steps=10, skip=2)

@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import setups, targets, workers
+from benchmarks.harness import setups, targets, workers
 from psserver.common import torch_rpc
 
 
 def test_token_and_open_setups_build_their_command_lines():
     on, off = setups.parse_setup("ps-pushpull-async-2-token"), setups.parse_setup("ps-pushpull-async-2-open")
-    assert (on["guard"], off["guard"]) == ("token", "open") and "guard" not in setups.parse_setup("ps-async-2")
+    assert (on.guard, off.guard) == ("token", "open") and setups.parse_setup("ps-async-2").guard is None
     assert setups.server_key(on) != setups.server_key(off)  # never one server for both
     for setup, flags in ((on, ["--join-token", setups.BENCH_TOKEN]), (off, ["--no-allowlist"])):
         for argv in (setups.server_argv(setup, model="m", port=7, devices=None, tp_channels="default"),
                      setups.trainer_argv(setup, 0, port=7, batch_size=8, steps=9, stats_out="s")):
-            assert argv[1:3] == ["-m", "benchmarks.workers"] and argv[3:4 + len(flags)] == ["psserver", *flags]
+            assert argv[1:3] == ["-m", "benchmarks.harness.workers"] and argv[3:4 + len(flags)] == ["psserver", *flags]
             assert argv[4 + len(flags)] == "--"
     sock = setups.server_argv(setups.parse_setup("ps-pushpull-async-2-sock-token"), model="m", port=7, devices=None,
                               tp_channels="default")
@@ -50,7 +50,7 @@ def test_the_protections_ratio_pairs_each_token_setup_with_its_open_twin():
 
 
 def test_the_allowlist_cost_benchmark_reads_both_messages_with_both_unpicklers(capsys):
-    from benchmarks import allowlist_cost
+    from benchmarks.studies import allowlist_cost
 
     assert allowlist_cost.main(["--model", "mlp", "--rounds", "2", "--reps", "5"]) == 0
     assert "per message: torch" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""``benchmarks.state_copy``: the host copy of a server's state that a GPU shard's death would
+"""``benchmarks.studies.state_copy``: the host copy of a server's state that a GPU shard's death would
 need, measured beside the server's exchange and a local step (here on the CPU, where the tool
 runs the same legs but for the page-locked copy)."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from benchmarks import state_copy
+from benchmarks.studies import state_copy
 from psserver.models import build_model
 
 

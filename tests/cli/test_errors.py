@@ -160,17 +160,17 @@ def test_bogus_log_level_env_through_the_console_entry_point():
         "ERROR"]
 
 
-def test_bench_outside_a_checkout_is_a_usage_error(monkeypatch, capsys, tmp_path):
-    def no_benchmarks(name):
-        raise ModuleNotFoundError(f"No module named {name.split('.')[0]!r}", name="benchmarks")
-
-    monkeypatch.setattr(bench.importlib, "import_module", no_benchmarks)
-    monkeypatch.setattr(bench, "__file__", str(tmp_path / "site-packages" / "psserver" / "cli" / "bench.py"))
-    with pytest.raises(SystemExit) as e:
-        main(["bench", "--quick"])
-    assert e.value.code == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("psserver bench: error: psserver bench needs the repository checkout")
+def test_bench_says_where_the_benchmarks_went_and_imports_none_of_them():
+    """``psserver bench`` of an installed package imported the checkout; now it is one line
+    pointing at ``python -m benchmarks.run``, whatever flags follow, with ``benchmarks`` importable
+    and never imported."""
+    code = ("import sys\nfrom psserver.cli import main\ntry:\n    main(['bench', '--quick', '--rounds', '2'])\n"
+            "except SystemExit as e:\n    print(e.code, 'benchmarks' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line == f"psserver bench: error: {bench.MOVED}"
+    assert "python -m benchmarks.run" in line
 
 
 def test_an_unwritable_log_dir_falls_back_to_the_temporary_directory(monkeypatch, capsys, tmp_path):

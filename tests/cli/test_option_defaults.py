@@ -50,7 +50,7 @@ NOT_A_FIELD: dict[str, dict[str, str]] = {
 }
 """Flags with a default that feeds no config field, and where it comes from instead."""
 VERBS = ("serve", "train", "status", "checkpoint", "stop", "export", "demo")
-"""Every verb but ``bench``, whose flags are the benchmark harness's (``benchmarks/``), no config's."""
+"""Every verb but ``bench``, which has no flags: it only says where the benchmarks went."""
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "MASTER_ADDR",
                 "MASTER_PORT", "PSSERVER_SERVER", "PSSERVER_NUM_SERVERS", "PSSERVER_SERVER_RANK",
                 "PSSERVER_COORDINATOR", "PSSERVER_STATE_DIR", "PSSERVER_STATE_KEY", "PSSERVER_DATA_DIR",

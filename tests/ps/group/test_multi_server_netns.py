@@ -1,5 +1,5 @@
 """Several server processes past one machine, on this one machine: every server process and every trainer in
-a network namespace of its own, behind a veth link limited with ``tc`` (``benchmarks.multihost``),
+a network namespace of its own, behind a veth link limited with ``tc`` (``benchmarks.harness.multihost``),
 a bandwidth-bound job (``mlp_wide``: 1.9M parameters, little compute; trainer compute, each step
 ~7.5 MB up and ~7.5 MB down), run with 1 server and then with 2: the median step time with 2
 servers is at most 0.6x that with 1.
@@ -23,8 +23,8 @@ import time
 
 import pytest
 
-from benchmarks import multihost, paired
-from benchmarks.servers_scaling import (
+from benchmarks.harness import multihost, paired
+from benchmarks.studies.servers_scaling import (
     ONE_THREAD,
     READY_OTHER,
     READY_RANK0,

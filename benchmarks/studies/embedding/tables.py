@@ -1,12 +1,12 @@
 """Embedding tables on the parameter servers: their bytes per step and their rows per second.
 
-    python -m benchmarks.embedding_tables --quick --results-dir /tmp/tables                  # ~35 s
-    timeout 14m python -m benchmarks.embedding_tables --timeout 780                         # ~7 min
-    python -m benchmarks.embedding_tables --skip-rates                                      # (A) only
+    python -m benchmarks embedding_tables --quick --results-dir /tmp/tables                  # ~35 s
+    timeout 14m python -m benchmarks embedding_tables --timeout 780                         # ~7 min
+    python -m benchmarks embedding_tables --skip-rates                                      # (A) only
 
-Two measurements, each on hosts of its own (``benchmarks.multihost``: every server
+Two measurements, each on hosts of its own (``benchmarks.harness.multihost``: every server
 process and every trainer in a network namespace behind a ``tc``-limited veth link to one bridge;
-servers with TensorPipe's ``basic`` channel, as in ``benchmarks.servers_scaling``):
+servers with TensorPipe's ``basic`` channel, as in ``benchmarks.studies.servers_scaling``):
 
 (A) **Bytes per trainer step against the ideal, with 10^4 and with 10^7 rows per table.** ``mf``
 on MovieLens-100k (tables ``user`` and ``item``, rows of ``--embedding-dim`` 8 + 1 bias column; the
@@ -62,10 +62,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import measure, multihost, paired
-from benchmarks import servers_scaling as scaling
-from benchmarks.embedding_hosts import CONTROL_PORT, Hosts
-from benchmarks.embedding_measure import (
+from benchmarks.harness import measure, multihost, paired
+from benchmarks.harness.report import write_result
+from benchmarks.studies import servers_scaling as scaling
+from benchmarks.studies.embedding.hosts import CONTROL_PORT, Hosts
+from benchmarks.studies.embedding.measure import (
     Sampler,
     _rss_mb,
     bytes_window,
@@ -76,7 +77,7 @@ from benchmarks.embedding_measure import (
     rpc_pickle_sizes,
     step_ideals,
 )
-from benchmarks.embedding_report import (
+from benchmarks.studies.embedding.report import (
     METHOD,
     _bytes_line,
     _f,
@@ -89,7 +90,7 @@ from benchmarks.embedding_report import (
 
 log = logging.getLogger(__name__)
 
-DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "embedding-tables"
+DEFAULT_RESULTS = measure.RESULTS / "embedding-tables"
 MAX_ROWS_SLACK = 1_000_000
 """Rows a table may hold beyond its prefill: nothing is evicted while the runs create rows."""
 
@@ -291,7 +292,7 @@ def _ints(text: str, flag: str, p: argparse.ArgumentParser) -> list[int]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.embedding_tables", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks embedding_tables", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
                    help="(A) 10^4 and 10^5 rows, 1 round; (B) 1 and 2 servers, 4 trainers, 1 round (< 90 s)")
     p.add_argument("--timeout", type=float, default=780.0,
@@ -361,7 +362,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def command_line(args: argparse.Namespace) -> str:
-    cmd = ["python -m benchmarks.embedding_tables"]
+    cmd = ["python -m benchmarks embedding_tables"]
     if not args.skip_bytes:
         cmd.append(f"--rows {','.join(str(n) for n in args.rows)} --bytes-batch {args.bytes_batch} --small-batch "
                    f"{args.small_batch} --bytes-dim {args.bytes_dim} --bytes-trainers {args.bytes_trainers} "
@@ -442,13 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         if done:
             part["summary"] = summarize_rates(args.servers, {k: v[:done] for k, v in b["runs"].items()})
         result["rates"] = part
-    args.results_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.results_dir / "embedding-tables"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
-    md = markdown(result)
-    stem.with_suffix(".md").write_text(md)
-    sys.stdout.write(md)
-    log.info("wrote %s.json and .md", stem)
+    sys.stdout.write(write_result(args.results_dir / "embedding-tables", result, "embedding_tables", markdown))
     return 0 if error is None and not any(errors.values()) else 3
 
 

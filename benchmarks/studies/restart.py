@@ -1,7 +1,7 @@
 """What a server process's death costs with its state in shared memory: the pause, and that no
 applied update is lost.
 
-    python -m benchmarks.restart --kills 5
+    python -m benchmarks restart --kills 5
 
 A server runs under ``--supervise`` with ``--state-dir`` (in ``/dev/shm``) and two pushpull
 trainers (``--reconnect``) train on synthetic data. Every kill: the trainers are stopped
@@ -16,7 +16,6 @@ kills; the cores and the load they ran under are written beside them.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import signal
@@ -28,9 +27,10 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks import measure
+from benchmarks.harness import measure
+from benchmarks.harness.report import write_result
 
-RESULTS = Path(__file__).resolve().parent / "results" / "memory-state"
+RESULTS = measure.RESULTS / "memory-state"
 FOUND = re.compile(r"found the state of run \S+ in memory: \S+, generation \d+, global step (\d+), (\d+) samples")
 
 
@@ -103,7 +103,8 @@ def one_kill(sup: subprocess.Popen, port: int, out: Output, trainers: list[subpr
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks restart", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="mnist_cnn")
     p.add_argument("--kills", type=int, default=5)
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -161,25 +162,29 @@ def main(argv: list[str] | None = None) -> int:
                "median_serving_s": statistics.median(k["serving_s"] for k in kills),
                "median_first_update_s": statistics.median(k["first_update_s"] for k in kills),
                "max_first_update_s": max(k["first_update_s"] for k in kills), "raw": kills,
-               "command": f"python -m benchmarks.restart --model {args.model} --kills {args.kills}",
+               "command": f"python -m benchmarks restart --model {args.model} --kills {args.kills}",
                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"restart-{args.model}.json").write_text(json.dumps(summary, indent=1))
-    lines = [f"# A server process SIGKILLed under --supervise with --state-dir ({args.model}, 2 pushpull trainers, "
-             f"{len(kills)} kills)", "",
-             f"`{summary['command']}` ({summary['time']}; {summary['cores']} cores, load average "
-             f"{load_before[0]:.2f} before, {summary['load_avg_after'][0]:.2f} after)", "",
-             "| from the kill to | median s | max s |", "|---|---|---|",
-             f"| the restarted process found its state | {summary['median_state_found_s']:.2f} | "
-             f"{max(k['state_found_s'] for k in kills):.2f} |",
-             f"| its control plane serves | {summary['median_serving_s']:.2f} | "
-             f"{max(k['serving_s'] for k in kills):.2f} |",
-             f"| the first update applied after the kill | {summary['median_first_update_s']:.2f} | "
-             f"{summary['max_first_update_s']:.2f} |", "",
-             f"Kills whose restart did not continue at the step and samples of the kill: {len(lost)} of {len(kills)}."]
-    (args.out / f"restart-{args.model}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 1 if lost else 0
+    sys.stdout.write(write_result(args.out / f"restart-{args.model}", summary, "restart", markdown))
+    return 1 if summary["kills_that_lost_updates"] else 0
+
+
+def markdown(summary: dict) -> str:
+    """The kill-to-serving table of one run, from its JSON."""
+    kills = summary["raw"]
+    return "\n".join([
+        f"# A server process SIGKILLed under --supervise with --state-dir ({summary['model']}, 2 pushpull trainers, "
+        f"{len(kills)} kills)", "",
+        f"`{summary['command']}` ({summary['time']}; {summary['cores']} cores, load average "
+        f"{summary['load_avg_before'][0]:.2f} before, {summary['load_avg_after'][0]:.2f} after)", "",
+        "| from the kill to | median s | max s |", "|---|---|---|",
+        f"| the restarted process found its state | {summary['median_state_found_s']:.2f} | "
+        f"{max(k['state_found_s'] for k in kills):.2f} |",
+        f"| its control plane serves | {summary['median_serving_s']:.2f} | "
+        f"{max(k['serving_s'] for k in kills):.2f} |",
+        f"| the first update applied after the kill | {summary['median_first_update_s']:.2f} | "
+        f"{summary['max_first_update_s']:.2f} |", "",
+        f"Kills whose restart did not continue at the step and samples of the kill: "
+        f"{summary['kills_that_lost_updates']} of {len(kills)}."]) + "\n"
 
 
 if __name__ == "__main__":

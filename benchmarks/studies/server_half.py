@@ -3,8 +3,8 @@
 calls it. Beside the benchmark's measured server CPU per trainer step, the difference is what
 the RPC layer costs (receiving and sending the buffers, pickling, dispatch).
 
-    python -m benchmarks.server_half --model mnist_cnn --steps 200     # a few seconds
-    python -m benchmarks.server_half --optimizer sgd --momentum 0.9 --unfused-rounds 5
+    python -m benchmarks server_half --model mnist_cnn --steps 200     # a few seconds
+    python -m benchmarks server_half --optimizer sgd --momentum 0.9 --unfused-rounds 5
         # the fused step against torch's default one, in alternating rounds of one run
 """
 
@@ -57,7 +57,7 @@ def measure(model: str, steps: int, wire_dtype: str, threads: int, optimizer: di
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.server_half", allow_abbrev=False,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks server_half", allow_abbrev=False,
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="mnist_cnn", help="model (default mnist_cnn)")
     parser.add_argument("--steps", type=int, default=200, help="measured exchanges (default 200)")

@@ -1,33 +1,21 @@
-"""Markdown tables and PNG chart of one harness run (``benchmarks/run.py`` result dict), and
-the tables of paired rounds (``benchmarks/paired.py``) both of them write."""
+"""The throughput study's report: the table of every setup, the server-compute targets and
+the chart, made from the run's JSON (``run.run_args``)."""
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 
-from benchmarks import capacity
+from benchmarks.harness.report import (
+    _bytes,
+    _num,
+    _rss,
+    markdown_rows,
+    md_table,
+    trainer_compute_markdown,
+)
 
 COLUMNS = ["setup", "samples/s", "x local", "x local, paired", "step p50 ms", "step p95 ms", "bytes/step",
            "x lower bound", "server CPU idle (% core)", "server CPU training (% core)", "peak RSS MB"]
-
-
-def _num(v, fmt: str = "{:.0f}") -> str:
-    return "-" if v is None else fmt.format(v)
-
-
-def _bytes(v) -> str:
-    if v is None:
-        return "-"
-    if v >= 1e6:
-        return f"{v / 1e6:.2f} MB"
-    return f"{v / 1e3:.1f} kB"
-
-
-def _rss(peaks: dict[str, float] | None) -> str:
-    if not peaks:
-        return "-"
-    return " / ".join(f"{k} {v:.0f}" for k, v in peaks.items())
 
 
 def setup_rows(result: dict) -> list[list[str]]:
@@ -56,12 +44,6 @@ def setup_rows(result: dict) -> list[list[str]]:
     return rows
 
 
-def md_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def target_rows(result: dict) -> list[list[str]]:
     rows = []
     for r in result["ratios"]:
@@ -71,58 +53,6 @@ def target_rows(result: dict) -> list[list[str]]:
         note = "" if r.get("issue_config", True) else " (issue target set for another model/batch)"
         rows.append([r["name"], value, r.get("method", "one run"), one, f"{r['op']} {r['target']:g}", met + note])
     return rows
-
-
-def trainer_compute_target_rows(rows: list[dict]) -> list[list[str]]:
-    out = []
-    for r in rows:
-        value = "-" if r["value"] is None else f"{r['value']:.3g}"
-        per = " ".join(f"{x:.2f}" for x in r["per_round"]) if r.get("per_round") else "-"
-        met = "-" if r["met"] is None else ("yes" if r["met"] else "NO")
-        out.append([r["name"], value, r["from"], per, f"{r['op']} {r['target']:g}", met])
-    return out
-
-
-def markdown_rows(paired: dict) -> list[str]:
-    """The table of paired rounds (``paired_stats.summarize`` plus ``rounds``): one row per setup."""
-    lines = ["| setup | samples/s (median over rounds) | x best local (median over rounds) | rounds >= 0.90 "
-             "| x best local, per round | step ms (median over rounds) | MB/step (median) "
-             "| server CPU ms/step (median) |",
-             "|---|---|---|---|---|---|---|---|"]
-    for name, row in paired["setups"].items():
-        per = " ".join(f"{x:.3f}" for x in row.get("x_local", []))
-        mb = row.get("median_bytes_per_step")
-        flag = f" (disturbed in round {', '.join(str(r + 1) for r in row['disturbed_rounds'])})" \
-            if row.get("disturbed_rounds") else ""
-        lines.append(f"| {name}{flag} | {row['median_samples_per_s']:.0f} | "
-                     f"{row.get('median_x_local', float('nan')):.3f} | "
-                     f"{row.get('rounds_at_or_above_0.90', '-')}/{paired['rounds']} | {per} | "
-                     f"{statistics.median(row['step_ms']):.1f} | {_num(None if mb is None else mb / 1e6, '{:.2f}')} | "
-                     f"{_num(row.get('median_server_cpu_ms_per_step'), '{:.1f}')} |")
-    return lines
-
-
-def protection_markdown(rows: list[dict], title: str = "the protections' cost") -> list[str]:
-    """Ratio targets between paired setups (``targets.protection_ratios``,
-    ``targets.memory_state_ratios``), where the rounds held their setups."""
-    if not rows:
-        return []
-    return [f"### Targets: {title} (from the paired rounds)", "",
-            md_table(["ratio", "measured", "from", "per round", "target", "met"], trainer_compute_target_rows(rows)),
-            ""]
-
-
-def trainer_compute_markdown(rows: list[dict], cost: dict | None) -> list[str]:
-    """The trainer-compute targets (``targets.trainer_compute_ratios``) and the server's capacity table
-    (``capacity.from_paired``), where the rounds held their setups."""
-    out = []
-    if rows:
-        out += ["### Targets: trainer compute (from the paired rounds)", "",
-                md_table(["ratio", "measured", "from", "per round", "target", "met"],
-                         trainer_compute_target_rows(rows)), ""]
-    if cost:
-        out += capacity.markdown(cost)
-    return out
 
 
 def markdown(result: dict) -> str:

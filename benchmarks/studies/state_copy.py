@@ -9,14 +9,13 @@ file pages, beside the server's own exchange (``--step pushpull``: gradient in, 
 parameters out) and a local training step on the same device, in paired rounds (each round
 times every leg, in a rotating order), so the choice rests on ratios of one run.
 
-    python -m benchmarks.state_copy --model resnet18 --batch-size 32 --device cuda:0
-    python -m benchmarks.state_copy --model mnist_cnn --device cpu --rounds 3   # the tool itself
+    python -m benchmarks state_copy --model resnet18 --batch-size 32 --device cuda:0
+    python -m benchmarks state_copy --model mnist_cnn --device cpu --rounds 3   # the tool itself
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -27,9 +26,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.report import write_result
+
 log = logging.getLogger(__name__)
 
-RESULTS = Path(__file__).parent / "results" / "state-copy"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "state-copy"
 LEGS = ("local_step", "exchange", "copy_pageable", "copy_registered")
 """What each round times, per step: a local loop's forward, backward and optimizer step; the
 server's exchange; the state copied to the host file (pageable pages; page-locked pages, CUDA
@@ -201,7 +202,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.state_copy", allow_abbrev=False,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks state_copy", allow_abbrev=False,
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="resnet18", help="model (default resnet18)")
     parser.add_argument("--batch-size", type=int, default=32, help="the local step's batch (default 32)")
@@ -240,15 +241,12 @@ def main(argv: list[str] | None = None) -> int:
               "device_name": torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "CPU",
               "rounds": args.rounds, "steps": args.steps, "cores": os.cpu_count(), "load_avg_before": load_before,
               "load_avg_after": os.getloadavg(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "command": (f"python -m benchmarks.state_copy --model {args.model} --batch-size {args.batch_size} "
+              "command": (f"python -m benchmarks state_copy --model {args.model} --batch-size {args.batch_size} "
                           f"--device {device} --rounds {args.rounds} --steps {args.steps}"),
               **{k: measured[k] for k in ("state_bytes", "state_tensors", "params", "per_round_ms")},
               "summary": summarize(measured)}
-    args.results_dir.mkdir(parents=True, exist_ok=True)
     stem = f"state-copy-{args.model}-b{args.batch_size}-{device.replace(':', '')}"
-    (args.results_dir / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
-    md = markdown(result)
-    (args.results_dir / f"{stem}.md").write_text(md)
+    md = write_result(args.results_dir / stem, result, "state_copy", markdown)
     log.info("%s", md)
     return 0
 

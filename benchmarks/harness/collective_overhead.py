@@ -1,7 +1,7 @@
 """Overhead of psserver's collective path against a hand-written loop, measured in one run.
 
-    python -m benchmarks.collective_overhead --quick          # ~1 minute on 2 cores
-    python -m benchmarks.collective_overhead --seconds 60 --nproc 2 --model mnist_cnn
+    python -m benchmarks collective_overhead --quick          # ~1 minute on 2 cores
+    python -m benchmarks collective_overhead --seconds 60 --nproc 2 --model mnist_cnn
 
 Each of ``nproc`` gloo/NCCL workers holds two copies of the same model with the same initial
 weights: one set up by psserver (``CollectiveTrainer`` + the loop's per-step bookkeeping,
@@ -19,7 +19,7 @@ more in backward when it reshards after forward) plus ``(N-1)/N x G`` for the gr
 reduce-scatter. The sync all-gather of the loop (48 bytes per rank every 10 steps) is
 negligible and left out.
 
-``measure_ddp`` and ``measure_fsdp`` are the functions a harness (``benchmarks/run.py``)
+``measure_ddp`` and ``measure_fsdp`` are the functions a harness (``benchmarks/studies/throughput.py``)
 calls; both return plain dicts.
 """
 
@@ -265,7 +265,7 @@ def _table(results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks collective_overhead", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="short windows (about a minute in all)")
     p.add_argument("--model", default="mnist_cnn")
     p.add_argument("--batch-size", type=int, default=64)

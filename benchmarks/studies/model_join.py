@@ -2,7 +2,7 @@
 model's layout and initial values (resnet18: 11.2M parameters, 44.7 MB), later ones only the
 layout, checked against its fingerprint; a server with ``--model`` builds it itself.
 
-    python -m benchmarks.model_join --model resnet18 --rounds 5
+    python -m benchmarks model_join --model resnet18 --rounds 5
 
 Each round starts, in turn, a server without ``--model`` and one with it (the order rotates
 round by round), joins two trainers to it one after the other (each a fresh process: RPC is
@@ -23,9 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import measure
+from benchmarks.harness import measure
+from benchmarks.harness.report import write_result
 
-RESULTS = Path(__file__).resolve().parent / "results" / "model-join"
+RESULTS = measure.RESULTS / "model-join"
 
 _JOIN = r"""
 import json, sys, time
@@ -73,7 +74,8 @@ def one_round(model: str, pinned: bool) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks model_join", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="resnet18")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -97,19 +99,21 @@ def main(argv: list[str] | None = None) -> int:
         "first_join_over_pinned": statistics.median(f / p for f, p in zip(first, pinned, strict=True)),
         "rounds_raw": rounds,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.model}.json").write_text(json.dumps(summary, indent=2))
-    lines = [f"# Join cost of a server without --model ({args.model}, {args.rounds} rounds, {summary['cores']} cores)",
-             "", "| join | median seconds |", "|---|---|",
-             f"| first trainer, server without --model (brings layout + initial values) | "
-             f"{summary['first_join_without_model_s']:.3f} |",
-             f"| second trainer, server without --model (layout checked) | "
-             f"{summary['later_join_without_model_s']:.3f} |",
-             f"| first trainer, server with --model | {summary['join_with_model_s']:.3f} |", "",
-             f"First join without --model over with it, per round, median: {summary['first_join_over_pinned']:.2f}x"]
-    (args.out / f"{args.model}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    sys.stdout.write(write_result(args.out / args.model, summary, "model_join", markdown))
     return 0
+
+
+def markdown(summary: dict) -> str:
+    """The join-cost table of one run, from its JSON."""
+    return "\n".join([
+        f"# Join cost of a server without --model ({summary['model']}, {summary['rounds']} rounds, "
+        f"{summary['cores']} cores)", "", "| join | median seconds |", "|---|---|",
+        f"| first trainer, server without --model (brings layout + initial values) | "
+        f"{summary['first_join_without_model_s']:.3f} |",
+        f"| second trainer, server without --model (layout checked) | "
+        f"{summary['later_join_without_model_s']:.3f} |",
+        f"| first trainer, server with --model | {summary['join_with_model_s']:.3f} |", "",
+        f"First join without --model over with it, per round, median: {summary['first_join_over_pinned']:.2f}x"]) + "\n"
 
 
 if __name__ == "__main__":

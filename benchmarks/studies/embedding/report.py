@@ -1,6 +1,6 @@
 """Embedding tables benchmark: its summaries, targets and Markdown report.
 
-What ``benchmarks.embedding_tables`` writes from the runs it measured: the medians over paired
+What ``benchmarks.studies.embedding.tables`` writes from the runs it measured: the medians over paired
 rounds and the ratios within a round (``summarize_bytes``, ``fixed_cost``, ``summarize_rates``),
 the bytes targets, the Markdown report with its method note, and the one-line log of a
 run. Kept apart from running and measuring so that a result is summarized and rendered without
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 
-from benchmarks import report
+from benchmarks.harness import report
 
 BYTES_TARGET = 1.1
 """(A): bytes over the network per trainer step <= 1.1 x the ideal."""
@@ -206,14 +206,15 @@ def markdown(result: dict) -> str:
 
 
 METHOD = ("Method: every server process and trainer in a network namespace of its own behind a tc-limited veth link "
-          "to one bridge (benchmarks/multihost.py), servers with TensorPipe's basic channel; one torch thread each. "
+          "to one bridge (benchmarks/harness/multihost.py), servers with TensorPipe's basic channel; one torch thread "
+          "each. "
           "(A) bytes over the server's link, both directions, headers included (bridge-port counters every 0.1 s), "
           "between the first and last readings inside the interval in which every trainer steps; the ideal of the "
           "steps that end between them, computed per step from the trainers' own batches and checked against their "
           "row_payload_bytes; 'headers' = 66 B per packet; 'other payload' = bytes - headers - ideal. (B) each server "
           "process's lookups and updates counters (server 0's status, read every 0.5 s in its namespace) between "
           "its first and last readings inside that interval. Ratios to the baseline of the same round; medians over "
-          "rounds (benchmarks/embedding_tables.py).")
+          "rounds (benchmarks/studies/embedding/tables.py).")
 
 
 # ---- one run, one log line -----------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Embedding tables benchmark: the counters it reads and the windows it computes.
 
-``benchmarks.embedding_tables`` runs the servers and trainers; this module only reads and computes:
+``benchmarks.studies.embedding.tables`` runs the servers and trainers; this module only reads and computes:
 each node's link counters (the bridge ports'), the CPU time of the server processes and of the
 machine (``Sampler``), a process's resident memory, the ideal bytes of every trainer step from the
 trainers' own batches, the status lines of server 0's poller, and one run's window in which every
@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks import measure, multihost, paired_stats
+from benchmarks.harness import measure, multihost, paired_stats
 
 log = logging.getLogger(__name__)
 

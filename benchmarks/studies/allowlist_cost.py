@@ -6,7 +6,7 @@ The messages are those of a ``pushpull`` step: the trainer's call (``calls.call`
 parameters and the notices) read by the trainer. Each round times both unpicklers over the same
 messages, alternating which goes first; the ratio is taken per round, then the median.
 
-    python -m benchmarks.allowlist_cost [--model mnist_cnn] [--rounds 9] [--reps 2000]
+    python -m benchmarks allowlist_cost [--model mnist_cnn] [--rounds 9] [--reps 2000]
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def time_per_message(deserialize, msgs, reps: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.allowlist_cost", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks allowlist_cost", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="mnist_cnn")
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--reps", type=int, default=2000, help="messages of each kind per timing (default 2000)")

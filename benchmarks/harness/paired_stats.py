@@ -1,4 +1,4 @@
-"""The arithmetic of paired rounds (``benchmarks.paired``) on step times and result dicts:
+"""The arithmetic of paired rounds (``benchmarks.harness.paired``) on step times and result dicts:
 one run's throughput, each setup's per-round ratios to the best single local loop of the same
 round and their medians, and the ratio between two setups round by round.
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import statistics
 
-from benchmarks.setups import is_ceiling
+from benchmarks.harness.setups import Setup, is_ceiling
 
 
 def leg_rate(step_ends: list[list[float]], batch_size: int, skip: int) -> dict:
@@ -64,10 +64,10 @@ def _median(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
-def summarize(setups: list[dict], runs: dict[str, list[dict]]) -> dict:
+def summarize(setups: list[Setup], runs: dict[str, list[dict]]) -> dict:
     """Per-round ratios to the best single local loop of the round, and their medians; the
     medians of bytes and server CPU per step where the runs measured them."""
-    locals_ = [s["name"] for s in setups if is_ceiling(s)]
+    locals_ = [s.name for s in setups if is_ceiling(s)]
     rounds = len(next(iter(runs.values())))
     out: dict = {"ceiling_per_round": [], "setups": {}}
     best = []
@@ -77,7 +77,7 @@ def summarize(setups: list[dict], runs: dict[str, list[dict]]) -> dict:
             out["ceiling_per_round"].append(name)
             best.append(runs[name][r]["samples_per_s"])
     for s in setups:
-        legs = runs[s["name"]]
+        legs = runs[s.name]
         rates = [leg["samples_per_s"] for leg in legs]
         row = {"samples_per_s": rates, "step_ms": [leg["step_ms"] for leg in legs],
                "median_samples_per_s": statistics.median(rates)}
@@ -93,7 +93,7 @@ def summarize(setups: list[dict], runs: dict[str, list[dict]]) -> dict:
             if any(v is not None for v in values):
                 row[key] = values
                 row[f"median_{key}"] = _median(values)
-        out["setups"][s["name"]] = row
+        out["setups"][s.name] = row
     return out
 
 

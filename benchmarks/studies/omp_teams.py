@@ -2,7 +2,7 @@
 processes, on the main thread only, on one other thread only, and on the main thread while a
 second thread that has run steps waits (as an RPC handler thread does).
 
-    python -m benchmarks.omp_teams --rounds 4      # about a minute on 2 cores
+    python -m benchmarks omp_teams --rounds 4      # about a minute on 2 cores
 
 libgomp keeps a worker team per thread that ever started an OpenMP region; once the teams
 hold more threads than there are CPUs it throttles the spin-wait of idle workers (300,000
@@ -84,7 +84,7 @@ def _child(mode: str, steps: int, model: str, batch_size: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.omp_teams", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks omp_teams", description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=4, help="rounds of the three modes (default 4)")
     p.add_argument("--steps", type=int, default=60, help="steps per process (default 60)")
     p.add_argument("--model", default="mnist_cnn")
@@ -96,11 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         sys.stdout.write(json.dumps(_child(args.child, args.steps, args.model, args.batch_size)) + "\n")
         return 0
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
     for r in range(args.rounds):
         for mode in MODES[r % 3:] + MODES[:r % 3]:
-            out = subprocess.run([sys.executable, "-m", "benchmarks.omp_teams", "--child", mode, "--steps",
+            out = subprocess.run([sys.executable, "-m", "benchmarks.studies.omp_teams", "--child", mode, "--steps",
                                   str(args.steps), "--model", args.model, "--batch-size", str(args.batch_size)],
                                  cwd=root, capture_output=True, text=True, timeout=600, check=True)
             runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))

@@ -8,8 +8,8 @@ import functools
 import itertools
 import math
 
-from benchmarks.paired_stats import ratio_between
-from benchmarks.setups import parse_setup
+from benchmarks.harness.paired_stats import ratio_between
+from benchmarks.harness.setups import parse_setup
 
 # (model, batch) -> minimum of PS 1 trainer / local.
 ONE_TRAINER_TARGETS = {("mnist_cnn", 64): 0.90, ("resnet18", 32): 0.85}
@@ -61,7 +61,7 @@ def ratios(result: dict) -> list[dict]:
             out.append(throughput(f"PS {what}, --step chained / local", f"ps-chained-async-{n}", target,
                                   issue_config))
     idle_from = [n for n in by if by[n]["kind"] == "ps" and by[n].get("server_idle_cpu_pct") is not None
-                 and parse_setup(n)["trainers"] == 2]
+                 and parse_setup(n).trainers == 2]
     if idle_from:
         name = "ps-async-2" if "ps-async-2" in idle_from else idle_from[0]
         out.append({"name": f"server idle CPU, 2 trainers joined and waiting (% of one core, {name})",
@@ -104,7 +104,7 @@ def _check(row: dict) -> dict:
 
 
 def trainer_compute_ratios(paired: dict | None, model: str, batch_size: int) -> list[dict]:
-    """The trainer-compute targets from paired rounds (``benchmarks.paired``): each throughput ratio is
+    """The trainer-compute targets from paired rounds (``benchmarks.harness.paired``): each throughput ratio is
     taken round by round between two setups of the same round, then the median; bytes per step
     are the medians over rounds over the model's fp32 parameter bytes. Only the rows whose
     setups the rounds hold."""
@@ -127,20 +127,20 @@ def trainer_compute_ratios(paired: dict | None, model: str, batch_size: int) -> 
         ratio(f"2 trainers async, {what} / DDP 2 ranks", two, "ddp-2", 1.0)
     for name in setups:
         s = parse_setup(name)
-        if s["kind"] == "ps" and s.get("straggler") and s["update"] in ("async", "ssp") and s["trainers"] == 2:
+        if s.kind == "ps" and s.straggler and s.update in ("async", "ssp") and s.trainers == 2:
             den = "ddp-2-straggler"
-            what = ("async" if s["update"] == "async" else f"ssp S={s['staleness']}") + f", --step {s['step']}"
-            if s.get("server_threads"):
-                what += f", server {s['server_threads']} thread(s)"
+            what = ("async" if s.update == "async" else f"ssp S={s.staleness}") + f", --step {s.step}"
+            if s.server_threads:
+                what += f", server {s.server_threads} thread(s)"
             ratio(f"straggler at half a core: PS {what} / DDP 2 ranks, same throttle", name, den,
-                  1.3 if s["update"] == "async" else 1.2)
+                  1.3 if s.update == "async" else 1.2)
     pbytes = None
     by_wire: dict[str, list[tuple[str, float]]] = {}
     for name, row in setups.items():
         s = parse_setup(name)
-        if s["kind"] == "ps" and s.get("compute") == "trainer" and row.get("median_bytes_per_step") is not None:
+        if s.kind == "ps" and s.compute == "trainer" and row.get("median_bytes_per_step") is not None:
             pbytes = pbytes or parameter_bytes(model)
-            by_wire.setdefault(s["wire"], []).append((name, row["median_bytes_per_step"] / pbytes))
+            by_wire.setdefault(s.wire, []).append((name, row["median_bytes_per_step"] / pbytes))
     for wire, values in by_wire.items():
         worst = max(values, key=lambda v: v[1])
         rows.append(_check({"name": f"bytes per trainer step / parameter bytes (fp32), --wire-dtype {wire} "

@@ -1,9 +1,9 @@
 """Embedding tables benchmark: the hosts its processes run on.
 
-``Hosts`` builds one ``benchmarks.multihost`` topology (a network namespace and a tc-limited veth
+``Hosts`` builds one ``benchmarks.harness.multihost`` topology (a network namespace and a tc-limited veth
 link per node) and starts and stops the processes on it: the server groups, server 0's status
 poller (``_POLLER``) and the trainers, gated to start stepping together (``_GATE``). Kept apart
-from ``benchmarks.embedding_tables`` (what runs in which order, and the command line); of the
+from ``benchmarks.studies.embedding.tables`` (what runs in which order, and the command line); of the
 other ``embedding_*`` modules it imports only ``embedding_measure`` (to parse the poller's lines)."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import measure, multihost
-from benchmarks import servers_scaling as scaling
-from benchmarks.embedding_measure import poll_lines
+from benchmarks.harness import measure, multihost
+from benchmarks.studies import servers_scaling as scaling
+from benchmarks.studies.embedding.measure import poll_lines
 
 CONTROL_PORT = 50051
 """Server 0's control plane, on the loopback of its own namespace (nothing else reaches it)."""

@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 import os
 
-from benchmarks.setups import parse_setup
-from benchmarks.targets import parameter_bytes
+from benchmarks.harness.setups import parse_setup
+from benchmarks.harness.targets import parameter_bytes
 
 LINKS_GBIT = (10, 25, 100)
 
@@ -44,15 +44,15 @@ def from_paired(paired: dict | None, model: str, batch_size: int, cores: float |
     costs = []
     for name, row in paired.get("setups", {}).items():
         s = parse_setup(name)
-        if s["kind"] != "ps" or s.get("compute") != "trainer" or s.get("straggler"):
+        if s.kind != "ps" or s.compute != "trainer" or s.straggler:
             continue
         b, c = row.get("median_bytes_per_step"), row.get("median_server_cpu_ms_per_step")
         r = row.get("median_steps_per_s_per_process")
         if b is None or c is None or not r:
             continue
-        costs.append({"setup": name, "step": s["step"], "wire": s["wire"], "trainers": s["trainers"],
-                      "server_threads": s.get("server_threads", 0),
-                      "update": s["update"], "bytes_per_step": b, "server_cpu_ms_per_step": c,
+        costs.append({"setup": name, "step": s.step, "wire": s.wire, "trainers": s.trainers,
+                      "server_threads": (s.server_threads or 0),
+                      "update": s.update, "bytes_per_step": b, "server_cpu_ms_per_step": c,
                       "steps_per_s_per_trainer": r})
     if not costs:
         return None

@@ -24,7 +24,7 @@ what node ``k`` received; ``counters()`` returns them from the node's side (``Li
 ``Link.tx``), Ethernet/IP/TCP headers included.
 
 Names: ``psbench-<pid>-m<n>-hub`` and ``psbench-<pid>-m<n>-<k>`` (``<pid>``: the harness's), so
-``cleanup_stale()`` (and ``benchmarks.netns.cleanup_stale``) can delete what a harness that died
+``cleanup_stale()`` (and ``benchmarks.harness.netns.cleanup_stale``) can delete what a harness that died
 left behind. ``close()`` (the context manager's exit) deletes every link and namespace it made,
 whatever happened; processes still running in a node keep only an isolated, unnamed namespace
 alive until they exit (their link is gone with the hub). Needs root, iproute2 (``ip``) and
@@ -47,11 +47,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks import netns
+from benchmarks.harness import netns
 from psserver.config.common import JOIN_TOKEN_ENV
 
 PREFIX = netns.PREFIX
-"""``psbench-``: shared with ``benchmarks.netns``, whose ``cleanup_stale`` reads the same ``<pid>``."""
+"""``psbench-``: shared with ``benchmarks.harness.netns``, whose ``cleanup_stale`` reads the same ``<pid>``."""
 NODE_IF = "eth0"
 BRIDGE = "br0"
 QDISCS = ("tbf", "htb")
@@ -461,10 +461,10 @@ def ping(topo: Topology, src: int, dst: int, timeout: float = 10.0) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m benchmarks.multihost [--nodes N] [--rate MBIT]``: build, measure node 0 -> 1, remove."""
+    """``python -m benchmarks multihost [--nodes N] [--rate MBIT]``: build, measure node 0 -> 1, remove."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m benchmarks.multihost", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks multihost", description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--rate", type=float, default=50.0, help="Mbit/s of every link, each way (default 50)")
     p.add_argument("--qdisc", choices=QDISCS, default="tbf")

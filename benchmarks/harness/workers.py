@@ -1,4 +1,4 @@
-"""Child processes of the harness (``python -m benchmarks.workers KIND ...``).
+"""Child processes of the harness (``python -m benchmarks.harness.workers KIND ...``).
 
 - ``local``: the plain local training loop, the physical ceiling: one process, the same model
   and batch, Adam, synthetic data in memory, torch threads = cores (or ``cuda:0``), the C
@@ -9,7 +9,7 @@
   it leaves cleanly. It is how the harness measures a server with trainers connected and idle.
 - ``psserver --channels basic ARGS``: ``psserver ARGS`` with TensorPipe's channels restricted,
   so tensor payloads cross the socket as they do between hosts (see ``run_psserver``).
-- ``collective``: ``benchmarks.collective_overhead.measure_ddp`` / ``measure_fsdp`` (psserver's
+- ``collective``: ``benchmarks.harness.collective_overhead.measure_ddp`` / ``measure_fsdp`` (psserver's
   own collective loop, no hand-written baseline) in a process the harness can sample and kill.
 - ``ddp``: one rank of a DDP job, started by the harness with torchrun's variables (RANK,
   WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...), so every rank is a process of its own that the
@@ -99,7 +99,7 @@ def run_idle(args: argparse.Namespace) -> int:
 
 
 def run_collective(args: argparse.Namespace) -> int:
-    from benchmarks.collective_overhead import measure_ddp, measure_fsdp
+    from benchmarks.harness.collective_overhead import measure_ddp, measure_fsdp
 
     fn = {"ddp": measure_ddp, "fsdp": measure_fsdp}[args.mode]
     t0 = time.monotonic()
@@ -165,7 +165,8 @@ def run_psserver(argv: list[str]) -> int:
     - ``--no-allowlist``: the RPC layer's own unpickler, as without psserver's allowlist (``-open`` setups,
       the baseline of what the protections cost). Never a psserver option.
     """
-    usage = "usage: python -m benchmarks.workers psserver [--channels C] [--join-token T] [--no-allowlist] -- ARGS"
+    usage = ("usage: python -m benchmarks.harness.workers psserver [--channels C] [--join-token T] [--no-allowlist] "
+             "-- ARGS")
     channels: list[str] | None = None
     while argv and argv[0] != "--":
         if argv[0] == "--channels" and len(argv) > 1:
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "psserver":
         return run_psserver(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m benchmarks.workers")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.harness.workers")
     sub = p.add_subparsers(dest="kind", required=True)
     lo = sub.add_parser("local", help="plain local training loop")
     lo.add_argument("--model", default="mnist_cnn")
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     idle.add_argument("--rank", type=int, required=True)
     idle.add_argument("--num-trainers", type=int, default=None)
     idle.add_argument("--max-seconds", type=float, default=600.0)
-    co = sub.add_parser("collective", help="DDP / FSDP through benchmarks.collective_overhead")
+    co = sub.add_parser("collective", help="DDP / FSDP through benchmarks.harness.collective_overhead")
     co.add_argument("--mode", choices=["ddp", "fsdp"], required=True)
     co.add_argument("--model", default="mnist_cnn")
     co.add_argument("--batch-size", type=int, default=64)

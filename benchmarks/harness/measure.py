@@ -21,7 +21,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository checkout the harness runs in (its children import psserver and benchmarks from it)."""
+RESULTS = ROOT / "benchmarks" / "results"
+"""Where results go by default: committed JSON and the tables made from it."""
 
 
 # ---- child processes ------------------------------------------------------------------------
@@ -157,7 +160,7 @@ def psserver_argv(*args: str) -> list[str]:
 
 
 def worker_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "benchmarks.workers", *args]
+    return [sys.executable, "-m", "benchmarks.harness.workers", *args]
 
 
 # ---- socket bytes (ss) ----------------------------------------------------------------------
@@ -424,8 +427,11 @@ def analyze_steps(step_ends: list[list[float]], batch_size: int, *, warmup_s: fl
         windows.append(count * batch_size / length)
     total = sum(1 for e in ends for t in e if start < t <= end)
     lat = [b - a for e in ends for a, b in itertools.pairwise(e) if start < b <= end]
-    return StepAnalysis(start, end, statistics.median(windows), windows, total * batch_size / (end - start),
-                        total, lat)
+    mean = total * batch_size / (end - start)
+    if statistics.median(windows) == 0:  # steps longer than a window (a loaded machine): the interval's mean
+        return StepAnalysis(start, end, mean, [mean], mean, total, lat,
+                            disturbed="steps longer than the windows: the measured interval's mean rate")
+    return StepAnalysis(start, end, statistics.median(windows), windows, mean, total, lat)
 
 
 def _whole_run(ends: list[list[float]], batch_size: int, why: str) -> StepAnalysis:

@@ -1,12 +1,12 @@
 """Aggregate push/pull bandwidth against the number of server processes, across rate-limited links.
 
-    python -m benchmarks.servers_scaling                                      # 1, 2 and 4 servers
-    python -m benchmarks.servers_scaling --quick --results-dir /tmp/scaling   # 1 and 2 servers, ~1 min
-    timeout 15m python -m benchmarks.servers_scaling --timeout 840            # ~9 min
+    python -m benchmarks servers_scaling                                      # 1, 2 and 4 servers
+    python -m benchmarks servers_scaling --quick --results-dir /tmp/scaling   # 1 and 2 servers, ~1 min
+    timeout 15m python -m benchmarks servers_scaling --timeout 840            # ~9 min
 
 Results go to ``--results-dir`` (default ``benchmarks/results/servers-scaling``).
 
-Every server and every trainer is a host of its own (``benchmarks.multihost``: a network
+Every server and every trainer is a host of its own (``benchmarks.harness.multihost``: a network
 namespace behind a veth link to one bridge, limited with ``tc`` to ``--rate`` Mbit/s each way),
 so one server process has one link's bandwidth, as on a real cluster. The model is ``mlp_wide``
 (1.9M parameters, little compute): a trainer step (``--step pushpull``) moves ~7.5 MB up and
@@ -24,7 +24,7 @@ servers) keep the trainers' links at half the load of the servers' even with 4 s
 at once when some trainers push while others pull, and in one when they move in step, so the
 step time wanders between those two bounds from run to run, and T >= 2 S is needed.)
 
-Paired rounds, as ``benchmarks.paired``: every server group stays up for the whole run (one
+Paired rounds, as ``benchmarks.harness.paired``: every server group stays up for the whole run (one
 unmeasured warm-up run of the trainers against each first); each round runs every setup once,
 back to back, in an order that rotates by one each round, ``--steps`` steps per trainer of
 which the first ``--skip`` of every trainer are warm-up. A run's interval is the one in which
@@ -35,7 +35,7 @@ trainers' step rate, the bytes per trainer step summed over all servers. Each is
 the 1-server setup's **of the same round**; the reported value is the median over rounds.
 Targets: bandwidth 2 servers >= 1.8x one, 4 >= 3.2x; bytes per step <= 1.05x.
 
-The PS servers run TensorPipe's ``basic`` channel only (``benchmarks.workers psserver
+The PS servers run TensorPipe's ``basic`` channel only (``benchmarks.harness.workers psserver
 --channels basic``): between namespaces of one host TensorPipe could still use ``cma``
 (process_vm_readv), which would move the tensors outside the links; between hosts it cannot.
 Trainers and servers run one torch thread (``OMP_NUM_THREADS=1``, ``--compute-threads 1``).
@@ -54,19 +54,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks import measure, multihost, paired, paired_stats
+from benchmarks.harness import measure, multihost, paired, paired_stats
+from benchmarks.harness.report import write_result
 
 log = logging.getLogger(__name__)
 
 SERVER_PORT = 29500
-SERVER_WRAPPER = ("-m", "benchmarks.workers", "psserver", "--channels", "basic", "--")
+SERVER_WRAPPER = ("-m", "benchmarks.harness.workers", "psserver", "--channels", "basic", "--")
 """How a server starts: psserver with TensorPipe's ``basic`` channel only (tensors in the sockets)."""
 READY_RANK0 = r"serving \S+ on"
 READY_OTHER = r"\bserving\b"
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 TARGETS = {2: 1.8, 4: 3.2}
 BYTES_TARGET = 1.05
-DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "servers-scaling"
+DEFAULT_RESULTS = measure.RESULTS / "servers-scaling"
 LEG_TIMEOUT_S = 600.0
 
 
@@ -186,7 +187,7 @@ def _f(v, fmt: str) -> str:
 
 
 def markdown(result: dict) -> str:
-    from benchmarks import report
+    from benchmarks.harness import report
 
     cfg, summary = result["config"], result.get("summary")
     lines = [f"## Servers scaling: {cfg['model']}, {cfg['trainers']} trainers, links of {cfg['rate_mbit']:g} Mbit/s",
@@ -382,15 +383,16 @@ def measure_rounds(args: argparse.Namespace, deadline: Deadline, progress: dict)
 
 
 METHOD = ("Method: every server and trainer in a network namespace of its own, behind a veth link to one bridge "
-          "limited with tc to the rate each way (benchmarks/multihost.py); servers with TensorPipe's basic channel "
+          "limited with tc to the rate each way (benchmarks/harness/multihost.py); servers with TensorPipe's basic "
+          "channel "
           "(tensors in the sockets). Bandwidth: bytes over the server links, both directions, headers included, "
           "least-squares slope against time inside the interval in which every trainer steps (after --skip steps "
           "of each); bytes per trainer step: that slope over the trainers' step rate. Ratios to the 1-server setup "
-          "of the same round; medians over rounds (benchmarks/servers_scaling.py).")
+          "of the same round; medians over rounds (benchmarks/studies/servers_scaling.py).")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.servers_scaling", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks servers_scaling", description=__doc__.splitlines()[0])
     p.add_argument("--servers", default=None, help="comma-separated server counts, 1 first (default 1,2,4)")
     p.add_argument("--trainers", type=int, default=None,
                    help="trainers, each on its own link (default 8: twice the most servers, so the servers' links "
@@ -437,7 +439,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def command_line(args: argparse.Namespace) -> str:
-    cmd = (f"python -m benchmarks.servers_scaling --servers {','.join(map(str, args.servers))} --trainers "
+    cmd = (f"python -m benchmarks servers_scaling --servers {','.join(map(str, args.servers))} --trainers "
            f"{args.trainers} --rate {args.rate:g} --model {args.model} --batch-size {args.batch_size} --rounds "
            f"{args.rounds} --steps {args.steps} --skip {args.skip} --warm-up-steps {args.warm_up_steps}")
     return (cmd + f" --update {args.update}" + (f" --qdisc {args.qdisc}" if args.qdisc != "tbf" else "")
@@ -480,13 +482,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = {s: legs[:done] for s, legs in progress["runs"].items()}
         result["summary"] = summarize(args.servers, runs)
         result["targets"] = targets(result["summary"])
-    args.results_dir.mkdir(parents=True, exist_ok=True)
     stem = args.results_dir / f"servers-scaling-{args.model}-t{args.trainers}-{args.rate:g}mbit"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
-    md = markdown(result)
-    stem.with_suffix(".md").write_text(md)
-    sys.stdout.write(md)
-    log.info("wrote %s.json and .md", stem)
+    sys.stdout.write(write_result(stem, result, "servers_scaling", markdown))
     return 0 if error is None else 3
 
 

@@ -1,9 +1,9 @@
 """A user's ``Dataset`` through the DataLoader against psserver's in-memory path.
 
-    python -m benchmarks.data_loading                                   # the issue's measurement: 5 rounds, ~10 min
-    python -m benchmarks.data_loading --trainer-allocator cached        # trainers with the server's allocator policy
-    python -m benchmarks.data_loading --setups in-memory,user-png-w1,user-png-w2 --rounds 3
-    python -m benchmarks.data_loading --quick --results-dir /tmp/dl     # 1 round of 60 steps, no load wait: ~1 min
+    python -m benchmarks data_loading                                   # the issue's measurement: 5 rounds, ~10 min
+    python -m benchmarks data_loading --trainer-allocator cached        # trainers with the server's allocator policy
+    python -m benchmarks data_loading --setups in-memory,user-png-w1,user-png-w2 --rounds 3
+    python -m benchmarks data_loading --quick --results-dir /tmp/dl     # 1 round of 60 steps, no load wait: ~1 min
 
 The target: a user ``Dataset`` with ``--data-workers 1`` reaches >= 0.95 of the
 in-memory path's samples/s (mnist_cnn, 2 trainers): loading hidden behind the step. One
@@ -25,7 +25,7 @@ Setups (``SETUPS``):
   into a file it loads (one ``(x, y)`` per ``__getitem__``, collated by the DataLoader);
   ``--data-workers 1``.
 - ``user-png-w1`` (``-w2``): a user's ``Dataset`` reading the same images as PNG files with PIL
-  (``benchmarks.userproject.PNG_DATASET``, the issue's must-show project), 1 (2) workers.
+  (``benchmarks.harness.userproject.PNG_DATASET``, the issue's must-show project), 1 (2) workers.
 
 Why ``--compute-threads 1`` (``--trainer-threads``; 0: the trainer's default): the default is a
 share of the host's CPUs among the trainers the server knows there, re-asked every second (every
@@ -56,8 +56,9 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks import measure
-from benchmarks.userproject import MNIST_TRAIN_SPLIT, PNG_DATASET, write_mnist_pngs, write_package
+from benchmarks.harness import measure
+from benchmarks.harness.report import write_result
+from benchmarks.harness.userproject import MNIST_TRAIN_SPLIT, PNG_DATASET, write_mnist_pngs, write_package
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ DEFAULT_SETUPS = "in-memory,user-dataset-w1,user-png-w1"
 TARGET = 0.95
 PACKAGE = "user_digits"
 DEFAULT_DATA_DIR = measure.ROOT.parent / "shared" / "data" / "mnist"
-DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "data-loading"
+DEFAULT_RESULTS = measure.RESULTS / "data-loading"
 RUN_TIMEOUT_S = 300.0
 
 TENSOR_DATASET = '''
@@ -148,7 +149,7 @@ def write_project(root: Path, data_dir: Path, train_split: int, *, pngs: bool) -
     png_root = None
     if pngs:
         if train_split != MNIST_TRAIN_SPLIT:
-            raise ValueError(f"the PNG setups write the split of benchmarks.userproject: --train-split "
+            raise ValueError(f"the PNG setups write the split of benchmarks.harness.userproject: --train-split "
                              f"{MNIST_TRAIN_SPLIT}")
         png_root = write_mnist_pngs(root / "pngs", train_split, len(held_out), data_dir)
     return Project(src, tensors, png_root, Path(data_dir), train_split)
@@ -530,7 +531,7 @@ def markdown(result: dict) -> str:
 
 
 def command_line(args: argparse.Namespace) -> str:
-    return (f"python -m benchmarks.data_loading --setups {','.join(args.setups)} --rounds {args.rounds} "
+    return (f"python -m benchmarks data_loading --setups {','.join(args.setups)} --rounds {args.rounds} "
             f"--steps {args.steps} --skip {args.skip} --warm-up-steps {args.warm_up_steps} "
             f"--trainer-threads {args.trainer_threads} --trainer-allocator {args.trainer_allocator} "
             f"--max-load {args.max_load:g} --load-wait {args.load_wait:g} --model {args.model} "
@@ -538,7 +539,7 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.data_loading", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks data_loading", description=__doc__.splitlines()[0])
     p.add_argument("--setups", default=DEFAULT_SETUPS, help=f"comma-separated, {BASELINE} among them "
                    f"(default {DEFAULT_SETUPS})")
     p.add_argument("--rounds", type=int, default=5, help="rounds of every setup (default 5)")
@@ -579,7 +580,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse_args(argv)
-    from benchmarks.paired import exit_on_sigterm
+    from benchmarks.harness.paired import exit_on_sigterm
 
     with exit_on_sigterm():
         return _main(args)
@@ -607,13 +608,10 @@ def _main(args: argparse.Namespace) -> int:
                          "max_load": args.max_load, "load_wait_s": args.load_wait,
                          "setups": {n: SETUPS[n] for n in args.setups}, "cores": os.cpu_count()},
               "summary": summary}
-    args.results_dir.mkdir(parents=True, exist_ok=True)
     stem = args.results_dir / f"data_loading-{args.model}-b{args.batch_size}"
     if args.trainer_allocator != "system":
         stem = stem.with_name(f"{stem.name}-allocator-{args.trainer_allocator}")
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    md = markdown(result)
-    stem.with_suffix(".md").write_text(md)
+    md = write_result(stem, result, "data_loading", markdown)
     sys.stdout.write(md)
     return 0
 
