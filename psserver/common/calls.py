@@ -40,7 +40,6 @@ class Handler(Protocol):
     def heartbeat(self, trainer: str, report: Report | None) -> str: ...
     def leave(self, trainer: str, report: Report | None) -> None: ...
     def host_trainers(self, trainer: str) -> int: ...
-    def model_info(self) -> dict[str, Any]: ...
     def call_local(self, trainer: str, op: str, *args: Any) -> Any: ...
     def trainer_of_context(self, context_id: int) -> str: ...
 
@@ -77,12 +76,6 @@ def leave(trainer: str, report: Report | None) -> None:
 
 def host_trainers(trainer: str) -> int:
     return current().host_trainers(trainer)
-
-
-def model_info() -> dict[str, Any]:
-    """The server's model, as a trainer without one of its own builds it (from the server, not
-    from the store, which others may write)."""
-    return current().model_info()
 
 
 class SharedOptimizer:

@@ -56,7 +56,7 @@ _OPTIM = "torch.distributed.optim.optimizer"
 ALLOWED: frozenset[tuple[str, str]] = frozenset({
     # psserver's RPC surface: what a trainer calls on the server (psserver.trainer.loop), ...
     (_CALLS, "join"), (_CALLS, "call"), (_CALLS, "heartbeat"), (_CALLS, "leave"),
-    (_CALLS, "host_trainers"), (_CALLS, "model_info"),
+    (_CALLS, "host_trainers"),
     # ... the local optimizer that DistributedOptimizer has the server build (--step plain, pull), ...
     (_CALLS, "SharedOptimizer"),
     # ... and what the server calls on a trainer (Membership.admit); server processes call

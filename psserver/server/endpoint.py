@@ -61,9 +61,6 @@ class Endpoint:
         """Server 0 of several server processes: the others (``psserver.server.group.server_group``)."""
         self.state = "STARTING"
         self.on_model: Callable[[], None] = lambda: None
-        self.published_model: dict[str, Any] = {}
-        """The model as trainers learn it before they join (``model_info``): what the server
-        publishes in its store, from the server itself."""
         """Called once the server holds a model it learnt from a trainer (it publishes it)."""
         self._model_lock = threading.Lock()
         # Metric labels: only names a protocol defines, never a caller's arbitrary string.
@@ -124,7 +121,7 @@ class Endpoint:
         step = self._protocol_of(request)
         half = self.halves[step]
         cfg = self.config
-        self._accept_model(request)
+        self._accept_model(request, step)
         requested = OptimizerConfig(**request.optimizer) if request.optimizer else None
         optimizer = self.engine.agree_optimizer(requested, request.name)
         join_info = half.join_info(request.name, request)
@@ -163,10 +160,13 @@ class Endpoint:
             **join_info,
         }
 
-    def _accept_model(self, request: JoinRequest) -> None:
+    def _accept_model(self, request: JoinRequest, step: str) -> None:
         """Check the trainer's model against the server's; a server that holds none yet takes
-        it, with its initial values (``ValueError``: a model that differs, or no values)."""
+        it, with its initial values (``ValueError``: a model that differs, or no values). A
+        trainer whose every forward runs here may bring none (the RPC tutorial's path)."""
         if request.layout is None:
+            if self.engine.has_model and STEP_MODES[step].compute == "server":
+                return
             raise ValueError("this trainer sent no model layout (a psserver older than this server?)")
         if request.model is not None and not (isinstance(request.model, str) and 0 < len(request.model) <= 200
                                               and request.model.isprintable()):
@@ -293,13 +293,6 @@ class Endpoint:
         except NotAMember:
             return NOT_A_MEMBER
         return self.state
-
-    def model_info(self) -> dict[str, Any]:
-        """The model the server holds, whether the operator pinned it (``serve --model``), and what
-        a trainer without a model of its own builds it with. Asked over RPC, not read from the
-        store: whoever may write the store (anyone who reaches it without a join token, any
-        holder of one) could name code there, and a trainer builds the model it learns here."""
-        return dict(self.published_model)
 
     def host_trainers(self, trainer: str) -> int:
         """Live trainers on ``trainer``'s host, itself included (it takes its share of the

@@ -162,7 +162,6 @@ class ParameterServer:
                 # Where the model lives, for each trainer's choice of path (psserver.common.transport).
                 "devices": [str(d) for d in engine.devices], "num_servers": self.config.num_servers,
                 "host_id": transport.host_id()}
-        self.endpoint.published_model = info
         self.published.set(self.store, rendezvous.KEY_MODEL, json.dumps(info))
 
     def _set_state(self, state: str) -> None:

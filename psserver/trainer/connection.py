@@ -104,6 +104,7 @@ class Connection:
         """Set by a loop that knows it (``psserver train``'s): a step made again after a lost server
         may then be the last of the epoch before."""
         self._closed = False
+        self._builds = True  # a model of the server's that is code is built here (ps.parameter_rrefs: never)
         atexit.register(self._at_exit)
 
     # ---- joining ---------------------------------------------------------------------------
@@ -185,6 +186,7 @@ class Connection:
                 raise UsageError(f"ps.parameter_rrefs speaks step='plain'; this connection asked for "
                                  f"{self.config.step!r}")
             self.config = dataclasses.replace(self.config, step="plain", compute=None)
+            self._builds = False  # the server runs the model: this trainer builds none of its code
             self.join()
         assert self.session is not None
         if self.session.step_protocol != "plain":
@@ -208,7 +210,8 @@ class Connection:
         return out
 
     def _join(self, model: nn.Module | None) -> Session:
-        session = join(self.config, self._pos if self.resumed else None, self._stop, model, self._argv)
+        session = join(self.config, self._pos if self.resumed else None, self._stop, model, self._argv,
+                       build=self._builds)
         if self._pos.report is not None:
             session.report = Report(**self._pos.report)
         if session.continued is not None:

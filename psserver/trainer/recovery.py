@@ -57,14 +57,14 @@ def shard_count(config: TrainerConfig, info: dict) -> int:
 
 
 def join(config: TrainerConfig, position: Position | None, stop: StopSignals, model: torch.nn.Module | None = None,
-         argv: Sequence[str] | None = None) -> Session:
+         argv: Sequence[str] | None = None, build: bool = True) -> Session:
     """The first join; or, in a trainer re-executed to rejoin, the rejoin, tried until the
     server takes it (each try waits up to ``--connect-timeout`` for a server that is starting)."""
     if position is None:
         if not config.reconnect:
-            return Session(config, stop, model)
+            return Session(config, stop, model, build=build)
         try:
-            return Session(config, stop, model)
+            return Session(config, stop, model, build=build)
         except (JoinLost, AdmissionUnanswered) as e:  # --reconnect: a server lost during the first join too
             log.warning("joining failed (%s): rejoining in a fresh process", e)
             reexec(Position(), stop, argv)  # RPC is never initialised twice in one process (psserver.common.torch_rpc)
@@ -75,7 +75,7 @@ def join(config: TrainerConfig, position: Position | None, stop: StopSignals, mo
         attempt += 1
         log.info("rejoining psserver %s (attempt %d)", where, attempt)
         try:
-            session = Session(config, stop, model, position.steps)
+            session = Session(config, stop, model, position.steps, build=build)
         except JoinLost as e:  # init_rpc failed half-way: RPC cannot be initialised again in this process
             log.warning("rejoin attempt %d failed (%s): rejoining in a fresh process", attempt, e)
             if isinstance(e, JoinDeferred):  # the server is there, not ready: no new process every 3 s

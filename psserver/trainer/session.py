@@ -33,6 +33,7 @@ from psserver.models.losses import resolve_loss
 from psserver.trainer.steps import TrainerHalf, trainer_half
 from psserver.trainer.stop_signals import StopSignals
 from psserver.utils.cpp_log import quiet_cpp_warnings
+from psserver.utils.references import is_reference
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,9 @@ class Session:
     trainer to rejoin: see the module's docstring)."""
 
     def __init__(self, config: TrainerConfig, stop: StopSignals | None = None,
-                 model: torch.nn.Module | None = None, steps: int = 0) -> None:
+                 model: torch.nn.Module | None = None, steps: int = 0, build: bool = True) -> None:
+        """``build``: False when this trainer runs no model (the RPC tutorial's path, whose forward
+        runs on the server): a server's model that is code is then not built here."""
         self.config = config
         self.steps_before = steps
         """Steps this rank trained before this join (its position; 0 for a fresh trainer)."""
@@ -82,12 +85,27 @@ class Session:
                 config.server_host, config.server_port, config.connect_timeout, config.rpc_timeout, token
             )
         published = rendezvous.model_info(self.store)
-        # A model of the trainer's own is built before the join (its build may take a while); the
-        # server's is learnt from the server itself once this trainer is in the RPC group, never
-        # from the store, which others may write (see Endpoint.model_info).
-        own = model is not None or config.model is not None
-        if own:
-            layout, values = self._take_model(config, model, published)
+        layout: ModelLayout | None = None
+        values: list[torch.Tensor] | None = None
+        if model is None and config.model is None and not build and runs_code_of_its_own(published):
+            # The RPC tutorial's path: the server runs its model (code this trainer never names).
+            self.spec: ModelSpec = server_model_spec(published)
+            self.model: torch.nn.Module | None = None
+        else:
+            self.spec = choose_model(config, published) if model is None else instance_spec(model)
+            """This trainer's model: the library's instance, else ``--model``, else the server's."""
+            self.model = model if model is not None else build_model(
+                self.spec, seed=int(published.get("seed") or 0), embedding_dim=published.get("embedding_dim"))
+            """The replica (the library's instance, or as built, on the CPU): its layout is checked at the
+            join; None on the RPC tutorial's path, where the server runs the model."""
+            try:
+                layout = ModelLayout.of(self.model)
+            except ValueError as e:  # a state no server holds (a complex parameter)
+                raise UsageError(f"model {self.spec.name}: {e}") from None
+            # While the server holds no model, the join brings this one's initial values.
+            values = values_of(self.model, layout) if published.get("fingerprint") is None else None
+        self.loss_fn = resolve_loss(config.loss, self.spec.loss)
+        """The training loss (``--loss``, else the model's), which the trainer half computes."""
         # Before joining the RPC group, whose join calls every member: the server evicts the
         # dead ones (this rank's crashed holder, say) or refuses a rank whose holder is alive.
         rpc_id, incarnation = rendezvous.request_admission(self.store, config.rank,
@@ -115,17 +133,11 @@ class Session:
         except RuntimeError as e:  # the group or the server went away while this trainer joined
             msg = str(e).splitlines()[0]
             raise JoinLost(f"cannot join the RPC group of {config.server_host}:{config.server_port}: {msg}") from None
-        if not own:
-            try:
-                served = rpc.rpc_sync(rendezvous.SERVER_NAME, calls.model_info, timeout=config.rpc_timeout)
-                layout, values = self._take_model(config, None, served)
-            except BaseException:
-                self._shutdown(graceful=True)
-                raise
         optimizer = asdict(config.optimizer) if config.optimizer else None
         request = JoinRequest(config.rank, self.name, socket.gethostname(), os.getpid(), config.step, optimizer,
                               config.compute, config.wire_dtype, str(self.device), self.spec.name, self.spec.args,
-                              layout.to_dict(), values, steps, transport=self.transport.kind,
+                              layout.to_dict() if layout is not None else None, values, steps,
+                              transport=self.transport.kind,
                               transport_reason=self.transport.reason, overlap=config.overlap)
         t0 = time.perf_counter()
         try:
@@ -180,23 +192,6 @@ class Session:
                  config.server_host, config.server_port, self.name, self.spec.name, self.info["update"],
                  self.info["optimizer"]["name"], self.info["compute"], self.step_protocol,
                  f" on {self.device}" if self.info["compute"] == "trainer" else "")
-
-    def _take_model(self, config: TrainerConfig, model: torch.nn.Module | None,
-                    info: dict) -> tuple[ModelLayout, list[torch.Tensor] | None]:
-        """This trainer's model (``info``: what the server published of its own), its layout, and
-        the initial values the join brings while the server holds no model."""
-        self.spec: ModelSpec = choose_model(config, info) if model is None else instance_spec(model)
-        """This trainer's model: the library's instance, else ``--model``, else the server's."""
-        self.loss_fn = resolve_loss(config.loss, self.spec.loss)
-        """The training loss (``--loss``, else the model's), which the trainer half computes."""
-        self.model: torch.nn.Module = model if model is not None else build_model(
-            self.spec, seed=int(info.get("seed") or 0), embedding_dim=info.get("embedding_dim"))
-        """The replica (the library's instance, or as built, on the CPU): its layout is checked at the join."""
-        try:
-            layout = ModelLayout.of(self.model)
-        except ValueError as e:  # a state no server holds (a complex parameter)
-            raise UsageError(f"model {self.spec.name}: {e}") from None
-        return layout, values_of(self.model, layout) if info.get("fingerprint") is None else None
 
     def _told(self, notices: list[str]) -> None:
         """What the server told along with a call (a step its guard dropped, an eviction: its
@@ -322,17 +317,25 @@ DEFAULT_MODEL = "mnist_cnn"
 
 def choose_model(config: TrainerConfig, published: dict) -> ModelSpec:
     """The trainer's model: its ``--model``, else the one the server's operator pinned (``serve
-    --model``), else ``mnist_cnn``. A model another trainer brought (or a checkpoint recorded) is
-    a peer's choice and never built. (``published`` comes from the server over RPC when this
-    trainer builds the server's model, never from the store, which others may write.)
-    ``UsageError`` for a brought model, and for a model a server without ``--model`` cannot hold."""
+    --model``) when it is a registered name (installed code this trainer's own host provides),
+    else ``mnist_cnn``. Code named by reference (``MODULE:ATTR``) that this trainer did not name
+    itself is never built, whoever named it: a model another trainer brought, one a checkpoint
+    recorded, and the pinned one too, since what a trainer learns of the server's model comes
+    from the store, and whoever may write the store (anyone reaching it without a join token,
+    any holder of one) could name code there or stand in for the server. ``UsageError`` for
+    those, and for a model a server without ``--model`` cannot hold."""
     brought = published.get("model") if not published.get("pinned") else None
     if config.model is not None:
         spec = get_model_spec(config.model, config.model_args)
     elif published.get("pinned") and published.get("model"):
-        if not isinstance(published["model"], str):
-            raise UsageError(f"the server pins model {printable(published['model'])}, which is not a model name")
-        spec = get_model_spec(published["model"], published.get("model_args"))
+        name = published["model"]
+        if not isinstance(name, str):
+            raise UsageError(f"the server pins model {printable(name)}, which is not a model name")
+        if runs_code_of_its_own(published):
+            raise UsageError(f"the server runs model {printable(name)}, code named by reference: psserver never runs "
+                             "code that a peer named; give this trainer its model yourself (--model MODULE:ATTR of "
+                             "your own code, or ps.replica(model))")
+        spec = get_model_spec(name, published.get("model_args"))
     elif published.get("fingerprint") is not None and (brought, published.get("model_args") or {}) != (DEFAULT_MODEL,
                                                                                                        {}):
         raise UsageError(brought_model_refusal(brought))
@@ -342,6 +345,21 @@ def choose_model(config: TrainerConfig, published: dict) -> ModelSpec:
         raise UsageError(f"model {spec.name} keeps embedding tables on the servers, which a server started without "
                          f"--model cannot hold: start psserver serve with --model {spec.name}")
     return spec
+
+
+def runs_code_of_its_own(published: dict) -> bool:
+    """Whether the server's model (as ``published``) is code named by reference (``MODULE:ATTR``)."""
+    name = published.get("model")
+    return isinstance(name, str) and is_reference(name)
+
+
+def server_model_spec(published: dict) -> ModelSpec:
+    """The spec of the server's model on a trainer that runs none (the name is only shown)."""
+    def never_built(**_: object) -> torch.nn.Module:
+        raise UsageError("this trainer runs no model: the server runs it")
+
+    return ModelSpec(name=str(published.get("model")), build=never_built, input_shape=None, num_classes=None,
+                     description="the server's model, which this trainer does not run")
 
 
 def printable(value: object, limit: int = 80) -> str:

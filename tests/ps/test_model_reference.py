@@ -38,6 +38,19 @@ def test_a_brought_reference_is_refused_naming_what_to_pass(tmp_path):
         choose_model(TrainerConfig(), published("__main__:Net", False))
 
 
+def test_code_the_server_pins_by_reference_is_never_built_only_a_registered_name():
+    """The store says what the server pins, and whoever may write the store (or stand in for
+    the server) says it too: a reference to code is refused, whatever marks it pinned."""
+    with pytest.raises(UsageError, match=r"server runs model 'os:system', code named by reference: psserver never "
+                                         r"runs code that a peer named"):
+        choose_model(TrainerConfig(), published("os:system", True, {"command": "true"}))
+    with pytest.raises(UsageError, match="never runs code that a peer named"):
+        choose_model(TrainerConfig(), published("rpc_tutorial:Net", True))
+    # A trainer that names the code itself builds it.
+    assert choose_model(TrainerConfig(model="tests.trainer.loops:tiny_net"), published("os:system", True)).name \
+        == "tests.trainer.loops:tiny_net"
+
+
 def test_a_pinned_model_is_built_and_a_trainers_own_model_wins():
     assert choose_model(TrainerConfig(), published("mlp", True)).name == "mlp"
     assert choose_model(TrainerConfig(model="mlp"), published("os:system", False)).name == "mlp"

@@ -7,7 +7,7 @@ than there are CPUs, libgomp cuts the spin-wait of idle workers from ~300,000 it
 kernel. RPC handlers run on a pool of threads (16 by default), so without this every handler
 thread grows its own team: measured on the 2-core VM, the same mnist_cnn step ran 15-25%
 slower, at 1.6 instead of 2.0 cores, as soon as a second thread had run a step
-(``benchmarks/README.md``, "What bought what"). The handlers therefore do their bookkeeping
+(``docs/benchmarks.md``, "What bought what"). The handlers therefore do their bookkeeping
 and waiting on their RPC thread and hand the tensor work to this one thread.
 
 On GPUs the kernels are asynchronous and CPU threading barely matters, while stages on

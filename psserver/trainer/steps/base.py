@@ -32,8 +32,9 @@ class Channel(Protocol):
     """RPC names of the server processes, server 0 first (more than one: ``--num-servers``)."""
     spec: ModelSpec
     """The trainer's model (``--model``, else the server's)."""
-    model: torch.nn.Module
-    """Its replica, as built, its layout the server's (trainer compute runs it)."""
+    model: torch.nn.Module | None
+    """Its replica, as built, its layout the server's (trainer compute runs it); None on the RPC
+    tutorial's path (``--step plain`` through ``ps.parameter_rrefs``), where the server runs it."""
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
     """The training loss (``--loss``, else the model's), computed on the trainer in every protocol."""
     steps_before: int

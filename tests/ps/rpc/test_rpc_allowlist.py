@@ -237,7 +237,7 @@ def test_a_stranger_in_the_rpc_group_runs_nothing(procs, port, tmp_path):
         assert value(samples, "psserver_rpc_refusals_total", name=name) == 1
     assert trainer.wait(90) == 0, trainer.tail()
     assert procs.stop(server) == 0, server.tail()
-    logged = re.findall(r"WARNING psserver\.ps\.rpc\.rpc_allowlist: refused an RPC message naming '([^']+)'",
+    logged = re.findall(r"WARNING psserver\.common\.rpc_allowlist: refused an RPC message naming '([^']+)'",
                         server.output())
     assert logged == ["posix.getpid", "builtins.exec", "posix.system", "pathlib.Path.write_text",
                       "functools.partial"], server.tail()  # 5 a minute: builtins.getattr was counted, not logged
