@@ -17,9 +17,9 @@ from psserver.server.engine.engine import StepEngine
 from psserver.server.steps.pull import PullServer
 from psserver.server.steps.pushpull import PushPullServer
 from psserver.trainer.steps.pushpull import PushPullTrainer
-from tests.ps.joins import give_replica, join_request
+from tests.end_to_end.joins import give_replica, join_request
 
-BN_MLP = "tests.ps.engine.test_buffers:BNMLP"
+BN_MLP = "tests.server.engine.test_buffers:BNMLP"
 
 
 class BNMLP(nn.Module):
@@ -69,7 +69,7 @@ def batches(n: int, seed: int):
 
 
 def make_trainer(engine: StepEngine, half, rank: int, overlap: str = "off") -> PushPullTrainer:
-    from tests.ps.test_trainer_compute import Channel
+    from tests.end_to_end.test_trainer_compute import Channel
 
     channel = Channel(half, "cpu", "fp32")
     channel.name = f"t{rank}"

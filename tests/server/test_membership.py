@@ -1,7 +1,7 @@
 """The membership janitor without RPC: which RPC workers that are no psserver members it evicts
 (the dead ones, after a grace) and which it leaves alone (a join the server is handling, a
 worker that answers on its way to ``join``). The agent and its store are fakes; the real
-thing is in tests/ps/test_failures.py."""
+thing is in tests/end_to_end/test_failures.py."""
 
 from __future__ import annotations
 

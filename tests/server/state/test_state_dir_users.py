@@ -84,7 +84,7 @@ def test_a_directory_another_user_made_first_is_refused_and_nothing_outside_is_t
         assert got.returncode == 2, got.stderr[-3000:]
         lines = got.stderr.strip().splitlines()
         assert len(lines) == 1 and f"{root} is owned by uid" in lines[0], lines
-        assert "not to this user (uid 0)" in lines[0]
+        assert "not by this user (uid 0)" in lines[0]
         assert snapshot(outside) == before  # no link followed: not written, not deleted
         assert sorted(str(p) for p in root.rglob("*")) == inside  # nothing made or removed in their directory
     finally:

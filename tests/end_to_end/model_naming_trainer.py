@@ -1,4 +1,4 @@
-"""Tests only: ``python -m tests.ps.model_naming_trainer REFERENCE ARGS_JSON train ARGS`` is ``psserver
+"""Tests only: ``python -m tests.end_to_end.model_naming_trainer REFERENCE ARGS_JSON train ARGS`` is ``psserver
 train ARGS`` whose join names the model ``REFERENCE`` with ``ARGS_JSON`` as its arguments, whatever it
 built: a peer that wants the trainers after it to call ``REFERENCE(**ARGS)`` (``os:system`` and a
 command, say). Its layout and values are those of the model it did build, so the server takes them."""

@@ -208,7 +208,7 @@ def test_a_clean_stop_removes_the_default_directory_once_empty(state_dir, monkey
 def test_a_model_on_a_gpu_or_a_sync_group_is_not_kept_and_says_why():
     """Device memory dies with its process, and a sync round across servers cannot be rebuilt:
     the state in memory is off there, with the reason its status line and WARNING give (a
-    server on a GPU: ``tests/ps/test_gpu.py``)."""
+    server on a GPU: ``tests/end_to_end/test_gpu.py``)."""
     from types import SimpleNamespace
 
     from psserver.server.state.memory import unsupported_reason

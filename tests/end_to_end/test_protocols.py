@@ -20,7 +20,7 @@ from psserver.server.steps.plain import PlainServer
 from psserver.server.steps.pull import PullServer
 from psserver.server.steps.pushpull import PushPullServer
 from psserver.trainer.steps import HALVES as TRAINER_HALVES
-from tests.ps.joins import join_request
+from tests.end_to_end.joins import join_request
 
 CUDA = pytest.param("cuda:0", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")])

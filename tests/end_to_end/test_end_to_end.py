@@ -46,7 +46,7 @@ def test_plain_sync_counts_every_step_and_the_server_keeps_serving(procs, port):
     """The reference protocol (``--step plain``: dist_autograd and DistributedOptimizer), in
     sync rounds of two: every step of both trainers counted. (Plain trainers reach the bar in
     async, and a rank rejoins as a new incarnation with a trainer lost on top, in
-    tests/ps/test_failures.py's hang-async case.)"""
+    tests/end_to_end/test_failures.py's hang-async case.)"""
     server = procs.server(port, "--model", "mlp", "--update", "sync", "--sync-trainers", "2")
     for t in _step_two(procs, port, "--step", "plain"):
         assert "--compute server --step plain" in t.output(), t.tail()
@@ -115,7 +115,7 @@ def test_two_stages_train_to_the_same_bar(procs, port, mnist_dir):
 def test_chained_steps_reach_the_same_bar(procs, port, mnist_dir):
     """Server compute's default, ``--step chained``, in async: the server pins ``--compute
     server`` and the trainers pass nothing; the same bar, and the final flush lands every
-    update. (Chained sync trainers reach the bar in tests/ps/test_failures.py's kill-sync-chained
+    update. (Chained sync trainers reach the bar in tests/end_to_end/test_failures.py's kill-sync-chained
     case, and count their rounds below.)"""
     server = procs.server(port, "--model", "mnist_cnn", "--update", "async", "--compute", "server")
     for t in _train_two(procs, port, epochs=BAR_EPOCHS):
@@ -143,14 +143,14 @@ TRAINER_COMPUTE_BAR = 0.97
 
 @pytest.mark.timeout(420)
 # Async, the default, trains mnist_cnn to this bar with two trainers, its steps and samples
-# counted exactly across three server deaths, in tests/ps/server/test_supervisor.py; sync, in
-# tests/ps/test_failures.py's hang-sync-trainer-compute case (and its rounds are counted below).
+# counted exactly across three server deaths, in tests/server/state/test_supervisor.py; sync, in
+# tests/end_to_end/test_failures.py's hang-sync-trainer-compute case (and its rounds are counted below).
 def test_trainer_compute_reaches_the_bar_in_ssp(procs, port, mnist_dir):
     """``--compute trainer`` (its default protocol, ``pushpull``): each trainer runs the model
     on flat parameters it gets back for its flat gradient; the server only applies the
     gradients. ``ssp`` with S = 2: no trainer more than two steps ahead of the other. (With
     ``--overlap on`` as well, one CI run reached 0.9655 here, under this bar: overlap is shown at
-    the bar in async, tests/ps/server/test_supervisor.py, and is not ssp's default.)"""
+    the bar in async, tests/server/state/test_supervisor.py, and is not ssp's default.)"""
     server = procs.server(port, "--update", "ssp", "--staleness", "2")
     assert "(update=ssp" in server.output()
     for t in _train_two(procs, port, "--compute", "trainer"):
@@ -179,7 +179,7 @@ def test_trainer_compute_sync_sends_large_buckets_ahead_and_counts_every_round(p
 @pytest.mark.timeout(420)
 def test_pull_reaches_the_bar(procs, port, mnist_dir):
     """``--step pull``, trainer compute's reference (parameters pulled inside
-    ``dist_autograd``), in sync mode (async: tests/ps/test_failures.py's die-mid-step-async-pull
+    ``dist_autograd``), in sync mode (async: tests/end_to_end/test_failures.py's die-mid-step-async-pull
     trains its surviving trainer with it, counted to the sample)."""
     server = procs.server(port, "--update", "sync", "--sync-trainers", "2")
     for t in _train_two(procs, port, "--step", "pull"):

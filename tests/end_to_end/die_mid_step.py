@@ -1,4 +1,4 @@
-"""Tests only: ``python -m tests.ps.die_mid_step train ARGS`` is ``psserver train ARGS`` that
+"""Tests only: ``python -m tests.end_to_end.die_mid_step train ARGS`` is ``psserver train ARGS`` that
 SIGKILLs itself in the middle of step ``$PSSERVER_TEST_DIE_AT_STEP`` (1-based), at the point
 of each step protocol where its gradient is half-way to being applied:
 

@@ -231,7 +231,7 @@ def test_a_buffer_may_hold_minus_inf_but_not_nan_and_a_parameter_neither(tmp_pat
     """A causal mask of -inf is a constant the model's own checkpoint holds: resumed and exported;
     NaN in a buffer, or inf in a parameter, is refused."""
     from psserver.models.layout import ModelLayout
-    from tests.ps.engine.test_held_model import Masked
+    from tests.server.engine.test_held_model import Masked
 
     model = Masked()
     state = {"global_step": 1, "samples_seen": 4, "shards": [{"module": model.state_dict(), "optimizer": None}],

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
+from tests.end_to_end import poisoned_trainer
 from tests.procs import MNIST_ARGS, accuracy, cli, free_port
-from tests.ps import poisoned_trainer
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
-POISONED = [sys.executable, "-m", "tests.ps.poisoned_trainer"]
+POISONED = [sys.executable, "-m", "tests.end_to_end.poisoned_trainer"]
 # One epoch (63 steps a trainer): a model the NaNs had reached would score 0.1 or fail to
 # evaluate; mnist_cnn learns past this within the epoch.
 BAR = 0.9

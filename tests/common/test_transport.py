@@ -15,7 +15,7 @@ from psserver.config import TrainerConfig
 from psserver.errors import UsageError
 from psserver.server.steps.pushpull import PushPullServer
 from psserver.server.steps.trainer_compute import TrainerComputeServer
-from tests.ps.joins import join_request, mlp_engine
+from tests.end_to_end.joins import join_request, mlp_engine
 
 CUDA0 = torch.device("cuda", 0)
 

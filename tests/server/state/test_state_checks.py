@@ -24,9 +24,9 @@ from psserver.config import CheckpointConfig, MemoryStateConfig
 from psserver.server.server import ParameterServer
 from psserver.server.state.memory import MemoryState, MemoryStateError, scan
 from psserver.server.state.supervisor import FALLBACK_ENV
-from tests.ps.server.test_memory_state import assert_same, server_config, state_of, train
+from tests.server.state.test_memory_state import assert_same, server_config, state_of, train
 
-ODD = "tests.ps.server.test_state_checks:OddBuffers"
+ODD = "tests.server.state.test_state_checks:OddBuffers"
 
 
 class OddBuffers(nn.Module):
@@ -435,7 +435,7 @@ def test_a_tensor_the_file_cannot_hold_turns_the_state_off_in_one_line_not_every
     assert unplaceable([torch.zeros(2).to_sparse()]).startswith("a torch.sparse_coo tensor")
     assert unplaceable([torch.zeros(2, dtype=torch.uint16), torch.zeros(1, dtype=torch.complex64)]) is None
     with caplog.at_level(logging.ERROR):
-        server = ParameterServer(server_config(state_dir, model="tests.ps.server.test_state_checks:Float8Buffer"))
+        server = ParameterServer(server_config(state_dir, model="tests.server.state.test_state_checks:Float8Buffer"))
     try:
         train(server, 2)
         assert server.engine.global_step == 2 and server.memory.disabled.endswith("cannot be kept in shared memory")

@@ -22,7 +22,7 @@ from psserver.server.engine.engine import StepEngine
 from psserver.server.steps.pushpull import PushPullServer
 from psserver.trainer.steps import trainer_compute
 from psserver.trainer.steps.pushpull import PushPullTrainer
-from tests.ps.joins import give_replica, join_request, mlp_engine
+from tests.end_to_end.joins import give_replica, join_request, mlp_engine
 
 CUDA = pytest.param("cuda:0", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")])

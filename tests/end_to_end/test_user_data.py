@@ -1,7 +1,7 @@
 """A user's data through the CLI: ``--dataset imagefolder`` without user code; loss and metric
 by reference; a dataset that does not fit the model, in one line. (A user's Dataset of PNG files
 in a package only the trainers can import, read by DataLoader workers, trains to the bar in
-tests/ps/test_user_project.py, with the user's model.)"""
+tests/end_to_end/test_user_project.py, with the user's model.)"""
 
 from __future__ import annotations
 

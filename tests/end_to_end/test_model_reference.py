@@ -21,7 +21,7 @@ from psserver.errors import UsageError
 from psserver.trainer.session import choose_model
 from tests.procs import cli
 
-FORGED = [sys.executable, "-m", "tests.ps.model_naming_trainer"]
+FORGED = [sys.executable, "-m", "tests.end_to_end.model_naming_trainer"]
 
 
 def published(model: str | None, pinned: bool, args: dict | None = None) -> dict:

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from psserver.cli import main
 from tests.procs import MNIST_ARGS, cli, free_port, start_servers
-from tests.ps.engine.test_buffers import BN_MLP, BNMLP
+from tests.server.engine.test_buffers import BN_MLP, BNMLP
 
 STEPS = 20
 
@@ -44,7 +44,8 @@ def test_two_servers_export_what_one_server_exports(procs, port, tmp_path, mnist
     servers = start_servers(procs, port2, 2, *common, ckpt=tmp_path / "two")
     t2 = procs.trainer(port2, 0, *train)
     assert t2.wait(120) == 0, t2.tail()
-    servers[1].wait_for(r"partition of model tests.ps.engine.test_buffers:BNMLP learnt from server 0: \d+ of its \d+ "
+    servers[1].wait_for(r"partition of model tests.server.engine.test_buffers:BNMLP learnt from server 0: "
+                        r"\d+ of its \d+ "
                         "parameters", timeout=10)
     assert procs.stop(servers[0]) == 0, servers[0].tail()
     assert servers[1].wait(30) == 0, servers[1].tail()

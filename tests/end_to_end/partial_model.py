@@ -1,5 +1,5 @@
 """A model part of whose parameters a step does not train: a frozen first layer and an auxiliary
-head that only every other forward uses (``tests/ps/test_partial_gradients.py``). A torch
+head that only every other forward uses (``tests/end_to_end/test_partial_gradients.py``). A torch
 optimizer skips a parameter whose ``.grad`` is None, so neither moves in those steps, weight
 decay and momentum included; psserver's server must skip them too."""
 

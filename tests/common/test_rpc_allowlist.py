@@ -36,9 +36,9 @@ from psserver.common.messages import JoinRequest, Report
 from psserver.common.rpc_allowlist import RefusedCall
 from psserver.server.endpoint import NotAMember
 from psserver.telemetry import RPC_REFUSALS, RefusalLog
+from tests.end_to_end import stranger
+from tests.end_to_end.joins import join_request
 from tests.procs import ROOT, env, free_port, slow_steps
-from tests.ps import stranger
-from tests.ps.joins import join_request
 from tests.test_metrics import FakeTarget, scrape, value
 
 NOT_RPC = {"install", "current"}
@@ -218,7 +218,7 @@ def test_a_stranger_in_the_rpc_group_runs_nothing(procs, port, tmp_path):
                             env=slow_steps(0.02))  # 12 s at least
     trainer.wait_for(r"joined psserver \S+ as trainer_0_1", timeout=60)
     pwned = tmp_path / "pwned"
-    r = subprocess.run([sys.executable, "-m", "tests.ps.stranger", str(port), str(pwned)], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "tests.end_to_end.stranger", str(port), str(pwned)], capture_output=True,
                        text=True, timeout=90, cwd=ROOT, env=env(TP_SOCKET_IFNAME="lo"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert trainer.running(), "the trainer finished before the stranger was done: slow it down"

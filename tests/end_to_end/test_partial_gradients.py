@@ -10,12 +10,12 @@ import json
 import pytest
 import torch
 
-from tests.ps import partial_model as pm
+from tests.end_to_end import partial_model as pm
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 SERVER = ["--update", "sync", "--sync-trainers", "1", "--optimizer", "adamw", "--lr", str(pm.LR),
           "--weight-decay", str(pm.DECAY)]
-ENTRY = "tests.ps.partial_model"
+ENTRY = "tests.end_to_end.partial_model"
 
 
 def _entry(procs, port: int, name: str, out) -> int:

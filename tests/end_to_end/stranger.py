@@ -1,4 +1,4 @@
-"""Tests only: ``python -m tests.ps.stranger PORT PWNED``: a process that joins the RPC group of
+"""Tests only: ``python -m tests.end_to_end.stranger PORT PWNED``: a process that joins the RPC group of
 the psserver on 127.0.0.1:PORT as a ten-line attacker script would (torch alone: the store's
 address, a name and an RPC id of its own), then asks the server and every trainer to run what is
 no part of psserver's RPC surface, each attempt meant to create the file PWNED or to answer

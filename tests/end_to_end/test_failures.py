@@ -15,12 +15,12 @@ from psserver.checkpoint import list_checkpoints, read_checkpoint
 from psserver.config.ps import STEP_MODES
 from psserver.control.client import ControlClient
 from psserver.control.v1 import control_pb2 as pb
+from tests.end_to_end import die_mid_step
 from tests.procs import MNIST_ARGS, accuracy, die_in_join, die_mid_checkpoint, free_port
-from tests.ps import die_mid_step
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
-DIE_MID_STEP_PREFIX = [sys.executable, "-m", "tests.ps.die_mid_step"]
+DIE_MID_STEP_PREFIX = [sys.executable, "-m", "tests.end_to_end.die_mid_step"]
 
 
 def wait_lost(server, name: str, timeout: float) -> float:
@@ -30,7 +30,7 @@ def wait_lost(server, name: str, timeout: float) -> float:
 
 
 # How the second trainer goes: SIGKILL or SIGSTOP from the test at a moment in its training,
-# or SIGKILL by its own hand in the middle of step DIE_AT (tests.ps.die_mid_step), its gradient
+# or SIGKILL by its own hand in the middle of step DIE_AT (tests.end_to_end.die_mid_step), its gradient
 # half-way to being applied: the server must then count exactly DIE_AT - 1 of its updates.
 KILL, HANG, DIE_MID_STEP = "kill", "hang", "die-mid-step"
 DIE_AT = 25

@@ -1,4 +1,4 @@
-"""Tests only: ``python -m tests.ps.poisoned_trainer train ARGS`` is ``psserver train ARGS``
+"""Tests only: ``python -m tests.end_to_end.poisoned_trainer train ARGS`` is ``psserver train ARGS``
 whose batches turn to NaN: every ``$PSSERVER_TEST_POISON_EVERY``-th step (1: every step) of
 any step protocol, so its gradient for that step is NaN. A corrupt input shard, or a loss that
 overflows, does the same to a real trainer; the server must never apply such a gradient.

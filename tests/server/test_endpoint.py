@@ -19,7 +19,7 @@ from psserver.server.engine.engine import StepEngine
 from psserver.server.membership import Member
 from psserver.server.steps import HALVES
 from psserver.telemetry import TrainerStatus
-from tests.ps.joins import join_request
+from tests.end_to_end.joins import join_request
 
 
 class Members:
