@@ -370,6 +370,9 @@ def check_writable(directory: Path) -> None:
     """Create ``directory`` and a probe file in it, then remove the probe: a server that could
     never save a checkpoint is refused at start rather than at its first save."""
     directory = Path(directory)
+    why = unsafe_parent(directory)  # before anything is made there
+    if why is not None:
+        raise CheckpointDirError(f"--checkpoint-dir {directory}: {why}; use a directory of your own")
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
@@ -378,6 +381,10 @@ def check_writable(directory: Path) -> None:
         raise CheckpointDirError(f"--checkpoint-dir {directory} cannot be created: {e.strerror or e}") from None
     if not directory.is_dir():
         raise CheckpointDirError(f"--checkpoint-dir {directory} is not a directory")
+    link = os.lstat(directory)
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (0, os.geteuid()):
+        raise CheckpointDirError(f"--checkpoint-dir {directory} is a link of uid {link.st_uid}: that user can point it "
+                                 "elsewhere; use a directory of your own")
     st = directory.stat()
     mode = st.st_mode
     if mode & 0o022 and not mode & stat.S_ISVTX:  # sticky (/tmp, a tmpfs): no one renames or removes ours
@@ -387,9 +394,6 @@ def check_writable(directory: Path) -> None:
     if st.st_uid not in (0, os.geteuid()):  # the owner of a sticky directory may still rename in it
         raise CheckpointDirError(f"--checkpoint-dir {directory} is owned by uid {st.st_uid}: that user can swap the "
                                  "checkpoints in it; use a directory of your own")
-    why = unsafe_parent(directory / "x")
-    if why is not None:
-        raise CheckpointDirError(f"--checkpoint-dir {directory}: {why}; use a directory of your own")
     probe = directory / f".psserver-probe-{os.getpid()}"
     try:
         fd = _create_private(probe)

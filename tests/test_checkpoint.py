@@ -370,3 +370,10 @@ def test_a_directory_of_another_user_or_under_one_is_refused(tmp_path):
         check_writable(theirs)
     with pytest.raises(CheckpointDirError, match=rf"{theirs}, above it, is owned by uid 65534"):
         check_writable(theirs / "mine")
+    assert not (theirs / "mine").exists()  # refused before anything was made there
+    # ".." after a link goes up from where the link points, as the kernel goes.
+    (theirs / "e").mkdir()
+    (tmp_path / "link").symlink_to(theirs / "e")
+    with pytest.raises(CheckpointDirError, match=rf"{theirs}, above it, is owned by uid 65534"):
+        check_writable(tmp_path / "link" / ".." / "ckd")
+    assert not (theirs / "ckd").exists()

@@ -32,21 +32,40 @@ def not_private(st: os.stat_result, *, unreadable: bool = False) -> str | None:
 
 def unsafe_parent(path: Path) -> str | None:
     """Why a directory above ``path`` would let another user replace it, else None: the first
-    such directory (or symbolic link on the way to it) and what is wrong with it. Both the
-    path as written (a link in it must be root's or this user's: whoever owns a link can
-    point it elsewhere) and the directories it resolves to are checked."""
+    such directory (or symbolic link on the way to it) and what is wrong with it. The path is
+    walked as the kernel walks it (a link first, then ``..`` from where it points; never
+    ``..`` taken off the text), and every directory it passes through is checked, those above
+    each link's target too: a link must be root's or this user's (its owner can point it
+    elsewhere)."""
     uid = os.geteuid()
-    written = Path(os.path.abspath(path)).parent
-    resolved = Path(os.path.realpath(written))
-    for directory in (*reversed((written, *written.parents)), resolved, *resolved.parents):
+    given = Path(path)
+    full = given if given.is_absolute() else Path(os.getcwd()) / given
+    passed: list[Path] = []
+    current = Path("/")
+    for part in full.parent.parts[1:]:
+        if part == ".":
+            continue
+        if part == "..":
+            current = current.parent
+            continue
+        candidate = current / part
         try:
-            st = os.lstat(directory)
+            st = os.lstat(candidate)
         except OSError:
-            continue  # not there yet: made by this user, 0700
+            break  # not there yet: made by this user, 0700
         if stat.S_ISLNK(st.st_mode):
             if st.st_uid not in (0, uid):
-                return f"{directory}, on the way to it, is a link of uid {st.st_uid}: that user can point it elsewhere"
-            continue  # what it points at is checked as resolved
+                return f"{candidate}, on the way to it, is a link of uid {st.st_uid}: that user can point it elsewhere"
+            current = Path(os.path.realpath(candidate))
+            passed.extend(reversed((current, *current.parents)))
+        else:
+            current = candidate
+            passed.append(current)
+    for directory in dict.fromkeys([*reversed(current.parents), *passed]):
+        try:
+            st = os.stat(directory)
+        except OSError:
+            continue
         if st.st_uid not in (0, uid):
             return f"{directory}, above it, is owned by uid {st.st_uid}: that user can replace what is in it"
         if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:

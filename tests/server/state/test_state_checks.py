@@ -119,6 +119,16 @@ def test_a_link_of_another_user_on_the_way_is_refused(tmp_path):
     with pytest.raises(MemoryStateError, match=rf"{link}, on the way to it, is a link of uid 65534"):
         MemoryState(MemoryStateConfig(link / "state", "k"), 0).prepare()
     assert list((tmp_path / "target").iterdir()) == []
+    # Root's own link into a directory of theirs, then ".." out of the link's target: the kernel
+    # follows the link first, so ".." lands in their directory (taken off the text, it did not).
+    theirs = tmp_path / "theirs"
+    (theirs / "e").mkdir(parents=True)
+    os.chown(theirs, 65534, 65534)
+    mine = sticky / "mine"
+    mine.symlink_to(theirs / "e")
+    with pytest.raises(MemoryStateError, match=rf"{theirs}, above it, is owned by uid 65534"):
+        MemoryState(MemoryStateConfig(mine / ".." / "state", "k"), 0).prepare()
+    assert sorted(p.name for p in theirs.iterdir()) == ["e"]
 
 
 def test_the_state_is_made_private_and_a_planted_link_is_replaced_not_followed(state_dir, tmp_path):
