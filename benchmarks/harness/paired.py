@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -176,7 +177,7 @@ class Rounds:
         speed (measured, one pushpull trainer: 62 against 6 server CPU ms per step, 620 against
         1,150 samples/s; while its compute thread holds the only OpenMP team, libgomp spins
         long: benchmarks/README.md), which would bias round 1 by the order of the setups."""
-        plain = {**setup, "straggler": False}
+        plain = dataclasses.replace(setup, straggler=False)
         steps, tag = self.warm_up_steps, "warm-up-" + "-".join(map(str, server_key(setup)))
         log.info("warming up the server of %s (%d steps per trainer, not measured)", setup.name, steps)
         argvs = [trainer_argv(plain, r, port=port, batch_size=self.batch_size, steps=steps, device=self.trainer_device,

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness import measure, report, setups, targets
+from benchmarks.harness import measure, setups, targets
 from benchmarks.harness.setups import parse_setups
+from benchmarks.studies.throughput import report as throughput_report
 from benchmarks.studies.throughput import run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -192,7 +193,7 @@ def test_quick_run_writes_json_table_and_chart(tmp_path):
     stamped = sorted(tmp_path.glob("bench-mnist_cnn-b64-*"))
     assert {p.suffix for p in stamped} == {".json", ".md", ".png"}
     assert result["config"]["quick"] is True
-    assert "| local |" in report.markdown(result)
+    assert "| local |" in throughput_report.markdown(result)
 
 
 def test_bad_flags_are_one_line_errors(capsys):

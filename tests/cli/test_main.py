@@ -18,7 +18,7 @@ def test_every_verb_has_help(capsys):
     for name in commands:
         with pytest.raises(SystemExit) as e:
             main([name, "--help"])
-        assert e.value.code == 0
+        assert e.value.code == (2 if name == "bench" else 0), name  # bench only says where the benchmarks went
     assert "--sync-trainers" in capsys.readouterr().out
 
 
