@@ -87,8 +87,8 @@ class Session:
         published = rendezvous.model_info(self.store)
         layout: ModelLayout | None = None
         values: list[torch.Tensor] | None = None
-        if model is None and config.model is None and not build and runs_code_of_its_own(published):
-            # The RPC tutorial's path: the server runs its model (code this trainer never names).
+        if model is None and config.model is None and not build and published.get("fingerprint") is not None:
+            # The RPC tutorial's path: the server holds and runs its model; this trainer builds none.
             self.spec: ModelSpec = server_model_spec(published)
             self.model: torch.nn.Module | None = None
         else:
@@ -331,7 +331,7 @@ def choose_model(config: TrainerConfig, published: dict) -> ModelSpec:
         name = published["model"]
         if not isinstance(name, str):
             raise UsageError(f"the server pins model {printable(name)}, which is not a model name")
-        if runs_code_of_its_own(published):
+        if names_code(published):
             raise UsageError(f"the server runs model {printable(name)}, code named by reference: psserver never runs "
                              "code that a peer named; give this trainer its model yourself (--model MODULE:ATTR of "
                              "your own code, or ps.replica(model))")
@@ -347,7 +347,7 @@ def choose_model(config: TrainerConfig, published: dict) -> ModelSpec:
     return spec
 
 
-def runs_code_of_its_own(published: dict) -> bool:
+def names_code(published: dict) -> bool:
     """Whether the server's model (as ``published``) is code named by reference (``MODULE:ATTR``)."""
     name = published.get("model")
     return isinstance(name, str) and is_reference(name)
