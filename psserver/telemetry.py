@@ -156,7 +156,7 @@ class ServerStatus:
     model: str
     num_params: int
     update_mode: str
-    """``async``, ``sync``, ``ssp`` or ``collective``."""
+    """``async``, ``sync``, ``ssp``, ``diloco`` or ``collective``."""
     sync_trainers: int
     global_step: int
     samples_seen: int
@@ -193,6 +193,8 @@ class ServerStatus:
     by time, or checkpoints off); exported so that an alert can tell a checkpoint that is late."""
     checkpoint_every_steps: int = 0
     """``--checkpoint-every``: global steps between checkpoints (0: not by step count, or off)."""
+    diloco: str = ""
+    """``--update diloco`` in one line: the outer rounds and the outer optimizer (empty in other modes)."""
 
     @property
     def uptime_s(self) -> float:

@@ -8,11 +8,18 @@ from pathlib import Path
 
 from psserver.cli.args import add_control_arguments, add_optimizer_arguments, control_from_args, optimizer_from_args
 from psserver.cli.base import SubCommand, config_errors
-from psserver.cli.builder import add_options, build
-from psserver.config import CheckpointConfig, EmbeddingConfig, LRScheduleConfig, MemoryStateConfig, ServerConfig
+from psserver.cli.builder import add_options, build, given
+from psserver.config import (
+    CheckpointConfig,
+    EmbeddingConfig,
+    LRScheduleConfig,
+    MemoryStateConfig,
+    OptimizerConfig,
+    ServerConfig,
+)
 from psserver.config.env import server_rank_from_env
 from psserver.config.options import field_default
-from psserver.config.server import DEFAULT_STATE_DIR
+from psserver.config.server import DEFAULT_STATE_DIR, outer_optimizer
 
 
 class ServeCommand(SubCommand):
@@ -64,7 +71,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         ServerConfig, args,
         server_rank=args.server_rank if several else 0,
         coordinator=args.coordinator if several and args.server_rank > 0 else None,
-        optimizer=optimizer_from_args(args),
+        optimizer=outer_optimizer(args.outer, args.sync_trainers, **given(OptimizerConfig, args))
+        if args.update == "diloco" else optimizer_from_args(args),
         lr_schedule=build(LRScheduleConfig, args),
         checkpoint=build(CheckpointConfig, args),
         memory_state=memory_state_from_args(args),

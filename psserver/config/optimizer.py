@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from psserver.config.options import option
+from psserver.optim import OWN_OPTIMIZERS
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "rmsprop")
 """The short list the help shows; every other optimizer of ``torch.optim`` is taken too (:func:`optimizer_class`)."""
@@ -38,13 +39,16 @@ at 0.80 (median of 5 alternating rounds, 0.70-0.89) of the default SGD's; Adam's
 
 
 def _classes() -> dict[str, type[torch.optim.Optimizer]]:
-    return {name.lower(): cls for name, cls in vars(torch.optim).items()
-            if inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer}
+    """torch's optimizers by lower-case class name, and psserver's own (``psserver.optim``)."""
+    return {**{name.lower(): cls for name, cls in vars(torch.optim).items()
+               if inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer},
+            **OWN_OPTIMIZERS}
 
 
 def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
-    """The ``torch.optim`` class named ``name`` (any case: ``nadam``, ``NAdam``); ``ValueError``
-    naming the known ones, or why one is refused."""
+    """The ``torch.optim`` class named ``name`` (any case: ``nadam``, ``NAdam``), or psserver's
+    own (``delayed_nesterov``, ``psserver.optim``); ``ValueError`` naming the known ones, or why
+    one is refused."""
     key = str(name).lower()
     if key in REFUSED:
         raise ValueError(f"--optimizer {name} is not supported: {REFUSED[key]}")
@@ -65,8 +69,8 @@ class OptimizerConfig:
 
     name: str = option("adam", flag="--optimizer", metavar="NAME",
                        help=f"server-side optimizer, one per shard, shared by all trainers: {', '.join(OPTIMIZERS)} "
-                            "or any other of torch.optim by name (nadam, radam, adamax, adadelta, ...) "
-                            "(default {default})")
+                            "or any other of torch.optim by name (nadam, radam, adamax, adadelta, ...), or "
+                            "delayed_nesterov (--update diloco --outer async) (default {default})")
     """A ``torch.optim`` optimizer, by its class name in lower case (sgd, adam, adamw, adagrad,
     rmsprop, nadam, radam, adamax, adadelta, asgd, rprop, adafactor)."""
     lr: float = option(1e-3, help="learning rate (default {default})")

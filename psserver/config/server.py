@@ -48,10 +48,13 @@ from psserver.config.protocols import COMPUTE_MODES
 from psserver.config.schedule import LRScheduleConfig
 from psserver.utils.memory import ALLOCATORS
 
-UPDATE_MODES = ("async", "sync", "ssp")
+UPDATE_MODES = ("async", "sync", "ssp", "diloco")
+OUTER_MODES = ("sync", "async")
+"""How ``--update diloco`` applies the trainers' pseudo-gradients (``docs/diloco.md``)."""
 BUFFER_POLICIES = ("average", "rank0")
 """How the server's copy of the model's buffers follows the trainers' (``psserver.common.tensors``)."""
 GUARD_GROUP = "guarding the shared model"
+DILOCO_GROUP = "DiLoCo (--update diloco)"
 SERVERS_GROUP = "several server processes"
 """Argument groups of server fields shown apart from the others (``Option.group``)."""
 
@@ -170,10 +173,26 @@ class ServerConfig:
     update: str = option(
         "async", choices=UPDATE_MODES,
         help="async: apply updates as they arrive; sync: one step per K gradients, averaged; ssp: async, no trainer "
-             "more than --staleness steps ahead of the slowest (default {default})")
+             "more than --staleness steps ahead of the slowest; diloco: trainers take local steps with their own "
+             "inner optimizer and send pseudo-gradients, the server's optimizer is the outer one (--outer) "
+             "(default {default})")
     """``async``: apply each trainer's update as it arrives; ``sync``: one step per K gradients,
     averaged; ``ssp``: as async, but no live trainer runs more than ``staleness`` steps ahead of
-    the slowest live one (stale synchronous parallel)."""
+    the slowest live one (stale synchronous parallel); ``diloco``: trainers run local steps and
+    send pseudo-gradients (``--step diloco``), rounds as ``outer`` says."""
+    outer: str = option(
+        "sync", choices=OUTER_MODES, group=DILOCO_GROUP,
+        help="--update diloco: sync: one outer step per round of --sync-trainers K pseudo-gradients, averaged; async: "
+             "each applied as it arrives (default {default})")
+    """How ``--update diloco`` applies pseudo-gradients: ``sync`` (rounds of K, averaged, as
+    ``--update sync``) or ``async`` (each on arrival, as ``--update async``)."""
+    dynamic_local_steps: bool = option(
+        False, group=DILOCO_GROUP,
+        help="--update diloco --outer async: size each trainer's local steps by its measured inner step rate, "
+             "H_i = max(1, floor(H * v_i / v_max)), told in each sync's reply (default off)")
+    """Dynamic local updates: a trainer measured at ``v_i`` inner steps/s runs
+    ``max(1, floor(H * v_i / v_max))`` local steps per window, so that a slow trainer's
+    pseudo-gradient is as fresh as a fast one's (async only)."""
     sync_trainers: int = option(2, help="K of --update sync (default {default})")
     """K in sync mode: gradients averaged per optimizer step (capped by live trainers)."""
     staleness: int = option(4, help="S of --update ssp (0: bulk-synchronous; default {default})")
@@ -296,6 +315,7 @@ class ServerConfig:
             raise ValueError(f"--sync-trainers must be >= 1, got {self.sync_trainers}")
         if self.staleness < 0:
             raise ValueError(f"--staleness must be >= 0, got {self.staleness}")
+        self._check_diloco()
         if self.max_grad_norm is not None and not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):
             raise ValueError(f"--max-grad-norm must be a positive number, got {self.max_grad_norm}")
         if self.max_nonfinite_steps < 1:
@@ -321,6 +341,36 @@ class ServerConfig:
                              "continues from")
         if self.max_restarts < 1:
             raise ValueError(f"--max-restarts must be >= 1, got {self.max_restarts}")
+
+    @property
+    def updater_mode(self) -> str:
+        """How updates are applied: ``--update``, or for ``diloco`` its ``--outer`` (sync rounds
+        or each on arrival)."""
+        return self.outer if self.update == "diloco" else self.update
+
+    @property
+    def rounds(self) -> bool:
+        """Whether updates are applied in rounds of K (``--update sync``, ``diloco --outer sync``)."""
+        return self.updater_mode == "sync"
+
+    def _check_diloco(self) -> None:
+        if self.update != "diloco":
+            if self.dynamic_local_steps:
+                raise ValueError("--dynamic-local-steps is for --update diloco --outer async")
+            return
+        if self.dynamic_local_steps and self.outer != "async":
+            raise ValueError("--dynamic-local-steps needs --outer async: a sync round waits for its slowest "
+                             "trainer whatever its window")
+        if self.compute == "server":
+            raise ValueError("--update diloco: trainers take the local steps (--compute trainer)")
+        if self.model is not None:
+            from psserver.models import get_model_spec
+
+            if get_model_spec(self.model, self.model_args).sparse:
+                raise ValueError(f"--update diloco: model {self.model} keeps embedding tables on the servers, "
+                                 "which local steps cannot take")
+        if self.optimizer is None:
+            self.optimizer = outer_optimizer(self.outer, self.sync_trainers)
 
     def _check_join_token(self) -> None:
         """A server reachable beyond this machine needs a join token unless told otherwise: without
@@ -380,3 +430,22 @@ class ServerConfig:
     def join_token(self) -> str | None:
         """The join token, read once at start (``ValueError``: an empty or unreadable file)."""
         return read_join_token(self.join_token_file)
+
+
+DILOCO_OUTER_LR = 0.7
+DILOCO_OUTER_MOMENTUM = 0.9
+"""The outer optimizer of DiLoCo (Douillard et al., 2023): SGD, lr 0.7, Nesterov momentum 0.9."""
+
+
+def outer_optimizer(outer: str, sync_trainers: int, **given: object) -> OptimizerConfig:
+    """The optimizer of ``--update diloco`` with ``given`` fields (``OptimizerConfig``'s): one
+    named is taken as given; else the defaults, over which ``given`` goes: sync, Nesterov SGD
+    (lr 0.7, momentum 0.9); async, its delayed form, whose momentum acts once per
+    ``--sync-trainers`` arrivals (``delayed_nesterov``)."""
+    if "name" in given:  # an optimizer named on the command line is taken as it is given
+        return OptimizerConfig(**given)  # type: ignore[arg-type]
+    name = "sgd" if outer == "sync" else "delayed_nesterov"
+    values: dict = {"lr": DILOCO_OUTER_LR, "momentum": DILOCO_OUTER_MOMENTUM, **given}
+    if not values.get("args"):
+        values["args"] = {"nesterov": True} if name == "sgd" else {"period": sync_trainers}
+    return OptimizerConfig(name=name, **values)

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 _MODE_NAMES = {"ps": "MODE_PS", "ddp": "MODE_DDP", "fsdp": "MODE_FSDP"}
 _UPDATE_NAMES = {"async": "UPDATE_MODE_ASYNC", "sync": "UPDATE_MODE_SYNC", "ssp": "UPDATE_MODE_SSP",
+                 "diloco": "UPDATE_MODE_DILOCO",
                  "collective": "UPDATE_MODE_COLLECTIVE"}
 
 
@@ -174,6 +175,7 @@ def status_to_proto(status: ServerStatus, now: float | None = None) -> pb.Server
     if _finite(status.learning_rate):
         msg.learning_rate = float(status.learning_rate)
     msg.lr_schedule = status.lr_schedule
+    msg.diloco = status.diloco
     msg.memory_state = status.memory_state
     msg.stale_state.extend(pb.StaleState(path=x.path, bytes=int(x.bytes), run=x.run, pid=int(x.pid),
                                          started_at=float(x.started_at)) for x in status.stale_state)
@@ -277,6 +279,7 @@ def status_to_dict(msg: pb.ServerStatus) -> dict[str, Any]:
         "mean_loss": msg.mean_loss if msg.HasField("mean_loss") else None,
         "learning_rate": msg.learning_rate if msg.HasField("learning_rate") else None,
         "lr_schedule": msg.lr_schedule,
+        "diloco": msg.diloco,
         "memory_state": msg.memory_state,
         "stale_state": [{"path": x.path, "bytes": x.bytes, "run": x.run, "pid": x.pid, "started_at": x.started_at}
                         for x in msg.stale_state],

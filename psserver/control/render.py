@@ -60,6 +60,8 @@ def render_status(status: pb.ServerStatus, trainers: Sequence[pb.Trainer] | None
     update = enum_name(pb.UpdateMode, status.update_mode).lower()
     if status.update_mode == pb.UPDATE_MODE_SYNC:
         update += f" (one step per {status.sync_trainers} gradients)"
+    elif status.update_mode == pb.UPDATE_MODE_DILOCO:
+        update += f" ({status.diloco})"
     elif status.update_mode == pb.UPDATE_MODE_SSP:
         update += (" (bulk-synchronous: staleness 0)" if status.staleness == 0 else
                    f" (no trainer more than {status.staleness} steps ahead of the slowest)")

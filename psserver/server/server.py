@@ -148,7 +148,8 @@ class ParameterServer:
                 self.view.ready.set()
         log.info("psserver %s serving %s on %s:%d (update=%s%s)", __version__,
                  self.engine.model_ref or "<the-first-trainer's-model>", cfg.host, cfg.port,
-                 cfg.update, f", K={cfg.sync_trainers}" if cfg.update == "sync" else "")
+                 cfg.update, (f", outer {cfg.outer}" if cfg.update == "diloco" else "")
+                 + (f", K={cfg.sync_trainers}" if cfg.rounds else ""))
 
     def publish_model(self) -> None:
         """The model as joining trainers need it before they join (``rendezvous.KEY_MODEL``)."""

@@ -142,7 +142,7 @@ class ServerView:
             model=engine.model_ref or "(none yet: the first trainer brings it)",
             num_params=engine.model_params,
             update_mode=cfg.update,
-            sync_trainers=cfg.sync_trainers if cfg.update == "sync" else 0,
+            sync_trainers=cfg.sync_trainers if cfg.rounds else 0,
             staleness=cfg.staleness if cfg.update == "ssp" else 0,
             nonfinite_gradients=engine.guard.nonfinite_total,
             clipped_steps=engine.guard.clipped_total,
@@ -161,12 +161,25 @@ class ServerView:
             tables=self._tables(),
             learning_rate=_nan_if_none(engine.learning_rate),
             lr_schedule=cfg.lr_schedule.describe(),
+            diloco=self._diloco(),
             memory_state=self.memory.describe() if self.memory is not None else "",
             stale_state=[StaleStateStatus(str(x.path), x.nbytes, (x.owner or {}).get("run") or "",
                                           int((x.owner or {}).get("pid") or 0),
                                           float((x.owner or {}).get("started") or 0.0))
                          for x in self.memory.stale] if self.memory is not None else [],
         )
+
+    def _diloco(self) -> str:
+        """``--update diloco`` in one line (empty in other modes)."""
+        cfg = self.config
+        if cfg.update != "diloco":
+            return ""
+        rounds = f"outer sync, {cfg.sync_trainers} pseudo-gradients a round" if cfg.rounds else \
+            "outer async, each pseudo-gradient on arrival"
+        if cfg.dynamic_local_steps:
+            rounds += ", dynamic local steps"
+        optimizer = self.engine.optimizer_config
+        return f"{rounds}; {optimizer.describe() if optimizer is not None else 'outer optimizer not known yet'}"
 
     def checkpoint_schedule(self) -> tuple[float, int]:
         """(``--checkpoint-interval``, ``--checkpoint-every``), both 0 without ``--checkpoint-dir``:

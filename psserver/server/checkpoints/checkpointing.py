@@ -262,7 +262,8 @@ class CheckpointPolicy:
             "embedding": None if tables is None else asdict(cfg.embedding),
             "optimizer_config": asdict(optimizer) if optimizer else None,
             "lr_schedule": lr_schedule,
-            "update": {"mode": cfg.update, "sync_trainers": cfg.sync_trainers},
+            "update": {"mode": cfg.update, "sync_trainers": cfg.sync_trainers,
+                       **({"outer": cfg.outer} if cfg.update == "diloco" else {})},
             "partition": None if engine.plan is None else {
                 "server_rank": cfg.server_rank, "num_servers": cfg.num_servers, "plan": engine.plan.to_dict()},
             "global_step": step,

@@ -141,7 +141,7 @@ class StepEngine:
         self.shards: list[Shard] = []
         self.params: list[nn.Parameter] = []
         self.trainable: list[nn.Parameter] = []
-        self.updater = make_updater(cfg.update, [], self._on_step, cfg.sync_trainers, cfg.staleness,
+        self.updater = make_updater(cfg.updater_mode, [], self._on_step, cfg.sync_trainers, cfg.staleness,
                                     follower=cfg.server_rank > 0)
         self.updater.journal = self.sequences
         if self.spec is None:
@@ -416,7 +416,7 @@ class StepEngine:
         """
         with self._cond:
             live = len(self._live)
-        if self.config.update == "sync":
+        if self.config.rounds:
             return live > self.config.sync_trainers
         return live > 1
 

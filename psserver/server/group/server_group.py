@@ -215,7 +215,7 @@ class ServerGroup:
         if not self._complete_once and not self.from_memory:
             return False, "server 0 started afresh or from a checkpoint since that state was written: every server " \
                           "starts from what it says"
-        if self.config.update == "sync":
+        if self.config.rounds:
             return False, "a sync round in flight cannot be rebuilt: every server goes back to a checkpoint"
         return True, ""
 

@@ -420,7 +420,7 @@ def unsupported_reason(engine: StepEngine) -> str | None:
     """Why ``engine``'s state cannot be kept in memory (None: it can). Device memory dies with
     its process (a host copy per update is what ``benchmarks.state_copy`` measures); a sync
     round in flight across server processes cannot be rebuilt."""
-    if engine.plan is not None and engine.config.update == "sync":
+    if engine.plan is not None and engine.config.rounds:
         return "several server processes in sync mode do not keep it there (a round in flight across them cannot " \
                "be rebuilt: a lost one sends every server to a checkpoint)"
     if any(d.type != "cpu" for d in engine.devices):

@@ -62,7 +62,7 @@ class PushPullServer(TrainerComputeServer):
             raise ValueError(f"unknown --overlap {str(want)[:20]!r}; known: {', '.join(OVERLAP_MODES)}")
         cfg = self.engine.config
         why_not = None
-        if cfg.update == "sync":
+        if cfg.rounds:
             why_not = "sync mode: every step waits for its round's update"
         elif cfg.update == "ssp" and cfg.staleness < 1:
             why_not = "ssp with --staleness 0 is bulk-synchronous"
