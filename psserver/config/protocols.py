@@ -27,6 +27,9 @@ STEP_MODES: dict[str, StepMode] = {
                                     "come down in one RPC (1 round trip; trainer compute's default)"),
     "pull": StepMode("trainer", "the trainer pulls the parameters inside dist_autograd; dist_autograd.backward "
                                 "and DistributedOptimizer.step apply the gradient on the server (3; the reference)"),
+    "diloco": StepMode("trainer", "local steps with the trainer's own inner optimizer; every H steps the "
+                                  "pseudo-gradient goes up and the new global weights come down in one RPC "
+                                  "(servers of --update diloco)"),
     "chained": StepMode("server", "the last step's output gradient and the next batch in one RPC "
                                   "(1 round trip; server compute's default)"),
     "plain": StepMode("server", "forward RPC + dist_autograd.backward + DistributedOptimizer.step (3)"),

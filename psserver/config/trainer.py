@@ -27,12 +27,14 @@ from psserver.config.env import (
     default_world_size,
 )
 from psserver.config.loop import MODEL_ARGS_HELP
-from psserver.config.optimizer import OptimizerConfig
+from psserver.config.optimizer import OptimizerConfig, optimizer_class
 from psserver.config.options import check_choices, option
 from psserver.config.protocols import COMPUTE_HELP, COMPUTE_MODES, STEP_HELP, STEP_MODES
 from psserver.utils.memory import ALLOCATORS
 
 PS_GROUP = "parameter server (--mode ps)"
+DEFAULT_LOCAL_STEPS = 100
+"""DiLoCo's H when a trainer of a ``--update diloco`` server gives no ``--local-steps``."""
 """The argument group of the flags only a ``--mode ps`` trainer takes."""
 MAX_TRAINERS = 1 << 16
 """The most data shards a job may name (``--num-trainers``): far past any job, and a sampler of
@@ -153,6 +155,21 @@ class TrainerConfig:
     step: str | None = option(None, choices=list(STEP_MODES), group=PS_GROUP, help=lambda: STEP_HELP)
     """How a step reaches the server (``STEP_MODES``, ``psserver.server.steps``); None: the
     default protocol of the compute mode."""
+    local_steps: int | None = option(
+        None, metavar="H", group=PS_GROUP,
+        help=f"--step diloco: inner steps per window, after which the pseudo-gradient goes to the server (given, "
+             f"--step is diloco; left out, a trainer of a server of --update diloco takes {DEFAULT_LOCAL_STEPS})")
+    """DiLoCo's H: inner steps between two syncs (``--step diloco``); None: ``DEFAULT_LOCAL_STEPS``
+    against a server of ``--update diloco``. Giving it asks for ``--step diloco``."""
+    inner_optimizer: str = option(
+        "adamw", metavar="NAME", group=PS_GROUP,
+        help="--step diloco: the trainer's own optimizer of its local steps, any of torch.optim by name; its state "
+             "stays on the trainer (default {default})")
+    """The inner optimizer of ``--step diloco`` (a ``torch.optim`` class by name), built over the
+    replica's parameters; its state never leaves the trainer."""
+    inner_lr: float = option(1e-3, metavar="LR", group=PS_GROUP,
+                             help="--step diloco: learning rate of the inner optimizer (default {default})")
+    """Learning rate of the inner optimizer."""
     stats_out: Path | None = option(None, group=PS_GROUP, help="write per-step timings as JSON (for benchmarks)")
     """Write per-step timings (monotonic end time of each step, samples) as JSON here."""
     join_token_file: Path | None = option(
@@ -207,6 +224,7 @@ class TrainerConfig:
         loop.check_loop(self)
         check_timeout(self.connect_timeout, "--connect-timeout", MIN_CONNECT_TIMEOUT_S)
         check_timeout(self.rpc_timeout, "--rpc-timeout", MIN_RPC_TIMEOUT_S)
+        self._check_diloco()
         if self.step is not None:
             mode = STEP_MODES[self.step].compute
             if self.compute is not None and self.compute != mode:
@@ -227,6 +245,26 @@ class TrainerConfig:
         if self.device != "cpu" and self.compute == "server":
             raise ValueError("--device applies to --compute trainer (server compute runs on the server's devices)")
         check_output_file(self.stats_out, "--stats-out")
+
+    def _check_diloco(self) -> None:
+        if self.local_steps is not None:
+            if isinstance(self.local_steps, bool) or not isinstance(self.local_steps, int) or self.local_steps < 1:
+                raise ValueError(f"--local-steps must be an integer >= 1, got {self.local_steps!r}")
+            if self.step not in (None, "diloco"):
+                raise ValueError(f"--local-steps is for --step diloco, not --step {self.step}")
+            object.__setattr__(self, "step", "diloco")
+        try:
+            optimizer_class(self.inner_optimizer)
+        except ValueError as e:
+            raise ValueError(f"--inner-optimizer: {e}") from None
+        if isinstance(self.inner_lr, bool) or not isinstance(self.inner_lr, int | float) \
+                or not math.isfinite(self.inner_lr) or not self.inner_lr > 0:
+            raise ValueError(f"--inner-lr must be a positive number, got {self.inner_lr!r}")
+
+    @property
+    def inner_optimizer_config(self) -> OptimizerConfig:
+        """The inner optimizer of ``--step diloco`` (``--inner-optimizer``, ``--inner-lr``)."""
+        return OptimizerConfig(name=self.inner_optimizer, lr=float(self.inner_lr))
 
     def join_token(self) -> str | None:
         """The join token, read once at start (``ValueError``: an empty or unreadable file)."""

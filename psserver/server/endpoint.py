@@ -150,6 +150,7 @@ class Endpoint:
             "model_args": self.engine.model_args,
             "fingerprint": self.engine.layout.fingerprint() if self.engine.layout is not None else None,
             "update": cfg.update,
+            "outer": cfg.outer if cfg.update == "diloco" else None,
             "sync_trainers": cfg.sync_trainers,
             "optimizer": asdict(optimizer),
             "global_step": self.engine.global_step,
@@ -194,16 +195,23 @@ class Endpoint:
     def _protocol_of(self, request: JoinRequest) -> str:
         """The step protocol a joining trainer will speak (``ValueError``: one it may not)."""
         pin = self.config.compute
+        diloco = self.config.update == "diloco"
         if request.step is None:
-            step = default_step(request.compute or pin or next(iter(COMPUTE_MODES)))
+            step = "diloco" if diloco and request.compute in (None, "trainer") else \
+                default_step(request.compute or pin or next(iter(COMPUTE_MODES)))
         else:
             step = request.step
+        if diloco != (step == "diloco"):
+            raise ValueError("this server runs --update diloco: its trainers take local steps (--step diloco, "
+                             f"psserver train --local-steps H); the trainer asked for --step {step}" if diloco else
+                             f"--step diloco needs a server started with --update diloco (this one runs "
+                             f"--update {self.config.update})")
         if step not in self.halves:
             raise ValueError(f"this server does not speak --step {step!r} (it speaks {', '.join(sorted(self.halves))})")
         if self.engine.tables is not None and step not in ("pushpull", "pull"):
             raise ValueError(f"model {self.config.model} keeps embedding tables on the servers: its rows and their "
                              f"gradients travel with --step pushpull or pull; the trainer asked for --step {step}")
-        if self.group is not None and step != "pushpull":
+        if self.group is not None and step not in ("pushpull", "diloco"):
             raise ValueError(f"with --num-servers {self.config.num_servers} trainers speak --step pushpull (one "
                              f"exchange per server process per step); the trainer asked for --step {step}")
         compute = STEP_MODES[step].compute

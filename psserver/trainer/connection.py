@@ -50,6 +50,7 @@ from psserver.errors import DataError, ServerLost, UsageError
 from psserver.models.calling import input_batch_size
 from psserver.models.losses import resolve_loss
 from psserver.trainer.counting import SampleCounter, sample_count
+from psserver.trainer.local_sgd import LocalSGD
 from psserver.trainer.recovery import FAILED, diagnose, join, recover, shard_count
 from psserver.trainer.rejoin import Position, script_command_line, take_position
 from psserver.trainer.sampler import ResumableSampler
@@ -143,8 +144,8 @@ class Connection:
             except (ValueError, TypeError, AttributeError) as e:
                 raise UsageError(f"ps.replica(optimizer=...): {e}") from None
             self.config = dataclasses.replace(self.config, optimizer=chosen)
-        if self.config.step not in (None, "pushpull"):
-            raise UsageError(f"ps.replica trains with step='pushpull' (the trainer computes); "
+        if self.config.step not in (None, "pushpull", "diloco"):
+            raise UsageError(f"ps.replica trains with step='pushpull' (the trainer computes) or 'diloco'; "
                              f"step={self.config.step!r} is psserver train's own loop")
         if self.config.overlap == "on":
             raise UsageError("overlap='on' is for ps.train_step: a loop that runs its own backward hands in each "
@@ -156,7 +157,7 @@ class Connection:
         compiled = model if isinstance(inner, nn.Module) else None
         self.join(inner if compiled is not None else model)
         assert self.session is not None
-        if self.session.step_protocol != "pushpull":
+        if self.session.step_protocol not in ("pushpull", "diloco"):
             self.session.leave()
             raise UsageError(f"the server answered with --step {self.session.step_protocol}: ps.step needs pushpull "
                              "(a server that runs every step with --compute server cannot serve a replica)")
@@ -271,6 +272,9 @@ class Connection:
         session = self._joined("step")
         if self.model is None:
             raise UsageError("ps.step trains a replica: call ps.replica(model) first")
+        if session.step_protocol == "diloco":
+            raise UsageError("the server runs --update diloco: step with your own optimizer and hand in each window "
+                             "with ps.sync(), or let ps.local_sgd(optimizer, every=H) do it")
         given = None if samples is None else sample_count(samples)
         counted = self._counter.take()
         n = counted if given is None else given
@@ -281,6 +285,60 @@ class Connection:
         self._advance(n, loss)
         if samples is None:
             self._check_count()
+
+    # ---- DiLoCo (a server of --update diloco): local steps, a sync every H -------------------
+
+    def sync(self, *, samples: int | None = None, loss: float | torch.Tensor | None = None) -> int:
+        """Hand in this window: the pseudo-gradient (the global weights of the last sync minus
+        the replica's) goes to the server, whose outer optimizer applies it (sync: in its round
+        of K), and the new global weights come back into the replica; the server's outer steps
+        after it. ``samples``: the window's (default: counted from the replica's forwards, as
+        :meth:`step` counts them). Under :meth:`local_sgd` each H-th inner step calls it."""
+        half = self._diloco("sync")
+        n = self._counter.take() if samples is None else sample_count(samples)
+        if half.window_steps == 0:  # a loop of its own: the window counts as one step
+            half.inner_step_done(n)
+            self._count_step(n, loss)
+        else:
+            half.window_samples += n
+        outer = self._call(half.sync)
+        self.leave_on_signal()
+        return outer
+
+    def local_sgd(self, optimizer: torch.optim.Optimizer, *, every: int | None = None) -> LocalSGD:
+        """Count ``optimizer``'s steps (the user's inner optimizer over the replica's parameters)
+        as the window's inner steps and sync after every ``every`` of them (default: the
+        connection's ``local_steps``, else 100; with the server's ``--dynamic-local-steps``, as
+        the server sizes each window). Returns the hook; its ``remove()`` stops it."""
+        half = self._diloco("local_sgd")
+        if every is not None:
+            if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+                raise UsageError(f"ps.local_sgd: every is an int >= 1, got {every!r}")
+            half.base_steps = half.local_steps = every
+
+        def stepped() -> None:
+            n = self._counter.take()
+            half.inner_step_done(n)
+            self._count_step(n, None)
+            if half.due:
+                self._call(half.sync)
+            self.leave_on_signal()
+
+        return LocalSGD(optimizer, stepped)
+
+    @property
+    def local_steps(self) -> int:
+        """Inner steps of this window (DiLoCo's H; the server's, with ``--dynamic-local-steps``)."""
+        return self._diloco("local_steps").local_steps
+
+    def _diloco(self, what: str) -> Any:
+        session = self._joined(what)
+        if self.model is None:
+            raise UsageError(f"ps.{what} trains a replica: call ps.replica(model) first")
+        if session.step_protocol != "diloco":
+            raise UsageError(f"ps.{what} is for a server of --update diloco (this one runs --update "
+                             f"{session.info.get('update')}: use ps.step())")
+        return session.protocol
 
     def rows(self, ids: torch.Tensor) -> list[torch.Tensor]:
         """With embedding tables on the servers (``psserver serve --model`` of a model that has

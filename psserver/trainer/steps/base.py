@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
+from psserver.config import TrainerConfig
 from psserver.models import ModelSpec
 
 
@@ -25,6 +26,8 @@ class Channel(Protocol):
 
     name: str
     """This trainer's RPC name."""
+    config: TrainerConfig
+    """The trainer's configuration (``--step diloco`` reads its local steps and inner optimizer)."""
     info: dict[str, Any]
     """The server's reply to the join (model, update mode, the server half's ``join_info``)."""
 

@@ -1,0 +1,91 @@
+"""``--step diloco``: local steps on the trainer, the outer optimizer on the server.
+
+A trainer takes H inner steps with its own inner optimizer (its state never leaves it), then
+sends its pseudo-gradient, the global weights it last received (its *anchor*) minus its local
+weights: a gradient's sign, so the server's optimizer applies it as it applies any gradient,
+and that optimizer is DiLoCo's outer one (Douillard et al., 2023). The rounds are the server's
+updaters': ``--outer sync`` averages K pseudo-gradients per outer step (``SyncUpdater``),
+``--outer async`` applies each as it arrives (``AsyncUpdater``; ``delayed_nesterov`` keeps its
+momentum from amplifying stale ones). The reply is the new global weights, which become the
+trainer's weights and its anchor.
+
+The call is pushpull's ``exchange``, a window being one numbered step of it: the number is the
+trainer's inner steps at the window's end, so a pseudo-gradient sent again after a server
+process restarted is applied once. The model's buffers go up and come down with it, by the
+server's ``--buffers`` rule. Each call also carries the window's size and how long its inner
+steps took: with ``--dynamic-local-steps`` the reply sizes the trainer's next window by its
+speed against the fastest trainer's (``psserver.server.engine.local_steps``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from psserver.server.engine.local_steps import LocalStepPlanner
+from psserver.server.steps.base import register
+from psserver.server.steps.pushpull import PushPullServer
+
+log = logging.getLogger(__name__)
+
+
+class DiLoCoServer(PushPullServer):
+    ops = ("exchange", "parameters", "probe", "fall_back")
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self.planner: LocalStepPlanner | None = LocalStepPlanner() if engine.config.dynamic_local_steps else None
+
+    def join_info(self, trainer: str, request) -> dict:
+        return {**super().join_info(trainer, request), "outer": self.engine.config.outer,
+                "dynamic_local_steps": self.planner is not None}
+
+    def _overlap(self, request) -> dict:
+        if request.overlap == "on":
+            raise ValueError("--overlap on: not with --step diloco (a window's local steps need no server)")
+        return {"on": False, "reason": ""}
+
+    @property
+    def _takes_parts(self) -> bool:
+        return False  # a pseudo-gradient is made whole, after the window
+
+    def exchange(self, trainer: str, grads: list[torch.Tensor] | None, samples: int | None,
+                 norm: float | None = None, rows: dict | None = None, buffers: torch.Tensor | None = None,
+                 done: int | None = None, number: int | None = None, rest: list | None = None,
+                 absent: list | None = None, window: dict | None = None):
+        """pushpull's ``exchange`` with ``grads`` a window's pseudo-gradient (None: none owed:
+        the trainer's first call) and ``window`` ``{"steps": inner steps, "seconds": their time,
+        "base": the trainer's H}``. Returns ``(parameters, {"local_steps": the trainer's next
+        window (None: its own H), "outer_step": the server's outer steps})``; None when
+        ``samples`` is None (the trainer's last window, handed in before it leaves)."""
+        if rows is not None or rest is not None:
+            raise ValueError("--step diloco sends a whole dense pseudo-gradient per window")
+        base = self._window(trainer, window) if grads is not None else None
+        params = super().exchange(trainer, grads, samples, norm, None, buffers, done, number, None, absent)
+        if samples is None:
+            return None
+        steps = None if self.planner is None or base is None else self.planner.steps_for(trainer, base)
+        return params, {"local_steps": steps, "outer_step": self.engine.global_step}
+
+    def _window(self, trainer: str, window: object) -> int | None:
+        """The base H of the window ``trainer`` hands in, its speed noted (``ValueError``: not a window)."""
+        if window is None:
+            return None
+        if not isinstance(window, dict) or set(window) != {"steps", "seconds", "base"}:
+            raise ValueError("a window is {'steps': int, 'seconds': float, 'base': int}")
+        steps, seconds, base = window["steps"], window["seconds"], window["base"]
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in (steps, base)) \
+                or not isinstance(seconds, float):
+            raise ValueError(f"a window's steps and base are ints >= 1 and its seconds a float, got {window!r}")
+        if self.planner is not None and seconds > 0:
+            self.planner.observe(trainer, steps, seconds)
+        return base
+
+    def trainer_gone(self, trainer: str, evicted: bool) -> None:
+        if self.planner is not None:
+            self.planner.forget(trainer)
+        super().trainer_gone(trainer, evicted)
+
+
+register("diloco", DiLoCoServer)

@@ -1,0 +1,162 @@
+"""The trainer half of ``--step diloco``: local steps with the trainer's own inner optimizer,
+and every H of them one call that sends the pseudo-gradient (anchor minus local weights) and
+brings back the new global weights, which become the replica's weights and its new anchor.
+
+The protocol, its order of work and why: its server half, ``psserver.server.steps.diloco``.
+A trainer that dies loses its local steps since its last sync, and nothing else: the global
+weights and the outer optimizer's state live on the server. ``psserver train`` steps through
+:meth:`DiLoCoTrainer.step`; the library (``ps.local_sgd``, ``ps.sync``) through
+:meth:`DiLoCoTrainer.inner_step_done` and :meth:`DiLoCoTrainer.sync`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from psserver.config.optimizer import make_optimizer
+from psserver.config.trainer import DEFAULT_LOCAL_STEPS
+from psserver.models.calling import call_model, input_batch_size
+from psserver.trainer.steps.base import register
+from psserver.trainer.steps.pushpull import PushPullTrainer
+
+log = logging.getLogger(__name__)
+
+
+class DiLoCoTrainer(PushPullTrainer):
+    def __init__(self, channel) -> None:
+        super().__init__(channel)
+        config = channel.config
+        self.base_steps: int = config.local_steps or DEFAULT_LOCAL_STEPS
+        """H: inner steps per window, as this trainer asked."""
+        self.local_steps: int = self.base_steps
+        """This window's H (with ``--dynamic-local-steps``, as the server's last reply sized it)."""
+        self.inner_config = config.inner_optimizer_config
+        self.inner: torch.optim.Optimizer | None = None
+        """``psserver train``'s inner optimizer, made at the first step (a library user brings their own)."""
+        self.anchor: list[torch.Tensor] = []
+        """The global weights the replica last received, one tensor per parameter."""
+        self.window_steps = 0
+        """Inner steps taken since the last sync."""
+        self.window_samples = 0
+        self.window_seconds = 0.0
+        """Time its inner steps took (the syncs not counted): the trainer's speed, for the server."""
+        self.outer_step = 0
+        """The server's outer steps, as of the last sync's reply."""
+        self.syncs = 0
+        """Windows handed in by this trainer."""
+        self._since: float | None = None  # when the inner step being taken started
+
+    def open(self) -> None:
+        """The server's global weights (and buffers) into the replica; the first window starts."""
+        self._land(self._call(None, 0, None, None))
+        self._loaded = False
+
+    def owed_samples(self) -> int | None:
+        return None  # a window whose sync failed is lost with the server (docs/diloco.md), never made again
+
+    # ---- a window ----------------------------------------------------------------------------
+
+    def train_step(self, x, y: torch.Tensor) -> float:
+        """``psserver train``'s step: forward, backward and the inner optimizer's step on one
+        batch; the window's last also syncs."""
+        if not self.anchor:
+            self.open()
+        if self.inner is None:
+            self.inner = make_optimizer(self.params, self.inner_config)
+            log.info("diloco: inner %s, %d local steps per window (outer: the server's optimizer, %s)",
+                     self.inner_config.describe(), self.local_steps, self.channel.info.get("outer"))
+        started = time.monotonic()
+        loss = self.loss_fn(call_model(self.model, x), y)
+        self.inner.zero_grad(set_to_none=True)
+        loss.backward()
+        self.inner.step()
+        self.inner_step_done(input_batch_size(x), time.monotonic() - started)
+        if self.window_steps >= self.local_steps:
+            self.sync()
+        return float(loss.detach())
+
+    def inner_step_done(self, samples: int, seconds: float | None = None) -> None:
+        """Count an inner step of ``samples`` that took ``seconds`` (None: since the last one ended)."""
+        now = time.monotonic()
+        if seconds is None:
+            seconds = 0.0 if self._since is None else now - self._since
+        self._since = now
+        self.window_steps += 1
+        self.window_samples += samples
+        self.window_seconds += seconds
+
+    @property
+    def due(self) -> bool:
+        """Whether the window has taken its local steps."""
+        return self.window_steps >= self.local_steps
+
+    def pseudo_gradient(self) -> list[torch.Tensor]:
+        """anchor - local weights, one tensor per parameter: the sign of a gradient, so the
+        server's optimizer steps against it as against any gradient."""
+        with torch.no_grad():
+            return [a - p.detach() for a, p in zip(self.anchor, self.params, strict=True)]
+
+    def sync(self) -> int:
+        """Hand in the window's pseudo-gradient (none: nothing to hand in) and take the new
+        global weights as the replica's and the anchor; the server's outer steps after it."""
+        if self.window_steps == 0 and self.anchor:
+            return self.outer_step
+        flat = self.flat_grads(self.pseudo_gradient())
+        self.seq += self.window_steps  # numbered by the inner steps at the window's end: sent twice, applied once
+        window = {"steps": self.window_steps, "seconds": float(self.window_seconds), "base": self.base_steps}
+        self._land(self._call(flat, 0, self.window_samples, window, buffers=self.owed_buffers()))
+        self.syncs += 1
+        self.window_steps = self.window_samples = 0
+        self.window_seconds = 0.0
+        self._since = None
+        return self.outer_step
+
+    def _call(self, flat: list[list[torch.Tensor]] | None, samples: int | None, done: int | None,
+              window: dict | None, buffers: torch.Tensor | None = None) -> list:
+        """One ``exchange`` per server process (the pseudo-gradient's piece for each, the buffers
+        to server 0); their replies, server 0's first."""
+        number = self.seq if flat is not None else None
+        servers = len(self.channel.servers)
+        norm = None if flat is None or servers == 1 else self.norm_of(flat)
+        args = []
+        for i in range(servers):
+            args.append((None if flat is None else flat[i], samples, norm, None, buffers if i == 0 else None,
+                         done if i == 0 else None, number, None, None, window))
+        if servers == 1:
+            return [self.channel.call("exchange", *args[0])]
+        return self.channel.call_each("exchange", args)
+
+    def _land(self, replies: list) -> None:
+        """The new global weights into the replica and the anchor; the next window's size."""
+        self.load([params for params, _ in replies])
+        _, told = replies[0]
+        self.outer_step = int(told["outer_step"])
+        steps = told.get("local_steps")
+        if steps is not None and steps != self.local_steps:
+            log.info("diloco: %d local steps per window (the server sized it by this trainer's speed)", steps)
+            self.local_steps = int(steps)
+        with torch.no_grad():
+            if not self.anchor:
+                self.anchor = [p.detach().clone() for p in self.params]
+            else:
+                for a, p in zip(self.anchor, self.params, strict=True):
+                    a.copy_(p)
+
+    def flush(self) -> None:
+        """Hand in the window's local steps so far (before evaluating or leaving): a sync."""
+        if self.window_steps and self.anchor:
+            self.sync()
+
+    def evaluate(self, x) -> torch.Tensor:
+        """The replica's outputs: after :meth:`flush`, the global weights of the last sync."""
+        self._loaded = True  # loading the server's newer weights would move the anchor's replica
+        return super().evaluate(x)
+
+    def push_pull(self, samples: int) -> None:
+        raise NotImplementedError("--step diloco: ps.sync() or ps.local_sgd(optimizer), not ps.step()")
+
+
+register("diloco", DiLoCoTrainer)

@@ -1,0 +1,135 @@
+"""The two halves of ``--step diloco`` in one process, without RPC: the trainer half's windows
+against the server half's outer optimizer, checked against a local loop and by hand."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from psserver.common.devices import resolve_devices
+from psserver.common.transport import WIRE_DTYPES
+from psserver.config import OptimizerConfig, ServerConfig, TrainerConfig
+from psserver.server.engine.engine import StepEngine
+from psserver.server.steps.diloco import DiLoCoServer
+from psserver.trainer.steps.diloco import DiLoCoTrainer
+from tests.end_to_end.joins import give_replica, join_request
+
+
+class Channel:
+    """The ``Channel`` a trainer half sees, calling the server half in-process."""
+
+    def __init__(self, half: DiLoCoServer, name: str, rank: int, config: TrainerConfig) -> None:
+        self.name, self.config, self.half = name, config, half
+        self.steps_before = 0
+        self.bucket_cap_mb = 25.0
+        self.servers = ["s"]
+        self.device = torch.device("cpu")
+        self.wire_dtype = WIRE_DTYPES["fp32"]
+        half.engine.trainer_joined(name)
+        self.info: dict[str, Any] = {"model": "mlp", **half.join_info(name, join_request(rank, name))}
+        give_replica(self, "mlp")
+
+    def call(self, op: str, *args: Any) -> Any:
+        assert op in self.half.ops
+        return getattr(self.half, op)(self.name, *args)
+
+
+def diloco_engine(outer: OptimizerConfig, k: int = 1, mode: str = "sync", dynamic: bool = False) -> StepEngine:
+    cfg = ServerConfig(model="mlp", devices=["cpu"], update="diloco", outer=mode, sync_trainers=k, optimizer=outer,
+                       dynamic_local_steps=dynamic)
+    return StepEngine(cfg, resolve_devices(cfg.devices))
+
+
+def batches(n: int, seed: int = 3, size: int = 8):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 1, 28, 28, generator=g), torch.randint(0, 10, (size,), generator=g)) for _ in range(n)]
+
+
+def server_weights(engine: StepEngine) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in engine.params])
+
+
+@pytest.mark.parametrize("h", [1, 5])
+def test_one_trainer_with_outer_sgd_lr1_equals_a_local_loop_of_its_inner_optimizer(h):
+    """θ - (anchor - local) = local: one trainer's DiLoCo under outer SGD (lr 1, no momentum)
+    is its inner loop, the inner AdamW's state carried across windows on the trainer."""
+    engine = diloco_engine(OptimizerConfig(name="sgd", lr=1.0))
+    try:
+        half = DiLoCoTrainer(Channel(DiLoCoServer(engine), "t", 0,
+                                     TrainerConfig(local_steps=h, inner_optimizer="adamw", inner_lr=1e-2)))
+        half.open()
+        local = copy.deepcopy(half.model)
+        inner = torch.optim.AdamW(local.parameters(), lr=1e-2, weight_decay=0.0)  # the flags: weight decay 0
+        data = batches(4 * h)
+        for x, y in data:
+            half.step(x, y)
+            inner.zero_grad()
+            half.loss_fn(local(x), y).backward()
+            inner.step()
+        assert engine.global_step == 4 and half.syncs == 4
+        want = torch.cat([p.detach().reshape(-1) for p in local.parameters()])
+        assert (server_weights(engine) - want).abs().max() <= 1e-6
+        assert (torch.cat([p.detach().reshape(-1) for p in half.params]) - want).abs().max() <= 1e-6
+    finally:
+        engine.close()
+
+
+def test_pseudo_gradient_is_anchor_minus_local_weights():
+    """Local weights 2 above the anchor give -2: a gradient's sign (the server steps against it)."""
+    engine = diloco_engine(OptimizerConfig(name="sgd", lr=1.0))
+    try:
+        half = DiLoCoTrainer(Channel(DiLoCoServer(engine), "t", 0, TrainerConfig(local_steps=1)))
+        half.open()
+        with torch.no_grad():  # values whose difference is exact in fp32
+            for p, a in zip(half.params, half.anchor, strict=True):
+                a.fill_(0.25)
+                p.fill_(2.25)
+        assert all(torch.equal(d, torch.full_like(d, -2.0)) for d in half.pseudo_gradient())
+    finally:
+        engine.close()
+
+
+def test_outer_nesterov_on_three_trainers_averaged_pseudo_gradients_is_the_hand_computation():
+    """Two rounds of K = 3: ḡ the mean of the three Δ = anchor - local; b₁ = ḡ₁, θ₁ = θ₀ - η(ḡ₁ + μb₁);
+    b₂ = μb₁ + ḡ₂, θ₂ = θ₁ - η(ḡ₂ + μb₂)."""
+    lr, mu = 0.7, 0.9
+    engine = diloco_engine(OptimizerConfig(name="sgd", lr=lr, momentum=mu, args={"nesterov": True}), k=3)
+    try:
+        server = DiLoCoServer(engine)
+        halves = [DiLoCoTrainer(Channel(server, f"t{i}", i, TrainerConfig(local_steps=2, inner_optimizer="sgd",
+                                                                           inner_lr=0.05))) for i in range(3)]
+        for half in halves:
+            half.open()
+        theta = server_weights(engine).clone()
+        b = None
+        for rnd in range(2):
+            deltas = []
+            for i, half in enumerate(halves):
+                for x, y in batches(2, seed=10 * rnd + i):
+                    if half.inner is None:
+                        half.inner = torch.optim.SGD(half.params, lr=0.05)
+                    half.inner.zero_grad()
+                    half.loss_fn(half.model(x), y).backward()
+                    half.inner.step()
+                    half.inner_step_done(len(x), 0.01)
+                deltas.append(torch.cat([d.reshape(-1) for d in half.pseudo_gradient()]))
+            threads = [threading.Thread(target=half.sync) for half in halves]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=30)
+            g = torch.stack(deltas).mean(0)
+            b = g.clone() if b is None else mu * b + g
+            theta = theta - lr * (g + mu * b)
+            assert engine.global_step == rnd + 1
+            assert (server_weights(engine) - theta).abs().max() <= 1e-6
+            for half in halves:  # the reply is every replica's weights and anchor
+                got = torch.cat([p.detach().reshape(-1) for p in half.params])
+                assert torch.equal(got, server_weights(engine))
+                assert torch.equal(torch.cat([a.reshape(-1) for a in half.anchor]), got)
+    finally:
+        engine.close()
