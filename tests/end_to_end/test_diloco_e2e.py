@@ -1,0 +1,40 @@
+"""DiLoCo through the real CLI and RPC: ``serve --update diloco`` and two ``train --local-steps``
+trainers; every window is one outer step's share (sync: K = 2 a round; async: one each), counted
+exactly, and ``psserver status`` names the mode and its outer optimizer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.procs import cli, free_port
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+STEPS, H = 20, 5  # four windows a trainer, inside the first epoch of its synthetic shard
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("outer", "outer_steps", "optimizer"), [
+    ("sync", STEPS // H, "sgd(lr=0.7, momentum=0.9, weight_decay=0, nesterov=True)"),
+    ("async", 2 * STEPS // H, "delayed_nesterov(lr=0.7, momentum=0.9, weight_decay=0, period=2)"),
+])
+def test_every_window_is_counted_once_and_status_shows_the_mode(procs, port, outer, outer_steps, optimizer):
+    ctl = free_port()
+    server = procs.server(port, "--model", "mlp", "--update", "diloco", "--outer", outer, "--sync-trainers", "2",
+                          control_port=ctl)
+    trainers = [procs.trainer(port, r, "--num-trainers", "2", "--max-steps", str(STEPS), "--local-steps", str(H),
+                              "--inner-optimizer", "adamw", "--inner-lr", "1e-3") for r in (0, 1)]
+    for t in trainers:
+        assert t.wait(120) == 0, t.tail()
+        assert "--compute trainer --step diloco" in t.output(), t.tail()
+    done = cli(["--log-level", "ERROR", "status", "--address", f"127.0.0.1:{ctl}", "--json"])
+    assert done.returncode == 0, done.stderr
+    status = json.loads(done.stdout)["status"]
+    assert status["update_mode"] == "diloco" and status["global_step"] == outer_steps
+    assert status["samples_seen"] == 2 * STEPS * 64  # every window's samples (batches of 64), once
+    text = cli(["status", "--address", f"127.0.0.1:{ctl}"]).stdout
+    assert f"diloco (outer {outer}" in text and optimizer in text, text
+    assert procs.stop(server) == 0
+    assert f"psserver stopped at global step {outer_steps}" in server.output(), server.tail()
