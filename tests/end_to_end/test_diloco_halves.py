@@ -133,3 +133,41 @@ def test_outer_nesterov_on_three_trainers_averaged_pseudo_gradients_is_the_hand_
                 assert torch.equal(torch.cat([a.reshape(-1) for a in half.anchor]), got)
     finally:
         engine.close()
+
+
+def test_a_window_sent_again_under_its_number_is_applied_once():
+    """The server process restarted, and the trainer sends again the window whose reply it never
+    got: its number (the inner steps at the window's end) says it was applied."""
+    engine = diloco_engine(OptimizerConfig(name="sgd", lr=1.0))
+    try:
+        server = DiLoCoServer(engine)
+        half = DiLoCoTrainer(Channel(server, "t", 0, TrainerConfig(local_steps=3)))
+        for x, y in batches(3):
+            half.step(x, y)
+        assert engine.global_step == 1 and half.seq == 3
+        before = server_weights(engine).clone()
+        delta = [[torch.ones(s.num_params) for s in engine.shards]]
+        window = {"steps": 3, "seconds": 0.1, "base": 3}
+        server.exchange("t", delta[0], 0, None, None, None, 24, 3, None, None, window)
+        assert engine.global_step == 1 and torch.equal(server_weights(engine), before)
+    finally:
+        engine.close()
+
+
+def test_dynamic_local_steps_size_a_slow_trainers_window_by_its_speed():
+    engine = diloco_engine(OptimizerConfig(name="sgd", lr=0.5), k=2, mode="async", dynamic=True)
+    try:
+        server = DiLoCoServer(engine)
+        fast, slow = (DiLoCoTrainer(Channel(server, n, r, TrainerConfig(local_steps=8))) for r, n in enumerate("fs"))
+        for half, seconds in ((fast, 0.01), (slow, 0.04)):  # slow: a quarter of fast's inner step rate
+            half.open()
+            for _ in range(8):
+                half.inner_step_done(8, seconds)
+            half.sync()
+        assert engine.global_step == 2
+        assert slow.local_steps == 2 and slow.base_steps == 8
+        fast.inner_step_done(8, 0.01)
+        fast.sync()
+        assert fast.local_steps == 8
+    finally:
+        engine.close()
