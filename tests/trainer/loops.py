@@ -106,6 +106,24 @@ def through_wrapper(ps, out: str, accumulate: int = 1) -> None:
     _save(model, out, steps=ps.steps, lr=opt.param_groups[0]["lr"], samples=ps.samples)
 
 
+def through_local_sgd(ps, out: str, every: int = 5, explicit: bool = False) -> None:
+    """DiLoCo against a server of ``--update diloco``: the loop's own Adam at ``LR`` is the inner
+    optimizer, and every ``every`` of its steps sync, through ``ps.local_sgd`` or, ``explicit``,
+    the loop's own ``ps.sync()``."""
+    model = ps.replica(tiny_net())
+    inner = optim.Adam(model.parameters(), lr=LR)
+    if not explicit:
+        ps.local_sgd(inner, every=every)
+    outer = []
+    for i, (x, y) in enumerate(batches(), start=1):
+        inner.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        inner.step()
+        if explicit and i % every == 0:
+            outer.append(ps.sync())
+    _save(model, out, steps=ps.steps, global_step=ps.global_step, samples=ps.samples, outer=outer)
+
+
 def through_rrefs(ps, out: str) -> None:
     """PyTorch's RPC tutorial loop: RRefs to the server's parameters, ``dist_autograd`` and
     torch's own ``DistributedOptimizer``."""
