@@ -183,7 +183,8 @@ class ServerConfig:
     outer: str = option(
         "sync", choices=OUTER_MODES, group=DILOCO_GROUP,
         help="--update diloco: sync: one outer step per round of --sync-trainers K pseudo-gradients, averaged; async: "
-             "each applied as it arrives (default {default})")
+             "each applied as it arrives. Without --optimizer the outer optimizer is sgd, lr 0.7, momentum 0.9, "
+             "Nesterov (async: delayed_nesterov, its momentum once per K arrivals) (default {default})")
     """How ``--update diloco`` applies pseudo-gradients: ``sync`` (rounds of K, averaged, as
     ``--update sync``) or ``async`` (each on arrival, as ``--update async``)."""
     dynamic_local_steps: bool = option(

@@ -1,6 +1,7 @@
 """DiLoCo through the real CLI and RPC: ``serve --update diloco`` and two ``train --local-steps``
 trainers; every window is one outer step's share (sync: K = 2 a round; async: one each), counted
-exactly, and ``psserver status`` names the mode and its outer optimizer."""
+exactly, and ``psserver status`` names the mode and its outer optimizer; a trainer of another
+step protocol is refused in one line."""
 
 from __future__ import annotations
 
@@ -26,9 +27,13 @@ def test_every_window_is_counted_once_and_status_shows_the_mode(procs, port, out
                           control_port=ctl)
     trainers = [procs.trainer(port, r, "--num-trainers", "2", "--max-steps", str(STEPS), "--local-steps", str(H),
                               "--inner-optimizer", "adamw", "--inner-lr", "1e-3") for r in (0, 1)]
+    # Beside them, a trainer of another protocol is refused at its join, in one line.
+    refused = procs.trainer(port, 2, "--num-trainers", "3", "--step", "pushpull", "--max-steps", "1")
     for t in trainers:
         assert t.wait(120) == 0, t.tail()
         assert "--compute trainer --step diloco" in t.output(), t.tail()
+    assert refused.wait(60) == 2, refused.tail()
+    assert "error: this server runs --update diloco" in refused.output() and "Traceback" not in refused.output()
     done = cli(["--log-level", "ERROR", "status", "--address", f"127.0.0.1:{ctl}", "--json"])
     assert done.returncode == 0, done.stderr
     status = json.loads(done.stdout)["status"]
