@@ -177,11 +177,14 @@ def cli(args: Sequence[str]) -> subprocess.CompletedProcess:
     captured as text (argparse's exit as its code), the launcher and token variables of
     ``NOT_INHERITED`` hidden as from a child, and the environment and torch's thread count
     (``--compute-threads``, set before a refusal) as they were afterwards. Only for verbs that
-    return by themselves: nothing here bounds its time but the test's."""
+    return by themselves: nothing here bounds its time but the test's. A call that gets as far as
+    ``init_rpc`` fails the test: RPC is initialised once per process, so a second such call in
+    the same xdist worker would fail for a reason of its own (run those with :func:`run`)."""
     import torch
 
     from psserver.cli import main
 
+    rpc_before = _rpc_initialised()
     out, err = io.StringIO(), io.StringIO()
     saved, threads = dict(os.environ), torch.get_num_threads()
     for k in NOT_INHERITED:
@@ -196,7 +199,20 @@ def cli(args: Sequence[str]) -> subprocess.CompletedProcess:
         os.environ.clear()
         os.environ.update(saved)
         torch.set_num_threads(threads)
+    if not rpc_before and _rpc_initialised():
+        raise AssertionError(f"psserver {' '.join(args)} initialised RPC in the test process: run it with procs.run")
     return subprocess.CompletedProcess(["psserver", *args], code, out.getvalue(), err.getvalue())
+
+
+def _rpc_initialised() -> bool:
+    """Whether ``dist_autograd`` was initialised in this process (``init_rpc`` does it first)."""
+    import torch.distributed.autograd as dist_autograd
+
+    try:
+        dist_autograd._get_debug_info()
+    except RuntimeError:
+        return False
+    return True
 
 
 class Proc:

@@ -76,12 +76,13 @@ def test_taken_rank_and_bad_inputs_leave_a_running_server_alone(procs, port, mni
     server = procs.server(port, "--model", "mnist_cnn")
     first = procs.trainer(port, 0, "--num-trainers", "2", "--epochs", "1", *MNIST_ARGS)
     first.wait_for("joined psserver", timeout=60)
-    # Refused at their join, before init_rpc: in this process.
+    # Refused at admission, before init_rpc: in this process.
     r = cli(["train", "--server", f"127.0.0.1:{port}", "--rank", "0", "--num-trainers", "2", "--no-progress"])
     assert_usage_error(r, "rank 0 is already taken by live trainer trainer_0_1")
-    # A trainer asking for another optimizer than the server's is refused the same way.
-    r = cli(["train", "--server", f"127.0.0.1:{port}", "--rank", "1", "--num-trainers", "2", "--optimizer", "sgd",
-             "--no-progress"])
+    # A trainer asking for another optimizer than the server's is refused the same way, at the join
+    # (after init_rpc, which a process does once: a child).
+    r = run_cli("train", "--server", f"127.0.0.1:{port}", "--rank", "1", "--num-trainers", "2", "--optimizer", "sgd",
+                "--no-progress")
     assert_usage_error(r, "this server trains with adam")
     # Wrong model/data combination (mnist_cnn takes 1x28x28, synthetic is generated to fit,
     # so use a dataset-shape mismatch through resnet18 elsewhere); the server keeps going:

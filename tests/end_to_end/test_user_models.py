@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from psserver.checkpoint import list_checkpoints, read_checkpoint
-from tests.procs import MNIST_ARGS, accuracy, cli
+from tests.procs import MNIST_ARGS, accuracy, cli, run
 from tests.userproject import BN_CNN, pythonpath, write_package
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -59,7 +59,9 @@ def test_a_server_without_the_users_code_trains_it_checks_it_and_resumes_it(proc
     assert "model usernets.cnn:BNNet" in second.output() or "usernets.cnn:BNNet" in second.output()
 
     # One layer wider: refused in one line naming it.
-    wider = refused(port, 0, user_path, "--model", "usernets.cnn:BNNet", "--model-args", '{"width": 48}', *train)
+    # (a child: the join reaches init_rpc, which a process does once)
+    wider = run(["train", "--server", f"127.0.0.1:{port}", "--rank", "0", "--no-progress", "--model",
+                 "usernets.cnn:BNNet", "--model-args", '{"width": 48}', *train], timeout=120, env=user_path)
     assert wider.returncode == 2, wider.stderr
     err = [line for line in wider.stderr.splitlines() if "error:" in line]
     assert len(err) == 1 and "conv1.weight is [48, 1, 3, 3] float32, the server's [32, 1, 3, 3] float32" in err[0], \
