@@ -47,7 +47,7 @@ opens a new one)."""
 def shard_count(config: TrainerConfig, info: dict) -> int:
     if config.num_trainers is not None:
         return config.num_trainers
-    if info["update"] == "sync":
+    if info["update"] == "sync" or (info["update"] == "diloco" and info.get("outer") == "sync"):  # rounds of K
         n = int(info["sync_trainers"])
         if config.rank < n:
             return n

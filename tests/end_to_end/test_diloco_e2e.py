@@ -6,10 +6,11 @@ step protocol is refused in one line."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
-from tests.procs import cli, free_port, metric, start_servers
+from tests.procs import cli, die_after_update, free_port, metric, start_servers
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -58,3 +59,22 @@ def test_two_server_processes_each_take_their_partition_of_every_window(procs, p
     assert metric(trainers[0], "accuracy") == metric(trainers[1], "accuracy")
     assert procs.stop(servers[0]) == 0
     assert f"psserver stopped at global step {STEPS // H}" in servers[0].output(), servers[0].tail()
+
+
+@pytest.mark.timeout(240)
+def test_a_server_killed_after_an_outer_step_loses_none_and_applies_none_twice(procs, port, state_dir, tmp_path):
+    """The server process SIGKILLs itself right after its 3rd outer step, before the reply: it
+    comes back from its state in memory at outer step 3; the trainer whose sync lost its reply
+    rejoins (--reconnect) from the current global weights and makes its 15th inner step again.
+    Its 30 inner steps: 3 windows before the death (steps 1-15), then 3 of 5 and a last one of 1
+    (steps 15-30, handed in before it evaluates): 7 outer steps, none applied twice."""
+    sup = procs.server(port, "--model", "mlp", "--update", "diloco", "--outer", "async", "--sync-trainers", "1",
+                       "--supervise", "--state-dir", str(state_dir), env=die_after_update(3, tmp_path / "died"))
+    t = procs.trainer(port, 0, "--num-trainers", "1", "--max-steps", str(30), "--local-steps", str(H), "--reconnect")
+    assert t.wait(180) == 0, t.tail()
+    assert (tmp_path / "died").exists()
+    assert re.search(r"found the state of run \S+ in memory: \S+, generation \d+, global step 3,", sup.output()), \
+        sup.tail()
+    assert "reconnected as" in t.output() and "Traceback" not in t.output(), t.tail()
+    assert procs.stop(sup) == 0, sup.tail()
+    assert "psserver stopped at global step 7" in sup.output(), sup.tail()
