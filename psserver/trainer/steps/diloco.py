@@ -79,7 +79,8 @@ class DiLoCoTrainer(PushPullTrainer):
         return float(loss.detach())
 
     def inner_step_done(self, samples: int, seconds: float | None = None) -> None:
-        """Count an inner step of ``samples`` that took ``seconds`` (None: since the last one ended)."""
+        """Count an inner step of ``samples`` that took ``seconds`` (None: since the last one
+        ended, or since the window began)."""
         now = time.monotonic()
         if seconds is None:
             seconds = 0.0 if self._since is None else now - self._since
@@ -102,7 +103,10 @@ class DiLoCoTrainer(PushPullTrainer):
     def sync(self) -> int:
         """Hand in the window's pseudo-gradient (none: nothing to hand in) and take the new
         global weights as the replica's and the anchor; the server's outer steps after it."""
-        if self.window_steps == 0 and self.anchor:
+        if not self.anchor:  # nothing received yet: the first window starts now
+            self.open()
+            return self.outer_step
+        if self.window_steps == 0:
             return self.outer_step
         flat = self.flat_grads(self.pseudo_gradient())
         self.seq += self.window_steps  # numbered by the inner steps at the window's end: sent twice, applied once
@@ -111,7 +115,6 @@ class DiLoCoTrainer(PushPullTrainer):
         self.syncs += 1
         self.window_steps = self.window_samples = 0
         self.window_seconds = 0.0
-        self._since = None
         return self.outer_step
 
     def _call(self, flat: list[list[torch.Tensor]] | None, samples: int | None, done: int | None,
@@ -144,6 +147,7 @@ class DiLoCoTrainer(PushPullTrainer):
             else:
                 for a, p in zip(self.anchor, self.params, strict=True):
                     a.copy_(p)
+        self._since = time.monotonic()  # the next window's first inner step is timed from here
 
     def flush(self) -> None:
         """Hand in the window's local steps so far (before evaluating or leaving): a sync."""
@@ -151,8 +155,10 @@ class DiLoCoTrainer(PushPullTrainer):
             self.sync()
 
     def evaluate(self, x) -> torch.Tensor:
-        """The replica's outputs: after :meth:`flush`, the global weights of the last sync."""
-        self._loaded = True  # loading the server's newer weights would move the anchor's replica
+        """The replica's outputs: after :meth:`flush`, the global weights of the last sync (a
+        trainer that never synced: the server's current ones)."""
+        if self.anchor:
+            self._loaded = True  # loading the server's newer weights would move the anchor's replica
         return super().evaluate(x)
 
     def push_pull(self, samples: int) -> None:
