@@ -104,17 +104,16 @@ def test_outer_nesterov_on_three_trainers_averaged_pseudo_gradients_is_the_hand_
                                                                            inner_lr=0.05))) for i in range(3)]
         for half in halves:
             half.open()
+        inner = [torch.optim.SGD(half.params, lr=0.05) for half in halves]
         theta = server_weights(engine).clone()
         b = None
         for rnd in range(2):
             deltas = []
             for i, half in enumerate(halves):
-                for x, y in batches(2, seed=10 * rnd + i):
-                    if half.inner is None:
-                        half.inner = torch.optim.SGD(half.params, lr=0.05)
-                    half.inner.zero_grad()
+                for x, y in batches(2, seed=10 * rnd + i):  # the library's way: the loop's own optimizer
+                    inner[i].zero_grad()
                     half.loss_fn(half.model(x), y).backward()
-                    half.inner.step()
+                    inner[i].step()
                     half.inner_step_done(len(x), 0.01)
                 deltas.append(torch.cat([d.reshape(-1) for d in half.pseudo_gradient()]))
             threads = [threading.Thread(target=half.sync) for half in halves]
