@@ -12,7 +12,6 @@ weights and the outer optimizer's state live on the server. ``psserver train`` s
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 import torch
@@ -36,11 +35,9 @@ class DiLoCoTrainer(PushPullTrainer):
         """This window's H (with ``--dynamic-local-steps``, as the server's last reply sized it)."""
         self.inner_config = config.inner_optimizer_config
         self.inner: torch.optim.Optimizer | None = None
-        """``psserver train``'s inner optimizer (a library user brings their own)."""
-        # Made beside the join's remaining work and the data's loading: torch's first optimizer
-        # imports its compiler (4.1 s of a 7.5 s run of 128 mlp steps here, in the first window).
-        self._making = threading.Thread(target=self._make_inner, name="psserver-inner-optimizer", daemon=True)
-        self._making.start()
+        """``psserver train``'s inner optimizer, made at its first step (a library user brings
+        their own). torch's first optimizer imports its compiler (4.1 s of a 7.5 s run of 128
+        mlp steps here): that is before the window's clock starts, never in its speed."""
         self.anchor: list[torch.Tensor] = []
         """The global weights the replica last received, one tensor per parameter."""
         self.window_steps = 0
@@ -70,9 +67,7 @@ class DiLoCoTrainer(PushPullTrainer):
         if not self.anchor:
             self.open()
         if self.inner is None:
-            self._making.join()
-            if self.inner is None:  # its thread failed: the error, here
-                self._make_inner()
+            self.inner = make_optimizer(self.params, self.inner_config)
             log.info("diloco: inner %s, %d local steps per window (outer: the server's optimizer, %s)",
                      self.inner_config.describe(), self.local_steps, self.channel.info.get("outer"))
         started = time.monotonic()
@@ -84,9 +79,6 @@ class DiLoCoTrainer(PushPullTrainer):
         if self.window_steps >= self.local_steps:
             self.sync()
         return float(loss.detach())
-
-    def _make_inner(self) -> None:
-        self.inner = make_optimizer(self.params, self.inner_config)
 
     def inner_step_done(self, samples: int, seconds: float | None = None) -> None:
         """Count an inner step of ``samples`` that took ``seconds`` (None: since the last one
