@@ -274,6 +274,13 @@ def _leg_line(leg: dict) -> str:
     return f"{leg['samples_per_s']:6.0f} samples/s, step {leg['step_ms']:.1f} ms{extra}"
 
 
+def round_order(setups: list[Setup], r: int) -> list[Setup]:
+    """Round ``r``'s order: the list rotated by ``r``, so that every setup leads one round and
+    none always runs on the machine the one before it warmed."""
+    k = r % len(setups)
+    return setups[k:] + setups[:k]
+
+
 def measure_rounds(setups: list[Setup], *, rounds: int, use_netns: str = "auto", throttle_method: str = "auto",
                    **kwargs) -> dict:
     """Every setup once per round, in an order that rotates by one each round. ``kwargs``: those
@@ -288,7 +295,7 @@ def measure_rounds(setups: list[Setup], *, rounds: int, use_netns: str = "auto",
         rr = Rounds(work=Path(tmp), use_netns=use_netns, throttle_method=throttle_method, **kwargs)
         try:
             for r in range(rounds):
-                order = setups[r % len(setups):] + setups[:r % len(setups)]
+                order = round_order(setups, r)
                 orders.append([s.name for s in order])
                 for s in order:
                     leg = rr.run_leg(s, f"{s.name}-{r}")

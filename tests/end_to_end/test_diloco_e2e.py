@@ -28,7 +28,11 @@ def test_every_window_is_counted_once_and_status_shows_the_mode(procs, port, out
                           control_port=ctl)
     trainers = [procs.trainer(port, r, "--num-trainers", "2", "--max-steps", str(STEPS), "--local-steps", str(H),
                               "--inner-optimizer", "adamw", "--inner-lr", "1e-3") for r in (0, 1)]
-    # Beside them, a trainer of another protocol is refused at its join, in one line.
+    # Beside them, a trainer of another protocol is refused at its join, in one line. (Once they
+    # have joined: a refused trainer leaves the RPC group, and a member leaving while another's
+    # init_rpc calls every member fails that join with EOF, a race of torch's dynamic groups.)
+    for t in trainers:
+        t.wait_for("joined psserver", timeout=90)
     refused = procs.trainer(port, 2, "--num-trainers", "3", "--step", "pushpull", "--max-steps", "1")
     for t in trainers:
         assert t.wait(120) == 0, t.tail()

@@ -13,13 +13,6 @@ from tests.procs import MNIST_ARGS, accuracy, cli
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
-# Two epochs for BAR: after two, two trainers scored 0.974-0.9815 (plain sync, five runs),
-# 0.977-0.9845 (pushpull async, five, with one and two stages), 0.9785-0.981 (chained async, five),
-# 0.9795-0.9805 (chained sync, two). Three for TRAINER_COMPUTE_BAR's 0.97, which that leaves too
-# close.
-BAR, BAR_EPOCHS = 0.96, 2
-
-
 def _train_two(procs, port, *extra, epochs: int = 3):
     trainers = [procs.trainer(port, r, "--num-trainers", "2", "--epochs", str(epochs), *MNIST_ARGS, *extra)
                 for r in (0, 1)]
@@ -99,30 +92,30 @@ def test_adam_has_one_optimizer_state_per_shard(procs, port, mnist_dir, tmp_path
     assert torch.equal(exported["7.weight"], stage1[next(k for k in stage1 if k.endswith("weight"))])
 
 
-@pytest.mark.timeout(420)
-def test_two_stages_train_to_the_same_bar(procs, port, mnist_dir):
-    """Two server shards with the default, trainer compute: one flat buffer per shard each way."""
+@pytest.mark.timeout(300)
+def test_two_stages_count_every_step(procs, port):
+    """Two server shards with the default, trainer compute: one flat buffer per shard each way,
+    every step applied once on both (the bar of this protocol is one shard's, held by the ssp
+    and sync tests: the arithmetic per shard is the same)."""
     server = procs.server(port, "--model", "mnist_cnn", "--devices", "cpu,cpu")  # stages need the model's code
     assert "in 2 stage(s) on cpu, cpu" in server.output()
-    for t in _train_two(procs, port, epochs=BAR_EPOCHS):
+    for t in _step_two(procs, port):
         assert "--compute trainer --step pushpull" in t.output(), t.tail()
-        assert accuracy(t) >= BAR, t.tail()
     assert procs.stop(server) == 0
-    assert "global step 252" in server.output()  # 2 trainers x 2 epochs x 63 steps
+    assert f"global step {2 * SMALL_STEPS}" in server.output(), server.tail()  # async: one per trainer step
 
 
-@pytest.mark.timeout(420)
-def test_chained_steps_reach_the_same_bar(procs, port, mnist_dir):
+@pytest.mark.timeout(300)
+def test_chained_async_counts_every_step(procs, port):
     """Server compute's default, ``--step chained``, in async: the server pins ``--compute
-    server`` and the trainers pass nothing; the same bar, and the final flush lands every
-    update. (Chained sync trainers reach the bar in tests/end_to_end/test_failures.py's kill-sync-chained
-    case, and count their rounds below.)"""
+    server`` and the trainers pass nothing; the final flush lands every update. (Chained trainers
+    reach the bar in tests/end_to_end/test_failures.py's kill-sync-chained case, and chained
+    sync counts its rounds below.)"""
     server = procs.server(port, "--model", "mnist_cnn", "--update", "async", "--compute", "server")
-    for t in _train_two(procs, port, epochs=BAR_EPOCHS):
+    for t in _step_two(procs, port):
         assert "--compute server --step chained" in t.output(), t.tail()
-        assert accuracy(t) >= BAR, t.tail()
     assert procs.stop(server) == 0
-    assert "global step 252" in server.output()  # 2 trainers x 2 epochs x 63 steps
+    assert f"global step {2 * SMALL_STEPS}" in server.output(), server.tail()
 
 
 @pytest.mark.timeout(300)

@@ -15,8 +15,6 @@ from tests.userproject import PNG_DATASET, pythonpath, write_package
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
-BAR = 0.97
-
 EXTRA = '''
     import torch
     from torch.utils.data import IterableDataset
@@ -52,10 +50,12 @@ def user_data(project, *extra: str) -> list[str]:
 @pytest.mark.timeout(300)
 def test_imagefolder_trains_without_user_code(procs, port, project):
     procs.server(port, "--model", "mnist_cnn")
-    trainer = procs.trainer(port, 0, "--num-trainers", "1", "--epochs", "2", "--dataset", "imagefolder",
+    # 60 steps: the point is the folder read whole and learnt from, not a bar (a model fed
+    # labels that do not match its images stays near 0.1).
+    trainer = procs.trainer(port, 0, "--num-trainers", "1", "--max-steps", "60", "--dataset", "imagefolder",
                             "--data-dir", str(project / "images"))
     assert trainer.wait(240) == 0, trainer.tail()
-    assert accuracy(trainer) >= BAR, trainer.tail()
+    assert accuracy(trainer) >= 0.8, trainer.tail()
     assert "10 classes, 8000 training and 2000 held-out grayscale images" in trainer.output()
 
 

@@ -117,7 +117,7 @@ def test_a_users_transformer_learns_a_text_file_with_its_own_loss(procs, port, t
     t = procs.trainer(port, 0, "--num-trainers", "1", "--model", "charlm.model:TinyGPT", "--model-args", model_args,
                       "--dataset", "charlm.data:text_splits", "--dataset-args", json.dumps({"path": str(text)}),
                       "--loss", "charlm.model:sequence_loss", "--metric", "loss", "--batch-size", "32",
-                      "--epochs", "3", env={"PYTHONPATH": pythonpath(code)})
+                      "--epochs", "1", env={"PYTHONPATH": pythonpath(code)})
     assert t.wait(360) == 0, t.tail()
     after = metric(t, "loss")
     assert after <= 0.7 * before, (before, after)

@@ -14,8 +14,13 @@ LR, MU = 0.7, 0.9
 
 
 def arrivals(n: int, size: int = 6, seed: int = 0) -> list[torch.Tensor]:
+    """Float64, so that the comparisons measure the arithmetic, not fp32 rounding in another order."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(size, generator=g) for _ in range(n)]
+    return [torch.randn(size, generator=g, dtype=torch.float64) for _ in range(n)]
+
+
+def start_point(seed: int = 100) -> torch.Tensor:
+    return torch.randn(6, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
 def run(opt_cls, start: torch.Tensor, grads: list[torch.Tensor], **kw) -> tuple[torch.Tensor, torch.optim.Optimizer]:
@@ -30,7 +35,7 @@ def run(opt_cls, start: torch.Tensor, grads: list[torch.Tensor], **kw) -> tuple[
 
 
 def test_period_one_is_torch_nesterov_sgd():
-    grads, start = arrivals(7), torch.randn(6)
+    grads, start = arrivals(7), start_point()
     ours, _ = run(DelayedNesterov, start, grads, lr=LR, momentum=MU, period=1)
     torch_, _ = run(torch.optim.SGD, start, grads, lr=LR, momentum=MU, nesterov=True)
     assert (ours - torch_).abs().max() <= 1e-6
@@ -38,7 +43,7 @@ def test_period_one_is_torch_nesterov_sgd():
 
 def test_a_window_is_one_nesterov_step_on_its_mean_and_between_milestones_plain_sgd_over_n():
     n, windows = 3, 3
-    grads, start = arrivals(n * windows, seed=1), torch.randn(6)
+    grads, start = arrivals(n * windows, seed=1), start_point()
     ours, _ = run(DelayedNesterov, start, grads, lr=LR, momentum=MU, period=n)
     means = [torch.stack(grads[w * n:(w + 1) * n]).mean(0) for w in range(windows)]
     at_milestones, _ = run(torch.optim.SGD, start, means, lr=LR, momentum=MU, nesterov=True)
@@ -52,7 +57,7 @@ def test_a_window_is_one_nesterov_step_on_its_mean_and_between_milestones_plain_
 
 def test_its_state_is_tensors_and_survives_a_state_dict_round_trip():
     n = 3
-    grads, start = arrivals(8, seed=2), torch.randn(6)
+    grads, start = arrivals(8, seed=2), start_point()
     whole, _ = run(DelayedNesterov, start, grads, lr=LR, momentum=MU, period=n)
     first, opt = run(DelayedNesterov, start, grads[:4], lr=LR, momentum=MU, period=n)
     state = opt.state_dict()

@@ -59,24 +59,25 @@ def _last_step(server_output: str) -> int:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("step", "when"), [  # each protocol once, each trigger twice
-    ("plain", ["--checkpoint-every", "5"]), ("chained", ["--checkpoint-interval", "1"]),
-    ("pull", ["--checkpoint-every", "5"]), ("pushpull", ["--checkpoint-interval", "1"]),
+@pytest.mark.parametrize(("step", "when", "steps"), [  # each protocol once, each trigger twice
+    ("plain", ["--checkpoint-every", "5"], 20), ("chained", ["--checkpoint-interval", "1"], 20),
+    ("pull", ["--checkpoint-every", "5"], 20), ("pushpull", ["--checkpoint-interval", "1"], 40),
 ], ids=["plain-every-5", "chained-interval-1", "pull-every-5", "pushpull-interval-1"])
-def test_sync_mode_checkpoints_while_training_and_resumes(procs, port, tmp_path, step, when):
+def test_sync_mode_checkpoints_while_training_and_resumes(procs, port, tmp_path, step, when, steps):
     """``--update sync`` with periodic checkpoints used to hang at the first one (plain): the
-    step that completed a round checkpointed while holding the round's lock."""
+    step that completed a round checkpointed while holding the round's lock. (``steps``: enough
+    for a 1 s interval to pass while training: chained's server-side steps are the slow ones.)"""
     args = ["--model", "mnist_cnn", "--update", "sync", "--sync-trainers", "2", "--checkpoint-dir", str(tmp_path)]
     server = procs.server(port, *args, *when)
-    trainers = [procs.trainer(port, r, "--num-trainers", "2", "--epochs", "2", "--max-steps", "40", "--step", step,
-                              "--rpc-timeout", "30") for r in (0, 1)]
+    trainers = [procs.trainer(port, r, "--num-trainers", "2", "--epochs", "2", "--max-steps", str(steps), "--step",
+                              step, "--rpc-timeout", "30") for r in (0, 1)]
     for t in trainers:
         assert t.wait(180) == 0, t.tail()
     written_while_training = len(re.findall(r"checkpoint step \d+ written", server.output()))
     assert written_while_training >= (2 if when[0] == "--checkpoint-every" else 1), server.tail()
     assert procs.stop(server) == 0, server.tail()
     last = read_checkpoint(list_checkpoints(tmp_path)[0])
-    assert last["global_step"] == _last_step(server.output()) >= 40
+    assert last["global_step"] == _last_step(server.output()) >= steps
     assert "Traceback" not in server.output()
     again = procs.server(port, *args, "--resume")
     again.wait_for(rf"resumed from \S+ckpt-{last['global_step']:012d}\.pt: global step {last['global_step']}", 30)

@@ -16,7 +16,7 @@ from psserver.checkpoint import checkpoint_path, list_checkpoints, read_checkpoi
 from psserver.common.partition import PartitionPlan
 from psserver.control.client import ControlClient
 from psserver.control.v1.control_pb2 import ServerState
-from tests.procs import MNIST_ARGS, accuracy, cli, free_port, run, slow_steps, start_servers, wait_until
+from tests.procs import cli, free_port, run, slow_steps, start_servers, wait_until
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -88,17 +88,16 @@ def test_sync_rounds_are_the_same_on_every_server(procs, port, tmp_path):
     assert 40 <= states[0]["global_step"] <= 80
 
 
-@pytest.mark.timeout(420)
-def test_two_servers_two_trainers_train_mnist_cnn_and_show_in_status(procs, port, mnist_dir, tmp_path):
-    """2 server processes + 2 trainers, ``mnist_cnn`` on the MNIST split, 3 epochs: accuracy
-    >= 0.97 on both; status lists both servers, each holding about half the bytes."""
+@pytest.mark.timeout(300)
+def test_two_servers_two_trainers_show_in_status_and_apply_every_step(procs, port):
+    """2 server processes + 2 trainers, ``mnist_cnn`` (on the synthetic data made to its input):
+    status lists both servers, each holding about half the bytes, and each applied one update per
+    trainer step. (That two servers train as one does: test_two_servers_give_the_weights_of_one_in_sync.)"""
     servers = start_servers(procs, port, 2, "--model", "mnist_cnn", control=True)
     address = "{}:{}".format(*servers[0].wait_for(LISTENING.pattern, timeout=30).groups())
-    trainers = [procs.trainer(port, r, "--num-trainers", "2", "--epochs", "3", "--lr", "0.001", *MNIST_ARGS)
-                for r in range(2)]
+    trainers = [procs.trainer(port, r, "--num-trainers", "2", "--max-steps", "20") for r in range(2)]
     for t in trainers:
-        assert t.wait(360) == 0, t.tail()
-        assert accuracy(t) >= 0.97, t.tail()
+        assert t.wait(180) == 0, t.tail()
     client = ControlClient(address, timeout=10)
     try:
         status = client.get_status()
