@@ -4,6 +4,7 @@ importable by both sides (and by the step protocols) without importing the endpo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 ALLREDUCE_OPS = ("average", "sum", "min", "max")
 """How ``ps.allreduce`` combines the trainers' values (``psserver.server.averages``)."""
@@ -89,3 +90,17 @@ class ServerHello:
     memory_step: int | None = None
     """The global step of the state a dead process of it left in memory (None: none found):
     server 0 says whether it continues from there (``ServerGroup.register``)."""
+
+
+@dataclass(frozen=True)
+class QuantizedFlat:
+    """A flat fp32 buffer as ``bits``-bit codes with one fp32 scale per ``block`` elements
+    (``psserver.common.quantize``): a DiLoCo pseudo-gradient sent with ``--compress``."""
+
+    data: Any
+    """uint8 codes (int8 as bytes; 4 bits: two per byte, offset by 8)."""
+    scales: Any
+    """fp32, one per block: ``max|x| / q_max`` of the block."""
+    bits: int
+    numel: int
+    block: int

@@ -35,6 +35,8 @@ from psserver.utils.memory import ALLOCATORS
 PS_GROUP = "parameter server (--mode ps)"
 DEFAULT_LOCAL_STEPS = 100
 """DiLoCo's H when a trainer of a ``--update diloco`` server gives no ``--local-steps``."""
+COMPRESSIONS = ("none", "int8", "int4")
+"""What a DiLoCo trainer's pseudo-gradient may travel as (``--compress``)."""
 """The argument group of the flags only a ``--mode ps`` trainer takes."""
 MAX_TRAINERS = 1 << 16
 """The most data shards a job may name (``--num-trainers``): far past any job, and a sampler of
@@ -170,6 +172,12 @@ class TrainerConfig:
     inner_lr: float = option(1e-3, metavar="LR", group=PS_GROUP,
                              help="--step diloco: learning rate of the inner optimizer (default {default})")
     """Learning rate of the inner optimizer."""
+    compress: str = option(
+        "none", choices=list(COMPRESSIONS), group=PS_GROUP,
+        help="--step diloco: the pseudo-gradient on the wire: none (the --wire-dtype), int8 or int4 (blockwise, one "
+             "fp32 scale per 256 values, the rounding carried into the next sync; default {default})")
+    """How a DiLoCo pseudo-gradient travels (``COMPRESSIONS``): quantized with error feedback
+    (``psserver.common.quantize``), or as the wire dtype."""
     stats_out: Path | None = option(None, group=PS_GROUP, help="write per-step timings as JSON (for benchmarks)")
     """Write per-step timings (monotonic end time of each step, samples) as JSON here."""
     join_token_file: Path | None = option(
@@ -253,6 +261,9 @@ class TrainerConfig:
             if self.step not in (None, "diloco"):
                 raise ValueError(f"--local-steps is for --step diloco, not --step {self.step}")
             object.__setattr__(self, "step", "diloco")
+        if self.compress != "none" and self.step not in (None, "diloco"):
+            raise ValueError(f"--compress {self.compress} is for --step diloco (its pseudo-gradient), not --step "
+                             f"{self.step}")
         try:
             optimizer_class(self.inner_optimizer)
         except ValueError as e:

@@ -38,6 +38,8 @@ def test_local_steps_ask_for_the_diloco_protocol():
     (["train", "--local-steps", "5", "--step", "pushpull"], "--local-steps is for --step diloco"),
     (["train", "--inner-optimizer", "nope"], "--inner-optimizer: unknown optimizer 'nope'"),
     (["train", "--inner-lr", "0"], "--inner-lr must be a positive number"),
+    (["train", "--compress", "int8", "--step", "pushpull"], "--compress int8 is for --step diloco"),
+    (["train", "--compress", "int2"], "invalid choice: 'int2'"),
 ])
 def test_bad_combinations_are_one_line_exit_2(argv, line):
     done = cli(argv)

@@ -53,13 +53,16 @@ def test_every_window_is_counted_once_and_status_shows_the_mode(procs, port, out
 @pytest.mark.timeout(240)
 def test_two_server_processes_each_take_their_partition_of_every_window(procs, port):
     """--num-servers 2, outer sync: each window's pseudo-gradient is split by partition as
-    pushpull's gradient is; every round is one outer step, and both trainers end on the same
-    global weights (the last round's reply), so they score the same."""
+    pushpull's gradient is (here quantized to int8, each piece on its own); every round is one
+    outer step, and both trainers end on the same global weights (the last round's reply), so
+    they score the same."""
     servers = start_servers(procs, port, 2, "--model", "mlp", "--update", "diloco", "--sync-trainers", "2")
-    trainers = [procs.trainer(port, r, "--num-trainers", "2", "--max-steps", str(STEPS), "--local-steps", str(H))
-                for r in (0, 1)]
+    trainers = [procs.trainer(port, r, "--num-trainers", "2", "--max-steps", str(STEPS), "--local-steps", str(H),
+                              "--compress", "int8") for r in (0, 1)]
     for t in trainers:
         assert t.wait(120) == 0, t.tail()
+        assert re.search(r"diloco: \d+ bytes of pseudo-gradient a sync \(int8; 3\.\dx fewer than fp32\)", t.output()), \
+            t.tail()
     assert metric(trainers[0], "accuracy") == metric(trainers[1], "accuracy")
     assert procs.stop(servers[0]) == 0
     assert f"psserver stopped at global step {STEPS // H}" in servers[0].output(), servers[0].tail()

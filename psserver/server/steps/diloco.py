@@ -23,6 +23,8 @@ import logging
 
 import torch
 
+from psserver.common.messages import QuantizedFlat
+from psserver.common.quantize import dequantize
 from psserver.server.engine.local_steps import LocalStepPlanner
 from psserver.server.steps.base import register
 from psserver.server.steps.pushpull import PushPullServer
@@ -61,12 +63,25 @@ class DiLoCoServer(PushPullServer):
         ``samples`` is None (the trainer's last window, handed in before it leaves)."""
         if rows is not None or rest is not None:
             raise ValueError("--step diloco sends a whole dense pseudo-gradient per window")
+        if grads is not None:
+            grads = self._decoded(grads)
         base = self._window(trainer, window) if grads is not None else None
         params = super().exchange(trainer, grads, samples, norm, None, buffers, done, number, None, absent)
         if samples is None:
             return None
         steps = None if self.planner is None or base is None else self.planner.steps_for(trainer, base)
         return params, {"local_steps": steps, "outer_step": self.engine.global_step}
+
+    def _decoded(self, grads: object) -> list:
+        """A pseudo-gradient sent quantized (``train --compress``) as fp32 buffers, each of its
+        shard's size (``ValueError`` for one that is not well formed); others as they came."""
+        if not isinstance(grads, list) or not any(isinstance(g, QuantizedFlat) for g in grads):
+            return grads  # type: ignore[return-value]  # (pushpull's checks: grads_from_flat)
+        shards = self.engine.shards
+        if len(grads) != len(shards):
+            raise ValueError(f"{len(grads)} pseudo-gradient buffers for {len(shards)} shards")
+        return [dequantize(g, shard.num_params) if isinstance(g, QuantizedFlat) else g
+                for g, shard in zip(grads, shards, strict=True)]
 
     def _window(self, trainer: str, window: object) -> int | None:
         """The base H of the window ``trainer`` hands in, its speed noted (``ValueError``: not a window)."""

@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from psserver.common.messages import QuantizedFlat
+from psserver.common.quantize import ErrorFeedback, bits_of, nbytes
 from psserver.config.optimizer import make_optimizer
 from psserver.config.trainer import DEFAULT_LOCAL_STEPS
 from psserver.models.calling import call_model, input_batch_size
@@ -50,6 +52,12 @@ class DiLoCoTrainer(PushPullTrainer):
         self.syncs = 0
         """Windows handed in by this trainer."""
         self._since: float | None = None  # when the inner step being taken started
+        self.bits = bits_of(config.compress)
+        """The pseudo-gradient's code width with ``--compress`` (None: the wire dtype)."""
+        self._feedback: dict[tuple[int, int], ErrorFeedback] = {}
+        """One residual per buffer sent (server process, shard): each sync's rounding, carried."""
+        self.sync_bytes = 0
+        """What the last sync's pseudo-gradient put on the wire."""
 
     def open(self) -> None:
         """The server's global weights (and buffers) into the replica; the first window starts."""
@@ -111,21 +119,31 @@ class DiLoCoTrainer(PushPullTrainer):
         if self.window_steps == 0:
             return self.outer_step
         flat = self.flat_grads(self.pseudo_gradient())
+        norm = None if len(self.channel.servers) == 1 else self.norm_of(flat)
+        if self.bits is not None:
+            flat = [[self._feedback.setdefault((i, j), ErrorFeedback(self.bits)).compress(t)
+                     for j, t in enumerate(buffers)] for i, buffers in enumerate(flat)]
+        self.sync_bytes = sum(nbytes(t) if isinstance(t, QuantizedFlat) else t.numel() * t.element_size()
+                              for buffers in flat for t in buffers)
+        if not self.syncs:
+            fp32 = 4 * sum(t.numel if isinstance(t, QuantizedFlat) else t.numel() for buffers in flat for t in buffers)
+            log.info("diloco: %d bytes of pseudo-gradient a sync (%s; %.1fx fewer than fp32)", self.sync_bytes,
+                     self.channel.config.compress if self.bits else str(self.wire_dtype).removeprefix("torch."),
+                     fp32 / max(1, self.sync_bytes))
         self.seq += self.window_steps  # numbered by the inner steps at the window's end: sent twice, applied once
         window = {"steps": self.window_steps, "seconds": float(self.window_seconds), "base": self.base_steps}
-        self._land(self._call(flat, 0, self.window_samples, window, buffers=self.owed_buffers()))
+        self._land(self._call(flat, 0, self.window_samples, window, buffers=self.owed_buffers(), norm=norm))
         self.syncs += 1
         self.window_steps = self.window_samples = 0
         self.window_seconds = 0.0
         return self.outer_step
 
-    def _call(self, flat: list[list[torch.Tensor]] | None, samples: int | None, done: int | None,
-              window: dict | None, buffers: torch.Tensor | None = None) -> list:
+    def _call(self, flat: list[list] | None, samples: int | None, done: int | None,
+              window: dict | None, buffers: torch.Tensor | None = None, norm: float | None = None) -> list:
         """One ``exchange`` per server process (the pseudo-gradient's piece for each, the buffers
-        to server 0); their replies, server 0's first."""
+        to server 0; ``norm``: the whole pseudo-gradient's, for several); their replies, server 0's first."""
         number = self.seq if flat is not None else None
         servers = len(self.channel.servers)
-        norm = None if flat is None or servers == 1 else self.norm_of(flat)
         args = []
         for i in range(servers):
             args.append((None if flat is None else flat[i], samples, norm, None, buffers if i == 0 else None,
