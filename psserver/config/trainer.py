@@ -172,6 +172,14 @@ class TrainerConfig:
     inner_lr: float = option(1e-3, metavar="LR", group=PS_GROUP,
                              help="--step diloco: learning rate of the inner optimizer (default {default})")
     """Learning rate of the inner optimizer."""
+    inner_weight_decay: float = option(0.0, metavar="WD", group=PS_GROUP,
+                                       help="--step diloco: weight decay of the inner optimizer (default {default}; "
+                                            "DiLoCo's AdamW takes 0.1)")
+    """Weight decay of the inner optimizer (decoupled for adamw)."""
+    inner_optimizer_args: dict = option(
+        factory=dict, metavar="JSON", group=PS_GROUP, show=lambda value: "none",
+        help='--step diloco: the inner optimizer\'s other keyword arguments, a JSON object ({"betas": [0.9, 0.95]})')
+    """The inner optimizer's other keyword arguments, as ``--optimizer-args`` takes the server's."""
     compress: str = option(
         "none", choices=list(COMPRESSIONS), group=PS_GROUP,
         help="--step diloco: the pseudo-gradient on the wire: none (the --wire-dtype), int8 or int4 (blockwise, one "
@@ -271,11 +279,20 @@ class TrainerConfig:
         if isinstance(self.inner_lr, bool) or not isinstance(self.inner_lr, int | float) \
                 or not math.isfinite(self.inner_lr) or not self.inner_lr > 0:
             raise ValueError(f"--inner-lr must be a positive number, got {self.inner_lr!r}")
+        wd = self.inner_weight_decay
+        if isinstance(wd, bool) or not isinstance(wd, int | float) or not math.isfinite(wd) or wd < 0:
+            raise ValueError(f"--inner-weight-decay must be a number >= 0, got {wd!r}")
+        try:
+            self.inner_optimizer_config  # noqa: B018 - built once here: its arguments checked before any step
+        except ValueError as e:
+            raise ValueError(str(e).replace("--optimizer-args", "--inner-optimizer-args")
+                             .replace("--weight-decay", "--inner-weight-decay")) from None
 
     @property
     def inner_optimizer_config(self) -> OptimizerConfig:
         """The inner optimizer of ``--step diloco`` (``--inner-optimizer``, ``--inner-lr``)."""
-        return OptimizerConfig(name=self.inner_optimizer, lr=float(self.inner_lr))
+        return OptimizerConfig(name=self.inner_optimizer, lr=float(self.inner_lr),
+                               weight_decay=self.inner_weight_decay, args=dict(self.inner_optimizer_args))
 
     def join_token(self) -> str | None:
         """The join token, read once at start (``ValueError``: an empty or unreadable file)."""

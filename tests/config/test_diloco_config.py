@@ -26,6 +26,10 @@ def test_local_steps_ask_for_the_diloco_protocol():
     config = TrainerConfig(local_steps=5, inner_optimizer="SGD", inner_lr=0.1)
     assert (config.step, config.compute) == ("diloco", "trainer")
     assert config.inner_optimizer_config == OptimizerConfig(name="sgd", lr=0.1)
+    paper = TrainerConfig(local_steps=500, inner_lr=4e-4, inner_weight_decay=0.1,
+                          inner_optimizer_args={"betas": [0.9, 0.95]})
+    assert paper.inner_optimizer_config == OptimizerConfig(name="adamw", lr=4e-4, weight_decay=0.1,
+                                                           args={"betas": [0.9, 0.95]})
 
 
 @pytest.mark.parametrize(("argv", "line"), [
@@ -40,6 +44,8 @@ def test_local_steps_ask_for_the_diloco_protocol():
     (["train", "--inner-lr", "0"], "--inner-lr must be a positive number"),
     (["train", "--compress", "int8", "--step", "pushpull"], "--compress int8 is for --step diloco"),
     (["train", "--compress", "int2"], "invalid choice: 'int2'"),
+    (["train", "--inner-weight-decay", "-1"], "--inner-weight-decay must be a number >= 0"),
+    (["train", "--inner-optimizer-args", '{"nope": 1}'], "--inner-optimizer-args: adamw takes no argument 'nope'"),
 ])
 def test_bad_combinations_are_one_line_exit_2(argv, line):
     done = cli(argv)
