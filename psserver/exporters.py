@@ -262,6 +262,9 @@ class StatusCollector(Collector):
                                         labels=labels)
         clipped = CounterMetricFamily(f"{PREFIX}_trainer_clipped_steps",
                                       "The trainer's steps scaled down to --max-grad-norm", labels=labels)
+        received = CounterMetricFamily(f"{PREFIX}_trainer_received_bytes",
+                                       "Bytes of the trainer's pseudo-gradients the server received (--step diloco; "
+                                       "per sync: over psserver_trainer_updates_total)", labels=labels)
         counts = {"ACTIVE": 0, "LEFT": 0, "LOST": 0}
         for t in trainers:
             lv = [str(t.rank), t.name]
@@ -280,12 +283,13 @@ class StatusCollector(Collector):
             updates.add_metric(lv, t.updates)
             nonfinite.add_metric(lv, t.nonfinite)
             clipped.add_metric(lv, t.clipped)
+            received.add_metric(lv, t.received_bytes)
         total = GaugeMetricFamily(f"{PREFIX}_trainers", "Trainers by state (LEFT/LOST: recent history)",
                                   labels=["state"])
         for st, n in counts.items():
             total.add_metric([st], n)
         yield from (total, up, state, steps, samples, loss, rate, seen, clock, staleness, max_staleness, updates,
-                    nonfinite, clipped)
+                    nonfinite, clipped, received)
 
     def _checkpoint_metrics(self, s: ServerStatus) -> Iterator[Metric]:
         # The schedule, so that an alert can compare the newest checkpoint's age with it (0: off).

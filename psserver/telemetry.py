@@ -68,6 +68,8 @@ class TrainerStatus:
     ``cpu``); empty for server compute and in collective mode."""
     transport_reason: str = ""
     """Why that path (a fallback from a faster one says what prevented it)."""
+    received_bytes: int = 0
+    """Bytes of its pseudo-gradients the server received (``--step diloco``), as they travelled."""
 
 
 @dataclass

@@ -205,6 +205,7 @@ def trainer_to_proto(t: TrainerStatus) -> pb.Trainer:
         updates=int(t.updates),
         transport=t.transport,
         transport_reason=t.transport_reason,
+        received_bytes=int(t.received_bytes),
     )
     if _finite(t.last_loss):
         msg.last_loss = float(t.last_loss)
@@ -322,4 +323,5 @@ def trainer_to_dict(t: pb.Trainer) -> dict[str, Any]:
         "updates": t.updates,
         "transport": t.transport,
         "transport_reason": t.transport_reason,
+        "received_bytes": t.received_bytes,
     }

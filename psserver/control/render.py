@@ -199,7 +199,7 @@ def render_trainers(trainers: Sequence[pb.Trainer], now: float) -> str:
             "STALENESS", "MAX STALENESS", "NON-FINITE", "JOINED", "LAST SEEN"]
     reasons = [f"{t.name} (rank {t.rank}) evicted: {t.reason}" for t in trainers if t.reason]
     return "\n".join([f"TRAINERS    {summary}", *table(head, rows, numeric=(0, 6, 7, 8, 9, 10, 11, 12, 13)),
-                      *_transports(trainers), *reasons])
+                      *_transports(trainers), *_received(trainers), *reasons])
 
 
 def _transports(trainers: Sequence[pb.Trainer]) -> list[str]:
@@ -210,6 +210,13 @@ def _transports(trainers: Sequence[pb.Trainer]) -> list[str]:
             ranks.setdefault((t.transport, t.transport_reason), []).append(t.rank)
     return [f"transport   {kind} for rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, sorted(rs)))}: {reason}"
             for (kind, reason), rs in ranks.items()]
+
+
+def _received(trainers: Sequence[pb.Trainer]) -> list[str]:
+    """DiLoCo: what each trainer's syncs brought, in all and per sync."""
+    return [f"received    rank {t.rank}: {human_bytes(t.received_bytes)} in {t.updates:,} syncs "
+            f"({human_bytes(t.received_bytes // max(1, t.updates))} a sync)"
+            for t in trainers if t.received_bytes and enum_name(pb.TrainerState, t.state) == "ACTIVE"]
 
 
 def _progress(t: pb.Trainer) -> list[str]:

@@ -216,7 +216,8 @@ class ServerView:
             status = dataclasses.replace(status, nonfinite=counts.nonfinite, clipped=counts.clipped)
             status = self._current_transport(status)
             out.append(status if p is None else dataclasses.replace(
-                status, clock=p.clock, staleness=p.staleness, max_staleness=p.max_staleness, updates=p.updates))
+                status, clock=p.clock, staleness=p.staleness, max_staleness=p.max_staleness, updates=p.updates,
+                received_bytes=p.received_bytes))
         return out
 
     def _current_transport(self, status: TrainerStatus) -> TrainerStatus:

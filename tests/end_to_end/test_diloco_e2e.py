@@ -44,6 +44,9 @@ def test_every_window_is_counted_once_and_status_shows_the_mode(procs, port, out
     status = json.loads(done.stdout)["status"]
     assert status["update_mode"] == "diloco" and status["global_step"] == outer_steps
     assert status["samples_seen"] == 2 * STEPS * 64  # every window's samples (batches of 64), once
+    # Each window's pseudo-gradient, fp32 on the wire: mlp's parameters x 4 bytes a sync.
+    ranks = {t["rank"]: t for t in json.loads(done.stdout)["trainers"] if t["name"].endswith("_1")}
+    assert [ranks[r]["received_bytes"] for r in (0, 1)] == [STEPS // H * 235_146 * 4] * 2, ranks
     text = cli(["status", "--address", f"127.0.0.1:{ctl}"]).stdout
     assert f"diloco (outer {outer}" in text and optimizer in text, text
     assert procs.stop(server) == 0

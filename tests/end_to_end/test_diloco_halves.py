@@ -210,5 +210,6 @@ def test_a_quantized_pseudo_gradient_is_what_the_server_applies_and_its_rounding
             carried = feedback.residual.clone()
             assert half.sync_bytes == nbytes(q) < decoded.numel() * 4 / (3.9 if bits == 8 else 7.5)
         assert engine.global_step == len(sent) == 3 and carried.abs().max() > 0
+        assert engine.updater.progress("t").received_bytes == sum(nbytes(q) for q, _ in sent)  # status, metrics
     finally:
         engine.close()

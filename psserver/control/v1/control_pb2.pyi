@@ -243,7 +243,7 @@ class StaleState(_message.Message):
     def __init__(self, path: _Optional[str] = ..., bytes: _Optional[int] = ..., run: _Optional[str] = ..., pid: _Optional[int] = ..., started_at: _Optional[float] = ...) -> None: ...
 
 class Trainer(_message.Message):
-    __slots__ = ("rank", "name", "host", "joined_at", "last_seen", "steps", "samples", "last_loss", "samples_per_second", "state", "clock", "staleness", "max_staleness", "step", "nonfinite", "clipped", "reason", "updates", "transport", "transport_reason")
+    __slots__ = ("rank", "name", "host", "joined_at", "last_seen", "steps", "samples", "last_loss", "samples_per_second", "state", "clock", "staleness", "max_staleness", "step", "nonfinite", "clipped", "reason", "updates", "transport", "transport_reason", "received_bytes")
     RANK_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +264,7 @@ class Trainer(_message.Message):
     UPDATES_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_REASON_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     name: str
     host: str
@@ -284,7 +285,8 @@ class Trainer(_message.Message):
     updates: int
     transport: str
     transport_reason: str
-    def __init__(self, rank: _Optional[int] = ..., name: _Optional[str] = ..., host: _Optional[str] = ..., joined_at: _Optional[float] = ..., last_seen: _Optional[float] = ..., steps: _Optional[int] = ..., samples: _Optional[int] = ..., last_loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., state: _Optional[_Union[TrainerState, str]] = ..., clock: _Optional[int] = ..., staleness: _Optional[int] = ..., max_staleness: _Optional[int] = ..., step: _Optional[str] = ..., nonfinite: _Optional[int] = ..., clipped: _Optional[int] = ..., reason: _Optional[str] = ..., updates: _Optional[int] = ..., transport: _Optional[str] = ..., transport_reason: _Optional[str] = ...) -> None: ...
+    received_bytes: int
+    def __init__(self, rank: _Optional[int] = ..., name: _Optional[str] = ..., host: _Optional[str] = ..., joined_at: _Optional[float] = ..., last_seen: _Optional[float] = ..., steps: _Optional[int] = ..., samples: _Optional[int] = ..., last_loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., state: _Optional[_Union[TrainerState, str]] = ..., clock: _Optional[int] = ..., staleness: _Optional[int] = ..., max_staleness: _Optional[int] = ..., step: _Optional[str] = ..., nonfinite: _Optional[int] = ..., clipped: _Optional[int] = ..., reason: _Optional[str] = ..., updates: _Optional[int] = ..., transport: _Optional[str] = ..., transport_reason: _Optional[str] = ..., received_bytes: _Optional[int] = ...) -> None: ...
 
 class ListTrainersResponse(_message.Message):
     __slots__ = ("trainers", "server_time")

@@ -73,6 +73,8 @@ class TrainerProgress:
     """The largest ``staleness`` of any of its updates."""
     updates: int = 0
     """Its gradients applied (sync: summed into a round); dropped steps do not count."""
+    received_bytes: int = 0
+    """Bytes of its pseudo-gradients received (``--step diloco``), as they travelled."""
 
 
 class Updater:
@@ -269,6 +271,13 @@ class Updater:
                 return
             p.staleness = max(0, before - p.opened_at)
             p.max_staleness = max(p.max_staleness, p.staleness)
+
+    def note_bytes(self, trainer: str, n: int) -> None:
+        """``n`` bytes of ``trainer``'s pseudo-gradient arrived."""
+        with self._clocks:
+            p = self._progress.get(trainer)
+            if p is not None:
+                p.received_bytes += n
 
     def clocks(self) -> dict[str, int]:
         """The clocks of the live trainers taking part, read at one instant."""

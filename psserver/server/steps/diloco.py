@@ -24,7 +24,7 @@ import logging
 import torch
 
 from psserver.common.messages import QuantizedFlat
-from psserver.common.quantize import dequantize
+from psserver.common.quantize import check, dequantize, nbytes
 from psserver.server.engine.local_steps import LocalStepPlanner
 from psserver.server.steps.base import register
 from psserver.server.steps.pushpull import PushPullServer
@@ -64,6 +64,7 @@ class DiLoCoServer(PushPullServer):
         if rows is not None or rest is not None:
             raise ValueError("--step diloco sends a whole dense pseudo-gradient per window")
         if grads is not None:
+            self.engine.updater.note_bytes(trainer, _payload(grads))
             grads = self._decoded(grads)
         base = self._window(trainer, window) if grads is not None else None
         params = super().exchange(trainer, grads, samples, norm, None, buffers, done, number, None, absent)
@@ -101,6 +102,15 @@ class DiLoCoServer(PushPullServer):
         if self.planner is not None:
             self.planner.forget(trainer)
         super().trainer_gone(trainer, evicted)
+
+
+def _payload(grads: object) -> int:
+    """The bytes a pseudo-gradient travelled as (0 for what is no buffer: refused after;
+    ``ValueError`` for a malformed quantized one)."""
+    if not isinstance(grads, list):
+        return 0
+    return sum(nbytes(check(g)) if isinstance(g, QuantizedFlat) else g.numel() * g.element_size()
+               for g in grads if isinstance(g, QuantizedFlat | torch.Tensor))
 
 
 register("diloco", DiLoCoServer)
