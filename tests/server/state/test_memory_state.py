@@ -211,11 +211,12 @@ def test_a_model_on_a_gpu_or_a_sync_group_is_not_kept_and_says_why():
     server on a GPU: ``tests/end_to_end/test_gpu.py``)."""
     from types import SimpleNamespace
 
+    from psserver.config import ServerConfig
     from psserver.server.state.memory import unsupported_reason
 
-    def engine(devices, update="async", plan=None):
-        return SimpleNamespace(devices=[torch.device(d) for d in devices], config=SimpleNamespace(update=update),
-                               plan=plan)
+    def engine(devices, update="async", plan=None, **config):
+        return SimpleNamespace(devices=[torch.device(d) for d in devices], plan=plan,
+                               config=ServerConfig(update=update, **config))
 
     assert unsupported_reason(engine(["cpu"])) is None
     assert unsupported_reason(engine(["cpu"], "sync")) is None
@@ -223,6 +224,9 @@ def test_a_model_on_a_gpu_or_a_sync_group_is_not_kept_and_says_why():
     assert unsupported_reason(engine(["cpu", "cuda:1"])) == "the model lives on cpu, cuda:1, not in host memory"
     assert unsupported_reason(engine(["cpu"], "sync", plan=object())).startswith("several server processes in sync")
     assert unsupported_reason(engine(["cpu"], "async", plan=object())) is None
+    # DiLoCo's rounds are sync's: outer sync across processes is not kept, outer async is.
+    assert unsupported_reason(engine(["cpu"], "diloco", plan=object())).startswith("several server processes")
+    assert unsupported_reason(engine(["cpu"], "diloco", plan=object(), outer="async")) is None
 
 
 def test_an_unreadable_segment_is_one_line(state_dir):
