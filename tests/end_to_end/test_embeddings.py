@@ -100,7 +100,11 @@ def test_clicks_over_a_2_40_id_space_learn_with_bounded_rows(procs, port, tmp_pa
     data = ["--dataset", "synthetic_clicks", "--click-vocab", "5000", "--id-space", "2^40", "--batch-size", "512"]
     trainers = [procs.trainer(port, r, "--num-trainers", "2", "--epochs", "3", *data) for r in range(2)]
     # Meanwhile, misuse gets one line and exit 2: server compute, a zero-width row, a protocol
-    # that cannot carry rows, data of another kind.
+    # that cannot carry rows, data of another kind. (The refused trainers once the others have
+    # joined: one that leaves the RPC group while another's init_rpc calls every member fails
+    # that join with EOF, a race of torch's dynamic groups.)
+    for t in trainers:
+        t.wait_for("joined psserver", timeout=90)
     r = cli(["serve", "--model", "mf", "--compute", "server"])
     assert r.returncode == 2 and "trainers compute" in r.stderr and "Traceback" not in r.stderr, r.stderr
     r = cli(["serve", "--model", "mf", "--embedding-dim", "0"])
