@@ -98,8 +98,10 @@ def dequantize(q: QuantizedFlat, numel: int | None = None) -> torch.Tensor:
         codes = torch.stack([data & 0x0F, data >> 4], dim=1).reshape(-1)[:q.numel].to(torch.int16) - 8
     else:
         codes = data.view(torch.int8)
-    index = torch.div(torch.arange(q.numel), q.block, rounding_mode="floor")
-    return codes.to(torch.float32) * q.scales[index]
+    blocks = q.scales.numel()
+    padded = torch.zeros(blocks * q.block, dtype=torch.float32)
+    padded[:q.numel] = codes
+    return (padded.view(blocks, q.block) * q.scales[:, None]).view(-1)[:q.numel]
 
 
 def nbytes(q: QuantizedFlat) -> int:

@@ -32,10 +32,6 @@ class LocalStepPlanner:
             return base
         return max(1, math.floor(base * rate / fastest))
 
-    def rates(self) -> dict[str, float]:
-        with self._lock:
-            return dict(self._rates)
-
     def forget(self, trainer: str) -> None:
         """``trainer`` left: it sets nobody's window any more."""
         with self._lock:

@@ -24,7 +24,7 @@ import logging
 import torch
 
 from psserver.common.messages import QuantizedFlat
-from psserver.common.quantize import check, dequantize, nbytes
+from psserver.common.quantize import dequantize, nbytes
 from psserver.server.engine.local_steps import LocalStepPlanner
 from psserver.server.steps.base import register
 from psserver.server.steps.pushpull import PushPullServer
@@ -64,8 +64,8 @@ class DiLoCoServer(PushPullServer):
         if rows is not None or rest is not None:
             raise ValueError("--step diloco sends a whole dense pseudo-gradient per window")
         if grads is not None:
-            self.engine.updater.note_bytes(trainer, _payload(grads))
-            grads = self._decoded(grads)
+            grads, travelled = self._decoded(grads)
+            self.engine.updater.note_bytes(trainer, travelled)
         base = self._window(trainer, window) if grads is not None else None
         params = super().exchange(trainer, grads, samples, norm, None, buffers, done, number, None, absent)
         if samples is None:
@@ -73,16 +73,25 @@ class DiLoCoServer(PushPullServer):
         steps = None if self.planner is None or base is None else self.planner.steps_for(trainer, base)
         return params, {"local_steps": steps, "outer_step": self.engine.global_step}
 
-    def _decoded(self, grads: object) -> list:
+    def _decoded(self, grads: object) -> tuple[object, int]:
         """A pseudo-gradient sent quantized (``train --compress``) as fp32 buffers, each of its
-        shard's size (``ValueError`` for one that is not well formed); others as they came."""
-        if not isinstance(grads, list) or not any(isinstance(g, QuantizedFlat) for g in grads):
-            return grads  # type: ignore[return-value]  # (pushpull's checks: grads_from_flat)
+        shard's size and checked before it is decoded (``ValueError`` for one that is not well
+        formed), others as they came (pushpull's checks: ``grads_from_flat``); and the bytes it
+        travelled as."""
+        if not isinstance(grads, list):
+            return grads, 0
         shards = self.engine.shards
-        if len(grads) != len(shards):
+        if any(isinstance(g, QuantizedFlat) for g in grads) and len(grads) != len(shards):
             raise ValueError(f"{len(grads)} pseudo-gradient buffers for {len(shards)} shards")
-        return [dequantize(g, shard.num_params) if isinstance(g, QuantizedFlat) else g
-                for g, shard in zip(grads, shards, strict=True)]
+        out, travelled = [], 0
+        for i, g in enumerate(grads):
+            if isinstance(g, QuantizedFlat):
+                out.append(dequantize(g, shards[i].num_params))
+                travelled += nbytes(g)
+            else:
+                out.append(g)
+                travelled += g.numel() * g.element_size() if isinstance(g, torch.Tensor) else 0
+        return out, travelled
 
     def _window(self, trainer: str, window: object) -> int | None:
         """The base H of the window ``trainer`` hands in, its speed noted (``ValueError``: not a window)."""
@@ -102,15 +111,6 @@ class DiLoCoServer(PushPullServer):
         if self.planner is not None:
             self.planner.forget(trainer)
         super().trainer_gone(trainer, evicted)
-
-
-def _payload(grads: object) -> int:
-    """The bytes a pseudo-gradient travelled as (0 for what is no buffer: refused after;
-    ``ValueError`` for a malformed quantized one)."""
-    if not isinstance(grads, list):
-        return 0
-    return sum(nbytes(check(g)) if isinstance(g, QuantizedFlat) else g.numel() * g.element_size()
-               for g in grads if isinstance(g, QuantizedFlat | torch.Tensor))
 
 
 register("diloco", DiLoCoServer)
