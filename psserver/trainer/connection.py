@@ -72,21 +72,26 @@ class Connection:
     """
 
     def __init__(self, config: TrainerConfig, *, handle_signals: bool = True, announce_errors: bool = True,
-                 rejoin_command: Callable[[], list[str] | None] = script_command_line) -> None:
+                 rejoin_command: Callable[[], list[str] | None] = script_command_line,
+                 retry_first_join: bool = False) -> None:
         """``announce_errors``: log that the connection leaves because of an exception (a
         command that reports the exception itself says False). ``rejoin_command``: the command
         line a rejoin re-executes (default: this script's own; ``psserver train``'s, which is
-        None inside a program that runs the CLI in-process, so that it is never re-executed)."""
+        None inside a program that runs the CLI in-process, so that it is never re-executed).
+        ``retry_first_join``: a first join that failed as the RPC group changed under it is tried
+        again in a fresh process without ``reconnect`` too (``psserver train``; a library script
+        is re-executed only when it asked for ``reconnect``)."""
         self.config = config
         self._announce = announce_errors
         configure_host_allocator(config.allocator)
         resumed = take_position()
-        self.resumed = resumed is not None
+        self.resumed = resumed is not None and not resumed.first_join_tries
         """Whether this process continues a trainer that rejoined (``reconnect=True``)."""
         self._pos = resumed or Position()
         self._resume: tuple[int, int] | None = (self._pos.epoch, self._pos.epoch_samples) if resumed else None
         """``(epoch, samples)`` a sampler skips once: what the epoch trained before a rejoin or a restart."""
         self._argv = rejoin_command()
+        self._retry_first_join = retry_first_join
         self._stop = StopSignals()
         if handle_signals:
             self._stop.__enter__()
@@ -211,8 +216,8 @@ class Connection:
         return out
 
     def _join(self, model: nn.Module | None) -> Session:
-        session = join(self.config, self._pos if self.resumed else None, self._stop, model, self._argv,
-                       build=self._builds)
+        session = join(self.config, self._pos if self.resumed or self._pos.first_join_tries else None, self._stop,
+                       model, self._argv, build=self._builds, retry_first_join=self._retry_first_join)
         if self._pos.report is not None:
             session.report = Report(**self._pos.report)
         if session.continued is not None:

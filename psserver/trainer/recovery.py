@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -43,6 +44,20 @@ PROBE_TRIES, PROBE_RETRY_S = 2, 0.5
 """Asking the server after a failed call: once more after a pause when the first question
 fails, since a server that evicted this trainer may just have closed its pipe (the next call
 opens a new one)."""
+FIRST_JOIN_TRIES = 3
+"""Processes a first join may take when its ``init_rpc`` fails while the server still listens
+(see :func:`join`)."""
+LISTEN_CHECK_S = 2.0
+
+
+def listening(host: str, port: int) -> bool:
+    """Whether the server's rendezvous port still accepts a connection: a failed join is then
+    a change of the RPC group under it, not a lost server."""
+    try:
+        with socket.create_connection((host, port), timeout=LISTEN_CHECK_S):
+            return True
+    except OSError:
+        return False
 
 def shard_count(config: TrainerConfig, info: dict) -> int:
     if config.num_trainers is not None:
@@ -57,12 +72,29 @@ def shard_count(config: TrainerConfig, info: dict) -> int:
 
 
 def join(config: TrainerConfig, position: Position | None, stop: StopSignals, model: torch.nn.Module | None = None,
-         argv: Sequence[str] | None = None, build: bool = True) -> Session:
+         argv: Sequence[str] | None = None, build: bool = True, retry_first_join: bool = False) -> Session:
     """The first join; or, in a trainer re-executed to rejoin, the rejoin, tried until the
-    server takes it (each try waits up to ``--connect-timeout`` for a server that is starting)."""
-    if position is None:
+    server takes it (each try waits up to ``--connect-timeout`` for a server that is starting).
+
+    ``retry_first_join`` (``psserver train``): without ``--reconnect`` too, a first join whose
+    ``init_rpc`` failed while its server still listens is tried again in a fresh process, at most
+    ``FIRST_JOIN_TRIES`` times: torch's dynamic RPC group calls every member during a join, and
+    one leaving meanwhile (a trainer the server refused) fails it with "EOF" before anything
+    trained."""
+    if position is None or position.first_join_tries:
+        tries = position.first_join_tries if position is not None else 0
+        if tries:
+            log.info("joining again in a fresh process (try %d of %d)", tries + 1, FIRST_JOIN_TRIES)
         if not config.reconnect:
-            return Session(config, stop, model, build=build)
+            try:
+                return Session(config, stop, model, build=build)
+            except JoinLost as e:
+                if (not retry_first_join or argv is None or isinstance(e, JoinDeferred) or tries + 1 >= FIRST_JOIN_TRIES
+                        or not listening(config.server_host, config.server_port)):
+                    raise
+                log.warning("joining failed (%s) while the server still listens: trying again in a fresh process",
+                            e)
+                reexec(Position(first_join_tries=tries + 1), stop, argv)
         try:
             return Session(config, stop, model, build=build)
         except (JoinLost, AdmissionUnanswered) as e:  # --reconnect: a server lost during the first join too

@@ -52,6 +52,9 @@ class Position:
     samples_before: int = 0
     """Samples its rank's last trainer trained, which this process (started again by hand) took
     up: left out of this process's rate."""
+    first_join_tries: int = 0
+    """Tries of a first join that failed while the RPC group changed under it (another member
+    leaving during this one's ``init_rpc``): this process tries the first join again."""
 
 
 def reexec(pos: Position, stop: StopSignals, argv: Sequence[str] | None = None) -> NoReturn:

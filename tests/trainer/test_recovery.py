@@ -61,6 +61,53 @@ def test_a_first_join_whose_server_went_away_rejoins_under_reconnect(monkeypatch
         recovery.join(dataclasses.replace(config, reconnect=False), None, None)
 
 
+def test_a_first_join_the_rpc_group_changed_under_is_tried_again_a_bounded_number_of_times(monkeypatch):
+    """A trainer whose ``init_rpc`` ran while a refused trainer left the group exited 2 with
+    "EOF" (without ``--reconnect``). ``psserver train`` tries again in a fresh process while the
+    server listens, at most ``FIRST_JOIN_TRIES`` processes; a library script is not re-executed."""
+    lost = recovery.JoinLost("cannot join the RPC group of 127.0.0.1:1: EOF: end of file")
+    sessions = []
+
+    def session(config, stop, model, steps=0, build=True):  # noqa: ARG001
+        sessions.append(steps)
+        raise lost
+
+    class Reexec(Exception):
+        pass
+
+    positions = []
+
+    def reexec(position, stop, argv=None):  # noqa: ARG001
+        positions.append(position)
+        raise Reexec
+
+    monkeypatch.setattr(recovery, "Session", session)
+    monkeypatch.setattr(recovery, "reexec", reexec)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        config = TrainerConfig(rank=1, server_port=listener.getsockname()[1])
+        argv = ["python", "-m", "psserver", "train"]
+        with pytest.raises(Reexec):
+            recovery.join(config, None, None, argv=argv, retry_first_join=True)
+        assert [p.first_join_tries for p in positions] == [1] and positions[0].steps == 0
+        with pytest.raises(Reexec):  # the fresh process: a first join again, not a rejoin
+            recovery.join(config, positions[-1], None, argv=argv, retry_first_join=True)
+        assert [p.first_join_tries for p in positions] == [1, 2] and sessions == [0, 0]
+        with pytest.raises(recovery.JoinLost):  # the last process: its one line
+            recovery.join(config, positions[-1], None, argv=argv, retry_first_join=True)
+        assert len(positions) == recovery.FIRST_JOIN_TRIES - 1
+        with pytest.raises(recovery.JoinLost):  # a library script without reconnect: never re-executed
+            recovery.join(config, None, None, argv=argv)
+        with pytest.raises(recovery.JoinLost):  # psserver train run in-process: nothing to re-execute
+            recovery.join(config, None, None, argv=None, retry_first_join=True)
+        lost = JoinDeferred("the psserver at here:1 refused the join for now")
+        with pytest.raises(JoinDeferred):  # refused for now: waited for under --reconnect only
+            recovery.join(config, None, None, argv=argv, retry_first_join=True)
+    lost = recovery.JoinLost("cannot join the RPC group of 127.0.0.1:1: EOF: end of file")
+    with pytest.raises(recovery.JoinLost):  # the server went away: no new process
+        recovery.join(config, None, None, argv=argv, retry_first_join=True)
+    assert len(positions) == recovery.FIRST_JOIN_TRIES - 1
+
+
 def test_a_rejoin_refused_for_now_pauses_before_the_next_process(monkeypatch):
     def session(*args, **kwargs):
         raise JoinDeferred("the psserver at here:1 refused the join for now (psserver is draining: ...)")
