@@ -377,3 +377,39 @@ def test_a_directory_of_another_user_or_under_one_is_refused(tmp_path):
     with pytest.raises(CheckpointDirError, match=rf"{theirs}, above it, is owned by uid 65534"):
         check_writable(tmp_path / "link" / ".." / "ckd")
     assert not (theirs / "ckd").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a link and a directory to another uid")
+def test_links_are_followed_one_at_a_time_the_last_component_too(tmp_path):
+    """Root's link to another user's link: its owner pointed it at another job's directory
+    mid-run and the checkpoints went there. Root's link as the checkpoint directory itself, into
+    a directory of another user's: they swapped it for another job's and the resume loaded that
+    job's checkpoint. Each link on the way is checked, and what is above each target."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    their_link = sticky / "theirs"
+    their_link.symlink_to(elsewhere)
+    os.lchown(their_link, 65534, 65534)
+    mine = tmp_path / "mine"
+    mine.symlink_to(their_link)
+    for directory in (mine / "ck", mine):
+        with pytest.raises(CheckpointDirError, match=rf"{their_link}, on the way to it, is a link of uid 65534"):
+            check_writable(directory)
+    assert list(elsewhere.iterdir()) == []
+    home = tmp_path / "home"
+    (home / "ck").mkdir(parents=True, mode=0o700)
+    os.chown(home, 65534, 65534)
+    (tmp_path / "cklink").symlink_to(home / "ck")
+    with pytest.raises(CheckpointDirError, match=rf"{home}, above it, is owned by uid 65534"):
+        check_writable(tmp_path / "cklink")
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    with pytest.raises(CheckpointDirError, match="too many levels of symbolic links"):
+        check_writable(loop / "ck")
+    ok = tmp_path / "ok"
+    ok.symlink_to(elsewhere)  # root's link to root's directory: taken
+    check_writable(ok / "ck")
+    assert (elsewhere / "ck").is_dir()

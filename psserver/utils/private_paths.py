@@ -30,20 +30,28 @@ def not_private(st: os.stat_result, *, unreadable: bool = False) -> str | None:
     return None
 
 
+MAX_LINKS = 40
+"""Symbolic links followed in one path, as the kernel's limit (``ELOOP``)."""
+
+
 def unsafe_parent(path: Path) -> str | None:
     """Why a directory above ``path`` would let another user replace it, else None: the first
     such directory (or symbolic link on the way to it) and what is wrong with it. The path is
-    walked as the kernel walks it (a link first, then ``..`` from where it points; never
-    ``..`` taken off the text), and every directory it passes through is checked, those above
-    each link's target too: a link must be root's or this user's (its owner can point it
-    elsewhere)."""
+    walked as the kernel walks it, one link at a time (a link first, then ``..`` from where it
+    points; never ``..`` taken off the text), its last component too when that is a link, and
+    every directory it passes through is checked, those above each link's target too: a link
+    must be root's or this user's (its owner can point it elsewhere), the links it leads to as
+    well. ``path`` itself, once reached, is the caller's to check."""
     uid = os.geteuid()
     given = Path(path)
     full = given if given.is_absolute() else Path(os.getcwd()) / given
-    passed: list[Path] = []
+    pending = list(full.parts[1:])
+    passed: list[Path] = [Path("/")]
     current = Path("/")
-    for part in full.parent.parts[1:]:
-        if part == ".":
+    links = 0
+    while pending:
+        part = pending.pop(0)
+        if part in ("", "."):
             continue
         if part == "..":
             current = current.parent
@@ -56,12 +64,21 @@ def unsafe_parent(path: Path) -> str | None:
         if stat.S_ISLNK(st.st_mode):
             if st.st_uid not in (0, uid):
                 return f"{candidate}, on the way to it, is a link of uid {st.st_uid}: that user can point it elsewhere"
-            current = Path(os.path.realpath(candidate))
-            passed.extend(reversed((current, *current.parents)))
-        else:
-            current = candidate
+            links += 1
+            try:
+                target = Path(os.readlink(candidate))
+            except OSError as e:
+                return f"{candidate}, on the way to it, cannot be read ({e.strerror or e})"
+            if links > MAX_LINKS:
+                return f"{candidate}, on the way to it: too many levels of symbolic links"
+            if target.is_absolute():
+                current = Path("/")
+            pending[:0] = list(target.parts[1:] if target.is_absolute() else target.parts)
+            continue
+        current = candidate
+        if pending:
             passed.append(current)
-    for directory in dict.fromkeys([*reversed(current.parents), *passed]):
+    for directory in dict.fromkeys(passed):
         try:
             st = os.stat(directory)
         except OSError:
