@@ -300,6 +300,22 @@ def load_checkpoint(path: Path) -> tuple[Header, dict[str, Any]]:
     return header, state
 
 
+def load_named(path: Path) -> tuple[Header, dict[str, Any]]:
+    """``load_checkpoint`` of a file a resume names (``--resume FILE``, a partition's step), once it is this user's
+    alone: the same rule as the files of a directory a resume searches (``untrusted_file``),
+    and no directory or link on the way to it that another user can change."""
+    path = Path(path)
+    why = unsafe_parent(path)
+    if why is None:
+        why = untrusted_file(Path(os.path.realpath(path)))
+        if why is not None:
+            why = f"{path} {why}"
+    if why is not None:
+        raise CheckpointError(f"refusing to resume {path}: {why}; only this user's own checkpoints are resumed "
+                              "(copy the file into a directory of your own if you trust it)")
+    return load_checkpoint(path)
+
+
 def _first_line(e: BaseException) -> str:
     """The informative line of torch's multi-line load errors."""
     lines = [x.strip() for x in str(e).splitlines() if x.strip()]

@@ -23,6 +23,7 @@ from psserver.checkpoint import (
     find_latest,
     list_checkpoints,
     load_latest,
+    load_named,
     read_checkpoint,
     read_header,
     remove_stale_temporaries,
@@ -354,6 +355,15 @@ def test_a_checkpoint_another_user_planted_or_can_change_is_never_resumed(tmp_pa
     assert loaded["global_step"] == 10
     assert "ckpt-000000000040.pt is owned by uid 65534" in caplog.text
     assert "ckpt-000000000030.pt is writable by its group or others (mode 664)" in caplog.text
+    # Named by --resume (or a partition's step), the same files are refused in one line, not loaded.
+    for step, says in ((40, "is owned by uid 65534"), (30, r"is writable by its group or others \(mode 664\)")):
+        with pytest.raises(CheckpointError, match=rf"refusing to resume \S+ckpt-0+{step}.pt: \S+ {says}"):
+            load_named(checkpoint_path(tmp_path, step))
+    assert load_named(checkpoint_path(tmp_path, 10))[1]["global_step"] == 10
+    link = tmp_path / "link.pt"
+    link.symlink_to(checkpoint_path(tmp_path, 40))
+    with pytest.raises(CheckpointError, match="is owned by uid 65534"):
+        load_named(link)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory to another uid")

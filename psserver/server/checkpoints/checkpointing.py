@@ -35,7 +35,7 @@ from psserver.checkpoint import (
     checkpoint_path,
     find_latest,
     list_checkpoints,
-    load_checkpoint,
+    load_named,
     new_run_id,
     read_header,
     remove_stale_temporaries,
@@ -183,7 +183,7 @@ class CheckpointPolicy:
         if not path.exists():
             raise CheckpointError(f"server {self.config.server_rank} has no partition of checkpoint step {step} "
                                   f"({path} is missing): the checkpoints of this job are incomplete here")
-        _, state = load_checkpoint(path)
+        _, state = load_named(path)
         self._restore(state, path)
         self.run_id = run
         if self.checkpointer is not None:
@@ -299,7 +299,7 @@ class CheckpointPolicy:
                 return None
             header, state = found
         else:
-            header, state = load_checkpoint(Path(ck.resume))
+            header, state = load_named(Path(ck.resume))
         self._restore(state, header.path)
         self._continue(header, int(state["global_step"]))
         return self.engine.global_step
