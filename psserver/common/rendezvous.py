@@ -32,6 +32,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import psutil
 import torch.distributed as dist
@@ -335,7 +336,29 @@ def model_info(store) -> dict:
         raise UsageError("the server's published model is not readable JSON") from None
     if not isinstance(info, dict):
         raise UsageError("the server's published model is not a JSON object")
+    for key, kinds, check in _PUBLISHED:
+        value = info.get(key)
+        if value is not None and (not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)
+                                  or not check(value)):
+            raise UsageError(f"the server's published model has a malformed {key!r} "
+                             f"({json.dumps(value)[:60]}): not what a psserver publishes")
     return info
+
+
+_PUBLISHED: tuple[tuple[str, tuple[type, ...], Any], ...] = (
+    ("model", (str,), lambda v: 0 < len(v) <= 1024),
+    ("model_args", (dict,), lambda v: True),
+    ("pinned", (bool,), lambda v: True),
+    ("seed", (int,), lambda v: 0 <= v < 2**63),
+    ("embedding_dim", (int,), lambda v: 0 < v <= 2**20),
+    ("fingerprint", (str,), lambda v: len(v) <= 1024),
+    ("devices", (list,), lambda v: all(isinstance(d, str) for d in v)),
+    ("num_servers", (int,), lambda v: 0 < v <= 2**16),
+    ("host_id", (str,), lambda v: len(v) <= 1024),
+)
+"""What a server publishes under ``KEY_MODEL``, each field's type and bounds: whoever may write
+the store (anyone reaching it without a join token) can put anything there, and a value no
+server writes is one line for the trainer, never an error deep in building its model."""
 
 
 def _wait_until_serving(store, job, token: str | None, where: str, deadline: float, connect_timeout: float,
