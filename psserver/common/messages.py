@@ -3,7 +3,7 @@ importable by both sides (and by the step protocols) without importing the endpo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 ALLREDUCE_OPS = ("average", "sum", "min", "max")
@@ -69,6 +69,31 @@ class JoinRequest:
     overlap: str = "off"
     """Its ``--overlap`` (``auto``, ``on``, ``off``): whether it may compute a step while the
     call that hands in the one before is in flight (the server decides, by its update mode)."""
+
+    def malformed(self) -> str | None:
+        """What in this request no psserver trainer sends (a field of another type, a number out
+        of range), else None: a peer may send anything, and the server checks it before any use."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            kinds = _JOIN_FIELDS[f.name]
+            if value is None and type(None) in kinds:
+                continue
+            if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+                return f"its {f.name} is a {type(value).__name__}"
+        if not 0 <= self.rank < 2**31 or not 0 <= self.steps < 2**53 or not 0 <= self.pid < 2**31:
+            return "its rank, steps or pid is out of range"
+        if not all(len(v) <= 1024 for v in (self.name, self.host, self.transport_reason)):
+            return "its name, host or transport reason is over 1024 characters"
+        return None
+
+
+_JOIN_FIELDS: dict[str, tuple[type, ...]] = {
+    "rank": (int,), "name": (str,), "host": (str,), "pid": (int,), "step": (str, type(None)),
+    "optimizer": (dict, type(None)), "compute": (str, type(None)), "wire_dtype": (str,), "device": (str,),
+    "model": (str, type(None)), "model_args": (dict, type(None)), "layout": (dict, type(None)),
+    "values": (list, type(None)), "steps": (int,), "transport": (str,), "transport_reason": (str,),
+    "overlap": (str,),
+}
 
 
 @dataclass(frozen=True)

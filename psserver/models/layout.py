@@ -92,7 +92,21 @@ class ModelLayout:
         extra = [k for k, t in keys.items() if id(t) not in by_tensor]
         if extra:
             raise ValueError(f"state_dict keys that are neither parameters nor buffers: {', '.join(extra[:5])}")
-        return cls(tuple(entries), tuple(aliases))
+        layout = cls(tuple(entries), tuple(aliases))
+        layout.check_one_dtype()
+        return layout
+
+    def check_one_dtype(self) -> None:
+        """``ValueError`` unless the trained parameters share one dtype: the server keeps them,
+        their gradients and the optimizer's state in flat buffers of one dtype (a float64 layer
+        beside float32 ones failed at every step)."""
+        trained = [e for e in self.parameters if e.requires_grad]
+        kinds = dict.fromkeys(e.dtype for e in trained)
+        if len(kinds) > 1:
+            first = {dtype: next(e.key for e in trained if e.dtype == dtype) for dtype in kinds}
+            named = ", ".join(f"{key} is {dtype}" for dtype, key in first.items())
+            raise ValueError(f"its trained parameters are of {len(kinds)} dtypes ({named}): a parameter server holds "
+                             "them in one dtype; convert the model with .to(dtype) first")
 
     @property
     def parameters(self) -> list[Entry]:
@@ -150,6 +164,7 @@ class ModelLayout:
             if first not in keys or key in keys:
                 raise ValueError(f"not a model layout (alias {key!r} of {first!r} is not one of another entry)")
         layout = cls(tuple(entries), tuple(aliases))
+        layout.check_one_dtype()
         if layout.nbytes() > MAX_BYTES:
             raise ValueError(f"not a model layout ({layout.nbytes()} bytes, more than the {MAX_BYTES} any model holds)")
         return layout

@@ -107,13 +107,20 @@ class Endpoint:
 
     def join(self, request: JoinRequest) -> dict[str, Any]:
         """Admit a trainer; a refusal is returned as ``{"error": ...}`` (the user's mistake,
-        not a server fault: no traceback in the server's log)."""
+        not a server fault: no traceback in the server's log). A request no psserver trainer
+        sends is refused before any of it is used."""
+        why = request.malformed() if isinstance(request, JoinRequest) else f"it is a {type(request).__name__}"
+        if why is not None:
+            log.warning("refused a malformed join request: %s", why)
+            return {"error": f"malformed join request: {why}", "retry": False}
         with self._counted("join"), self._joining(request.name):
             try:
                 return self._admit(request)
-            except (ValueError, RuntimeError) as e:
-                log.warning("refused %s (rank %d from %s): %s", request.name, request.rank, request.host, e)
-                return {"error": str(e), "retry": isinstance(e, JoinLater)}
+            except (ValueError, RuntimeError, TypeError, KeyError, AttributeError) as e:
+                # TypeError & co: values inside the request's dicts and lists no trainer sends.
+                what = str(e) if isinstance(e, ValueError | RuntimeError) else f"malformed join request ({e!r})"
+                log.warning("refused %s (rank %d from %s): %s", request.name, request.rank, request.host, what)
+                return {"error": what, "retry": isinstance(e, JoinLater)}
 
     def _admit(self, request: JoinRequest) -> dict[str, Any]:
         if self.state != "SERVING" or self.membership is None:

@@ -115,3 +115,18 @@ def test_a_complex_buffer_is_refused_not_halved():
     model.register_buffer("phase", torch.tensor([1 + 2j]))
     with pytest.raises(ValueError, match=r"buffer phase is torch\.complex64"):
         ModelLayout.of(model)
+
+
+def test_trained_parameters_of_two_dtypes_are_refused_one_dtype_of_any_kind_is_not():
+    """A float64 layer beside float32 ones joined and then failed at every step, on the server
+    ('attempting to assign a gradient with dtype double'); a forged layout saying so too."""
+    mixed = nn.Sequential(nn.Linear(4, 3).double(), nn.Linear(3, 2))
+    says = r"trained parameters are of 2 dtypes \(0\.weight is float64, 1\.weight is float32\)"
+    with pytest.raises(ValueError, match=says):
+        ModelLayout.of(mixed)
+    forged = ModelLayout.of(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))).to_dict()
+    forged["entries"][0][2] = "float64"
+    with pytest.raises(ValueError, match=r"trained parameters are of 2 dtypes"):
+        ModelLayout.from_dict(forged)
+    for dtype in (torch.float64, torch.bfloat16):
+        assert {e.dtype for e in ModelLayout.of(nn.Linear(4, 3).to(dtype)).parameters} == {str(dtype)[6:]}

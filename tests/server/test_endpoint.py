@@ -250,3 +250,19 @@ def test_where_a_trainer_stopped_is_kept_only_from_a_plain_report_of_an_unfinish
     for bad in ({"epoch": "1"}, {"epoch_samples": -5}, {"batch_idx": 2 ** 60}, {"finished": "no"},
                 {"epoch": True}):
         assert stopped_at(dataclasses.replace(at, **bad)) is None, bad
+
+
+def test_a_malformed_join_is_one_warning_line_and_a_refusal(endpoint, caplog):
+    """A forged first join whose values were an int put a 19-line traceback in the server's
+    log: every field is checked before any use, and what lies inside them is refused alike."""
+    good = join_request(0, "t", step="pushpull", compute=None)
+    for change, says in (({"values": 5}, "its values is a int"), ({"rank": "0"}, "its rank is a str"),
+                         ({"rank": True}, "its rank is a bool"), ({"layout": [1]}, "its layout is a list"),
+                         ({"steps": -1}, "out of range"), ({"name": "x" * 2000}, "over 1024 characters")):
+        reply = endpoint.join(dataclasses.replace(good, **change))
+        assert reply["error"] == f"malformed join request: {reply['error'].split(': ', 1)[1]}" and says in reply["error"]
+    assert endpoint.join({"rank": 0})["error"] == "malformed join request: it is a dict"
+    reply = endpoint.join(dataclasses.replace(good, values=[1, 2], optimizer={"nope": 1}))  # inside a field
+    assert "error" in reply and not endpoint.membership.members
+    assert all(r.levelname == "WARNING" and "Traceback" not in r.getMessage() and not r.exc_info
+               for r in caplog.records if r.name.startswith("psserver")), caplog.text
