@@ -36,7 +36,7 @@ __version__ = "0.1.0"
 __all__ = ["Connection", "DistributedOptimizer", "Evicted", "ServerLost", "UsageError", "connect"]
 
 _LAZY = {
-    "connect": "psserver.trainer.connection",
+    "connect": "psserver.trainer.library",
     "Connection": "psserver.trainer.connection",
     "DistributedOptimizer": "psserver.trainer.optimizer",
     "UsageError": "psserver.errors",
