@@ -1,23 +1,7 @@
-"""psserver as a library: :func:`connect` gives a :class:`Connection`, this process's membership
-of a parameter server, and the user's own loop trains through it.
-
-::
-
-    with psserver.connect("10.0.0.5:29500", rank=0, num_trainers=2) as ps:
-        model = ps.replica(MyNet())          # the server's parameters and buffers loaded
-        loader = DataLoader(ds, batch_size=64, sampler=ps.sampler(ds))
-        for epoch in range(ps.epoch, 3):
-            loader.sampler.set_epoch(epoch)
-            for x, y in loader:
-                loss_fn(model(x), y).backward()
-                ps.step()                    # gradient up, fresh parameters down, grads zeroed
-
-The connection is the same membership ``psserver train`` has (``psserver.trainer.session``):
-a heartbeat thread keeps it alive while the user's code is busy between steps, SIGTERM and
-SIGINT leave after the step in flight, and a failed step is diagnosed by asking the server.
-RPC cannot be set up twice in one process, so with ``reconnect=True`` a trainer that was
-evicted or lost its server re-executes its own script, which connects again and continues
-from :attr:`Connection.epoch` (and the sampler skips what that epoch already trained on).
+"""This process's membership of a parameter server, whichever way it steps: a
+:class:`Connection`, made by ``psserver.connect`` (``psserver.trainer.library``). Its three
+ways to step are objects of their own: ``psserver.trainer.replica``, ``remote_model`` and
+``model_steps``; where it is in its run, ``psserver.trainer.ledger``.
 """
 
 from __future__ import annotations
@@ -29,7 +13,7 @@ import signal
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -55,23 +39,33 @@ log = logging.getLogger(__name__)
 
 
 class Connection:
-    """This process's membership of a psserver job, for a training loop of the user's own.
+    """This process's membership of a psserver job, whichever way it steps.
 
     Made by :func:`psserver.connect`; use it as a context manager, which leaves the server on
-    the way out (after an exception too, saying so). It joins at :meth:`replica` (the model's
-    layout is part of the join), or at :meth:`parameter_rrefs` for the RPC tutorial's loop.
+    the way out (after an exception too, saying so). It keeps the join and the leave, the
+    heartbeat (``psserver.trainer.session``), SIGTERM and SIGINT left at the step boundary, the
+    position and :meth:`sampler`, what the server says, :meth:`evaluate`, :meth:`allreduce`, and
+    a failed call diagnosed by asking the server: with ``reconnect=True`` a trainer evicted, or
+    that lost its server, re-executes its own script (RPC cannot be set up twice in one
+    process), which continues from :attr:`epoch`.
+
+    It joins one of three ways, each an object of its own (:attr:`stepping`) that its names
+    here delegate to, refusing a call of another way: :meth:`replica` makes a
+    :class:`~psserver.trainer.replica.Replica` (a loop of your own: :meth:`step`, :meth:`sync`,
+    :meth:`local_sgd`, :attr:`local_steps`, :meth:`rows`), :meth:`parameter_rrefs` a
+    :class:`~psserver.trainer.remote_model.RemoteModel` (PyTorch's RPC tutorial loop:
+    :meth:`forward`), :meth:`join` returns :class:`~psserver.trainer.model_steps.ModelSteps`
+    (``psserver train``'s loop: :meth:`train_step`).
     """
 
     def __init__(self, config: TrainerConfig, *, handle_signals: bool = True, announce_errors: bool = True,
                  rejoin_command: Callable[[], list[str] | None] = script_command_line,
                  retry_first_join: bool = False) -> None:
-        """``announce_errors``: log that the connection leaves because of an exception (a
-        command that reports the exception itself says False). ``rejoin_command``: the command
-        line a rejoin re-executes (default: this script's own; ``psserver train``'s, which is
-        None inside a program that runs the CLI in-process, so that it is never re-executed).
+        """``announce_errors``: log that the connection leaves because of an exception (False: a
+        command reports it). ``rejoin_command``: the command line a rejoin re-executes (this
+        script's; ``psserver train``'s, None when the CLI runs in-process: never re-executed).
         ``retry_first_join``: a first join that failed as the RPC group changed under it is tried
-        again in a fresh process without ``reconnect`` too (``psserver train``; a library script
-        is re-executed only when it asked for ``reconnect``)."""
+        again in a fresh process without ``reconnect`` too (``psserver train``)."""
         self.config = config
         self._announce = announce_errors
         configure_host_allocator(config.allocator)
@@ -109,20 +103,11 @@ class Connection:
 
     def replica(self, model: nn.Module, *, optimizer: torch.optim.Optimizer | OptimizerConfig | None = None
                 ) -> nn.Module:
-        """Join the server with ``model`` and return it, holding the server's parameters and
-        buffers: its layout (names, shapes, dtypes of its ``state_dict``) must be the server's,
-        or it becomes the server's when the server holds none yet (its values the initial ones).
-        It moves to the connection's ``device``. Batches are counted from its training forwards.
-        A model made by ``torch.compile`` joins as the module it wraps (``_orig_mod``: its layout and
-        class are the server's, as an uncompiled trainer's are), and the compiled module is
-        returned, so the loop's forward stays compiled. The connection then steps through a
-        :class:`~psserver.trainer.replica.Replica` (:attr:`stepping`): :meth:`step`, :meth:`sync`,
-        :meth:`local_sgd`, :meth:`rows` are its.
-
-        ``optimizer``: the one the server should run, as Horovod's wrapper takes it (a
-        ``torch.optim`` optimizer over ``model.parameters()``, one parameter group: its class and
-        hyperparameters travel, never its state), or an ``OptimizerConfig``. The first trainer's
-        choice sets a server started without ``--optimizer``; a different one is refused."""
+        """Join the server with ``model`` (an ``nn.Module``, or one made by ``torch.compile``) and
+        return it, on the connection's ``device``, holding the server's parameters and buffers;
+        ``optimizer``: the one the server should run (a ``torch.optim`` optimizer over
+        ``model.parameters()``, or an ``OptimizerConfig``). The connection then steps through a
+        :class:`~psserver.trainer.replica.Replica` (:attr:`stepping`; its docstring says the rest)."""
         self.config = replica_config(self.config, optimizer)
         inner = getattr(model, "_orig_mod", None) if isinstance(model, nn.Module) else None
         compiled = model if isinstance(inner, nn.Module) else None
@@ -136,9 +121,8 @@ class Connection:
         return self._path.model
 
     def parameter_rrefs(self) -> list[torch.distributed.rpc.RRef]:
-        """RRefs to the server's parameters, for PyTorch's RPC tutorial loop (joins first, with
-        ``step='plain'``): :meth:`RemoteModel.parameter_rrefs
-        <psserver.trainer.remote_model.RemoteModel.parameter_rrefs>`."""
+        """RRefs to the server's parameters, for PyTorch's RPC tutorial loop: joins with ``step='plain'``
+        (:meth:`~psserver.trainer.remote_model.RemoteModel.parameter_rrefs`)."""
         if self.session is None:
             self.config = remote_config(self.config)
             self._builds = False  # the server runs the model: this trainer builds none of its code
@@ -146,29 +130,24 @@ class Connection:
         return self._remote("parameter_rrefs").parameter_rrefs()
 
     def forward(self, x: Any) -> torch.Tensor:
-        """The server's model on ``x`` (the RPC tutorial's remote forward), inside the caller's
-        ``dist_autograd`` context: :meth:`RemoteModel.forward <psserver.trainer.remote_model.RemoteModel.forward>`."""
+        """The server's model on ``x`` (:meth:`~psserver.trainer.remote_model.RemoteModel.forward`)."""
         return self._remote("forward").forward(x)
 
     def train_step(self, x: Any, y: Any, *, samples: int,
                    on_failure: Callable[[Exception], None] | None = None) -> float:
-        """``psserver train``'s step on ``(x, y)``, after :meth:`join`: :meth:`ModelSteps.train_step
-        <psserver.trainer.model_steps.ModelSteps.train_step>`."""
+        """``psserver train``'s step on ``(x, y)`` (:meth:`~psserver.trainer.model_steps.ModelSteps.train_step`)."""
         return self._model_steps("train_step").train_step(x, y, samples=samples, on_failure=on_failure)
 
     def step(self, *, samples: int | None = None, loss: float | torch.Tensor | None = None) -> None:
-        """End this step of the replica: the gradient up, the server's parameters and buffers back
-        in, grads zeroed (:meth:`Replica.step <psserver.trainer.replica.Replica.step>`)."""
+        """One update: the gradient up, the server's values back in (:meth:`~psserver.trainer.replica.Replica.step`)."""
         self._replica("step").step(samples=samples, loss=loss)
 
     def sync(self, *, samples: int | None = None, loss: float | torch.Tensor | None = None) -> int:
-        """DiLoCo: hand in this window, the new global weights back in (:meth:`Replica.sync
-        <psserver.trainer.replica.Replica.sync>`); the server's outer steps after it."""
+        """DiLoCo: hand in this window (:meth:`~psserver.trainer.replica.Replica.sync`)."""
         return self._replica("sync").sync(samples=samples, loss=loss)
 
     def local_sgd(self, optimizer: torch.optim.Optimizer, *, every: int | None = None) -> LocalSGD:
-        """DiLoCo: count ``optimizer``'s steps as inner steps and sync every ``every`` of them
-        (:meth:`Replica.local_sgd <psserver.trainer.replica.Replica.local_sgd>`)."""
+        """DiLoCo: a sync every ``every`` inner steps (:meth:`~psserver.trainer.replica.Replica.local_sgd`)."""
         return self._replica("local_sgd").local_sgd(optimizer, every=every)
 
     @property
@@ -177,8 +156,7 @@ class Connection:
         return self._replica("local_steps").local_steps
 
     def rows(self, ids: torch.Tensor) -> list[torch.Tensor]:
-        """The embedding rows of a batch's ids, one ``[batch, width]`` tensor per table
-        (:meth:`Replica.rows <psserver.trainer.replica.Replica.rows>`)."""
+        """A batch's embedding rows, a tensor per table (:meth:`~psserver.trainer.replica.Replica.rows`)."""
         return self._replica("rows", "feeds").rows(ids)
 
     @property
@@ -188,10 +166,8 @@ class Connection:
 
     @property
     def stepping(self) -> Replica | RemoteModel | ModelSteps | None:
-        """How this connection steps once it joined: a :class:`~psserver.trainer.replica.Replica`
-        (:meth:`replica`), a :class:`~psserver.trainer.remote_model.RemoteModel`
-        (:meth:`parameter_rrefs`) or :class:`~psserver.trainer.model_steps.ModelSteps`
-        (:meth:`join`); None before."""
+        """How this connection steps once it joined: its ``Replica``, ``RemoteModel`` or
+        ``ModelSteps`` (None before)."""
         return self._path
 
     @property
@@ -209,7 +185,7 @@ class Connection:
         self.session = self._join(model)
         return self.session
 
-    def _join(self, model: nn.Module | None) -> Session:
+    def _join(self, model: nn.Module | None) -> Session:  # a test's stand-in session replaces it
         session = join(self.config, self._pos if self.resumed or self._pos.first_join_tries else None, self._stop,
                        model, self._argv, build=self._builds, retry_first_join=self._retry_first_join)
         if self._pos.report is not None:
@@ -264,9 +240,14 @@ class Connection:
             owed = getattr(self.session.protocol, "owed_samples", lambda: None)()
             if owed is not None:
                 self._ledger.roll_back(owed, self.steps_per_epoch)
-            self._pos.report = asdict(self.session.report) if self.session.report is not None else None
-            self._unhook()
-            recover(self.session, self.config, e, self._pos, self._stop, self._run_before_rejoin, self._argv)
+            self._recover(e)
+
+    def _recover(self, error: BaseException) -> NoReturn:
+        """Hand the position to the rejoin (or end: evicted, lost), after a failed call."""
+        assert self.session is not None
+        self._pos.report = asdict(self.session.report) if self.session.report is not None else None
+        self._unhook()
+        recover(self.session, self.config, error, self._pos, self._stop, self._run_before_rejoin, self._argv)
 
     def before_rejoin(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` before this process re-executes itself to rejoin (``reconnect=True``):
@@ -418,15 +399,14 @@ class Connection:
     def _remote(self, what: str) -> RemoteModel:
         """The server's model, for ``ps.{what}`` (made here for a session joined with step='plain')."""
         session = self._joined(what)
+        if session.step_protocol != "plain" and what == "forward":
+            raise UsageError("ps.forward is the RPC tutorial's path: call ps.parameter_rrefs() first (no ps.replica)")
         if session.step_protocol != "plain":
             raise UsageError(f"ps.parameter_rrefs needs step='plain'; this connection trains with "
-                             f"{session.step_protocol!r} (ps.replica)" if what == "parameter_rrefs" else
-                             "ps.forward is the RPC tutorial's path: call ps.parameter_rrefs() first (no ps.replica)")
-        if self._path is None:
-            self._path = RemoteModel(self, session)
+                             f"{session.step_protocol!r} (ps.replica)")
+        self._path = self._path or RemoteModel(self, session)
         if not isinstance(self._path, RemoteModel):
-            raise UsageError(f"ps.{what} is the RPC tutorial's path; this connection steps with ps.train_step "
-                             "(ps.join())")
+            raise UsageError(f"ps.{what} is the RPC tutorial's path; this connection steps with ps.train_step")
         return self._path
 
     def _model_steps(self, what: str) -> ModelSteps:
@@ -434,7 +414,7 @@ class Connection:
         self._joined(what)
         if not isinstance(self._path, ModelSteps):
             raise UsageError(f"ps.{what} is psserver train's loop (ps.join()); this connection steps with "
-                             f"{'ps.step (ps.replica)' if isinstance(self._path, Replica) else 'ps.parameter_rrefs'}")
+                             f"{'ps.step (ps.replica)' if isinstance(self._path, Replica) else 'ps.forward'}")
         return self._path
 
     def __enter__(self) -> Connection:
@@ -458,11 +438,8 @@ class Connection:
         ``ServerLost`` (with ``reconnect``, the rejoin) instead of torch's C++ frames; nothing
         when the server says this trainer is a member (the error is the user's)."""
         assert self.session is not None
-        if diagnose(self.session, error) == FAILED:
-            return
-        self._pos.report = asdict(self.session.report) if self.session.report is not None else None
-        self._unhook()
-        recover(self.session, self.config, error, self._pos, self._stop, self._run_before_rejoin, self._argv)
+        if diagnose(self.session, error) != FAILED:
+            self._recover(error)
 
     def __repr__(self) -> str:
         name = self.session.name if self.session is not None else "not joined"

@@ -21,10 +21,10 @@ from torch import nn
 
 from psserver.errors import Evicted
 from psserver.models import ModelSpec
+from psserver.trainer.membership import Membership
 from psserver.trainer.recovery import FAILED, diagnose
 
 if TYPE_CHECKING:
-    from psserver.trainer.connection import Connection
     from psserver.trainer.session import Session
 
 
@@ -32,7 +32,7 @@ class ModelSteps:
     """The joined model, stepped a batch at a time by its step protocol (``psserver train``'s
     loop; a ``--entry`` loop may use it too): :meth:`train_step`."""
 
-    def __init__(self, ps: Connection, session: Session) -> None:
+    def __init__(self, ps: Membership, session: Session) -> None:
         self._ps = ps
         self._session = session
 

@@ -21,9 +21,9 @@ from psserver.common import torch_rpc
 from psserver.config import TrainerConfig
 from psserver.errors import UsageError
 from psserver.models.calling import input_batch_size
+from psserver.trainer.membership import Membership
 
 if TYPE_CHECKING:
-    from psserver.trainer.connection import Connection
     from psserver.trainer.session import Session
 
 
@@ -38,7 +38,7 @@ class RemoteModel:
     """The server's model, for PyTorch's RPC tutorial loop (``ps.parameter_rrefs()``,
     ``ps.forward(x)``): made by the connection once it joined with ``step='plain'``."""
 
-    def __init__(self, ps: Connection, session: Session) -> None:
+    def __init__(self, ps: Membership, session: Session) -> None:
         self._ps = ps
         self._session = session
 

@@ -25,9 +25,9 @@ from psserver.config import OptimizerConfig, TrainerConfig
 from psserver.errors import UsageError
 from psserver.trainer.counting import SampleCounter, sample_count
 from psserver.trainer.local_sgd import LocalSGD
+from psserver.trainer.membership import Membership
 
 if TYPE_CHECKING:
-    from psserver.trainer.connection import Connection
     from psserver.trainer.session import Session
 
 log = logging.getLogger(__name__)
@@ -64,13 +64,24 @@ def table_names(info: dict) -> list[str]:
 
 
 class Replica:
-    """The user's own loop on a replica (``ps.replica(model)``): :meth:`step`, or against a
-    server of ``--update diloco`` :meth:`sync` and :meth:`local_sgd`; :meth:`rows` for
-    embedding tables. Made by :meth:`Connection.replica` once the join answered with one of
-    its step protocols (pushpull, diloco); any other answer leaves and is a
+    """The user's own loop on a replica: :meth:`step`, or against a server of ``--update
+    diloco`` :meth:`sync` and :meth:`local_sgd`; :meth:`rows` for embedding tables.
+
+    ``ps.replica(model, optimizer=None)`` joins the server with ``model`` and returns it,
+    holding the server's parameters and buffers: its layout (names, shapes, dtypes of its
+    ``state_dict``) must be the server's, or it becomes the server's when the server holds none
+    yet (its values the initial ones). It moves to the connection's ``device``. Batches are
+    counted from its training forwards. A model made by ``torch.compile`` joins as the module
+    it wraps (``_orig_mod``: its layout and class are the server's, as an uncompiled trainer's
+    are), and the compiled module is returned, so the loop's forward stays compiled.
+    ``optimizer``: the one the server should run, as Horovod's wrapper takes it (a
+    ``torch.optim`` optimizer over ``model.parameters()``, one parameter group: its class and
+    hyperparameters travel, never its state), or an ``OptimizerConfig``. The first trainer's
+    choice sets a server started without ``--optimizer``; a different one is refused. A join
+    answered with a step protocol other than pushpull or diloco leaves and is a
     :class:`~psserver.errors.UsageError`."""
 
-    def __init__(self, ps: Connection, session: Session, compiled: nn.Module | None = None) -> None:
+    def __init__(self, ps: Membership, session: Session, compiled: nn.Module | None = None) -> None:
         if session.step_protocol not in PROTOCOLS:
             session.leave()
             raise UsageError(f"the server answered with --step {session.step_protocol}: ps.step needs pushpull "
