@@ -328,25 +328,14 @@ class Connection:
         return str(self._joined("update_mode").info["update"])
 
     def allreduce(self, value: float | torch.Tensor, name: str = "", op: str = "average") -> float | torch.Tensor:
-        """``value`` (a number or a small tensor) reduced over the job's live trainers through the
-        server, as Horovod's ``hvd.allreduce`` (``op``: ``average``, ``sum``, ``min``, ``max``):
-        for metrics, as Horovod's ``metric_average``, not gradients. Every trainer of the job
-        (:attr:`num_trainers`) calls it, in the same order (``name`` tells rounds apart); one
-        that left meanwhile is not waited for. The result comes back as ``value`` came (a float,
-        or a tensor of its dtype and device). A round that does not complete ends in a
-        :class:`UsageError` after half the RPC timeout, naming who is missing."""
+        """``value`` (a metric: a number or a small tensor) averaged, summed, min'ed or max'ed over
+        the job's live trainers through the server (:func:`~psserver.trainer.measure.allreduce`)."""
         return measure.allreduce(self._call, self._joined("allreduce"), value, name, op, self.num_trainers)
 
     def evaluate(self, data: Dataset | Iterable, *, metric: str | Callable | None = None,
                  loss_fn: Callable | None = None, batch_size: int = 1000) -> float:
-        """``metric`` (default accuracy; a name of ``psserver.utils.eval_metrics``, ``"loss"`` with
-        ``loss_fn``, or a callable ``(outputs, targets) -> float``) of the replica on the
-        server's current parameters, over ``data``: a ``Dataset`` of ``(input, target)`` or an
-        iterable of such batches. The replica is loaded from the server first (after this
-        trainer's last update landed: sync waits for its round), and left in training mode.
-        The batches' outputs are concatenated as the model returns them (a tensor along dim 0, a
-        tuple or dict member by member), so a model that returns a tuple or dict needs a callable
-        metric: a built-in one given such outputs is a :class:`UsageError`."""
+        """``metric`` (default accuracy) of the model on the server's current parameters over
+        ``data`` (:func:`~psserver.trainer.measure.evaluate`)."""
         return measure.evaluate(self._call, self._joined("evaluate").protocol, data, metric, loss_fn, batch_size)
 
     # ---- leaving ---------------------------------------------------------------------------

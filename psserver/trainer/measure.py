@@ -33,7 +33,13 @@ Call = Callable[[Callable[[], Any]], Any]
 
 def allreduce(call: Call, session: Session, value: float | torch.Tensor, name: str, op: str,
               num_trainers: int) -> float | torch.Tensor:
-    """``value`` reduced over the job's ``num_trainers`` through the server (``ps.allreduce``)."""
+    """``ps.allreduce``: ``value`` (a number or a small tensor) reduced over the job's live
+    trainers through the server, as Horovod's ``hvd.allreduce`` (``op``: ``average``, ``sum``,
+    ``min``, ``max``): for metrics, as Horovod's ``metric_average``, not gradients. Every trainer
+    of the job (``num_trainers``) calls it, in the same order (``name`` tells rounds apart); one
+    that left meanwhile is not waited for. The result comes back as ``value`` came (a float,
+    or a tensor of its dtype and device). A round that does not complete ends in a
+    :class:`~psserver.errors.UsageError` after half the RPC timeout, naming who is missing."""
     tensor = value if isinstance(value, torch.Tensor) else None
     if tensor is None and (isinstance(value, bool) or not isinstance(value, int | float)):
         raise UsageError(f"ps.allreduce: a value is a number or a tensor, not {type(value).__name__}")
@@ -59,7 +65,14 @@ def allreduce(call: Call, session: Session, value: float | torch.Tensor, name: s
 
 def evaluate(call: Call, protocol: Any, data: Dataset | Iterable, metric: str | Callable | None,
              loss_fn: Callable | None, batch_size: int) -> float:
-    """``metric`` of the model on the server's current parameters over ``data`` (``ps.evaluate``)."""
+    """``ps.evaluate``: ``metric`` (default accuracy; a name of ``psserver.utils.eval_metrics``,
+    ``"loss"`` with ``loss_fn``, or a callable ``(outputs, targets) -> float``) of the replica on
+    the server's current parameters, over ``data``: a ``Dataset`` of ``(input, target)`` or an
+    iterable of such batches. The replica is loaded from the server first (after this
+    trainer's last update landed: sync waits for its round), and left in training mode.
+    The batches' outputs are concatenated as the model returns them (a tensor along dim 0, a
+    tuple or dict member by member), so a model that returns a tuple or dict needs a callable
+    metric: a built-in one given such outputs is a :class:`~psserver.errors.UsageError`."""
     if callable(metric):
         fn = metric
     else:
