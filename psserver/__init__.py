@@ -16,9 +16,14 @@ Public names:
 
 - ``connect(address, *, rank, num_trainers, reconnect, ...)``: join a ``psserver serve`` job
   as a trainer; returns a ``Connection``.
-- ``Connection``: ``replica(model)``, ``sampler(dataset)``, ``step()``, ``evaluate(data)``,
-  ``lr``, ``global_step``, ``staleness``, ``epoch``, ``parameter_rrefs()`` and ``forward(x)``
-  (PyTorch's RPC tutorial loop), ``close()``.
+- ``Connection``: this process's membership: ``sampler(dataset)``, ``evaluate(data)``,
+  ``allreduce(value)``, ``lr``, ``global_step``, ``staleness``, ``epoch``, ``steps``,
+  ``samples``, ``before_rejoin(fn)``, ``close()``. It steps one of three ways, each an object of
+  its own (``ps.stepping``) whose methods it passes on: ``replica(model)`` makes a ``Replica``
+  (your own loop: ``step()``, ``sync()``, ``local_sgd()``, ``local_steps``, ``rows(ids)``,
+  ``tables``), ``parameter_rrefs()`` a ``RemoteModel`` (PyTorch's RPC tutorial loop:
+  ``forward(x)``), ``join()`` returns ``ModelSteps`` (``psserver train``'s loop:
+  ``train_step(x, y, samples=...)``).
 - ``DistributedOptimizer(ps, named_parameters, backward_passes_per_step=1)``: Horovod's and
   BytePS's optimizer wrapper, with ``synchronize()`` and ``skip_synchronize()`` for AMP.
 - ``UsageError``, ``ServerLost``, ``Evicted``: what the library raises.
@@ -36,7 +41,7 @@ __version__ = "0.1.0"
 __all__ = ["Connection", "DistributedOptimizer", "Evicted", "ServerLost", "UsageError", "connect"]
 
 _LAZY = {
-    "connect": "psserver.trainer.connection",
+    "connect": "psserver.trainer.library",
     "Connection": "psserver.trainer.connection",
     "DistributedOptimizer": "psserver.trainer.optimizer",
     "UsageError": "psserver.errors",

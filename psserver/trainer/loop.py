@@ -1,7 +1,9 @@
 """``psserver train --rank N``: join the server, train, evaluate, leave.
 
-The session with the server (join, heartbeat, leave, the channel of the step protocol) is
-``psserver.trainer.session``; this module is the training loop around it and its recovery.
+The loop is a client of the library (``psserver.trainer.connection``) like any other: a
+``Connection`` keeps the membership (join, leave, signals, the position, a failed call
+recovered) and the :class:`~psserver.trainer.model_steps.ModelSteps` that ``ps.join()``
+returns steps the joined model a batch at a time; only their documented members are used here.
 
 How a trainer's run ends early:
 - SIGTERM (Kubernetes, Slurm: preemption) or SIGINT: the step in flight finishes, what the
@@ -18,7 +20,6 @@ why).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -35,14 +36,13 @@ from torch.utils.data import IterableDataset, default_collate
 
 from psserver.config import TrainerConfig
 from psserver.data import Batches, check_batch, default_workers, load_dataset
-from psserver.errors import DataError, Evicted, UsageError
-from psserver.models import ModelSpec
+from psserver.errors import DataError, UsageError
 from psserver.models.calling import call_model, describe_input, input_batch_size, move_input
 from psserver.models.losses import loss_name
 from psserver.trainer.connection import Connection
-from psserver.trainer.recovery import FAILED, diagnose
+from psserver.trainer.model_steps import ModelSteps
 from psserver.trainer.rejoin import command_line
-from psserver.trainer.session import Session, remote_message
+from psserver.trainer.session import remote_message
 from psserver.trainer.stop_signals import Stopped
 from psserver.utils.cpus import share, usable_cpus
 from psserver.utils.eval_metrics import check_outputs, resolve_metric
@@ -70,15 +70,15 @@ class ThreadShare:
         self.threads = self.fixed or 1
         torch.set_num_threads(self.threads)
 
-    def update(self, session: Session, *, force: bool = False) -> None:
-        if self.fixed is not None or session.info.get("compute") != "trainer":
+    def update(self, joined: ModelSteps, *, force: bool = False) -> None:
+        if self.fixed is not None or joined.compute != "trainer":
             return
         now = time.monotonic()
         if not force and now < self._next:
             return
         self._next = now + self.INTERVAL_S
         try:
-            threads = share(self.cpus, session.host_trainers())
+            threads = share(self.cpus, joined.host_trainers())
         except (RuntimeError, TimeoutError):  # the step's own call reports a lost server
             return
         if threads != self.threads:
@@ -103,28 +103,26 @@ def run_trainer(config: TrainerConfig) -> int:
 
 def _train(ps: Connection) -> int:
     config = ps.config
-    session = ps.join()
-    spec = session.spec
+    joined = ps.join()
+    spec = joined.spec
     num_shards = ps.num_trainers
     if config.rank >= num_shards:
         raise UsageError(f"--rank {config.rank} must be < number of trainers {num_shards}")
     train_set, eval_set = load_dataset(config.data, spec.input_shape, spec.num_classes, spec.input_dtype)
-    metric, metric_fn = resolve_metric(config.metric, spec.metric, session.loss_fn)
-    _check_metric(session, eval_set, metric_fn)
-    data = _batches(config, train_set, session, rank=config.rank, num_replicas=num_shards)
+    metric, metric_fn = resolve_metric(config.metric, spec.metric, joined.loss_fn)
+    _check_metric(joined, eval_set, metric_fn)
+    data = _batches(config, train_set, joined, rank=config.rank, num_replicas=num_shards)
     ps.before_rejoin(data.close)  # its worker processes would outlive this process image
     freeze_long_lived()  # the data set and the RPC layer: no full collection rescans them mid-step
     try:
-        return _run(ps, data, eval_set, metric, metric_fn)
+        return _run(ps, joined, data, eval_set, metric, metric_fn)
     finally:
         data.close()
 
 
-def _run(ps: Connection, data: Batches, eval_set, metric: str, metric_fn: Callable) -> int:
+def _run(ps: Connection, joined: ModelSteps, data: Batches, eval_set, metric: str, metric_fn: Callable) -> int:
     """The training loop, evaluation and leave of :func:`_train`."""
-    config, session = ps.config, ps.session
-    assert session is not None
-    spec = session.spec
+    config = ps.config
     steps_per_epoch = data.steps_per_epoch  # None: an IterableDataset, whose epoch ends with its stream
     ps.steps_per_epoch = steps_per_epoch
     total: int | None = None if steps_per_epoch is None else steps_per_epoch * config.epochs
@@ -139,7 +137,7 @@ def _run(ps: Connection, data: Batches, eval_set, metric: str, metric_fn: Callab
                      data.samples_per_epoch, total)
     pos = ps.position
     threads = ThreadShare(config)
-    threads.update(session, force=True)
+    threads.update(joined, force=True)
     progress = Progress(total, desc=f"trainer {config.rank}", enabled=config.progress)
     if pos.steps:
         progress.update(pos.steps)
@@ -153,9 +151,9 @@ def _run(ps: Connection, data: Batches, eval_set, metric: str, metric_fn: Callab
                     ps.leave_on_signal()
                 if first:
                     check_batch(xb, yb, config.data.dataset)
-                threads.update(session)
-                check = (lambda e, x=xb, y=yb: _first_step_failed(session, config, spec, e, x, y)) if first else None
-                loss = ps.train_step(xb, yb, samples=_batch_len(xb, yb), on_failure=check)
+                threads.update(joined)
+                check = (lambda e, x=xb, y=yb: _first_step_failed(joined, config, e, x, y)) if first else None
+                loss = joined.train_step(xb, yb, samples=_batch_len(xb, yb), on_failure=check)
                 first = False
                 read += 1
                 if config.stats_out is not None:
@@ -174,12 +172,12 @@ def _run(ps: Connection, data: Batches, eval_set, metric: str, metric_fn: Callab
         progress.close()
         if ps.stop_signal is not None:
             ps.leave_on_signal()
-        _check_not_evicted(ps)
-        score = _evaluate(ps, eval_set, metric, metric_fn)
+        joined.check_not_evicted()
+        score = _evaluate(ps, joined, eval_set, metric, metric_fn)
     finally:
         progress.close()
-    if session.report is not None and metric == "accuracy":
-        session.report = dataclasses.replace(session.report, accuracy=score)
+    if metric == "accuracy":
+        joined.report_accuracy(score)
     ps.close()
     elapsed = time.monotonic() - pos.t_start
     mine = pos.samples - pos.samples_before  # a trainer started again by hand: what this process trained
@@ -192,43 +190,28 @@ def _run(ps: Connection, data: Batches, eval_set, metric: str, metric_fn: Callab
              "samples": pos.samples, "metric": metric, metric: score,
              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
              "rss_bytes": psutil.Process().memory_info().rss,
-             "row_payload_bytes": getattr(session.protocol, "row_payload", None)}))
+             "row_payload_bytes": joined.row_payload_bytes}))
     print(f"rank {config.rank} {metric} {score:.4f}", flush=True)
     return 0
 
 
-def _check_not_evicted(ps: Connection) -> None:
-    """``Evicted`` (exit 3, one line with the server's reason) when the server evicted this
-    trainer along with one of its last steps: no later call failed on it, and the run would
-    otherwise end as a success (exit 0, a metric of a model it no longer trains)."""
-    session = ps.session
-    assert session is not None
-    if session.evicted is None:
-        return
-    name = session.name
-    session.abandon()
-    raise Evicted(f"{name} was evicted by the psserver at {ps.config.server_host}:{ps.config.server_port} "
-                  f"with its last steps: {session.evicted}")
-
-
-def _batches(config: TrainerConfig, dataset, session: Session, *, rank: int = 0, num_replicas: int = 1,
+def _batches(config: TrainerConfig, dataset, joined: ModelSteps, *, rank: int = 0, num_replicas: int = 1,
              evaluate: bool = False) -> Batches:
     """The DataLoader of a trainer's shard (or of the whole held-out set, in order)."""
     workers = config.data.workers if config.data.workers is not None else default_workers(config.data)
     return Batches(dataset, name=config.data.dataset, batch_size=config.eval_batch_size if evaluate else
                    config.batch_size, rank=rank, num_replicas=num_replicas, shuffle=not evaluate,
-                   seed=config.data.seed, workers=workers, pin_memory=session.device.type == "cuda")
+                   seed=config.data.seed, workers=workers, pin_memory=joined.device.type == "cuda")
 
 
-def _evaluate(ps: Connection, eval_set, metric: str, metric_fn: Callable) -> float:
+def _evaluate(ps: Connection, joined: ModelSteps, eval_set, metric: str, metric_fn: Callable) -> float:
     """``metric`` over the whole held-out set (NaN, said in a log line, when there is none):
     the outputs of every batch concatenated, against the targets."""
-    config, session = ps.config, ps.session
-    assert session is not None
+    config = ps.config
     if eval_set is None:
         log.warning("dataset %s has no held-out set: evaluation skipped (%s nan)", config.data.dataset, metric)
         return math.nan
-    batches = _batches(config, eval_set, session, evaluate=True)
+    batches = _batches(config, eval_set, joined, evaluate=True)
     try:
         return ps.evaluate(batches.epoch(0), metric=metric_fn)
     except DataError as e:
@@ -237,13 +220,13 @@ def _evaluate(ps: Connection, eval_set, metric: str, metric_fn: Callable) -> flo
         batches.close()
 
 
-def _check_metric(session: Session, eval_set, metric_fn: Callable) -> None:
+def _check_metric(joined: ModelSteps, eval_set, metric_fn: Callable) -> None:
     """A user's model (``MODULE:ATTR``) may return a tuple or dict, which a built-in metric cannot
     score: one held-out sample through it now says so before training, not after the last
     epoch. A sample that does not go through is left to the first step to diagnose."""
-    if eval_set is None or session.spec.sparse or not is_reference(session.spec.name):
+    model = joined.model
+    if eval_set is None or model is None or joined.spec.sparse or not is_reference(joined.spec.name):
         return
-    model = session.model
     training = model.training
     try:
         sample = next(iter(eval_set)) if isinstance(eval_set, IterableDataset) else eval_set[0]
@@ -264,13 +247,13 @@ def _batch_len(x, y) -> int:
     return int(y.shape[0]) if isinstance(y, torch.Tensor) and y.dim() else input_batch_size(x)
 
 
-def _first_step_failed(session: Session, config: TrainerConfig, spec: ModelSpec, error: Exception, x, y) -> None:
+def _first_step_failed(joined: ModelSteps, config: TrainerConfig, error: Exception, x, y) -> None:
     """The first step failed: raise one line when the batch does not fit the model (its
     forward, or the loss, failed: locally, or on a server that is serving this trainer);
     return when the server is the problem (lost, or evicted this trainer: recovered as any step)."""
     if isinstance(error, UsageError):
         raise error
-    if isinstance(error, RuntimeError | TimeoutError) and diagnose(session, error) != FAILED:
+    if isinstance(error, RuntimeError | TimeoutError) and joined.lost_or_evicted(error):
         return
     text = str(error).strip()
     first_line = text.splitlines()[0] if text else ""
@@ -278,9 +261,9 @@ def _first_step_failed(session: Session, config: TrainerConfig, spec: ModelSpec,
     if line == first_line or not text:  # raised here
         line = f"{type(error).__name__}: {first_line}"
     log.debug("the first step failed", exc_info=error)
-    loss = loss_name(config.loss, spec.loss)
+    loss = loss_name(config.loss, joined.spec.loss)
     raise DataError(f"dataset {config.data.dataset} gives inputs of shape {describe_input(x)} and targets of shape "
-                    f"{describe_input(y)} that model {spec.name} with loss {loss} cannot "
+                    f"{describe_input(y)} that model {joined.spec.name} with loss {loss} cannot "
                     f"take: {line}") from None
 
 

@@ -4,8 +4,9 @@ already call ``opt.step()``.
 Horovod wraps the user's optimizer, averages the gradients across workers and steps that
 optimizer locally. On a parameter server the update is the server's (its one shared optimizer),
 so this optimizer holds no state of its own: ``step()`` sends the gradient in ``.grad`` and
-brings the server's fresh parameters back into the replica (``Connection.step``). What a
-Horovod loop does around it works unchanged:
+brings the server's fresh parameters back into the replica (``ps.step()``, the step of the
+connection's :class:`~psserver.trainer.replica.Replica`). What a Horovod loop does around it
+works unchanged:
 
 - ``backward_passes_per_step=K``: K backward passes accumulate (sum) into ``.grad``, then one
   ``step()`` sends one update (divide the loss by K, as in any accumulation loop, and K
@@ -24,18 +25,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from psserver.errors import UsageError
+from psserver.trainer.replica import Replica
 
 if TYPE_CHECKING:
     from psserver.trainer.connection import Connection
 
 log = logging.getLogger(__name__)
+
+_COUNTING: weakref.WeakKeyDictionary[Any, DistributedOptimizer] = weakref.WeakKeyDictionary()
+"""The wrapper whose hooks count backward passes, per connection: the last one made over it."""
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -71,10 +77,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._skip_sync = False
         self._synchronized = False
         self._mirrored = ps.lr
-        previous = getattr(ps, "_wrapper", None)
+        previous = _COUNTING.get(ps)
         if previous is not None:  # its hooks would count this one's passes against its own setting
             previous.remove_hooks()
-        ps._wrapper = self
+        _COUNTING[ps] = self
+        replica = getattr(ps, "stepping", None)
+        if isinstance(replica, Replica):  # a plain ps.step() between this one's steps restarts its count
+            replica.wrapped_by(self)
         self._hooks = [p.register_post_accumulate_grad_hook(self._count_pass) for p in params if p.requires_grad]
 
     def remove_hooks(self) -> None:

@@ -110,7 +110,7 @@ def test_connect_without_an_address_under_torchrun_is_a_usage_error(monkeypatch)
 
 
 def test_connect_takes_the_address_or_psserver_server_under_torchrun(monkeypatch):
-    from psserver.trainer.connection import _config
+    from psserver.trainer.library import _config
 
     _set(monkeypatch, **TORCHRUN)
     config = _config("10.0.0.9:29700", rank=None, num_trainers=None, token_file=None, step=None)

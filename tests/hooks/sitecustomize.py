@@ -81,15 +81,15 @@ _STEP_DELAY = os.environ.get("PSSERVER_TEST_STEP_DELAY")
 if _STEP_DELAY:
     import time
 
-    from psserver.trainer.connection import Connection
+    from psserver.trainer.model_steps import ModelSteps
 
-    _train_step = Connection.train_step
+    _train_step = ModelSteps.train_step
 
     def train_step(self, *args, **kwargs):
         time.sleep(float(_STEP_DELAY))
         return _train_step(self, *args, **kwargs)
 
-    Connection.train_step = train_step
+    ModelSteps.train_step = train_step
 
 _CKPT_FAULT = os.environ.get("PSSERVER_TEST_CKPT_FAULT_AFTER")
 

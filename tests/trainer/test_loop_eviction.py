@@ -1,6 +1,7 @@
 """A trainer the server evicts along with its last steps (its guard's notice came with a step's
 answer, and no later call failed on it) ends with exit code 3 and the server's reason, never as
-a success. In-process: the loop against a connection and a session that only record."""
+a success. In-process: the loop and its ``ModelSteps`` against a connection and a session that
+only record."""
 
 from __future__ import annotations
 
@@ -12,19 +13,30 @@ import torch
 from psserver.config import TrainerConfig
 from psserver.errors import Evicted
 from psserver.trainer import loop
+from psserver.trainer.model_steps import ModelSteps
 from psserver.trainer.rejoin import Position
 from psserver.trainer.session import EVICTION_NOTICE, Session
 
 
 class Told:
-    """A session told what the server says along with each call (``Session._told``)."""
+    """A session told what the server says along with each call (``Session._told``): its step
+    protocol's steps answer what a server's guard says of NaN gradients."""
 
     _told = Session._told
 
-    def __init__(self) -> None:
+    def __init__(self, evict_at: int | None) -> None:
         self.name, self.evicted, self.report, self.abandoned = "trainer_0_1", None, None, False
         self.info = {"compute": "server"}
         self.spec = SimpleNamespace(name="mlp", loss="cross_entropy")
+        self.protocol, self.steps, self.evict_at = self, 0, evict_at
+
+    def step(self, x, y) -> float:
+        self.steps += 1
+        notices = ["the server dropped a step of this trainer: its gradient norm is nan"]
+        if self.steps == self.evict_at:
+            notices.append(f"{EVICTION_NOTICE}sent 3 non-finite gradients in a row (--max-nonfinite-steps 3)")
+        self._told(notices)
+        return float("nan")
 
     def abandon(self) -> None:
         self.abandoned = True
@@ -40,21 +52,18 @@ class Batches:
 
 
 class Connection:
-    """Steps whose answers say what a server's guard says of NaN gradients."""
+    """What the loop and its ``ModelSteps`` use of a connection: they only record."""
 
-    def __init__(self, session: Told, evict_at: int | None) -> None:
+    def __init__(self) -> None:
         self.config = TrainerConfig(server_port=29500)
-        self.session, self.evict_at = session, evict_at
         self.position, self.resumed, self.stop_signal = Position(), False, None
         self.closed = self.evaluated = False
 
-    def train_step(self, x, y, *, samples: int, on_failure=None) -> float:
+    def _call(self, fn, on_failure=None):
+        return fn()
+
+    def _count_step(self, samples: int, loss) -> None:
         self.position.steps += 1
-        notices = ["the server dropped a step of this trainer: its gradient norm is nan"]
-        if self.position.steps == self.evict_at:
-            notices.append(f"{EVICTION_NOTICE}sent 3 non-finite gradients in a row (--max-nonfinite-steps 3)")
-        self.session._told(notices)
-        return float("nan")
 
     def evaluate(self, batches, metric) -> float:
         self.evaluated = True
@@ -66,16 +75,16 @@ class Connection:
 
 @pytest.mark.parametrize("evict_at", [3, 4])
 def test_an_eviction_told_with_the_last_steps_is_exit_3_with_its_reason(evict_at, capsys):
-    ps = Connection(Told(), evict_at)
+    ps, session = Connection(), Told(evict_at)
     with pytest.raises(Evicted, match=r"^trainer_0_1 was evicted by the psserver at 127.0.0.1:29500 with its last "
                                       r"steps: sent 3 non-finite gradients in a row \(--max-nonfinite-steps 3\)$"):
-        loop._run(ps, Batches(), None, "accuracy", lambda *a: 0.0)
-    assert ps.session.abandoned and not ps.evaluated and not ps.closed
+        loop._run(ps, ModelSteps(ps, session), Batches(), None, "accuracy", lambda *a: 0.0)
+    assert session.abandoned and not ps.evaluated and not ps.closed
     assert "accuracy" not in capsys.readouterr().out
 
 
 def test_a_run_without_an_eviction_ends_as_before(capsys):
-    ps = Connection(Told(), None)
-    assert loop._run(ps, Batches(), None, "accuracy", lambda *a: 0.0) == 0
-    assert ps.closed and not ps.session.abandoned
+    ps, session = Connection(), Told(None)
+    assert loop._run(ps, ModelSteps(ps, session), Batches(), None, "accuracy", lambda *a: 0.0) == 0
+    assert ps.closed and not session.abandoned
     assert "rank 0 accuracy nan" in capsys.readouterr().out
