@@ -260,7 +260,7 @@ def test_a_malformed_join_is_one_warning_line_and_a_refusal(endpoint, caplog):
                          ({"rank": True}, "its rank is a bool"), ({"layout": [1]}, "its layout is a list"),
                          ({"steps": -1}, "out of range"), ({"name": "x" * 2000}, "over 1024 characters")):
         reply = endpoint.join(dataclasses.replace(good, **change))
-        assert reply["error"] == f"malformed join request: {reply['error'].split(': ', 1)[1]}" and says in reply["error"]
+        assert reply["error"].startswith("malformed join request: ") and says in reply["error"], reply
     assert endpoint.join({"rank": 0})["error"] == "malformed join request: it is a dict"
     reply = endpoint.join(dataclasses.replace(good, values=[1, 2], optimizer={"nope": 1}))  # inside a field
     assert "error" in reply and not endpoint.membership.members
