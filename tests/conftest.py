@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.durations import longest_files_first
 from tests.procs import MNIST_DIR, free_port  # noqa: F401  (re-exported for tests)
 from tests.workers import LOCKS_ENV, MachineShare, auto_workers
 
@@ -21,6 +22,12 @@ _LOCKS = pytest.StashKey[Path]()
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return auto_workers()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest files first (``tests.durations``): with ``--no-loadscope-reorder`` xdist
+    hands them out in this order."""
+    longest_files_first(items)
 
 
 def _interrupt(signum: int, frame: object) -> None:
