@@ -15,7 +15,7 @@ from psserver.checkpoint import list_checkpoints, read_checkpoint
 from psserver.control.client import ControlClient, ControlError, ControlUnavailable
 from psserver.control.local_token import runtime_dir
 from psserver.control.v1 import control_pb2 as pb
-from tests.procs import Proc, cli, run
+from tests.procs import Proc, cli, run, slow_steps
 
 from .fakes import TOKEN
 
@@ -59,7 +59,7 @@ def test_status_during_training_then_stop_drains_and_checkpoints(procs, port, tm
         assert client.get_status().state == pb.SERVER_STATE_SERVING
 
         trainer = procs.trainer(port, 0, "--num-trainers", "1", "--epochs", "1000", "--max-steps", "100000",
-                                log=tmp_path / "trainer.log")
+                                log=tmp_path / "trainer.log", env=slow_steps(0.02))  # steps, not a busy core
         active = _wait_for(
             lambda: [t for t in client.list_trainers() if t.state == pb.TRAINER_STATE_ACTIVE and t.steps > 0],
             90, "an active trainer with steps", trainer,
@@ -153,7 +153,7 @@ def test_two_trainers_active_then_one_left_and_global_step_counts_updates(procs,
     with ControlClient(_control_address(server), timeout=10) as client:
         short = procs.trainer(port, 0, "--num-trainers", "2", "--epochs", "5", "--max-steps", "60",
                               "--compute", "server")
-        long = procs.trainer(port, 1, "--num-trainers", "2", "--epochs", "1000")
+        long = procs.trainer(port, 1, "--num-trainers", "2", "--epochs", "1000", env=slow_steps(0.02))
 
         def active():
             return {t.rank: t for t in client.list_trainers() if t.state == pb.TRAINER_STATE_ACTIVE and t.steps > 0}

@@ -148,7 +148,7 @@ def test_trainer_memory_does_not_grow_with_the_table(procs, tmp_path):
         port, server = servers[total]
         server.wait_for(r"serving \S+ on", timeout=120)
         out = tmp_path / f"{total}.json"
-        t = procs.trainer(port, 0, "--num-trainers", "1", "--max-steps", "150", *MOVIELENS, "--stats-out", str(out))
+        t = procs.trainer(port, 0, "--num-trainers", "1", "--max-steps", "50", *MOVIELENS, "--stats-out", str(out))
         assert t.wait(120) == 0, t.tail()
         rows = sum(s.rows for s in status_of(server).tables)
         assert rows >= total, rows

@@ -106,15 +106,17 @@ def crash_by_bytes(child: psutil.Process, port: int) -> None:
 def test_a_server_killed_three_times_and_crashed_by_bytes_loses_no_update(procs, port, state_dir):
     """Two trainers on mnist_cnn; the server SIGKILLed three times mid-training and once crashed
     by the bytes that crash TensorPipe: each restart continues at the step and samples it had
-    reached, both trainers finish at the bar, and no checkpoint directory is involved. The
+    reached, every step lands once, the model still learns (a sanity bar: the bit-equal weights
+    are the sync test's below), and no checkpoint directory is involved. The
     trainers overlap (``--overlap on``): a death can take a step in flight and one computed
     beside it, both made again, the one the dead process had applied not applied twice."""
     ctl = free_port()
     sup = procs.server(port, "--model", "mnist_cnn", "--supervise", "--state-dir", str(state_dir), control_port=ctl)
-    # 40 ms a step more: the 252 steps outlast the four deaths (in one CI run they ended before
-    # the fourth: the overlapped trainers are fast, a restart's pause is not).
-    trainers = [procs.trainer(port, r, "--num-trainers", "2", "--epochs", "4", "--reconnect", "--overlap", "on",
-                              *MNIST_ARGS, env=slow_steps(0.04)) for r in (0, 1)]
+    # 150 ms a step more: each trainer's 126 steps (19 s at least) outlast the four deaths, 3 s of
+    # training apart (in one CI run 252 steps at 40 ms ended before the fourth: the overlapped
+    # trainers are fast, a restart's pause is not); sleeping, not computing, on a busy machine.
+    trainers = [procs.trainer(port, r, "--num-trainers", "2", "--epochs", "2", "--reconnect", "--overlap", "on",
+                              *MNIST_ARGS, env=slow_steps(0.15)) for r in (0, 1)]
     for t in trainers:
         t.wait_for(JOINED, timeout=90)
     standby = int(sup.wait_for(r"standby server ready \(pid (\d+)\)", timeout=60)[1])
@@ -136,15 +138,15 @@ def test_a_server_killed_three_times_and_crashed_by_bytes_loses_no_update(procs,
         sup.wait_for(r"control plane health: SERVING", timeout=60, nth=death + 1)
     for t in trainers:
         assert t.wait(300) == 0, t.tail()
-        assert accuracy(t) >= 0.97
+        assert accuracy(t) >= 0.9
         assert "reconnected as" in t.output() and "Traceback" not in t.output()
         assert "overlap on: async: each step computes on the reply before the last" in t.output()
     assert sup.output().count("the server died of SIGKILL: restarting it from its state in memory") == 3
     assert len(re.findall(r"the server died of SIG\w+: restarting it from its state in memory", sup.output())) == 4
     assert f"supervising psserver serve (pid {standby}, the standby)" in sup.output()  # no imports to wait for
     assert procs.stop(sup) == 0, sup.tail()
-    # Every step of 2 trainers x 4 epochs x 63 batches applied once: none lost, none twice.
-    assert "psserver stopped at global step 504" in sup.output(), sup.tail()
+    # Every step of 2 trainers x 2 epochs x 63 batches applied once: none lost, none twice.
+    assert "psserver stopped at global step 252" in sup.output(), sup.tail()
     assert not any(state_dir.rglob("*.bin")), "a clean stop releases the state"
     standbys = [int(m) for m in re.findall(r"standby server ready \(pid (\d+)\)", sup.output())]
     assert not [p for p in standbys if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
