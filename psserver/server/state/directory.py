@@ -50,7 +50,10 @@ def open_root(root: Path, create: bool) -> int | None:
     if why is not None:
         raise MemoryStateError(f"--state-dir {root}: {why}; give --state-dir a directory of your own")
     if create:
-        root.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            root.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file where a directory is wanted, a loop of links, no permission
+            raise MemoryStateError(f"--state-dir {root}: cannot make {root.parent} ({e.strerror or e})") from None
     return _open_trusted(str(root), None, root, f"--state-dir {root}", create)
 
 
