@@ -397,6 +397,9 @@ def check_writable(directory: Path) -> None:
         raise CheckpointDirError(f"--checkpoint-dir {directory} cannot be created: {e.strerror or e}") from None
     if not directory.is_dir():
         raise CheckpointDirError(f"--checkpoint-dir {directory} is not a directory")
+    why = unsafe_parent(directory)  # again: a parent another user made while these were made is theirs
+    if why is not None:
+        raise CheckpointDirError(f"--checkpoint-dir {directory}: {why}; use a directory of your own")
     link = os.lstat(directory)
     if stat.S_ISLNK(link.st_mode) and link.st_uid not in (0, os.geteuid()):
         raise CheckpointDirError(f"--checkpoint-dir {directory} is a link of uid {link.st_uid}: that user can point it "

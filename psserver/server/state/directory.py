@@ -54,6 +54,9 @@ def open_root(root: Path, create: bool) -> int | None:
             root.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:  # a file where a directory is wanted, a loop of links, no permission
             raise MemoryStateError(f"--state-dir {root}: cannot make {root.parent} ({e.strerror or e})") from None
+        why = unsafe_parent(root)  # again: a parent another user made while these were made is theirs
+        if why is not None:
+            raise MemoryStateError(f"--state-dir {root}: {why}; give --state-dir a directory of your own")
     return _open_trusted(str(root), None, root, f"--state-dir {root}", create)
 
 
