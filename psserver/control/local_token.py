@@ -80,6 +80,9 @@ def open_private_dir(path: Path, *, create: bool) -> int | None:
                 os.mkdir(path, 0o700)
         except OSError as e:
             raise UsageError(f"cannot make the control token directory {path}: {e.strerror or e}") from None
+        why = unsafe_parent(path)  # again: a parent another user made while these were made is theirs
+        if why is not None:
+            raise _refuse("directory", path, f"is not safe: {why}")
     try:
         fd = os.open(path, DIR_FLAGS)
     except FileNotFoundError:
