@@ -102,6 +102,12 @@ def die_in_join() -> dict[str, str]:
     return _hooked(PSSERVER_TEST_DIE_IN_JOIN="1")
 
 
+def eof_in_first_join(once: Path) -> dict[str, str]:
+    """Environment of a trainer whose first ``init_rpc`` fails with "EOF", as one does while
+    another member leaves the RPC group, once (``once`` records it)."""
+    return _hooked(PSSERVER_TEST_EOF_IN_JOIN=str(once))
+
+
 def _hooked(**variables: str) -> dict[str, str]:
     """``variables`` with ``tests/hooks`` first on ``PYTHONPATH``, where Python finds its sitecustomize."""
     return {"PYTHONPATH": os.pathsep.join([str(HOOKS), str(ROOT), os.environ.get("PYTHONPATH", "")]), **variables}

@@ -18,6 +18,9 @@ of a checkpoint's temporary file, as a crash in the middle of the write would.
 
 With ``$PSSERVER_TEST_DIE_IN_JOIN=1``, a trainer dies (exit 9) inside ``init_rpc`` while it
 holds its RPC group's membership token, as a crash there would.
+
+With ``$PSSERVER_TEST_EOF_IN_JOIN=FILE``, a trainer's ``init_rpc`` fails with "EOF", as one
+does while another member leaves the group, once (FILE is written first).
 """
 
 from __future__ import annotations
@@ -75,6 +78,22 @@ if os.environ.get("PSSERVER_TEST_DIE_IN_JOIN"):
         os._exit(9)
 
     backend_registry._set_devices_and_reverse_device_map = die
+
+_EOF_ONCE = os.environ.get("PSSERVER_TEST_EOF_IN_JOIN")
+
+if _EOF_ONCE:
+    import torch.distributed.rpc as _rpc
+
+    _init_rpc = _rpc.init_rpc
+
+    def init_rpc(*args, **kwargs):
+        if not os.path.exists(_EOF_ONCE):
+            with open(_EOF_ONCE, "w") as f:
+                f.write(f"EOF injected in the join of pid {os.getpid()}\n")
+            raise RuntimeError("EOF: end of file (injected: another member left the group during this join)")
+        return _init_rpc(*args, **kwargs)
+
+    _rpc.init_rpc = init_rpc
 
 _STEP_DELAY = os.environ.get("PSSERVER_TEST_STEP_DELAY")
 

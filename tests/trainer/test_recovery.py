@@ -21,7 +21,7 @@ from psserver.trainer import recovery
 from psserver.trainer.rejoin import Position
 from psserver.trainer.session import JoinDeferred
 from psserver.trainer.stop_signals import StopSignals
-from tests.procs import free_port
+from tests.procs import eof_in_first_join, free_port
 
 
 def test_an_admission_nobody_answers_is_its_own_error():
@@ -175,3 +175,20 @@ def test_a_store_that_answers_late_is_waited_for_a_silent_port_is_a_usage_error(
             rendezvous._store_client("127.0.0.1", where, 10.0)
         with pytest.raises(TimeoutError):  # the caller's time ended first: not proof of silence
             rendezvous._store_client("127.0.0.1", where, 0.4)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_psserver_train_whose_first_join_fails_with_eof_joins_in_a_fresh_process(procs, port, tmp_path):
+    """End to end, without --reconnect: the failed join's process re-executes, its admission
+    (taken, never used) does not hold the rank, and the trainer runs to its end."""
+    server = procs.server(port, "--model", "mlp")
+    once = tmp_path / "once"
+    t = procs.trainer(port, 0, "--max-steps", "5", "--dataset", "synthetic", env=eof_in_first_join(once))
+    assert t.wait(120) == 0, t.tail()
+    assert once.exists()
+    out = t.output()
+    assert "while the server still listens: trying again in a fresh process" in out, out
+    assert "joining again in a fresh process (try 2 of 3)" in out and "Traceback" not in out, out
+    server.wait_for(r"trainer trainer_0_\d+ \(rank 0\) left after 5 steps", timeout=20)
+    assert procs.stop(server) == 0, server.tail()
