@@ -419,6 +419,11 @@ def test_links_are_followed_one_at_a_time_the_last_component_too(tmp_path):
     loop.symlink_to(loop)
     with pytest.raises(CheckpointDirError, match="too many levels of symbolic links"):
         check_writable(loop / "ck")
+    # A component not there yet, then '..': mkdir -p would make it and go on from there, into
+    # their link; refused before anything is made.
+    with pytest.raises(CheckpointDirError, match=rf"{their_link}, on the way to it, is a link of uid 65534"):
+        check_writable(tmp_path / "n9" / ".." / "sticky" / "theirs" / "made")
+    assert not (tmp_path / "n9").exists() and list(elsewhere.iterdir()) == []
     ok = tmp_path / "ok"
     ok.symlink_to(elsewhere)  # root's link to root's directory: taken
     check_writable(ok / "ck")

@@ -3,8 +3,12 @@ importable by both sides (and by the step protocols) without importing the endpo
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+from psserver.config.protocols import COMPUTE_MODES
+from psserver.config.trainer import OVERLAP_MODES, WIRE_DTYPES
 
 ALLREDUCE_OPS = ("average", "sum", "min", "max")
 """How ``ps.allreduce`` combines the trainers' values (``psserver.server.averages``)."""
@@ -84,7 +88,46 @@ class JoinRequest:
             return "its rank, steps or pid is out of range"
         if not all(len(v) <= 1024 for v in (self.name, self.host, self.transport_reason)):
             return "its name, host or transport reason is over 1024 characters"
+        for name in ("name", "host", "step", "compute", "wire_dtype", "device", "model", "transport",
+                     "transport_reason", "overlap"):
+            value = getattr(self, name)
+            if value is not None and not value.isprintable():
+                return f"its {name} is not one line of printable characters"
+        if self.compute is not None and self.compute not in COMPUTE_MODES:
+            return f"its compute is {self.compute[:20]!r}, not one of {', '.join(COMPUTE_MODES)}"
+        if self.wire_dtype not in WIRE_DTYPES or self.overlap not in OVERLAP_MODES:
+            return "its wire dtype or overlap is not one a trainer speaks"
+        for name in ("optimizer", "model_args"):
+            why = plain_data(getattr(self, name))
+            if why is not None:
+                return f"its {name} {why}"
         return None
+
+
+MAX_DEPTH, MAX_JSON_BYTES = 16, 1 << 16
+
+
+def plain_data(value: object) -> str | None:
+    """Why ``value`` is not small plain JSON data (what a model's arguments or an optimizer's
+    are: recorded in checkpoints, published, sent back with every join), else None."""
+    def depth(v: object, level: int) -> int:
+        if level > MAX_DEPTH:
+            return level
+        if isinstance(v, dict):
+            return max((depth(x, level + 1) for x in v.values()), default=level)
+        if isinstance(v, list | tuple):
+            return max((depth(x, level + 1) for x in v), default=level)
+        return level
+
+    if depth(value, 0) > MAX_DEPTH:
+        return f"is nested more than {MAX_DEPTH} deep"
+    try:
+        text = json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:
+        return f"is not plain JSON data ({str(e)[:60]})"
+    if len(text) > MAX_JSON_BYTES:
+        return f"is over {MAX_JSON_BYTES} bytes of JSON"
+    return None
 
 
 _JOIN_FIELDS: dict[str, tuple[type, ...]] = {

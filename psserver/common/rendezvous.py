@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch.distributed.rendezvous import register_rendezvous_handler
 
+from psserver.common.messages import plain_data
 from psserver.errors import AdmissionUnanswered, ServerUnavailable, UsageError, first_line
 
 log = logging.getLogger(__name__)
@@ -330,12 +331,19 @@ def model_info(store) -> dict:
     a psserver older than this trainer)."""
     if not store.check([KEY_MODEL]):
         raise UsageError("the server publishes no model (a psserver older than this trainer?)")
+    raw = store.get(KEY_MODEL)
+    if len(raw) > MAX_PUBLISHED_BYTES:
+        raise UsageError(f"the server's published model is over {MAX_PUBLISHED_BYTES} bytes: not what a psserver "
+                         "publishes")
     try:
-        info = json.loads(store.get(KEY_MODEL))
-    except ValueError:
+        info = json.loads(raw)
+    except (ValueError, RecursionError):
         raise UsageError("the server's published model is not readable JSON") from None
     if not isinstance(info, dict):
         raise UsageError("the server's published model is not a JSON object")
+    why = plain_data(info.get("model_args"))
+    if why is not None:
+        raise UsageError(f"the server's published model has model_args that {why}: not what a psserver publishes")
     for key, kinds, check in _PUBLISHED:
         value = info.get(key)
         if value is not None and (not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)
@@ -344,6 +352,8 @@ def model_info(store) -> dict:
                              f"({json.dumps(value)[:60]}): not what a psserver publishes")
     return info
 
+
+MAX_PUBLISHED_BYTES = 1 << 20
 
 _PUBLISHED: tuple[tuple[str, tuple[type, ...], Any], ...] = (
     ("model", (str,), lambda v: 0 < len(v) <= 1024),

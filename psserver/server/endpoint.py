@@ -128,8 +128,9 @@ class Endpoint:
         step = self._protocol_of(request)
         half = self.halves[step]
         cfg = self.config
-        self._accept_model(request, step)
+        # What can refuse the join without changing the server, before the model is taken.
         requested = OptimizerConfig(**request.optimizer) if request.optimizer else None
+        self._accept_model(request, step)
         optimizer = self.engine.agree_optimizer(requested, request.name)
         join_info = half.join_info(request.name, request)
         try:

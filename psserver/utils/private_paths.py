@@ -59,8 +59,9 @@ def unsafe_parent(path: Path) -> str | None:
         candidate = current / part
         try:
             st = os.lstat(candidate)
-        except OSError:
-            break  # not there yet: made by this user, 0700
+        except OSError:  # not there yet: this user makes it; the walk goes on (a '..' after it, say)
+            current = candidate
+            continue
         if stat.S_ISLNK(st.st_mode):
             if st.st_uid not in (0, uid):
                 return f"{candidate}, on the way to it, is a link of uid {st.st_uid}: that user can point it elsewhere"

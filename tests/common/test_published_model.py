@@ -42,3 +42,18 @@ def test_a_forged_field_is_one_line_naming_it(store, key, value):
     traceback file) before any check."""
     with pytest.raises(UsageError, match=rf"the server's published model has a malformed '{key}'"):
         published(store, **{key: value})
+
+
+def test_a_value_nested_past_the_parser_or_too_large_is_one_line(store):
+    """A forged value of 100,000 nested brackets made psserver train exit 1 (RecursionError)."""
+    store.set(rendezvous.KEY_MODEL, '{"model": "mlp", "model_args": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(UsageError, match="not readable JSON"):
+        rendezvous.model_info(store)
+    with pytest.raises(UsageError, match="model_args that is nested more than 16 deep"):
+        nested: list = [1]
+        for _ in range(20):
+            nested = [nested]
+        published(store, model_args={"a": nested})
+    store.set(rendezvous.KEY_MODEL, json.dumps({**SERVED, "host_id": "x" * (2 << 20)}))
+    with pytest.raises(UsageError, match="over 1048576 bytes"):
+        rendezvous.model_info(store)

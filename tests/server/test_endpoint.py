@@ -266,3 +266,31 @@ def test_a_malformed_join_is_one_warning_line_and_a_refusal(endpoint, caplog):
     assert "error" in reply and not endpoint.membership.members
     assert all(r.levelname == "WARNING" and "Traceback" not in r.getMessage() and not r.exc_info
                for r in caplog.records if r.name.startswith("psserver")), caplog.text
+
+
+def test_a_refused_first_join_leaves_a_server_without_a_model_without_one(caplog):
+    """A forged first join whose model arguments were nested 3,000 deep was refused, but its
+    model was taken first: every later join then failed to pickle its reply (RecursionError),
+    the server unusable until restarted. Whatever refuses a join is checked before the model
+    is taken; a model's arguments, a host, a compute mode no trainer sends are refusals."""
+    cfg = ServerConfig(model=None, devices=["cpu"], optimizer=OptimizerConfig())
+    engine = StepEngine(cfg, resolve_devices(cfg.devices))
+    ep = Endpoint(cfg, engine, {name: half(engine) for name, half in HALVES.items()}, after_call=lambda: None)
+    ep.open(Members())  # type: ignore[arg-type]
+    try:
+        deep: dict = {}
+        for _ in range(3000):
+            deep = {"k": deep}
+        first = join_request(0, "t", step="pushpull", compute=None, values=True)
+        for change, says in (({"model_args": deep}, "model_args is nested more than 16 deep"),
+                             ({"model_args": {"a": b"xx"}}, "model_args is not plain JSON data"),
+                             ({"compute": "gpu"}, "its compute is 'gpu'"),
+                             ({"host": "vm\n2026 ERROR forged"}, "its host is not one line"),
+                             ({"optimizer": {"name": "adam", "nope": 1}}, "malformed join request")):
+            reply = ep.join(dataclasses.replace(first, **change))
+            assert says in reply.get("error", ""), (change, reply)
+            assert not engine.has_model, change
+        assert "error" not in ep.join(first) and engine.has_model
+        assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
+    finally:
+        engine.close()

@@ -52,7 +52,10 @@ def open_root(root: Path, create: bool) -> int | None:
     if create:
         try:
             root.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:  # a file where a directory is wanted, a loop of links, no permission
+        except FileExistsError:
+            raise MemoryStateError(f"--state-dir {root}: cannot make {root.parent}: it, or a directory above it, is "
+                                   "a file") from None
+        except OSError as e:  # a loop of links, no permission
             raise MemoryStateError(f"--state-dir {root}: cannot make {root.parent} ({e.strerror or e})") from None
         why = unsafe_parent(root)  # again: a parent another user made while these were made is theirs
         if why is not None:

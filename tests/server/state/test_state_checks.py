@@ -457,5 +457,6 @@ def test_a_tensor_the_file_cannot_hold_turns_the_state_off_in_one_line_not_every
 def test_a_file_where_a_parent_directory_should_be_is_one_line(tmp_path):
     """It was exit 1 with a bare 'File exists'."""
     (tmp_path / "afile").write_text("")
-    with pytest.raises(MemoryStateError, match=r"--state-dir \S+/afile/x: cannot make \S+/afile \(File exists\)"):
+    with pytest.raises(MemoryStateError, match=r"--state-dir \S+/afile/x: cannot make \S+/afile: it, or a directory "
+                                               r"above it, is a file"):
         MemoryState(MemoryStateConfig(tmp_path / "afile" / "x", "k"), 0).prepare()
