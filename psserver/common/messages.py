@@ -4,11 +4,12 @@ importable by both sides (and by the step protocols) without importing the endpo
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
 from psserver.config.protocols import COMPUTE_MODES
-from psserver.config.trainer import OVERLAP_MODES, WIRE_DTYPES
+from psserver.config.trainer import OVERLAP_MODES, TRANSPORTS, WIRE_DTYPES
 
 ALLREDUCE_OPS = ("average", "sum", "min", "max")
 """How ``ps.allreduce`` combines the trainers' values (``psserver.server.averages``)."""
@@ -86,13 +87,15 @@ class JoinRequest:
                 return f"its {f.name} is a {type(value).__name__}"
         if not 0 <= self.rank < 2**31 or not 0 <= self.steps < 2**53 or not 0 <= self.pid < 2**31:
             return "its rank, steps or pid is out of range"
-        if not all(len(v) <= 1024 for v in (self.name, self.host, self.transport_reason)):
-            return "its name, host or transport reason is over 1024 characters"
         for name in ("name", "host", "step", "compute", "wire_dtype", "device", "model", "transport",
                      "transport_reason", "overlap"):
             value = getattr(self, name)
-            if value is not None and not value.isprintable():
-                return f"its {name} is not one line of printable characters"
+            if value is not None and (not value.isprintable() or len(value) > 1024):
+                return f"its {name} is not one line of at most 1024 printable characters"
+        if re.fullmatch(rf"trainer_{self.rank}_\d{{1,18}}", self.name) is None:
+            return f"its name {self.name[:40]!r} is not a trainer's of rank {self.rank} (trainer_{self.rank}_N)"
+        if self.transport not in TRANSPORT_PATHS:
+            return f"its transport {self.transport[:20]!r} is not one of {', '.join(TRANSPORT_PATHS)}"
         if self.compute is not None and self.compute not in COMPUTE_MODES:
             return f"its compute is {self.compute[:20]!r}, not one of {', '.join(COMPUTE_MODES)}"
         if self.wire_dtype not in WIRE_DTYPES or self.overlap not in OVERLAP_MODES:
@@ -105,6 +108,8 @@ class JoinRequest:
 
 
 MAX_DEPTH, MAX_JSON_BYTES = 16, 1 << 16
+TRANSPORT_PATHS = tuple(t for t in TRANSPORTS if t != "auto")
+"""The paths a trainer's flat buffers take, as a join names them (``auto`` is chosen before)."""
 
 
 def plain_data(value: object) -> str | None:

@@ -224,8 +224,8 @@ def values_of(model: nn.Module, layout: ModelLayout) -> list[torch.Tensor]:
 def _check_entry(e: Entry) -> None:
     """``ValueError`` for an entry that no tensor can have: dimensions that are not ints >= 0
     (or too many of them), a name that is no dtype, a parameter that is not floating point."""
-    if not isinstance(e.key, str):
-        raise ValueError(f"bad entry {_short(e.key)}")
+    if not isinstance(e.key, str) or not e.key.isprintable() or not 0 < len(e.key) <= 1024:
+        raise ValueError(f"bad entry {_short(e.key)}: a key is one line of printable characters")
     if len(e.shape) > MAX_DIMS or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
                                           for n in e.shape):
         raise ValueError(f"bad shape of {e.key!r}: {_short(list(e.shape))}")

@@ -130,6 +130,11 @@ class Endpoint:
         cfg = self.config
         # What can refuse the join without changing the server, before the model is taken.
         requested = OptimizerConfig(**request.optimizer) if request.optimizer else None
+        refusal = self.engine.optimizer_refusal(requested)
+        if refusal is not None:
+            raise ValueError(refusal)
+        if self.membership.is_member(request.name):  # each join takes a fresh name: this one is another's
+            raise ValueError(f"{request.name} is a member already")
         self._accept_model(request, step)
         optimizer = self.engine.agree_optimizer(requested, request.name)
         join_info = half.join_info(request.name, request)

@@ -366,12 +366,19 @@ class StepEngine:
                     s.init_optimizer(self.optimizer_config)
                 self._attach_schedule(schedule)
                 log.info("optimizer %s (set by %s)", self.optimizer_config.describe(), who)
-            elif requested is not None and requested != self.optimizer_config:
-                raise ValueError(
-                    f"this server trains with {self.optimizer_config.describe()}; "
-                    f"trainer asked for {requested.describe()} (omit the optimizer flags to use the server's)"
-                )
+            else:
+                refusal = self.optimizer_refusal(requested)
+                if refusal is not None:
+                    raise ValueError(refusal)
             return self.optimizer_config
+
+    def optimizer_refusal(self, requested: OptimizerConfig | None) -> str | None:
+        """Why a trainer asking for ``requested`` is refused, the server's optimizer being set
+        (its ``--optimizer``, or the first trainer's), else None; nothing changes."""
+        if requested is None or self.optimizer_config is None or requested == self.optimizer_config:
+            return None
+        return (f"this server trains with {self.optimizer_config.describe()}; trainer asked for "
+                f"{requested.describe()} (omit the optimizer flags to use the server's)")
 
     def _make_schedule(self, optimizer: OptimizerConfig) -> LRSchedule | None:
         """The schedule of ``--lr-schedule`` on ``optimizer`` (None: none); ``UserCodeError``."""

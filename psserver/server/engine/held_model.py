@@ -86,8 +86,10 @@ def check_values(layout: ModelLayout, values: Sequence[torch.Tensor]) -> None:
         raise ValueError(f"{len(values) if isinstance(values, list | tuple) else type(values).__name__} initial "
                          f"values for a model of {len(layout.entries)} tensors")
     for e, v in zip(layout.entries, values, strict=True):
-        if not isinstance(v, torch.Tensor) or tuple(v.shape) != e.shape or v.dtype != e.torch_dtype:
-            got = f"{list(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else type(v).__name__
+        if not isinstance(v, torch.Tensor) or v.layout != torch.strided or tuple(v.shape) != e.shape \
+                or v.dtype != e.torch_dtype:
+            got = (f"{list(v.shape)} {v.dtype}" + ("" if v.layout == torch.strided else f" {v.layout}")
+                   if isinstance(v, torch.Tensor) else type(v).__name__)
             raise ValueError(f"initial value of {e.key} is {got}, its layout says {list(e.shape)} {e.dtype}")
         if v.is_complex():  # buffers travel as one float64 tensor: the imaginary part would be lost
             raise ValueError(f"initial value of {e.key} is complex, which the server does not hold")
