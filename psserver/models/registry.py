@@ -189,6 +189,21 @@ def build_model(model: str | ModelSpec, seed: int = 0, embedding_dim: int | None
     return built
 
 
+def model_bytes(spec: ModelSpec, embedding_dim: int | None = None) -> int | None:
+    """The bytes of the state ``spec`` builds, sized on the meta device (nothing allocated); None
+    when its code cannot run there. A trainer sizes a model someone else named before it builds
+    it: its arguments (a vocabulary of 10^8, say) decide the memory that takes."""
+    positional = (embedding_dim or spec.embedding_dim,) if spec.sparse else ()
+    try:
+        with torch.device("meta"):
+            built = call_user(spec.build, positional, spec.args, f"--model {spec.name}")
+    except Exception:  # noqa: BLE001 - code that needs real values: built for real, as before
+        return None
+    if not isinstance(built, nn.Module):
+        return None
+    return sum(t.numel() * t.element_size() for t in built.state_dict().values())
+
+
 def _check_built(model: nn.Module, spec: ModelSpec) -> None:
     """``UserCodeError`` (one line) for a model no trainer or server can hold: one with a tensor
     on the meta device (no values to send or train), or, dense, with no parameter at all (a

@@ -30,9 +30,11 @@ from psserver.errors import ServerUnavailable, UsageError
 from psserver.models import ModelSpec, build_model, get_model_spec
 from psserver.models.layout import ModelLayout, values_of
 from psserver.models.losses import resolve_loss
+from psserver.models.registry import model_bytes
 from psserver.trainer.steps import TrainerHalf, trainer_half
 from psserver.trainer.stop_signals import StopSignals
 from psserver.utils.cpp_log import quiet_cpp_warnings
+from psserver.utils.memory import available_memory
 from psserver.utils.references import is_reference
 
 log = logging.getLogger(__name__)
@@ -336,6 +338,7 @@ def choose_model(config: TrainerConfig, published: dict) -> ModelSpec:
                              "code that a peer named; give this trainer its model yourself (--model MODULE:ATTR of "
                              "your own code, or ps.replica(model))")
         spec = get_model_spec(name, published.get("model_args"))
+        check_fits(spec, published.get("embedding_dim"))
     elif published.get("fingerprint") is not None and (brought, published.get("model_args") or {}) != (DEFAULT_MODEL,
                                                                                                        {}):
         raise UsageError(brought_model_refusal(brought))
@@ -345,6 +348,18 @@ def choose_model(config: TrainerConfig, published: dict) -> ModelSpec:
         raise UsageError(f"model {spec.name} keeps embedding tables on the servers, which a server started without "
                          f"--model cannot hold: start psserver serve with --model {spec.name}")
     return spec
+
+
+def check_fits(spec: ModelSpec, embedding_dim: int | None) -> None:
+    """``UsageError`` before building the server's model when twice its bytes (the replica and
+    its gradients) exceed what this process may allocate: the arguments come from the store,
+    which anyone reaching it without a join token can write, and a vocabulary of 10^8 would
+    otherwise be built first (gigabytes) and refused after."""
+    size = model_bytes(spec, embedding_dim)
+    available = available_memory()
+    if size is not None and 2 * size > available:
+        raise UsageError(f"the server's model {spec.name} with {printable(spec.args)} is {size / 2**30:.1f} GiB: a "
+                         f"replica and its gradients exceed the {available / 2**30:.1f} GiB this trainer may allocate")
 
 
 def names_code(published: dict) -> bool:

@@ -59,6 +59,18 @@ def test_a_pinned_model_is_built_and_a_trainers_own_model_wins():
     assert choose_model(TrainerConfig(), {"model": None, "fingerprint": None}).name == "mnist_cnn"
 
 
+def test_a_pinned_model_too_large_for_this_trainer_is_refused_before_it_is_built(monkeypatch):
+    """Arguments forged in the store (a vocabulary of 2*10^7) had psserver train build 5.5 GB
+    before any refusal: the model is sized on the meta device first."""
+    from psserver.trainer import session
+
+    monkeypatch.setattr(session, "available_memory", lambda: 2**30)
+    with pytest.raises(UsageError, match=r"the server's model llama_tiny .* is 4\.8 GiB: a replica and its gradients "
+                                         r"exceed the 1\.0 GiB this trainer may allocate"):
+        choose_model(TrainerConfig(), published("llama_tiny", True, {"vocab": 20_000_000, "dim": 64}))
+    assert choose_model(TrainerConfig(), published("mlp", True)).name == "mlp"  # 0.9 MB: built
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
