@@ -133,6 +133,7 @@ class Endpoint:
         refusal = self.engine.optimizer_refusal(requested)
         if refusal is not None:
             raise ValueError(refusal)
+        half.check_join(request)
         if self.membership.is_member(request.name):  # each join takes a fresh name: this one is another's
             raise ValueError(f"{request.name} is a member already")
         self._accept_model(request, step)

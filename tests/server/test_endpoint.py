@@ -277,7 +277,7 @@ def test_a_refused_first_join_leaves_a_server_without_a_model_without_one(caplog
     model was taken first: every later join then failed to pickle its reply (RecursionError),
     the server unusable until restarted. Whatever refuses a join is checked before the model
     is taken; a model's arguments, a host, a compute mode no trainer sends are refusals."""
-    cfg = ServerConfig(model=None, devices=["cpu"], optimizer=OptimizerConfig())
+    cfg = ServerConfig(model=None, devices=["cpu"], optimizer=OptimizerConfig(), update="sync", sync_trainers=2)
     engine = StepEngine(cfg, resolve_devices(cfg.devices))
     ep = Endpoint(cfg, engine, {name: half(engine) for name, half in HALVES.items()}, after_call=lambda: None)
     ep.open(Members())  # type: ignore[arg-type]
@@ -290,7 +290,9 @@ def test_a_refused_first_join_leaves_a_server_without_a_model_without_one(caplog
                              ({"model_args": {"trainer_0_2": b"xx"}}, "model_args is not plain JSON data"),
                              ({"compute": "gpu"}, "its compute is 'gpu'"),
                              ({"host": "vm\n2026 ERROR forged"}, "its host is not one line"),
-                             ({"optimizer": {"name": "adam", "nope": 1}}, "malformed join request")):
+                             ({"optimizer": {"name": "adam", "nope": 1}}, "malformed join request"),
+                             ({"optimizer": {"name": "sgd"}}, "this server trains with adam"),
+                             ({"overlap": "on"}, "--overlap on: not with sync mode")):
             reply = ep.join(dataclasses.replace(first, **change))
             assert says in reply.get("error", ""), (change, reply)
             assert not engine.has_model, change

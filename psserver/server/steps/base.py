@@ -39,6 +39,10 @@ class ServerHalf:
     def __init__(self, engine: StepEngine) -> None:
         self.engine = engine
 
+    def check_join(self, request: JoinRequest) -> None:
+        """``ValueError`` for a join this half would refuse, checked before the server changes
+        anything for it (a first trainer's model is taken only once nothing can refuse it)."""
+
     def join_info(self, trainer: str, request: JoinRequest) -> dict[str, Any]:
         """What the trainer half needs from the server, added to the join reply (``ValueError``
         refuses the join)."""

@@ -47,6 +47,10 @@ class PushPullServer(TrainerComputeServer):
         self._parts_lock = threading.Lock()
         self._parts: dict[str, GradientParts] = {}
 
+    def check_join(self, request) -> None:
+        super().check_join(request)
+        self._overlap(request)
+
     def join_info(self, trainer: str, request) -> dict:
         overlap = self._overlap(request)  # a refusal before anything is kept of the trainer
         info = {**super().join_info(trainer, request), "overlap": overlap, "parts": self._takes_parts}

@@ -51,9 +51,14 @@ class TrainerComputeServer(ServerHalf):
     """Whether this protocol sends its flat buffers as the trainer's transport says (one that
     does not carries them through host memory: such a trainer is told it is ``cpu``)."""
 
-    def join_info(self, trainer: str, request: JoinRequest) -> dict:
-        if request.transport not in PATHS:  # before anything is kept of the trainer
+    def check_join(self, request: JoinRequest) -> None:
+        if request.transport not in PATHS:
             raise ValueError(f"unknown transport {str(request.transport)[:40]!r}; known: {', '.join(PATHS)}")
+        if request.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"unknown wire dtype {str(request.wire_dtype)[:20]!r}; known: {', '.join(WIRE_DTYPES)}")
+
+    def join_info(self, trainer: str, request: JoinRequest) -> dict:
+        self.check_join(request)  # before anything is kept of the trainer
         self.set_wire_dtype(trainer, request.wire_dtype)
         info = {**super().join_info(trainer, request), "shard_params": [len(s.params) for s in self.engine.shards],
                 "transport": self._set_transport(trainer, request)}
