@@ -1,8 +1,9 @@
 """Two tests at a time (pytest-xdist), and the tests that need the machine to themselves.
 
-Most of the suite's time is real processes waiting: for a heartbeat to be missed, a server to
-come back, a rate-limited link. Two xdist workers (``-n auto``, at most 2: the suite is sized for
-the 2-core CI machine) fill those waits with another test. A test whose assertion is a time or a
+The suite's tests start real processes (servers, trainers, each importing torch) and wait on them:
+for a heartbeat to be missed, a server to come back, a rate-limited link. Two xdist workers
+(``-n auto``, at most 2: the suite is sized for the 2-core CI machine, which one worker alone
+keeps 97 % busy) run two tests at a time. A test whose assertion is a time or a
 rate measured on this machine (a restart pause, a bandwidth ratio, an alert's firing window)
 carries ``@pytest.mark.alone``: it waits until the other worker is between tests and keeps it
 there until it is done.
