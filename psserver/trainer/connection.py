@@ -60,12 +60,14 @@ class Connection:
 
     def __init__(self, config: TrainerConfig, *, handle_signals: bool = True, announce_errors: bool = True,
                  rejoin_command: Callable[[], list[str] | None] = script_command_line,
-                 retry_first_join: bool = False) -> None:
+                 retry_first_join: bool = True) -> None:
         """``announce_errors``: log that the connection leaves because of an exception (False: a
         command reports it). ``rejoin_command``: the command line a rejoin re-executes (this
         script's; ``psserver train``'s, None when the CLI runs in-process: never re-executed).
-        ``retry_first_join``: a first join that failed as the RPC group changed under it is tried
-        again in a fresh process without ``reconnect`` too (``psserver train``)."""
+        ``retry_first_join``: a first join whose ``init_rpc`` failed as the RPC group changed under
+        it (two trainers starting together, or one leaving: "EOF") runs this command line again,
+        at most 3 times, without ``reconnect`` too: nothing was trained yet, and the alternative is
+        a script that fails at random when its job starts."""
         self.config = config
         self._announce = announce_errors
         configure_host_allocator(config.allocator)

@@ -92,7 +92,7 @@ def run_trainer(config: TrainerConfig) -> int:
     The loop is a user of the library's :class:`~psserver.trainer.connection.Connection`, as
     any user's own loop is: one membership, one recovery, one way to leave."""
     try:
-        with Connection(config, announce_errors=False, rejoin_command=command_line, retry_first_join=True) as ps:
+        with Connection(config, announce_errors=False, rejoin_command=command_line) as ps:
             return _train(ps)
     except Stopped as s:
         log.warning("received %s %s: exiting (exit %d)", signal.Signals(s.signum).name, s.why, s.code)

@@ -76,11 +76,11 @@ def join(config: TrainerConfig, position: Position | None, stop: StopSignals, mo
     """The first join; or, in a trainer re-executed to rejoin, the rejoin, tried until the
     server takes it (each try waits up to ``--connect-timeout`` for a server that is starting).
 
-    ``retry_first_join`` (``psserver train``): without ``--reconnect`` too, a first join whose
-    ``init_rpc`` failed while its server still listens is tried again in a fresh process, at most
-    ``FIRST_JOIN_TRIES`` times: torch's dynamic RPC group calls every member during a join, and
-    one leaving meanwhile (a trainer the server refused) fails it with "EOF" before anything
-    trained."""
+    ``retry_first_join``: without ``--reconnect`` too, a first join whose ``init_rpc`` failed
+    while its server still listens is tried again in a fresh process (``argv``: none when the
+    command line is not known, as inside a test runner), at most ``FIRST_JOIN_TRIES`` times:
+    torch's dynamic RPC group calls every member during a join, and one joining or leaving
+    meanwhile fails it with "EOF" before anything trained."""
     if position is None or position.first_join_tries:
         tries = position.first_join_tries if position is not None else 0
         if tries:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import socket
+import sys
 import threading
 import time
 
@@ -63,8 +64,8 @@ def test_a_first_join_whose_server_went_away_rejoins_under_reconnect(monkeypatch
 
 def test_a_first_join_the_rpc_group_changed_under_is_tried_again_a_bounded_number_of_times(monkeypatch):
     """A trainer whose ``init_rpc`` ran while a refused trainer left the group exited 2 with
-    "EOF" (without ``--reconnect``). ``psserver train`` tries again in a fresh process while the
-    server listens, at most ``FIRST_JOIN_TRIES`` processes; a library script is not re-executed."""
+    "EOF" (without ``--reconnect``). ``psserver train`` and a library script try again in a fresh
+    process while the server listens, at most ``FIRST_JOIN_TRIES`` processes."""
     lost = recovery.JoinLost("cannot join the RPC group of 127.0.0.1:1: EOF: end of file")
     sessions = []
 
@@ -95,8 +96,8 @@ def test_a_first_join_the_rpc_group_changed_under_is_tried_again_a_bounded_numbe
         with pytest.raises(recovery.JoinLost):  # the last process: its one line
             recovery.join(config, positions[-1], None, argv=argv, retry_first_join=True)
         assert len(positions) == recovery.FIRST_JOIN_TRIES - 1
-        with pytest.raises(recovery.JoinLost):  # a library script without reconnect: never re-executed
-            recovery.join(config, None, None, argv=argv)
+        with pytest.raises(recovery.JoinLost):  # asked not to: never re-executed
+            recovery.join(config, None, None, argv=argv, retry_first_join=False)
         with pytest.raises(recovery.JoinLost):  # psserver train run in-process: nothing to re-execute
             recovery.join(config, None, None, argv=None, retry_first_join=True)
         lost = JoinDeferred("the psserver at here:1 refused the join for now")
@@ -191,4 +192,20 @@ def test_psserver_train_whose_first_join_fails_with_eof_joins_in_a_fresh_process
     assert "while the server still listens: trying again in a fresh process" in out, out
     assert "joining again in a fresh process (try 2 of 3)" in out and "Traceback" not in out, out
     server.wait_for(r"trainer trainer_0_\d+ \(rank 0\) left after 5 steps", timeout=20)
+    assert procs.stop(server) == 0, server.tail()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_a_library_script_whose_first_join_fails_with_eof_runs_again_and_trains(procs, port, tmp_path):
+    """Two library scripts started together: one failed its join with EOF, exit 1 (CI, once).
+    The script runs again in a fresh process (same PID) and trains its epoch."""
+    server = procs.server(port)
+    once = tmp_path / "once"
+    script = procs.start(["shard_epochs", str(port), f"out={tmp_path / 'seen.jsonl'}", "epochs=1", "delay=0"],
+                         "script", prefix=[sys.executable, "-m", "tests.trainer.loops"],
+                         env={**eof_in_first_join(once), "RANK": "0", "WORLD_SIZE": "1"})
+    assert script.wait(120) == 0, script.tail()
+    assert once.exists() and "trying again in a fresh process" in script.output(), script.tail()
+    assert (tmp_path / "seen.jsonl").read_text().strip(), "the script trained nothing"
     assert procs.stop(server) == 0, server.tail()
