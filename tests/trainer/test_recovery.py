@@ -31,6 +31,30 @@ def test_an_admission_nobody_answers_is_its_own_error():
         request_admission(store, 3, "here:1", timeout=0.3)
 
 
+class Reexec(Exception):
+    """Where the trainer would re-execute itself: the end of the test's join."""
+
+
+class FakeJoins:
+    """``recovery``'s Session fails with ``error`` (changeable mid-test) and its re-execution
+    raises ``Reexec``: each attempt's steps and each position handed over are recorded."""
+
+    def __init__(self, monkeypatch, error: BaseException) -> None:
+        self.error = error
+        self.sessions: list[int] = []
+        self.positions: list[Position] = []
+        monkeypatch.setattr(recovery, "Session", self._session)
+        monkeypatch.setattr(recovery, "reexec", self._reexec)
+
+    def _session(self, config, stop, model=None, steps=0, build=True):  # noqa: ARG002
+        self.sessions.append(steps)
+        raise self.error
+
+    def _reexec(self, position, stop, argv=None):  # noqa: ARG002
+        self.positions.append(position)
+        raise Reexec
+
+
 @pytest.mark.parametrize("lost", [
     # seen in the soak test: the server SIGKILLed between a trainer's request for room and its answer
     AdmissionUnanswered("the psserver at here:1 went away while it admitted rank 1 (Connection reset)"),
@@ -39,25 +63,11 @@ def test_an_admission_nobody_answers_is_its_own_error():
 ], ids=["unanswered-admission", "refused-for-now"])
 def test_a_first_join_whose_server_went_away_rejoins_under_reconnect(monkeypatch, lost):
     """The trainer exited 2 although it had ``--reconnect``."""
-
-    def session(*args, **kwargs):
-        raise lost
-
-    class Reexec(Exception):
-        pass
-
-    positions = []
-
-    def reexec(position, stop, argv=None):  # noqa: ARG001
-        positions.append(position)
-        raise Reexec
-
-    monkeypatch.setattr(recovery, "Session", session)
-    monkeypatch.setattr(recovery, "reexec", reexec)
+    joins = FakeJoins(monkeypatch, lost)
     config = TrainerConfig(rank=1, reconnect=True)
     with pytest.raises(Reexec):
         recovery.join(config, None, None)
-    assert len(positions) == 1 and positions[0].steps == 0
+    assert len(joins.positions) == 1 and joins.positions[0].steps == 0
     with pytest.raises(type(lost)):  # without --reconnect: its one line, as before
         recovery.join(dataclasses.replace(config, reconnect=False), None, None)
 
@@ -66,24 +76,9 @@ def test_a_first_join_the_rpc_group_changed_under_is_tried_again_a_bounded_numbe
     """A trainer whose ``init_rpc`` ran while a refused trainer left the group exited 2 with
     "EOF" (without ``--reconnect``). ``psserver train`` and a library script try again in a fresh
     process while the server listens, at most ``FIRST_JOIN_TRIES`` processes."""
-    lost = recovery.JoinLost("cannot join the RPC group of 127.0.0.1:1: EOF: end of file")
-    sessions = []
-
-    def session(config, stop, model, steps=0, build=True):  # noqa: ARG001
-        sessions.append(steps)
-        raise lost
-
-    class Reexec(Exception):
-        pass
-
-    positions = []
-
-    def reexec(position, stop, argv=None):  # noqa: ARG001
-        positions.append(position)
-        raise Reexec
-
-    monkeypatch.setattr(recovery, "Session", session)
-    monkeypatch.setattr(recovery, "reexec", reexec)
+    eof = recovery.JoinLost("cannot join the RPC group of 127.0.0.1:1: EOF: end of file")
+    joins = FakeJoins(monkeypatch, eof)
+    positions = joins.positions
     with socket.create_server(("127.0.0.1", 0)) as listener:
         config = TrainerConfig(rank=1, server_port=listener.getsockname()[1])
         argv = ["python", "-m", "psserver", "train"]
@@ -92,7 +87,7 @@ def test_a_first_join_the_rpc_group_changed_under_is_tried_again_a_bounded_numbe
         assert [p.first_join_tries for p in positions] == [1] and positions[0].steps == 0
         with pytest.raises(Reexec):  # the fresh process: a first join again, not a rejoin
             recovery.join(config, positions[-1], None, argv=argv, retry_first_join=True)
-        assert [p.first_join_tries for p in positions] == [1, 2] and sessions == [0, 0]
+        assert [p.first_join_tries for p in positions] == [1, 2] and joins.sessions == [0, 0]
         with pytest.raises(recovery.JoinLost):  # the last process: its one line
             recovery.join(config, positions[-1], None, argv=argv, retry_first_join=True)
         assert len(positions) == recovery.FIRST_JOIN_TRIES - 1
@@ -100,27 +95,17 @@ def test_a_first_join_the_rpc_group_changed_under_is_tried_again_a_bounded_numbe
             recovery.join(config, None, None, argv=argv, retry_first_join=False)
         with pytest.raises(recovery.JoinLost):  # psserver train run in-process: nothing to re-execute
             recovery.join(config, None, None, argv=None, retry_first_join=True)
-        lost = JoinDeferred("the psserver at here:1 refused the join for now")
+        joins.error = JoinDeferred("the psserver at here:1 refused the join for now")
         with pytest.raises(JoinDeferred):  # refused for now: waited for under --reconnect only
             recovery.join(config, None, None, argv=argv, retry_first_join=True)
-    lost = recovery.JoinLost("cannot join the RPC group of 127.0.0.1:1: EOF: end of file")
+    joins.error = eof
     with pytest.raises(recovery.JoinLost):  # the server went away: no new process
         recovery.join(config, None, None, argv=argv, retry_first_join=True)
     assert len(positions) == recovery.FIRST_JOIN_TRIES - 1
 
 
 def test_a_rejoin_refused_for_now_pauses_before_the_next_process(monkeypatch):
-    def session(*args, **kwargs):
-        raise JoinDeferred("the psserver at here:1 refused the join for now (psserver is draining: ...)")
-
-    class Reexec(Exception):
-        pass
-
-    def reexec(position, stop, argv=None):  # noqa: ARG001
-        raise Reexec
-
-    monkeypatch.setattr(recovery, "Session", session)
-    monkeypatch.setattr(recovery, "reexec", reexec)
+    FakeJoins(monkeypatch, JoinDeferred("the psserver at here:1 refused the join for now (psserver is draining: ...)"))
     monkeypatch.setattr(recovery, "DEFERRED_WAIT_S", 0.3)
     t0 = time.monotonic()
     with pytest.raises(Reexec):
