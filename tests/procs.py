@@ -295,6 +295,26 @@ class Proc:
         if self.popen.poll() is None:
             os.kill(self.popen.pid, sig)
 
+    def signal_other_thread(self, sig: int) -> None:
+        """``sig`` to one of its threads other than the main one (``tgkill``), as the kernel may
+        deliver a signal sent to the process: the handler must still run."""
+        import ctypes
+        import platform
+
+        import psutil
+
+        def name(tid: int) -> str:
+            return Path(f"/proc/{self.pid}/task/{tid}/comm").read_text().strip()
+
+        # One of torch's own threads (TensorPipe's loops, its thread pool) where it has some.
+        tids = sorted((name(t.id) == "python", t.id) for t in psutil.Process(self.pid).threads() if t.id != self.pid)
+        assert tids, f"{self.name} has no thread besides its main one"
+        tid = tids[0][1]
+        number = {"x86_64": 234, "aarch64": 131}[platform.machine()]  # tgkill
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.syscall(number, self.pid, tid, sig) != 0:
+            raise OSError(ctypes.get_errno(), f"tgkill {self.pid}/{tid}")
+
     def running(self) -> bool:
         return self.popen.poll() is None
 

@@ -123,8 +123,16 @@ def update_group_membership(worker_info, my_devices, reverse_device_map, is_join
     """What a peer's join or leave runs here (torch's ``_update_group_membership``, which RPC
     messages name: ``rpc_allowlist.REPLACED``), then :func:`restore_device_maps`."""
     from torch.distributed.rpc._utils import _update_group_membership
+    from torch.distributed.rpc.internal import RemoteException
 
-    ret = _update_group_membership(worker_info, my_devices, reverse_device_map, is_join)
+    try:
+        ret = _update_group_membership(worker_info, my_devices, reverse_device_map, is_join)
+    except RuntimeError as e:
+        # The store went with a server that died mid-join (DistNetworkError). Raised, torch would
+        # print a traceback here; returned, the joiner's call fails with the same error instead.
+        log.warning("a peer's %s could not be taken in (%s)", "join" if is_join else "leave",
+                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return RemoteException(str(e), type(e))
     restore_device_maps()
     return ret
 

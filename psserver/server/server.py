@@ -187,7 +187,10 @@ class ParameterServer:
 
     def serve_forever(self) -> None:
         self.policy.start()
-        self._shutdown.wait()
+        # Woken every second: a SIGTERM the kernel hands to another thread (one of torch's) only
+        # sets a flag, and its handler runs once this thread runs Python again.
+        while not self._shutdown.wait(1.0):
+            pass
 
     def drain_timeout(self) -> float:
         """How long ``stop`` waits for steps in flight: a dead trainer's open step goes when it

@@ -165,6 +165,24 @@ def test_remote_exceptions_still_arrive_as_exceptions(read):
             rpc_internal._handle_exception(reply)
 
 
+def test_a_peer_join_this_worker_cannot_take_in_is_an_error_reply_not_a_traceback(monkeypatch, capfd, caplog):
+    """A server that dies while a peer joins takes the store the join reads: the joiner's call
+    fails with the store's error, and this worker logs one line (torch prints a traceback for a
+    call that raises)."""
+    def store_gone(*args):
+        raise torch.distributed.DistNetworkError("Failed to recv, got 0 bytes.\nDid the remote server crash?")
+
+    monkeypatch.setattr("torch.distributed.rpc._utils._update_group_membership", store_gone)
+    udf = rpc_internal.PythonUDF(torch_rpc.update_group_membership, (None, [], {}, True), {})
+    with caplog.at_level(logging.WARNING, logger=torch_rpc.__name__):
+        reply = rpc_internal._run_function(udf)
+    assert capfd.readouterr().err == ""
+    assert [r.getMessage() for r in caplog.records] == [
+        "a peer's join could not be taken in (Failed to recv, got 0 bytes.)"]
+    with pytest.raises(torch.distributed.DistNetworkError, match="Failed to recv"):
+        rpc_internal._handle_exception(reply)
+
+
 def test_every_public_function_of_the_surface_is_rpc_or_deliberately_not():
     public = {name for name, fn in inspect.getmembers(calls, inspect.isfunction)
               if fn.__module__ == calls.__name__ and not name.startswith("_")}

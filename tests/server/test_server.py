@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import signal
 import threading
 import time
 
@@ -81,4 +82,8 @@ def test_sync_mode_checkpoints_while_training_and_resumes(procs, port, tmp_path,
     assert "Traceback" not in server.output()
     again = procs.server(port, *args, "--resume")
     again.wait_for(rf"resumed from \S+ckpt-{last['global_step']:012d}\.pt: global step {last['global_step']}", 30)
-    assert procs.stop(again) == 0
+    # SIGTERM that the kernel hands to another of the server's threads stops it all the same
+    # (once its main thread waits for a shutdown: a CI run's server never stopped).
+    time.sleep(2)
+    again.signal_other_thread(signal.SIGTERM)
+    assert again.wait(30) == 0, again.tail()
