@@ -33,6 +33,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from tests import forked
+
 ROOT = Path(__file__).resolve().parents[1]
 MNIST_DIR = Path(os.environ.get("PSSERVER_TEST_MNIST", ROOT.parent / "shared" / "data" / "mnist"))
 MNIST_ARGS = ["--dataset", "mnist", "--data-dir", str(MNIST_DIR), "--train-split", "8000"]
@@ -167,9 +169,11 @@ def run(args: Sequence[str], *, timeout: float = 60, env: Mapping[str, str | Non
 
     Past ``timeout`` the child and everything it started are killed and the test fails with their output.
     """
-    cmd = _command(args, prefix)
+    cmd, environment = _command(args, prefix), _environment(env)
+    if forked.forkable(cmd, environment):
+        return _run_forked(cmd, environment, timeout)
     popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                             text=True, env=_environment(env), cwd=ROOT, start_new_session=True)
+                             text=True, env=environment, cwd=ROOT, start_new_session=True)
     try:
         out, err = popen.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -179,6 +183,34 @@ def run(args: Sequence[str], *, timeout: float = 60, env: Mapping[str, str | Non
                              f"stderr:\n{err[-6000:]}") from None
     finally:
         _kill_session(popen)  # anything it left behind in its session
+    return subprocess.CompletedProcess(cmd, popen.returncode, out, err)
+
+
+def _run_forked(cmd: list[str], environment: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """:func:`run` for a child of the fork server: its output goes through two files."""
+    with tempfile.TemporaryDirectory(prefix="psserver-run-") as tmp:
+        out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        popen = forked.Forked(cmd, environment, ROOT, out_path, err_path)
+        try:
+            popen.wait(timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            _kill_session(popen)  # anything it left behind in its session
+            popen.close()
+
+        def read(path: str) -> str:
+            try:
+                with open(path, errors="replace") as f:
+                    return f.read()
+            except FileNotFoundError:
+                return ""
+
+        out, err = read(out_path), read(err_path)
+    if timed_out:
+        raise AssertionError(f"{' '.join(cmd)} still running after {timeout}s:\nstdout:\n{out[-3000:]}\n"
+                             f"stderr:\n{err[-6000:]}")
     return subprocess.CompletedProcess(cmd, popen.returncode, out, err)
 
 
@@ -243,15 +275,13 @@ class Proc:
         else:
             self.log = Path(log)
             self._out = open(self.log, "w")
-        self.popen = subprocess.Popen(
-            _command(self.args, prefix),
-            stdout=self._out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=_environment(env),
-            cwd=cwd or ROOT,
-            start_new_session=True,
-        )
+        command, environment = _command(self.args, prefix), _environment(env)
+        if forked.forkable(command, environment):
+            self.popen = forked.Forked(command, environment, cwd or ROOT, str(self.log), str(self.log))
+        else:
+            self.popen = subprocess.Popen(command, stdout=self._out, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, env=environment, cwd=cwd or ROOT,
+                                          start_new_session=True)
 
     @property
     def pid(self) -> int:
@@ -324,6 +354,8 @@ class Proc:
     def kill(self) -> None:
         """SIGKILL its whole session, close the log (and remove it unless it was given)."""
         _kill_session(self.popen)
+        if isinstance(self.popen, forked.Forked):
+            self.popen.close()
         self._out.close()
         if not self._keep_log:
             try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import procs
+from tests import forked, procs
 
 
 def test_free_ports_are_free_and_never_handed_out_twice(monkeypatch):
@@ -78,3 +79,52 @@ def _running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+PROBE = """
+import builtins, json, os, sys
+import torch
+print(json.dumps({"argv": sys.argv, "orig_argv": sys.orig_argv, "cwd": os.getcwd(), "path0": sys.path[0],
+                  "probe": os.environ.get("PROBE"), "threads": torch.get_num_threads(),
+                  "hooked": getattr(builtins, "HOOKED", False), "session": os.getsid(0) == os.getpid(),
+                  "title": open("/proc/self/cmdline").read().replace("\\0", " ").split()}))
+print("to stderr", file=sys.stderr)
+sys.exit(7)
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_forked_child_is_what_a_fresh_interpreter_would_be(tmp_path, monkeypatch):
+    """``tests.forked``: the same script run plain and forked from the fork server sees the same
+    argv, directory, path, environment, torch threads and hooks, and exits the same."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    (tmp_path / "hooks").mkdir()
+    (tmp_path / "hooks" / "sitecustomize.py").write_text("import builtins\nbuiltins.HOOKED = True\n")
+    env = {"PYTHONPATH": f"{tmp_path / 'hooks'}{os.pathsep}{procs.ROOT}", "OMP_NUM_THREADS": "1", "PROBE": "x"}
+    command = [sys.executable, str(tmp_path / "probe.py")]
+    assert forked.forkable(command, procs.env(**env))
+    assert not forked.forkable(command, procs.env(**env, TORCH_CPP_LOG_LEVEL="INFO"))  # read when torch loads
+    ran = {}
+    for how in ("forked", "plain"):
+        if how == "plain":
+            monkeypatch.setenv(forked.DISABLE_ENV, "1")
+        done = procs.run(["a", "--b"], prefix=command, env=env)
+        assert (done.returncode, done.stderr) == (7, "to stderr\n"), done
+        ran[how] = json.loads(done.stdout)
+    assert ran["forked"] == ran["plain"]
+    assert ran["plain"]["hooked"] and ran["plain"]["threads"] == 1 and ran["plain"]["session"]
+    assert ran["plain"]["argv"][1:] == ["a", "--b"] and ran["plain"]["path0"] == str(tmp_path)
+
+
+@pytest.mark.multiprocess
+def test_a_forked_child_killed_reports_the_signal(tmp_path, procs):
+    plain = procs.start(["-c", "print('up')"], "plain", prefix=[sys.executable])
+    assert isinstance(plain.popen, subprocess.Popen)  # python -c: interpreter options, run plain
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text("import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+    child = procs.start([], "sleeper", prefix=[sys.executable, str(sleeper)])
+    assert isinstance(child.popen, forked.Forked)
+    child.wait_for("up", timeout=30)
+    child.signal(signal.SIGKILL)
+    assert child.wait(10) == -signal.SIGKILL
+    assert plain.wait(30) == 0

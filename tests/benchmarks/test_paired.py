@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from benchmarks.harness import netns, paired, paired_stats, report, setups
+from tests import forked
 
 
 def test_leg_rate_counts_only_while_every_process_steps():
@@ -81,7 +82,8 @@ def test_flags_are_checked(capsys):
 
 
 def _psserver_children() -> list[psutil.Process]:
-    return [c for c in psutil.Process().children(recursive=True) if c.is_running()]
+    """This process's descendants but the tests' fork server (``tests.forked``)."""
+    return [c for c in psutil.Process().children(recursive=True) if c.is_running() and c.pid != forked.server_pid()]
 
 
 def test_every_setup_leads_one_round():
