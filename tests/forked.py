@@ -93,9 +93,14 @@ def _start(env: Mapping[str, str]) -> None:
     _server_env = dict(env)
 
 
-def server_pid() -> int | None:
-    """The fork server's process (a child of this one that is no test's), if it runs."""
-    return getattr(forkserver._forkserver, "_forkserver_pid", None)
+def helper_pids() -> set[int]:
+    """The fork server and multiprocessing's resource tracker that it starts: children of this
+    process that are no test's."""
+    from multiprocessing import resource_tracker
+
+    pids = {getattr(forkserver._forkserver, "_forkserver_pid", None),
+            getattr(resource_tracker._resource_tracker, "_pid", None)}
+    return {p for p in pids if p is not None}
 
 
 class Forked:

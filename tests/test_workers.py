@@ -58,9 +58,11 @@ def test_an_alone_test_that_waits_holds_off_the_next_ordinary_one(shares):
         with a.held(alone=False):
             first_done.set()
 
-    threading.Thread(target=next_test, daemon=True).start()
+    after = threading.Thread(target=next_test, daemon=True)
+    after.start()
     assert entered.wait(5)
     assert not first_done.wait(0.3), "an ordinary test ran beside an alone one"
     leave.set()
     t.join(5)
     assert first_done.wait(5)
+    after.join(5)  # its unlock before the fixture closes the files

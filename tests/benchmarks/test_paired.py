@@ -82,8 +82,9 @@ def test_flags_are_checked(capsys):
 
 
 def _psserver_children() -> list[psutil.Process]:
-    """This process's descendants but the tests' fork server (``tests.forked``)."""
-    return [c for c in psutil.Process().children(recursive=True) if c.is_running() and c.pid != forked.server_pid()]
+    """This process's descendants but the tests' fork server and its resource tracker (``tests.forked``)."""
+    helpers = forked.helper_pids()
+    return [c for c in psutil.Process().children(recursive=True) if c.is_running() and c.pid not in helpers]
 
 
 def test_every_setup_leads_one_round():
