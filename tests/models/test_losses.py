@@ -61,7 +61,7 @@ def test_references(userloss):
 
 
 @pytest.mark.parametrize(("reference", "match"), [
-    ("hinge", r"unknown loss 'hinge'; known: bce, cross_entropy, mse \(or MODULE:ATTR"),
+    ("hinge", r"unknown loss 'hinge'; known: bce, cross_entropy, mse, next_token_cross_entropy \(or MODULE:ATTR"),
     ("nowhere:l1", r"--loss nowhere:l1: module 'nowhere' is not importable"),
     ("userloss.losses:l2", r"'userloss.losses' has no attribute 'l2'"),
     ("userloss.losses:NeedsArgs", r"--loss userloss.losses:NeedsArgs does not accept these arguments"),
@@ -72,3 +72,10 @@ def test_bad_losses_are_one_line_at_configuration(userloss, reference, match):
     with pytest.raises(UserCodeError, match=match) as e:
         TrainerConfig(loss=reference)
     assert "\n" not in str(e.value)
+
+
+def test_next_token_loss_is_the_mean_over_every_position_of_every_sample():
+    torch.manual_seed(0)
+    logits, targets = torch.randn(3, 5, 256), torch.randint(0, 256, (3, 5))
+    by_hand = -torch.stack([logits[i, t].log_softmax(0)[targets[i, t]] for i in range(3) for t in range(5)]).mean()
+    assert torch.allclose(LOSSES["next_token_cross_entropy"](logits, targets), by_hand, atol=1e-6)
