@@ -13,6 +13,7 @@ STUDIES = {
     "paired": ("benchmarks.harness.paired", "paired rounds of chosen setups (python -m benchmarks.paired)"),
     "data_loading": ("benchmarks.studies.data_loading", "a user's Dataset through the DataLoader against in memory"),
     "servers_scaling": ("benchmarks.studies.servers_scaling", "several server processes across rate-limited links"),
+    "diloco": ("benchmarks.studies.diloco", "DDP, pushpull and DiLoCo over slow links to a target loss"),
     "embedding_tables": ("benchmarks.studies.embedding.tables", "embedding tables across hosts: bytes and rates"),
     "state_copy": ("benchmarks.studies.state_copy", "what a host copy of the state per update would cost"),
     "restart": ("benchmarks.studies.restart", "a server SIGKILLed under --supervise: time back to serving"),

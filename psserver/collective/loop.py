@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.utils.data import IterableDataset, TensorDataset
 
 from psserver.collective.base import Strategy, create_strategy, local_tensor
@@ -33,12 +32,16 @@ from psserver.collective.status import ROW, SYNC_EVERY, CollectiveStatus, contro
 from psserver.config.collective import CollectiveConfig
 from psserver.config.optimizer import OptimizerConfig, make_optimizer
 from psserver.data import Batches, check_batch, default_workers, load_dataset
-from psserver.errors import DataError
+from psserver.errors import DataError, UsageError
 from psserver.models import build_model, get_model_spec
 from psserver.models.calling import call_model, input_batch_size, move_input
+from psserver.models.losses import get_loss
 from psserver.utils.progress import Progress
 
 log = logging.getLogger(__name__)
+
+COLLECTIVE_METRICS = ("accuracy", "loss")
+"""What ``--mode ddp|fsdp`` evaluates at the end: a model scored otherwise trains with ``--mode ps``."""
 
 STRATEGY_MODULES = {"ddp": "psserver.collective.ddp", "fsdp": "psserver.collective.fsdp"}
 """Where the built-in strategies live. Each registers itself (by name) on import, and only the
@@ -102,6 +105,10 @@ class CollectiveTrainer:
         self.config = config
         self.env = env
         self.spec = get_model_spec(config.model, config.model_args)
+        if self.spec.metric not in COLLECTIVE_METRICS:
+            raise UsageError(f"--mode {config.mode} reports {' or '.join(COLLECTIVE_METRICS)}; model "
+                             f"{self.spec.name} is scored by {self.spec.metric}: train it with --mode ps")
+        self.loss_fn = get_loss(self.spec.loss)
         model = build_model(self.spec, config.seed)
         self.num_params = sum(p.numel() for p in model.parameters())
         torch.manual_seed(config.seed + 1000 + env.rank)  # dropout differs by rank, the weights do not
@@ -117,7 +124,7 @@ class CollectiveTrainer:
         xb = move_input(xb, device, non_blocking=True)
         yb = yb.to(device, non_blocking=True)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(call_model(self.module, xb).float(), yb)
+        loss = self.loss_fn(call_model(self.module, xb).float(), yb)
         loss.backward()
         self.optimizer.step()
         self.global_step += 1
@@ -125,7 +132,8 @@ class CollectiveTrainer:
         return loss.detach()
 
     def evaluate(self, eval_set) -> float:
-        """Accuracy over the whole held-out split; every rank evaluates a contiguous shard."""
+        """The model's metric over the whole held-out split (accuracy, or the mean of the
+        training loss); every rank evaluates a contiguous shard."""
         x, y = eval_set.tensors
         dp, rank = self.strategy.dp_size, self.strategy.dp_rank
         per_rank = -(-len(x) // dp)
@@ -139,9 +147,12 @@ class CollectiveTrainer:
                 a, b = lo + start, min(lo + start + bs, hi)
                 real = b > a
                 xb = x[a:b] if real else x[:1]
-                pred = module(xb.to(self.env.device)).argmax(dim=1)
+                out = module(xb.to(self.env.device))
                 if real and self.strategy.counts_for_eval:
-                    correct[0] += (pred.cpu() == y[a:b]).sum().item()
+                    if self.spec.metric == "loss":
+                        correct[0] += float(self.loss_fn(out.float().cpu(), y[a:b])) * (b - a)
+                    else:
+                        correct[0] += (out.argmax(dim=1).cpu() == y[a:b]).sum().item()
                     correct[1] += b - a
         module.train()
         dist.all_reduce(correct)
@@ -248,8 +259,9 @@ class Fit:
             log.warning("stopped on request at step %d", self.t.global_step)
             self._write_result(float("nan"), elapsed)
             return 0
+        metric = self.t.spec.metric
         if self.eval_set is None:
-            log.warning("dataset %s has no held-out set: evaluation skipped (accuracy nan)", config.data.dataset)
+            log.warning("dataset %s has no held-out set: evaluation skipped (%s nan)", config.data.dataset, metric)
             accuracy = float("nan")
         else:
             accuracy = self.t.evaluate(_in_memory(self.eval_set, config.data.dataset, config.eval_batch_size))
@@ -259,8 +271,8 @@ class Fit:
             final_loss = self.losses[-1] if self.losses else float("nan")
             log.info("%d steps in %.1fs (%.0f samples/s over %d ranks), final loss %.4f",
                      self.t.global_step, elapsed, rate, env.world_size, final_loss)
-            log.info("accuracy: %.4f", accuracy)
-            print(f"rank 0 accuracy {accuracy:.4f}", flush=True)
+            log.info("%s: %.4f", metric, accuracy)
+            print(f"rank 0 {metric} {accuracy:.4f}", flush=True)
         return 0
 
     def _epochs(self, epoch: int, batch: int, progress: Progress) -> None:
@@ -355,7 +367,8 @@ class Fit:
             "backend": self.env.backend,
             "steps": self.t.global_step,
             "losses": self.losses,
-            "accuracy": accuracy,
+            "metric": self.t.spec.metric,
+            self.t.spec.metric: accuracy,  # "accuracy", or "loss": the held-out mean
             "param_hash": parameter_hash(self.strategy.unwrapped),  # collective for DTensors
             "param_digest": parameter_digest(self.strategy.unwrapped),
             "hash_history": self.hash_history,

@@ -88,3 +88,24 @@ def test_static_graph_and_bucket_view_run_the_same(tmp_path):
     # Same data, same initial weights, same gradients: the knobs change speed, not the result.
     assert runs["static"][0]["losses"] == pytest.approx(runs["plain"][0]["losses"], rel=1e-4)
     assert runs["view"][0]["losses"] == pytest.approx(runs["plain"][0]["losses"], rel=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_ddp_trains_with_the_models_own_loss_and_reports_its_metric(result_pattern):
+    """``byte_lm``: logits at every position under the next-token loss, scored by the held-out
+    loss (not cross entropy over dim 1 and accuracy); a model scored by rmse is one line."""
+    proc = run_cli(["--mode", "ddp", "--nproc-per-node", "2", "--model", "byte_lm", "--dataset", "pysource",
+                    "--train-samples", "256", "--eval-samples", "32", "--batch-size", "4", "--max-steps", "5",
+                    "--no-control", "--result-file", str(result_pattern)], timeout=100)
+    check_ok(proc)
+    r0, r1 = results(result_pattern, 2)
+    assert r0["steps"] == r1["steps"] == 5 and r0["param_hash"] == r1["param_hash"]
+    assert r0["metric"] == "loss" and r0["loss"] < 5.0  # held-out nats a byte (uniform: 5.55)
+    assert f"rank 0 loss {r0['loss']:.4f}" in proc.stdout.splitlines()
+    refused = run_cli(["--mode", "ddp", "--model", "mf", "--dataset", "synthetic_clicks", "--max-steps", "2",
+                       "--no-control"], timeout=60)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1] == (
+        "psserver train: error: --mode ddp reports accuracy or loss; model mf is scored by rmse: train it with "
+        "--mode ps"), refused.stderr

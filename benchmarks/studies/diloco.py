@@ -1,0 +1,407 @@
+"""Training over slow links: DDP, pushpull and DiLoCo (sync and async, H local steps) to a target loss.
+
+    python -m benchmarks diloco                                   # every setup, byte_lm on pysource
+    python -m benchmarks diloco --quick --results-dir /tmp/diloco # 3 setups, 24 steps each: ~4 min
+    python -m benchmarks diloco --setups ddp-4,diloco-sync-H100 --steps 400
+
+Results go to ``--results-dir`` (default ``benchmarks/results/diloco``): JSON, a Markdown table
+and a PNG of held-out loss against samples and against wall time.
+
+Hosts: one server and ``--trainers`` trainers (default 4), each a network namespace behind its
+own link to one switch (``benchmarks.harness.multihost``), every link held to ``--rate`` Mbit/s
+each way with ``--delay-ms`` of one-way delay on each side of it, so a round trip between two
+hosts crosses four delays (the default 5 ms: 20 ms RTT). DDP's ranks sit on the trainers' hosts
+(rank 0's address is the rendezvous); the server's host is idle then.
+
+Setups (``--setups``, comma-separated):
+
+- ``ddp-4``: ``psserver train --mode ddp``, gloo over the links, AdamW at ``--lr``;
+- ``pushpull-async-4``: a psserver server with AdamW at ``--lr``, trainers ``--step pushpull``;
+- ``diloco-sync-H<h>`` / ``diloco-async-H<h>``: ``--update diloco --outer sync|async`` (the
+  server's defaults: Nesterov SGD lr 0.7 momentum 0.9, or delayed Nesterov), trainers
+  ``--local-steps h`` with AdamW at ``--lr`` as their inner optimizer; async with
+  ``--dynamic-local-steps``;
+- ``-bf16``, ``-int8``, ``-int4`` after a DiLoCo setup: its pseudo-gradients in bf16
+  (``--wire-dtype bf16``) or quantized with error feedback (``--compress``);
+- a ``-straggler`` suffix holds the last trainer to ``--straggler-share`` of a core (a CPU
+  cgroup quota, ``benchmarks.harness.throttle``); its measured step rate against the others' is
+  in the result.
+
+Every trainer takes ``--steps`` steps of ``--batch-size`` samples (128 bytes each), so every
+setup sees the same samples. Snapshots of the global weights (the server's checkpoints every
+``--snapshot-s`` seconds and at the end; DDP's every ``steps / 12`` steps) are evaluated after
+the run, on ``--eval-samples`` held-out samples, none of it while training runs: held-out loss
+against samples seen and against seconds since the trainers started. Time to target: the first
+moment (linear between snapshots) the loss is at or below ``--target-loss`` (default: the
+highest final loss of the setups without a straggler, which all of them reach). Bytes: what
+every host sent (``tc`` counters of the links, headers included) over the samples trained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.harness import measure, multihost, report, throttle
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RESULTS = measure.RESULTS / "diloco"
+SERVER_PORT = 29500
+DDP_PORT = 29600
+SETUPS = ("ddp-4", "pushpull-async-4", "diloco-sync-H10", "diloco-sync-H50", "diloco-sync-H100", "diloco-sync-H500",
+          "diloco-async-H10", "diloco-async-H50", "diloco-async-H100", "diloco-async-H500",
+          "diloco-sync-H100-int8", "diloco-sync-H100-int4", "diloco-async-H100-straggler", "diloco-sync-H100-straggler")
+QUICK_SETUPS = ("ddp-4", "pushpull-async-4", "diloco-sync-H8")
+_SETUP = re.compile(r"^(ddp-(\d+)|pushpull-async-(\d+)|diloco-(sync|async)-H(\d+)(-(bf16|int8|int4))?)(-straggler)?$")
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    kind: str  # ddp, pushpull, diloco
+    outer: str | None = None
+    local_steps: int | None = None
+    straggler: bool = False
+    compress: str | None = None
+    """DiLoCo's pseudo-gradients on the wire: bf16 (``--wire-dtype``), int8 or int4 (``--compress``)."""
+
+
+def parse_setup(name: str) -> Setup:
+    m = _SETUP.match(name.strip())
+    if m is None:
+        raise ValueError(f"unknown setup {name!r}: ddp-4, pushpull-async-4, diloco-sync-H<h>, diloco-async-H<h> "
+                         "(then -bf16, -int8 or -int4), each with an optional -straggler")
+    straggler = m.group(8) is not None
+    if m.group(2) or m.group(3):
+        return Setup(name.strip(), "ddp" if m.group(2) else "pushpull", straggler=straggler)
+    return Setup(name.strip(), "diloco", m.group(4), int(m.group(5)), straggler, m.group(7))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks diloco", description=__doc__.split("\n\n")[0])
+    p.add_argument("--setups", help=f"comma-separated (default {','.join(SETUPS)}; --quick {','.join(QUICK_SETUPS)})")
+    p.add_argument("--trainers", type=int, default=4)
+    p.add_argument("--steps", type=int, help="steps of every trainer (default 600; --quick 24)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW's: DDP's, pushpull's server, DiLoCo's inner")
+    p.add_argument("--train-samples", type=int, default=32768)
+    p.add_argument("--eval-samples", type=int, help="held-out samples of each snapshot's loss (default 256; quick 32)")
+    p.add_argument("--rate", type=float, default=100.0, help="Mbit/s of every link, each way")
+    p.add_argument("--delay-ms", type=float, default=5.0, help="one-way delay on each side of every link")
+    p.add_argument("--snapshot-s", type=float, help="seconds between the server's snapshots (default 20; quick 4)")
+    p.add_argument("--straggler-share", type=float, default=0.1, help="of a core, for the last trainer")
+    p.add_argument("--target-loss", type=float)
+    p.add_argument("--quick", action="store_true", help="a smoke run, no claim")
+    p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS)
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds of one setup at most")
+    args = p.parse_args(argv)
+    args.setups = [parse_setup(s) for s in (args.setups.split(",") if args.setups else
+                                            QUICK_SETUPS if args.quick else SETUPS)]
+    args.steps = args.steps or (24 if args.quick else 600)
+    args.eval_samples = args.eval_samples or (32 if args.quick else 256)
+    args.snapshot_s = args.snapshot_s or (4.0 if args.quick else 20.0)
+    return args
+
+
+# ---- command lines ---------------------------------------------------------------------------
+
+
+def data_args(args: argparse.Namespace) -> list[str]:
+    return ["--model", "byte_lm", "--dataset", "pysource", "--train-samples", str(args.train_samples),
+            "--eval-samples", "16", "--batch-size", str(args.batch_size), "--max-steps", str(args.steps),
+            "--epochs", "1000", "--no-progress"]
+
+
+def server_args(setup: Setup, args: argparse.Namespace, host: str, ckpt: Path) -> list[str]:
+    out = ["serve", "--host", host, "--port", str(SERVER_PORT), "--model", "byte_lm", "--no-control",
+           "--compute-threads", "1", "--checkpoint-dir", str(ckpt), "--checkpoint-interval", str(args.snapshot_s),
+           "--keep-checkpoints", "100000", "--trainer-timeout", "60"]
+    if setup.kind == "pushpull":
+        return [*out, "--update", "async", "--optimizer", "adamw", "--lr", str(args.lr)]
+    out += ["--update", "diloco", "--outer", setup.outer, "--sync-trainers", str(args.trainers)]
+    return out + (["--dynamic-local-steps"] if setup.outer == "async" else [])
+
+
+def trainer_args(setup: Setup, args: argparse.Namespace, rank: int, server: str, stats: Path) -> list[str]:
+    out = ["train", "--server", f"{server}:{SERVER_PORT}", "--rank", str(rank), "--num-trainers", str(args.trainers),
+           *data_args(args), "--stats-out", str(stats), "--rpc-timeout", "600"]
+    if setup.kind == "pushpull":
+        return [*out, "--step", "pushpull"]
+    out += ["--local-steps", str(setup.local_steps), "--inner-optimizer", "adamw", "--inner-lr", str(args.lr)]
+    if setup.compress == "bf16":
+        return [*out, "--wire-dtype", "bf16"]
+    return [*out, "--compress", setup.compress] if setup.compress else out
+
+
+def ddp_args(args: argparse.Namespace, ckpt: Path) -> list[str]:
+    every = max(1, args.steps // 12)
+    return ["train", "--mode", "ddp", *data_args(args), "--optimizer", "adamw", "--lr", str(args.lr),
+            "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(every), "--keep-checkpoints", "100000"]
+
+
+def ddp_env(rank: int, world: int, master: str) -> dict[str, str]:
+    return {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": master, "MASTER_PORT": str(DDP_PORT), "GLOO_SOCKET_IFNAME": multihost.NODE_IF,
+            "OMP_NUM_THREADS": "1"}
+
+
+# ---- one setup --------------------------------------------------------------------------------
+
+
+def run_setup(setup: Setup, args: argparse.Namespace, work: Path) -> dict:
+    """Train ``setup`` across a fresh topology; its snapshots, bytes and step rates."""
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt = work / "snapshots"
+    children = measure.Children(work)
+    multihost.cleanup_stale()
+    topo = _topology(args)
+    held = None
+    try:
+        trainer_nodes = list(range(1, 1 + args.trainers))
+        one = {"OMP_NUM_THREADS": "1"}
+        if setup.kind != "ddp":
+            # TensorPipe's basic channel only: between namespaces of one host it could still move
+            # tensors with cma (process_vm_readv), outside the links.
+            server = children.start(topo.wrap(0, measure.worker_argv("psserver", "--channels", "basic", "--",
+                                                                     *server_args(setup, args, topo.address(0),
+                                                                                  ckpt))), "server", one)
+            server.wait_for(r"serving \S+ on", 180)
+        before = topo.counters()
+        start = time.time()
+        stats = [work / f"trainer{r}.json" for r in range(args.trainers)]
+        if setup.kind == "ddp":
+            master = topo.address(trainer_nodes[0])
+            procs = [children.start(topo.wrap(node, measure.psserver_argv(*ddp_args(args, ckpt))), f"rank{r}",
+                                    ddp_env(r, args.trainers, master)) for r, node in enumerate(trainer_nodes)]
+        else:
+            procs = [children.start(topo.wrap(node, measure.psserver_argv(
+                *trainer_args(setup, args, r, topo.address(0), stats[r]))), f"trainer{r}", one)
+                for r, node in enumerate(trainer_nodes)]
+        if setup.straggler:
+            procs[-1].wait_for(r"joined psserver|rank \d+ of \d+", 180)
+            held = throttle.start(procs[-1].pid, args.straggler_share)
+        for p in procs:
+            code = p.wait(args.timeout)
+            if code != 0:
+                raise RuntimeError(f"{setup.name}: {p.name} exited with {code}:\n{p.tail()}")
+        trained_s = time.time() - start
+        after = topo.counters()
+        if setup.kind != "ddp":
+            code = children.items[0].stop(120)  # the final snapshot
+            if code != 0:
+                raise RuntimeError(f"{setup.name}: the server exited with {code}:\n{children.items[0].tail()}")
+        sent = sum(after[k].tx - before[k].tx for k in after)
+    finally:
+        if held is not None:
+            held.close()
+        children.stop_all()
+        topo.close()
+    samples = args.steps * args.batch_size * args.trainers
+    return {"setup": setup.name, "start": start, "trained_s": trained_s, "samples": samples, "bytes_sent": sent,
+            "bytes_per_sample": sent / samples, "step_rates": step_rates(stats) if setup.kind != "ddp" else None,
+            "throttle": None if held is None else getattr(held, "method", type(held).__name__),
+            "snapshots": snapshots(setup, ckpt, start, args)}
+
+
+def _topology(args: argparse.Namespace) -> multihost.Topology:
+    """The hosts; without ``tc``'s netem in the kernel (no ``sch_netem``), the links carry no
+    delay, which the result says (``args.delay_ms`` becomes 0)."""
+    try:
+        return multihost.Topology(1 + args.trainers, args.rate, delay_ms=args.delay_ms)
+    except OSError as e:
+        if not args.delay_ms or "netem" not in str(e):
+            raise
+        multihost.cleanup_stale()
+        log.warning("no netem qdisc in this kernel (%s): the links carry no delay", str(e).splitlines()[0])
+        args.delay_ms, args.delay_note = 0.0, "no netem qdisc in this kernel: the links carried no delay"
+        return multihost.Topology(1 + args.trainers, args.rate)
+
+
+def step_rates(paths: list[Path]) -> list[float | None]:
+    """Each trainer's steps per second over its run (``--stats-out``)."""
+    rates = []
+    for path in paths:
+        try:
+            ends = json.loads(path.read_text())["step_ends"]
+        except (OSError, ValueError, KeyError):
+            rates.append(None)
+            continue
+        rates.append((len(ends) - 1) / (ends[-1] - ends[0]) if len(ends) > 1 and ends[-1] > ends[0] else None)
+    return rates
+
+
+# ---- evaluation of the snapshots --------------------------------------------------------------
+
+
+def snapshots(setup: Setup, ckpt: Path, start: float, args: argparse.Namespace) -> list[dict]:
+    """Held-out loss of every snapshot, with its samples and its seconds since ``start``."""
+    import torch
+
+    from psserver.data.text import load_pysource
+    from psserver.models import build_model
+    from psserver.models.losses import next_token_cross_entropy
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    _, held = load_pysource(128, 1, args.eval_samples)
+    x, y = held.tensors
+    rows = []
+    for when, samples, state in _states(setup, ckpt, args):
+        model = build_model("byte_lm")
+        model.load_state_dict(state)
+        model.eval()
+        with torch.no_grad():
+            losses = [float(next_token_cross_entropy(model(x[i:i + 32]), y[i:i + 32])) * len(x[i:i + 32])
+                      for i in range(0, len(x), 32)]
+        rows.append({"seconds": when - start, "samples": samples, "loss": sum(losses) / len(x)})
+    return sorted(rows, key=lambda r: r["samples"])
+
+
+def _states(setup: Setup, ckpt: Path, args: argparse.Namespace):
+    """(time written, samples, model state) of each snapshot."""
+    import torch
+
+    if setup.kind == "ddp":
+        import torch.distributed.checkpoint as dcp
+
+        from psserver.collective.checkpoint import MARKER, AppState, complete_checkpoints
+        from psserver.models import build_model
+
+        for step, path in complete_checkpoints(ckpt):
+            marker = json.loads((path / MARKER).read_text())
+            model = build_model("byte_lm")
+            state = {"app": AppState(model, torch.optim.AdamW(model.parameters()))}
+            dcp.load(state, checkpoint_id=str(path))
+            yield marker["time"], step * args.batch_size * args.trainers, model.state_dict()
+        return
+    from psserver.checkpoint import list_checkpoints
+    from psserver.server.checkpoints.export import export
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in list_checkpoints(ckpt):
+            out = Path(tmp) / "model.pt"
+            done = export(path, out)
+            written = path.stat().st_mtime
+            info = json.loads(done.metadata.read_text())
+            yield written, info["samples_seen"], torch.load(out, weights_only=True)
+
+
+# ---- summary, report --------------------------------------------------------------------------
+
+
+def time_to(rows: list[dict], target: float, key: str) -> float | None:
+    """The first ``key`` (seconds or samples) at which the loss is <= ``target``, linear between snapshots."""
+    prev = None
+    for r in sorted(rows, key=lambda r: r[key]):
+        if r["loss"] <= target:
+            if prev is None:
+                return r[key]
+            frac = (prev["loss"] - target) / (prev["loss"] - r["loss"])
+            return prev[key] + frac * (r[key] - prev[key])
+        prev = r
+    return None
+
+
+def summarize(runs: list[dict], target: float | None) -> dict:
+    finals = {r["setup"]: r["snapshots"][-1]["loss"] for r in runs if r["snapshots"]}
+    plain = [v for k, v in finals.items() if not k.endswith("-straggler")]
+    if target is None and plain:
+        target = max(plain)
+    rows = {}
+    for r in runs:
+        rows[r["setup"]] = {"final_loss": finals.get(r["setup"]), "trained_s": r["trained_s"],
+                            "bytes_per_sample": r["bytes_per_sample"],
+                            "seconds_to_target": time_to(r["snapshots"], target, "seconds") if target else None,
+                            "samples_to_target": time_to(r["snapshots"], target, "samples") if target else None,
+                            "step_rates": r["step_rates"]}
+    return {"target_loss": target, "setups": rows}
+
+
+def _f(v, fmt: str) -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def markdown(result: dict) -> str:
+    cfg, summary = result["config"], result["summary"]
+    rtt = f"{4 * cfg['delay_ms']:g} ms RTT" if cfg["delay_ms"] else "no added delay"
+    lines = [f"## Over slow links: byte_lm on pysource, {cfg['trainers']} trainers, links of {cfg['rate']:g} Mbit/s, "
+             f"{rtt}", "", f"`{result['command']}` ({result['time']}, "
+             f"{result['wall_s'] / 60:.1f} min; {result['cpus']} cores, load average before {result['load_before']})",
+             "", f"Target held-out loss: {_f(summary['target_loss'], '{:.3f}')} nats a byte.", ""]
+    if cfg.get("delay_note"):
+        lines += [f"Delay: {cfg['delay_note']} (asked: {cfg.get('delay_asked_ms', 0):g} ms each way).", ""]
+    rows = []
+    for name, row in summary["setups"].items():
+        rates = [x for x in (row["step_rates"] or []) if x]
+        rows.append([name, _f(row["final_loss"], "{:.3f}"), _f(row["trained_s"], "{:.0f}"),
+                     _f(row["seconds_to_target"], "{:.0f}"), _f(row["samples_to_target"], "{:.0f}"),
+                     _f(row["bytes_per_sample"], "{:,.0f}"),
+                     " / ".join(f"{x:.2f}" for x in rates) if rates else "-"])
+    lines += [report.md_table(["setup", "final held-out loss", "seconds trained", "seconds to target",
+                               "samples to target", "bytes sent per sample", "steps/s of each trainer"], rows), ""]
+    lines += [f"Every trainer took {cfg['steps']} steps of {cfg['batch_size']} samples; AdamW lr {cfg['lr']:g} "
+              "(DDP's, pushpull's server, DiLoCo's inner); DiLoCo's outer optimizer is the server's default.", ""]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_samples, by_time) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for run in result["runs"]:
+        rows = run["snapshots"]
+        by_samples.plot([r["samples"] for r in rows], [r["loss"] for r in rows], marker=".", label=run["setup"])
+        by_time.plot([r["seconds"] for r in rows], [r["loss"] for r in rows], marker=".", label=run["setup"])
+    target = result["summary"]["target_loss"]
+    for ax, xlabel in ((by_samples, "samples seen (all trainers)"), (by_time, "seconds since the trainers started")):
+        if target:
+            ax.axhline(target, color="grey", linestyle=":", linewidth=1)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("held-out loss (nats a byte)")
+        ax.grid(alpha=0.3)
+    by_time.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    args = parse_args(argv)
+    args.delay_asked_ms = args.delay_ms
+    problem = multihost.available()
+    if problem:
+        sys.stderr.write(f"python -m benchmarks diloco: {problem}\n")
+        return 2
+    t0, load_before = time.time(), os.getloadavg()[0]
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="diloco-") as tmp:
+        for setup in args.setups:
+            log.info("setup %s", setup.name)
+            runs.append(run_setup(setup, args, Path(tmp) / setup.name))
+            log.info("setup %s: %d snapshots, final loss %s", setup.name, len(runs[-1]["snapshots"]),
+                     _f(runs[-1]["snapshots"][-1]["loss"] if runs[-1]["snapshots"] else None, "{:.3f}"))
+    config = {k: v for k, v in vars(args).items() if k not in ("setups", "results_dir")}
+    result = {"command": "python -m benchmarks diloco " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_s": time.time() - t0, "cpus": os.cpu_count(),
+              "load_before": round(load_before, 2), "config": config, "runs": runs,
+              "summary": summarize(runs, args.target_loss)}
+    stem = args.results_dir / ("diloco-quick" if args.quick else "diloco")
+    sys.stdout.write(report.write_result(stem, result, "diloco", markdown))
+    plot(result, stem.with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
