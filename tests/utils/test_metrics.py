@@ -51,7 +51,7 @@ def test_metrics_and_losses_by_name():
     assert get_metric("rmse") is rmse
     with pytest.raises(ValueError, match=r"unknown metric 'f1'; known: accuracy, auc, rmse"):
         get_metric("f1")
-    assert set(LOSSES) == {"cross_entropy", "mse", "bce"}
+    assert set(LOSSES) == {"cross_entropy", "mse", "bce", "next_token_cross_entropy"}
     with pytest.raises(ValueError, match=r"unknown loss 'hinge'"):
         get_loss("hinge")
 
