@@ -59,15 +59,16 @@ def _script(command: Sequence[str]) -> tuple[str, str, list[str]] | None:
     return None
 
 
-def forkable(command: Sequence[str], env: Mapping[str, str]) -> bool:
-    """Whether ``command`` with ``env`` can be forked from the fork server (started by ``env``'s
-    first such use) rather than executed."""
-    global _server_env
+def forkable(command: Sequence[str], env: Mapping[str, str], base: Mapping[str, str]) -> bool:
+    """Whether ``command`` with ``env`` can be forked from the fork server rather than executed.
+    The server starts, at the first such question, with ``base``: the environment of a child
+    that sets nothing of its own (not the first child's, whose settings would then decide for
+    every later one)."""
     if os.environ.get(DISABLE_ENV) or _script(command) is None or _main_is_a_script():
         return False
     with _lock:
         if _server_env is None:
-            _start(env)
+            _start(base)
         return _loaded(env) == _loaded(_server_env)
 
 

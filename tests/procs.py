@@ -170,7 +170,7 @@ def run(args: Sequence[str], *, timeout: float = 60, env: Mapping[str, str | Non
     Past ``timeout`` the child and everything it started are killed and the test fails with their output.
     """
     cmd, environment = _command(args, prefix), _environment(env)
-    if forked.forkable(cmd, environment):
+    if forked.forkable(cmd, environment, _environment(None)):
         return _run_forked(cmd, environment, timeout)
     popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                              text=True, env=environment, cwd=ROOT, start_new_session=True)
@@ -276,7 +276,7 @@ class Proc:
             self.log = Path(log)
             self._out = open(self.log, "w")
         command, environment = _command(self.args, prefix), _environment(env)
-        if forked.forkable(command, environment):
+        if forked.forkable(command, environment, _environment(None)):
             self.popen = forked.Forked(command, environment, cwd or ROOT, str(self.log), str(self.log))
         else:
             self.popen = subprocess.Popen(command, stdout=self._out, stderr=subprocess.STDOUT,

@@ -102,8 +102,8 @@ def test_a_forked_child_is_what_a_fresh_interpreter_would_be(tmp_path, monkeypat
     (tmp_path / "hooks" / "sitecustomize.py").write_text("import builtins\nbuiltins.HOOKED = True\n")
     env = {"PYTHONPATH": f"{tmp_path / 'hooks'}{os.pathsep}{procs.ROOT}", "OMP_NUM_THREADS": "1", "PROBE": "x"}
     command = [sys.executable, str(tmp_path / "probe.py")]
-    assert forked.forkable(command, procs.env(**env))
-    assert not forked.forkable(command, procs.env(**env, TORCH_CPP_LOG_LEVEL="INFO"))  # read when torch loads
+    assert forked.forkable(command, procs.env(**env), procs.env())
+    assert not forked.forkable(command, procs.env(**env, TORCH_CPP_LOG_LEVEL="INFO"), procs.env())  # read at load
     ran = {}
     for how in ("forked", "plain"):
         if how == "plain":

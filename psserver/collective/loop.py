@@ -7,7 +7,7 @@ steps), steps its local optimizer on gradients the
 strategy synchronises, and every ``SYNC_EVERY`` steps all ranks exchange one small row
 (progress and rank 0's control requests) so a checkpoint or drain asked for over gRPC runs
 on all ranks at the same step. At the end all ranks evaluate a shard of the held-out split
-and rank 0 prints the accuracy.
+and rank 0 prints the model's metric (accuracy, or the held-out loss).
 """
 
 from __future__ import annotations
@@ -262,17 +262,17 @@ class Fit:
         metric = self.t.spec.metric
         if self.eval_set is None:
             log.warning("dataset %s has no held-out set: evaluation skipped (%s nan)", config.data.dataset, metric)
-            accuracy = float("nan")
+            value = float("nan")
         else:
-            accuracy = self.t.evaluate(_in_memory(self.eval_set, config.data.dataset, config.eval_batch_size))
-        self._write_result(accuracy, elapsed)
+            value = self.t.evaluate(_in_memory(self.eval_set, config.data.dataset, config.eval_batch_size))
+        self._write_result(value, elapsed)
         if env.rank == 0:
             rate = self.samples * self.strategy.dp_size / max(elapsed, 1e-6)
             final_loss = self.losses[-1] if self.losses else float("nan")
             log.info("%d steps in %.1fs (%.0f samples/s over %d ranks), final loss %.4f",
                      self.t.global_step, elapsed, rate, env.world_size, final_loss)
-            log.info("%s: %.4f", metric, accuracy)
-            print(f"rank 0 {metric} {accuracy:.4f}", flush=True)
+            log.info("%s: %.4f", metric, value)
+            print(f"rank 0 {metric} {value:.4f}", flush=True)
         return 0
 
     def _epochs(self, epoch: int, batch: int, progress: Progress) -> None:
@@ -357,7 +357,7 @@ class Fit:
         if self.env.rank == 0:
             self.status.on_checkpoint(info)
 
-    def _write_result(self, accuracy: float, elapsed: float) -> None:
+    def _write_result(self, value: float, elapsed: float) -> None:
         if not self.config.result_file:
             return
         result = {
@@ -368,7 +368,7 @@ class Fit:
             "steps": self.t.global_step,
             "losses": self.losses,
             "metric": self.t.spec.metric,
-            self.t.spec.metric: accuracy,  # "accuracy", or "loss": the held-out mean
+            self.t.spec.metric: value,  # "accuracy", or "loss": the held-out mean
             "param_hash": parameter_hash(self.strategy.unwrapped),  # collective for DTensors
             "param_digest": parameter_digest(self.strategy.unwrapped),
             "hash_history": self.hash_history,

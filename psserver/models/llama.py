@@ -125,13 +125,14 @@ def llama_tiny(
     num_classes: int = NUM_CLASSES,
 ) -> nn.Sequential:
     """Embedding, ``layers`` decoder blocks, classifier head (~0.1M parameters by default)."""
+    return _decoder(vocab, dim, heads, layers, hidden, ClassifierHead(dim, num_classes))
+
+
+def _decoder(vocab: int, dim: int, heads: int, layers: int, hidden: int, head: nn.Module) -> nn.Sequential:
+    """Embedding, ``layers`` decoder blocks, then ``head``: one tensor in and out of every stage."""
     if dim % heads or (dim // heads) % 2:
         raise ValueError(f"dim {dim} must split into {heads} heads of even size")
-    return nn.Sequential(
-        TokenEmbedding(vocab, dim),
-        *[DecoderBlock(dim, heads, hidden) for _ in range(layers)],
-        ClassifierHead(dim, num_classes),
-    )
+    return nn.Sequential(TokenEmbedding(vocab, dim), *[DecoderBlock(dim, heads, hidden) for _ in range(layers)], head)
 
 
 LLAMA_TINY = check_spec(ModelSpec(
@@ -164,13 +165,7 @@ LM_HIDDEN = 512
 def byte_lm(dim: int = LM_DIM, heads: int = HEADS, layers: int = LM_LAYERS, hidden: int = LM_HIDDEN) -> nn.Sequential:
     """A causal byte-level decoder (about 1.8M parameters by default): embedding, ``layers``
     blocks, next-byte logits at every position."""
-    if dim % heads or (dim // heads) % 2:
-        raise ValueError(f"dim {dim} must split into {heads} heads of even size")
-    return nn.Sequential(
-        TokenEmbedding(VOCAB, dim),
-        *[DecoderBlock(dim, heads, hidden) for _ in range(layers)],
-        NextTokenHead(dim, VOCAB),
-    )
+    return _decoder(VOCAB, dim, heads, layers, hidden, NextTokenHead(dim, VOCAB))
 
 
 BYTE_LM = check_spec(ModelSpec(
