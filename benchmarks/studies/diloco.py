@@ -2,7 +2,7 @@
 
     python -m benchmarks diloco                                   # every setup, byte_lm on pysource
     python -m benchmarks diloco --quick --results-dir /tmp/diloco # 3 setups, 24 steps each: ~4 min
-    python -m benchmarks diloco --setups ddp-4,diloco-sync-H100 --steps 400
+    python -m benchmarks diloco --setups ddp-4,diloco-sync-H100 --steps 400 --steps-of ddp-4=200
 
 Results go to ``--results-dir`` (default ``benchmarks/results/diloco``): JSON, a Markdown table
 and a PNG of held-out loss against samples and against wall time.
@@ -27,19 +27,25 @@ Setups (``--setups``, comma-separated):
   cgroup quota, ``benchmarks.harness.throttle``); its measured step rate against the others' is
   in the result.
 
-Every trainer takes ``--steps`` steps of ``--batch-size`` samples (128 bytes each), so every
-setup sees the same samples. Snapshots of the global weights (the server's checkpoints every
+Every trainer takes ``--steps`` steps of ``--batch-size`` samples (128 bytes each), or the
+steps ``--steps-of`` gives its setup (a slow setup can stop early: its time to a target it has
+not reached is then "more than" its seconds trained). A straggler setup ends when the other
+trainers have taken their steps (the straggler is stopped then: async goes on without it, sync
+waits for it, which is the point), and any setup ends at ``--time-limit`` seconds of training.
+Snapshots of the global weights (the server's checkpoints every
 ``--snapshot-s`` seconds and at the end; DDP's every ``steps / 12`` steps) are evaluated after
 the run, on ``--eval-samples`` held-out samples, none of it while training runs: held-out loss
 against samples seen and against seconds since the trainers started. Time to target: the first
-moment (linear between snapshots) the loss is at or below ``--target-loss`` (default: the
-highest final loss of the setups without a straggler, which all of them reach). Bytes: what
-every host sent (``tc`` counters of the links, headers included) over the samples trained.
+moment (linear between snapshots) the loss is at or below ``--target-loss`` (default: DDP's
+final loss where DDP ran, else the highest final loss of the setups without a straggler). At
+equal samples: each setup's loss at the samples DDP trained (linear between snapshots). Bytes:
+what every host sent (``tc`` counters of the links, headers included) over the samples trained.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -91,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--setups", help=f"comma-separated (default {','.join(SETUPS)}; --quick {','.join(QUICK_SETUPS)})")
     p.add_argument("--trainers", type=int, default=4)
     p.add_argument("--steps", type=int, help="steps of every trainer (default 600; --quick 24)")
+    p.add_argument("--steps-of", default="", metavar="SETUP=N,...", help="other steps for some setups")
+    p.add_argument("--time-limit", type=float, help="seconds of training of one setup at most (then its trainers "
+                   "are stopped)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW's: DDP's, pushpull's server, DiLoCo's inner")
     p.add_argument("--train-samples", type=int, default=32768)
@@ -107,6 +116,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.setups = [parse_setup(s) for s in (args.setups.split(",") if args.setups else
                                             QUICK_SETUPS if args.quick else SETUPS)]
     args.steps = args.steps or (24 if args.quick else 600)
+    try:
+        args.steps_of = {k.strip(): int(v) for k, v in (kv.split("=") for kv in args.steps_of.split(",") if kv)}
+    except ValueError:
+        p.error(f"--steps-of: SETUP=N,... expected, not {args.steps_of!r}")
+    unknown = set(args.steps_of) - {s.name for s in args.setups}
+    if unknown:
+        p.error(f"--steps-of names setups not run: {', '.join(sorted(unknown))}")
     args.eval_samples = args.eval_samples or (32 if args.quick else 256)
     args.snapshot_s = args.snapshot_s or (4.0 if args.quick else 20.0)
     return args
@@ -115,9 +131,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---- command lines ---------------------------------------------------------------------------
 
 
-def data_args(args: argparse.Namespace) -> list[str]:
+def steps(setup: Setup, args: argparse.Namespace) -> int:
+    return args.steps_of.get(setup.name, args.steps)
+
+
+def data_args(setup: Setup, args: argparse.Namespace) -> list[str]:
     return ["--model", "byte_lm", "--dataset", "pysource", "--train-samples", str(args.train_samples),
-            "--eval-samples", "16", "--batch-size", str(args.batch_size), "--max-steps", str(args.steps),
+            "--eval-samples", "16", "--batch-size", str(args.batch_size), "--max-steps", str(steps(setup, args)),
             "--epochs", "1000", "--no-progress"]
 
 
@@ -133,7 +153,7 @@ def server_args(setup: Setup, args: argparse.Namespace, host: str, ckpt: Path) -
 
 def trainer_args(setup: Setup, args: argparse.Namespace, rank: int, server: str, stats: Path) -> list[str]:
     out = ["train", "--server", f"{server}:{SERVER_PORT}", "--rank", str(rank), "--num-trainers", str(args.trainers),
-           *data_args(args), "--stats-out", str(stats), "--rpc-timeout", "600"]
+           *data_args(setup, args), "--stats-out", str(stats), "--rpc-timeout", "600"]
     if setup.kind == "pushpull":
         return [*out, "--step", "pushpull"]
     out += ["--local-steps", str(setup.local_steps), "--inner-optimizer", "adamw", "--inner-lr", str(args.lr)]
@@ -142,9 +162,9 @@ def trainer_args(setup: Setup, args: argparse.Namespace, rank: int, server: str,
     return [*out, "--compress", setup.compress] if setup.compress else out
 
 
-def ddp_args(args: argparse.Namespace, ckpt: Path) -> list[str]:
-    every = max(1, args.steps // 12)
-    return ["train", "--mode", "ddp", *data_args(args), "--optimizer", "adamw", "--lr", str(args.lr),
+def ddp_args(setup: Setup, args: argparse.Namespace, ckpt: Path) -> list[str]:
+    every = max(1, steps(setup, args) // 12)
+    return ["train", "--mode", "ddp", *data_args(setup, args), "--optimizer", "adamw", "--lr", str(args.lr),
             "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(every), "--keep-checkpoints", "100000"]
 
 
@@ -180,7 +200,7 @@ def run_setup(setup: Setup, args: argparse.Namespace, work: Path) -> dict:
         stats = [work / f"trainer{r}.json" for r in range(args.trainers)]
         if setup.kind == "ddp":
             master = topo.address(trainer_nodes[0])
-            procs = [children.start(topo.wrap(node, measure.psserver_argv(*ddp_args(args, ckpt))), f"rank{r}",
+            procs = [children.start(topo.wrap(node, measure.psserver_argv(*ddp_args(setup, args, ckpt))), f"rank{r}",
                                     ddp_env(r, args.trainers, master)) for r, node in enumerate(trainer_nodes)]
         else:
             procs = [children.start(topo.wrap(node, measure.psserver_argv(
@@ -189,10 +209,7 @@ def run_setup(setup: Setup, args: argparse.Namespace, work: Path) -> dict:
         if setup.straggler:
             procs[-1].wait_for(r"joined psserver|rank \d+ of \d+", 180)
             held = throttle.start(procs[-1].pid, args.straggler_share)
-        for p in procs:
-            code = p.wait(args.timeout)
-            if code != 0:
-                raise RuntimeError(f"{setup.name}: {p.name} exited with {code}:\n{p.tail()}")
+        stopped = wait_trainers(procs, setup, args, start)
         trained_s = time.time() - start
         after = topo.counters()
         if setup.kind != "ddp":
@@ -205,11 +222,44 @@ def run_setup(setup: Setup, args: argparse.Namespace, work: Path) -> dict:
             held.close()
         children.stop_all()
         topo.close()
-    samples = args.steps * args.batch_size * args.trainers
+    rows = snapshots(setup, ckpt, start, args)
+    # The samples trained: every step's where every trainer took them, else the server's count at its
+    # final snapshot (a stopped trainer's last window may not have reached it).
+    samples = steps(setup, args) * args.batch_size * args.trainers
+    if stopped and rows:
+        samples = rows[-1]["samples"]
     return {"setup": setup.name, "start": start, "trained_s": trained_s, "samples": samples, "bytes_sent": sent,
-            "bytes_per_sample": sent / samples, "step_rates": step_rates(stats) if setup.kind != "ddp" else None,
-            "throttle": None if held is None else getattr(held, "method", type(held).__name__),
-            "snapshots": snapshots(setup, ckpt, start, args)}
+            "bytes_per_sample": sent / samples if samples else None, "stopped": stopped,
+            "step_rates": step_rates(stats) if setup.kind != "ddp" else None,
+            "throttle": None if held is None else getattr(held, "method", type(held).__name__), "snapshots": rows}
+
+
+def wait_trainers(procs: list, setup: Setup, args: argparse.Namespace, start: float) -> list[str]:
+    """Wait for the trainers to take their steps; the names of those stopped before (a straggler
+    once the others are done, anyone at ``--time-limit``). A trainer that fails is an error."""
+    stopped: list[str] = []
+    limit = start + (args.time_limit or args.timeout)
+    pending = list(procs)
+    while pending:
+        for p in list(pending):
+            if p.running():
+                continue
+            pending.remove(p)
+            code = p.wait(10)
+            if code != 0 and p.name not in stopped:
+                raise RuntimeError(f"{setup.name}: {p.name} exited with {code}:\n{p.tail()}")
+        others_done = setup.straggler and pending == [procs[-1]]
+        if pending and (others_done or time.time() >= limit):
+            if time.time() >= start + args.timeout and not args.time_limit:
+                raise RuntimeError(f"{setup.name}: not done within --timeout {args.timeout:.0f}s")
+            log.info("%s: stopping %s (%s)", setup.name, ", ".join(p.name for p in pending),
+                     "the others are done" if others_done else f"--time-limit {args.time_limit:g}s")
+            for p in pending:
+                stopped.append(p.name)
+                p.stop(120)  # SIGTERM: the step in flight ends, the trainer leaves
+            pending = []
+        time.sleep(0.5)
+    return stopped
 
 
 def _topology(args: argparse.Namespace) -> multihost.Topology:
@@ -310,19 +360,52 @@ def time_to(rows: list[dict], target: float, key: str) -> float | None:
     return None
 
 
+def loss_at(rows: list[dict], samples: float) -> float | None:
+    """The held-out loss at ``samples``, linear between snapshots (None past the last one)."""
+    rows = sorted(rows, key=lambda r: r["samples"])
+    for a, b in itertools.pairwise(rows):
+        if a["samples"] <= samples <= b["samples"]:
+            if b["samples"] == a["samples"]:
+                return b["loss"]
+            return a["loss"] + (samples - a["samples"]) / (b["samples"] - a["samples"]) * (b["loss"] - a["loss"])
+    return rows[-1]["loss"] if rows and rows[-1]["samples"] == samples else None
+
+
 def summarize(runs: list[dict], target: float | None) -> dict:
+    """Per setup: its final loss, time and samples to ``target`` (default: DDP's final loss, else
+    the highest final loss without a straggler), its loss at DDP's samples, and how many times
+    sooner than DDP and pushpull it reached the target ("at least" where one of them never did:
+    then its seconds trained stand for its time to target)."""
     finals = {r["setup"]: r["snapshots"][-1]["loss"] for r in runs if r["snapshots"]}
+    ddp = next((r for r in runs if r["setup"].startswith("ddp-") and r["snapshots"]), None)
+    pushpull = next((r for r in runs if r["setup"].startswith("pushpull-") and r["snapshots"]), None)
     plain = [v for k, v in finals.items() if not k.endswith("-straggler")]
-    if target is None and plain:
-        target = max(plain)
+    if target is None:
+        target = finals[ddp["setup"]] if ddp else max(plain) if plain else None
+    reached = {r["setup"]: time_to(r["snapshots"], target, "seconds") if target is not None else None for r in runs}
+
+    def sooner(r: dict, ref: dict | None) -> dict | None:
+        if ref is None or ref is r or reached[r["setup"]] is None:
+            return None
+        mine = max(reached[r["setup"]], 1e-9)
+        theirs = reached[ref["setup"]]
+        return {"ratio": (theirs if theirs is not None else ref["trained_s"]) / mine, "at_least": theirs is None}
+
     rows = {}
     for r in runs:
+        equal = loss_at(r["snapshots"], ddp["samples"]) if ddp and r["snapshots"] else None
         rows[r["setup"]] = {"final_loss": finals.get(r["setup"]), "trained_s": r["trained_s"],
+                            "samples": r["samples"], "stopped": r.get("stopped") or [],
                             "bytes_per_sample": r["bytes_per_sample"],
-                            "seconds_to_target": time_to(r["snapshots"], target, "seconds") if target else None,
+                            "seconds_to_target": reached[r["setup"]],
                             "samples_to_target": time_to(r["snapshots"], target, "samples") if target else None,
+                            "loss_at_ddp_samples": equal,
+                            "vs_ddp_loss": equal / finals[ddp["setup"]] - 1 if equal is not None else None,
+                            "sooner_than_ddp": sooner(r, ddp), "sooner_than_pushpull": sooner(r, pushpull),
+                            "fewer_bytes_than_pushpull": (pushpull["bytes_per_sample"] / r["bytes_per_sample"]
+                                                          if pushpull and r["bytes_per_sample"] else None),
                             "step_rates": r["step_rates"]}
-    return {"target_loss": target, "setups": rows}
+    return {"target_loss": target, "ddp_samples": ddp["samples"] if ddp else None, "setups": rows}
 
 
 def _f(v, fmt: str) -> str:
@@ -338,16 +421,26 @@ def markdown(result: dict) -> str:
              "", f"Target held-out loss: {_f(summary['target_loss'], '{:.3f}')} nats a byte.", ""]
     if cfg.get("delay_note"):
         lines += [f"Delay: {cfg['delay_note']} (asked: {cfg.get('delay_asked_ms', 0):g} ms each way).", ""]
+    def times(x: dict | None) -> str:
+        return "-" if x is None else f"{'>= ' if x['at_least'] else ''}{x['ratio']:.1f}x"
+
     rows = []
     for name, row in summary["setups"].items():
         rates = [x for x in (row["step_rates"] or []) if x]
-        rows.append([name, _f(row["final_loss"], "{:.3f}"), _f(row["trained_s"], "{:.0f}"),
-                     _f(row["seconds_to_target"], "{:.0f}"), _f(row["samples_to_target"], "{:.0f}"),
-                     _f(row["bytes_per_sample"], "{:,.0f}"),
+        rows.append([name, _f(row["final_loss"], "{:.3f}"), _f(row["loss_at_ddp_samples"], "{:.3f}"),
+                     _f(row["vs_ddp_loss"], "{:+.1%}"),
+                     f"{row['trained_s']:.0f}" + (" (stopped)" if row["stopped"] else ""),
+                     _f(row["seconds_to_target"], "{:.0f}"), times(row["sooner_than_ddp"]),
+                     times(row["sooner_than_pushpull"]), _f(row["bytes_per_sample"], "{:,.0f}"),
+                     _f(row["fewer_bytes_than_pushpull"], "{:.0f}x"),
                      " / ".join(f"{x:.2f}" for x in rates) if rates else "-"])
-    lines += [report.md_table(["setup", "final held-out loss", "seconds trained", "seconds to target",
-                               "samples to target", "bytes sent per sample", "steps/s of each trainer"], rows), ""]
-    lines += [f"Every trainer took {cfg['steps']} steps of {cfg['batch_size']} samples; AdamW lr {cfg['lr']:g} "
+    lines += [report.md_table(["setup", "final held-out loss", "loss at DDP's samples", "vs DDP", "seconds trained",
+                               "seconds to target", "sooner than DDP", "sooner than pushpull",
+                               "bytes sent per sample", "fewer bytes than pushpull", "steps/s of each trainer"],
+                              rows), ""]
+    other = "".join(f", {k} {v}" for k, v in cfg.get("steps_of", {}).items())
+    lines += [f"Every trainer took {cfg['steps']} steps of {cfg['batch_size']} samples{other}; "
+              f"AdamW lr {cfg['lr']:g} "
               "(DDP's, pushpull's server, DiLoCo's inner); DiLoCo's outer optimizer is the server's default.", ""]
     return "\n".join(lines)
 

@@ -3,6 +3,8 @@ are the study's; its quick run is in docs/benchmarks.md)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from benchmarks.studies import diloco
@@ -26,13 +28,68 @@ def test_time_to_target_is_linear_between_snapshots_and_none_when_never_reached(
     assert diloco.time_to(rows, 6.0, "seconds") == 0 and diloco.time_to(rows, 1.0, "seconds") is None
 
 
-def test_the_default_target_is_the_highest_final_loss_without_a_straggler():
-    def run(name, final):
-        return {"setup": name, "trained_s": 1.0, "bytes_per_sample": 1.0, "step_rates": None,
-                "snapshots": [{"seconds": 0, "samples": 0, "loss": 5.0}, {"seconds": 9, "samples": 90, "loss": final}]}
+def _run(name: str, final: float, samples: int = 90, seconds: float = 9.0, bytes_per_sample: float = 1.0) -> dict:
+    return {"setup": name, "trained_s": seconds, "samples": samples, "bytes_per_sample": bytes_per_sample,
+            "step_rates": None, "snapshots": [{"seconds": 0, "samples": 0, "loss": 5.0},
+                                              {"seconds": seconds, "samples": samples, "loss": final}]}
 
-    summary = diloco.summarize([run("ddp-4", 2.0), run("diloco-sync-H8", 2.5), run("diloco-sync-H8-straggler", 4.0)],
-                               None)
+
+def test_the_default_target_is_the_highest_final_loss_without_a_straggler():
+    summary = diloco.summarize([_run("diloco-sync-H8", 2.0), _run("diloco-async-H8", 2.5),
+                                _run("diloco-sync-H8-straggler", 4.0)], None)
     assert summary["target_loss"] == 2.5
-    assert summary["setups"]["diloco-sync-H8"]["seconds_to_target"] == 9
+    assert summary["setups"]["diloco-async-H8"]["seconds_to_target"] == 9
     assert summary["setups"]["diloco-sync-H8-straggler"]["seconds_to_target"] is None
+
+
+def test_with_ddp_the_target_is_its_final_loss_and_each_setup_is_compared_to_it_at_its_samples():
+    """DDP ends at 3.0 after 100 samples in 50 s; DiLoCo (5.0 to 1.0 over 400 samples and 20 s)
+    passes 3.0 at 10 s and is at 4.0 at 100 samples, a third worse; pushpull never reaches it in
+    40 s: DiLoCo is at least 4x sooner."""
+    diloco_run = _run("diloco-sync-H50", 1.0, samples=400, seconds=20.0, bytes_per_sample=10.0)
+    summary = diloco.summarize([_run("ddp-4", 3.0, samples=100, seconds=50.0), diloco_run,
+                                _run("pushpull-async-4", 4.0, samples=40, seconds=40.0, bytes_per_sample=500.0)], None)
+    assert summary["target_loss"] == 3.0 and summary["ddp_samples"] == 100
+    row = summary["setups"]["diloco-sync-H50"]
+    assert row["seconds_to_target"] == 10 and row["loss_at_ddp_samples"] == 4.0
+    assert row["vs_ddp_loss"] == pytest.approx(1 / 3)
+    assert row["sooner_than_ddp"] == {"ratio": 5.0, "at_least": False}
+    assert row["sooner_than_pushpull"] == {"ratio": 4.0, "at_least": True}
+    assert row["fewer_bytes_than_pushpull"] == 50
+    assert summary["setups"]["pushpull-async-4"]["loss_at_ddp_samples"] is None  # it stopped before
+    assert "| diloco-sync-H50 | 1.000 | 4.000 | +33.3% | 20 | 10 | 5.0x | >= 4.0x |" in diloco.markdown(
+        {"config": {"trainers": 4, "rate": 100.0, "delay_ms": 0.0, "steps": 10, "batch_size": 8, "lr": 1e-3},
+         "command": "c", "time": "t", "wall_s": 60.0, "cpus": 2, "load_before": 0.1, "summary": summary})
+
+
+def test_steps_of_overrides_a_named_setups_steps_and_refuses_others():
+    args = diloco.parse_args(["--setups", "ddp-4,diloco-sync-H50", "--steps", "600", "--steps-of", "ddp-4=200"])
+    assert [diloco.steps(s, args) for s in args.setups] == [200, 600]
+    with pytest.raises(SystemExit):
+        diloco.parse_args(["--setups", "ddp-4", "--steps-of", "ddp-5=3"])
+
+
+class _Proc:
+    def __init__(self, name: str, runs_for: float) -> None:
+        self.name, self.until, self.stops = name, time.monotonic() + runs_for, 0
+
+    def running(self) -> bool:
+        return time.monotonic() < self.until
+
+    def wait(self, timeout: float) -> int:
+        return 0
+
+    def stop(self, timeout: float) -> int:
+        self.stops += 1
+        self.until = 0.0
+        return 143
+
+
+def test_a_straggler_is_stopped_once_the_others_are_done_and_everyone_at_the_time_limit():
+    args = diloco.parse_args(["--setups", "diloco-async-H8-straggler", "--time-limit", "60"])
+    procs = [_Proc("trainer0", 0.2), _Proc("trainer1", 0.3), _Proc("trainer2", 1000)]
+    assert diloco.wait_trainers(procs, args.setups[0], args, time.time()) == ["trainer2"]
+    assert [p.stops for p in procs] == [0, 0, 1]
+    args = diloco.parse_args(["--setups", "diloco-sync-H8", "--time-limit", "0.5"])
+    procs = [_Proc("trainer0", 0.1), _Proc("trainer1", 1000)]
+    assert diloco.wait_trainers(procs, args.setups[0], args, time.time()) == ["trainer1"]
