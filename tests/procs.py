@@ -78,6 +78,12 @@ def die_after_update(n: int, once: Path) -> dict[str, str]:
     return _hooked(PSSERVER_TEST_DIE_AFTER_UPDATE=str(n), PSSERVER_TEST_DIE_ONCE=str(once))
 
 
+def die_at_step(n: int, once: Path) -> dict[str, str]:
+    """Environment of a ``psserver train`` that SIGKILLs itself as its ``n``-th step begins, once
+    (``once`` records it)."""
+    return _hooked(PSSERVER_TEST_DIE_AT_STEP=str(n), PSSERVER_TEST_DIE_ONCE=str(once))
+
+
 def slow_protocol_setup(seconds: float) -> dict[str, str]:
     """Environment of a trainer whose step protocol takes ``seconds`` more to set up after its
     join is answered (``tests/hooks/sitecustomize.py``)."""

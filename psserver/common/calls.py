@@ -10,6 +10,8 @@ handler that applies updates). The RPC allow-list (``rpc_allowlist``) names thes
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
@@ -19,7 +21,9 @@ from psserver.common.messages import JoinRequest, Report
 from psserver.common.rpc_allowlist import is_optimizer_class
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
+
+log = logging.getLogger(__name__)
 
 NOT_A_MEMBER = "NOT_A_MEMBER"
 """What :func:`heartbeat` answers a trainer that is not a member (evicted, or never joined)."""
@@ -58,22 +62,47 @@ def current() -> Handler:
     return _current
 
 
+def refused_quietly(fn: Callable) -> Callable:
+    """What a peer's call raises goes back to it as the error torch would send, without the
+    traceback torch prints on this side for every failed call: a peer sending malformed
+    arguments each step would fill the server's log. One line here; the traceback at DEBUG."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            from torch.distributed.rpc.internal import RemoteException
+
+            text = str(e).strip().splitlines()
+            log.warning("a call to %s failed: %s%s", fn.__name__, type(e).__name__, f": {text[0]}" if text else "")
+            log.debug("the failed call to %s", fn.__name__, exc_info=True)
+            return RemoteException(f"On {torch_rpc.worker_info_or_name()}:\n{e!r}\n", type(e))
+
+    return run
+
+
+@refused_quietly
 def join(request: JoinRequest) -> dict[str, Any]:
     return current().join(request)
 
 
+@refused_quietly
 def call(trainer: str, op: str, args: tuple, report: Report | None) -> tuple[Any, list[str], Progress]:
     return current().call(trainer, op, args, report)
 
 
+@refused_quietly
 def heartbeat(trainer: str, report: Report | None) -> str:
     return current().heartbeat(trainer, report)
 
 
+@refused_quietly
 def leave(trainer: str, report: Report | None) -> None:
     current().leave(trainer, report)
 
 
+@refused_quietly
 def host_trainers(trainer: str) -> int:
     return current().host_trainers(trainer)
 
@@ -116,6 +145,7 @@ class SharedOptimizer:
         endpoint.call_local(trainer, "submit", grads)  # the guard's notices ride on its next call
 
 
+@refused_quietly
 def new_local_optimizer(optim_cls: type, local_params_rref: list, *args: Any, **kwargs: Any) -> Any:
     """``torch.distributed.optim``'s ``_new_local_optimizer`` as the server runs it: the
     :class:`SharedOptimizer` handle, once the ``torch.optim`` optimizer the caller named is the
@@ -129,6 +159,7 @@ def new_local_optimizer(optim_cls: type, local_params_rref: list, *args: Any, **
     return torch_rpc.new_local_optimizer(SharedOptimizer, local_params_rref, requested=requested)
 
 
+@refused_quietly
 def local_optimizer_step(local_optim_rref: Any, autograd_ctx_id: int) -> None:
     """``torch.distributed.optim``'s ``_local_optimizer_step`` as the server runs it."""
     optimizer = torch_rpc.local_optimizer_of(local_optim_rref)

@@ -73,6 +73,11 @@ def current_agent():
     return rpc.api._get_current_rpc_agent()
 
 
+def worker_info_or_name() -> str:
+    """This worker as torch names it in a remote error (``WorkerInfo(id=0, name=psserver)``)."""
+    return str(current_agent().get_worker_info()) if agent_is_set() else "WorkerInfo(?)"
+
+
 def remove_worker(agent, info) -> None:
     """Drop ``info`` from ``agent``'s group, as a clean leave of that worker would."""
     agent._update_group_membership(info, [], {}, False)

@@ -13,6 +13,9 @@ step protocol's half once the server has answered its join (as ``--step plain``'
 With ``$PSSERVER_TEST_STEP_DELAY=S``, ``psserver train`` sleeps S seconds before each step: a
 slow trainer (one caught mid-run, a straggler).
 
+With ``$PSSERVER_TEST_DIE_AT_STEP=N`` (and ``$PSSERVER_TEST_DIE_ONCE=FILE``), ``psserver train``
+SIGKILLs itself as its N-th step begins (the steps before it whole), once.
+
 With ``$PSSERVER_TEST_CKPT_FAULT_AFTER=N``, a server dies (exit 17) once it has written N bytes
 of a checkpoint's temporary file, as a crash in the middle of the write would.
 
@@ -109,6 +112,27 @@ if _STEP_DELAY:
         return _train_step(self, *args, **kwargs)
 
     ModelSteps.train_step = train_step
+
+_DIE_AT_STEP = os.environ.get("PSSERVER_TEST_DIE_AT_STEP")
+
+if _DIE_AT_STEP and _ONCE:
+    import signal
+
+    from psserver.trainer.model_steps import ModelSteps
+
+    _step = ModelSteps.train_step
+    _steps = [0]
+
+    def train_step_or_die(self, *args, **kwargs):
+        _steps[0] += 1
+        if _steps[0] == int(_DIE_AT_STEP) and not os.path.exists(_ONCE):
+            with open(_ONCE, "w") as f:
+                f.write(f"died at step {_steps[0]} of pid {os.getpid()}\n")
+            print(f"dying at step {_steps[0]}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _step(self, *args, **kwargs)
+
+    ModelSteps.train_step = train_step_or_die
 
 _CKPT_FAULT = os.environ.get("PSSERVER_TEST_CKPT_FAULT_AFTER")
 
