@@ -112,6 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a smoke run, no claim")
     p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS)
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds of one setup at most")
+    p.add_argument("--rerun-into", type=Path, metavar="RESULT.json",
+                   help="an earlier result whose runs of these setups this run replaces (one disturbed, or "
+                        "stopped too early); the result is written again with them, each run's command kept")
     args = p.parse_args(argv)
     args.setups = [parse_setup(s) for s in (args.setups.split(",") if args.setups else
                                             QUICK_SETUPS if args.quick else SETUPS)]
@@ -404,8 +407,23 @@ def summarize(runs: list[dict], target: float | None) -> dict:
                             "sooner_than_ddp": sooner(r, ddp), "sooner_than_pushpull": sooner(r, pushpull),
                             "fewer_bytes_than_pushpull": (pushpull["bytes_per_sample"] / r["bytes_per_sample"]
                                                           if pushpull and r["bytes_per_sample"] else None),
-                            "step_rates": r["step_rates"]}
+                            "step_rates": r["step_rates"], "load": r.get("load")}
     return {"target_loss": target, "ddp_samples": ddp["samples"] if ddp else None, "setups": rows}
+
+
+def rerun_into(earlier: dict, rerun: dict) -> dict:
+    """``earlier`` with its runs of ``rerun``'s setups replaced (in their places), the rerun's
+    command, time and load kept beside them; refused where the two ran other configurations."""
+    keys = ("trainers", "batch_size", "lr", "rate", "train_samples", "eval_samples", "snapshot_s", "straggler_share")
+    differ = [k for k in keys if earlier["config"].get(k) != rerun["config"].get(k)]
+    if differ:
+        raise SystemExit(f"python -m benchmarks diloco: --rerun-into: {earlier['command']!r} ran another "
+                         f"configuration ({', '.join(differ)})")
+    new = {r["setup"]: r for r in rerun["runs"]}
+    runs = [new.pop(r["setup"], r) for r in earlier["runs"]] + list(new.values())
+    steps_of = {**earlier["config"].get("steps_of", {}), **rerun["config"].get("steps_of", {})}
+    reruns = [*earlier.get("reruns", []), {k: rerun[k] for k in ("command", "time", "wall_s", "load_before")}]
+    return {**earlier, "config": {**earlier["config"], "steps_of": steps_of}, "runs": runs, "reruns": reruns}
 
 
 def _f(v, fmt: str) -> str:
@@ -419,6 +437,9 @@ def markdown(result: dict) -> str:
              f"{rtt}", "", f"`{result['command']}` ({result['time']}, "
              f"{result['wall_s'] / 60:.1f} min; {result['cpus']} cores, load average before {result['load_before']})",
              "", f"Target held-out loss: {_f(summary['target_loss'], '{:.3f}')} nats a byte.", ""]
+    for again in result.get("reruns", []):
+        lines += [f"Run again: `{again['command']}` ({again['time']}, {again['wall_s'] / 60:.1f} min, load average "
+                  f"before {again['load_before']}).", ""]
     if cfg.get("delay_note"):
         lines += [f"Delay: {cfg['delay_note']} (asked: {cfg.get('delay_asked_ms', 0):g} ms each way).", ""]
     def times(x: dict | None) -> str:
@@ -433,11 +454,12 @@ def markdown(result: dict) -> str:
                      _f(row["seconds_to_target"], "{:.0f}"), times(row["sooner_than_ddp"]),
                      times(row["sooner_than_pushpull"]), _f(row["bytes_per_sample"], "{:,.0f}"),
                      _f(row["fewer_bytes_than_pushpull"], "{:.0f}x"),
-                     " / ".join(f"{x:.2f}" for x in rates) if rates else "-"])
+                     " / ".join(f"{x:.2f}" for x in rates) if rates else "-",
+                     " -> ".join(f"{x:.1f}" for x in row.get("load") or []) or "-"])
     lines += [report.md_table(["setup", "final held-out loss", "loss at DDP's samples", "vs DDP", "seconds trained",
                                "seconds to target", "sooner than DDP", "sooner than pushpull",
-                               "bytes sent per sample", "fewer bytes than pushpull", "steps/s of each trainer"],
-                              rows), ""]
+                               "bytes sent per sample", "fewer bytes than pushpull", "steps/s of each trainer",
+                               "load average"], rows), ""]
     other = "".join(f", {k} {v}" for k, v in cfg.get("steps_of", {}).items())
     lines += [f"Every trainer took {cfg['steps']} steps of {cfg['batch_size']} samples{other}; "
               f"AdamW lr {cfg['lr']:g} "
@@ -478,19 +500,27 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"python -m benchmarks diloco: {problem}\n")
         return 2
     t0, load_before = time.time(), os.getloadavg()[0]
+    earlier = json.loads(args.rerun_into.read_text()) if args.rerun_into else None
     runs = []
     with tempfile.TemporaryDirectory(prefix="diloco-") as tmp:
         for setup in args.setups:
             log.info("setup %s", setup.name)
+            load = os.getloadavg()[0]
             runs.append(run_setup(setup, args, Path(tmp) / setup.name))
+            runs[-1]["load"] = [round(load, 2), round(os.getloadavg()[0], 2)]
             log.info("setup %s: %d snapshots, final loss %s", setup.name, len(runs[-1]["snapshots"]),
                      _f(runs[-1]["snapshots"][-1]["loss"] if runs[-1]["snapshots"] else None, "{:.3f}"))
-    config = {k: v for k, v in vars(args).items() if k not in ("setups", "results_dir")}
-    result = {"command": "python -m benchmarks diloco " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_s": time.time() - t0, "cpus": os.cpu_count(),
-              "load_before": round(load_before, 2), "config": config, "runs": runs,
-              "summary": summarize(runs, args.target_loss)}
-    stem = args.results_dir / ("diloco-quick" if args.quick else "diloco")
+    config = {k: v for k, v in vars(args).items() if k not in ("setups", "results_dir", "rerun_into")}
+    command = "python -m benchmarks diloco " + " ".join(argv if argv is not None else sys.argv[1:])
+    for r in runs:
+        r["command"] = command
+    result = {"command": command, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_s": time.time() - t0,
+              "cpus": os.cpu_count(), "load_before": round(load_before, 2), "config": config, "runs": runs}
+    if earlier is not None:
+        result = rerun_into(earlier, result)
+    result["summary"] = summarize(result["runs"], args.target_loss)
+    stem = (args.rerun_into.with_suffix("") if args.rerun_into else
+            args.results_dir / ("diloco-quick" if args.quick else "diloco"))
     sys.stdout.write(report.write_result(stem, result, "diloco", markdown))
     plot(result, stem.with_suffix(".png"))
     return 0

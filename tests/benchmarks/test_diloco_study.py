@@ -93,3 +93,18 @@ def test_a_straggler_is_stopped_once_the_others_are_done_and_everyone_at_the_tim
     args = diloco.parse_args(["--setups", "diloco-sync-H8", "--time-limit", "0.5"])
     procs = [_Proc("trainer0", 0.1), _Proc("trainer1", 1000)]
     assert diloco.wait_trainers(procs, args.setups[0], args, time.time()) == ["trainer1"]
+
+
+def test_a_rerun_replaces_its_setups_runs_in_the_earlier_result_and_refuses_another_configuration():
+    config = {"trainers": 4, "batch_size": 8, "lr": 1e-3, "rate": 100.0, "train_samples": 10, "eval_samples": 4,
+              "snapshot_s": 20.0, "straggler_share": 0.1, "steps_of": {"ddp-4": 200}}
+    earlier = {"command": "first", "config": config, "runs": [_run("ddp-4", 3.0), _run("diloco-sync-H50", 2.0)]}
+    rerun = {"command": "again", "time": "t", "wall_s": 60.0, "load_before": 0.5,
+             "config": {**config, "steps_of": {"ddp-4": 300}}, "runs": [_run("ddp-4", 2.5)]}
+    merged = diloco.rerun_into(earlier, rerun)
+    assert [(r["setup"], r["snapshots"][-1]["loss"]) for r in merged["runs"]] == [("ddp-4", 2.5),
+                                                                                  ("diloco-sync-H50", 2.0)]
+    assert merged["command"] == "first" and [r["command"] for r in merged["reruns"]] == ["again"]
+    assert merged["config"]["steps_of"] == {"ddp-4": 300}
+    with pytest.raises(SystemExit, match=r"ran another configuration \(rate\)"):
+        diloco.rerun_into(earlier, {**rerun, "config": {**config, "rate": 50.0}})
