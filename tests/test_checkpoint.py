@@ -366,6 +366,21 @@ def test_a_checkpoint_another_user_planted_or_can_change_is_never_resumed(tmp_pa
         load_named(link)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another uid")
+def test_a_newer_checkpoint_another_user_planted_does_not_turn_a_resumed_run_into_a_new_one(tmp_path):
+    """Resuming step 3 of run "mine" continues that run unless a newer checkpoint of it is there
+    (a branch); one another user planted, claiming the run, is no such checkpoint."""
+    from psserver.server.checkpoints.checkpointing import CheckpointPolicy
+
+    tmp_path.chmod(0o1777)
+    write_checkpoint(checkpoint_path(tmp_path, 3), state(3), run="mine")
+    write_checkpoint(checkpoint_path(tmp_path, 50), state(50), run="mine")
+    os.chown(checkpoint_path(tmp_path, 50), 65534, 65534)
+    assert CheckpointPolicy._newer_of_run(tmp_path, "mine", 3) is None
+    os.chown(checkpoint_path(tmp_path, 50), os.geteuid(), os.getegid())
+    assert CheckpointPolicy._newer_of_run(tmp_path, "mine", 3) == checkpoint_path(tmp_path, 50)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory to another uid")
 def test_a_directory_of_another_user_or_under_one_is_refused(tmp_path):
     """Its owner may swap the checkpoints in it between the check of a file and its load (a

@@ -65,7 +65,8 @@ def current() -> Handler:
 def refused_quietly(fn: Callable) -> Callable:
     """What a peer's call raises goes back to it as the error torch would send, without the
     traceback torch prints on this side for every failed call: a peer sending malformed
-    arguments each step would fill the server's log. One line here; the traceback at DEBUG."""
+    arguments each step would fill the server's log. One line here (at the exception's
+    ``log_level``, WARNING by default); the traceback at DEBUG."""
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -75,7 +76,8 @@ def refused_quietly(fn: Callable) -> Callable:
             from torch.distributed.rpc.internal import RemoteException
 
             text = str(e).strip().splitlines()
-            log.warning("a call to %s failed: %s%s", fn.__name__, type(e).__name__, f": {text[0]}" if text else "")
+            log.log(getattr(e, "log_level", logging.WARNING), "a call to %s failed: %s%s", fn.__name__,
+                    type(e).__name__, f": {text[0]}" if text else "")
             log.debug("the failed call to %s", fn.__name__, exc_info=True)
             return RemoteException(f"On {torch_rpc.worker_info_or_name()}:\n{e!r}\n", type(e))
 

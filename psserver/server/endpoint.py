@@ -45,6 +45,9 @@ class NotAMember(RuntimeError):
     it (``NOT_A_MEMBER``).
     """
 
+    log_level = logging.INFO
+    """An evicted trainer's next call meets it: routine, not a warning (``calls.refused_quietly``)."""
+
 
 class Endpoint:
     """Admits trainers and dispatches their calls; ``state`` gates joins."""

@@ -44,3 +44,22 @@ def test_a_call_with_no_server_installed_is_an_error_reply_too():
     calls.install(None)
     result = calls.heartbeat("trainer_0_1", None)
     assert isinstance(result, RemoteException) and "no parameter server is running" in result.msg
+
+
+def test_a_routine_refusal_is_logged_at_its_own_level(caplog):
+    """An evicted trainer's next call (``NotAMember``) is INFO, not a warning."""
+    from psserver.server.endpoint import NotAMember
+
+    class _Evicted(_Refusing):
+        def call(self, trainer, op, args, report):
+            raise NotAMember(f"{trainer} is not a member: evicted (3 non-finite gradients)")
+
+    calls.install(_Evicted())
+    try:
+        with caplog.at_level(logging.INFO, logger="psserver.common.calls"):
+            assert isinstance(calls.call("trainer_0_1", "exchange", (), None), RemoteException)
+    finally:
+        calls.install(None)
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.INFO, "a call to call failed: NotAMember: trainer_0_1 is not a member: evicted (3 non-finite "
+                       "gradients)")]

@@ -40,6 +40,7 @@ from psserver.checkpoint import (
     read_header,
     remove_stale_temporaries,
     step_of,
+    untrusted_file,
     verify,
 )
 from psserver.config import OptimizerConfig, ServerConfig
@@ -346,10 +347,13 @@ class CheckpointPolicy:
     @staticmethod
     def _newer_of_run(directory: Path, run: str, step: int) -> Path | None:
         """A valid checkpoint of ``run`` in ``directory`` past ``step`` (resuming from an older
-        one of a run starts a branch)."""
+        one of a run starts a branch). Only this user's own files count: one planted by another
+        user that names this run must not turn the run into a new one."""
         for path in list_checkpoints(directory):
             if step_of(path) <= step:
                 break
+            if untrusted_file(path) is not None:
+                continue
             try:
                 if read_header(path).run == run:
                     verify(path)

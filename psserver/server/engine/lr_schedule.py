@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import time
 import warnings
 from collections.abc import Iterable
 from dataclasses import asdict
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 
 SCHEDULED_KEYS = ("lr", "momentum", "betas")
 """Hyperparameters copied from the reference optimizer into the shards' (those they have)."""
+MAX_REPLAY = 100_000_000
+"""Scheduler steps a resume replays at most (about 10 minutes at torch's pace here)."""
 TRIED_STEPS = 10
 """Steps of a copy of the schedule taken at the start, whose values are checked there."""
 
@@ -236,13 +239,25 @@ class LRSchedule:
         self.fast_forward(global_step)
 
     def fast_forward(self, global_step: int) -> None:
-        """Step the scheduler until it stands at ``global_step`` (as many steps as it lacks)."""
+        """Step the scheduler until it stands at ``global_step`` (as many steps as it lacks):
+        a scheduler's state may be anything its class keeps, so it is replayed, not computed.
+        Bounded (``MAX_REPLAY``: minutes at most), with a progress line every 10 s."""
         if global_step < self.steps:
             raise ValueError(f"the schedule is at step {self.steps}, past global step {global_step}")
-        if global_step - self.steps > 100_000:
-            log.info("replaying %d steps of the learning-rate schedule", global_step - self.steps)
+        todo = global_step - self.steps
+        if todo > MAX_REPLAY:
+            raise ValueError(f"global step {global_step:,} is {todo:,} steps of the learning-rate schedule "
+                             f"{self.describe()} to replay, more than the {MAX_REPLAY:,} psserver replays: resume "
+                             "without --lr-schedule, or from a checkpoint of fewer steps")
+        if todo > 100_000:
+            log.info("replaying %d steps of the learning-rate schedule", todo)
+        shown = time.monotonic()
         while self.steps < global_step:
             self.step()
+            if self.steps % 65536 == 0 and time.monotonic() - shown > 10:
+                shown = time.monotonic()
+                log.info("replaying the learning-rate schedule: %d of %d steps", todo - (global_step - self.steps),
+                         todo)
 
 
 def _optimizer(d: dict | None) -> str:

@@ -415,3 +415,16 @@ def test_a_resume_without_the_schedule_goes_back_to_the_optimizers_lr(tmp_path, 
         assert resumed.view.get_status().lr_schedule == ""
     finally:
         resumed.engine.close()
+
+
+def test_a_resume_that_would_replay_more_than_it_can_in_minutes_is_refused_at_once():
+    """A checkpoint at global step 2^52 (valid, forged) with a schedule: refused in one line
+    before any replay (it replayed ~10^5 steps a second, for years)."""
+    saved = LRSchedule(LRScheduleConfig("StepLR", {"step_size": 10}), SGD)
+    drive(saved, 3)
+    fresh = LRSchedule(LRScheduleConfig("StepLR", {"step_size": 10}), SGD)
+    with pytest.raises(ValueError, match=r"global step 4,503,599,627,370,496 is 4,503,599,627,370,493 steps of the "
+                                         r"learning-rate schedule StepLR\(step_size=10\) to replay, more than the "
+                                         r"100,000,000 psserver replays"):
+        fresh.restore(saved.state_dict(), 2**52)
+    assert fresh.steps == 3  # where the saved schedule stood: nothing replayed
