@@ -163,7 +163,10 @@ class Shard:
                 "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
 
     def load_state_dict(self, state: dict, optimizer_config: OptimizerConfig | None) -> None:
+        """``ValueError`` for a tensor of another dtype than this shard's (torch would cast it:
+        a float16 weight loaded into a float32 model, silently rounded)."""
         with self.lock:
+            _check_dtypes(state, self.module.state_dict(), [p.dtype for p in self.params])
             self.module.load_state_dict(state["module"])
             if state.get("optimizer") is not None:
                 if optimizer_config is None:
@@ -173,6 +176,30 @@ class Shard:
                 self.optimizer.load_state_dict(state["optimizer"])
                 for group in self.optimizer.param_groups:  # a checkpoint's flag (an older one's None) is not ours
                     group["fused"] = True if optimizer_config.name in FUSED else group.get("fused")
+
+
+def _check_dtypes(state: dict, own: dict[str, torch.Tensor], params: list[torch.dtype]) -> None:
+    """The module's tensors and the optimizer's floating state (beside ``step``) in the dtype of
+    the tensors they belong to (``params``: the optimizer's parameters' dtypes, in its order)."""
+    module = state.get("module")
+    for key, value in (module.items() if isinstance(module, dict) else ()):
+        mine = own.get(key)
+        if isinstance(value, torch.Tensor) and mine is not None and value.dtype != mine.dtype:
+            raise ValueError(f"its {key} is {str(value.dtype).removeprefix('torch.')}, the model's is "
+                             f"{str(mine.dtype).removeprefix('torch.')}")
+    optimizer = state.get("optimizer")
+    groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
+    ids = groups[0].get("params") if isinstance(groups, list) and groups and isinstance(groups[0], dict) else None
+    if not isinstance(ids, list) or not isinstance(optimizer.get("state"), dict):
+        return  # the optimizer's own checks (check_optimizer_state) name what is wrong
+    dtypes = dict(zip(ids, params, strict=False))
+    for pid, entry in optimizer["state"].items():
+        for key, value in (entry.items() if isinstance(entry, dict) else ()):
+            want = dtypes.get(pid)
+            if (key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point() and want is not None
+                    and value.dim() and value.dtype != want):
+                raise ValueError(f"its optimizer state {pid}.{key} is {str(value.dtype).removeprefix('torch.')}, "
+                                 f"its parameter's is {str(want).removeprefix('torch.')}")
 
 
 def _to_cpu(obj):
