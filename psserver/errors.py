@@ -43,6 +43,12 @@ class Evicted(ServerLost):
     which rejoins under a fresh name."""
 
 
+class StepFailed(ServerLost):
+    """The server, alive and holding this trainer as a member, could not complete its step (a
+    sync round that did not complete within the server's ``--rpc-timeout``, a gradient it
+    refused): the server's reason in one line, exit code 3; the trainer has left."""
+
+
 def first_line(e: BaseException, limit: int = 200) -> str:
     """The first line of ``e``'s message (torch's errors carry C++ context below it), at most
     ``limit`` characters, or its type's name when it has none."""

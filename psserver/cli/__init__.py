@@ -1,11 +1,12 @@
 """``psserver`` command line: one sub-command class per verb, ``main(argv)`` for tests.
 
 Exit codes: 0 success; 2 a usage error (a bad flag, a configuration that does not validate,
-any :class:`~psserver.errors.UsageError`: one line on stderr); 3 a trainer lost its server or
-was evicted (:class:`~psserver.errors.ServerLost`); 130 / 143 a trainer that left on SIGINT /
-SIGTERM; 1 a server whose final checkpoint failed (logged as it happened), or anything else,
-an internal error: the traceback goes to a log file (``$PSSERVER_LOG_DIR``, else the system's
-temporary directory) and stderr gets one line saying where.
+any :class:`~psserver.errors.UsageError`: one line on stderr); 3 a trainer lost its server, was
+evicted or had a step the server could not complete (:class:`~psserver.errors.ServerLost`);
+130 / 143 a trainer that left on SIGINT / SIGTERM; 1 a server whose final checkpoint failed
+(logged as it happened), or anything else, an internal error: the traceback goes to a log file
+(``$PSSERVER_LOG_DIR``, else the system's temporary directory) and stderr gets one line saying
+where.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import torch.distributed.rpc as rpc
 from psserver.common import calls, rendezvous
 from psserver.common.messages import Report
 from psserver.config import TrainerConfig
-from psserver.errors import AdmissionUnanswered, Evicted, ServerLost, UsageError
+from psserver.errors import AdmissionUnanswered, Evicted, ServerLost, StepFailed, UsageError
 from psserver.trainer.rejoin import Position, reexec
 from psserver.trainer.session import (
     PROBE_TIMEOUT_S,
@@ -168,15 +168,16 @@ def _ask_server(session: Session, error: BaseException | None) -> str:
 def recover(session: Session, config: TrainerConfig, error: BaseException, pos: Position,
             stop: StopSignals, before_exec: Callable[[], None] | None = None,
             argv: Sequence[str] | None = None) -> NoReturn:
-    """After a failed call: a failure of a live membership is a bug (raised); an eviction or a lost
-    server ends the trainer (exit 3), or with ``--reconnect`` it rejoins under a fresh name and
-    continues with the same batch (the failed step's update was not applied)."""
+    """After a failed call: a step the live server could not complete ends the trainer
+    (``StepFailed``, the server's reason, exit 3); an eviction or a lost server ends it (exit 3),
+    or with ``--reconnect`` it rejoins under a fresh name and continues with the same batch (the
+    failed step's update was not applied)."""
     what = diagnose(session, error)
     reason = remote_message(error)
     where = f"{config.server_host}:{config.server_port}"
     if what == FAILED:
         session.leave()
-        raise RuntimeError(f"training step failed on the server: {reason}")
+        raise StepFailed(f"the server at {where} could not complete this trainer's step: {reason}")
     name = session.name
     session.abandon()
     stop.check("after its eviction" if what == EVICTED else "after losing its server")

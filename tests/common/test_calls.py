@@ -4,6 +4,7 @@ logged here in one line, not as the traceback torch prints for each failed call.
 from __future__ import annotations
 
 import logging
+import typing
 
 import pytest
 from torch.distributed.rpc.internal import RemoteException, _handle_exception
@@ -13,7 +14,7 @@ from psserver.trainer.session import remote_message
 
 
 class _Refusing:
-    halves: dict = {}
+    halves: typing.ClassVar[dict] = {}
 
     def call(self, trainer, op, args, report):
         raise ValueError(f"{trainer}'s gradient is float64, the server's parameters float32")

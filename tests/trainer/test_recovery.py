@@ -72,6 +72,37 @@ def test_a_first_join_whose_server_went_away_rejoins_under_reconnect(monkeypatch
         recovery.join(dataclasses.replace(config, reconnect=False), None, None)
 
 
+def test_a_step_the_live_server_could_not_complete_is_one_line_and_exit_3(monkeypatch, capsys):
+    """A sync round that timed out on the server (a straggler past its --rpc-timeout) was an
+    internal error of the trainer (exit 1, a traceback file); it is the server's reason now."""
+    from psserver.cli import main
+    from psserver.errors import ServerLost, StepFailed
+
+    left = []
+
+    class Member:
+        name = "trainer_0_1"
+
+        def leave(self):
+            left.append(True)
+
+    monkeypatch.setattr(recovery, "diagnose", lambda session, error: recovery.FAILED)
+    error = RuntimeError("On WorkerInfo(id=0, name=psserver):\nTimeoutError('sync round 1 did not complete in "
+                         "60s')\n")
+    config = TrainerConfig(rank=0, server_host="10.0.0.5", server_port=29500)
+    with pytest.raises(StepFailed, match=r"^the server at 10.0.0.5:29500 could not complete this trainer's step: "
+                                         r"sync round 1 did not complete in 60s$") as failed:
+        recovery.recover(Member(), config, error, Position(), StopSignals())
+    assert left == [True] and isinstance(failed.value, ServerLost)
+
+    def train(args):
+        raise failed.value
+
+    monkeypatch.setattr("psserver.cli.train.TrainCommand.run", lambda self, args: train(args))
+    assert main(["train", "--rank", "0"]) == 3
+    assert capsys.readouterr().err.strip().endswith("sync round 1 did not complete in 60s")
+
+
 def test_a_first_join_the_rpc_group_changed_under_is_tried_again_a_bounded_number_of_times(monkeypatch):
     """A trainer whose ``init_rpc`` ran while a refused trainer left the group exited 2 with
     "EOF" (without ``--reconnect``). ``psserver train`` and a library script try again in a fresh
