@@ -147,7 +147,9 @@ def data_args(setup: Setup, args: argparse.Namespace) -> list[str]:
 def server_args(setup: Setup, args: argparse.Namespace, host: str, ckpt: Path) -> list[str]:
     out = ["serve", "--host", host, "--port", str(SERVER_PORT), "--model", "byte_lm", "--no-control",
            "--compute-threads", "1", "--checkpoint-dir", str(ckpt), "--checkpoint-interval", str(args.snapshot_s),
-           "--keep-checkpoints", "100000", "--trainer-timeout", "60"]
+           "--keep-checkpoints", "100000", "--trainer-timeout", "60", "--rpc-timeout", "600"]
+    # --rpc-timeout: a sync round waits on the server for a straggler's window (minutes at a tenth
+    # of a core); the server's default 60 s would fail the others' syncs.
     if setup.kind == "pushpull":
         return [*out, "--update", "async", "--optimizer", "adamw", "--lr", str(args.lr)]
     out += ["--update", "diloco", "--outer", setup.outer, "--sync-trainers", str(args.trainers)]
@@ -280,16 +282,34 @@ def _topology(args: argparse.Namespace) -> multihost.Topology:
 
 
 def step_rates(paths: list[Path]) -> list[float | None]:
-    """Each trainer's steps per second over its run (``--stats-out``)."""
+    """Each trainer's steps per second over its run (``--stats-out``), or for one stopped before
+    it wrote them (a straggler), over the progress lines of its log beside them."""
     rates = []
     for path in paths:
         try:
             ends = json.loads(path.read_text())["step_ends"]
         except (OSError, ValueError, KeyError):
-            rates.append(None)
+            rates.append(logged_rate(path.with_suffix(".log")))
             continue
         rates.append((len(ends) - 1) / (ends[-1] - ends[0]) if len(ends) > 1 and ends[-1] > ends[0] else None)
     return rates
+
+
+_PROGRESS = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*: step (\d+)/\d+ ", re.M)
+
+
+def logged_rate(log_path: Path) -> float | None:
+    """Steps per second between the first and the last progress line of a trainer's log."""
+    try:
+        found = _PROGRESS.findall(log_path.read_text(errors="replace"))
+    except OSError:
+        return None
+    if len(found) < 2:
+        return None
+    (t0, ms0, s0), (t1, ms1, s1) = found[0], found[-1]
+    seconds = (time.mktime(time.strptime(t1, "%Y-%m-%d %H:%M:%S")) + int(ms1) / 1000
+               - time.mktime(time.strptime(t0, "%Y-%m-%d %H:%M:%S")) - int(ms0) / 1000)
+    return (int(s1) - int(s0)) / seconds if seconds > 0 else None
 
 
 # ---- evaluation of the snapshots --------------------------------------------------------------
@@ -423,7 +443,9 @@ def rerun_into(earlier: dict, rerun: dict) -> dict:
     runs = [new.pop(r["setup"], r) for r in earlier["runs"]] + list(new.values())
     steps_of = {**earlier["config"].get("steps_of", {}), **rerun["config"].get("steps_of", {})}
     reruns = [*earlier.get("reruns", []), {k: rerun[k] for k in ("command", "time", "wall_s", "load_before")}]
-    return {**earlier, "config": {**earlier["config"], "steps_of": steps_of}, "runs": runs, "reruns": reruns}
+    failed = {k: v for k, v in earlier.get("failed", {}).items() if k not in {r["setup"] for r in rerun["runs"]}}
+    return {**earlier, "config": {**earlier["config"], "steps_of": steps_of}, "runs": runs, "reruns": reruns,
+            "failed": {**failed, **rerun.get("failed", {})}}
 
 
 def _f(v, fmt: str) -> str:
@@ -460,6 +482,8 @@ def markdown(result: dict) -> str:
                                "seconds to target", "sooner than DDP", "sooner than pushpull",
                                "bytes sent per sample", "fewer bytes than pushpull", "steps/s of each trainer",
                                "load average"], rows), ""]
+    for name, why in result.get("failed", {}).items():
+        lines += [f"**{name} failed**: `{why.strip().splitlines()[0][:300]}`", ""]
     other = "".join(f", {k} {v}" for k, v in cfg.get("steps_of", {}).items())
     lines += [f"Every trainer took {cfg['steps']} steps of {cfg['batch_size']} samples{other}; "
               f"AdamW lr {cfg['lr']:g} "
@@ -501,29 +525,47 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0, load_before = time.time(), os.getloadavg()[0]
     earlier = json.loads(args.rerun_into.read_text()) if args.rerun_into else None
-    runs = []
+    command = "python -m benchmarks diloco " + " ".join(argv if argv is not None else sys.argv[1:])
+    stem = (args.rerun_into.with_suffix("") if args.rerun_into else
+            args.results_dir / ("diloco-quick" if args.quick else "diloco"))
+    runs: list[dict] = []
+    failed: dict[str, str] = {}
+
+    def write() -> dict:
+        """The result so far: written after every setup, so that a later one that fails or a
+        killed run loses none of the earlier ones."""
+        # The configuration as it ran (a kernel without netem turned the delay to 0 at the first setup).
+        config = {k: v for k, v in vars(args).items() if k not in ("setups", "results_dir", "rerun_into")}
+        result = {"command": command, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_s": time.time() - t0,
+                  "cpus": os.cpu_count(), "load_before": round(load_before, 2), "config": config, "runs": runs,
+                  "failed": failed}
+        if earlier is not None:
+            result = rerun_into(earlier, result)
+        result["summary"] = summarize(result["runs"], args.target_loss)
+        report.write_result(stem, result, "diloco", markdown)
+        return result
+
     with tempfile.TemporaryDirectory(prefix="diloco-") as tmp:
         for setup in args.setups:
             log.info("setup %s", setup.name)
             load = os.getloadavg()[0]
-            runs.append(run_setup(setup, args, Path(tmp) / setup.name))
-            runs[-1]["load"] = [round(load, 2), round(os.getloadavg()[0], 2)]
-            log.info("setup %s: %d snapshots, final loss %s", setup.name, len(runs[-1]["snapshots"]),
-                     _f(runs[-1]["snapshots"][-1]["loss"] if runs[-1]["snapshots"] else None, "{:.3f}"))
-    config = {k: v for k, v in vars(args).items() if k not in ("setups", "results_dir", "rerun_into")}
-    command = "python -m benchmarks diloco " + " ".join(argv if argv is not None else sys.argv[1:])
-    for r in runs:
-        r["command"] = command
-    result = {"command": command, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_s": time.time() - t0,
-              "cpus": os.cpu_count(), "load_before": round(load_before, 2), "config": config, "runs": runs}
-    if earlier is not None:
-        result = rerun_into(earlier, result)
-    result["summary"] = summarize(result["runs"], args.target_loss)
-    stem = (args.rerun_into.with_suffix("") if args.rerun_into else
-            args.results_dir / ("diloco-quick" if args.quick else "diloco"))
-    sys.stdout.write(report.write_result(stem, result, "diloco", markdown))
+            try:
+                run = run_setup(setup, args, Path(tmp) / setup.name)
+            except (RuntimeError, OSError) as e:
+                log.error("setup %s failed: %s", setup.name, str(e).splitlines()[0] if str(e) else type(e).__name__)
+                failed[setup.name] = str(e)[-2000:]
+                write()
+                continue
+            run["load"] = [round(load, 2), round(os.getloadavg()[0], 2)]
+            run["command"] = command
+            runs.append(run)
+            log.info("setup %s: %d snapshots, final loss %s", setup.name, len(run["snapshots"]),
+                     _f(run["snapshots"][-1]["loss"] if run["snapshots"] else None, "{:.3f}"))
+            write()
+    result = write()
+    sys.stdout.write(stem.with_name(stem.name + ".md").read_text())
     plot(result, stem.with_suffix(".png"))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -108,3 +108,11 @@ def test_a_rerun_replaces_its_setups_runs_in_the_earlier_result_and_refuses_anot
     assert merged["config"]["steps_of"] == {"ddp-4": 300}
     with pytest.raises(SystemExit, match=r"ran another configuration \(rate\)"):
         diloco.rerun_into(earlier, {**rerun, "config": {**config, "rate": 50.0}})
+
+
+def test_a_stopped_trainers_rate_comes_from_its_progress_lines(tmp_path):
+    (tmp_path / "trainer3.log").write_text(
+        "2026-11-28 21:51:49,891 INFO psserver.utils.progress: trainer 3: step 16/600 loss 3.0106 12 samples/s\n"
+        "2026-11-28 21:52:00,000 INFO psserver.trainer.steps.diloco: diloco: 7478016 bytes of pseudo-gradient\n"
+        "2026-11-28 21:52:09,891 INFO psserver.utils.progress: trainer 3: step 26/600 loss 2.2704 16 samples/s\n")
+    assert diloco.step_rates([tmp_path / "trainer3.json"]) == [pytest.approx(0.5)]
