@@ -112,6 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a smoke run, no claim")
     p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS)
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds of one setup at most")
+    p.add_argument("--render", type=Path, metavar="RESULT.json", help="run nothing: write the summary, the "
+                   "Markdown and the plot of an earlier result again")
     p.add_argument("--rerun-into", type=Path, metavar="RESULT.json",
                    help="an earlier result whose runs of these setups this run replaces (one disturbed, or "
                         "stopped too early); the result is written again with them, each run's command kept")
@@ -412,6 +414,8 @@ def summarize(runs: list[dict], target: float | None) -> dict:
             return None
         mine = max(reached[r["setup"]], 1e-9)
         theirs = reached[ref["setup"]]
+        if theirs is None and ref["trained_s"] < mine:
+            return None  # it stopped sooner than this one reached the target: no bound
         return {"ratio": (theirs if theirs is not None else ref["trained_s"]) / mine, "at_least": theirs is None}
 
     rows = {}
@@ -426,7 +430,8 @@ def summarize(runs: list[dict], target: float | None) -> dict:
                             "vs_ddp_loss": equal / finals[ddp["setup"]] - 1 if equal is not None else None,
                             "sooner_than_ddp": sooner(r, ddp), "sooner_than_pushpull": sooner(r, pushpull),
                             "fewer_bytes_than_pushpull": (pushpull["bytes_per_sample"] / r["bytes_per_sample"]
-                                                          if pushpull and r["bytes_per_sample"] else None),
+                                                          if pushpull and pushpull is not r and r["bytes_per_sample"]
+                                                          else None),
                             "step_rates": r["step_rates"], "load": r.get("load")}
     return {"target_loss": target, "ddp_samples": ddp["samples"] if ddp else None, "setups": rows}
 
@@ -453,7 +458,10 @@ def _f(v, fmt: str) -> str:
 
 
 def markdown(result: dict) -> str:
-    cfg, summary = result["config"], result["summary"]
+    """The result's table, its summary made again from its runs (``python -m benchmarks tables``
+    renders a committed result with this code, not with the summary stored beside it)."""
+    cfg = result["config"]
+    summary = summarize(result["runs"], cfg.get("target_loss"))
     rtt = f"{4 * cfg['delay_ms']:g} ms RTT" if cfg["delay_ms"] else "no added delay"
     lines = [f"## Over slow links: byte_lm on pysource, {cfg['trainers']} trainers, links of {cfg['rate']:g} Mbit/s, "
              f"{rtt}", "", f"`{result['command']}` ({result['time']}, "
@@ -475,7 +483,7 @@ def markdown(result: dict) -> str:
                      f"{row['trained_s']:.0f}" + (" (stopped)" if row["stopped"] else ""),
                      _f(row["seconds_to_target"], "{:.0f}"), times(row["sooner_than_ddp"]),
                      times(row["sooner_than_pushpull"]), _f(row["bytes_per_sample"], "{:,.0f}"),
-                     _f(row["fewer_bytes_than_pushpull"], "{:.0f}x"),
+                     _f(row["fewer_bytes_than_pushpull"], "{:.1f}x"),
                      " / ".join(f"{x:.2f}" for x in rates) if rates else "-",
                      " -> ".join(f"{x:.1f}" for x in row.get("load") or []) or "-"])
     lines += [report.md_table(["setup", "final held-out loss", "loss at DDP's samples", "vs DDP", "seconds trained",
@@ -518,6 +526,13 @@ def plot(result: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     args = parse_args(argv)
+    if args.render:
+        result = json.loads(args.render.read_text())
+        result["summary"] = summarize(result["runs"], result["config"].get("target_loss"))
+        stem = args.render.with_suffix("")
+        sys.stdout.write(report.write_result(stem, result, "diloco", markdown))
+        plot(result, stem.with_suffix(".png"))
+        return 0
     args.delay_asked_ms = args.delay_ms
     problem = multihost.available()
     if problem:

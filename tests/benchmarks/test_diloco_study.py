@@ -47,8 +47,9 @@ def test_with_ddp_the_target_is_its_final_loss_and_each_setup_is_compared_to_it_
     passes 3.0 at 10 s and is at 4.0 at 100 samples, a third worse; pushpull never reaches it in
     40 s: DiLoCo is at least 4x sooner."""
     diloco_run = _run("diloco-sync-H50", 1.0, samples=400, seconds=20.0, bytes_per_sample=10.0)
-    summary = diloco.summarize([_run("ddp-4", 3.0, samples=100, seconds=50.0), diloco_run,
-                                _run("pushpull-async-4", 4.0, samples=40, seconds=40.0, bytes_per_sample=500.0)], None)
+    runs = [_run("ddp-4", 3.0, samples=100, seconds=50.0), diloco_run,
+            _run("pushpull-async-4", 4.0, samples=40, seconds=40.0, bytes_per_sample=500.0)]
+    summary = diloco.summarize(runs, None)
     assert summary["target_loss"] == 3.0 and summary["ddp_samples"] == 100
     row = summary["setups"]["diloco-sync-H50"]
     assert row["seconds_to_target"] == 10 and row["loss_at_ddp_samples"] == 4.0
@@ -59,7 +60,10 @@ def test_with_ddp_the_target_is_its_final_loss_and_each_setup_is_compared_to_it_
     assert summary["setups"]["pushpull-async-4"]["loss_at_ddp_samples"] is None  # it stopped before
     assert "| diloco-sync-H50 | 1.000 | 4.000 | +33.3% | 20 | 10 | 5.0x | >= 4.0x |" in diloco.markdown(
         {"config": {"trainers": 4, "rate": 100.0, "delay_ms": 0.0, "steps": 10, "batch_size": 8, "lr": 1e-3},
-         "command": "c", "time": "t", "wall_s": 60.0, "cpus": 2, "load_before": 0.1, "summary": summary})
+         "command": "c", "time": "t", "wall_s": 60.0, "cpus": 2, "load_before": 0.1, "runs": runs})
+    # Pushpull stopped (40 s) before DDP reached the target (50 s): no bound.
+    assert summary["setups"]["ddp-4"]["sooner_than_pushpull"] is None
+    assert summary["setups"]["pushpull-async-4"]["fewer_bytes_than_pushpull"] is None
 
 
 def test_steps_of_overrides_a_named_setups_steps_and_refuses_others():
