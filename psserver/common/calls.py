@@ -62,7 +62,7 @@ def current() -> Handler:
     return _current
 
 
-def refused_quietly(fn: Callable) -> Callable:
+def _refused_quietly(fn: Callable) -> Callable:
     """What a peer's call raises goes back to it as the error torch would send, without the
     traceback torch prints on this side for every failed call: a peer sending malformed
     arguments each step would fill the server's log. One line here (at the exception's
@@ -84,27 +84,27 @@ def refused_quietly(fn: Callable) -> Callable:
     return run
 
 
-@refused_quietly
+@_refused_quietly
 def join(request: JoinRequest) -> dict[str, Any]:
     return current().join(request)
 
 
-@refused_quietly
+@_refused_quietly
 def call(trainer: str, op: str, args: tuple, report: Report | None) -> tuple[Any, list[str], Progress]:
     return current().call(trainer, op, args, report)
 
 
-@refused_quietly
+@_refused_quietly
 def heartbeat(trainer: str, report: Report | None) -> str:
     return current().heartbeat(trainer, report)
 
 
-@refused_quietly
+@_refused_quietly
 def leave(trainer: str, report: Report | None) -> None:
     current().leave(trainer, report)
 
 
-@refused_quietly
+@_refused_quietly
 def host_trainers(trainer: str) -> int:
     return current().host_trainers(trainer)
 
@@ -147,7 +147,7 @@ class SharedOptimizer:
         endpoint.call_local(trainer, "submit", grads)  # the guard's notices ride on its next call
 
 
-@refused_quietly
+@_refused_quietly
 def new_local_optimizer(optim_cls: type, local_params_rref: list, *args: Any, **kwargs: Any) -> Any:
     """``torch.distributed.optim``'s ``_new_local_optimizer`` as the server runs it: the
     :class:`SharedOptimizer` handle, once the ``torch.optim`` optimizer the caller named is the
@@ -161,7 +161,7 @@ def new_local_optimizer(optim_cls: type, local_params_rref: list, *args: Any, **
     return torch_rpc.new_local_optimizer(SharedOptimizer, local_params_rref, requested=requested)
 
 
-@refused_quietly
+@_refused_quietly
 def local_optimizer_step(local_optim_rref: Any, autograd_ctx_id: int) -> None:
     """``torch.distributed.optim``'s ``_local_optimizer_step`` as the server runs it."""
     optimizer = torch_rpc.local_optimizer_of(local_optim_rref)

@@ -46,7 +46,7 @@ class NotAMember(RuntimeError):
     """
 
     log_level = logging.INFO
-    """An evicted trainer's next call meets it: routine, not a warning (``calls.refused_quietly``)."""
+    """An evicted trainer's next call meets it: routine, not a warning (``calls._refused_quietly``)."""
 
 
 class Endpoint:
