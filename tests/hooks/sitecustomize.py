@@ -33,22 +33,34 @@ import os
 _AFTER = os.environ.get("PSSERVER_TEST_DIE_AFTER_UPDATE")
 _ONCE = os.environ.get("PSSERVER_TEST_DIE_ONCE")
 
-if _AFTER and _ONCE:
-    import signal
 
+def _die_once_at(n: int, what: str):
+    """A counter that SIGKILLs this process when it reaches ``n``, unless ``$PSSERVER_TEST_DIE_ONCE``
+    names a file that exists (it is written first: once only)."""
+    count = [0]
+
+    def tick() -> None:
+        count[0] += 1
+        if count[0] == n and not os.path.exists(_ONCE):
+            import signal
+
+            with open(_ONCE, "w") as f:
+                f.write(f"died {what} {n} of pid {os.getpid()}\n")
+            print(f"dying {what} {n}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return tick
+
+
+if _AFTER and _ONCE:
     from psserver.server.engine.journal import GradientSequences
 
     _commit = GradientSequences.commit
-    _count = [0]
+    _after_update = _die_once_at(int(_AFTER), "after update")
 
     def commit(self) -> None:
         _commit(self)
-        _count[0] += 1
-        if _count[0] == int(_AFTER) and not os.path.exists(_ONCE):
-            with open(_ONCE, "w") as f:
-                f.write(f"died after update {_count[0]} of pid {os.getpid()}\n")
-            print(f"dying after update {_count[0]}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+        _after_update()
 
     GradientSequences.commit = commit
 
@@ -116,20 +128,13 @@ if _STEP_DELAY:
 _DIE_AT_STEP = os.environ.get("PSSERVER_TEST_DIE_AT_STEP")
 
 if _DIE_AT_STEP and _ONCE:
-    import signal
-
     from psserver.trainer.model_steps import ModelSteps
 
     _step = ModelSteps.train_step
-    _steps = [0]
+    _at_step = _die_once_at(int(_DIE_AT_STEP), "at step")
 
     def train_step_or_die(self, *args, **kwargs):
-        _steps[0] += 1
-        if _steps[0] == int(_DIE_AT_STEP) and not os.path.exists(_ONCE):
-            with open(_ONCE, "w") as f:
-                f.write(f"died at step {_steps[0]} of pid {os.getpid()}\n")
-            print(f"dying at step {_steps[0]}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+        _at_step()
         return _step(self, *args, **kwargs)
 
     ModelSteps.train_step = train_step_or_die
