@@ -186,6 +186,23 @@ class TrainerConfig:
              "fp32 scale per 256 values, the rounding carried into the next sync; default {default})")
     """How a DiLoCo pseudo-gradient travels (``COMPRESSIONS``): quantized with error feedback
     (``psserver.common.quantize``), or as the wire dtype."""
+    fragments: int = option(
+        1, metavar="F", group=PS_GROUP,
+        help="--step diloco: streaming DiLoCo, the model's parameters in F fragments each synced every H inner steps "
+             "on a staggered schedule, one on the wire at a time (default {default}: the whole model at once)")
+    """Streaming DiLoCo's fragments (``psserver.common.fragments``): 1 syncs the whole model
+    every H steps; F > 1 syncs fragment f at inner step f*H/F of each window."""
+    fragment_overlap: int | None = option(
+        None, metavar="TAU", group=PS_GROUP,
+        help="--fragments: inner steps a fragment's sync runs under before its global weights are merged in "
+             "(0: wait for them; default 1; below H/F)")
+    """Inner steps taken while a fragment's sync is in flight (None: 1); 0 waits for the reply."""
+    fragment_mix: float | None = option(
+        None, metavar="ALPHA", group=PS_GROUP,
+        help="--fragments with an overlap: the share of the trainer's own weights kept when a fragment's global "
+             "weights arrive (default 0.5)")
+    """Merging factor: local <- alpha * local + (1 - alpha) * global (None: 0.5); with no overlap
+    the global weights replace the local ones."""
     stats_out: Path | None = option(None, group=PS_GROUP, help="write per-step timings as JSON (for benchmarks)")
     """Write per-step timings (monotonic end time of each step, samples) as JSON here."""
     join_token_file: Path | None = option(
@@ -269,6 +286,20 @@ class TrainerConfig:
             if self.step not in (None, "diloco"):
                 raise ValueError(f"--local-steps is for --step diloco, not --step {self.step}")
             object.__setattr__(self, "step", "diloco")
+        f, tau, alpha = self.fragments, self.fragment_overlap, self.fragment_mix
+        if isinstance(f, bool) or not isinstance(f, int) or f < 1:
+            raise ValueError(f"--fragments must be an integer >= 1, got {f!r}")
+        if (f > 1 or tau is not None or alpha is not None) and self.step not in (None, "diloco"):
+            raise ValueError(f"--fragments is for --step diloco, not --step {self.step}")
+        if (tau is not None or alpha is not None) and f == 1:
+            raise ValueError("--fragment-overlap and --fragment-mix are for --fragments 2 or more")
+        if f > 1:
+            object.__setattr__(self, "step", "diloco")
+        if tau is not None and (isinstance(tau, bool) or not isinstance(tau, int) or tau < 0):
+            raise ValueError(f"--fragment-overlap must be an integer >= 0, got {tau!r}")
+        if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, int | float)
+                                  or not 0 <= alpha < 1):
+            raise ValueError(f"--fragment-mix must be a number in [0, 1), got {alpha!r}")
         if self.compress != "none" and self.step not in (None, "diloco"):
             raise ValueError(f"--compress {self.compress} is for --step diloco (its pseudo-gradient), not --step "
                              f"{self.step}")

@@ -187,14 +187,16 @@ class Replica:
         if every is not None:
             if isinstance(every, bool) or not isinstance(every, int) or every < 1:
                 raise UsageError(f"ps.local_sgd: every is an int >= 1, got {every!r}")
+            if half.stream is not None:
+                half.stream.set_local_steps(every)
             half.base_steps = half.local_steps = every
 
         def stepped() -> None:
             n = self._counter.take()
             half.inner_step_done(n)
             self._ps._count_step(n, None)
-            if half.due:
-                self._ps._call(half.sync)
+            if half.due or half.stream is not None:
+                self._ps._call(half.advance)
             self._ps.leave_on_signal()
 
         return LocalSGD(optimizer, stepped)

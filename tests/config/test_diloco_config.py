@@ -45,6 +45,10 @@ def test_local_steps_ask_for_the_diloco_protocol():
     (["train", "--compress", "int8", "--step", "pushpull"], "--compress int8 is for --step diloco"),
     (["train", "--compress", "int2"], "invalid choice: 'int2'"),
     (["train", "--inner-weight-decay", "-1"], "--inner-weight-decay must be a number >= 0"),
+    (["train", "--fragments", "0"], "--fragments must be an integer >= 1"),
+    (["train", "--fragments", "2", "--step", "pushpull"], "--fragments is for --step diloco"),
+    (["train", "--fragment-overlap", "1"], "--fragment-overlap and --fragment-mix are for --fragments 2 or more"),
+    (["train", "--fragments", "2", "--fragment-mix", "1"], "--fragment-mix must be a number in [0, 1)"),
     (["train", "--inner-optimizer-args", '{"nope": 1}'], "--inner-optimizer-args: adamw takes no argument 'nope'"),
 ])
 def test_bad_combinations_are_one_line_exit_2(argv, line):

@@ -10,6 +10,8 @@ import re
 
 import pytest
 
+from psserver.common.fragments import fragment_groups
+from psserver.models import build_model
 from tests.procs import cli, die_after_update, die_at_step, free_port, metric, start_servers
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -51,6 +53,29 @@ def test_every_window_is_counted_once_and_status_shows_the_mode(procs, port, out
     assert f"diloco (outer {outer}" in text and optimizer in text, text
     assert procs.stop(server) == 0
     assert f"psserver stopped at global step {outer_steps}" in server.output(), server.tail()
+
+
+@pytest.mark.timeout(180)
+def test_streaming_fragments_each_make_their_own_rounds_and_carry_only_their_bytes(procs, port):
+    """--fragments 2 --fragment-overlap 1 (H = 5): fragment 0 goes at inner steps 5, 10, 15, 20,
+    fragment 1 at 2, 7, 12, 17 and once more at the end (3 steps since): 9 rounds of K = 2, each
+    one outer step; each sync carries its fragment's values only, and the windows' samples once."""
+    ctl = free_port()
+    server = procs.server(port, "--model", "mlp", "--update", "diloco", "--sync-trainers", "2", control_port=ctl)
+    trainers = [procs.trainer(port, r, "--num-trainers", "2", "--max-steps", str(STEPS), "--local-steps", str(H),
+                              "--fragments", "2", "--fragment-overlap", "1") for r in (0, 1)]
+    for t in trainers:
+        assert t.wait(120) == 0, t.tail()
+        assert "diloco: streaming 2 fragments, one every 2 inner steps, each merged 1 steps after it is sent" \
+            in t.output(), t.tail()
+    done = cli(["--log-level", "ERROR", "status", "--address", f"127.0.0.1:{ctl}", "--json"])
+    status = json.loads(done.stdout)["status"]
+    assert status["global_step"] == 9 and status["samples_seen"] == 2 * STEPS * 64
+    sizes = [p.numel() for p in build_model("mlp").parameters()]
+    n0, n1 = (sum(sizes[i] for i in group) for group in fragment_groups(sizes, 2))
+    ranks = {t["rank"]: t for t in json.loads(done.stdout)["trainers"] if t["name"].endswith("_1")}
+    assert [ranks[r]["received_bytes"] for r in (0, 1)] == [(4 * n0 + 5 * n1) * 4] * 2, ranks
+    assert procs.stop(server) == 0
 
 
 @pytest.mark.timeout(240)

@@ -143,6 +143,8 @@ class StepEngine:
         self.trainable: list[nn.Parameter] = []
         self.updater = make_updater(cfg.updater_mode, [], self._on_step, cfg.sync_trainers, cfg.staleness,
                                     follower=cfg.server_rank > 0)
+        if cfg.update == "diloco" and isinstance(self.updater, SyncUpdater):
+            self.updater.mean_per_parameter = True  # a round of streaming DiLoCo may mix fragments
         self.updater.journal = self.sequences
         if self.spec is None:
             return
@@ -309,6 +311,18 @@ class StepEngine:
         with self.updater.lock:
             flats = [s.flat(dtype) for s in self.shards]
         return flats if on_device else [flat.to("cpu") for flat in flats]
+
+    def parameters_of(self, indices: list[int], dtype: torch.dtype | None = None, *,
+                      on_device: bool = False) -> torch.Tensor:
+        """The parameters at ``indices`` (in the model's order) as one flat buffer of its own,
+        copied at one step (a fragment of streaming DiLoCo: ``psserver.common.fragments``)."""
+        chosen = {id(self.params[i]) for i in indices}
+        with self.updater.lock:
+            flats = [s.flat(dtype, [p for p in s.params if id(p) in chosen]) for s in self.shards]
+        flats = [f for f in flats if f.numel()]
+        if not on_device:
+            flats = [f.to("cpu") for f in flats]
+        return flats[0] if len(flats) == 1 else torch.cat([f.to(flats[0].device) for f in flats])
 
     def grads_from_flat(self, flats: list[torch.Tensor]) -> Grads:
         """The gradient of every parameter from one flat buffer per shard (``ValueError`` when

@@ -128,15 +128,16 @@ class Shard:
         if self._stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
 
-    def flat(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The parameters as one flat buffer of its own (in ``dtype``): on a GPU read on this
-        stage's stream, so after the updates launched before and before those launched after,
-        whichever thread's stream the caller is on."""
+    def flat(self, dtype: torch.dtype | None = None, params: list[nn.Parameter] | None = None) -> torch.Tensor:
+        """The parameters (``params``: those of them, in that order) as one flat buffer of its
+        own (in ``dtype``): on a GPU read on this stage's stream, so after the updates launched
+        before and before those launched after, whichever thread's stream the caller is on."""
+        params = self.params if params is None else params
         with self.lock:
-            if not self.params:  # a partition of no parameters
+            if not params:  # a partition of no parameters
                 return torch.zeros(0, dtype=dtype or torch.float32)
-            wire = dtype or self.params[0].dtype
-            return self._on_own_stream(lambda: torch.cat([p.detach().reshape(-1) for p in self.params]).to(wire))
+            wire = dtype or params[0].dtype
+            return self._on_own_stream(lambda: torch.cat([p.detach().reshape(-1) for p in params]).to(wire))
 
     def _step(self, grads: dict[nn.Parameter, torch.Tensor], scale: float) -> None:
         assert self.optimizer is not None

@@ -47,6 +47,11 @@ class SyncUpdater(Updater):
         self._awaited = 0  # trainers not (back) yet: a round waits for them too
         self._awaited_who = "of before the restart"
         self._first_wait: float | None = None  # await_first_trainers' bound, until the first join starts it
+        self.mean_per_parameter = False
+        """Average each parameter over the gradients of the round that carry it (streaming
+        DiLoCo's fragments, where a round may mix fragments), not over all of them (a gradient
+        without a parameter counts it as zero, as DDP does)."""
+        self._carried: dict[nn.Parameter, int] = {}  # gradients of the round that carry each parameter
         self.round_listeners: list[Callable[[int, list[str]], None]] = []
         """Called with (round, its contributors) as each round closes, the lock held: server 0
         of several tells the others which round every gradient is in (:class:`FollowerSyncUpdater`)."""
@@ -136,6 +141,7 @@ class SyncUpdater(Updater):
                     self._sums[p] = g.detach().clone()
                 else:
                     acc.add_(g)
+                self._carried[p] = self._carried.get(p, 0) + 1
             before = self.global_step
             self._contributors.add(trainer)
             if grads is not None:
@@ -157,6 +163,10 @@ class SyncUpdater(Updater):
         if n:
             self._begin_update(samples, sorted(self._contributors))
             self._schedule_lr()
+            if self.mean_per_parameter:
+                for p, carried in self._carried.items():
+                    if carried != n:
+                        self._sums[p].mul_(n / carried)  # then scaled by 1/n with the others
             for shard, g in self._split(self._sums).items():
                 shard.apply(g, scale=1.0 / n)
             if self.tables is not None:
@@ -166,6 +176,7 @@ class SyncUpdater(Updater):
         for listener in self.round_listeners:
             listener(self._round + 1, sorted(self._contributors))
         self._sums = {}
+        self._carried = {}
         self._contributors = set()
         self._gradients = 0
         self._samples = 0

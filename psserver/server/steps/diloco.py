@@ -23,6 +23,7 @@ import logging
 
 import torch
 
+from psserver.common.fragments import fragment_groups
 from psserver.common.messages import QuantizedFlat
 from psserver.common.quantize import dequantize, nbytes
 from psserver.server.engine.local_steps import LocalStepPlanner
@@ -33,11 +34,12 @@ log = logging.getLogger(__name__)
 
 
 class DiLoCoServer(PushPullServer):
-    ops = ("exchange", "parameters", "probe", "fall_back")
+    ops = ("exchange", "exchange_fragment", "parameters", "probe", "fall_back")
 
     def __init__(self, engine) -> None:
         super().__init__(engine)
         self.planner: LocalStepPlanner | None = LocalStepPlanner() if engine.config.dynamic_local_steps else None
+        self._groups: dict[int, list[list[int]]] = {}  # fragment count -> its groups (a few counts at most)
 
     def join_info(self, trainer: str, request) -> dict:
         return {**super().join_info(trainer, request), "outer": self.engine.config.outer,
@@ -72,6 +74,75 @@ class DiLoCoServer(PushPullServer):
             return None
         steps = None if self.planner is None or base is None else self.planner.steps_for(trainer, base)
         return params, {"local_steps": steps, "outer_step": self.engine.global_step}
+
+    def exchange_fragment(self, trainer: str, index: object, count: object, grads: object, number: object,
+                          done: int | None = None, window: dict | None = None, buffers: torch.Tensor | None = None):
+        """Streaming DiLoCo (``train --fragments F``): the pseudo-gradient of fragment ``index``
+        of ``count`` (``psserver.common.fragments``), one flat buffer of its parameters in the
+        wire dtype or quantized, stepped by the outer optimizer as a gradient that leaves the
+        other parameters out (sync: in a round of K, each parameter averaged over the
+        pseudo-gradients that carry it). Numbered as a window of ``exchange``; ``done``: the
+        samples the fragment's window trained on (fragment 0 carries the window's; others 0),
+        ``buffers`` go up with fragment 0. Returns ``(the fragment's new global weights [, the
+        model's buffers with fragment 0], {"outer_step": ...})``."""
+        engine = self.engine
+        if engine.config.num_servers > 1 or engine.tables is not None:
+            raise ValueError("--fragments: a model on one server process, without embedding tables")
+        if self.planner is not None:
+            raise ValueError("--fragments: not with the server's --dynamic-local-steps (each fragment keeps its "
+                             "place in the window)")
+        params = self._fragment(index, count)
+        self._number(number)
+        if done is not None and (isinstance(done, bool) or not isinstance(done, int) or done < 0):
+            raise ValueError(f"a window's samples must be an int >= 0, got {done!r}")
+        self._window(trainer, window)
+        flat, travelled = self._fragment_values(grads, sum(engine.params[i].numel() for i in params))
+        engine.updater.note_bytes(trainer, travelled)
+        buffers = self.check_buffers(buffers) if index == 0 else None
+        grads_of: dict = {}
+        offset = 0
+        for i in params:
+            p = engine.params[i]
+            grads_of[p] = flat[offset:offset + p.numel()].view_as(p).to(p.device, p.dtype)
+            offset += p.numel()
+        apply = engine.take_gradient(trainer, number, done or 0)
+        if apply and done is not None:
+            engine.set_samples(trainer, done)
+
+        def push() -> None:
+            if apply:
+                engine.submit(trainer, grads_of, None, buffers)
+
+        def pull():
+            engine.open_step(trainer, 0)
+            values = engine.parameters_of(params, self.wire_dtype(trainer), on_device=self.on_device(trainer))
+            out = [values, engine.flat_buffers()] if index == 0 and engine.buffers is not None else [values]
+            return out, {"outer_step": engine.global_step}
+
+        return self.finish_then_start(trainer, push, pull)
+
+    def _fragment(self, index: object, count: object) -> list[int]:
+        """The parameters of fragment ``index`` of ``count`` (``ValueError``: no such fragment)."""
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in (index, count)) \
+                or not 1 <= count <= len(self.engine.params) or not 0 <= index < count:
+            raise ValueError(f"fragment {index!r} of {count!r}: a fragment is 0 <= index < count, the count at most "
+                             f"the model's {len(self.engine.params)} parameters")
+        groups = self._groups.get(count)
+        if groups is None:
+            if len(self._groups) >= 4:
+                self._groups.clear()
+            groups = self._groups[count] = fragment_groups([p.numel() for p in self.engine.params], count)
+        return groups[index]
+
+    @staticmethod
+    def _fragment_values(grads: object, numel: int) -> tuple[torch.Tensor, int]:
+        """A fragment's pseudo-gradient as fp32 values, checked (``ValueError``), and its bytes on the wire."""
+        if isinstance(grads, QuantizedFlat):
+            return dequantize(grads, numel), nbytes(grads)
+        if not isinstance(grads, torch.Tensor) or grads.dim() != 1 or not grads.is_floating_point() \
+                or grads.numel() != numel:
+            raise ValueError(f"a fragment's pseudo-gradient is one flat float tensor of its {numel} values")
+        return grads.float(), grads.numel() * grads.element_size()
 
     def _decoded(self, grads: object) -> tuple[object, int]:
         """A pseudo-gradient sent quantized (``train --compress``) as fp32 buffers, each of its

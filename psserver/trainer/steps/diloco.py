@@ -23,6 +23,7 @@ from psserver.config.trainer import DEFAULT_LOCAL_STEPS
 from psserver.models.calling import call_model, input_batch_size
 from psserver.trainer.steps.base import register
 from psserver.trainer.steps.pushpull import PushPullTrainer
+from psserver.trainer.streaming import StreamingWindows
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +59,17 @@ class DiLoCoTrainer(PushPullTrainer):
         """One residual per buffer sent (server process, shard): each sync's rounding, carried."""
         self.sync_bytes = 0
         """What the last sync's pseudo-gradient put on the wire."""
+        self.stream: StreamingWindows | None = None
+        """Streaming DiLoCo's fragments (``--fragments`` > 1; None: the whole model every H steps)."""
+        if config.fragments > 1:
+            self.stream = StreamingWindows(self, config.fragments, config.fragment_overlap, config.fragment_mix)
 
     def open(self) -> None:
         """The server's global weights (and buffers) into the replica; the first window starts."""
         self._land(self._call(None, 0, None, None))
         self._loaded = False
+        if self.stream is not None:
+            self.stream.open()
 
     def owed_samples(self) -> int | None:
         return None  # a window whose sync failed is lost with the server (docs/diloco.md), never made again
@@ -84,9 +91,18 @@ class DiLoCoTrainer(PushPullTrainer):
         loss.backward()
         self.inner.step()
         self.inner_step_done(input_batch_size(x), time.monotonic() - started)
-        if self.window_steps >= self.local_steps:
-            self.sync()
+        self.advance()
         return float(loss.detach())
+
+    def advance(self) -> None:
+        """After an inner step: the sync it ends the window of (streaming: the fragments' sends
+        and merges it is the place of)."""
+        if self.stream is not None:
+            if not self.anchor:
+                self.open()
+            self.stream.after_step()
+        elif self.due:
+            self.sync()
 
     def inner_step_done(self, samples: int, seconds: float | None = None) -> None:
         """Count an inner step of ``samples`` that took ``seconds`` (None: since the last one
@@ -98,11 +114,13 @@ class DiLoCoTrainer(PushPullTrainer):
         self.window_steps += 1
         self.window_samples += samples
         self.window_seconds += seconds
+        if self.stream is not None:
+            self.stream.inner_step_done(samples, seconds)
 
     @property
     def due(self) -> bool:
-        """Whether the window has taken its local steps."""
-        return self.window_steps >= self.local_steps
+        """Whether the window has taken its local steps (streaming: never a whole window's sync)."""
+        return self.stream is None and self.window_steps >= self.local_steps
 
     def pseudo_gradient(self) -> list[torch.Tensor]:
         """anchor - local weights, one tensor per parameter: the sign of a gradient, so the
@@ -117,6 +135,11 @@ class DiLoCoTrainer(PushPullTrainer):
             self.open()
             return self.outer_step
         if self.window_steps == 0:
+            return self.outer_step
+        if self.stream is not None:  # every fragment handed in now
+            self.stream.flush()
+            self.window_steps = self.window_samples = 0
+            self.window_seconds = 0.0
             return self.outer_step
         flat = self.flat_grads(self.pseudo_gradient())
         norm = None if len(self.channel.servers) == 1 else self.norm_of(flat)
