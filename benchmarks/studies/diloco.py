@@ -21,6 +21,9 @@ Setups (``--setups``, comma-separated):
   server's defaults: Nesterov SGD lr 0.7 momentum 0.9, or delayed Nesterov), trainers
   ``--local-steps h`` with AdamW at ``--lr`` as their inner optimizer; async with
   ``--dynamic-local-steps``;
+- ``-F<n>`` after a DiLoCo setup: streaming DiLoCo, ``--fragments n`` (each fragment's sync
+  runs under one inner step, merged with alpha 0.5: the trainer's defaults); an async one runs
+  without ``--dynamic-local-steps`` (each fragment keeps its place in the window);
 - ``-bf16``, ``-int8``, ``-int4`` after a DiLoCo setup: its pseudo-gradients in bf16
   (``--wire-dtype bf16``) or quantized with error feedback (``--compress``);
 - a ``-straggler`` suffix holds the last trainer to ``--straggler-share`` of a core (a CPU
@@ -67,7 +70,8 @@ SETUPS = ("ddp-4", "pushpull-async-4", "diloco-sync-H10", "diloco-sync-H50", "di
           "diloco-async-H10", "diloco-async-H50", "diloco-async-H100", "diloco-async-H500",
           "diloco-sync-H100-int8", "diloco-sync-H100-int4", "diloco-async-H100-straggler", "diloco-sync-H100-straggler")
 QUICK_SETUPS = ("ddp-4", "pushpull-async-4", "diloco-sync-H8")
-_SETUP = re.compile(r"^(ddp-(\d+)|pushpull-async-(\d+)|diloco-(sync|async)-H(\d+)(-(bf16|int8|int4))?)(-straggler)?$")
+_SETUP = re.compile(r"^(ddp-(\d+)|pushpull-async-(\d+)|diloco-(sync|async)-H(\d+)(-F(\d+))?(-(bf16|int8|int4))?)"
+                    r"(-straggler)?$")
 
 
 @dataclass(frozen=True)
@@ -79,17 +83,20 @@ class Setup:
     straggler: bool = False
     compress: str | None = None
     """DiLoCo's pseudo-gradients on the wire: bf16 (``--wire-dtype``), int8 or int4 (``--compress``)."""
+    fragments: int | None = None
+    """Streaming DiLoCo's fragments (``--fragments``; None: the whole model each sync)."""
 
 
 def parse_setup(name: str) -> Setup:
     m = _SETUP.match(name.strip())
     if m is None:
         raise ValueError(f"unknown setup {name!r}: ddp-4, pushpull-async-4, diloco-sync-H<h>, diloco-async-H<h> "
-                         "(then -bf16, -int8 or -int4), each with an optional -straggler")
-    straggler = m.group(8) is not None
+                         "(then -F<fragments>, then -bf16, -int8 or -int4), each with an optional -straggler")
+    straggler = m.group(10) is not None
     if m.group(2) or m.group(3):
         return Setup(name.strip(), "ddp" if m.group(2) else "pushpull", straggler=straggler)
-    return Setup(name.strip(), "diloco", m.group(4), int(m.group(5)), straggler, m.group(7))
+    return Setup(name.strip(), "diloco", m.group(4), int(m.group(5)), straggler, m.group(9),
+                 int(m.group(7)) if m.group(7) else None)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -155,7 +162,7 @@ def server_args(setup: Setup, args: argparse.Namespace, host: str, ckpt: Path) -
     if setup.kind == "pushpull":
         return [*out, "--update", "async", "--optimizer", "adamw", "--lr", str(args.lr)]
     out += ["--update", "diloco", "--outer", setup.outer, "--sync-trainers", str(args.trainers)]
-    return out + (["--dynamic-local-steps"] if setup.outer == "async" else [])
+    return out + (["--dynamic-local-steps"] if setup.outer == "async" and not setup.fragments else [])
 
 
 def trainer_args(setup: Setup, args: argparse.Namespace, rank: int, server: str, stats: Path) -> list[str]:
@@ -164,6 +171,8 @@ def trainer_args(setup: Setup, args: argparse.Namespace, rank: int, server: str,
     if setup.kind == "pushpull":
         return [*out, "--step", "pushpull"]
     out += ["--local-steps", str(setup.local_steps), "--inner-optimizer", "adamw", "--inner-lr", str(args.lr)]
+    if setup.fragments:
+        out += ["--fragments", str(setup.fragments)]
     if setup.compress == "bf16":
         return [*out, "--wire-dtype", "bf16"]
     return [*out, "--compress", setup.compress] if setup.compress else out

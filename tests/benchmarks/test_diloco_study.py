@@ -15,6 +15,8 @@ def test_setups_are_parsed_by_name():
     assert diloco.parse_setup("diloco-async-H100-straggler") == diloco.Setup("diloco-async-H100-straggler", "diloco",
                                                                               "async", 100, True)
     assert diloco.parse_setup("diloco-sync-H50-int4").compress == "int4"
+    streaming = diloco.parse_setup("diloco-sync-H50-F4-int8")
+    assert (streaming.fragments, streaming.compress, streaming.local_steps) == (4, "int8", 50)
     with pytest.raises(ValueError, match="unknown setup 'diloco-H5'"):
         diloco.parse_setup("diloco-H5")
     args = diloco.parse_args(["--quick"])
