@@ -262,10 +262,11 @@ class Endpoint:
                     raise ValueError(f"step protocol {member.protocol!r} has no call {op!r}")
                 else:
                     result = getattr(half, op)(trainer, *args)
-            finally:
-                # After the call: a step the report counts may be applied by this very call
-                # (chained, pushpull), and status must not show it before it is.
+                # After the call, and only when it did its work: a step the report counts may be
+                # applied by this very call (a DiLoCo window's sync), and neither status nor a
+                # trainer started again from this position may count it before it is.
                 _record(member, report)
+            finally:
                 self._unless_member(member)
             self.after_call()
             notices = self._guard_notices(trainer)

@@ -45,6 +45,7 @@ class ModelSteps:
         session = self._session
         loss = self._ps._call(lambda: session.protocol.step(x, y), on_failure)
         self._ps._count_step(samples, loss)
+        self._ps._call(session.protocol.after_step)
         return loss
 
     # ---- the joined model -----------------------------------------------------------------

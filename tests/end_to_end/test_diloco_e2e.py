@@ -100,9 +100,9 @@ def test_two_server_processes_each_take_their_partition_of_every_window(procs, p
 def test_a_server_killed_after_an_outer_step_loses_none_and_applies_none_twice(procs, port, state_dir, tmp_path):
     """The server process SIGKILLs itself right after its 3rd outer step, before the reply: it
     comes back from its state in memory at outer step 3; the trainer whose sync lost its reply
-    rejoins (--reconnect) from the current global weights and makes its 15th inner step again.
-    Its 30 inner steps: 3 windows before the death (steps 1-15), then 3 of 5 and a last one of 1
-    (steps 15-30, handed in before it evaluates): 7 outer steps, none applied twice."""
+    rejoins (--reconnect) from the current global weights and goes on from its 16th inner step
+    (the 15th, counted before its sync, is not trained again). Its 30 inner steps: 3 windows
+    before the death (steps 1-15), then 3 (steps 16-30): 6 outer steps, none applied twice."""
     sup = procs.server(port, "--model", "mlp", "--update", "diloco", "--outer", "async", "--sync-trainers", "1",
                        "--supervise", "--state-dir", str(state_dir), env=die_after_update(3, tmp_path / "died"))
     t = procs.trainer(port, 0, "--num-trainers", "1", "--max-steps", str(30), "--local-steps", str(H), "--reconnect")
@@ -112,7 +112,7 @@ def test_a_server_killed_after_an_outer_step_loses_none_and_applies_none_twice(p
         sup.tail()
     assert "reconnected as" in t.output() and "Traceback" not in t.output(), t.tail()
     assert procs.stop(sup) == 0, sup.tail()
-    assert "psserver stopped at global step 7" in sup.output(), sup.tail()
+    assert "psserver stopped at global step 6" in sup.output(), sup.tail()
 
 
 @pytest.mark.timeout(240)
@@ -135,6 +135,10 @@ def test_a_trainer_killed_mid_window_loses_only_its_local_steps(procs, port, tmp
     for t in (t0, again):
         assert t.wait(120) == 0, t.tail()
     assert "rank 1 continues where its last trainer stopped" in again.output(), again.tail()
+    # From its last sync's report (steps 1-10, each counted before it) or a later heartbeat's:
+    # no step of a window handed in is trained again.
+    assert int(re.search(r"continues where its last trainer stopped: .*, step (\d+)", again.output()).group(1)) \
+        in (10, 11, 12), again.tail()
     mine = int(re.search(r"\((\d+) by this process\)", again.output()).group(1)) // 64  # its steps
     done = cli(["--log-level", "ERROR", "status", "--address", f"127.0.0.1:{ctl}", "--json"])
     assert done.returncode == 0, done.stderr

@@ -32,6 +32,7 @@ def test_one_trainer_with_outer_sgd_lr1_equals_a_local_loop_of_its_inner_optimiz
         data = batches(4 * h)
         for x, y in data:
             half.step(x, y)
+            half.after_step()
             inner.zero_grad()
             half.loss_fn(local(x), y).backward()
             inner.step()
@@ -108,6 +109,7 @@ def test_a_window_sent_again_under_its_number_is_applied_once():
         half = DiLoCoTrainer(Channel(server, "t", 0, TrainerConfig(local_steps=3)))
         for x, y in batches(3):
             half.step(x, y)
+            half.after_step()
         assert engine.global_step == 1 and half.seq == 3
         before = server_weights(engine).clone()
         delta = [[torch.ones(s.num_params) for s in engine.shards]]
@@ -161,6 +163,7 @@ def test_a_quantized_pseudo_gradient_is_what_the_server_applies_and_its_rounding
             before = server_weights(engine).clone()
             syncs = len(sent)
             half.step(x, y)
+            half.after_step()
             if len(sent) == syncs:
                 continue
             q, local = sent[-1]

@@ -43,6 +43,7 @@ def test_one_trainer_under_outer_sgd_lr1_is_its_inner_loop_with_each_fragment_mi
         sends = 0
         for t, (x, y) in enumerate(batches(steps), start=1):
             half.step(x, y)
+            half.after_step()
             inner.zero_grad()
             half.loss_fn(local(x), y).backward()
             inner.step()
@@ -75,11 +76,13 @@ def test_a_fragment_sync_moves_only_its_fragment_and_a_flush_hands_in_every_frag
         data = batches(h + 1)
         for x, y in data[:h // 2]:  # fragment 1's place (H/F): only its parameters move on the server
             half.step(x, y)
+            half.after_step()
         assert engine.global_step == 1
         moved = {i for i, (p, b) in enumerate(zip(engine.params, before, strict=True)) if not torch.equal(p, b)}
         assert moved and moved <= set(groups[1])
         for x, y in data[h // 2:]:
             half.step(x, y)
+            half.after_step()
         assert engine.global_step == 2  # fragment 0 at step H
         half.flush()  # one step since each fragment went out: both go again
         assert engine.global_step == 4
@@ -105,6 +108,7 @@ def test_two_sync_trainers_make_one_round_per_fragment_window_and_end_on_the_ser
                 half.open()
                 for x, y in batches(steps, seed=seed):
                     half.step(x, y)
+                    half.after_step()
                 half.flush()
             except BaseException as e:  # noqa: BLE001 - reported by the test's thread
                 errors.append(e)

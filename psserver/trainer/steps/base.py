@@ -68,6 +68,11 @@ class TrainerHalf(ABC):
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """Train on one batch; the batch's loss."""
 
+    def after_step(self) -> None:
+        """The calls that hand in what the step just counted made (DiLoCo's sync at a window's
+        end): made once the step is in the trainer's position, so that the report they carry
+        counts it, and a trainer started again after them does not train its batch again."""
+
     def flush(self) -> None:
         """Hand in anything still owed to the server (before evaluating or leaving)."""
 

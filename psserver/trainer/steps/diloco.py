@@ -78,7 +78,7 @@ class DiLoCoTrainer(PushPullTrainer):
 
     def train_step(self, x, y: torch.Tensor) -> float:
         """``psserver train``'s step: forward, backward and the inner optimizer's step on one
-        batch; the window's last also syncs."""
+        batch (the window's sync follows in :meth:`after_step`, once the step is counted)."""
         if not self.anchor:
             self.open()
         if self.inner is None:
@@ -91,8 +91,10 @@ class DiLoCoTrainer(PushPullTrainer):
         loss.backward()
         self.inner.step()
         self.inner_step_done(input_batch_size(x), time.monotonic() - started)
-        self.advance()
         return float(loss.detach())
+
+    def after_step(self) -> None:
+        self.advance()
 
     def advance(self) -> None:
         """After an inner step: the sync it ends the window of (streaming: the fragments' sends
