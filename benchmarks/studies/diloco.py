@@ -26,6 +26,11 @@ Setups (``--setups``, comma-separated):
   without ``--dynamic-local-steps`` (each fragment keeps its place in the window);
 - ``-bf16``, ``-int8``, ``-int4`` after a DiLoCo setup: its pseudo-gradients in bf16
   (``--wire-dtype bf16``) or quantized with error feedback (``--compress``);
+- a ``-faults`` suffix (DiLoCo): the server runs ``--supervise`` with its state in memory and
+  trainers ``--reconnect``; at ``--fault-at`` seconds trainer 1 is SIGKILLed and started again by
+  hand, then the server process (``benchmarks.harness.faults``); the result records what the
+  server applied (its status: outer steps, samples, each trainer's windows) and what the logs
+  say of the faults;
 - a ``-straggler`` suffix holds the last trainer to ``--straggler-share`` of a core (a CPU
   cgroup quota, ``benchmarks.harness.throttle``); its measured step rate against the others' is
   in the result.
@@ -60,18 +65,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.harness import measure, multihost, report, throttle
+from benchmarks.harness.faults import fault_counts, inject_faults
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RESULTS = measure.RESULTS / "diloco"
 SERVER_PORT = 29500
 DDP_PORT = 29600
+CONTROL_PORT = 50051
 SETUPS = ("ddp-4", "pushpull-async-4", "diloco-sync-H10", "diloco-sync-H50", "diloco-sync-H100", "diloco-sync-H500",
           "diloco-async-H10", "diloco-async-H50", "diloco-async-H100", "diloco-async-H500",
           "diloco-sync-H100-int8", "diloco-sync-H100-int4", "diloco-async-H100-straggler", "diloco-sync-H100-straggler")
 QUICK_SETUPS = ("ddp-4", "pushpull-async-4", "diloco-sync-H8")
 _SETUP = re.compile(r"^(ddp-(\d+)|pushpull-async-(\d+)|diloco-(sync|async)-H(\d+)(-F(\d+))?(-(bf16|int8|int4))?)"
-                    r"(-straggler)?$")
+                    r"(-straggler|-faults)?$")
 
 
 @dataclass(frozen=True)
@@ -85,18 +92,23 @@ class Setup:
     """DiLoCo's pseudo-gradients on the wire: bf16 (``--wire-dtype``), int8 or int4 (``--compress``)."""
     fragments: int | None = None
     """Streaming DiLoCo's fragments (``--fragments``; None: the whole model each sync)."""
+    faults: bool = False
+    """A trainer and the server process SIGKILLed during the run (``benchmarks.harness.faults``)."""
 
 
 def parse_setup(name: str) -> Setup:
     m = _SETUP.match(name.strip())
     if m is None:
         raise ValueError(f"unknown setup {name!r}: ddp-4, pushpull-async-4, diloco-sync-H<h>, diloco-async-H<h> "
-                         "(then -F<fragments>, then -bf16, -int8 or -int4), each with an optional -straggler")
-    straggler = m.group(10) is not None
+                         "(then -F<fragments>, then -bf16, -int8 or -int4), each with an optional -straggler "
+                         "(DiLoCo: or -faults)")
+    straggler, faults = m.group(10) == "-straggler", m.group(10) == "-faults"
     if m.group(2) or m.group(3):
+        if faults:
+            raise ValueError(f"{name}: -faults is for a DiLoCo setup")
         return Setup(name.strip(), "ddp" if m.group(2) else "pushpull", straggler=straggler)
     return Setup(name.strip(), "diloco", m.group(4), int(m.group(5)), straggler, m.group(9),
-                 int(m.group(7)) if m.group(7) else None)
+                 int(m.group(7)) if m.group(7) else None, faults)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -116,6 +128,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--snapshot-s", type=float, help="seconds between the server's snapshots (default 20; quick 4)")
     p.add_argument("--straggler-share", type=float, default=0.1, help="of a core, for the last trainer")
     p.add_argument("--target-loss", type=float)
+    p.add_argument("--fault-at", default="60,150", metavar="TRAINER_S,SERVER_S",
+                   help="-faults setups: seconds after the start at which trainer 1, then the server process, is "
+                        "SIGKILLed (default 60,150)")
     p.add_argument("--quick", action="store_true", help="a smoke run, no claim")
     p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS)
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds of one setup at most")
@@ -135,6 +150,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.steps_of) - {s.name for s in args.setups}
     if unknown:
         p.error(f"--steps-of names setups not run: {', '.join(sorted(unknown))}")
+    try:
+        args.fault_at = tuple(float(v) for v in args.fault_at.split(","))
+        if len(args.fault_at) != 2 or not 0 < args.fault_at[0] < args.fault_at[1]:
+            raise ValueError
+    except ValueError:
+        p.error(f"--fault-at: TRAINER_S,SERVER_S, the first sooner, not {args.fault_at!r}")
     args.eval_samples = args.eval_samples or (32 if args.quick else 256)
     args.snapshot_s = args.snapshot_s or (4.0 if args.quick else 20.0)
     return args
@@ -161,6 +182,10 @@ def server_args(setup: Setup, args: argparse.Namespace, host: str, ckpt: Path) -
     # of a core); the server's default 60 s would fail the others' syncs.
     if setup.kind == "pushpull":
         return [*out, "--update", "async", "--optimizer", "adamw", "--lr", str(args.lr)]
+    if setup.faults:  # its status at the end (in the server's namespace); a dead trainer evicted in 10 s
+        out = [a for a in out if a != "--no-control"] + ["--control-port", str(CONTROL_PORT), "--supervise",
+                                                          "--state-dir", str(ckpt.parent / "state")]
+        out[out.index("--trainer-timeout") + 1] = "10"
     out += ["--update", "diloco", "--outer", setup.outer, "--sync-trainers", str(args.trainers)]
     return out + (["--dynamic-local-steps"] if setup.outer == "async" and not setup.fragments else [])
 
@@ -173,6 +198,8 @@ def trainer_args(setup: Setup, args: argparse.Namespace, rank: int, server: str,
     out += ["--local-steps", str(setup.local_steps), "--inner-optimizer", "adamw", "--inner-lr", str(args.lr)]
     if setup.fragments:
         out += ["--fragments", str(setup.fragments)]
+    if setup.faults:
+        out += ["--reconnect"]  # a sync that lost the server process: rejoin its successor
     if setup.compress == "bf16":
         return [*out, "--wire-dtype", "bf16"]
     return [*out, "--compress", setup.compress] if setup.compress else out
@@ -225,9 +252,17 @@ def run_setup(setup: Setup, args: argparse.Namespace, work: Path) -> dict:
         if setup.straggler:
             procs[-1].wait_for(r"joined psserver|rank \d+ of \d+", 180)
             held = throttle.start(procs[-1].pid, args.straggler_share)
+        faults = None
+        if setup.faults:
+            def again(r: int, path: Path) -> list[str]:
+                return topo.wrap(1 + r, measure.psserver_argv(*trainer_args(setup, args, r, topo.address(0), path)))
+
+            faults = inject_faults(args.fault_at, procs, children, again, work, start)
         stopped = wait_trainers(procs, setup, args, start)
         trained_s = time.time() - start
         after = topo.counters()
+        if faults is not None:
+            faults.update(fault_counts(topo, children.items[0], procs, CONTROL_PORT))
         if setup.kind != "ddp":
             code = children.items[0].stop(120)  # the final snapshot
             if code != 0:
@@ -242,12 +277,13 @@ def run_setup(setup: Setup, args: argparse.Namespace, work: Path) -> dict:
     # The samples trained: every step's where every trainer took them, else the server's count at its
     # final snapshot (a stopped trainer's last window may not have reached it).
     samples = steps(setup, args) * args.batch_size * args.trainers
-    if stopped and rows:
+    if (stopped or faults) and rows:
         samples = rows[-1]["samples"]
     return {"setup": setup.name, "start": start, "trained_s": trained_s, "samples": samples, "bytes_sent": sent,
             "bytes_per_sample": sent / samples if samples else None, "stopped": stopped,
             "step_rates": step_rates(stats) if setup.kind != "ddp" else None,
-            "throttle": None if held is None else getattr(held, "method", type(held).__name__), "snapshots": rows}
+            "throttle": None if held is None else getattr(held, "method", type(held).__name__), "snapshots": rows,
+            **({"faults": faults} if faults is not None else {})}
 
 
 def wait_trainers(procs: list, setup: Setup, args: argparse.Namespace, start: float) -> list[str]:
@@ -501,6 +537,18 @@ def markdown(result: dict) -> str:
                                "load average"], rows), ""]
     for name, why in result.get("failed", {}).items():
         lines += [f"**{name} failed**: `{why.strip().splitlines()[0][:300]}`", ""]
+    for run in result["runs"]:
+        f = run.get("faults")
+        if f:
+            windows = ", ".join(f"{k} {v}" for k, v in sorted(f["windows"].items()))
+            lines += [f"**{run['setup']}**: trainer 1 SIGKILLed at {f['trainer_killed_s']:.0f} s and started again "
+                      f"by hand; the server process SIGKILLed at {f['server_killed_s']:.0f} s, its successor "
+                      f"continuing from outer step {f['restarted_at_step']} (its state in memory); "
+                      f"{f['rejoined']} rejoin(s). At the end: {f['outer_steps']} outer steps, "
+                      f"{f['samples_seen']:,} samples; windows applied per trainer: {windows}; windows sent "
+                      f"again and not applied again: {f['sent_again_not_applied']}. (Its server process is "
+                      "started by its supervisor without the harness's channel restriction: its bytes and "
+                      "times are not those of the links.)", ""]
     other = "".join(f", {k} {v}" for k, v in cfg.get("steps_of", {}).items())
     lines += [f"Every trainer took {cfg['steps']} steps of {cfg['batch_size']} samples{other}; "
               f"AdamW lr {cfg['lr']:g} "

@@ -19,6 +19,13 @@ def test_setups_are_parsed_by_name():
     assert (streaming.fragments, streaming.compress, streaming.local_steps) == (4, "int8", 50)
     with pytest.raises(ValueError, match="unknown setup 'diloco-H5'"):
         diloco.parse_setup("diloco-H5")
+    assert diloco.parse_setup("diloco-sync-H50-faults").faults
+    with pytest.raises(ValueError, match="-faults is for a DiLoCo setup"):
+        diloco.parse_setup("ddp-4-faults")
+    assert diloco.parse_args(["--fault-at", "30,90"]).fault_at == (30.0, 90.0)
+    for bad in ("90,30", "30", "a,b"):
+        with pytest.raises(SystemExit):
+            diloco.parse_args(["--fault-at", bad])
     args = diloco.parse_args(["--quick"])
     assert [s.name for s in args.setups] == list(diloco.QUICK_SETUPS) and args.steps == 24
 
