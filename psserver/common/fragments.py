@@ -15,6 +15,7 @@ No RPC here: the groups and the schedule, testable on their own.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 
 import torch
@@ -29,11 +30,11 @@ def fragment_groups(sizes: Sequence[int], count: int) -> list[list[int]]:
         raise ValueError(f"{count} fragments of a model of {len(sizes)} parameters: each fragment holds whole "
                          "parameters, so at most one per parameter")
     groups: list[list[int]] = [[] for _ in range(count)]
-    held = [0] * count
+    heap = [(-1, f) for f in range(count)]  # (values held, -1 while empty: an empty fragment first; index)
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        f = min(range(count), key=lambda f: (held[f] if groups[f] else -1, f))  # an empty fragment first
+        held, f = heapq.heappop(heap)
         groups[f].append(i)
-        held[f] += sizes[i]
+        heapq.heappush(heap, (max(held, 0) + sizes[i], f))
     return [sorted(g) for g in groups]
 
 

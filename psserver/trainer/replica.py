@@ -173,7 +173,7 @@ class Replica:
             half.inner_step_done(n)
             self._ps._count_step(n, loss)
         else:
-            half.window_samples += n
+            half.add_samples(n)
         outer = self._ps._call(half.sync)
         self._ps.leave_on_signal()
         return outer

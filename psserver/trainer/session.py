@@ -215,11 +215,12 @@ class Session:
         """``op`` without waiting (a gradient's part, sent while backward goes on): a future whose
         ``wait()`` gives its result or raises as :meth:`call` would."""
         def result(future):
-            value, notices, _ = future.value()  # raises what the call raised
+            value, notices, self.progress = future.value()  # raises what the call raised
             self._told(notices)
             return value
 
-        return rpc.rpc_async(rendezvous.SERVER_NAME, calls.call, args=(self.name, op, args, None)).then(result)
+        # With the report: a call that hands in counted steps (a DiLoCo fragment's sync) records them.
+        return rpc.rpc_async(rendezvous.SERVER_NAME, calls.call, args=(self.name, op, args, self.report)).then(result)
 
     def call_each(self, op: str, args: list[tuple]) -> list:
         """``op`` on every server process at once, ``args[i]`` for server i; their results in

@@ -84,15 +84,15 @@ class StreamingWindows:
         self.anchor = [pack(params) for params in self.params]
 
     def inner_step_done(self, samples: int, seconds: float) -> None:
+        self.taken += 1
         for f in range(self.count):
             self.steps[f] += 1
             self.seconds[f] += seconds
         self.samples += samples
 
     def after_step(self) -> None:
-        """After each inner step: merge the fragment whose overlap has run, send the one whose
-        place in the window it is."""
-        self.taken += 1
+        """After each inner step (counted: :meth:`inner_step_done`): merge the fragment whose
+        overlap has run, send the one whose place in the window it is."""
         if self.pending is not None and self.taken >= self.pending[2]:
             self._merge()
         h = self.half.local_steps
@@ -109,10 +109,10 @@ class StreamingWindows:
             self._merge(replace=not self.steps[self.pending[0]])
         for f in range(self.count):
             if self.steps[f]:
-                self._send(f)
+                self._send(f, flushing=True)
                 self._merge(replace=True)
 
-    def _send(self, f: int) -> None:
+    def _send(self, f: int, flushing: bool = False) -> None:
         half = self.half
         with torch.no_grad():
             delta = self.anchor[f] - pack(self.params[f])
@@ -126,8 +126,9 @@ class StreamingWindows:
             log.info("diloco: streaming %d fragments, one every %d inner steps, each merged %d steps after it is "
                      "sent%s; %d bytes of pseudo-gradient the first", self.count, half.local_steps // self.count,
                      self.overlap, f" (alpha {self.mix:g})" if self.overlap else "", half.sync_bytes)
-        # Numbered by the inner steps at its end and by fragment: sent twice, applied once.
-        number = (half.seq + self.taken) * self.count + f + 1
+        # Numbered by the inner steps at its end, then by the schedule's sends before a flush's,
+        # then by fragment: increasing across every call of this rank, so sent twice, applied once.
+        number = (half.seq + self.taken) * 2 * self.count + (self.count if flushing else 0) + f + 1
         window = {"steps": self.steps[f], "seconds": float(self.seconds[f]), "base": half.base_steps}
         done = self.samples if f == 0 else 0
         buffers = half.owed_buffers() if f == 0 else None
@@ -146,7 +147,9 @@ class StreamingWindows:
         values = reply[0].float()
         keep = 0.0 if replace or self.overlap == 0 else self.mix
         unpack_into(values, self.params[f], keep)
-        if f == 0 and len(reply) > 1 and self.half.buffers:
+        if f == 0 and len(reply) > 1 and self.half.buffers and not keep:
+            # Mixed after an overlap, the replica keeps its own: the server's are of before the
+            # overlap's forwards (running statistics, counts), which loading would undo.
             unflatten_into(reply[1], self.half.buffers)
         self.anchor[f] = values.to(self.anchor[f].device)
         self.half.outer_step = int(told["outer_step"])

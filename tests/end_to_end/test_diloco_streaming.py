@@ -91,6 +91,58 @@ def test_a_fragment_sync_moves_only_its_fragment_and_a_flush_hands_in_every_frag
         engine.close()
 
 
+def test_a_flush_right_after_a_scheduled_send_hands_in_every_other_fragment():
+    """Numbers increase across the schedule's sends and a flush's at the same step: fragment 1
+    goes out at step 2 (H/F), the flush then sends fragment 0, which is applied, not taken for
+    a window sent again."""
+    engine = diloco_engine(OptimizerConfig(name="sgd", lr=1.0))
+    try:
+        half = DiLoCoTrainer(Channel(DiLoCoServer(engine), "t", 0, TrainerConfig(
+            local_steps=4, fragments=2, fragment_overlap=0)))
+        half.open()
+        for x, y in batches(2):
+            half.step(x, y)
+            half.after_step()
+        assert engine.global_step == 1
+        half.flush()
+        assert engine.global_step == 2
+        assert torch.equal(flat(half.params), server_weights(engine))
+    finally:
+        engine.close()
+
+
+def test_the_librarys_own_syncs_each_hand_in_every_fragment():
+    """``ps.sync()`` in a loop of its own: each counts one step and flushes every fragment."""
+    engine = diloco_engine(OptimizerConfig(name="sgd", lr=1.0))
+    try:
+        half = DiLoCoTrainer(Channel(DiLoCoServer(engine), "t", 0, TrainerConfig(local_steps=4, fragments=2)))
+        half.open()
+        for done in (2, 4, 6):
+            with torch.no_grad():
+                half.params[0].add_(0.01)
+                half.params[-1].add_(0.01)
+            half.inner_step_done(8)
+            half.sync()
+            assert engine.global_step == done
+    finally:
+        engine.close()
+
+
+def test_a_trainer_keeps_the_fragment_count_it_started_with():
+    engine = diloco_engine(OptimizerConfig(name="sgd", lr=1.0))
+    try:
+        server = DiLoCoServer(engine)
+        half = DiLoCoTrainer(Channel(server, "t", 0, TrainerConfig(local_steps=4, fragments=2, fragment_overlap=0)))
+        half.open()
+        for x, y in batches(2):
+            half.step(x, y)
+            half.after_step()
+        with pytest.raises(ValueError, match="this trainer streams 2 fragments"):
+            server.exchange_fragment("t", 0, 3, torch.zeros(3), 10**6)
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("compress", ["none", "int8"])
 def test_two_sync_trainers_make_one_round_per_fragment_window_and_end_on_the_servers_weights(compress):
     """Sync K = 2: each fragment's window of both trainers is one round (outer step); after the
@@ -138,6 +190,7 @@ def test_two_sync_trainers_make_one_round_per_fragment_window_and_end_on_the_ser
     ((0, 2, "x", 1), "one flat float tensor"),
     ((True, 2, torch.zeros(3), 1), "fragment True of 2"),
     ((0, 2, None, 0), "number"),
+    ((0, 2, None, 2**62 + 1), "number"),
 ])
 def test_a_malformed_fragment_is_refused_in_one_line(args, error):
     engine = diloco_engine(OptimizerConfig(name="sgd", lr=1.0))

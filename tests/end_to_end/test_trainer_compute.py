@@ -179,8 +179,11 @@ def test_the_server_refuses_a_call_that_ends_parts_without_its_number(engine):
         half.exchange("t", [torch.zeros(engine.num_params)], 16, None, None, None, None, 1, [])
     with pytest.raises(ValueError, match="parts of step 1 do not cover shard 0"):
         half.exchange("t", None, 16, None, None, None, None, 1, [])
-    with pytest.raises(ValueError, match="number must be an int >= 1"):
-        half.part("t", 0, [])
+    for bad in (0, 2**62 + 1):
+        with pytest.raises(ValueError, match=r"number must be an int in \[1, 2\*\*62\]"):
+            half.part("t", bad, [])
+    with pytest.raises(ValueError, match=r"samples must be an int in \[0, 2\*\*40\]"):
+        half.exchange("t", None, 16, None, None, None, 2**40 + 1)
     with pytest.raises(ValueError, match="a list of"):
         half.part("t", 1, "parts")
 

@@ -39,7 +39,8 @@ class DiLoCoServer(PushPullServer):
     def __init__(self, engine) -> None:
         super().__init__(engine)
         self.planner: LocalStepPlanner | None = LocalStepPlanner() if engine.config.dynamic_local_steps else None
-        self._groups: dict[int, list[list[int]]] = {}  # fragment count -> its groups (a few counts at most)
+        self._groups: dict[int, list[list[int]]] = {}  # fragment count -> its groups
+        self._count_of: dict[str, int] = {}  # trainer -> the fragment count it streams with
 
     def join_info(self, trainer: str, request) -> dict:
         return {**super().join_info(trainer, request), "outer": self.engine.config.outer,
@@ -91,10 +92,9 @@ class DiLoCoServer(PushPullServer):
         if self.planner is not None:
             raise ValueError("--fragments: not with the server's --dynamic-local-steps (each fragment keeps its "
                              "place in the window)")
-        params = self._fragment(index, count)
+        params = self._fragment(trainer, index, count)
         self._number(number)
-        if done is not None and (isinstance(done, bool) or not isinstance(done, int) or done < 0):
-            raise ValueError(f"a window's samples must be an int >= 0, got {done!r}")
+        self._samples(done)
         self._window(trainer, window)
         flat, travelled = self._fragment_values(grads, sum(engine.params[i].numel() for i in params))
         engine.updater.note_bytes(trainer, travelled)
@@ -121,15 +121,19 @@ class DiLoCoServer(PushPullServer):
 
         return self.finish_then_start(trainer, push, pull)
 
-    def _fragment(self, index: object, count: object) -> list[int]:
-        """The parameters of fragment ``index`` of ``count`` (``ValueError``: no such fragment)."""
+    def _fragment(self, trainer: str, index: object, count: object) -> list[int]:
+        """The parameters of fragment ``index`` of ``count`` (``ValueError``: no such fragment,
+        or another count than this trainer's first)."""
         if any(isinstance(v, bool) or not isinstance(v, int) for v in (index, count)) \
                 or not 1 <= count <= len(self.engine.params) or not 0 <= index < count:
             raise ValueError(f"fragment {index!r} of {count!r}: a fragment is 0 <= index < count, the count at most "
                              f"the model's {len(self.engine.params)} parameters")
+        first = self._count_of.setdefault(trainer, count)
+        if first != count:
+            raise ValueError(f"fragment {index} of {count}: this trainer streams {first} fragments")
         groups = self._groups.get(count)
         if groups is None:
-            if len(self._groups) >= 4:
+            if len(self._groups) >= 8:
                 self._groups.clear()
             groups = self._groups[count] = fragment_groups([p.numel() for p in self.engine.params], count)
         return groups[index]
@@ -179,6 +183,7 @@ class DiLoCoServer(PushPullServer):
         return base
 
     def trainer_gone(self, trainer: str, evicted: bool) -> None:
+        self._count_of.pop(trainer, None)
         if self.planner is not None:
             self.planner.forget(trainer)
         super().trainer_gone(trainer, evicted)

@@ -36,6 +36,11 @@ from psserver.server.steps.trainer_compute import TrainerComputeServer
 
 log = logging.getLogger(__name__)
 
+MAX_NUMBER = 2**62
+"""The largest gradient number taken: the server's state in memory records numbers as int64."""
+MAX_SAMPLES = 2**40
+"""The most samples one step may say it trained: their running sum stays an int64 for ages."""
+
 
 
 class PushPullServer(TrainerComputeServer):
@@ -113,9 +118,15 @@ class PushPullServer(TrainerComputeServer):
 
     @staticmethod
     def _number(number: object) -> int:
-        if not isinstance(number, int) or isinstance(number, bool) or number < 1:
-            raise ValueError(f"a gradient's number must be an int >= 1, got {number!r}")
+        if not isinstance(number, int) or isinstance(number, bool) or not 1 <= number <= MAX_NUMBER:
+            raise ValueError(f"a gradient's number must be an int in [1, 2**62], got {number!r}")
         return number
+
+    @staticmethod
+    def _samples(done: object) -> None:
+        """``ValueError`` unless ``done`` is None or a step's samples (an int in [0, 2**40])."""
+        if done is not None and (isinstance(done, bool) or not isinstance(done, int) or not 0 <= done <= MAX_SAMPLES):
+            raise ValueError(f"a step's samples must be an int in [0, 2**40], got {done!r}")
 
     @staticmethod
     def _part_list(parts: object) -> list:
@@ -148,8 +159,7 @@ class PushPullServer(TrainerComputeServer):
         left out of the update as a torch optimizer skips a None ``.grad`` (one server process)."""
         if norm is not None and not isinstance(norm, float):
             raise ValueError(f"gradient norm must be a float, got {type(norm).__name__}")
-        if done is not None and (not isinstance(done, int) or done < 0):
-            raise ValueError(f"a step's samples must be an int >= 0, got {done!r}")
+        self._samples(done)
         if number is not None:
             self._number(number)
         if rest is not None:

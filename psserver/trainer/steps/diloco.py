@@ -119,6 +119,12 @@ class DiLoCoTrainer(PushPullTrainer):
         if self.stream is not None:
             self.stream.inner_step_done(samples, seconds)
 
+    def add_samples(self, samples: int) -> None:
+        """Samples of the window not counted with a step (the library's ``ps.sync(samples=...)``)."""
+        self.window_samples += samples
+        if self.stream is not None:
+            self.stream.samples += samples
+
     @property
     def due(self) -> bool:
         """Whether the window has taken its local steps (streaming: never a whole window's sync)."""
