@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.durations import longest_files_first
+from tests.gpu import needs_gpu
 from tests.procs import MNIST_DIR, free_port  # noqa: F401  (re-exported for tests)
 from tests.workers import LOCKS_ENV, MachineShare, auto_workers
 
@@ -26,7 +27,12 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The longest files first (``tests.durations``): with ``--no-loadscope-reorder`` xdist
-    hands them out in this order."""
+    hands them out in this order. A test skipped for want of a GPU without the ``gpu`` mark is
+    an error: ``pytest -m gpu`` (``benchmarks/gpu_paths.sh tests``) would drop it without a word."""
+    unmarked = [item.nodeid for item in items if needs_gpu(item) and item.get_closest_marker("gpu") is None]
+    if unmarked:
+        raise pytest.UsageError("skipped without a GPU but not marked gpu (tests.gpu.needs_cuda marks both): "
+                                + ", ".join(unmarked[:5]))
     longest_files_first(items)
 
 

@@ -64,6 +64,19 @@ class PartitionCallError(RuntimeError):
         self.server_name = name
 
 
+def join_rpc_group(name: str, rpc_id: int, options: object, server: str) -> None:
+    """This process into the server's RPC group (``JoinLost``: the group or the server went away
+    meanwhile; ``UsageError``: the agents' devices do not fit, e.g. a server whose device map
+    sends CUDA tensors to a trainer whose torch has no CUDA, which torch says as a ValueError)."""
+    try:
+        rpc.init_rpc(name, rank=rpc_id, world_size=None, rpc_backend_options=options)
+    except RuntimeError as e:
+        raise JoinLost(f"cannot join the RPC group of {server}: {str(e).splitlines()[0]}") from None
+    except ValueError as e:
+        raise UsageError(f"cannot join the RPC group of {server}: the devices of its RPC agents do not fit this "
+                         f"trainer's ({str(e).splitlines()[0]})") from None
+
+
 class Session:
     """One membership of the RPC group, at most one per process (``--reconnect`` re-executes the
     trainer to rejoin: see the module's docstring)."""
@@ -122,19 +135,10 @@ class Session:
         torch_rpc.check_version()
         torch_rpc.restrict_unpickler()
         quiet_cpp_warnings()  # TensorPipe's WARNING for every peer that leaves
-        try:
-            rpc.init_rpc(
-                self.name,
-                rank=rpc_id,
-                world_size=None,
-                rpc_backend_options=rendezvous.backend_options(
-                    self.url, config.rpc_timeout, 4,
-                    device_maps=transport.device_maps(self.transport, self.device, rendezvous.SERVER_NAME),
-                    devices=[self.device] if self.transport.on_device else None),
-            )
-        except RuntimeError as e:  # the group or the server went away while this trainer joined
-            msg = str(e).splitlines()[0]
-            raise JoinLost(f"cannot join the RPC group of {config.server_host}:{config.server_port}: {msg}") from None
+        join_rpc_group(self.name, rpc_id, rendezvous.backend_options(
+            self.url, config.rpc_timeout, 4,
+            device_maps=transport.device_maps(self.transport, self.device, rendezvous.SERVER_NAME),
+            devices=[self.device] if self.transport.on_device else None), f"{config.server_host}:{config.server_port}")
         optimizer = asdict(config.optimizer) if config.optimizer else None
         request = JoinRequest(config.rank, self.name, socket.gethostname(), os.getpid(), config.step, optimizer,
                               config.compute, config.wire_dtype, str(self.device), self.spec.name, self.spec.args,

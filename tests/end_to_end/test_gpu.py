@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from psserver.cli import main
+from tests.gpu import cuda_marks, needs_cuda
 from tests.procs import accuracy, run
 
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")
-needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+needs_gpu = needs_cuda()
+needs_two = needs_cuda(2)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a host without CUDA")
@@ -48,8 +49,8 @@ def test_shard_runs_on_its_device():
 @pytest.mark.parametrize(
     "model,devices",
     [
-        pytest.param("mlp", "cuda:0", marks=needs_gpu),
-        pytest.param("mnist_cnn", "cuda:0,cuda:1", marks=needs_two),
+        pytest.param("mlp", "cuda:0", marks=cuda_marks()),
+        pytest.param("mnist_cnn", "cuda:0,cuda:1", marks=cuda_marks(2)),
     ],
 )
 @pytest.mark.parametrize("step", ["plain", "chained", "pull", "pushpull"])
