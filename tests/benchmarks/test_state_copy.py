@@ -11,11 +11,11 @@ import torch
 
 from benchmarks.studies import state_copy
 from psserver.models import build_model
+from tests.gpu import needs_cuda
 
 
-def _run(tmp_path, device: str) -> dict:
-    state_dir = tmp_path / "shm"
-    state_dir.mkdir()
+def _run(tmp_path, state_dir, device: str) -> dict:
+    state_dir.mkdir()  # on the memory filesystem, as in production: a disk-backed mapping may not pin
     argv = ["--model", "mnist_cnn", "--batch-size", "8", "--device", device, "--rounds", "2", "--steps", "2",
             "--state-dir", str(state_dir), "--results-dir", str(tmp_path / "out")]
     assert state_copy.main(argv) == 0
@@ -27,8 +27,8 @@ def _run(tmp_path, device: str) -> dict:
     return result
 
 
-def test_the_copy_holds_the_whole_state_and_is_timed_in_paired_rounds(tmp_path):
-    result = _run(tmp_path, "cpu")
+def test_the_copy_holds_the_whole_state_and_is_timed_in_paired_rounds(tmp_path, state_dir):
+    result = _run(tmp_path, state_dir, "cpu")
     params = result["params"]
     assert params == 1_199_882  # mnist_cnn
     # Parameters and Adam's two moments in fp32, and one fp32 step counter per parameter tensor.
@@ -69,9 +69,8 @@ def test_bad_flags_are_one_line_errors(tmp_path, capsys, argv, message):
     assert message in err and "Traceback" not in err
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_a_gpu_the_copy_goes_to_pageable_and_to_page_locked_pages(tmp_path):
-    result = _run(tmp_path, "cuda:0")
+@needs_cuda()
+def test_on_a_gpu_the_copy_goes_to_pageable_and_to_page_locked_pages(tmp_path, state_dir):
+    result = _run(tmp_path, state_dir, "cuda:0")
     assert set(result["per_round_ms"]) == {"local_step", "exchange", "copy_pageable", "copy_registered"}
     assert result["summary"]["copy_registered_gb_per_s"] > 0

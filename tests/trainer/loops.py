@@ -76,8 +76,9 @@ def through_step(ps, out: str, optimizer: dict | None = None) -> None:
     if optimizer is not None:
         opt = getattr(torch.optim, optimizer["name"])(model.parameters(), lr=LR, **optimizer["args"])
     model = ps.replica(model, optimizer=opt)
+    device = next(model.parameters()).device  # the connection's (connect(device=...)): the batches go there
     for x, y in batches():
-        nn.functional.cross_entropy(model(x), y).backward()
+        nn.functional.cross_entropy(model(x.to(device)), y.to(device)).backward()
         ps.step()
     _save(model, out, steps=ps.steps, global_step=ps.global_step, lr=ps.lr, staleness=ps.staleness)
 
