@@ -250,8 +250,11 @@ class Rounds:
             for p in procs:
                 p.stop()  # exited: closes its log
             self.children.items = [c for c in self.children.items if c not in procs]
-        ends = [json.loads(s.read_text())["step_ends"] for s in stats]
+        written = [json.loads(s.read_text()) for s in stats]
+        ends = [w["step_ends"] for w in written]
         leg = leg_rate(ends, self.batch_size, self.skip)
+        if setup.kind == "ps":
+            leg["transports"] = check_transports(setup, [w.get("transport") for w in written])
         if samples:
             leg.update(measure.per_step(samples, ends, leg["start"], leg["end"]))
             if setup.kind == "ps" and not counts_bytes(setup, self.tp_channels):
@@ -260,6 +263,19 @@ class Rounds:
         if held is not None:
             leg["throttle"] = held.method
         return leg
+
+
+def check_transports(setup: Setup, used: list[dict | None]) -> list[str]:
+    """The paths the trainers' buffers took (``--stats-out``'s ``transport``), sorted; a leg whose
+    trainers did not take the path asked for, or fell back from a device map that failed its
+    probe, is an error: its figures would be of another path than its name says."""
+    kinds = sorted({u["kind"] for u in used if u})
+    fell = [u["fell_back"] for u in used if u and u.get("fell_back")]
+    if fell:
+        raise RuntimeError(f"{setup.name}: a trainer's device map failed its probe ({fell[0]}): it went staged")
+    if setup.transport and kinds != [setup.transport]:
+        raise RuntimeError(f"{setup.name}: asked --transport {setup.transport}, the trainers took {', '.join(kinds)}")
+    return kinds
 
 
 def _leg_line(leg: dict) -> str:

@@ -190,7 +190,7 @@ def _run(ps: Connection, joined: ModelSteps, data: Batches, eval_set, metric: st
              "samples": pos.samples, "metric": metric, metric: score,
              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
              "rss_bytes": psutil.Process().memory_info().rss,
-             "row_payload_bytes": joined.row_payload_bytes}))
+             "row_payload_bytes": joined.row_payload_bytes, "transport": joined.transport}))
     print(f"rank {config.rank} {metric} {score:.4f}", flush=True)
     return 0
 

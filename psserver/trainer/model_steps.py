@@ -82,6 +82,15 @@ class ModelSteps:
         step protocol without rows)."""
         return getattr(self._session.protocol, "row_payload", None)
 
+    @property
+    def transport(self) -> dict[str, str | None] | None:
+        """The path this trainer's flat buffers took (``kind``: ``device-map``, ``staged`` or
+        ``cpu``) and why a device map it was given failed its probe (``fell_back``; None: it did
+        not); None for a protocol without a replica (server compute)."""
+        half = self._session.protocol
+        kind = getattr(half, "transport", None)
+        return None if kind is None else {"kind": kind, "fell_back": getattr(half, "fell_back", None)}
+
     def host_trainers(self) -> int:
         """Live trainers on this host, this one included, as the server knows them (an RPC
         error, or ``TimeoutError``, when the server does not answer)."""

@@ -53,6 +53,18 @@ def test_summarize_divides_by_the_best_local_loop_of_each_round():
     assert "| ps-async-1 | 855 | 0.940 | 2/3 | 0.940 0.850 0.950 |" in table
 
 
+def test_a_leg_whose_trainers_took_another_path_than_asked_is_an_error():
+    staged = setups.parse_setup("ps-pull-async-1-staged")
+    assert paired.check_transports(staged, [{"kind": "staged", "fell_back": None}] * 2) == ["staged"]
+    with pytest.raises(RuntimeError, match="asked --transport staged, the trainers took cpu"):
+        paired.check_transports(staged, [{"kind": "cpu", "fell_back": None}])
+    auto = setups.parse_setup("ps-pull-async-1")
+    with pytest.raises(RuntimeError, match=r"device map failed its probe \(no CUDA IPC\)"):
+        paired.check_transports(auto, [{"kind": "device-map", "fell_back": None},
+                                       {"kind": "staged", "fell_back": "no CUDA IPC"}])
+    assert paired.check_transports(auto, [None]) == []
+
+
 def test_flags_are_checked(capsys):
     steps = "need --rounds >= 1, --batch-size >= 1, --skip >= 0, --steps >= --skip + 6"
     qdisc = "--qdisc needs --netns on and a qdisc"

@@ -56,14 +56,15 @@ def test_every_window_is_counted_once_and_status_shows_the_mode(procs, port, out
 
 
 @pytest.mark.timeout(180)
-def test_streaming_fragments_each_make_their_own_rounds_and_carry_only_their_bytes(procs, port):
+def test_streaming_fragments_each_make_their_own_rounds_and_carry_only_their_bytes(procs, port, tmp_path):
     """--fragments 2 --fragment-overlap 1 (H = 5): fragment 0 goes at inner steps 5, 10, 15, 20,
     fragment 1 at 2, 7, 12, 17 and once more at the end (3 steps since): 9 rounds of K = 2, each
     one outer step; each sync carries its fragment's values only, and the windows' samples once."""
     ctl = free_port()
     server = procs.server(port, "--model", "mlp", "--update", "diloco", "--sync-trainers", "2", control_port=ctl)
     trainers = [procs.trainer(port, r, "--num-trainers", "2", "--max-steps", str(STEPS), "--local-steps", str(H),
-                              "--fragments", "2", "--fragment-overlap", "1") for r in (0, 1)]
+                              "--fragments", "2", "--fragment-overlap", "1", "--stats-out", str(tmp_path / f"{r}.json"))
+                for r in (0, 1)]
     for t in trainers:
         assert t.wait(120) == 0, t.tail()
         assert "diloco: streaming 2 fragments, one every 2 inner steps, each merged 1 steps after it is sent" \
@@ -75,6 +76,8 @@ def test_streaming_fragments_each_make_their_own_rounds_and_carry_only_their_byt
     n0, n1 = (sum(sizes[i] for i in group) for group in fragment_groups(sizes, 2))
     ranks = {t["rank"]: t for t in json.loads(done.stdout)["trainers"] if t["name"].endswith("_1")}
     assert [ranks[r]["received_bytes"] for r in (0, 1)] == [(4 * n0 + 5 * n1) * 4] * 2, ranks
+    # The path the buffers took, in --stats-out (benchmarks check it against the one asked for).
+    assert json.loads((tmp_path / "0.json").read_text())["transport"] == {"kind": "cpu", "fell_back": None}
     assert procs.stop(server) == 0
 
 
