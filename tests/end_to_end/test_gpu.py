@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -102,15 +104,19 @@ def test_a_server_on_a_gpu_says_its_state_is_not_kept_in_memory(tmp_path, caplog
 @pytest.mark.timeout(300)
 @needs_gpu
 @pytest.mark.parametrize("transport", ["auto", "staged", "cpu"])
-def test_gradient_buckets_go_ahead_on_every_path(procs, port, transport):
+def test_gradient_buckets_go_ahead_on_every_path(procs, port, transport, tmp_path):
     """mnist_cnn at ``--bucket-cap-mb 1`` on cuda:0, its server's model on cuda:0: the 4.7 MB
     fc1.weight goes ahead as backward fills it, device to device (auto), through pinned or
-    pageable host memory; sync steps all land once, and it learns."""
+    pageable host memory; sync steps all land once, and it learns. The path taken is the one
+    asked for (``--stats-out``: a device map that failed its probe would go staged)."""
     server = procs.server(port, "--model", "mnist_cnn", "--devices", "cuda:0", "--update", "sync",
                           "--sync-trainers", "1")
+    stats = tmp_path / "stats.json"
     t = procs.trainer(port, 0, "--epochs", "2", "--device", "cuda:0", "--transport", transport,
-                      "--bucket-cap-mb", "1")
+                      "--bucket-cap-mb", "1", "--stats-out", str(stats))
     assert t.wait(200) == 0, t.tail()
     assert "gradient buckets: 1 of 3 go ahead of the step's call" in t.output(), t.tail()
+    took = json.loads(stats.read_text())["transport"]
+    assert took == {"kind": {"auto": "device-map"}.get(transport, transport), "fell_back": None}, took
     assert accuracy(t) > 0.9
     assert procs.stop(server) == 0, server.tail()
