@@ -233,10 +233,12 @@ def run_setup(setup: Setup, args: argparse.Namespace, work: Path) -> dict:
         one = {"OMP_NUM_THREADS": "1"}
         if setup.kind != "ddp":
             # TensorPipe's basic channel only: between namespaces of one host it could still move
-            # tensors with cma (process_vm_readv), outside the links.
+            # tensors with cma (process_vm_readv), outside the links. (A -faults server's
+            # supervisor starts its process afresh: the variable carries it there.)
             server = children.start(topo.wrap(0, measure.worker_argv("psserver", "--channels", "basic", "--",
                                                                      *server_args(setup, args, topo.address(0),
-                                                                                  ckpt))), "server", one)
+                                                                                  ckpt))), "server",
+                                    {**one, "PSSERVER_TP_CHANNELS": "basic"} if setup.faults else one)
             server.wait_for(r"serving \S+ on", 180)
         before = topo.counters()
         start = time.time()
@@ -546,9 +548,7 @@ def markdown(result: dict) -> str:
                       f"continuing from outer step {f['restarted_at_step']} (its state in memory); "
                       f"{f['rejoined']} rejoin(s). At the end: {f['outer_steps']} outer steps, "
                       f"{f['samples_seen']:,} samples; windows applied per trainer: {windows}; windows sent "
-                      f"again and not applied again: {f['sent_again_not_applied']}. (Its server process is "
-                      "started by its supervisor without the harness's channel restriction: its bytes and "
-                      "times are not those of the links.)", ""]
+                      f"again and not applied again: {f['sent_again_not_applied']}.", ""]
     other = "".join(f", {k} {v}" for k, v in cfg.get("steps_of", {}).items())
     lines += [f"Every trainer took {cfg['steps']} steps of {cfg['batch_size']} samples{other}; "
               f"AdamW lr {cfg['lr']:g} "
