@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -25,6 +26,8 @@ from psserver.config import OptimizerConfig
 from psserver.config.optimizer import FUSED, make_optimizer
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def warm_optimizers() -> threading.Thread:
@@ -80,6 +83,23 @@ class Shard:
     def forward(self, x: torch.Tensor, *, clone: bool, train: bool = True) -> torch.Tensor:
         """Run this stage; ``x`` may be on any device (autograd records the copy)."""
         return self._on_own_stream(lambda: self._forward(x, clone=clone, train=train))
+
+    def run(self, work: Callable[[], T], *received: torch.Tensor) -> T:
+        """``work()`` on this stage's stream (on the CPU: as it is), ordered after the caller's
+        stream, where ``received`` tensors were made or arrived (TensorPipe hands each call's
+        CUDA tensors over on a stream of its pool); they are recorded on this stream, so their
+        memory is not reused before the work is done. The server's GPU work on a shard's tensors
+        (a round's sums, the update, the copies it replies with) all runs on this one stream, so
+        it is ordered whatever RPC thread, and stream, each call came in on."""
+        if self._stream is None:
+            return work()
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            out = work()
+        for t in received:
+            if t.is_cuda:
+                t.record_stream(self._stream)
+        return out
 
     def _on_own_stream(self, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``make()``, on a GPU run on this stage's own stream (the default stream is shared with

@@ -136,11 +136,7 @@ class SyncUpdater(Updater):
                 # than count one trainer twice.
                 raise RuntimeError(f"{trainer} sent two gradients for round {self._round + 1}")
             for p, g in (grads or {}).items():
-                acc = self._sums.get(p)
-                if acc is None:
-                    self._sums[p] = g.detach().clone()
-                else:
-                    acc.add_(g)
+                self._run_on(p, lambda p=p, g=g: self._add(p, g), g)  # the shard's stream: before its update
                 self._carried[p] = self._carried.get(p, 0) + 1
             before = self.global_step
             self._contributors.add(trainer)
@@ -154,6 +150,13 @@ class SyncUpdater(Updater):
         self.step_closed(trainer)
         self._report(applied)
 
+    def _add(self, p: nn.Parameter, g: torch.Tensor) -> None:
+        acc = self._sums.get(p)
+        if acc is None:
+            self._sums[p] = g.detach().clone()
+        else:
+            acc.add_(g)
+
     def _maybe_apply(self) -> tuple[int, int] | None:
         """Apply the round if it is complete (lock held); its (step, samples), else None. The
         average is over the gradients in it; a round of dropped steps only ends (no update)."""
@@ -165,8 +168,8 @@ class SyncUpdater(Updater):
             self._schedule_lr()
             if self.mean_per_parameter:
                 for p, carried in self._carried.items():
-                    if carried != n:
-                        self._sums[p].mul_(n / carried)  # then scaled by 1/n with the others
+                    if carried != n:  # then scaled by 1/n with the others
+                        self._run_on(p, lambda p=p, carried=carried: self._sums[p].mul_(n / carried))
             for shard, g in self._split(self._sums).items():
                 shard.apply(g, scale=1.0 / n)
             if self.tables is not None:
@@ -252,8 +255,8 @@ class FollowerSyncUpdater(Updater):
         with self._cond:
             if trainer in self._pending:
                 raise RuntimeError(f"{trainer} sent two gradients before its round was decided")
-            self._pending[trainer] = (None if grads is None else {p: g.detach().clone() for p, g in grads.items()},
-                                      samples)
+            self._pending[trainer] = (None if grads is None else {
+                p: self._run_on(p, lambda g=g: g.detach().clone(), g) for p, g in grads.items()}, samples)
             applied = self._apply_ready()
         self.step_closed(trainer)
         self._report(applied)
@@ -282,7 +285,7 @@ class FollowerSyncUpdater(Updater):
                 for g in grads:
                     for p, t in g.items():
                         acc = sums.get(p)
-                        sums[p] = t if acc is None else acc.add_(t)
+                        sums[p] = t if acc is None else self._run_on(p, lambda acc=acc, t=t: acc.add_(t))
                 samples = sum(s for g, s in taken if g is not None)
                 self._begin_update(samples, names)
                 self._schedule_lr()

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ from psserver.server.engine.shard import Shard
 log = logging.getLogger(__name__)
 
 Grads = dict[nn.Parameter, torch.Tensor]
+T = TypeVar("T")
 OnStep = Callable[[int, int], None]
 
 
@@ -140,6 +141,12 @@ class Updater:
         """The shards it updates (a server that learns its model from a trainer gets them then)."""
         self.shards = shards
         self._param_shard = {p: s for s in shards for p in s.params}
+
+    def _run_on(self, p: object, work: Callable[[], T], *received: torch.Tensor) -> T:
+        """``work()`` on the stream of the shard that holds ``p`` (``Shard.run``); as it is for
+        what no shard holds (an embedding table's rows, on the CPU)."""
+        shard = self._param_shard.get(p)  # type: ignore[call-overload]
+        return work() if shard is None else shard.run(work, *received)
 
     def _split(self, grads: Grads) -> dict[Shard, Grads]:
         out: dict[Shard, Grads] = {s: {} for s in self.shards}
