@@ -479,8 +479,19 @@ def summarize(runs: list[dict], target: float | None) -> dict:
                             "fewer_bytes_than_pushpull": (pushpull["bytes_per_sample"] / r["bytes_per_sample"]
                                                           if pushpull and pushpull is not r and r["bytes_per_sample"]
                                                           else None),
+                            "ddp_to_its_loss": ddp_to_its_loss(r, ddp),
                             "step_rates": r["step_rates"], "load": r.get("load")}
     return {"target_loss": target, "ddp_samples": ddp["samples"] if ddp else None, "setups": rows}
+
+
+def ddp_to_its_loss(r: dict, ddp: dict | None) -> float | None:
+    """How many times as long DDP took as ``r`` to reach the loss ``r`` ended at (a comparison
+    that needs no common target: None when DDP never reached it, or ``r`` is DDP)."""
+    if ddp is None or ddp is r or not r["snapshots"]:
+        return None
+    final = r["snapshots"][-1]["loss"]
+    mine, theirs = time_to(r["snapshots"], final, "seconds"), time_to(ddp["snapshots"], final, "seconds")
+    return theirs / max(mine, 1e-9) if mine is not None and theirs is not None else None
 
 
 def rerun_into(earlier: dict, rerun: dict) -> dict:
@@ -529,12 +540,14 @@ def markdown(result: dict) -> str:
                      _f(row["vs_ddp_loss"], "{:+.1%}"),
                      f"{row['trained_s']:.0f}" + (" (stopped)" if row["stopped"] else ""),
                      _f(row["seconds_to_target"], "{:.0f}"), times(row["sooner_than_ddp"]),
+                     _f(row.get("ddp_to_its_loss"), "{:.1f}x"),
                      times(row["sooner_than_pushpull"]), _f(row["bytes_per_sample"], "{:,.0f}"),
                      _f(row["fewer_bytes_than_pushpull"], "{:.1f}x"),
                      " / ".join(f"{x:.2f}" for x in rates) if rates else "-",
                      " -> ".join(f"{x:.1f}" for x in row.get("load") or []) or "-"])
     lines += [report.md_table(["setup", "final held-out loss", "loss at DDP's samples", "vs DDP", "seconds trained",
-                               "seconds to target", "sooner than DDP", "sooner than pushpull",
+                               "seconds to target", "sooner than DDP", "DDP's time to its final loss",
+                               "sooner than pushpull",
                                "bytes sent per sample", "fewer bytes than pushpull", "steps/s of each trainer",
                                "load average"], rows), ""]
     for name, why in result.get("failed", {}).items():

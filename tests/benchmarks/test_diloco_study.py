@@ -67,7 +67,11 @@ def test_with_ddp_the_target_is_its_final_loss_and_each_setup_is_compared_to_it_
     assert row["sooner_than_pushpull"] == {"ratio": 4.0, "at_least": True}
     assert row["fewer_bytes_than_pushpull"] == 50
     assert summary["setups"]["pushpull-async-4"]["loss_at_ddp_samples"] is None  # it stopped before
-    assert "| diloco-sync-H50 | 1.000 | 4.000 | +33.3% | 20 | 10 | 5.0x | >= 4.0x |" in diloco.markdown(
+    # DiLoCo ends at 1.0 (20 s); DDP, ending at 3.0, never got there: no ratio.
+    assert row["ddp_to_its_loss"] is None
+    # Pushpull ends at 4.0 at 40 s, which DDP passed at 25 s: DDP took 0.625 times as long.
+    assert summary["setups"]["pushpull-async-4"]["ddp_to_its_loss"] == pytest.approx(0.625)
+    assert "| diloco-sync-H50 | 1.000 | 4.000 | +33.3% | 20 | 10 | 5.0x | - | >= 4.0x |" in diloco.markdown(
         {"config": {"trainers": 4, "rate": 100.0, "delay_ms": 0.0, "steps": 10, "batch_size": 8, "lr": 1e-3},
          "command": "c", "time": "t", "wall_s": 60.0, "cpus": 2, "load_before": 0.1, "runs": runs})
     # Pushpull stopped (40 s) before DDP reached the target (50 s): no bound.
