@@ -27,7 +27,7 @@ from psserver.trainer.ledger import Ledger
 from psserver.trainer.local_sgd import LocalSGD
 from psserver.trainer.model_steps import ModelSteps
 from psserver.trainer.recovery import FAILED, diagnose, join, recover, shard_count
-from psserver.trainer.rejoin import Position, script_command_line, take_position
+from psserver.trainer.rejoin import Position, save_owed, script_command_line, take_owed, take_position
 from psserver.trainer.remote_model import RemoteModel, remote_config
 from psserver.trainer.replica import Replica, replica_config, table_names
 from psserver.trainer.sampler import ResumableSampler
@@ -195,6 +195,11 @@ class Connection:
         if session.continued is not None:
             self._ledger.continue_from(session.continued, self.config.rank)
             self.resumed = True
+        if self._pos.owed_window is not None:  # what the last image's failed call carried: sent again
+            self.session = session
+            owed, self._pos.owed_window = take_owed(self._pos.owed_window), None
+            if owed is not None:  # (failing again, it is saved again for the next image)
+                self._call(lambda: session.protocol.send_again(owed))
         return session
 
     # ---- training --------------------------------------------------------------------------
@@ -242,6 +247,9 @@ class Connection:
             owed = getattr(self.session.protocol, "owed_samples", lambda: None)()
             if owed is not None:
                 self._ledger.roll_back(owed, self.steps_per_epoch)
+            window = getattr(self.session.protocol, "owed_window", lambda: None)()
+            if window is not None and self._pos.owed_window is None:
+                self._pos.owed_window = save_owed(window)
             self._recover(e)
 
     def _recover(self, error: BaseException) -> NoReturn:

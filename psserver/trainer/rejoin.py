@@ -55,6 +55,37 @@ class Position:
     first_join_tries: int = 0
     """Tries of a first join that failed while the RPC group changed under it (another member
     leaving during this one's ``init_rpc``): this process tries the first join again."""
+    owed_window: str | None = None
+    """A file holding what the failed call carried that the server may not have applied (a
+    DiLoCo window: ``save_owed``), sent again, under its number, once the new image has joined."""
+
+
+def save_owed(tensors: dict[str, Any]) -> str:
+    """``tensors`` (plain types and tensors) in a new file of this user's only; its path."""
+    import torch
+
+    fd, path = tempfile.mkstemp(prefix="psserver-window-", suffix=".pt")
+    with os.fdopen(fd, "wb") as f:
+        torch.save(tensors, f)
+    return path
+
+
+def take_owed(path: str) -> dict[str, Any] | None:
+    """What :func:`save_owed` wrote (the file is removed); None for a file that is not this
+    user's own or not such a file (its window is then lost, as a failed sync's is, with a WARNING)."""
+    import torch
+
+    try:
+        st = os.stat(path, follow_symlinks=False)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077 or not os.path.isfile(path) or os.path.islink(path):
+            raise ValueError("not a file of this user's only")
+        return torch.load(path, weights_only=True)
+    except (OSError, ValueError, RuntimeError, EOFError) as e:  # noqa: PERF203
+        log.warning("the window owed to the server is lost: %s (%s)", path, e)
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def reexec(pos: Position, stop: StopSignals, argv: Sequence[str] | None = None) -> NoReturn:

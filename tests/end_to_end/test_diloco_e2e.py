@@ -103,8 +103,9 @@ def test_two_server_processes_each_take_their_partition_of_every_window(procs, p
 def test_a_server_killed_after_an_outer_step_loses_none_and_applies_none_twice(procs, port, state_dir, tmp_path):
     """The server process SIGKILLs itself right after its 3rd outer step, before the reply: it
     comes back from its state in memory at outer step 3; the trainer whose sync lost its reply
-    rejoins (--reconnect) from the current global weights and goes on from its 16th inner step
-    (the 15th, counted before its sync, is not trained again). Its 30 inner steps: 3 windows
+    rejoins (--reconnect), sends that window again (applied before: not again), and goes on
+    from the global weights and its 16th inner step (the 15th, counted before its sync, is not
+    trained again). Its 30 inner steps: 3 windows
     before the death (steps 1-15), then 3 (steps 16-30): 6 outer steps, none applied twice."""
     sup = procs.server(port, "--model", "mlp", "--update", "diloco", "--outer", "async", "--sync-trainers", "1",
                        "--supervise", "--state-dir", str(state_dir), env=die_after_update(3, tmp_path / "died"))
@@ -114,6 +115,10 @@ def test_a_server_killed_after_an_outer_step_loses_none_and_applies_none_twice(p
     assert re.search(r"found the state of run \S+ in memory: \S+, generation \d+, global step 3,", sup.output()), \
         sup.tail()
     assert "reconnected as" in t.output() and "Traceback" not in t.output(), t.tail()
+    # The new process image sends the window of the failed sync again, under its number: the
+    # restarted server had applied it (its state in memory says so), and applies it once.
+    assert "diloco: sent again the window (inner steps up to 15)" in t.output(), t.tail()
+    assert "sent the gradient of its step 15 again: applied before this server process started" in sup.output()
     assert procs.stop(sup) == 0, sup.tail()
     assert "psserver stopped at global step 6" in sup.output(), sup.tail()
 

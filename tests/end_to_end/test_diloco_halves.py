@@ -4,6 +4,7 @@ against the server half's outer optimizer, checked against a local loop and by h
 from __future__ import annotations
 
 import copy
+import os
 import threading
 from typing import Any
 
@@ -179,3 +180,45 @@ def test_a_quantized_pseudo_gradient_is_what_the_server_applies_and_its_rounding
         assert engine.updater.progress("t").received_bytes == sum(nbytes(q) for q, _ in sent)  # status, metrics
     finally:
         engine.close()
+
+
+def test_a_window_whose_sync_failed_is_sent_again_by_the_next_process_image_and_applied_once(tmp_path):
+    """The sync's call fails (the server lost before it answered): the window it carried, saved
+    for the next process image, is sent again there under its number: applied when the server
+    had not, and once more it is a window sent again, not applied."""
+    from psserver.trainer.rejoin import save_owed, take_owed
+
+    engine = diloco_engine(OptimizerConfig(name="sgd", lr=1.0))
+    try:
+        server = DiLoCoServer(engine)
+        channel = Channel(server, "t", 0, TrainerConfig(local_steps=2, compress="int8"))
+        half = DiLoCoTrainer(channel)
+        half.open()
+        data = batches(2)
+        half.step(*data[0])
+        half.after_step()
+        lost = channel.call
+        channel.call = lambda op, *args: (_ for _ in ()).throw(RuntimeError("server lost"))
+        half.step(*data[1])
+        with pytest.raises(RuntimeError, match="server lost"):
+            half.after_step()
+        channel.call = lost
+        assert engine.global_step == 0
+        path = save_owed(half.owed_window())
+        again = DiLoCoTrainer(Channel(server, "t2", 0, TrainerConfig(local_steps=2, compress="int8")))
+        again.send_again(take_owed(path))
+        assert engine.global_step == 1 and engine.samples_seen == 16
+        assert torch.equal(torch.cat([p.detach().reshape(-1) for p in again.params]), server_weights(engine))
+        again.send_again(half.owed_window())  # its number was applied: not again
+        assert engine.global_step == 1
+    finally:
+        engine.close()
+
+
+def test_an_owed_window_file_another_user_could_write_is_not_taken(tmp_path):
+    from psserver.trainer.rejoin import save_owed, take_owed
+
+    path = save_owed({"number": 3})
+    os.chmod(path, 0o666)
+    assert take_owed(path) is None and not os.path.exists(path)
+    assert take_owed(save_owed({"number": 3})) == {"number": 3}
