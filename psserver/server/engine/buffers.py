@@ -19,7 +19,8 @@ No RPC here: the updaters commit, the step protocols carry.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -31,9 +32,14 @@ class ServerBuffers:
     """The buffers a server holds, and what trainers sent since (``receive``) until an update
     commits it (``commit``, under the updater's lock)."""
 
-    def __init__(self, tensors: list[torch.Tensor], policy: str) -> None:
+    def __init__(self, tensors: list[torch.Tensor], policy: str,
+                 run: Callable[[Callable[[], Any]], Any] | None = None) -> None:
+        """``run``: where work on ``tensors`` runs, the stream of the shard that holds them on a
+        GPU (``Shard.run``; None: the caller's), so a commit and a read are ordered with the
+        updates and forwards there whatever thread, and stream, each call came on."""
         if policy not in BUFFER_POLICIES:
             raise ValueError(f"--buffers must be one of {', '.join(BUFFER_POLICIES)}, got {policy!r}")
+        self._run = run or (lambda work: work())
         self.tensors = tensors
         self.policy = policy
         self.numel = sum(t.numel() for t in tensors)
@@ -51,7 +57,7 @@ class ServerBuffers:
         self._constant = flat[where]
 
     def flat(self) -> torch.Tensor:
-        return flatten(self.tensors)
+        return self._run(lambda: flatten(self.tensors))
 
     def check(self, flat: object) -> torch.Tensor:
         """``flat`` as a trainer may send it (``ValueError``: not the server's buffers)."""
@@ -85,7 +91,7 @@ class ServerBuffers:
         with self._lock:
             sent = [self._latest[t] for t in (self._latest if trainers is None else trainers) if t in self._latest]
         if sent:
-            unflatten_into(torch.stack(sent).mean(0), self.tensors)
+            self._run(lambda: unflatten_into(torch.stack(sent).mean(0), self.tensors))
 
     def forget(self, trainer: str) -> None:
         with self._lock:

@@ -185,7 +185,10 @@ class StepEngine:
         held = [b for s in shards for b in persistent_buffers(s.module)] if self.plan is None else \
             [b.detach().clone() for b in persistent_buffers(model)]
         if held and cfg.server_rank == 0:
-            self.buffers = self.updater.buffers = ServerBuffers(held, cfg.buffers)
+            devices = {b.device for b in held}
+            owner = next((sh for sh in shards if len(devices) == 1 and sh.device in devices), None)
+            self.buffers = self.updater.buffers = ServerBuffers(held, cfg.buffers,
+                                                                owner.run if owner is not None else None)
         self.shards = shards
         self.params = [p for s in shards for p in s.params]
         self.trainable = [p for p in self.params if p.requires_grad]
