@@ -8,10 +8,11 @@ call comes, once the parts tile every shard exactly. Parts carry the step's numb
 step that never got its call (it failed) are overwritten by the next step's, and a step's parts
 are used once (a step sent again sends all its parts again).
 
-On a GPU the parts arrive on the RPC's streams and the update reads them on the shard's: the
-device is synchronised before the parts are written (the last update read the buffers) and
-after (the update must find them whole). That costs a wait per part call, to be measured on a
-GPU host against per-stream events.
+On a GPU the parts arrive on the RPC's streams and the update reads them on the shard's: each
+part is copied into place on the shard's own stream (``Shard.run``), after the stream it came on
+and after the update that read the buffers last (that stream's earlier work), and the step's
+call orders its own stream after those copies before the update takes the buffers; no wait of
+the device, nor of the caller.
 """
 
 from __future__ import annotations
@@ -22,16 +23,20 @@ from collections.abc import Sequence
 import torch
 
 from psserver.common.tensors import Part
+from psserver.server.engine.shard import Shard
 
 
 class GradientParts:
     """The parts of one trainer's gradient, one buffer per shard of ``numels`` values in
     ``dtype`` on ``devices`` (the shards')."""
 
-    def __init__(self, numels: Sequence[int], dtype: torch.dtype, devices: Sequence[torch.device]) -> None:
+    def __init__(self, numels: Sequence[int], dtype: torch.dtype, devices: Sequence[torch.device],
+                 shards: Sequence[Shard] | None = None) -> None:
+        """``shards``: the server's, whose streams order the copies on a GPU (None: the caller's stream)."""
         self.numels = list(numels)
         self.dtype = dtype
         self._devices = list(devices)
+        self._shards = list(shards) if shards is not None else None
         self._flats: list[torch.Tensor] | None = None  # allocated by the first part
         self._lock = threading.Lock()
         self.number: int | None = None
@@ -44,20 +49,20 @@ class GradientParts:
         checked = [self._check(p) for p in parts]
         with self._lock:
             if self._flats is None:
-                self._flats = [torch.empty(n, dtype=self.dtype, device=d)
-                               for n, d in zip(self.numels, self._devices, strict=True)]
+                self._flats = [self._run(i, lambda n=n, d=d: torch.empty(n, dtype=self.dtype, device=d))
+                               for i, (n, d) in enumerate(zip(self.numels, self._devices, strict=True))]
             if number != self.number:  # a new step: what an earlier one left is overwritten
                 self.number = number
                 self._ranges = [[] for _ in self.numels]
-            cuda = sorted({f.device for f in self._flats if f.is_cuda}, key=str)
-            for device in cuda:  # the update that read the last step's parts, on the shard's stream, is done
-                torch.cuda.synchronize(device)
             with torch.no_grad():
                 for shard, start, values in checked:
-                    self._flats[shard][start:start + values.numel()].copy_(values)
+                    flat = self._flats[shard]
+                    self._run(shard, lambda f=flat, a=start, v=values: f[a:a + v.numel()].copy_(v), values)
                     self._ranges[shard].append((start, start + values.numel()))
-            for device in cuda:  # landed before the call answers: the update reads them on another stream
-                torch.cuda.synchronize(device)
+
+    def _run(self, shard: int, work, *received: torch.Tensor):
+        """``work()`` on shard ``shard``'s stream (``Shard.run``), else as it is."""
+        return work() if self._shards is None else self._shards[shard].run(work, *received)
 
     def _check(self, part: object) -> Part:
         if not isinstance(part, tuple) or len(part) != 3:
@@ -95,4 +100,6 @@ class GradientParts:
                     end = stop
                 if end != self.numels[shard] or sum(b - a for a, b in taken) != self.numels[shard]:
                     raise ValueError(f"the parts of step {number} do not cover shard {shard} once")
+            for shard in self._shards or ():  # the caller reads them after the copies into them
+                shard.after_updates()
             return list(self._flats)

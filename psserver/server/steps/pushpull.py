@@ -113,7 +113,7 @@ class PushPullServer(TrainerComputeServer):
             if parts is None:
                 shards = self.engine.shards
                 parts = self._parts[trainer] = GradientParts([s.num_params for s in shards], self.wire_dtype(trainer),
-                                                             [s.device for s in shards])
+                                                             [s.device for s in shards], shards)
             return parts
 
     @staticmethod
