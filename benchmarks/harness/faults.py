@@ -69,4 +69,5 @@ def fault_counts(topo: multihost.Topology, server: measure.Child, procs: list, c
             "windows": {t["name"]: t["updates"] for t in report["trainers"]},
             "restarted_at_step": int(found.group(1)) if found else None,
             "sent_again_not_applied": len(re.findall(r"sent the gradient of its step \d+ again", text)),
+            "sent_again": sum(p.output().count("diloco: sent again the window") for p in procs),
             "rejoined": sum(p.output().count("reconnected as") for p in procs)}

@@ -560,8 +560,10 @@ def markdown(result: dict) -> str:
                       f"by hand; the server process SIGKILLed at {f['server_killed_s']:.0f} s, its successor "
                       f"continuing from outer step {f['restarted_at_step']} (its state in memory); "
                       f"{f['rejoined']} rejoin(s). At the end: {f['outer_steps']} outer steps, "
-                      f"{f['samples_seen']:,} samples; windows applied per trainer: {windows}; windows sent "
-                      f"again and not applied again: {f['sent_again_not_applied']}.", ""]
+                      f"{f['samples_seen']:,} samples; windows applied per trainer since the restart: {windows}; "
+                      + (f"windows sent again by a trainer's new process image: {f['sent_again']}, "
+                         if "sent_again" in f else "")
+                      + f"of them not applied again (applied before): {f['sent_again_not_applied']}.", ""]
     other = "".join(f", {k} {v}" for k, v in cfg.get("steps_of", {}).items())
     lines += [f"Every trainer took {cfg['steps']} steps of {cfg['batch_size']} samples{other}; "
               f"AdamW lr {cfg['lr']:g} "
