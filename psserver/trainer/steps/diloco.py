@@ -72,7 +72,7 @@ class DiLoCoTrainer(PushPullTrainer):
             self.stream.open()
 
     def owed_samples(self) -> int | None:
-        return None  # a window whose sync failed is lost with the server (docs/diloco.md), never made again
+        return None  # a window whose sync failed is never made again: it is sent again as it was (owed_window)
 
     # ---- a window ----------------------------------------------------------------------------
 
