@@ -195,12 +195,12 @@ class TrainerConfig:
     fragment_overlap: int | None = option(
         None, metavar="TAU", group=PS_GROUP,
         help="--fragments: inner steps a fragment's sync runs under before its global weights are merged in "
-             "(0: wait for them; default 1; below H/F)")
+             "(0: wait for them; left out, 1; below H/F)")
     """Inner steps taken while a fragment's sync is in flight (None: 1); 0 waits for the reply."""
     fragment_mix: float | None = option(
         None, metavar="ALPHA", group=PS_GROUP,
         help="--fragments with an overlap: the share of the trainer's own weights kept when a fragment's global "
-             "weights arrive (default 0.5)")
+             "weights arrive (left out, 0.5)")
     """Merging factor: local <- alpha * local + (1 - alpha) * global (None: 0.5); with no overlap
     the global weights replace the local ones."""
     stats_out: Path | None = option(None, group=PS_GROUP, help="write per-step timings as JSON (for benchmarks)")

@@ -45,7 +45,9 @@ class ModelSteps:
         session = self._session
         loss = self._ps._call(lambda: session.protocol.step(x, y), on_failure)
         self._ps._count_step(samples, loss)
-        self._ps._call(session.protocol.after_step)
+        after = getattr(session.protocol, "after_step", None)  # every TrainerHalf has one; a stand-in may not
+        if after is not None:
+            self._ps._call(after)
         return loss
 
     # ---- the joined model -----------------------------------------------------------------

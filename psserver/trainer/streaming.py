@@ -16,7 +16,7 @@ a whole sync's. Why fragments are whole parameters and how they are made:
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -24,9 +24,6 @@ from psserver.common.fragments import fragment_groups, fragment_offsets, pack, u
 from psserver.common.quantize import ErrorFeedback, nbytes
 from psserver.common.tensors import unflatten_into
 from psserver.errors import UsageError
-
-if TYPE_CHECKING:
-    from psserver.trainer.steps.diloco import DiLoCoTrainer
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +35,9 @@ class StreamingWindows:
     """The fragments' windows of one DiLoCo trainer half: when each syncs, what it sends, how
     its reply is merged."""
 
-    def __init__(self, half: DiLoCoTrainer, count: int, overlap: int | None, mix: float | None) -> None:
+    def __init__(self, half: Any, count: int, overlap: int | None, mix: float | None) -> None:
+        """``half``: the DiLoCo trainer half it works for (``psserver.trainer.steps.diloco``,
+        which imports this module)."""
         self.half = half
         channel = half.channel
         if len(channel.servers) > 1:

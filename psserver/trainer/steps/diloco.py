@@ -235,6 +235,8 @@ class DiLoCoTrainer(PushPullTrainer):
         log.info("diloco: sent again the window (inner steps up to %d) whose sync failed before this trainer "
                  "rejoined", int(owed["number"]))
 
+    def flush(self) -> None:
+        """Hand in the window's local steps so far (before evaluating or leaving): a sync."""
         if self.window_steps and self.anchor:
             self.sync()
 
