@@ -49,6 +49,17 @@ class StepFailed(ServerLost):
     refused): the server's reason in one line, exit code 3; the trainer has left."""
 
 
+class DeviceMapFailed(Exception):
+    """The device map a trainer joined with failed its probe, and took the trainer's pipe to the
+    server with it (a transport-level failure: the ``fall_back`` call could not be made either).
+    RPC cannot be set up twice in one process: the trainer joins again in a fresh process image
+    that goes ``staged`` (``reason``: what failed)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"the device map to the server failed ({reason}) and took the connection with it")
+        self.reason = reason
+
+
 def first_line(e: BaseException, limit: int = 200) -> str:
     """The first line of ``e``'s message (torch's errors carry C++ context below it), at most
     ``limit`` characters, or its type's name when it has none."""

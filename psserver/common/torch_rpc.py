@@ -79,9 +79,9 @@ def worker_info_or_name() -> str:
 
 
 def remove_worker(agent, info) -> None:
-    """Drop ``info`` from ``agent``'s group, as a clean leave of that worker would."""
-    agent._update_group_membership(info, [], {}, False)
-    restore_device_maps()
+    """Drop ``info`` from ``agent``'s group, as a clean leave of that worker would (keeping
+    this agent's devices and the other workers' reply maps: :func:`leave_keeping_maps`)."""
+    leave_keeping_maps(agent, info)
 
 
 # ---- CUDA tensors across a dynamic group (psserver.common.transport's device-map path)
@@ -89,9 +89,10 @@ def remove_worker(agent, info) -> None:
 # Read in torch 2.14 (TensorPipeAgent::updateGroupMembership): a reply's CUDA tensors go by the
 # replier's reverse device map for the caller, which a dynamic join never gives the server (the
 # joiner sends the reverse maps of maps that point at *it*); and every leave, whoever leaves,
-# runs ``_update_group_membership(info, [], {}, False)`` on each member, which erases all its
-# reverse maps and all its devices. So the server adds the reverse map of each device-map
-# trainer itself, and every membership change here puts the agent's devices and those maps back.
+# runs ``_update_group_membership(info, [], {}, False)`` on each member, which keeps only the
+# devices and reverse maps it is passed: all of them erased. So the server adds the reverse map
+# of each device-map trainer itself, and a leave is applied here with the devices and maps to
+# keep (never erased and put back: a CUDA message read in between would find no stream).
 
 _reply_maps: dict[str, dict[torch.device, torch.device]] = {}
 _reply_maps_lock = threading.Lock()
@@ -110,6 +111,17 @@ def unmap_replies(worker: str) -> None:
         _reply_maps.pop(worker, None)
 
 
+def _kept_maps(leaving: str | None = None) -> dict[str, dict[torch.device, torch.device]]:
+    with _reply_maps_lock:
+        return {name: dict(m) for name, m in _reply_maps.items() if name != leaving}
+
+
+def leave_keeping_maps(agent, info) -> None:
+    """``info``'s leave of ``agent``'s group, passing the devices it was set up with and every
+    reply map but the leaver's: the only ones a leave keeps (torch erases the rest)."""
+    agent._update_group_membership(info, list(agent._get_backend_options().devices), _kept_maps(info.name), False)
+
+
 def restore_device_maps() -> None:
     """Give the agent back its configured devices and the reply maps of :func:`map_replies`
     (no-op for an agent of the CPU only, or before ``init_rpc``)."""
@@ -117,8 +129,7 @@ def restore_device_maps() -> None:
         return
     agent = current_agent()
     devices = list(agent._get_backend_options().devices)
-    with _reply_maps_lock:
-        maps = {name: dict(m) for name, m in _reply_maps.items()}
+    maps = _kept_maps()
     if devices or maps:
         # As a join of this worker: adds the devices and the maps it lacks, changes nothing else.
         agent._update_group_membership(agent.get_worker_info(), devices, maps, True)
@@ -131,7 +142,10 @@ def update_group_membership(worker_info, my_devices, reverse_device_map, is_join
     from torch.distributed.rpc.internal import RemoteException
 
     try:
-        ret = _update_group_membership(worker_info, my_devices, reverse_device_map, is_join)
+        if is_join:
+            ret = _update_group_membership(worker_info, my_devices, reverse_device_map, is_join)
+        else:  # torch's leave passes nothing to keep: this agent's own devices and maps are kept
+            ret = leave_keeping_maps(current_agent(), worker_info)
     except RuntimeError as e:
         # The store went with a server that died mid-join (DistNetworkError). Raised, torch would
         # print a traceback here; returned, the joiner's call fails with the same error instead.

@@ -5,8 +5,12 @@ Three paths, best first:
 - ``device-map``: the trainer's model and the server's shard are on CUDA devices of one host.
   The trainer joins the RPC group with a TensorPipe device map (its device to the shard's), and
   both sides send their flat buffers as CUDA tensors: TensorPipe moves them device to device
-  (CUDA IPC) with no host copy. TensorPipe pays per CUDA tensor, so a step sends one flat buffer
-  per shard, never one tensor per parameter.
+  over CUDA IPC. Where its ``cuda_ipc`` channel is not viable between the two GPUs, TensorPipe
+  takes ``cuda_basic``, which copies through host memory, and says nothing: the reason below
+  says so, and the paired benchmark shows it as time. Where IPC is viable but refused when used
+  (containers without a shared IPC namespace), the probe fails and the trainer goes ``staged``
+  (in a fresh process when the failure broke its pipe). TensorPipe pays per CUDA tensor, so a
+  step sends one flat buffer per shard, never one tensor per parameter.
 - ``staged``: the trainer is on CUDA but the device map cannot be used (the server is on another
   host, on the CPU, spread over several devices or processes; or ``--transport staged``). The
   trainer copies its gradient into pinned host memory on a side stream and sends that.
@@ -56,11 +60,12 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot_id() or ''}"
 
 
-def choose_path(requested: str, trainer_device: torch.device, server: dict) -> TransportPath:
+def choose_path(requested: str, trainer_device: torch.device, server: dict, failed: str | None = None) -> TransportPath:
     """The path for a trainer on ``trainer_device`` to the server described by ``server`` (what
     it published: ``devices``, ``num_servers``, ``host_id``); ``requested`` is ``--transport`` as
     ``TrainerConfig`` checked it (a known path; a GPU one only for a GPU trainer). ``UsageError``
-    when the device map asked for by name cannot be used."""
+    when the device map asked for by name cannot be used. ``failed``: why a device map failed
+    this rank's last process image, which made it join again: ``staged`` instead."""
     if trainer_device.type != "cuda":
         return TransportPath("cpu", "the trainer runs on the CPU")
     if requested == "cpu":
@@ -68,8 +73,11 @@ def choose_path(requested: str, trainer_device: torch.device, server: dict) -> T
     if requested == "staged":
         return TransportPath("staged", "--transport staged: through pinned host memory")
     why_not = _device_map_refusal(server)
+    if why_not is None and failed is not None:
+        return TransportPath("staged", f"the device map failed its probe ({failed}), so through pinned host memory")
     if why_not is None:
-        return TransportPath("device-map", "both on CUDA on one host: device to device, no host copy",
+        return TransportPath("device-map", "both on CUDA on one host: device to device over CUDA IPC "
+                             "(TensorPipe copies through host memory where IPC is not viable)",
                              server["devices"][0])
     if requested == "device-map":
         raise UsageError(f"--transport device-map cannot be used: {why_not}")

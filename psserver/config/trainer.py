@@ -116,11 +116,11 @@ class TrainerConfig:
     """Where trainer compute runs the model (``cpu`` or ``cuda:N``)."""
     transport: str = option(
         "auto", choices=TRANSPORTS, group=PS_GROUP,
-        help="trainer compute: how parameters and gradients travel: device-map (GPU to GPU on one host, no host "
-             "copy), staged (pinned host memory), cpu; auto takes the best the two sides allow and logs why "
+        help="trainer compute: how parameters and gradients travel: device-map (GPU to GPU on one host over "
+             "CUDA IPC), staged (pinned host memory), cpu; auto takes the best the two sides allow and logs why "
              "(default {default})")
     """How its parameters and gradients travel (``psserver.common.transport``): ``auto`` picks
-    ``device-map`` (CUDA to CUDA on one host, no host copy) where both sides are on GPUs of one
+    ``device-map`` (CUDA to CUDA on one host over CUDA IPC) where both sides are on GPUs of one
     host, else ``staged`` (pinned host memory) for a GPU trainer, else ``cpu``; a path named here
     that cannot be used is an error."""
     wire_dtype: str = option(

@@ -188,7 +188,8 @@ class Connection:
         return self.session
 
     def _join(self, model: nn.Module | None) -> Session:  # a test's stand-in session replaces it
-        session = join(self.config, self._pos if self.resumed or self._pos.first_join_tries else None, self._stop,
+        again = self.resumed or self._pos.first_join_tries or self._pos.fell_back  # a position to continue from
+        session = join(self.config, self._pos if again else None, self._stop,
                        model, self._argv, build=self._builds, retry_first_join=self._retry_first_join)
         if self._pos.report is not None:
             session.report = Report(**self._pos.report)

@@ -22,7 +22,7 @@ import torch.distributed.rpc as rpc
 from psserver.common import calls, rendezvous
 from psserver.common.messages import Report
 from psserver.config import TrainerConfig
-from psserver.errors import AdmissionUnanswered, Evicted, ServerLost, StepFailed, UsageError
+from psserver.errors import AdmissionUnanswered, DeviceMapFailed, Evicted, ServerLost, StepFailed, UsageError
 from psserver.trainer.rejoin import Position, reexec
 from psserver.trainer.session import (
     PROBE_TIMEOUT_S,
@@ -73,6 +73,22 @@ def shard_count(config: TrainerConfig, info: dict) -> int:
 
 def join(config: TrainerConfig, position: Position | None, stop: StopSignals, model: torch.nn.Module | None = None,
          argv: Sequence[str] | None = None, build: bool = True, retry_first_join: bool = False) -> Session:
+    """:func:`_join`; a join whose device map broke the pipe to the server (``DeviceMapFailed``)
+    is made again in a fresh process image that goes ``staged`` (one line where there is no
+    command line to re-execute, as inside a test runner)."""
+    try:
+        return _join(config, position, stop, model, argv, build, retry_first_join)
+    except DeviceMapFailed as e:
+        if argv is None:
+            raise UsageError(f"{e}: start this trainer with --transport staged") from None
+        log.warning("%s: joining again in a fresh process, through pinned host memory", e)
+        pos = position if position is not None else Position()
+        pos.fell_back = e.reason
+        reexec(pos, stop, argv)
+
+
+def _join(config: TrainerConfig, position: Position | None, stop: StopSignals, model: torch.nn.Module | None,
+          argv: Sequence[str] | None, build: bool, retry_first_join: bool) -> Session:
     """The first join; or, in a trainer re-executed to rejoin, the rejoin, tried until the
     server takes it (each try waits up to ``--connect-timeout`` for a server that is starting).
 
@@ -81,13 +97,14 @@ def join(config: TrainerConfig, position: Position | None, stop: StopSignals, mo
     command line is not known, as inside a test runner), at most ``FIRST_JOIN_TRIES`` times:
     torch's dynamic RPC group calls every member during a join, and one joining or leaving
     meanwhile fails it with "EOF" before anything trained."""
+    fell_back = position.fell_back if position is not None else None
     if position is None or position.first_join_tries:
         tries = position.first_join_tries if position is not None else 0
         if tries:
             log.info("joining again in a fresh process (try %d of %d)", tries + 1, FIRST_JOIN_TRIES)
         if not config.reconnect:
             try:
-                return Session(config, stop, model, build=build)
+                return Session(config, stop, model, build=build, fell_back=fell_back)
             except JoinLost as e:
                 if (not retry_first_join or argv is None or isinstance(e, JoinDeferred) or tries + 1 >= FIRST_JOIN_TRIES
                         or not listening(config.server_host, config.server_port)):
@@ -96,7 +113,7 @@ def join(config: TrainerConfig, position: Position | None, stop: StopSignals, mo
                             e)
                 reexec(Position(first_join_tries=tries + 1), stop, argv)
         try:
-            return Session(config, stop, model, build=build)
+            return Session(config, stop, model, build=build, fell_back=fell_back)
         except (JoinLost, AdmissionUnanswered) as e:  # --reconnect: a server lost during the first join too
             log.warning("joining failed (%s): rejoining in a fresh process", e)
             reexec(Position(), stop, argv)  # RPC is never initialised twice in one process (psserver.common.torch_rpc)
@@ -107,7 +124,7 @@ def join(config: TrainerConfig, position: Position | None, stop: StopSignals, mo
         attempt += 1
         log.info("rejoining psserver %s (attempt %d)", where, attempt)
         try:
-            session = Session(config, stop, model, position.steps, build=build)
+            session = Session(config, stop, model, position.steps, build=build, fell_back=fell_back)
         except JoinLost as e:  # init_rpc failed half-way: RPC cannot be initialised again in this process
             log.warning("rejoin attempt %d failed (%s): rejoining in a fresh process", attempt, e)
             if isinstance(e, JoinDeferred):  # the server is there, not ready: no new process every 3 s

@@ -55,6 +55,9 @@ class Position:
     first_join_tries: int = 0
     """Tries of a first join that failed while the RPC group changed under it (another member
     leaving during this one's ``init_rpc``): this process tries the first join again."""
+    fell_back: str | None = None
+    """Why the device map the last image joined with failed and broke its pipe to the server
+    (``DeviceMapFailed``): this image joins ``staged``."""
     owed_window: str | None = None
     """A file holding what the failed call carried that the server may not have applied (a
     DiLoCo window: ``save_owed``), sent again, under its number, once the new image has joined."""

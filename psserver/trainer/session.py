@@ -26,7 +26,7 @@ from psserver.common.devices import resolve_device
 from psserver.common.messages import JoinRequest, Report
 from psserver.common.transport import WIRE_DTYPES
 from psserver.config import TrainerConfig
-from psserver.errors import ServerUnavailable, UsageError
+from psserver.errors import DeviceMapFailed, ServerUnavailable, UsageError
 from psserver.models import ModelSpec, build_model, get_model_spec
 from psserver.models.layout import ModelLayout, values_of
 from psserver.models.losses import resolve_loss
@@ -82,10 +82,14 @@ class Session:
     trainer to rejoin: see the module's docstring)."""
 
     def __init__(self, config: TrainerConfig, stop: StopSignals | None = None,
-                 model: torch.nn.Module | None = None, steps: int = 0, build: bool = True) -> None:
+                 model: torch.nn.Module | None = None, steps: int = 0, build: bool = True,
+                 fell_back: str | None = None) -> None:
         """``build``: False when this trainer runs no model (the RPC tutorial's path, whose forward
-        runs on the server): a server's model that is code is then not built here."""
+        runs on the server): a server's model that is code is then not built here. ``fell_back``:
+        why the device map this rank's last process image joined with failed (``DeviceMapFailed``):
+        this one goes ``staged`` instead."""
         self.config = config
+        self.fell_back = fell_back
         self.steps_before = steps
         """Steps this rank trained before this join (its position; 0 for a fresh trainer)."""
         self.bucket_cap_mb = config.bucket_cap_mb
@@ -126,7 +130,7 @@ class Session:
         rpc_id, incarnation = rendezvous.request_admission(self.store, config.rank,
                                                            f"{config.server_host}:{config.server_port}")
         self.name = rendezvous.trainer_name(config.rank, incarnation)
-        self.transport = transport.choose_path(config.transport, self.device, published)
+        self.transport = transport.choose_path(config.transport, self.device, published, failed=fell_back)
         """How this trainer's flat buffers travel, and why (logged: a slow fallback is never silent):
         as it asks, then as the join's reply agrees; the protocol's half keeps the path from then on
         (and goes ``staged`` when a device map fails its probe)."""
@@ -191,8 +195,10 @@ class Session:
         self._hb.start()
         try:
             self.protocol: TrainerHalf = trainer_half(self.step_protocol)(self)
-        except BaseException:
+        except BaseException as e:
             self._stop.set()
+            if isinstance(e, DeviceMapFailed):  # its pipe to the server is broken for good
+                self._shutdown(graceful=False)
             raise
         log.info("joined psserver %s:%d as %s (model %s, update %s, optimizer %s, --compute %s --step %s%s)",
                  config.server_host, config.server_port, self.name, self.spec.name, self.info["update"],

@@ -28,10 +28,17 @@ def server(devices=("cuda:0",), num_servers=1, host=None) -> dict:
 def test_a_gpu_trainer_beside_a_gpu_server_goes_device_to_device():
     path = choose_path("auto", CUDA0, server(("cuda:1",)))
     assert path.kind == "device-map" and path.on_device and path.server_device == "cuda:1"
-    assert path.describe(CUDA0) == "device-map cuda:0 -> server cuda:1: both on CUDA on one host: device to device, " \
-                                   "no host copy"
+    assert path.describe(CUDA0) == "device-map cuda:0 -> server cuda:1: both on CUDA on one host: device to device " \
+                                   "over CUDA IPC (TensorPipe copies through host memory where IPC is not viable)"
     assert device_maps(path, CUDA0, "ps") == {"ps": {CUDA0: torch.device("cuda", 1)}}
     assert choose_path("device-map", CUDA0, server()).kind == "device-map"
+
+
+def test_a_device_map_that_failed_a_last_process_image_is_not_tried_again():
+    path = choose_path("auto", CUDA0, server(("cuda:1",)), failed="cudaIpcOpenMemHandle failed")
+    assert path.kind == "staged" and device_maps(path, CUDA0, "ps") is None
+    assert path.reason == "the device map failed its probe (cudaIpcOpenMemHandle failed), so through pinned host memory"
+    assert choose_path("cpu", CUDA0, server(), failed="x").kind == "cpu"  # asked for by name: as asked
 
 
 @pytest.mark.parametrize(("published", "why"), [

@@ -17,6 +17,7 @@ from torch import nn
 from psserver.common.devices import resolve_devices
 from psserver.common.transport import WIRE_DTYPES
 from psserver.config import OptimizerConfig, ServerConfig
+from psserver.errors import DeviceMapFailed
 from psserver.models import build_model
 from psserver.server.engine.engine import StepEngine
 from psserver.server.steps.pushpull import PushPullServer
@@ -376,6 +377,25 @@ def test_a_device_map_that_cannot_carry_tensors_turns_the_trainer_staged(engine,
     assert kind == "staged" and why.startswith("the device map failed (TensorPipe RPC backend only supports CPU")
     assert not half.on_device("t")
     assert any("the device map to the server failed" in r.getMessage() for r in caplog.records)
+
+
+def test_a_probe_failure_that_breaks_the_pipe_asks_for_a_fresh_process(engine):
+    """A transport-level failure marks the pipe to the server failed, so the ``fall_back`` call
+    fails too: the trainer raised that call's error and died instead of going staged."""
+    half = PushPullServer(engine)
+    channel = Channel(half, "cpu", "fp32")
+    half._transport["t"] = ("device-map", "both on CUDA on one host")
+    channel.info["transport"] = {"kind": "device-map", "reason": "both on CUDA on one host"}
+
+    def pipe_failed(*args):
+        raise RuntimeError("pipe closed: connection reset by peer")
+
+    half.probe = half.fall_back = pipe_failed
+    with pytest.raises(DeviceMapFailed, match=r"^the device map to the server failed \(pipe closed: connection "
+                                              r"reset by peer\) and took the connection with it$") as failed:
+        PushPullTrainer(channel)
+    assert failed.value.reason == "pipe closed: connection reset by peer"
+    assert channel.calls == ["probe", "fall_back"]
 
 
 def test_a_device_map_that_works_is_kept(engine):

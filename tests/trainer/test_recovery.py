@@ -17,7 +17,7 @@ import torch.distributed as dist
 from psserver.common import rendezvous
 from psserver.common.rendezvous import request_admission
 from psserver.config import TrainerConfig
-from psserver.errors import AdmissionUnanswered, UsageError
+from psserver.errors import AdmissionUnanswered, DeviceMapFailed, UsageError
 from psserver.trainer import recovery
 from psserver.trainer.rejoin import Position
 from psserver.trainer.session import JoinDeferred
@@ -42,12 +42,14 @@ class FakeJoins:
     def __init__(self, monkeypatch, error: BaseException) -> None:
         self.error = error
         self.sessions: list[int] = []
+        self.fell_back: list[str | None] = []  # what each Session was told of a failed device map
         self.positions: list[Position] = []
         monkeypatch.setattr(recovery, "Session", self._session)
         monkeypatch.setattr(recovery, "reexec", self._reexec)
 
-    def _session(self, config, stop, model=None, steps=0, build=True):  # noqa: ARG002
+    def _session(self, config, stop, model=None, steps=0, build=True, fell_back=None):  # noqa: ARG002
         self.sessions.append(steps)
+        self.fell_back.append(fell_back)
         raise self.error
 
     def _reexec(self, position, stop, argv=None):  # noqa: ARG002
@@ -133,6 +135,27 @@ def test_a_first_join_the_rpc_group_changed_under_is_tried_again_a_bounded_numbe
     with pytest.raises(recovery.JoinLost):  # the server went away: no new process
         recovery.join(config, None, None, argv=argv, retry_first_join=True)
     assert len(positions) == recovery.FIRST_JOIN_TRIES - 1
+
+
+def test_a_device_map_that_broke_the_pipe_joins_again_staged_in_a_fresh_process(monkeypatch):
+    """The pipe is spent for good (RPC cannot be set up twice in one process): the next process
+    image is told why, and its Session goes staged; with no command line to re-execute, one line."""
+    joins = FakeJoins(monkeypatch, DeviceMapFailed("cudaIpcOpenMemHandle failed"))
+    argv = ["python", "-m", "psserver", "train"]
+    with pytest.raises(Reexec):
+        recovery.join(TrainerConfig(rank=1), None, StopSignals(), argv=argv)
+    assert [p.fell_back for p in joins.positions] == ["cudaIpcOpenMemHandle failed"]
+    assert joins.fell_back == [None]
+    joins.error = recovery.JoinLost("cannot join the RPC group of here:1: EOF")
+    with pytest.raises(Reexec):  # the fresh image (a rejoin under --reconnect) keeps what failed
+        recovery.join(TrainerConfig(rank=1, reconnect=True), joins.positions[0], StopSignals(), argv=argv)
+    assert joins.fell_back[-1] == "cudaIpcOpenMemHandle failed"
+    assert joins.positions[-1].fell_back == "cudaIpcOpenMemHandle failed"
+    joins.error = DeviceMapFailed("cudaIpcOpenMemHandle failed")
+    with pytest.raises(UsageError, match=r"^the device map to the server failed \(cudaIpcOpenMemHandle failed\) "
+                                         r"and took the connection with it: start this trainer with --transport "
+                                         r"staged$"):
+        recovery.join(TrainerConfig(rank=1), None, StopSignals(), argv=None)
 
 
 def test_a_rejoin_refused_for_now_pauses_before_the_next_process(monkeypatch):

@@ -13,11 +13,12 @@ import torch
 
 from psserver.common.partition import PartitionPlan
 from psserver.common.tensors import Part, flatten, persistent_buffers, total_norm, unflatten_into
-from psserver.errors import first_line
+from psserver.errors import DeviceMapFailed, first_line
 from psserver.models.calling import call_model, move_input
 from psserver.trainer.compute.buckets import GradBuckets, bucket_cap_bytes
 from psserver.trainer.compute.flat import FlatBuffer, copy_flat_into
 from psserver.trainer.compute.rows import RowBatch
+from psserver.trainer.compute.staging import PinnedStaging
 from psserver.trainer.steps.base import TrainerHalf
 
 log = logging.getLogger(__name__)
@@ -80,9 +81,9 @@ class TrainerComputeHalf(TrainerHalf):
         self.transport: str = (channel.info.get("transport") or {}).get("kind", "cpu")
         """The path the server agreed to (``psserver.common.transport``): ``device-map`` buffers
         stay on the device, ``staged`` ones go through :class:`PinnedStaging`."""
-        self.fell_back: str | None = None
-        """Why the device map the server agreed to failed its probe, this trainer going ``staged``
-        instead (None: it did not)."""
+        self.fell_back: str | None = getattr(channel, "fell_back", None)
+        """Why the device map the server agreed to failed its probe (here, or in this rank's
+        last process image), this trainer going ``staged`` instead (None: it did not)."""
         self._staging: PinnedStaging | None = None
         self._packers: list[FlatBuffer] | None = None
         self._buckets: list[GradBuckets] | None = None
@@ -106,7 +107,10 @@ class TrainerComputeHalf(TrainerHalf):
                 raise RuntimeError(f"the probe came back as {back!r}")
         except Exception as e:  # noqa: BLE001 - whatever failed, the staged path is the answer
             reason = first_line(e)
-            self.channel.call("fall_back", reason)
+            try:
+                self.channel.call("fall_back", reason)
+            except Exception:  # noqa: BLE001 - the failure broke the pipe itself: only a new process can join
+                raise DeviceMapFailed(reason) from None
             self.transport, self.fell_back = "staged", reason
             log.warning("the device map to the server failed (%s): this trainer sends through pinned host memory",
                         reason)
@@ -233,12 +237,20 @@ class TrainerComputeHalf(TrainerHalf):
             number = self._part_number
             if number is not None:  # parts: the large ones now, the rest with the step's call
                 if start in self._ahead[shard]:
-                    future = self.channel.call_async("part", number, [(shard, start, self._part_tensor(shard, start,
-                                                                                                     stop))])
-                    self._sent.append(future)
+                    self._sent.append(self._send_part(number, shard, start, stop))
             elif self.transport == "staged":
                 self._staged().copy_part(self._staging_key(shard), self._buckets[shard].flat, start, stop)
         return ready
+
+    def _send_part(self, number: int, shard: int, start: int, stop: int) -> object:
+        """A bucket, just filled during backward, sent ahead as a ``part``: a future. Staged, the
+        hook only starts its copy to pinned memory; a thread of the staging sends it once landed
+        (waiting in the hook would stall backward for every part)."""
+        if self.transport != "staged":
+            return self.channel.call_async("part", number, [(shard, start, self._part_tensor(shard, start, stop))])
+        staging = self._staged()
+        buf, landed = staging.start_part(("part", shard, start), self._buckets[shard].flat[start:stop])
+        return staging.send_when_landed(landed, lambda: self.channel.call_async("part", number, [(shard, start, buf)]))
 
     def _part_tensor(self, shard: int, start: int, stop: int) -> torch.Tensor:
         """A bucket's slice of the gradient as a tensor of its own, where the transport sends it
@@ -266,6 +278,8 @@ class TrainerComputeHalf(TrainerHalf):
     def close(self) -> None:
         for b in self._buckets or ():
             b.remove()  # the replica outlives the session (a library user's model): no hooks, no buffers
+        if self._staging is not None:
+            self._staging.close()
         self._buckets = self._staging = None
 
     _sent_buffers: torch.Tensor | None = None
@@ -333,58 +347,6 @@ class TrainerComputeHalf(TrainerHalf):
                 return self.model(batch.per_sample(rows), dense.to(self.device)).float().to("cpu")
         finally:
             self.model.train()
-
-
-
-class PinnedStaging:
-    """The ``staged`` transport's host side: one pinned buffer per flat gradient, allocated once
-    and reused every step, filled on a side stream. Reuse is safe because a step's buffers are
-    sent before the next step's gradient exists (its call returned: the server has them)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.stream = torch.cuda.Stream(device)
-        self.buffers: dict[tuple, torch.Tensor] = {}
-
-    def _buffer(self, key: tuple, flat: torch.Tensor) -> torch.Tensor:
-        buf = self.buffers.get(key)
-        if buf is None or buf.shape != flat.shape or buf.dtype != flat.dtype:
-            buf = self.buffers[key] = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-        return buf
-
-    def to_host(self, flats: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-        """``flats`` (on the device) copied into the pinned buffers, ready to send."""
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            for i, server in enumerate(flats):
-                for j, flat in enumerate(server):
-                    self._buffer((i, j), flat).copy_(flat, non_blocking=True)
-                    flat.record_stream(self.stream)
-        return [self.collect([((i, j), flat) for j, flat in enumerate(server)]) for i, server in enumerate(flats)]
-
-    def copy_part(self, key: tuple, flat: torch.Tensor, start: int, stop: int) -> None:
-        """Start copying ``flat[start:stop]`` (a bucket just filled, on the stream that filled
-        it) into its place in ``key``'s pinned buffer; :meth:`collect` waits for it. ``flat``
-        lives as long as the trainer (a bucket buffer): no ``record_stream``."""
-        buf = self._buffer(key, flat)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            buf[start:stop].copy_(flat[start:stop], non_blocking=True)
-
-    def part(self, key: tuple, values: torch.Tensor) -> torch.Tensor:
-        """``values`` (a bucket just filled) in ``key``'s pinned buffer of their size, landed."""
-        buf = self._buffer(key, values)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            buf.copy_(values, non_blocking=True)
-        self.stream.synchronize()
-        return buf
-
-    def collect(self, parts: list[tuple[tuple, torch.Tensor]]) -> list[torch.Tensor]:
-        """The pinned buffers of ``(key, flat)`` parts, once every copy into them has landed (a
-        part nothing was copied into, a shard without parameters, gets its empty buffer)."""
-        self.stream.synchronize()
-        return [self._buffer(key, flat) for key, flat in parts]
 
 
 
