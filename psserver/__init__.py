@@ -26,10 +26,14 @@ Public names:
   ``train_step(x, y, samples=...)``).
 - ``DistributedOptimizer(ps, named_parameters, backward_passes_per_step=1)``: Horovod's and
   BytePS's optimizer wrapper, with ``synchronize()`` and ``skip_synchronize()`` for AMP.
+- ``read(address, *, token_file, dtype, device, name)``: a ``Reader`` of a running server's
+  weights that never trains (RL rollout workers, serving): ``latest()``, ``wait(newer_than,
+  timeout)``, ``subscribe()``, ``load_into(model)``; each a ``Version`` of one global step.
 - ``UsageError``, ``ServerLost``, ``Evicted``: what the library raises.
 
 The command line: ``psserver serve``, ``psserver train`` (``--entry MODULE:FUNCTION`` runs a
-loop function of yours with a connected ``ps``), ``psserver status``, ``psserver demo``.
+loop function of yours with a connected ``ps``), ``psserver status``, ``psserver pull``,
+``psserver demo``.
 """
 
 from __future__ import annotations
@@ -38,12 +42,14 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["Connection", "DistributedOptimizer", "Evicted", "ServerLost", "UsageError", "connect"]
+__all__ = ["Connection", "DistributedOptimizer", "Evicted", "Reader", "ServerLost", "UsageError", "connect", "read"]
 
 _LAZY = {
     "connect": "psserver.trainer.library",
     "Connection": "psserver.trainer.connection",
     "DistributedOptimizer": "psserver.trainer.optimizer",
+    "read": "psserver.reader.reader",
+    "Reader": "psserver.reader.reader",
     "UsageError": "psserver.errors",
     "ServerLost": "psserver.errors",
     "Evicted": "psserver.errors",

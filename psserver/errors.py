@@ -60,6 +60,11 @@ class DeviceMapFailed(Exception):
         self.reason = reason
 
 
+class NoVersion(Exception):
+    """No version of the model's weights can be read: no model yet, or one spread over several
+    server processes (the weights service says so to the reader)."""
+
+
 def first_line(e: BaseException, limit: int = 200) -> str:
     """The first line of ``e``'s message (torch's errors carry C++ context below it), at most
     ``limit`` characters, or its type's name when it has none."""

@@ -29,12 +29,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from psserver.config import ObservabilityConfig
 from psserver.errors import UsageError
 from psserver.telemetry import (
+    AGE_BUCKETS,
     CONTROL_REFUSALS,
     RPC_REFUSALS,
     SERVER_STATES,
@@ -138,6 +139,20 @@ class StatusCollector(Collector):
         yield rpc_refusals
         yield from self._trainer_metrics(trainers)
         yield from self._checkpoint_metrics(status)
+        yield from self._reader_metrics(status)
+
+    def _reader_metrics(self, s: ServerStatus) -> Iterator[Metric]:
+        """Readers of the weights: how many, and how fresh each version was when one had it."""
+        if s.reader_ages is None:
+            return
+        yield _gauge("readers", "Readers of the weights seen in the last 10 minutes", len(s.readers))
+        ages = s.reader_ages
+        age = HistogramMetricFamily(f"{PREFIX}_reader_version_age_seconds",
+                                    "How old each version a reader read was when it had all of it: the read's end "
+                                    "minus the time the server applied its step")
+        age.add_metric([], [(str(b), c) for b, c in zip(AGE_BUCKETS, ages.counts, strict=True)] +
+                       [("+Inf", ages.count)], sum_value=ages.total)
+        yield age
 
     def _server_metrics(self, s: ServerStatus) -> Iterator[Metric]:
         info = GaugeMetricFamily(f"{PREFIX}_info", "Static facts about this server (value is always 1)",

@@ -149,6 +149,43 @@ class StaleStateStatus:
 
 
 @dataclass
+class ReaderStatus:
+    """A reader of the weights (``WeightsService``), as the server saw it last."""
+
+    name: str
+    """The name it gave, else its address."""
+    peer: str
+    step: int = -1
+    """The step of the version it read last."""
+    read_at: float = 0.0
+    """When it had all of that version (Unix seconds)."""
+    age_s: float = 0.0
+    """How old the version was then: ``read_at`` minus the time the server applied its step."""
+    reads: int = 0
+
+
+AGE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+"""Upper bounds (seconds) of the readers' version-age histogram."""
+
+
+@dataclass
+class AgeHistogram:
+    """How old each version was when a reader had all of it: cumulative counts per bound of
+    ``AGE_BUCKETS`` (Prometheus's form), their count and sum."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * len(AGE_BUCKETS))
+    count: int = 0
+    total: float = 0.0
+
+    def observe(self, age: float) -> None:
+        for i, bound in enumerate(AGE_BUCKETS):
+            if age <= bound:
+                self.counts[i] += 1
+        self.count += 1
+        self.total += age
+
+
+@dataclass
 class ServerStatus:
     version: str
     state: str
@@ -197,6 +234,10 @@ class ServerStatus:
     """``--checkpoint-every``: global steps between checkpoints (0: not by step count, or off)."""
     diloco: str = ""
     """``--update diloco`` in one line: the outer rounds and the outer optimizer (empty in other modes)."""
+    readers: list[ReaderStatus] = field(default_factory=list)
+    """Readers of the weights seen in the last 10 minutes."""
+    reader_ages: AgeHistogram | None = None
+    """Every read's version age since the server started (None: not a server that serves reads)."""
 
     @property
     def uptime_s(self) -> float:

@@ -7,10 +7,11 @@ import re
 
 import pytest
 
+from psserver.cli import VERBS as COMMANDS
 from tests.procs import ROOT, cli
 
 DOCS = sorted((ROOT / "docs").glob("*.md"))
-VERBS = ["serve", "train", "status", "checkpoint", "stop", "export", "demo", "bench"]
+VERBS = [verb.name for verb in COMMANDS]
 OTHER_TOOLS = {"--no-deps", "--batch", "--signal", "--nodes", "--check", "--master-addr"}
 """Flags the docs show of other programs (pip, scancel, torchrun, codegen's --check)."""
 

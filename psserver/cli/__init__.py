@@ -29,6 +29,7 @@ from psserver.cli.bench import BenchCommand
 from psserver.cli.control import CheckpointCommand, StatusCommand, StopCommand
 from psserver.cli.demo import DemoCommand
 from psserver.cli.export import ExportCommand
+from psserver.cli.pull import PullCommand
 from psserver.cli.serve import ServeCommand
 from psserver.cli.train import TrainCommand
 from psserver.errors import ServerLost, UsageError
@@ -44,6 +45,7 @@ VERBS: tuple[type[SubCommand], ...] = (
     CheckpointCommand,
     StopCommand,
     ExportCommand,
+    PullCommand,
     DemoCommand,
     BenchCommand,
 )

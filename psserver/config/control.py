@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +11,9 @@ from psserver.config.common import check_host, check_input_file, check_output_di
 from psserver.config.options import option
 
 TOKEN_ENV = "PSSERVER_AUTH_TOKEN"
+READ_TOKEN_ENV = "PSSERVER_READ_TOKEN"
+READ_DTYPES = ("", "float32", "bfloat16", "float16")
+"""What a reader of the weights may ask floating-point tensors in (``""``: as the server holds them)."""
 
 
 @dataclass
@@ -37,6 +41,16 @@ class ControlConfig:
     token is written then)."""
     reflection: bool = option(False, help="serve gRPC server reflection")
     """Serve gRPC server reflection."""
+    read_token_file: Path | None = option(
+        None, help=f"bearer token of readers of the weights (psserver pull, psserver.read), good for nothing else "
+                   f"(else ${READ_TOKEN_ENV}; without it, reads take the control token, or are open without one)")
+    """File holding the readers' token: it reads versions of the weights and nothing else (no
+    push, join, checkpoint or stop); else ``$PSSERVER_READ_TOKEN``."""
+    publish_interval: float = option(
+        0.1, help="readers of the weights: at most one copy of the model per this many seconds, however many "
+                  "read (default {default})")
+    """The least time between two versions for readers: each is one copy of the model under the
+    update lock, taken only when a reader asks for a newer one."""
 
     def __post_init__(self) -> None:
         if self.enabled:
@@ -45,10 +59,16 @@ class ControlConfig:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")
         for flag, path in (("--auth-token-file", self.auth_token_file), ("--tls-cert", self.tls_cert),
-                           ("--tls-key", self.tls_key)):
+                           ("--tls-key", self.tls_key), ("--read-token-file", self.read_token_file)):
             if path is not None:
                 check_input_file(path, flag)
-        self.token()  # an empty or unreadable token file: a usage error at start
+        if not (math.isfinite(self.publish_interval) and 0 <= self.publish_interval <= 3600):
+            raise ValueError(f"--publish-interval must be between 0 and 3600 seconds, got {self.publish_interval}")
+        token = self.token()  # an empty or unreadable token file: a usage error at start
+        read = self.read_token()
+        if read is not None and read == token:
+            raise ValueError("the read token is the control token: give readers a token of their own "
+                             "(--read-token-file), which opens nothing but the weights")
 
     def token(self) -> str | None:
         """The configured bearer token: read when the config is built (an empty or unreadable
@@ -57,6 +77,12 @@ class ControlConfig:
         if self.auth_token_file is not None:
             return read_token_file(self.auth_token_file, "--auth-token-file")
         return os.environ.get(TOKEN_ENV) or None
+
+    def read_token(self) -> str | None:
+        """The readers' token (read as :meth:`token`)."""
+        if self.read_token_file is not None:
+            return read_token_file(self.read_token_file, "--read-token-file")
+        return os.environ.get(READ_TOKEN_ENV) or None
 
 
 @dataclass

@@ -335,6 +335,10 @@ class ServerConfig:
         check_seed(self.seed, "--seed")
         check_token_file(self.join_token_file, "--join-token-file")
         self._check_join_token()
+        read = self.control.read_token()
+        if read is not None and read == self.join_token():
+            raise ValueError("the read token is the join token: give readers a token of their own "
+                             "(--read-token-file), which cannot join as a trainer")
         if not 1 <= self.max_model_bytes < 2 ** 63:
             raise ValueError(f"--max-model-bytes must be at least 1, got {self.max_model_bytes}")
         if self.supervise and self.checkpoint.directory is None and not self.memory_state.enabled:

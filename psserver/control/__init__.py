@@ -7,5 +7,6 @@ format is ``protos/psserver/v1/control.proto``; its stubs live in ``psserver.con
 """
 
 SERVICE_NAME = "psserver.v1.ControlService"
+WEIGHTS_SERVICE_NAME = "psserver.v1.WeightsService"
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 ADDRESS_ENV = "PSSERVER_CONTROL_ADDRESS"

@@ -14,7 +14,10 @@ Status codes, by design:
   ``--allow-unauthenticated-admin``, or unless they carry the server's local admin token
   (:mod:`psserver.control.local_token`: a private file that only the server's own user on its
   host can read; a wrong one is ``UNAUTHENTICATED``): mutating the server anonymously is
-  refused by policy, reads stay open.
+  refused by policy, reads stay open;
+* ``WeightsService`` (the model's weights, for readers): the read token
+  (``--read-token-file``) or the control token when either is configured, else open as the
+  status reads. The read token opens nothing else: on ``ControlService`` it is a wrong token.
 
 ``grpc.health.v1.Health`` is always open (load balancers and kubelets probe it without
 credentials) and is not logged (probes would flood the log).
@@ -31,7 +34,7 @@ from typing import Any
 
 import grpc
 
-from psserver.control import SERVICE_NAME
+from psserver.control import SERVICE_NAME, WEIGHTS_SERVICE_NAME
 from psserver.errors import UsageError
 from psserver.telemetry import CONTROL_REFUSALS, RefusalLog
 
@@ -40,7 +43,9 @@ log = logging.getLogger(__name__)
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 ADMIN_METHODS = frozenset({f"/{SERVICE_NAME}/Checkpoint", f"/{SERVICE_NAME}/Shutdown"})
 # Successful reads are polled (scripts, ``status --watch``): log them at DEBUG only.
-QUIET_METHODS = frozenset({f"/{SERVICE_NAME}/GetStatus", f"/{SERVICE_NAME}/ListTrainers"})
+QUIET_METHODS = frozenset({f"/{SERVICE_NAME}/GetStatus", f"/{SERVICE_NAME}/ListTrainers",
+                           f"/{WEIGHTS_SERVICE_NAME}/Read"})
+WEIGHTS_PREFIX = f"/{WEIGHTS_SERVICE_NAME}/"
 
 # gRPC metadata values are printable ASCII, and its default limit on all of a call's metadata
 # is 8 KiB: a longer token is RESOURCE_EXHAUSTED on every call.
@@ -115,8 +120,9 @@ class AuthInterceptor(grpc.ServerInterceptor):
     """Checks ``authorization: Bearer <token>`` on every call but health (see module doc)."""
 
     def __init__(self, token: str | None, *, allow_unauthenticated_admin: bool = False,
-                 admin_token: str | None = None) -> None:
+                 admin_token: str | None = None, read_token: str | None = None) -> None:
         self._digest = _digest(token) if token else None
+        self._read_digest = _digest(read_token) if read_token else None
         self._allow_admin = allow_unauthenticated_admin
         self._admin_digest = _digest(admin_token) if admin_token and not token else None
 
@@ -130,6 +136,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None or method.startswith(HEALTH_PREFIX):
             return handler  # unknown method: UNIMPLEMENTED from gRPC itself
+        if method.startswith(WEIGHTS_PREFIX):
+            return self._reader(handler, handler_call_details)
         if self._digest is not None:
             presented = bearer_token(handler_call_details.invocation_metadata)
             if presented is None:
@@ -143,6 +151,22 @@ class AuthInterceptor(grpc.ServerInterceptor):
                 return _denied(handler, grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token")
         elif method in ADMIN_METHODS and not self._allow_admin:
             return self._admin(handler, handler_call_details)
+        return handler
+
+    def _reader(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        """A read of the weights: the read token or the control token when either is configured."""
+        accepted = [d for d in (self._read_digest, self._digest) if d is not None]
+        if not accepted:
+            return handler
+        presented = bearer_token(details.invocation_metadata)
+        if presented is None:
+            return _denied(handler, grpc.StatusCode.UNAUTHENTICATED,
+                           "missing bearer token: send metadata 'authorization: Bearer <token>' (psserver: "
+                           "--read-token-file or $PSSERVER_READ_TOKEN)")
+        digest = _digest(presented)
+        matches = sum(hmac.compare_digest(digest, d) for d in accepted)  # both compared, always
+        if not matches:
+            return _denied(handler, grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token")
         return handler
 
     def _admin(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:

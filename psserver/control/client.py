@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -68,6 +68,25 @@ def read_token(token_file: Path | str | None, local_address: str | None = None) 
     return token
 
 
+def open_channel(address: str, tls_ca: Path | str | bytes | None = None, options: Sequence[tuple[str, Any]] = ()
+                 ) -> grpc.Channel:
+    """A channel to ``address``: TLS verified against ``tls_ca`` (PEM bytes or a file) when given."""
+    if tls_ca is None:
+        return grpc.insecure_channel(address, options=list(options))
+    if isinstance(tls_ca, bytes):
+        ca = tls_ca
+    else:
+        try:
+            refuse_special_file(tls_ca, "--tls-ca")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        try:
+            ca = Path(tls_ca).read_bytes()
+        except OSError as e:
+            raise UsageError(f"cannot read --tls-ca {tls_ca}: {e.strerror or e}") from e
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca), options=list(options))
+
+
 class ControlClient:
     """A channel to one control plane. Close it (or use ``with``) when done."""
 
@@ -83,21 +102,7 @@ class ControlClient:
         token = check_token(token, "the control client's token")
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._tls = tls_ca is not None
-        if tls_ca is not None:
-            if isinstance(tls_ca, bytes):
-                ca = tls_ca
-            else:
-                try:
-                    refuse_special_file(tls_ca, "--tls-ca")
-                except ValueError as e:
-                    raise UsageError(str(e)) from None
-                try:
-                    ca = Path(tls_ca).read_bytes()
-                except OSError as e:
-                    raise UsageError(f"cannot read --tls-ca {tls_ca}: {e.strerror or e}") from e
-            self._channel = grpc.secure_channel(self.address, grpc.ssl_channel_credentials(root_certificates=ca))
-        else:
-            self._channel = grpc.insecure_channel(self.address)
+        self._channel = open_channel(self.address, tls_ca)
         self._stub = pb_grpc.ControlServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

@@ -106,10 +106,20 @@ def render_status(status: pb.ServerStatus, trainers: Sequence[pb.Trainer] | None
     if status.tables:
         lines.append("")
         lines += render_tables(status.tables).splitlines()
+    if status.readers:
+        lines.append("")
+        lines += render_readers(status.readers, now).splitlines()
     if trainers is not None:
         lines.append("")
         lines += render_trainers(trainers, now).splitlines()
     return "\n".join(lines)
+
+
+def render_readers(readers: Sequence[pb.WeightReader], now: float) -> str:
+    """The readers of the weights: the version each holds and how fresh it was when it had it."""
+    rows = [[r.name, r.peer if r.peer != r.name else "-", f"{r.step:,}", f"{r.age_seconds * 1e3:.0f} ms",
+             f"{r.reads:,}", _ago(r.read_at, now)] for r in readers]
+    return "\n".join(table(["READER", "PEER", "STEP", "AGE", "READS", "LAST READ"], rows, numeric=(2, 3, 4)))
 
 
 def render_servers(servers: Sequence[pb.ServerProcess]) -> str:

@@ -20,11 +20,13 @@ from types import TracebackType
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from psserver.config.control import TOKEN_ENV, ControlConfig
-from psserver.control import SERVICE_NAME
+from psserver.config.control import READ_TOKEN_ENV, TOKEN_ENV, ControlConfig
+from psserver.control import SERVICE_NAME, WEIGHTS_SERVICE_NAME
 from psserver.control.auth import AuthInterceptor, CallLogInterceptor, check_token
 from psserver.control.local_token import LocalToken
 from psserver.control.service import ControlService, add_to_server
+from psserver.control.weights import WeightsService, WeightsSource
+from psserver.control.weights import add_to_server as add_weights_to_server
 from psserver.errors import UsageError
 from psserver.telemetry import ControlTarget
 
@@ -72,12 +74,17 @@ class ControlServer:
         max_watchers: int = 8,
         grace: float = 2.0,
         poll_interval: float = 0.1,
+        weights: WeightsSource | None = None,
+        max_reads: int = 32,
     ) -> None:
+        """``weights``: what ``WeightsService`` reads versions of the model from (None: it is
+        not served); at most ``max_reads`` reads at once, on workers of their own."""
         self.target = target
         self.config = config or ControlConfig()
         self.grace = grace
         self.poll_interval = poll_interval
-        self._max_workers = max_workers
+        self.weights = WeightsService(weights, max_reads) if weights is not None else None
+        self._max_workers = max_workers + (max_reads if weights is not None else 0)
         # Keep workers free for unary calls however many streams are open.
         self.service = ControlService(target, max_watchers=min(max_watchers, max(1, max_workers - 4)))
         self.health = health.HealthServicer()
@@ -105,8 +112,10 @@ class ControlServer:
         # Without a configured token, Checkpoint and Shutdown take a random one that only this
         # user can read on this host (psserver.control.local_token), else nobody could use them.
         admin_token = secrets.token_urlsafe(32) if not token and not cfg.allow_unauthenticated_admin else None
+        read_token = check_token(cfg.read_token(), f"--read-token-file {cfg.read_token_file}"
+                                 if cfg.read_token_file is not None else f"${READ_TOKEN_ENV}")
         auth = AuthInterceptor(token, allow_unauthenticated_admin=cfg.allow_unauthenticated_admin,
-                               admin_token=admin_token)
+                               admin_token=admin_token, read_token=read_token)
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="psserver-control"),
             interceptors=[CallLogInterceptor(), auth],
@@ -115,11 +124,14 @@ class ControlServer:
             options=[("grpc.so_reuseport", 0)],
         )
         add_to_server(self.service, server)
+        if self.weights is not None:
+            add_weights_to_server(self.weights, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if cfg.reflection:
             from grpc_reflection.v1alpha import reflection
 
-            names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+            names = (SERVICE_NAME, *((WEIGHTS_SERVICE_NAME,) if self.weights else ()), health.SERVICE_NAME,
+                     reflection.SERVICE_NAME)
             reflection.enable_server_reflection(names, server)
         bind = format_address(cfg.host, cfg.port)
         if cfg.tls_cert is not None:
@@ -145,11 +157,12 @@ class ControlServer:
         self._server = server
         self._stop.clear()
         log.info(
-            "control plane listening on %s (%s, %s%s)",
+            "control plane listening on %s (%s, %s%s%s)",
             self.address,
             "TLS" if self.tls else "plaintext",
             "token required" if token else
             f"admin token for this user in {self.local_token.path}" if self.local_token else "no token",
+            "" if self.weights is None else ", weights for readers" + (" with their token" if read_token else ""),
             ", reflection" if cfg.reflection else "",
         )
         if cfg.host not in _LOOPBACK:
@@ -176,6 +189,8 @@ class ControlServer:
             self.set_serving(False)
             self.health.enter_graceful_shutdown()  # NOT_SERVING everywhere, and no way back
             self.service.close()
+            if self.weights is not None:
+                self.weights.close()
         finally:
             server.stop(self.grace if grace is None else grace).wait()
             if self.local_token is not None:

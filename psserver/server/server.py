@@ -35,6 +35,7 @@ from psserver.server.membership import Membership
 from psserver.server.state.memory import MemoryState
 from psserver.server.status import ServerView
 from psserver.server.steps import HALVES
+from psserver.server.versions import Versions
 from psserver.utils.cpp_log import quiet_cpp_warnings
 from psserver.utils.memory import configure_host_allocator, freeze_long_lived
 
@@ -62,7 +63,11 @@ class ParameterServer:
         self.endpoint = Endpoint(config, self.engine, self.halves, after_call=self.policy.maybe_save)
         self.view = ServerView(config, self.engine, self.endpoint, self.policy, self.request_shutdown)
         self.view.memory = self.memory
-        self.engine.listeners += [self.policy.note_step, self.view.on_step]
+        self.versions = Versions(self.engine.model_version, lambda: self.engine.global_step,
+                                 config.control.publish_interval, lambda: self.engine.model_ref or "")
+        """Versions of the model for readers of the weights (the control plane's ``WeightsService``)."""
+        self.view.versions = self.versions
+        self.engine.listeners += [self.policy.note_step, self.view.on_step, self.versions.on_step]
         self.membership: Membership | None = None
         self.desk: AdmissionDesk | None = None
         self.published = PublishedKeys()
@@ -243,7 +248,8 @@ def run_server(config: ServerConfig) -> int:
     torch.set_num_threads(config.compute_threads or os.cpu_count() or 1)
     configure_host_allocator(config.allocator)  # before the RPC agent's threads exist
     server = ParameterServer(config)
-    control = ControlServer(server.view, config.control) if config.control.enabled else contextlib.nullcontext()
+    control = ControlServer(server.view, config.control, weights=server.versions) if config.control.enabled \
+        else contextlib.nullcontext()
     obs = config.observability
     metrics = start_exporters(server.view, obs) if obs.metrics_port is not None or obs.tensorboard_dir else None
     previous = {}

@@ -22,6 +22,7 @@ from psserver.server.engine.engine import StepEngine
 from psserver.server.engine.shard import Shard
 from psserver.server.group.server_group import ServerGroup
 from psserver.server.state.memory import MemoryState
+from psserver.server.versions import Versions
 from psserver.telemetry import (
     CheckpointInfo,
     RateMeter,
@@ -123,6 +124,8 @@ class ServerView:
         """The state in shared memory (``--state-dir``), for its line and the stale segments."""
         """The other server processes, when there are several (``psserver.server.group.server_group``)."""
         self.table_rates = TableRates(window=10.0)
+        self.versions: Versions | None = None
+        """The versions of the model readers read (``psserver.server.versions``)."""
 
     def on_step(self, step: int, samples: int) -> None:  # noqa: ARG002 - a StepEngine listener
         membership = self.endpoint.membership
@@ -162,6 +165,8 @@ class ServerView:
             learning_rate=_nan_if_none(engine.learning_rate),
             lr_schedule=cfg.lr_schedule.describe(),
             diloco=self._diloco(),
+            readers=self.versions.readers() if self.versions is not None else [],
+            reader_ages=self.versions.age_histogram() if self.versions is not None else None,
             memory_state=self.memory.describe() if self.memory is not None else "",
             stale_state=[StaleStateStatus(str(x.path), x.nbytes, (x.owner or {}).get("run") or "",
                                           int((x.owner or {}).get("pid") or 0),

@@ -70,6 +70,72 @@ SERVER_PROCESS_STATE_SERVING: ServerProcessState
 SERVER_PROCESS_STATE_LOST: ServerProcessState
 SERVER_PROCESS_STATE_MISSING: ServerProcessState
 
+class ReadRequest(_message.Message):
+    __slots__ = ("newer_than", "timeout_seconds", "dtype", "reader")
+    NEWER_THAN_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    READER_FIELD_NUMBER: _ClassVar[int]
+    newer_than: int
+    timeout_seconds: float
+    dtype: str
+    reader: str
+    def __init__(self, newer_than: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., dtype: _Optional[str] = ..., reader: _Optional[str] = ...) -> None: ...
+
+class TensorMeta(_message.Message):
+    __slots__ = ("key", "dtype", "shape", "nbytes")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    def __init__(self, key: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class VersionHeader(_message.Message):
+    __slots__ = ("step", "published_at", "tensors", "nbytes", "crc32", "model", "server_time")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    published_at: float
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    nbytes: int
+    crc32: int
+    model: str
+    server_time: float
+    def __init__(self, step: _Optional[int] = ..., published_at: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., nbytes: _Optional[int] = ..., crc32: _Optional[int] = ..., model: _Optional[str] = ..., server_time: _Optional[float] = ...) -> None: ...
+
+class WeightsChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: VersionHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[VersionHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class WeightReader(_message.Message):
+    __slots__ = ("name", "peer", "step", "read_at", "age_seconds", "reads")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    READ_AT_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    READS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    peer: str
+    step: int
+    read_at: float
+    age_seconds: float
+    reads: int
+    def __init__(self, name: _Optional[str] = ..., peer: _Optional[str] = ..., step: _Optional[int] = ..., read_at: _Optional[float] = ..., age_seconds: _Optional[float] = ..., reads: _Optional[int] = ...) -> None: ...
+
 class GetStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -171,7 +237,7 @@ class EmbeddingTable(_message.Message):
     def __init__(self, table: _Optional[str] = ..., server_rank: _Optional[int] = ..., rows: _Optional[int] = ..., max_rows: _Optional[int] = ..., dim: _Optional[int] = ..., bytes: _Optional[int] = ..., admissions: _Optional[int] = ..., refused: _Optional[int] = ..., evictions: _Optional[int] = ..., expirations: _Optional[int] = ..., lookups: _Optional[int] = ..., updates: _Optional[int] = ..., lookups_per_second: _Optional[float] = ..., updates_per_second: _Optional[float] = ...) -> None: ...
 
 class ServerStatus(_message.Message):
-    __slots__ = ("version", "state", "mode", "started_at", "uptime_seconds", "model", "num_params", "update_mode", "sync_trainers", "global_step", "samples_seen", "updates_per_second", "samples_per_second", "mean_loss", "shards", "last_checkpoint", "server_time", "staleness", "nonfinite_gradients", "clipped_steps", "servers", "tables", "learning_rate", "lr_schedule", "memory_state", "stale_state", "diloco")
+    __slots__ = ("version", "state", "mode", "started_at", "uptime_seconds", "model", "num_params", "update_mode", "sync_trainers", "global_step", "samples_seen", "updates_per_second", "samples_per_second", "mean_loss", "shards", "last_checkpoint", "server_time", "staleness", "nonfinite_gradients", "clipped_steps", "servers", "tables", "learning_rate", "lr_schedule", "memory_state", "stale_state", "diloco", "readers")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +265,7 @@ class ServerStatus(_message.Message):
     MEMORY_STATE_FIELD_NUMBER: _ClassVar[int]
     STALE_STATE_FIELD_NUMBER: _ClassVar[int]
     DILOCO_FIELD_NUMBER: _ClassVar[int]
+    READERS_FIELD_NUMBER: _ClassVar[int]
     version: str
     state: ServerState
     mode: Mode
@@ -226,7 +293,8 @@ class ServerStatus(_message.Message):
     memory_state: str
     stale_state: _containers.RepeatedCompositeFieldContainer[StaleState]
     diloco: str
-    def __init__(self, version: _Optional[str] = ..., state: _Optional[_Union[ServerState, str]] = ..., mode: _Optional[_Union[Mode, str]] = ..., started_at: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., model: _Optional[str] = ..., num_params: _Optional[int] = ..., update_mode: _Optional[_Union[UpdateMode, str]] = ..., sync_trainers: _Optional[int] = ..., global_step: _Optional[int] = ..., samples_seen: _Optional[int] = ..., updates_per_second: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., mean_loss: _Optional[float] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., server_time: _Optional[float] = ..., staleness: _Optional[int] = ..., nonfinite_gradients: _Optional[int] = ..., clipped_steps: _Optional[int] = ..., servers: _Optional[_Iterable[_Union[ServerProcess, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[EmbeddingTable, _Mapping]]] = ..., learning_rate: _Optional[float] = ..., lr_schedule: _Optional[str] = ..., memory_state: _Optional[str] = ..., stale_state: _Optional[_Iterable[_Union[StaleState, _Mapping]]] = ..., diloco: _Optional[str] = ...) -> None: ...
+    readers: _containers.RepeatedCompositeFieldContainer[WeightReader]
+    def __init__(self, version: _Optional[str] = ..., state: _Optional[_Union[ServerState, str]] = ..., mode: _Optional[_Union[Mode, str]] = ..., started_at: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., model: _Optional[str] = ..., num_params: _Optional[int] = ..., update_mode: _Optional[_Union[UpdateMode, str]] = ..., sync_trainers: _Optional[int] = ..., global_step: _Optional[int] = ..., samples_seen: _Optional[int] = ..., updates_per_second: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., mean_loss: _Optional[float] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., server_time: _Optional[float] = ..., staleness: _Optional[int] = ..., nonfinite_gradients: _Optional[int] = ..., clipped_steps: _Optional[int] = ..., servers: _Optional[_Iterable[_Union[ServerProcess, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[EmbeddingTable, _Mapping]]] = ..., learning_rate: _Optional[float] = ..., lr_schedule: _Optional[str] = ..., memory_state: _Optional[str] = ..., stale_state: _Optional[_Iterable[_Union[StaleState, _Mapping]]] = ..., diloco: _Optional[str] = ..., readers: _Optional[_Iterable[_Union[WeightReader, _Mapping]]] = ...) -> None: ...
 
 class StaleState(_message.Message):
     __slots__ = ("path", "bytes", "run", "pid", "started_at")

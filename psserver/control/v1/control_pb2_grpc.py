@@ -284,3 +284,102 @@ class ControlService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class WeightsServiceStub:
+    """Versions of the model's weights for readers (RL rollout workers, online
+    serving) while training runs. A reader never joins the training: it holds no
+    place in sync rounds, is never evicted, and cannot push, checkpoint or stop.
+
+    Authentication: the read token (--read-token-file or $PSSERVER_READ_TOKEN)
+    or the control token; without either configured, open as the status reads
+    are. The read token is good for this service only.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Read = channel.unary_stream(
+                '/psserver.v1.WeightsService/Read',
+                request_serializer=psserver_dot_v1_dot_control__pb2.ReadRequest.SerializeToString,
+                response_deserializer=psserver_dot_v1_dot_control__pb2.WeightsChunk.FromString,
+                _registered_method=True)
+
+
+class WeightsServiceServicer:
+    """Versions of the model's weights for readers (RL rollout workers, online
+    serving) while training runs. A reader never joins the training: it holds no
+    place in sync rounds, is never evicted, and cannot push, checkpoint or stop.
+
+    Authentication: the read token (--read-token-file or $PSSERVER_READ_TOKEN)
+    or the control token; without either configured, open as the status reads
+    are. The read token is good for this service only.
+    """
+
+    def Read(self, request, context):
+        """One whole version of the model: the parameters and buffers of one global
+        step, never a mix of two. A VersionHeader first, then the tensors' bytes in
+        `data` chunks, in the header's order. With newer_than, waits (at most
+        timeout_seconds) for a version of a later step: DEADLINE_EXCEEDED when
+        none came. FAILED_PRECONDITION while the server holds no model, or for a
+        model spread over several server processes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WeightsServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Read': grpc.unary_stream_rpc_method_handler(
+                    servicer.Read,
+                    request_deserializer=psserver_dot_v1_dot_control__pb2.ReadRequest.FromString,
+                    response_serializer=psserver_dot_v1_dot_control__pb2.WeightsChunk.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'psserver.v1.WeightsService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('psserver.v1.WeightsService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class WeightsService:
+    """Versions of the model's weights for readers (RL rollout workers, online
+    serving) while training runs. A reader never joins the training: it holds no
+    place in sync rounds, is never evicted, and cannot push, checkpoint or stop.
+
+    Authentication: the read token (--read-token-file or $PSSERVER_READ_TOKEN)
+    or the control token; without either configured, open as the status reads
+    are. The read token is good for this service only.
+    """
+
+    @staticmethod
+    def Read(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/psserver.v1.WeightsService/Read',
+            psserver_dot_v1_dot_control__pb2.ReadRequest.SerializeToString,
+            psserver_dot_v1_dot_control__pb2.WeightsChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -16,7 +16,6 @@ import errno
 import json
 import logging
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,11 +28,9 @@ from psserver.common.partition import PartitionPlan
 from psserver.errors import UsageError
 from psserver.models.layout import ModelLayout
 from psserver.server.checkpoints.content import check_state, load_error
+from psserver.utils.state_files import FORMATS, out_format, write_atomic, write_state
 
 log = logging.getLogger(__name__)
-
-FORMATS = {".safetensors": "safetensors", ".pt": "torch"}
-
 
 @dataclass
 class Exported:
@@ -59,13 +56,7 @@ def export(source: Path, out: Path) -> Exported:
     """Write the model of checkpoint ``source`` (a file, or a ``--checkpoint-dir``: its newest
     complete checkpoint) to ``out`` (``.safetensors`` or ``.pt``). ``UsageError`` of one line
     for anything that is not an exportable checkpoint or a writable ``out``."""
-    fmt = FORMATS.get(out.suffix)
-    if fmt is None:
-        raise UsageError(f"--out {out}: name a .safetensors or a .pt file")
-    if out.is_dir():
-        raise UsageError(f"--out {out} is a directory: name the file to write")
-    if not out.parent.is_dir():
-        raise UsageError(f"--out {out}: directory {out.parent} does not exist")
+    fmt = out_format(out)
     header, state = _load(source)
     if state.get("layout") is None:
         raise UsageError(f"{header.path} records no model layout (written by an older psserver): resume it with this "
@@ -89,9 +80,9 @@ def export(source: Path, out: Path) -> Exported:
     tables_path = out.with_name(out.stem + ".tables" + out.suffix) if tables else None
     meta = out.with_suffix(".json")
     try:
-        _write(out, fmt, model_state)
+        write_state(out, fmt, model_state)
         if tables_path is not None:
-            _write(tables_path, fmt, tables)
+            write_state(tables_path, fmt, tables)
     except OSError as e:
         raise UsageError(f"--out {out}: cannot write it ({e.strerror or e})") from None
     info: dict[str, Any] = {
@@ -111,7 +102,7 @@ def export(source: Path, out: Path) -> Exported:
     if note:
         info["model_note"] = note
     try:
-        _atomic(meta, lambda f: f.write(json.dumps(info, indent=2).encode() + b"\n"))
+        write_atomic(meta, lambda f: f.write(json.dumps(info, indent=2).encode() + b"\n"))
     except OSError as e:
         raise UsageError(f"{meta}: cannot write it ({e.strerror or e})") from None
     log.info("exported %s (step %d, %d tensors) to %s", state.get("model"), info["step"], len(model_state), out)
@@ -219,31 +210,6 @@ def _tables(path: Path, state: dict) -> dict[str, torch.Tensor]:
         order = torch.argsort(ids)
         out[f"{name}.ids"], out[f"{name}.rows"] = ids[order], rows[order]
     return out
-
-
-def _write(path: Path, fmt: str, tensors: dict[str, torch.Tensor]) -> None:
-    # Own, contiguous copies: safetensors refuses tensors that share memory (tied weights).
-    plain = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
-    if fmt == "safetensors":
-        from safetensors.torch import save
-
-        _atomic(path, lambda f: f.write(save(plain)))
-    else:
-        _atomic(path, lambda f: torch.save(plain, f))
-
-
-def _atomic(path: Path, write) -> None:
-    """Write through a temporary file in the same directory, then rename: never half a file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 __all__ = ["FORMATS", "Exported", "export"]

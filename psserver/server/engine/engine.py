@@ -20,6 +20,7 @@ from torch import nn
 from psserver.common.partition import PartitionModule, PartitionPlan, make_plan, plan_for_model
 from psserver.common.tensors import persistent_buffers
 from psserver.config import OptimizerConfig, ServerConfig
+from psserver.errors import NoVersion
 from psserver.models import ModelSpec, build_model, get_model_spec, split_stages
 from psserver.models.layout import ModelLayout
 from psserver.server.engine.buffers import ServerBuffers
@@ -578,6 +579,28 @@ class StepEngine:
                 buffers = self.buffers.state() if self.buffers is not None and self.plan is not None else None
                 return EngineState([s.state_dict() for s in self.shards], self.updater.global_step,
                                    self.samples_seen, tables, schedule, buffers)
+
+        return self.compute.run(copy)
+
+    def model_version(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """The global step and the model's ``state_dict`` (its own keys, parameters and buffers)
+        copied to the CPU at that step: what a reader of the weights gets (``versions``).
+        ``NoVersion`` without a model, or for one spread over several server processes."""
+        if self.layout is None:
+            raise NoVersion("the server holds no model yet (the first trainer brings it)")
+        if self.plan is not None:
+            raise NoVersion("the model is spread over several server processes, whose versions cannot be read yet")
+
+        def copy() -> tuple[int, dict[str, torch.Tensor]]:
+            with self.updater.lock:
+                state: dict[str, torch.Tensor] = {}
+                for shard, keys in zip(self.shards, self.state_keys or [{}] * len(self.shards), strict=True):
+                    with shard.lock:
+                        shard.after_updates()
+                        for key, value in shard.module.state_dict().items():
+                            state[keys.get(key, key)] = value.detach().to("cpu", copy=True)
+                step = self.updater.global_step
+            return step, self.layout.state_dict([state[e.key] for e in self.layout.entries])
 
         return self.compute.run(copy)
 

@@ -1,0 +1,107 @@
+"""``psserver.v1.WeightsService``: whole versions of the model for readers that never train.
+
+A read streams one version: its header (the step, each tensor's key, dtype and shape, the
+CRC-32 of all the bytes), then the bytes in chunks well under gRPC's 4 MiB message limit. The
+version is whatever the server's :class:`WeightsSource` gives (``psserver.server.versions``: a
+copy taken at one global step), so a reader never holds tensors of two steps; the bytes are
+encoded once per version and dtype, however many read them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import grpc
+
+from psserver.config.control import READ_DTYPES
+from psserver.control.v1 import control_pb2 as pb
+from psserver.control.v1 import control_pb2_grpc as pb_grpc
+from psserver.errors import NoVersion
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 1 << 20
+DEFAULT_TIMEOUT_S = 30.0
+MAX_TIMEOUT_S = 3600.0
+MAX_NAME = 100
+
+
+class WeightsSource(Protocol):
+    """What the service reads from (``psserver.server.versions.Versions``)."""
+
+    def read(self, newer_than: int | None, timeout: float) -> Any:
+        """The newest version (past ``newer_than``, waited for up to ``timeout`` s), or None;
+        ``NoVersion`` when none can be read."""
+
+    def read_done(self, name: str, peer: str, version: Any) -> float:
+        """A reader has all of ``version``: how old it was."""
+
+    def model_name(self) -> str:
+        """The model's name, for the header."""
+
+
+class WeightsService(pb_grpc.WeightsServiceServicer):
+    """At most ``max_reads`` reads at once (each may wait for a version): RESOURCE_EXHAUSTED
+    past them, so that readers never take the workers of the status calls."""
+
+    def __init__(self, source: WeightsSource, max_reads: int = 32) -> None:
+        self._source = source
+        self._slots = threading.BoundedSemaphore(max_reads)
+        self.max_reads = max_reads
+
+    def close(self) -> None:
+        """The server stops: waiting reads end (the source's ``close``)."""
+        close = getattr(self._source, "close", None)
+        if close is not None:
+            close()
+
+    def Read(self, request: pb.ReadRequest, context: grpc.ServicerContext) -> Iterator[pb.WeightsChunk]:
+        if not self._slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"too many reads in flight ({self.max_reads})")
+        try:
+            yield from self._read(request, context)
+        finally:
+            self._slots.release()
+
+    def _read(self, request: pb.ReadRequest, context: grpc.ServicerContext) -> Iterator[pb.WeightsChunk]:
+        timeout = request.timeout_seconds or DEFAULT_TIMEOUT_S
+        if not (math.isfinite(timeout) and 0 < timeout <= MAX_TIMEOUT_S):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"timeout_seconds must be in (0, {MAX_TIMEOUT_S:g}] (0 means {DEFAULT_TIMEOUT_S:g}), "
+                          f"got {timeout!r}")
+        if request.dtype not in READ_DTYPES:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"dtype must be one of {', '.join(d for d in READ_DTYPES if d)} (or empty: as held), "
+                          f"got {request.dtype[:40]!r}")
+        newer_than = request.newer_than if request.HasField("newer_than") else None
+        deadline = context.time_remaining()
+        if deadline is not None:
+            timeout = min(timeout, max(0.0, deadline))
+        try:
+            version = self._source.read(newer_than, timeout)
+        except NoVersion as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no version to read: {e}")
+        if version is None:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"no version past step {newer_than} within {timeout:g}s" if newer_than is not None
+                          else "the server is stopping")
+        encoded = version.encoded(request.dtype)
+        yield pb.WeightsChunk(header=pb.VersionHeader(
+            step=version.step, published_at=version.published_at, nbytes=len(encoded.data), crc32=encoded.crc32,
+            model=self._source.model_name(), server_time=time.time(),
+            tensors=[pb.TensorMeta(key=k, dtype=d, shape=list(shape), nbytes=n) for k, d, shape, n in encoded.metas]))
+        data = memoryview(encoded.data)
+        for start in range(0, len(data), CHUNK_BYTES):
+            yield pb.WeightsChunk(data=bytes(data[start:start + CHUNK_BYTES]))
+        peer = context.peer()
+        name = "".join(c for c in request.reader[:MAX_NAME] if c.isprintable()) or peer
+        self._source.read_done(name, peer, version)
+
+
+def add_to_server(service: WeightsService, server: Any) -> None:
+    pb_grpc.add_WeightsServiceServicer_to_server(service, server)

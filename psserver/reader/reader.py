@@ -1,0 +1,224 @@
+"""``Reader``: whole versions of a running psserver's model, over its control plane.
+
+Each read is one version: the parameters and buffers of one global step (the server copies
+them under its update lock), checked against the CRC-32 its header carries, so a reader never
+holds tensors of two steps or a version damaged on the way. Reads go to the control plane's
+``WeightsService`` (gRPC), not the training RPC group: a reader is never a member, never in a
+sync round, never evicted, and its token (``--read-token-file`` on the server) opens nothing else.
+
+    import psserver
+    with psserver.read("10.0.0.5:50051", token_file="read.token", dtype="bfloat16") as reader:
+        for version in reader.subscribe():      # each new version it can keep up with
+            reader.load_into(policy, version)   # in place, on the policy's device and dtype
+            rollout(policy, version.step)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+from torch import nn
+
+from psserver.config.common import read_token_file
+from psserver.config.control import READ_DTYPES, READ_TOKEN_ENV
+from psserver.control.auth import check_token
+from psserver.control.client import default_address, open_channel
+from psserver.control.v1 import control_pb2 as pb
+from psserver.control.v1 import control_pb2_grpc as pb_grpc
+from psserver.errors import ServerUnavailable, UsageError
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE = 16 << 20
+"""Largest message taken from the server (its chunks are 1 MiB; a header lists every tensor)."""
+
+
+@dataclass
+class Version:
+    """One version of the model: its global ``step`` and its ``state_dict`` (the model's own keys)."""
+
+    step: int
+    state: dict[str, torch.Tensor]
+    published_at: float
+    """When the server applied ``step`` (Unix seconds, the server's clock)."""
+    received_at: float
+    """When this reader had all of it (Unix seconds, on the server's clock as the header told it)."""
+    model: str
+
+    @property
+    def age(self) -> float:
+        """How old the version was when this reader had it (seconds): its freshness."""
+        return max(0.0, self.received_at - self.published_at)
+
+
+def resolve_read_token(token: str | None = None, token_file: Path | str | None = None) -> str | None:
+    """``token``, else the file's, else ``$PSSERVER_READ_TOKEN``, else None (a server without one)."""
+    if token is not None:
+        return check_token(token, "the reader's token")
+    if token_file is not None:
+        try:
+            return check_token(read_token_file(token_file, "--read-token-file"), f"--read-token-file {token_file}")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    return check_token(os.environ.get(READ_TOKEN_ENV) or None, f"${READ_TOKEN_ENV}")
+
+
+class Reader:
+    """A reader of one server's weights. ``dtype``: floating-point tensors cross in it
+    (``"bfloat16"`` halves the bytes; None: as the server holds them); ``device``: where the
+    versions' tensors are put; ``name``: what ``psserver status`` lists it as."""
+
+    def __init__(self, address: str | None = None, *, token: str | None = None, token_file: Path | str | None = None,
+                 tls_ca: Path | str | bytes | None = None, name: str = "", dtype: str | torch.dtype | None = None,
+                 device: str | torch.device = "cpu", timeout: float = 30.0) -> None:
+        self.address = address or default_address()
+        self.dtype = _dtype_name(dtype)
+        self.device = torch.device(device)
+        self.name = name
+        self.timeout = timeout
+        token = resolve_read_token(token, token_file)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        options = [("grpc.max_receive_message_length", MAX_MESSAGE)]
+        self._channel = open_channel(self.address, tls_ca, options)
+        self._stub = pb_grpc.WeightsServiceStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- reads --------------------------------------------------------------------------
+
+    def latest(self) -> Version:
+        """The newest version."""
+        version = self._read(None, self.timeout)
+        assert version is not None
+        return version
+
+    def wait(self, newer_than: int, timeout: float | None = None) -> Version | None:
+        """The newest version of a step past ``newer_than``, waiting up to ``timeout`` s (default:
+        the reader's) for one; None when none came."""
+        return self._read(int(newer_than), self.timeout if timeout is None else timeout)
+
+    def subscribe(self, timeout: float | None = None) -> Iterator[Version]:
+        """Each new version, the newest one each time: a reader slower than training skips the
+        versions it could not keep up with. Ends when none came for ``timeout`` s (None: never)."""
+        version = self.latest()
+        yield version
+        while True:
+            newer = self.wait(version.step, self.timeout if timeout is None else timeout)
+            if newer is None:
+                if timeout is not None:
+                    return
+                continue
+            version = newer
+            yield version
+
+    def load_into(self, model: nn.Module, version: Version | None = None, *, strict: bool = True) -> Version:
+        """Copy ``version`` (default: the newest) into ``model`` in place, each tensor cast to
+        the model's device and dtype; the version. ``strict``: the keys must be the model's own."""
+        version = self.latest() if version is None else version
+        own = model.state_dict(keep_vars=True)
+        missing = [k for k in own if k not in version.state]
+        extra = [k for k in version.state if k not in own]
+        if strict and (missing or extra):
+            what = "; ".join(x for x in (f"missing {', '.join(missing[:3])}" if missing else "",
+                                         f"unexpected {', '.join(extra[:3])}" if extra else "") if x)
+            raise UsageError(f"version {version.step} of {version.model or 'the model'} does not fit this model: "
+                             f"{what}")
+        with torch.no_grad():
+            for key, value in version.state.items():
+                target = own.get(key)
+                if target is None:
+                    continue
+                if target.shape != value.shape:
+                    raise UsageError(f"{key}: the server's is {tuple(value.shape)}, this model's {tuple(target.shape)}")
+                target.copy_(value, non_blocking=True)
+        return version
+
+    # ---- the wire -----------------------------------------------------------------------
+
+    def _read(self, newer_than: int | None, timeout: float) -> Version | None:
+        request = pb.ReadRequest(timeout_seconds=max(timeout, 1e-3), dtype=self.dtype, reader=self.name)
+        if newer_than is not None:
+            request.newer_than = newer_than
+        try:
+            chunks = self._stub.Read(request, timeout=timeout + 30.0, metadata=self._metadata)
+            return self._assemble(chunks)
+        except grpc.RpcError as e:
+            code, details = e.code(), e.details() or ""
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED and newer_than is not None:
+                return None
+            if code == grpc.StatusCode.UNAVAILABLE:
+                raise ServerUnavailable(f"cannot reach the weights of {self.address}: {details}") from None
+            raise UsageError(f"reading the weights of {self.address}: {code.name}: {details}") from None
+
+    def _assemble(self, chunks: Iterator[pb.WeightsChunk]) -> Version:
+        header: pb.VersionHeader | None = None
+        buf = bytearray()
+        offset = 0
+        for chunk in chunks:
+            if chunk.HasField("header"):
+                if header is not None:
+                    raise UsageError(f"{self.address} sent a second header in one version")
+                header = chunk.header
+                buf = bytearray(header.nbytes)
+                clock = header.server_time - time.time()  # the server's clock minus this one's
+                continue
+            if header is None:
+                raise UsageError(f"{self.address} sent weights before their header")
+            data = chunk.data
+            if offset + len(data) > len(buf):
+                raise UsageError(f"{self.address} sent more bytes than its header said ({header.nbytes})")
+            buf[offset:offset + len(data)] = data
+            offset += len(data)
+        if header is None or offset != len(buf):
+            raise UsageError(f"{self.address} ended a version half sent ({offset} of "
+                             f"{header.nbytes if header else '?'} bytes)")
+        if zlib.crc32(buf) != header.crc32:
+            raise UsageError(f"version {header.step} from {self.address} does not match its checksum")
+        received = time.time() + clock
+        return Version(header.step, self._tensors(header, buf), header.published_at, received, header.model)
+
+    def _tensors(self, header: pb.VersionHeader, buf: bytearray) -> dict[str, torch.Tensor]:
+        state: dict[str, torch.Tensor] = {}
+        at = 0
+        for meta in header.tensors:
+            dtype = getattr(torch, meta.dtype, None)
+            shape = tuple(int(d) for d in meta.shape)
+            if not isinstance(dtype, torch.dtype) or any(d < 0 for d in shape):
+                raise UsageError(f"{self.address} described {meta.key!r} as {meta.dtype} {shape}")
+            numel = 1
+            for d in shape:
+                numel *= d
+            if numel * dtype.itemsize != meta.nbytes or at + meta.nbytes > len(buf):
+                raise UsageError(f"{self.address} gave {meta.key!r} {meta.nbytes} bytes for {meta.dtype} {shape}")
+            t = torch.frombuffer(buf, dtype=dtype, count=numel, offset=at) if numel else torch.empty(0, dtype=dtype)
+            state[meta.key] = t.reshape(shape).to(self.device)
+            at += meta.nbytes
+        return state
+
+
+def _dtype_name(dtype: str | torch.dtype | None) -> str:
+    name = "" if dtype is None else str(dtype).removeprefix("torch.")
+    if name not in READ_DTYPES:
+        raise UsageError(f"dtype {dtype!r}: one of {', '.join(d for d in READ_DTYPES if d)}, or None (as held)")
+    return name
+
+
+def read(address: str | None = None, **kwargs: object) -> Reader:
+    """A :class:`Reader` of the psserver whose control plane is at ``address`` (HOST:PORT;
+    default ``$PSSERVER_CONTROL_ADDRESS``, else 127.0.0.1:50051)."""
+    return Reader(address, **kwargs)  # type: ignore[arg-type]

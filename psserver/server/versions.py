@@ -1,0 +1,184 @@
+"""Versions of the model for readers of the weights (``WeightsService``), while training runs.
+
+A version is the model's ``state_dict`` copied to the CPU under the update lock: the
+parameters and buffers of one global step, never a mix of two. It is taken when a reader asks
+for one newer than the newest copy and a step has been applied since (at most once per
+``publish_interval``), never while no reader asks: training pays one copy of the model per
+version, whatever the number of readers, and readers never hold the live state for the length
+of a transfer. Each version is encoded once per dtype asked for (the bytes and their CRC-32),
+and every reader of it is sent those bytes.
+
+Readers are kept by name for ``psserver status`` and the metrics: the step each read last and
+how old it was when the reader had all of it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from psserver.telemetry import AgeHistogram, ReaderStatus
+
+READERS_KEPT_S = 600.0
+"""A reader not seen for this long leaves ``psserver status``."""
+MAX_READERS = 1024
+"""Readers kept by name: a stranger naming itself anew on every call cannot grow the table."""
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One version's bytes in one dtype: each tensor's ``(key, dtype name, shape, nbytes)``."""
+
+    metas: list[tuple[str, str, tuple[int, ...], int]]
+    data: bytes
+    crc32: int
+
+
+@dataclass
+class Version:
+    step: int
+    published_at: float
+    """When the server applied ``step`` (Unix seconds; the copy's time when not known)."""
+    state: dict[str, torch.Tensor]
+    _encoded: dict[str, Encoded] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def encoded(self, dtype: str) -> Encoded:
+        """The bytes of every tensor in ``state``'s order, floating ones in ``dtype`` (one of
+        ``READ_DTYPES``; ``""``: as held): made once per dtype (readers of one version share them)."""
+        with self._lock:
+            done = self._encoded.get(dtype)
+            if done is None:
+                done = self._encoded[dtype] = encode(self.state, getattr(torch, dtype) if dtype else None)
+            return done
+
+
+def encode(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> Encoded:
+    metas, parts = [], []
+    for key, t in state.items():
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        t = t.contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        metas.append((key, str(t.dtype).removeprefix("torch."), tuple(t.shape), len(raw)))
+        parts.append(raw)
+    data = b"".join(parts)
+    return Encoded(metas, data, zlib.crc32(data))
+
+
+class Versions:
+    """The newest version and the readers of this server. ``copy`` takes a version: the global
+    step and the model's CPU ``state_dict`` at it, under the update lock (``NoVersion`` when
+    there is no model to read); ``applied`` the global step applied now."""
+
+    def __init__(self, copy: Callable[[], tuple[int, dict[str, torch.Tensor]]], applied: Callable[[], int],
+                 publish_interval: float = 0.1, model: Callable[[], str] = lambda: "") -> None:
+        self._copy = copy
+        self._applied = applied
+        self.publish_interval = publish_interval
+        self._model = model
+        self.ages = AgeHistogram()
+        self._cond = threading.Condition()
+        self._copying = threading.Lock()
+        self._latest: Version | None = None
+        self._copied_at = 0.0  # time.monotonic() of the newest copy
+        self._applied_at: dict[int, float] = {}  # the last few steps' wall-clock times
+        self._readers: dict[str, ReaderStatus] = {}
+        self._closed = False
+
+    def on_step(self, step: int, samples: int) -> None:  # noqa: ARG002 - an engine listener
+        """A step was applied: waiting readers may take it."""
+        with self._cond:
+            self._applied_at[step] = time.time()
+            if len(self._applied_at) > 64:
+                del self._applied_at[min(self._applied_at)]
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def read(self, newer_than: int | None, timeout: float) -> Version | None:
+        """The newest version (of a step past ``newer_than``, waiting up to ``timeout`` s for
+        one); None when none came in time or the server is stopping."""
+        deadline = time.monotonic() + timeout
+        floor = -1 if newer_than is None else newer_than
+        while True:
+            version = self._fresh()
+            if version.step > floor:
+                return version
+            with self._cond:  # wait for a step past both
+                while not self._closed and self._applied() <= max(floor, version.step):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return None
+                    self._cond.wait(left)
+                if self._closed:
+                    return None
+            wait = self._copied_at + self.publish_interval - time.monotonic()
+            if wait > 0:  # at most one copy of the model per interval, however many read
+                if time.monotonic() + wait > deadline:
+                    return None
+                time.sleep(wait)
+
+    def _fresh(self) -> Version:
+        """The newest version, copied now when a step was applied since it and the interval
+        has passed (the first one at once)."""
+        latest = self._latest
+        if latest is not None and (self._applied() <= latest.step
+                                   or time.monotonic() - self._copied_at < self.publish_interval):
+            return latest
+        with self._copying:  # one reader copies, the others take its copy
+            latest = self._latest
+            due = time.monotonic() - self._copied_at >= self.publish_interval
+            if latest is None or (due and self._applied() > latest.step):
+                step, state = self._copy()
+                with self._cond:
+                    published = self._applied_at.get(step, time.time())
+                latest = self._latest = Version(step, published, state)
+                self._copied_at = time.monotonic()
+            return latest
+
+    # ---- who reads ---------------------------------------------------------------------
+
+    def read_done(self, name: str, peer: str, version: Version) -> float:
+        """A reader has all of ``version`` now: kept for status; how old it was."""
+        now = time.time()
+        age = max(0.0, now - version.published_at)
+        with self._cond:
+            seen = self._readers.get(name)
+            if seen is None:
+                if len(self._readers) >= MAX_READERS:
+                    self._forget(now, keep=MAX_READERS - 1)
+                seen = self._readers[name] = ReaderStatus(name, peer)
+            seen.peer, seen.step, seen.read_at, seen.age_s = peer, version.step, now, age
+            seen.reads += 1
+            self.ages.observe(age)
+        return age
+
+    def model_name(self) -> str:
+        return self._model()
+
+    def age_histogram(self) -> AgeHistogram:
+        with self._cond:
+            return replace(self.ages, counts=list(self.ages.counts))
+
+    def readers(self) -> list[ReaderStatus]:
+        now = time.time()
+        with self._cond:
+            self._forget(now)
+            return sorted((replace(r) for r in self._readers.values()), key=lambda r: r.name)
+
+    def _forget(self, now: float, keep: int | None = None) -> None:
+        """(lock held) Readers not seen for ``READERS_KEPT_S``; and the longest unseen past ``keep``."""
+        for name in [n for n, r in self._readers.items() if now - r.read_at > READERS_KEPT_S]:
+            del self._readers[name]
+        if keep is not None and len(self._readers) > keep:
+            for r in sorted(self._readers.values(), key=lambda r: r.read_at)[:len(self._readers) - keep]:
+                del self._readers[r.name]

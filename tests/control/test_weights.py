@@ -1,0 +1,161 @@
+"""The weights service over real gRPC: readers get whole versions (never two steps), wait for
+newer ones, take bf16 at half the bytes, load them into a model; the read token reads the
+weights and nothing else."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from torch import nn
+
+from psserver.config.control import ControlConfig
+from psserver.control.client import ControlClient, ControlError
+from psserver.control.server import ControlServer
+from psserver.errors import NoVersion, UsageError
+from psserver.reader.reader import Reader
+from psserver.server.versions import Versions
+
+from .fakes import TOKEN, FakeTarget
+
+READ_TOKEN = "reader-only-token"
+
+
+class Trained:
+    """A linear model whose every value is its global step, stepped by a thread under one lock
+    (as the server's update lock): a read that mixes two steps cannot hide."""
+
+    def __init__(self) -> None:
+        self.model = nn.Linear(300, 200)
+        self.model.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+        self.lock = threading.Lock()
+        self.step = 0
+        self.versions = Versions(self.copy, lambda: self.step, 0.0, lambda: "linear")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def copy(self):
+        with self.lock:
+            return self.step, {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def train_one(self) -> None:
+        with self.lock, torch.no_grad():
+            self.step += 1
+            for t in self.model.state_dict().values():
+                t.fill_(self.step)
+        self.versions.on_step(self.step, 1)
+
+    def start(self) -> None:
+        def run():
+            while not self._stop.wait(0.002):
+                self.train_one()
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+@pytest.fixture
+def trained() -> Iterator[Trained]:
+    t = Trained()
+    yield t
+    t.stop()
+
+
+def serve(target: FakeTarget, trained: Trained, **config) -> ControlServer:
+    return ControlServer(target, ControlConfig(port=0, **config), grace=0.5, weights=trained.versions).start()
+
+
+def test_every_read_is_one_whole_step_and_waits_see_newer_ones(target, trained):
+    trained.start()
+    with serve(target, trained) as server, Reader(server.address, name="poller") as reader:
+        step = -1
+        for _ in range(30):
+            version = reader.wait(step, timeout=5)
+            assert version is not None and version.step > step and version.model == "linear"
+            assert all(float(t.min()) == float(t.max()) == version.step for t in version.state.values())
+            step = version.step
+        assert 0 <= version.age < 5
+        seen = trained.versions.readers()
+        assert [r.name for r in seen] == ["poller"] and seen[0].reads == 30 and seen[0].step == step
+
+
+def test_a_wait_with_no_newer_step_ends_empty_and_bf16_halves_the_bytes(target, trained):
+    trained.train_one()
+    with serve(target, trained) as server:
+        with Reader(server.address) as reader:
+            full = reader.latest()
+            assert full.step == 1 and reader.wait(1, timeout=0.3) is None
+        with Reader(server.address, dtype="bfloat16") as half:
+            v = half.latest()
+            assert {t.dtype for k, t in v.state.items() if k != "seen"} == {torch.bfloat16}
+            assert v.state["seen"].dtype == torch.int64
+            model = nn.Linear(300, 200)
+            model.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+            half.load_into(model, v)
+            assert torch.equal(model.weight, torch.ones(200, 300)) and int(model.seen) == 1
+            with pytest.raises(UsageError, match=r"^version 1 of linear does not fit this model: missing 0.weight, "
+                                                 r"0.bias; unexpected weight, bias, seen$"):
+                half.load_into(nn.Sequential(nn.Linear(300, 200)), v)
+
+
+def test_the_read_token_reads_the_weights_and_nothing_else(target, trained, token_file, tmp_path):
+    read_file = tmp_path / "read.token"
+    read_file.write_text(READ_TOKEN + "\n")
+    trained.train_one()
+    with serve(target, trained, auth_token_file=token_file, read_token_file=read_file) as server:
+        assert Reader(server.address, token=READ_TOKEN).latest().step == 1
+        assert Reader(server.address, token=TOKEN).latest().step == 1  # the control token reads too
+        with pytest.raises(UsageError, match="UNAUTHENTICATED: missing bearer token"):
+            Reader(server.address).latest()
+        with pytest.raises(UsageError, match="UNAUTHENTICATED: invalid bearer token"):
+            Reader(server.address, token="guess").latest()
+        as_reader = ControlClient(server.address, token=READ_TOKEN)
+        for call in (as_reader.get_status, as_reader.checkpoint, lambda: as_reader.shutdown("reader")):
+            with pytest.raises(ControlError) as refused:
+                call()
+            assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
+        assert not target.shutdown_requested.is_set()
+
+
+def test_without_a_control_token_the_read_token_still_cannot_checkpoint_or_stop(target, trained, tmp_path):
+    read_file = tmp_path / "read.token"
+    read_file.write_text(READ_TOKEN)
+    with serve(target, trained, read_token_file=read_file) as server:
+        as_reader = ControlClient(server.address, token=READ_TOKEN)
+        for call in (as_reader.checkpoint, lambda: as_reader.shutdown("reader")):
+            with pytest.raises(ControlError) as refused:
+                call()
+            assert refused.value.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+        assert not target.shutdown_requested.is_set() and not target.checkpoints
+
+
+def test_the_read_token_must_not_be_the_control_token(token_file):
+    with pytest.raises(ValueError, match="the read token is the control token"):
+        ControlConfig(port=0, auth_token_file=token_file, read_token_file=token_file)
+
+
+def test_no_model_and_bad_requests_are_one_line(target):
+    def no_model():
+        raise NoVersion("the server holds no model yet (the first trainer brings it)")
+
+    source = Versions(no_model, lambda: 0)
+    with ControlServer(target, ControlConfig(port=0), grace=0.5, weights=source).start() as server:
+        with pytest.raises(UsageError, match=r"FAILED_PRECONDITION: no version to read: the server holds no model yet"):
+            Reader(server.address, timeout=1).latest()
+    with pytest.raises(UsageError, match=r"^dtype 'int8': one of float32, bfloat16, float16"):
+        Reader("127.0.0.1:1", dtype="int8")
+
+
+def test_an_empty_token_file_is_one_line(tmp_path: Path):
+    (tmp_path / "t").write_text("")
+    with pytest.raises(UsageError, match="--read-token-file"):
+        Reader("127.0.0.1:1", token_file=tmp_path / "t")

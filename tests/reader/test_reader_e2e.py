@@ -1,0 +1,64 @@
+"""A reader of a real ``psserver serve`` while a real trainer trains: whole versions of
+increasing steps, loaded into the user's own model, listed in ``psserver status``, and
+``psserver pull`` writing one to a file; the read token cannot stand in for the control token."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from psserver.control.client import ControlClient
+from psserver.models import build_model
+from psserver.reader.reader import Reader
+from tests.procs import run, slow_steps
+
+pytestmark = [pytest.mark.multiprocess]
+
+LISTENING = re.compile(r"control plane listening on (\S+):(\d+)")
+READ_TOKEN, CONTROL_TOKEN = "reader-token-1", "control-token-1"
+
+
+@pytest.mark.timeout(240)
+def test_readers_follow_training_and_pull_writes_one_version(procs, port, tmp_path):
+    read_file, control_file = tmp_path / "read.token", tmp_path / "control.token"
+    read_file.write_text(READ_TOKEN)
+    control_file.write_text(CONTROL_TOKEN)
+    server = procs.server(port, "--model", "mlp", "--read-token-file", str(read_file), "--auth-token-file",
+                          str(control_file), control_port=0, log=tmp_path / "server.log")
+    address = "{}:{}".format(*server.wait_for(LISTENING.pattern, timeout=30).groups())
+    procs.trainer(port, 0, "--num-trainers", "1", "--epochs", "1000", "--max-steps", "100000",
+                  log=tmp_path / "trainer.log", env=slow_steps(0.02))
+    model = build_model("mlp")
+    with Reader(address, token_file=read_file, name="rollout-0", dtype="bfloat16") as reader:
+        steps = []
+        for version in reader.subscribe(timeout=60):
+            reader.load_into(model, version)
+            steps.append(version.step)
+            if len(steps) == 5 and steps[-1] > 0:
+                break
+        assert steps == sorted(set(steps)) and len(steps) == 5  # each newer than the last
+        assert set(version.state) == set(model.state_dict())
+        assert torch.equal(model.state_dict()[next(iter(version.state))],
+                           next(iter(version.state.values())).float())
+    with ControlClient(address, token=CONTROL_TOKEN) as client:
+        status = client.get_status()
+        assert [r.name for r in status.readers] == ["rollout-0"] and status.readers[0].step == steps[-1]
+        assert status.readers[0].reads >= 5 and status.readers[0].age_seconds >= 0
+    out = tmp_path / "policy.safetensors"
+    done = run(["--log-level", "ERROR", "pull", "--address", address, "--read-token-file", str(read_file),
+                "--out", str(out), "--newer-than", str(steps[-1])], timeout=60)
+    assert done.returncode == 0, done.stderr
+    from safetensors.torch import load_file
+
+    pulled, meta = load_file(out), json.loads(out.with_suffix(".json").read_text())
+    assert meta["step"] > steps[-1] and meta["model"] == "mlp" and set(pulled) == set(model.state_dict())
+    model.load_state_dict(pulled, strict=True)
+    refused = run(["--log-level", "ERROR", "status", "--address", address, "--auth-token-file", str(read_file)],
+                  timeout=60)
+    assert refused.returncode == 2 and "UNAUTHENTICATED" in refused.stderr
+    wrong = run(["--log-level", "ERROR", "pull", "--address", address, "--out", str(tmp_path / "x.pt")], timeout=60)
+    assert wrong.returncode == 2 and wrong.stderr.strip().count("\n") == 0
+    assert "missing bearer token" in wrong.stderr
