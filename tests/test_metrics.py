@@ -21,7 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from psserver.config import ObservabilityConfig
 from psserver.errors import UsageError
 from psserver.telemetry import (
+    AgeHistogram,
     CheckpointInfo,
+    ReaderStatus,
     ServerProcessStatus,
     ServerStatus,
     ShardStatus,
@@ -76,6 +78,8 @@ class FakeTarget:
         self.state = "SERVING"
         self.checkpoint_interval_s = 0.0
         self.checkpoint_every_steps = 0
+        self.readers: list[ReaderStatus] = []
+        self.reader_ages: AgeHistogram | None = None
 
     def get_status(self) -> ServerStatus:
         return ServerStatus(
@@ -85,6 +89,7 @@ class FakeTarget:
             shards=[ShardStatus(0, "cpu", 1234, 4936, 1 << 20)], last_checkpoint=self.last_checkpoint,
             servers=list(self.servers), tables=list(self.tables), learning_rate=self.learning_rate,
             checkpoint_interval_s=self.checkpoint_interval_s, checkpoint_every_steps=self.checkpoint_every_steps,
+            readers=list(self.readers), reader_ages=self.reader_ages,
         )
 
     def list_trainers(self) -> list[TrainerStatus]:
@@ -220,6 +225,25 @@ def test_embedding_metrics_follow_the_snapshot():
         del target.tables[1]  # gone from the snapshot: gone from the scrape
         s = scrape(ex.metrics_port)
         assert set(of(s, "psserver_embedding_rows")) == {("users", "0"), ("users", "1")}
+
+
+def test_readers_and_their_version_ages_are_exported():
+    from psserver.exporters import start_exporters
+
+    target = FakeTarget()
+    with start_exporters(target, ObservabilityConfig(metrics_port=0)) as ex:
+        assert not any(name.startswith("psserver_reader") for name, _ in scrape(ex.metrics_port))  # no weights served
+        target.reader_ages = AgeHistogram()
+        for age in (0.02, 0.3, 0.3, 4.0):
+            target.reader_ages.observe(age)
+        target.readers = [ReaderStatus("rollout-0", "ipv4:127.0.0.1:1", 7, time.time(), 0.3, 3)]
+        s = scrape(ex.metrics_port)
+        assert value(s, "psserver_readers") == 1
+        assert value(s, "psserver_reader_version_age_seconds_bucket", le="0.025") == 1
+        assert value(s, "psserver_reader_version_age_seconds_bucket", le="0.5") == 3
+        assert value(s, "psserver_reader_version_age_seconds_bucket", le="+Inf") == 4
+        assert value(s, "psserver_reader_version_age_seconds_count") == 4
+        assert value(s, "psserver_reader_version_age_seconds_sum") == pytest.approx(4.62)
 
 
 def test_waiting_state_and_checkpoint_schedule_are_exported_for_the_alerts():

@@ -161,3 +161,11 @@ def test_the_data_directory_never_defaults_to_a_path_of_the_install(monkeypatch)
     monkeypatch.setenv("PSSERVER_DATA_DIR", "/srv/mnist")
     assert DataConfig().data_dir == Path("/srv/mnist")
     assert "default $PSSERVER_DATA_DIR, else ./data" in " ".join(cli(["train", "--help"]).stdout.split())
+
+
+def test_the_read_token_must_not_be_the_join_token(tmp_path):
+    """A reader's credential that could join the RPC group as a trainer would not be read-only."""
+    token = tmp_path / "token"
+    token.write_text("one-token-for-all")
+    with pytest.raises(ValueError, match="the read token is the join token"):
+        ServerConfig(join_token_file=token, control=ControlConfig(read_token_file=token))

@@ -12,6 +12,7 @@ from psserver.control.server import ControlServer
 from psserver.telemetry import (
     CheckpointInfo,
     RateMeter,
+    ReaderStatus,
     ServerProcessStatus,
     ServerStatus,
     ShardStatus,
@@ -64,6 +65,7 @@ class FakeTarget:
         self.update_mode, self.sync_trainers, self.staleness = "sync", 2, 0
         self.servers: list[ServerProcessStatus] = []  # one process; see two_servers()
         self.tables: list[TableStatus] = []  # a dense model; see two_tables()
+        self.readers: list[ReaderStatus] = []  # readers of the weights
         self.learning_rate, self.lr_schedule = math.nan, ""  # the optimizer not known yet
         self._lock = threading.Lock()
         now = time.time()
@@ -102,6 +104,7 @@ class FakeTarget:
             shards=[ShardStatus(0, "cpu", 1000, 4000, 12016), ShardStatus(1, "cpu", 234, 936, 0)],
             last_checkpoint=self.checkpoints[-1] if self.checkpoints else None, servers=list(self.servers),
             tables=list(self.tables), learning_rate=self.learning_rate, lr_schedule=self.lr_schedule,
+            readers=list(self.readers),
         )
 
     def list_trainers(self) -> list[TrainerStatus]:

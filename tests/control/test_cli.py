@@ -6,10 +6,12 @@ import json
 import logging
 import os
 import threading
+import time
 
 import pytest
 
 from psserver.cli import main
+from psserver.telemetry import ReaderStatus
 
 from .fakes import TOKEN, serve, two_servers, two_tables
 from .test_security import UNUSABLE_IDS, UNUSABLE_TOKENS, WHY, make_certificate
@@ -65,6 +67,18 @@ def test_status_table(server, capsys):
     assert ("trainer_1_0 (rank 1) evicted: sent 3 non-finite gradients in a row (--max-nonfinite-steps 3)"
             in lines)
     assert "SERVERS" not in out  # one server process: nothing to list
+
+
+def test_status_table_of_readers(server, target, capsys):
+    target.readers = [ReaderStatus("rollout-0", "ipv4:127.0.0.1:41000", 1234, time.time() - 2, 0.25, 17)]
+    rc, out, _ = run(capsys, "status", "--address", server.address)
+    assert rc == 0
+    header = next(line for line in out.splitlines() if line.startswith("READER"))
+    row = out.splitlines()[out.splitlines().index(header) + 1].split()
+    assert header.split() == ["READER", "PEER", "STEP", "AGE", "READS", "LAST", "READ"]
+    assert row[:6] == ["rollout-0", "ipv4:127.0.0.1:41000", "1,234", "250", "ms", "17"]
+    rc, out, _ = run(capsys, "status", "--address", server.address, "--json")
+    assert rc == 0 and json.loads(out)["status"]["readers"][0]["name"] == "rollout-0"
 
 
 def test_status_table_of_several_server_processes(server, target, capsys):
