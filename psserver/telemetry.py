@@ -162,6 +162,8 @@ class ReaderStatus:
     age_s: float = 0.0
     """How old the version was then: ``read_at`` minus the time the server applied its step."""
     reads: int = 0
+    sharing: int = 1
+    """Readers on its host that read the copy it fetches (itself included)."""
 
 
 AGE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

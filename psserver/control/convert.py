@@ -177,7 +177,8 @@ def status_to_proto(status: ServerStatus, now: float | None = None) -> pb.Server
     msg.lr_schedule = status.lr_schedule
     msg.diloco = status.diloco
     msg.readers.extend(pb.WeightReader(name=r.name, peer=r.peer, step=int(r.step), read_at=float(r.read_at),
-                                       age_seconds=float(r.age_s), reads=int(r.reads)) for r in status.readers)
+                                       age_seconds=float(r.age_s), reads=int(r.reads), sharing=int(r.sharing))
+                       for r in status.readers)
     msg.memory_state = status.memory_state
     msg.stale_state.extend(pb.StaleState(path=x.path, bytes=int(x.bytes), run=x.run, pid=int(x.pid),
                                          started_at=float(x.started_at)) for x in status.stale_state)
@@ -284,7 +285,7 @@ def status_to_dict(msg: pb.ServerStatus) -> dict[str, Any]:
         "lr_schedule": msg.lr_schedule,
         "diloco": msg.diloco,
         "readers": [{"name": r.name, "peer": r.peer, "step": r.step, "read_at": r.read_at,
-                     "age_seconds": r.age_seconds, "reads": r.reads} for r in msg.readers],
+                     "age_seconds": r.age_seconds, "reads": r.reads, "sharing": r.sharing} for r in msg.readers],
         "memory_state": msg.memory_state,
         "stale_state": [{"path": x.path, "bytes": x.bytes, "run": x.run, "pid": x.pid, "started_at": x.started_at}
                         for x in msg.stale_state],

@@ -118,8 +118,10 @@ def render_status(status: pb.ServerStatus, trainers: Sequence[pb.Trainer] | None
 def render_readers(readers: Sequence[pb.WeightReader], now: float) -> str:
     """The readers of the weights: the version each holds and how fresh it was when it had it."""
     rows = [[r.name, r.peer if r.peer != r.name else "-", f"{r.step:,}", f"{r.age_seconds * 1e3:.0f} ms",
-             f"{r.reads:,}", _ago(r.read_at, now)] for r in readers]
-    return "\n".join(table(["READER", "PEER", "STEP", "AGE", "READS", "LAST READ"], rows, numeric=(2, 3, 4)))
+             f"{r.reads:,}", str(max(1, r.sharing)), _ago(r.read_at, now)] for r in readers]
+    # HOST: the readers on its host that read the one copy this reader fetches for them.
+    return "\n".join(table(["READER", "PEER", "STEP", "AGE", "READS", "HOST", "LAST READ"], rows,
+                           numeric=(2, 3, 4, 5)))
 
 
 def render_servers(servers: Sequence[pb.ServerProcess]) -> str:

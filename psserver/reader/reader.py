@@ -34,6 +34,8 @@ from psserver.control.client import default_address, open_channel
 from psserver.control.v1 import control_pb2 as pb
 from psserver.control.v1 import control_pb2_grpc as pb_grpc
 from psserver.errors import ServerUnavailable, UsageError
+from psserver.reader.host_copy import HostCopy
+from psserver.reader.raw import Raw
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +76,13 @@ def resolve_read_token(token: str | None = None, token_file: Path | str | None =
 class Reader:
     """A reader of one server's weights. ``dtype``: floating-point tensors cross in it
     (``"bfloat16"`` halves the bytes; None: as the server holds them); ``device``: where the
-    versions' tensors are put; ``name``: what ``psserver status`` lists it as."""
+    versions' tensors are put; ``name``: what ``psserver status`` lists it as; ``share``: the
+    readers of this user on this host that share read one copy, which one of them fetches
+    (``psserver.reader.host_copy``): the server sends each version to the host once."""
 
     def __init__(self, address: str | None = None, *, token: str | None = None, token_file: Path | str | None = None,
                  tls_ca: Path | str | bytes | None = None, name: str = "", dtype: str | torch.dtype | None = None,
-                 device: str | torch.device = "cpu", timeout: float = 30.0) -> None:
+                 device: str | torch.device = "cpu", timeout: float = 30.0, share: bool = False) -> None:
         self.address = address or default_address()
         self.dtype = _dtype_name(dtype)
         self.device = torch.device(device)
@@ -89,8 +93,14 @@ class Reader:
         options = [("grpc.max_receive_message_length", MAX_MESSAGE)]
         self._channel = open_channel(self.address, tls_ca, options)
         self._stub = pb_grpc.WeightsServiceStub(self._channel)
+        self._host: HostCopy | None = None
+        if share:
+            self._host = HostCopy(self.address, self.dtype, self._fetch)
 
     def close(self) -> None:
+        if self._host is not None:
+            self._host.close()
+            self._host = None
         self._channel.close()
 
     def __enter__(self) -> Reader:
@@ -151,7 +161,14 @@ class Reader:
     # ---- the wire -----------------------------------------------------------------------
 
     def _read(self, newer_than: int | None, timeout: float) -> Version | None:
-        request = pb.ReadRequest(timeout_seconds=max(timeout, 1e-3), dtype=self.dtype, reader=self.name)
+        raw = self._fetch(newer_than, timeout) if self._host is None else self._host.read(newer_than, timeout)
+        return None if raw is None else self._version(raw)
+
+    def _fetch(self, newer_than: int | None, timeout: float) -> Raw | None:
+        """A version from the server (None: none past ``newer_than`` within ``timeout`` s)."""
+        sharing = self._host.sharing() if self._host is not None else 1
+        request = pb.ReadRequest(timeout_seconds=max(timeout, 1e-3), dtype=self.dtype, reader=self.name,
+                                 sharing=sharing)
         if newer_than is not None:
             request.newer_than = newer_than
         try:
@@ -165,7 +182,7 @@ class Reader:
                 raise ServerUnavailable(f"cannot reach the weights of {self.address}: {details}") from None
             raise UsageError(f"reading the weights of {self.address}: {code.name}: {details}") from None
 
-    def _assemble(self, chunks: Iterator[pb.WeightsChunk]) -> Version:
+    def _assemble(self, chunks: Iterator[pb.WeightsChunk]) -> Raw:
         header: pb.VersionHeader | None = None
         buf = bytearray()
         offset = 0
@@ -189,26 +206,27 @@ class Reader:
                              f"{header.nbytes if header else '?'} bytes)")
         if zlib.crc32(buf) != header.crc32:
             raise UsageError(f"version {header.step} from {self.address} does not match its checksum")
-        received = time.time() + clock
-        return Version(header.step, self._tensors(header, buf), header.published_at, received, header.model)
+        metas = [(m.key, m.dtype, tuple(int(d) for d in m.shape), int(m.nbytes)) for m in header.tensors]
+        return Raw(header.step, header.published_at, header.model, header.crc32, metas, buf, clock)
 
-    def _tensors(self, header: pb.VersionHeader, buf: bytearray) -> dict[str, torch.Tensor]:
+    def _version(self, raw: Raw) -> Version:
+        """The tensors of ``raw``, checked against what its header says of them, on ``device``."""
         state: dict[str, torch.Tensor] = {}
         at = 0
-        for meta in header.tensors:
-            dtype = getattr(torch, meta.dtype, None)
-            shape = tuple(int(d) for d in meta.shape)
+        for key, name, shape, nbytes in raw.metas:
+            dtype = getattr(torch, name, None)
             if not isinstance(dtype, torch.dtype) or any(d < 0 for d in shape):
-                raise UsageError(f"{self.address} described {meta.key!r} as {meta.dtype} {shape}")
+                raise UsageError(f"{self.address} described {key!r} as {name} {shape}")
             numel = 1
             for d in shape:
                 numel *= d
-            if numel * dtype.itemsize != meta.nbytes or at + meta.nbytes > len(buf):
-                raise UsageError(f"{self.address} gave {meta.key!r} {meta.nbytes} bytes for {meta.dtype} {shape}")
-            t = torch.frombuffer(buf, dtype=dtype, count=numel, offset=at) if numel else torch.empty(0, dtype=dtype)
-            state[meta.key] = t.reshape(shape).to(self.device)
-            at += meta.nbytes
-        return state
+            if numel * dtype.itemsize != nbytes or at + nbytes > len(raw.data):
+                raise UsageError(f"{self.address} gave {key!r} {nbytes} bytes for {name} {shape}")
+            t = torch.frombuffer(raw.data, dtype=dtype, count=numel, offset=at) if numel else \
+                torch.empty(0, dtype=dtype)
+            state[key] = t.reshape(shape).to(self.device)
+            at += nbytes
+        return Version(raw.step, state, raw.published_at, time.time() + raw.clock, raw.model)
 
 
 def _dtype_name(dtype: str | torch.dtype | None) -> str:

@@ -147,8 +147,9 @@ class Versions:
 
     # ---- who reads ---------------------------------------------------------------------
 
-    def read_done(self, name: str, peer: str, version: Version) -> float:
-        """A reader has all of ``version`` now: kept for status; how old it was."""
+    def read_done(self, name: str, peer: str, version: Version, sharing: int = 1) -> float:
+        """A reader has all of ``version`` now (for ``sharing`` readers of its host): kept for
+        status; how old it was."""
         now = time.time()
         age = max(0.0, now - version.published_at)
         with self._cond:
@@ -157,7 +158,7 @@ class Versions:
                 if len(self._readers) >= MAX_READERS:
                     self._forget(now, keep=MAX_READERS - 1)
                 seen = self._readers[name] = ReaderStatus(name, peer)
-            seen.peer, seen.step, seen.read_at, seen.age_s = peer, version.step, now, age
+            seen.peer, seen.step, seen.read_at, seen.age_s, seen.sharing = peer, version.step, now, age, sharing
             seen.reads += 1
             self.ages.observe(age)
         return age

@@ -75,8 +75,8 @@ def test_status_table_of_readers(server, target, capsys):
     assert rc == 0
     header = next(line for line in out.splitlines() if line.startswith("READER"))
     row = out.splitlines()[out.splitlines().index(header) + 1].split()
-    assert header.split() == ["READER", "PEER", "STEP", "AGE", "READS", "LAST", "READ"]
-    assert row[:6] == ["rollout-0", "ipv4:127.0.0.1:41000", "1,234", "250", "ms", "17"]
+    assert header.split() == ["READER", "PEER", "STEP", "AGE", "READS", "HOST", "LAST", "READ"]
+    assert row[:7] == ["rollout-0", "ipv4:127.0.0.1:41000", "1,234", "250", "ms", "17", "1"]
     rc, out, _ = run(capsys, "status", "--address", server.address, "--json")
     assert rc == 0 and json.loads(out)["status"]["readers"][0]["name"] == "rollout-0"
 

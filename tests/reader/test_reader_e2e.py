@@ -13,7 +13,7 @@ import torch
 from psserver.control.client import ControlClient
 from psserver.models import build_model
 from psserver.reader.reader import Reader
-from tests.procs import run, slow_steps
+from tests.procs import run, slow_steps, wait_until
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -56,6 +56,19 @@ def test_readers_follow_training_and_pull_writes_one_version(procs, port, tmp_pa
     pulled, meta = load_file(out), json.loads(out.with_suffix(".json").read_text())
     assert meta["step"] > steps[-1] and meta["model"] == "mlp" and set(pulled) == set(model.state_dict())
     model.load_state_dict(pulled, strict=True)
+    sharing = [Reader(address, token_file=read_file, name="host-copy", share=True) for _ in range(3)]
+    try:
+        firsts = [r.latest() for r in sharing]
+        newer = [r.wait(max(v.step for v in firsts), timeout=30) for r in sharing]
+        assert all(v is not None and v.step > max(f.step for f in firsts) for v in newer)
+        with ControlClient(address, token=CONTROL_TOKEN) as client:
+            def host():  # the fetcher tells the server at its next fetch how many it fetches for
+                return [r for r in client.get_status().readers if r.name == "host-copy"]
+
+            wait_until(lambda: [r.sharing for r in host()] == [3], 30, "one reader fetching for the three")
+    finally:
+        for r in sharing:
+            r.close()
     refused = run(["--log-level", "ERROR", "status", "--address", address, "--auth-token-file", str(read_file)],
                   timeout=60)
     assert refused.returncode == 2 and "UNAUTHENTICATED" in refused.stderr

@@ -71,16 +71,18 @@ SERVER_PROCESS_STATE_LOST: ServerProcessState
 SERVER_PROCESS_STATE_MISSING: ServerProcessState
 
 class ReadRequest(_message.Message):
-    __slots__ = ("newer_than", "timeout_seconds", "dtype", "reader")
+    __slots__ = ("newer_than", "timeout_seconds", "dtype", "reader", "sharing")
     NEWER_THAN_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     READER_FIELD_NUMBER: _ClassVar[int]
+    SHARING_FIELD_NUMBER: _ClassVar[int]
     newer_than: int
     timeout_seconds: float
     dtype: str
     reader: str
-    def __init__(self, newer_than: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., dtype: _Optional[str] = ..., reader: _Optional[str] = ...) -> None: ...
+    sharing: int
+    def __init__(self, newer_than: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., dtype: _Optional[str] = ..., reader: _Optional[str] = ..., sharing: _Optional[int] = ...) -> None: ...
 
 class TensorMeta(_message.Message):
     __slots__ = ("key", "dtype", "shape", "nbytes")
@@ -121,20 +123,22 @@ class WeightsChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[VersionHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class WeightReader(_message.Message):
-    __slots__ = ("name", "peer", "step", "read_at", "age_seconds", "reads")
+    __slots__ = ("name", "peer", "step", "read_at", "age_seconds", "reads", "sharing")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     READ_AT_FIELD_NUMBER: _ClassVar[int]
     AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     READS_FIELD_NUMBER: _ClassVar[int]
+    SHARING_FIELD_NUMBER: _ClassVar[int]
     name: str
     peer: str
     step: int
     read_at: float
     age_seconds: float
     reads: int
-    def __init__(self, name: _Optional[str] = ..., peer: _Optional[str] = ..., step: _Optional[int] = ..., read_at: _Optional[float] = ..., age_seconds: _Optional[float] = ..., reads: _Optional[int] = ...) -> None: ...
+    sharing: int
+    def __init__(self, name: _Optional[str] = ..., peer: _Optional[str] = ..., step: _Optional[int] = ..., read_at: _Optional[float] = ..., age_seconds: _Optional[float] = ..., reads: _Optional[int] = ..., sharing: _Optional[int] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,258 @@
+"""One copy of the newest version per host, shared by the readers of one server on that host.
+
+Readers made with ``share=True`` keep a private directory of their user in shared memory
+(``/dev/shm/psserver-readers-<uid>/<server and dtype>/``, 0700): each one's thread waits for
+the directory's lock, and the one holding it fetches every new version from the server and
+writes it as a file of its own (``v-<step>``: written under a temporary name, then renamed, so
+a file is whole or absent, never half of one version and half of another). Every reader reads
+the newest file; a file being replaced stays readable by whoever opened it. The server sends
+each version to the host once, whatever the number of readers on it. When the fetcher's
+process ends or dies, the kernel drops its lock and another reader's thread takes over.
+
+Nothing in the directory is trusted unless this user owns it and nobody else can write it
+(``psserver.utils.private_paths``): another local user cannot feed a reader weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import secrets
+import stat
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from psserver.errors import ServerUnavailable, UsageError
+from psserver.reader.raw import Raw
+from psserver.utils.private_paths import DIR_FLAGS, not_private, unsafe_parent
+
+log = logging.getLogger(__name__)
+
+KEPT = 2
+"""Versions kept in the directory: the newest and the one before, which a reader may be reading."""
+POLL_S = 0.002
+"""How often a waiting reader looks for a newer file (a directory listing in memory: microseconds)."""
+LOCK_RETRY_S = 0.2
+FETCH_WAIT_S = 1.0
+"""How long one fetch waits for a newer version before the fetcher asks again (and notices a close)."""
+PREFIX = "v-"
+_LENGTH = struct.Struct("<Q")
+
+
+def root() -> Path:
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return base / f"psserver-readers-{os.geteuid()}"
+
+
+def _private_dir(path: Path) -> int:
+    """A descriptor of ``path``, made 0700 when missing; ``UsageError`` unless it is this user's alone."""
+    for directory in (path.parent, path):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory, 0o700)
+        why = unsafe_parent(directory)
+        if why is not None:
+            raise UsageError(f"readers' shared copy: {directory} is not safe: {why}")
+    try:
+        fd = os.open(path, DIR_FLAGS)
+    except OSError as e:
+        raise UsageError(f"readers' shared copy: cannot open {path} ({e.strerror or e})") from None
+    why = not_private(os.fstat(fd), unreadable=True)
+    if why is not None:
+        os.close(fd)
+        raise UsageError(f"readers' shared copy: {path} {why}: remove it")
+    return fd
+
+
+class HostCopy:
+    """The shared copy of one server's versions in one dtype; ``fetch(newer_than, timeout)``
+    gets one from the server (None: none came)."""
+
+    def __init__(self, address: str, dtype: str, fetch: Callable[[int | None, float], Raw | None]) -> None:
+        key = hashlib.sha256(f"{address}|{dtype}".encode()).hexdigest()[:20]
+        self.path = root() / key
+        self._fetch = fetch
+        self._me = f"reader-{os.getpid()}-{secrets.token_hex(4)}"
+        for attempt in range(3):
+            self._dir = _private_dir(self.path)
+            try:  # the last reader of the host may have removed the directory meanwhile
+                os.close(os.open(self._me, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o600, dir_fd=self._dir))
+                break
+            except FileNotFoundError:
+                os.close(self._dir)
+                if attempt == 2:
+                    raise UsageError(f"readers' shared copy: {self.path} keeps vanishing") from None
+        self._closed = threading.Event()
+        self.fetching = False
+        """Whether this process's thread holds the lock: it fetches for the host."""
+        self._thread = threading.Thread(target=self._serve, name="psserver-host-copy", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop; the last reader of the host removes the copy (under the lock: no fetcher writes)."""
+        self._closed.set()
+        self._thread.join(timeout=FETCH_WAIT_S + 35.0)
+        with contextlib.suppress(OSError):
+            os.unlink(self._me, dir_fd=self._dir)
+        try:
+            if not any(n.startswith("reader-") and _alive(_pid(n.split("-")[1])) for n in os.listdir(self._dir)):
+                self._remove_if_unused()
+        finally:
+            os.close(self._dir)
+
+    def _remove_if_unused(self) -> None:
+        lock = os.open("lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600, dir_fd=self._dir)
+        try:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return  # a reader came and fetches: the copy is its
+            if any(n.startswith("reader-") for n in os.listdir(self._dir)):
+                return
+            for name in os.listdir(self._dir):
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=self._dir)
+            with contextlib.suppress(OSError):
+                os.rmdir(self.path)
+            with contextlib.suppress(OSError):
+                os.rmdir(self.path.parent)  # the user's root, when no other server's copy is in it
+        finally:
+            os.close(lock)
+
+    # ---- the fetcher ----------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        lock = os.open("lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600, dir_fd=self._dir)
+        try:
+            while not self._closed.is_set():
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    self._closed.wait(LOCK_RETRY_S)
+                    continue
+                self.fetching = True
+                log.info("this reader fetches the versions for the readers of this host (%s)", self.path)
+                self._fetch_while_open()
+        finally:
+            os.close(lock)  # the lock goes with it: another reader takes over
+
+    def _fetch_while_open(self) -> None:
+        failures = 0
+        while not self._closed.is_set():
+            try:
+                raw = self._fetch(self.newest_step(), FETCH_WAIT_S)
+            except (ServerUnavailable, UsageError) as e:
+                failures += 1
+                if failures in (1, 10) or failures % 100 == 0:
+                    log.warning("fetching a version for the readers of this host failed (%s); trying again", e)
+                self._closed.wait(min(1.0, 0.1 * failures))
+                continue
+            failures = 0
+            if raw is not None:
+                self._publish(raw)
+
+    def _publish(self, raw: Raw) -> None:
+        header = json.dumps({"step": raw.step, "published_at": raw.published_at, "model": raw.model,
+                             "crc32": raw.crc32, "clock": raw.clock, "metas": raw.metas}).encode()
+        tmp = f".{PREFIX}{raw.step}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600, dir_fd=self._dir)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(_LENGTH.pack(len(header)))
+                f.write(header)
+                f.write(raw.data)
+            os.rename(tmp, f"{PREFIX}{raw.step:020d}", src_dir_fd=self._dir, dst_dir_fd=self._dir)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=self._dir)
+            raise
+        for old in self._versions()[:-KEPT]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(old, dir_fd=self._dir)
+        for name in os.listdir(self._dir):  # what a fetcher that died mid-write left
+            if name.endswith(".tmp") and not _alive(_pid(name.split(".")[-2])):
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=self._dir)
+
+    # ---- every reader ---------------------------------------------------------------------
+
+    def _versions(self) -> list[str]:
+        return sorted(n for n in os.listdir(self._dir) if n.startswith(PREFIX))
+
+    def newest_step(self) -> int | None:
+        names = self._versions()
+        return int(names[-1][len(PREFIX):]) if names else None
+
+    def sharing(self) -> int:
+        """The readers on this host that share the copy (their processes alive)."""
+        alive = 0
+        for name in os.listdir(self._dir):
+            if not name.startswith("reader-"):
+                continue
+            if _alive(_pid(name.split("-")[1])):
+                alive += 1
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=self._dir)
+        return max(alive, 1)
+
+    def read(self, newer_than: int | None, timeout: float) -> Raw | None:
+        """The newest version in the copy (past ``newer_than``, waiting up to ``timeout`` s)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            names = self._versions()
+            if names and (newer_than is None or int(names[-1][len(PREFIX):]) > newer_than):
+                raw = self._load(names[-1])
+                if raw is not None:
+                    return raw
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(POLL_S)
+
+    def _load(self, name: str) -> Raw | None:
+        """The version in file ``name`` (None: replaced and gone before it was opened)."""
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise UsageError(f"readers' shared copy: {self.path / name} is a symbolic link") from None
+            raise
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            why = "is not a regular file" if not stat.S_ISREG(st.st_mode) else not_private(st)
+            if why is not None:
+                raise UsageError(f"readers' shared copy: {self.path / name} {why}")
+            (length,) = _LENGTH.unpack(f.read(_LENGTH.size))
+            header = json.loads(f.read(length))
+            data = bytearray(st.st_size - _LENGTH.size - length)
+            f.readinto(data)
+        metas = [(k, d, tuple(shape), int(n)) for k, d, shape, n in header["metas"]]
+        return Raw(int(header["step"]), float(header["published_at"]), header["model"], int(header["crc32"]),
+                   metas, data, float(header["clock"]))
+
+
+def _pid(text: str) -> int:
+    """The process id a name carries (0, never alive, for one that carries none)."""
+    return int(text) if text.isdigit() else 0
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive, never ours to remove
+        return True
+    return True

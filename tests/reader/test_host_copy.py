@@ -1,0 +1,110 @@
+"""Readers of one host share one copy: one of them fetches each version from the server, the
+others read it from shared memory; when the fetcher goes, another takes over; a file another
+user could have written is never read."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from psserver.errors import UsageError
+from psserver.reader import host_copy
+from psserver.reader.host_copy import HostCopy
+from psserver.reader.raw import Raw
+
+
+class Server:
+    """Versions as the server would send them: step n's every value is n; fetches counted."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.fetches = 0
+        self.changed = threading.Condition()
+
+    def train(self) -> None:
+        with self.changed:
+            self.step += 1
+            self.changed.notify_all()
+
+    def fetch(self, newer_than: int | None, timeout: float) -> Raw | None:
+        with self.changed:
+            if not self.changed.wait_for(lambda: newer_than is None or self.step > newer_than, timeout):
+                return None
+            step = self.step
+            self.fetches += 1
+        data = bytearray(torch.full((6,), float(step)).numpy().tobytes())
+        return Raw(step, time.time(), "toy", 0, [("w", "float32", (2, 3), 24)], data, 0.0)
+
+
+@pytest.fixture(autouse=True)
+def private_root(tmp_path, monkeypatch):
+    monkeypatch.setattr(host_copy, "root", lambda: tmp_path / "readers")
+
+
+def values(raw: Raw) -> set[float]:
+    return set(torch.frombuffer(raw.data, dtype=torch.float32).tolist())
+
+
+def test_one_reader_fetches_for_all_and_each_version_once():
+    server = Server()
+    copies = [HostCopy("10.0.0.5:50051", "bfloat16", server.fetch) for _ in range(4)]
+    try:
+        server.train()
+        seen = [c.read(0, 5.0) for c in copies]
+        assert [r.step for r in seen] == [1] * 4 and all(values(r) == {1.0} for r in seen)
+        for step in (2, 3):
+            server.train()
+            got = [c.read(step - 1, 5.0) for c in copies]
+            assert [r.step for r in got] == [step] * 4
+        assert sum(c.fetching for c in copies) == 1
+        assert server.fetches <= 4  # steps 0 to 3: once per version at most, not once per reader
+        assert copies[0].sharing() == 4
+        assert len([n for n in os.listdir(copies[0].path) if n.startswith("v-")]) <= host_copy.KEPT
+    finally:
+        for c in copies:
+            c.close()
+    assert not copies[0].path.exists()  # the last reader removes the host's copy
+
+
+def test_when_the_fetcher_goes_another_reader_takes_over():
+    server = Server()
+    a, b = HostCopy("h:1", "", server.fetch), HostCopy("h:1", "", server.fetch)
+    fetcher = None
+    try:
+        server.train()
+        assert b.read(0, 5.0).step == 1
+        fetcher, other = (a, b) if a.fetching else (b, a)
+        fetcher.close()
+        server.train()
+        assert other.read(1, 5.0).step == 2 and other.fetching
+    finally:
+        for c in (a, b):
+            if c is not fetcher:
+                c.close()
+
+
+def test_a_version_file_others_could_write_is_refused(tmp_path):
+    server = Server()
+    copy = HostCopy("h:2", "", server.fetch)
+    try:
+        server.train()
+        assert copy.read(0, 5.0).step == 1
+        newest = sorted(n for n in os.listdir(copy.path) if n.startswith("v-"))[-1]
+        os.chmod(copy.path / newest, 0o666)
+        with pytest.raises(UsageError, match="is writable by its group or others"):
+            copy.read(None, 1.0)
+    finally:
+        copy.close()
+
+
+def test_a_shared_directory_of_another_mode_is_refused(tmp_path):
+    (tmp_path / "readers").mkdir(mode=0o700)
+    key_dir = tmp_path / "readers" / "x"
+    key_dir.mkdir(mode=0o755)
+    os.chmod(key_dir, 0o777)
+    with pytest.raises(UsageError, match="readers' shared copy"):
+        host_copy._private_dir(key_dir)
