@@ -146,6 +146,9 @@ class StatusCollector(Collector):
         if s.reader_ages is None:
             return
         yield _gauge("readers", "Readers of the weights seen in the last 10 minutes", len(s.readers))
+        yield _counter("versions_copied", "Versions of the model copied for readers (one copy under the update "
+                       "lock each, however many read it)", s.versions_copied)
+        yield _counter("weights_sent_bytes", "Bytes of versions sent to readers", s.weights_bytes_sent)
         ages = s.reader_ages
         age = HistogramMetricFamily(f"{PREFIX}_reader_version_age_seconds",
                                     "How old each version a reader read was when it had all of it: the read's end "

@@ -240,6 +240,10 @@ class ServerStatus:
     """Readers of the weights seen in the last 10 minutes."""
     reader_ages: AgeHistogram | None = None
     """Every read's version age since the server started (None: not a server that serves reads)."""
+    versions_copied: int = 0
+    """Versions of the model copied for readers (one copy under the update lock each)."""
+    weights_bytes_sent: int = 0
+    """Bytes of versions sent to readers."""
 
     @property
     def uptime_s(self) -> float:

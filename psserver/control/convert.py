@@ -176,6 +176,8 @@ def status_to_proto(status: ServerStatus, now: float | None = None) -> pb.Server
         msg.learning_rate = float(status.learning_rate)
     msg.lr_schedule = status.lr_schedule
     msg.diloco = status.diloco
+    msg.versions_copied = int(status.versions_copied)
+    msg.weights_bytes_sent = int(status.weights_bytes_sent)
     msg.readers.extend(pb.WeightReader(name=r.name, peer=r.peer, step=int(r.step), read_at=float(r.read_at),
                                        age_seconds=float(r.age_s), reads=int(r.reads), sharing=int(r.sharing))
                        for r in status.readers)
@@ -284,6 +286,8 @@ def status_to_dict(msg: pb.ServerStatus) -> dict[str, Any]:
         "learning_rate": msg.learning_rate if msg.HasField("learning_rate") else None,
         "lr_schedule": msg.lr_schedule,
         "diloco": msg.diloco,
+        "versions_copied": msg.versions_copied,
+        "weights_bytes_sent": msg.weights_bytes_sent,
         "readers": [{"name": r.name, "peer": r.peer, "step": r.step, "read_at": r.read_at,
                      "age_seconds": r.age_seconds, "reads": r.reads, "sharing": r.sharing} for r in msg.readers],
         "memory_state": msg.memory_state,

@@ -38,8 +38,9 @@ class WeightsSource(Protocol):
         """The newest version (past ``newer_than``, waited for up to ``timeout`` s), or None;
         ``NoVersion`` when none can be read."""
 
-    def read_done(self, name: str, peer: str, version: Any, sharing: int = 1) -> float:
-        """A reader has all of ``version`` (for ``sharing`` readers of its host): how old it was."""
+    def read_done(self, name: str, peer: str, version: Any, sharing: int = 1, nbytes: int = 0) -> float:
+        """A reader has all of ``version`` (``nbytes`` sent, for ``sharing`` readers of its host):
+        how old it was."""
 
     def model_name(self) -> str:
         """The model's name, for the header."""
@@ -100,7 +101,7 @@ class WeightsService(pb_grpc.WeightsServiceServicer):
             yield pb.WeightsChunk(data=bytes(data[start:start + CHUNK_BYTES]))
         peer = context.peer()
         name = "".join(c for c in request.reader[:MAX_NAME] if c.isprintable()) or peer
-        self._source.read_done(name, peer, version, max(1, min(request.sharing, 1 << 20)))
+        self._source.read_done(name, peer, version, max(1, min(request.sharing, 1 << 20)), len(encoded.data))
 
 
 def add_to_server(service: WeightsService, server: Any) -> None:

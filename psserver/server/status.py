@@ -167,6 +167,8 @@ class ServerView:
             diloco=self._diloco(),
             readers=self.versions.readers() if self.versions is not None else [],
             reader_ages=self.versions.age_histogram() if self.versions is not None else None,
+            versions_copied=self.versions.copies if self.versions is not None else 0,
+            weights_bytes_sent=self.versions.bytes_sent if self.versions is not None else 0,
             memory_state=self.memory.describe() if self.memory is not None else "",
             stale_state=[StaleStateStatus(str(x.path), x.nbytes, (x.owner or {}).get("run") or "",
                                           int((x.owner or {}).get("pid") or 0),

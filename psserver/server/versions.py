@@ -83,6 +83,10 @@ class Versions:
         self.publish_interval = publish_interval
         self._model = model
         self.ages = AgeHistogram()
+        self.copies = 0
+        """Versions copied (each one copy of the model under the update lock)."""
+        self.bytes_sent = 0
+        """Bytes of versions sent to readers."""
         self._cond = threading.Condition()
         self._copying = threading.Lock()
         self._latest: Version | None = None
@@ -143,13 +147,14 @@ class Versions:
                     published = self._applied_at.get(step, time.time())
                 latest = self._latest = Version(step, published, state)
                 self._copied_at = time.monotonic()
+                self.copies += 1
             return latest
 
     # ---- who reads ---------------------------------------------------------------------
 
-    def read_done(self, name: str, peer: str, version: Version, sharing: int = 1) -> float:
-        """A reader has all of ``version`` now (for ``sharing`` readers of its host): kept for
-        status; how old it was."""
+    def read_done(self, name: str, peer: str, version: Version, sharing: int = 1, nbytes: int = 0) -> float:
+        """A reader has all of ``version`` now (``nbytes`` sent, for ``sharing`` readers of its
+        host): kept for status; how old it was."""
         now = time.time()
         age = max(0.0, now - version.published_at)
         with self._cond:
@@ -161,6 +166,7 @@ class Versions:
             seen.peer, seen.step, seen.read_at, seen.age_s, seen.sharing = peer, version.step, now, age, sharing
             seen.reads += 1
             self.ages.observe(age)
+            self.bytes_sent += nbytes
         return age
 
     def model_name(self) -> str:

@@ -70,6 +70,11 @@ def trained() -> Iterator[Trained]:
     t.stop()
 
 
+def latest(server: ControlServer, **options):
+    with Reader(server.address, timeout=5, **options) as reader:
+        return reader.latest()
+
+
 def serve(target: FakeTarget, trained: Trained, **config) -> ControlServer:
     return ControlServer(target, ControlConfig(port=0, **config), grace=0.5, weights=trained.versions).start()
 
@@ -112,17 +117,17 @@ def test_the_read_token_reads_the_weights_and_nothing_else(target, trained, toke
     read_file.write_text(READ_TOKEN + "\n")
     trained.train_one()
     with serve(target, trained, auth_token_file=token_file, read_token_file=read_file) as server:
-        assert Reader(server.address, token=READ_TOKEN).latest().step == 1
-        assert Reader(server.address, token=TOKEN).latest().step == 1  # the control token reads too
+        assert latest(server, token=READ_TOKEN).step == 1
+        assert latest(server, token=TOKEN).step == 1  # the control token reads too
         with pytest.raises(UsageError, match="UNAUTHENTICATED: missing bearer token"):
-            Reader(server.address).latest()
+            latest(server)
         with pytest.raises(UsageError, match="UNAUTHENTICATED: invalid bearer token"):
-            Reader(server.address, token="guess").latest()
-        as_reader = ControlClient(server.address, token=READ_TOKEN)
-        for call in (as_reader.get_status, as_reader.checkpoint, lambda: as_reader.shutdown("reader")):
-            with pytest.raises(ControlError) as refused:
-                call()
-            assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
+            latest(server, token="guess")
+        with ControlClient(server.address, token=READ_TOKEN) as as_reader:
+            for call in (as_reader.get_status, as_reader.checkpoint, lambda: as_reader.shutdown("reader")):
+                with pytest.raises(ControlError) as refused:
+                    call()
+                assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
         assert not target.shutdown_requested.is_set()
 
 
@@ -130,11 +135,11 @@ def test_without_a_control_token_the_read_token_still_cannot_checkpoint_or_stop(
     read_file = tmp_path / "read.token"
     read_file.write_text(READ_TOKEN)
     with serve(target, trained, read_token_file=read_file) as server:
-        as_reader = ControlClient(server.address, token=READ_TOKEN)
-        for call in (as_reader.checkpoint, lambda: as_reader.shutdown("reader")):
-            with pytest.raises(ControlError) as refused:
-                call()
-            assert refused.value.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+        with ControlClient(server.address, token=READ_TOKEN) as as_reader:
+            for call in (as_reader.checkpoint, lambda: as_reader.shutdown("reader")):
+                with pytest.raises(ControlError) as refused:
+                    call()
+                assert refused.value.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
         assert not target.shutdown_requested.is_set() and not target.checkpoints
 
 
@@ -150,7 +155,7 @@ def test_no_model_and_bad_requests_are_one_line(target):
     source = Versions(no_model, lambda: 0)
     with ControlServer(target, ControlConfig(port=0), grace=0.5, weights=source).start() as server:
         with pytest.raises(UsageError, match=r"FAILED_PRECONDITION: no version to read: the server holds no model yet"):
-            Reader(server.address, timeout=1).latest()
+            latest(server)
     with pytest.raises(UsageError, match=r"^dtype 'int8': one of float32, bfloat16, float16"):
         Reader("127.0.0.1:1", dtype="int8")
 

@@ -241,7 +241,7 @@ class EmbeddingTable(_message.Message):
     def __init__(self, table: _Optional[str] = ..., server_rank: _Optional[int] = ..., rows: _Optional[int] = ..., max_rows: _Optional[int] = ..., dim: _Optional[int] = ..., bytes: _Optional[int] = ..., admissions: _Optional[int] = ..., refused: _Optional[int] = ..., evictions: _Optional[int] = ..., expirations: _Optional[int] = ..., lookups: _Optional[int] = ..., updates: _Optional[int] = ..., lookups_per_second: _Optional[float] = ..., updates_per_second: _Optional[float] = ...) -> None: ...
 
 class ServerStatus(_message.Message):
-    __slots__ = ("version", "state", "mode", "started_at", "uptime_seconds", "model", "num_params", "update_mode", "sync_trainers", "global_step", "samples_seen", "updates_per_second", "samples_per_second", "mean_loss", "shards", "last_checkpoint", "server_time", "staleness", "nonfinite_gradients", "clipped_steps", "servers", "tables", "learning_rate", "lr_schedule", "memory_state", "stale_state", "diloco", "readers")
+    __slots__ = ("version", "state", "mode", "started_at", "uptime_seconds", "model", "num_params", "update_mode", "sync_trainers", "global_step", "samples_seen", "updates_per_second", "samples_per_second", "mean_loss", "shards", "last_checkpoint", "server_time", "staleness", "nonfinite_gradients", "clipped_steps", "servers", "tables", "learning_rate", "lr_schedule", "memory_state", "stale_state", "diloco", "readers", "versions_copied", "weights_bytes_sent")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +270,8 @@ class ServerStatus(_message.Message):
     STALE_STATE_FIELD_NUMBER: _ClassVar[int]
     DILOCO_FIELD_NUMBER: _ClassVar[int]
     READERS_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_COPIED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     version: str
     state: ServerState
     mode: Mode
@@ -298,7 +300,9 @@ class ServerStatus(_message.Message):
     stale_state: _containers.RepeatedCompositeFieldContainer[StaleState]
     diloco: str
     readers: _containers.RepeatedCompositeFieldContainer[WeightReader]
-    def __init__(self, version: _Optional[str] = ..., state: _Optional[_Union[ServerState, str]] = ..., mode: _Optional[_Union[Mode, str]] = ..., started_at: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., model: _Optional[str] = ..., num_params: _Optional[int] = ..., update_mode: _Optional[_Union[UpdateMode, str]] = ..., sync_trainers: _Optional[int] = ..., global_step: _Optional[int] = ..., samples_seen: _Optional[int] = ..., updates_per_second: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., mean_loss: _Optional[float] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., server_time: _Optional[float] = ..., staleness: _Optional[int] = ..., nonfinite_gradients: _Optional[int] = ..., clipped_steps: _Optional[int] = ..., servers: _Optional[_Iterable[_Union[ServerProcess, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[EmbeddingTable, _Mapping]]] = ..., learning_rate: _Optional[float] = ..., lr_schedule: _Optional[str] = ..., memory_state: _Optional[str] = ..., stale_state: _Optional[_Iterable[_Union[StaleState, _Mapping]]] = ..., diloco: _Optional[str] = ..., readers: _Optional[_Iterable[_Union[WeightReader, _Mapping]]] = ...) -> None: ...
+    versions_copied: int
+    weights_bytes_sent: int
+    def __init__(self, version: _Optional[str] = ..., state: _Optional[_Union[ServerState, str]] = ..., mode: _Optional[_Union[Mode, str]] = ..., started_at: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., model: _Optional[str] = ..., num_params: _Optional[int] = ..., update_mode: _Optional[_Union[UpdateMode, str]] = ..., sync_trainers: _Optional[int] = ..., global_step: _Optional[int] = ..., samples_seen: _Optional[int] = ..., updates_per_second: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., mean_loss: _Optional[float] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., server_time: _Optional[float] = ..., staleness: _Optional[int] = ..., nonfinite_gradients: _Optional[int] = ..., clipped_steps: _Optional[int] = ..., servers: _Optional[_Iterable[_Union[ServerProcess, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[EmbeddingTable, _Mapping]]] = ..., learning_rate: _Optional[float] = ..., lr_schedule: _Optional[str] = ..., memory_state: _Optional[str] = ..., stale_state: _Optional[_Iterable[_Union[StaleState, _Mapping]]] = ..., diloco: _Optional[str] = ..., readers: _Optional[_Iterable[_Union[WeightReader, _Mapping]]] = ..., versions_copied: _Optional[int] = ..., weights_bytes_sent: _Optional[int] = ...) -> None: ...
 
 class StaleState(_message.Message):
     __slots__ = ("path", "bytes", "run", "pid", "started_at")
