@@ -18,6 +18,7 @@ STUDIES = {
     "state_copy": ("benchmarks.studies.state_copy", "what a host copy of the state per update would cost"),
     "restart": ("benchmarks.studies.restart", "a server SIGKILLed under --supervise: time back to serving"),
     "model_join": ("benchmarks.studies.model_join", "the first join to a server started without --model"),
+    "readers": ("benchmarks.studies.readers", "readers of the weights while training: freshness, cost to training"),
     "allowlist_cost": ("benchmarks.studies.allowlist_cost", "what the RPC allow-list check costs per call"),
     "omp_teams": ("benchmarks.studies.omp_teams", "one OpenMP team against several in one process"),
     "server_half": ("benchmarks.studies.server_half", "the server's half of a step, in process"),

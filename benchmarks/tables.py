@@ -19,14 +19,14 @@ from benchmarks.harness.report import paired_markdown
 
 
 def _renderers() -> dict[str, Callable[[dict], str]]:
-    from benchmarks.studies import data_loading, diloco, model_join, restart, servers_scaling, state_copy
+    from benchmarks.studies import data_loading, diloco, model_join, readers, restart, servers_scaling, state_copy
     from benchmarks.studies.embedding import report as embedding
     from benchmarks.studies.throughput import report as throughput
 
     return {"throughput": throughput.markdown, "paired": paired_markdown, "data_loading": data_loading.markdown,
             "servers_scaling": servers_scaling.markdown, "embedding_tables": embedding.markdown,
             "restart": restart.markdown, "model_join": model_join.markdown, "state_copy": state_copy.markdown,
-            "diloco": diloco.markdown}
+            "diloco": diloco.markdown, "readers": readers.markdown}
 
 
 BY_NAME = (("paired-*.json", "paired"), ("bench-*.json", "throughput"), ("latest.json", "throughput"),

@@ -47,7 +47,7 @@ class ControlConfig:
     """File holding the readers' token: it reads versions of the weights and nothing else (no
     push, join, checkpoint or stop); else ``$PSSERVER_READ_TOKEN``."""
     publish_interval: float = option(
-        0.1, help="readers of the weights: at most one copy of the model per this many seconds, however many "
+        0.25, help="readers of the weights: at most one copy of the model per this many seconds, however many "
                   "read (default {default})")
     """The least time between two versions for readers: each is one copy of the model under the
     update lock, taken only when a reader asks for a newer one."""

@@ -21,6 +21,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import mmap
 import os
 import secrets
 import stat
@@ -40,12 +41,55 @@ log = logging.getLogger(__name__)
 KEPT = 2
 """Versions kept in the directory: the newest and the one before, which a reader may be reading."""
 POLL_S = 0.002
-"""How often a waiting reader looks for a newer file (a directory listing in memory: microseconds)."""
+"""How often a waiting reader looks whether the directory changed (one ``fstat``: a microsecond)."""
 LOCK_RETRY_S = 0.2
 FETCH_WAIT_S = 1.0
 """How long one fetch waits for a newer version before the fetcher asks again (and notices a close)."""
 PREFIX = "v-"
 _LENGTH = struct.Struct("<Q")
+
+
+class DirectoryWatch:
+    """Wakes a waiting reader when a file is renamed into the directory (Linux inotify, through
+    libc): no reader spins while no version comes. Where inotify cannot be had, ``wait`` sleeps
+    ``POLL_S`` and the caller looks again."""
+
+    IN_MOVED_TO = 0x00000080
+    IN_NONBLOCK, IN_CLOEXEC = 0o4000, 0o2000000
+
+    def __init__(self, path: Path) -> None:
+        self.fd: int | None = None
+        try:
+            import ctypes
+            import ctypes.util
+
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            fd = libc.inotify_init1(self.IN_NONBLOCK | self.IN_CLOEXEC)
+            if fd < 0:
+                return
+            if libc.inotify_add_watch(fd, os.fsencode(path), self.IN_MOVED_TO) < 0:
+                os.close(fd)
+                return
+            self.fd = fd
+        except (OSError, AttributeError):
+            self.fd = None
+
+    def wait(self, timeout: float) -> None:
+        """Until a file is renamed into the directory, at most ``timeout`` s."""
+        if self.fd is None:
+            time.sleep(min(timeout, POLL_S))
+            return
+        import select
+
+        ready, _, _ = select.select([self.fd], [], [], max(0.0, timeout))
+        if ready:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self.fd, 65536)  # the events: only their arrival matters
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def root() -> Path:
@@ -90,6 +134,7 @@ class HostCopy:
                 os.close(self._dir)
                 if attempt == 2:
                     raise UsageError(f"readers' shared copy: {self.path} keeps vanishing") from None
+        self._watch = DirectoryWatch(self.path)
         self._closed = threading.Event()
         self.fetching = False
         """Whether this process's thread holds the lock: it fetches for the host."""
@@ -100,6 +145,7 @@ class HostCopy:
         """Stop; the last reader of the host removes the copy (under the lock: no fetcher writes)."""
         self._closed.set()
         self._thread.join(timeout=FETCH_WAIT_S + 35.0)
+        self._watch.close()
         with contextlib.suppress(OSError):
             os.unlink(self._me, dir_fd=self._dir)
         try:
@@ -208,14 +254,16 @@ class HostCopy:
         """The newest version in the copy (past ``newer_than``, waiting up to ``timeout`` s)."""
         deadline = time.monotonic() + timeout
         while True:
-            names = self._versions()
+            names = self._versions()  # after the watch was armed: no rename falls between
             if names and (newer_than is None or int(names[-1][len(PREFIX):]) > newer_than):
                 raw = self._load(names[-1])
                 if raw is not None:
                     return raw
-            if time.monotonic() >= deadline:
+                continue  # replaced while it was opened: the newer one is there
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return None
-            time.sleep(POLL_S)
+            self._watch.wait(min(left, 1.0))
 
     def _load(self, name: str) -> Raw | None:
         """The version in file ``name`` (None: replaced and gone before it was opened)."""
@@ -227,15 +275,19 @@ class HostCopy:
             if e.errno == errno.ELOOP:
                 raise UsageError(f"readers' shared copy: {self.path / name} is a symbolic link") from None
             raise
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
+        try:
+            st = os.fstat(fd)
             why = "is not a regular file" if not stat.S_ISREG(st.st_mode) else not_private(st)
             if why is not None:
                 raise UsageError(f"readers' shared copy: {self.path / name} {why}")
-            (length,) = _LENGTH.unpack(f.read(_LENGTH.size))
-            header = json.loads(f.read(length))
-            data = bytearray(st.st_size - _LENGTH.size - length)
-            f.readinto(data)
+            # Mapped, not read: the file is never written again (a new version is a new file),
+            # so the version's tensors are views of the one copy in memory.
+            mapped = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ | mmap.PROT_WRITE, flags=mmap.MAP_PRIVATE)
+        finally:
+            os.close(fd)
+        (length,) = _LENGTH.unpack_from(mapped, 0)
+        header = json.loads(mapped[_LENGTH.size:_LENGTH.size + length])
+        data = memoryview(mapped)[_LENGTH.size + length:]
         metas = [(k, d, tuple(shape), int(n)) for k, d, shape, n in header["metas"]]
         return Raw(int(header["step"]), float(header["published_at"]), header["model"], int(header["crc32"]),
                    metas, data, float(header["clock"]))

@@ -15,6 +15,7 @@ class Raw:
     crc32: int
     metas: list[tuple[str, str, tuple[int, ...], int]]
     """Each tensor's key, dtype name, shape and bytes, in the order of ``data``."""
-    data: bytearray
+    data: bytearray | memoryview
+    """Writable: the version's tensors are views of it (a private mapping of the host's copy)."""
     clock: float
     """The server's clock minus the receiver's, when the header came."""

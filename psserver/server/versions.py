@@ -77,7 +77,7 @@ class Versions:
     there is no model to read); ``applied`` the global step applied now."""
 
     def __init__(self, copy: Callable[[], tuple[int, dict[str, torch.Tensor]]], applied: Callable[[], int],
-                 publish_interval: float = 0.1, model: Callable[[], str] = lambda: "") -> None:
+                 publish_interval: float = 0.25, model: Callable[[], str] = lambda: "") -> None:
         self._copy = copy
         self._applied = applied
         self.publish_interval = publish_interval

@@ -1,0 +1,204 @@
+"""Readers of the weights while training runs: how fresh their versions are, and what reading
+costs training and the server.
+
+    python -m benchmarks readers --model mnist_cnn --readers 8 --rounds 4
+    python -m benchmarks readers --model resnet18 --readers 8 --share --rounds 4
+    python -m benchmarks readers --model mnist_cnn --readers 64 --share --rounds 2 --window 30
+
+One ``psserver serve --model M`` and two trainers (synthetic data) train throughout. Each round
+has two windows of ``--window`` seconds, seconds apart, in an order that alternates round by
+round: training alone, and training while ``--readers`` reader processes (``psserver.read``,
+each in a process of its own) read every new version as fast as they can. The readers start
+before their window (importing torch takes seconds of CPU each) and read only inside it.
+
+Measured: training throughput (the server's samples over each window, from its status) with
+readers over alone, round by round; the age of every version a reader had whole (from the
+step's application on the server to the end of the read: the freshness), its p50/p99; bytes the
+server sent per version copied (the status's counters), in copies of the model; with
+``--share``, the readers of this host share one copy (one fetches each version, the others read
+it from shared memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.harness import measure
+from benchmarks.harness.report import md_table, write_result
+
+RESULTS = measure.RESULTS / "readers"
+STARTUP_PER_READER_S = 1.5
+"""Time a reader process is given to import torch and connect before its window, per reader
+(they start together and share the cores)."""
+
+_READER = r"""
+import json, sys, time
+import psserver
+address, name, dtype, share, start, end = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1", \
+    float(sys.argv[5]), float(sys.argv[6])
+ages, steps = [], []
+with psserver.read(address, name=name, dtype=dtype or None, share=share, timeout=10) as reader:
+    version = reader.latest()
+    time.sleep(max(0.0, start - time.time()))
+    while time.time() < end:
+        newer = reader.wait(version.step, timeout=max(0.05, end - time.time()))
+        if newer is None:
+            break
+        version = newer
+        if time.time() <= end:
+            ages.append(version.age)
+            steps.append(version.step)
+print(json.dumps({"ages": ages, "steps": steps}), flush=True)
+"""
+
+
+def _status(address: str) -> dict:
+    from psserver.control.client import ControlClient
+
+    with ControlClient(address, timeout=10) as client:
+        s = client.get_status()
+    return {"samples": s.samples_seen, "step": s.global_step, "copies": s.versions_copied,
+            "bytes": s.weights_bytes_sent, "time": time.time(), "params": s.num_params}
+
+
+def _readers_window(children: measure.Children, address: str, n: int, window: float, dtype: str,
+                    share: bool, round_no: int) -> tuple[dict, dict, list[dict]]:
+    """``n`` readers read through one window: the status at its ends and each reader's report."""
+    start = time.time() + 10.0 + STARTUP_PER_READER_S * n
+    end = start + window
+    procs = [children.start([sys.executable, "-c", _READER, address, f"reader-{i}", dtype, "1" if share else "0",
+                             str(start), str(end)], f"reader-r{round_no}-{i}") for i in range(n)]
+    time.sleep(max(0.0, start - time.time()))
+    before = _status(address)
+    time.sleep(max(0.0, end - time.time()))
+    after = _status(address)
+    reports = []
+    for p in procs:
+        code = p.wait(60 + window)
+        if code != 0:
+            raise RuntimeError(f"{p.name} exited {code}:\n{p.tail()}")
+        reports.append(json.loads(p.output().strip().splitlines()[-1]))
+        p.stop()
+    return before, after, reports
+
+
+def _alone_window(address: str, window: float) -> tuple[dict, dict]:
+    before = _status(address)
+    time.sleep(window)
+    return before, _status(address)
+
+
+def _rate(before: dict, after: dict) -> float:
+    return (after["samples"] - before["samples"]) / (after["time"] - before["time"])
+
+
+def run(args: argparse.Namespace, log_dir: Path) -> dict:
+    children = measure.Children(log_dir)
+    port, control = measure.free_port(), measure.free_port()
+    address = f"127.0.0.1:{control}"
+    try:
+        server = children.start(measure.psserver_argv("serve", "--port", str(port), "--control-port", str(control),
+                                                      "--model", args.model, "--publish-interval",
+                                                      str(args.publish_interval)), "server")
+        server.wait_for(r"serving \S+ on", timeout=180)
+        for rank in range(2):
+            children.start(measure.psserver_argv(
+                "train", "--server", f"127.0.0.1:{port}", "--rank", str(rank), "--num-trainers", "2", "--epochs",
+                "1000000", "--max-steps", "100000000", "--batch-size", str(args.batch_size), "--dataset", "synthetic",
+                "--no-progress"), f"trainer-{rank}")
+        deadline = time.monotonic() + 180
+        while _status(address)["step"] < 20:  # past the first steps' warm-up
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"training did not start:\n{server.tail()}")
+            time.sleep(1.0)
+        rounds = []
+        for r in range(args.rounds):
+            got: dict = {}
+            for kind in (("alone", "readers") if r % 2 == 0 else ("readers", "alone")):
+                if kind == "alone":
+                    before, after = _alone_window(address, args.window)
+                    got["alone"] = {"samples_per_s": _rate(before, after)}
+                else:
+                    before, after, reports = _readers_window(children, address, args.readers, args.window,
+                                                             args.dtype, args.share, r)
+                    copies = after["copies"] - before["copies"]
+                    got["readers"] = {
+                        "samples_per_s": _rate(before, after), "versions_copied": copies,
+                        "bytes_sent": after["bytes"] - before["bytes"],
+                        "ages": [a for rep in reports for a in rep["ages"]],
+                        "reads": [len(rep["ages"]) for rep in reports],
+                    }
+            got["ratio"] = got["readers"]["samples_per_s"] / got["alone"]["samples_per_s"]
+            rounds.append(got)
+            ages = got["readers"]["ages"]
+            print(f"round {r + 1}: training with {args.readers} readers {got['ratio']:.3f}x alone; version age p99 "
+                  f"{measure.percentile(ages, 0.99) or float('nan'):.3f}s over {len(ages)} reads", flush=True)
+        model_bytes = _status(address)["params"] * (2 if args.dtype in ("bfloat16", "float16") else 4)
+    finally:
+        children.stop_all()
+    ages = [a for r in rounds for a in r["readers"]["ages"]]
+    copies = sum(r["readers"]["versions_copied"] for r in rounds)
+    sent = sum(r["readers"]["bytes_sent"] for r in rounds)
+    load = os.getloadavg()
+    return {
+        "model": args.model, "readers": args.readers, "share": args.share, "dtype": args.dtype or "float32",
+        "publish_interval_s": args.publish_interval,
+        "rounds": args.rounds, "window_s": args.window, "batch_size": args.batch_size, "cores": os.cpu_count(),
+        "load_average": list(load),
+        "throughput_ratio": statistics.median(r["ratio"] for r in rounds),
+        "throughput_ratios": [r["ratio"] for r in rounds],
+        "age_p50_s": measure.percentile(ages, 0.5), "age_p99_s": measure.percentile(ages, 0.99),
+        "reads": len(ages), "versions_copied": copies,
+        "copies_sent_per_version": sent / copies / model_bytes if copies and model_bytes else None,
+        "model_bytes": model_bytes, "rounds_raw": [{**r, "readers": {**r["readers"], "ages": None}} for r in rounds],
+        "command": "python -m benchmarks readers " + " ".join(args.argv),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks readers", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="mnist_cnn")
+    p.add_argument("--readers", type=int, default=8)
+    p.add_argument("--share", action="store_true", help="the readers of this host share one copy")
+    p.add_argument("--dtype", default="", choices=["", "float32", "bfloat16", "float16"])
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--window", type=float, default=20.0, help="seconds of each window")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--publish-interval", type=float, default=0.25, help="the server's --publish-interval")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.readers < 1 or args.rounds < 1 or args.window <= 0:
+        p.error("--readers and --rounds must be at least 1, --window positive")
+    with tempfile.TemporaryDirectory(prefix="psserver-readers-bench-") as logs:
+        result = run(args, Path(logs))
+    stem = args.out / f"{args.model}-{args.readers}{'-shared' if args.share else ''}"
+    sys.stdout.write(write_result(stem, result, "readers", markdown))
+    return 0
+
+
+def markdown(result: dict) -> str:
+    """The readers' table of one run, from its JSON."""
+    copies = result["copies_sent_per_version"]
+    rows = [[result["model"], str(result["readers"]), "yes" if result["share"] else "no", result["dtype"],
+             f"{result['throughput_ratio']:.3f}", " ".join(f"{x:.3f}" for x in result["throughput_ratios"]),
+             f"{result['age_p50_s']:.3f}", f"{result['age_p99_s']:.3f}", str(result["reads"]),
+             "-" if copies is None else f"{copies:.2f}"]]
+    return "\n".join([
+        f"# Readers of the weights while 2 trainers train ({result['rounds']} paired rounds of "
+        f"{result['window_s']:g} s, {result['cores']} cores, load {result['load_average'][0]:.1f})", "",
+        md_table(["model", "readers", "shared copy", "dtype", "training with readers / alone (median)",
+                  "per round", "version age p50 (s)", "p99 (s)", "reads", "model copies sent per version"], rows),
+        "", f"Command: `{result.get('command') or 'python -m benchmarks readers'}`"]) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
