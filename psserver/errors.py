@@ -61,8 +61,13 @@ class DeviceMapFailed(Exception):
 
 
 class NoVersion(Exception):
-    """No version of the model's weights can be read: no model yet, or one spread over several
-    server processes (the weights service says so to the reader)."""
+    """No version of the model's weights can be read: no model yet (``later``: one may come, a
+    reader waiting for a version waits for it), or one spread over several server processes
+    (the weights service says so to the reader)."""
+
+    def __init__(self, message: str, later: bool = False) -> None:
+        super().__init__(message)
+        self.later = later
 
 
 def first_line(e: BaseException, limit: int = 200) -> str:

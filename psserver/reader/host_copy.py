@@ -194,7 +194,8 @@ class HostCopy:
         failures = 0
         while not self._closed.is_set():
             try:
-                raw = self._fetch(self.newest_step(), FETCH_WAIT_S)
+                newest = self.newest_step()
+                raw = self._fetch(-1 if newest is None else newest, FETCH_WAIT_S)  # -1: waits for a model too
             except (ServerUnavailable, UsageError) as e:
                 failures += 1
                 if failures in (1, 10) or failures % 100 == 0:

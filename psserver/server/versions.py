@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from psserver.errors import NoVersion
 from psserver.telemetry import AgeHistogram, ReaderStatus
 
 READERS_KEPT_S = 600.0
@@ -114,7 +115,16 @@ class Versions:
         deadline = time.monotonic() + timeout
         floor = -1 if newer_than is None else newer_than
         while True:
-            version = self._fresh()
+            try:
+                version = self._fresh()
+            except NoVersion as e:  # no model yet: a reader that waits, waits for it too
+                if newer_than is None or not e.later:
+                    raise
+                with self._cond:
+                    self._cond.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+                if time.monotonic() >= deadline or self._closed:
+                    return None
+                continue
             if version.step > floor:
                 return version
             with self._cond:  # wait for a step past both

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import sys
@@ -82,3 +83,32 @@ def test_a_recommendation_model_with_tables_on_the_server_from_its_own_loop(proc
         assert t.wait(300) == 0, t.tail()
         m = re.search(rf"^rank {r} auc (\d\.\d+)$", t.output(), re.M)
         assert m and float(m.group(1)) >= 0.75, t.tail()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_rollout_workers_act_with_fresh_versions_while_two_trainers_train(procs, port, tmp_path):
+    """Four readers (one host's shared copy) each act with a version every 10 global steps, never
+    an older one than they had, and see the reward the trainers' policy earns rise."""
+    token = tmp_path / "read.token"
+    token.write_text("rollout-read-token")
+    server = procs.server(port, "--read-token-file", str(token), control_port=0)
+    control = "{}:{}".format(*server.wait_for(r"control plane listening on (\S+):(\d+)", timeout=30).groups())
+    script = [sys.executable, str(EXAMPLES / "rl_rollouts.py")]
+    workers = [procs.start(["rollout", "--control", control, "--read-token-file", str(token), "--worker", str(w),
+                            "--every", "10", "--idle", "10"], f"rollout-{w}", prefix=script) for w in range(4)]
+    for w in workers:  # connected and waiting before any training: they see the policy from its first steps
+        w.wait_for(r"waiting for the first version", timeout=120)
+    trainers = [procs.start(["trainer", "--server", f"127.0.0.1:{port}", "--rank", str(r), "--num-trainers", "2",
+                             "--steps", "60"], f"trainer-{r}", prefix=script) for r in range(2)]
+    for t in trainers:
+        assert t.wait(180) == 0, t.tail()
+    for w, proc in enumerate(workers):
+        assert proc.wait(60) == 0, proc.tail()
+        acted = [(int(s), float(r)) for s, r in re.findall(rf"^worker {w} acted with version (\d+): reward (\S+)$",
+                                                            proc.output(), re.M)]
+        steps = [s for s, _ in acted]
+        assert len(acted) >= 3 and all(b - a >= 10 for a, b in itertools.pairwise(steps)), acted
+        assert acted[-1][1] >= 0.8 and acted[-1][1] > acted[0][1], acted
+        assert "Traceback" not in proc.output()

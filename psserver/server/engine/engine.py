@@ -587,7 +587,7 @@ class StepEngine:
         copied to the CPU at that step: what a reader of the weights gets (``versions``).
         ``NoVersion`` without a model, or for one spread over several server processes."""
         if self.layout is None:
-            raise NoVersion("the server holds no model yet (the first trainer brings it)")
+            raise NoVersion("the server holds no model yet (the first trainer brings it)", later=True)
         if self.plan is not None:
             raise NoVersion("the model is spread over several server processes, whose versions cannot be read yet")
 
