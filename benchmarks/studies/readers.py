@@ -59,6 +59,29 @@ print(json.dumps({"ages": ages, "steps": steps}), flush=True)
 """
 
 
+_ROWS = r"""
+import json, sys, time
+import psserver
+from psserver.data.clicks import ClickLogSpec, make_click_log
+address, name, batch, start, end = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5])
+ids = make_click_log(ClickLogSpec(), 20_000, sample_seed=99).tensors[0]
+latencies = []
+with psserver.read(address, name=name, timeout=10) as reader:
+    reader.rows("c0", ids[:batch, 0])
+    time.sleep(max(0.0, start - time.time()))
+    n = 0
+    while time.time() < end:
+        request = ids[(n * batch) % (len(ids) - batch):][:batch]
+        t0 = time.perf_counter()
+        reader.rows("c%d" % (n % 4), request[:, n % 4])
+        latencies.append(time.perf_counter() - t0)
+        n += 1
+print(json.dumps({"ages": latencies, "steps": []}), flush=True)
+"""
+"""A serving reader (``--rows``): lookups of ``batch`` ids of one table after another, as fast as
+it can; its latencies go where a version reader's ages go."""
+
+
 def _status(address: str) -> dict:
     from psserver.control.client import ControlClient
 
@@ -69,12 +92,17 @@ def _status(address: str) -> dict:
 
 
 def _readers_window(children: measure.Children, address: str, n: int, window: float, dtype: str,
-                    share: bool, round_no: int) -> tuple[dict, dict, list[dict]]:
-    """``n`` readers read through one window: the status at its ends and each reader's report."""
+                    share: bool, round_no: int, rows: int = 0) -> tuple[dict, dict, list[dict]]:
+    """``n`` readers read through one window (``rows``: serving readers, looking up that many
+    ids a request): the status at its ends and each reader's report."""
     start = time.time() + 10.0 + STARTUP_PER_READER_S * n
     end = start + window
-    procs = [children.start([sys.executable, "-c", _READER, address, f"reader-{i}", dtype, "1" if share else "0",
-                             str(start), str(end)], f"reader-r{round_no}-{i}") for i in range(n)]
+    if rows:
+        procs = [children.start([sys.executable, "-c", _ROWS, address, f"serving-{i}", str(rows), str(start), str(end)],
+                                f"serving-r{round_no}-{i}") for i in range(n)]
+    else:
+        procs = [children.start([sys.executable, "-c", _READER, address, f"reader-{i}", dtype, "1" if share else "0",
+                                 str(start), str(end)], f"reader-r{round_no}-{i}") for i in range(n)]
     time.sleep(max(0.0, start - time.time()))
     before = _status(address)
     time.sleep(max(0.0, end - time.time()))
@@ -111,7 +139,8 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict:
         for rank in range(2):
             children.start(measure.psserver_argv(
                 "train", "--server", f"127.0.0.1:{port}", "--rank", str(rank), "--num-trainers", "2", "--epochs",
-                "1000000", "--max-steps", "100000000", "--batch-size", str(args.batch_size), "--dataset", "synthetic",
+                "1000000", "--max-steps", "100000000", "--batch-size", str(args.batch_size), "--dataset",
+                "synthetic_clicks" if args.rows else "synthetic",
                 "--no-progress"), f"trainer-{rank}")
         deadline = time.monotonic() + 180
         while _status(address)["step"] < 20:  # past the first steps' warm-up
@@ -127,7 +156,7 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict:
                     got["alone"] = {"samples_per_s": _rate(before, after)}
                 else:
                     before, after, reports = _readers_window(children, address, args.readers, args.window,
-                                                             args.dtype, args.share, r)
+                                                             args.dtype, args.share, r, args.rows)
                     copies = after["copies"] - before["copies"]
                     got["readers"] = {
                         "samples_per_s": _rate(before, after), "versions_copied": copies,
@@ -138,7 +167,8 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict:
             got["ratio"] = got["readers"]["samples_per_s"] / got["alone"]["samples_per_s"]
             rounds.append(got)
             ages = got["readers"]["ages"]
-            print(f"round {r + 1}: training with {args.readers} readers {got['ratio']:.3f}x alone; version age p99 "
+            print(f"round {r + 1}: training with {args.readers} readers {got['ratio']:.3f}x alone; "
+                  f"{'lookup latency' if args.rows else 'version age'} p99 "
                   f"{measure.percentile(ages, 0.99) or float('nan'):.3f}s over {len(ages)} reads", flush=True)
         model_bytes = _status(address)["params"] * (2 if args.dtype in ("bfloat16", "float16") else 4)
     finally:
@@ -149,7 +179,9 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict:
     load = os.getloadavg()
     return {
         "model": args.model, "readers": args.readers, "share": args.share, "dtype": args.dtype or "float32",
-        "publish_interval_s": args.publish_interval,
+        "publish_interval_s": args.publish_interval, "rows": args.rows,
+        "lookups_per_s": (sum(len(r["readers"]["ages"]) for r in rounds) / (args.window * args.rounds)
+                          if args.rows else None),
         "rounds": args.rounds, "window_s": args.window, "batch_size": args.batch_size, "cores": os.cpu_count(),
         "load_average": list(load),
         "throughput_ratio": statistics.median(r["ratio"] for r in rounds),
@@ -173,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=float, default=20.0, help="seconds of each window")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--publish-interval", type=float, default=0.25, help="the server's --publish-interval")
+    p.add_argument("--rows", type=int, default=0, metavar="IDS",
+                   help="serving readers instead: row lookups of IDS ids of one table each (a model with tables)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -180,13 +214,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--readers and --rounds must be at least 1, --window positive")
     with tempfile.TemporaryDirectory(prefix="psserver-readers-bench-") as logs:
         result = run(args, Path(logs))
-    stem = args.out / f"{args.model}-{args.readers}{'-shared' if args.share else ''}"
+    stem = args.out / f"{args.model}-{args.readers}{'-shared' if args.share else ''}{'-rows' if args.rows else ''}"
     sys.stdout.write(write_result(stem, result, "readers", markdown))
     return 0
 
 
 def markdown(result: dict) -> str:
     """The readers' table of one run, from its JSON."""
+    if result.get("rows"):
+        return _rows_markdown(result)
     copies = result["copies_sent_per_version"]
     rows = [[result["model"], str(result["readers"]), "yes" if result["share"] else "no", result["dtype"],
              f"{result['throughput_ratio']:.3f}", " ".join(f"{x:.3f}" for x in result["throughput_ratios"]),
@@ -197,6 +233,18 @@ def markdown(result: dict) -> str:
         f"{result['window_s']:g} s, {result['cores']} cores, load {result['load_average'][0]:.1f})", "",
         md_table(["model", "readers", "shared copy", "dtype", "training with readers / alone (median)",
                   "per round", "version age p50 (s)", "p99 (s)", "reads", "model copies sent per version"], rows),
+        "", f"Command: `{result.get('command') or 'python -m benchmarks readers'}`"]) + "\n"
+
+
+def _rows_markdown(result: dict) -> str:
+    rows = [[result["model"], str(result["readers"]), str(result["rows"]), f"{result['throughput_ratio']:.3f}",
+             " ".join(f"{x:.3f}" for x in result["throughput_ratios"]), f"{result['age_p50_s'] * 1e3:.2f}",
+             f"{result['age_p99_s'] * 1e3:.2f}", f"{result['lookups_per_s']:.0f}"]]
+    return "\n".join([
+        f"# Row lookups of serving readers while 2 trainers train ({result['rounds']} paired rounds of "
+        f"{result['window_s']:g} s, {result['cores']} cores, load {result['load_average'][0]:.1f})", "",
+        md_table(["model", "serving readers", "ids a lookup", "training with them / alone (median)", "per round",
+                  "lookup p50 (ms)", "p99 (ms)", "lookups/s (all readers)"], rows),
         "", f"Command: `{result.get('command') or 'python -m benchmarks readers'}`"]) + "\n"
 
 

@@ -45,6 +45,10 @@ class WeightsSource(Protocol):
     def model_name(self) -> str:
         """The model's name, for the header."""
 
+    def rows(self, table: str, ids: Any) -> tuple[int, Any]:
+        """The global step and ``table``'s rows of ``ids`` (an int64 tensor) as held now;
+        ``ValueError`` for bad ids or table, ``NoVersion`` when there are none to read."""
+
 
 class WeightsService(pb_grpc.WeightsServiceServicer):
     """At most ``max_reads`` reads at once (each may wait for a version): RESOURCE_EXHAUSTED
@@ -102,6 +106,30 @@ class WeightsService(pb_grpc.WeightsServiceServicer):
         peer = context.peer()
         name = "".join(c for c in request.reader[:MAX_NAME] if c.isprintable()) or peer
         self._source.read_done(name, peer, version, max(1, min(request.sharing, 1 << 20)), len(encoded.data))
+
+
+    def Rows(self, request: pb.RowsRequest, context: grpc.ServicerContext) -> pb.RowsResponse:
+        import torch
+
+        if request.dtype not in READ_DTYPES:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"dtype must be one of {', '.join(READ_DTYPES[1:])} "
+                                                            f"(or empty), got {request.dtype[:40]!r}")
+        if len(request.ids) % 8:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ids must be int64s, 8 bytes each: got {len(request.ids)} "
+                                                            "bytes")
+        ids = torch.frombuffer(bytearray(request.ids), dtype=torch.int64) if request.ids else \
+            torch.zeros(0, dtype=torch.int64)
+        try:
+            step, rows = self._source.rows(request.table, ids)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except NoVersion as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no rows to read: {e}")
+        dtype = getattr(torch, request.dtype or "float32")
+        rows = rows.to(dtype).contiguous()
+        return pb.RowsResponse(step=step, width=rows.shape[1] if rows.dim() == 2 else 0,
+                               dtype=str(dtype).removeprefix("torch."),
+                               rows=rows.reshape(-1).view(torch.uint8).numpy().tobytes() if rows.numel() else b"")
 
 
 def add_to_server(service: WeightsService, server: Any) -> None:

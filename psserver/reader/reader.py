@@ -19,7 +19,7 @@ import logging
 import os
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +59,15 @@ class Version:
     def age(self) -> float:
         """How old the version was when this reader had it (seconds): its freshness."""
         return max(0.0, self.received_at - self.published_at)
+
+
+@dataclass
+class RowsRead:
+    """Rows of an embedding table as the server held them at global step ``step``."""
+
+    step: int
+    values: torch.Tensor
+    """``[len(ids), width]``, row i for ``ids[i]``."""
 
 
 def resolve_read_token(token: str | None = None, token_file: Path | str | None = None) -> str | None:
@@ -158,7 +167,32 @@ class Reader:
                 target.copy_(value, non_blocking=True)
         return version
 
+    def rows(self, table: str, ids: torch.Tensor | Sequence[int]) -> RowsRead:
+        """The rows of ``ids`` in embedding table ``table`` as the server holds them now (one per
+        id, repeats allowed), in the reader's dtype (float32 by default) on its device; an id
+        without a row reads the table's default row, as in training. For serving: nothing is
+        created on the server, nothing counts as a touch."""
+        ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        request = pb.RowsRequest(table=table, ids=unique.numpy().tobytes(), dtype=self.dtype)
+        try:
+            answer = self._stub.Rows(request, timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise self._error(e) from None
+        dtype = getattr(torch, answer.dtype, None)
+        if not isinstance(dtype, torch.dtype) or len(answer.rows) != unique.numel() * answer.width * dtype.itemsize:
+            raise UsageError(f"{self.address} answered {len(answer.rows)} bytes of {answer.dtype} for "
+                             f"{unique.numel()} rows of {answer.width}")
+        values = torch.frombuffer(bytearray(answer.rows), dtype=dtype) if answer.rows else torch.zeros(0, dtype=dtype)
+        return RowsRead(int(answer.step), values.reshape(unique.numel(), answer.width)[inverse].to(self.device))
+
     # ---- the wire -----------------------------------------------------------------------
+
+    def _error(self, e: grpc.RpcError) -> Exception:
+        code, details = e.code(), e.details() or ""
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return ServerUnavailable(f"cannot reach the weights of {self.address}: {details}")
+        return UsageError(f"reading the weights of {self.address}: {code.name}: {details}")
 
     def _read(self, newer_than: int | None, timeout: float) -> Version | None:
         raw = self._fetch(newer_than, timeout) if self._host is None else self._host.read(newer_than, timeout)
@@ -175,12 +209,9 @@ class Reader:
             chunks = self._stub.Read(request, timeout=timeout + 30.0, metadata=self._metadata)
             return self._assemble(chunks)
         except grpc.RpcError as e:
-            code, details = e.code(), e.details() or ""
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED and newer_than is not None:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and newer_than is not None:
                 return None
-            if code == grpc.StatusCode.UNAVAILABLE:
-                raise ServerUnavailable(f"cannot reach the weights of {self.address}: {details}") from None
-            raise UsageError(f"reading the weights of {self.address}: {code.name}: {details}") from None
+            raise self._error(e) from None
 
     def _assemble(self, chunks: Iterator[pb.WeightsChunk]) -> Raw:
         header: pb.VersionHeader | None = None

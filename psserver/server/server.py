@@ -64,7 +64,8 @@ class ParameterServer:
         self.view = ServerView(config, self.engine, self.endpoint, self.policy, self.request_shutdown)
         self.view.memory = self.memory
         self.versions = Versions(self.engine.model_version, lambda: self.engine.global_step,
-                                 config.control.publish_interval, lambda: self.engine.model_ref or "")
+                                 config.control.publish_interval, lambda: self.engine.model_ref or "",
+                                 self.engine.table_rows)
         """Versions of the model for readers of the weights (the control plane's ``WeightsService``)."""
         self.view.versions = self.versions
         self.engine.listeners += [self.policy.note_step, self.view.on_step, self.versions.on_step]

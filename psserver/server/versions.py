@@ -9,7 +9,8 @@ of a transfer. Each version is encoded once per dtype asked for (the bytes and t
 and every reader of it is sent those bytes.
 
 Readers are kept by name for ``psserver status`` and the metrics: the step each read last and
-how old it was when the reader had all of it.
+how old it was when the reader had all of it. Rows of embedding tables are not in versions: a
+reader that serves looks them up as they are held (``rows``).
 """
 
 from __future__ import annotations
@@ -78,8 +79,10 @@ class Versions:
     there is no model to read); ``applied`` the global step applied now."""
 
     def __init__(self, copy: Callable[[], tuple[int, dict[str, torch.Tensor]]], applied: Callable[[], int],
-                 publish_interval: float = 0.25, model: Callable[[], str] = lambda: "") -> None:
+                 publish_interval: float = 0.25, model: Callable[[], str] = lambda: "",
+                 rows: Callable[[str, torch.Tensor], tuple[int, torch.Tensor]] | None = None) -> None:
         self._copy = copy
+        self._rows = rows
         self._applied = applied
         self.publish_interval = publish_interval
         self._model = model
@@ -88,6 +91,8 @@ class Versions:
         """Versions copied (each one copy of the model under the update lock)."""
         self.bytes_sent = 0
         """Bytes of versions sent to readers."""
+        self.lookups = 0
+        """Row lookups readers made."""
         self._cond = threading.Condition()
         self._copying = threading.Lock()
         self._latest: Version | None = None
@@ -181,6 +186,15 @@ class Versions:
 
     def model_name(self) -> str:
         return self._model()
+
+    def rows(self, table: str, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """The global step and ``table``'s rows of ``ids`` as held now (a serving lookup)."""
+        if self._rows is None:
+            raise NoVersion("this server serves no embedding rows")
+        step, rows = self._rows(table, ids)
+        with self._cond:
+            self.lookups += 1
+        return step, rows
 
     def age_histogram(self) -> AgeHistogram:
         with self._cond:

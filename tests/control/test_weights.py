@@ -34,13 +34,21 @@ class Trained:
         self.model.register_buffer("seen", torch.zeros((), dtype=torch.int64))
         self.lock = threading.Lock()
         self.step = 0
-        self.versions = Versions(self.copy, lambda: self.step, 0.0, lambda: "linear")
+        self.table = torch.arange(40, dtype=torch.float32).reshape(10, 4)  # row i: 4i .. 4i+3
+        self.versions = Versions(self.copy, lambda: self.step, 0.0, lambda: "linear", self.rows)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def copy(self):
         with self.lock:
             return self.step, {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def rows(self, table: str, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
+        if table != "users":
+            raise ValueError(f"no embedding table {table!r} (tables: users)")
+        if torch.unique(ids).numel() != ids.numel():
+            raise ValueError("ids of table 'users' must be unique in a request")
+        return self.step, self.table[ids.clamp(max=9)]
 
     def train_one(self) -> None:
         with self.lock, torch.no_grad():
@@ -164,3 +172,15 @@ def test_an_empty_token_file_is_one_line(tmp_path: Path):
     (tmp_path / "t").write_text("")
     with pytest.raises(UsageError, match="--read-token-file"):
         Reader("127.0.0.1:1", token_file=tmp_path / "t")
+
+
+def test_row_lookups_come_back_per_id_in_order_with_repeats(target, trained):
+    trained.train_one()
+    with serve(target, trained) as server, Reader(server.address) as reader:
+        got = reader.rows("users", [3, 1, 3, 0])
+        assert got.step == 1 and torch.equal(got.values, trained.table[[3, 1, 3, 0]])
+        assert reader.rows("users", torch.zeros(0, dtype=torch.int64)).values.shape == (0, 4)
+        with pytest.raises(UsageError, match=r"INVALID_ARGUMENT: no embedding table 'items' \(tables: users\)"):
+            reader.rows("items", [1])
+    with serve(target, trained) as server, Reader(server.address, dtype="bfloat16") as half:
+        assert half.rows("users", [2]).values.dtype == torch.bfloat16

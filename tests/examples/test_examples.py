@@ -112,3 +112,23 @@ def test_rollout_workers_act_with_fresh_versions_while_two_trainers_train(procs,
         assert len(acted) >= 3 and all(b - a >= 10 for a, b in itertools.pairwise(steps)), acted
         assert acted[-1][1] >= 0.8 and acted[-1][1] > acted[0][1], acted
         assert "Traceback" not in proc.output()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_reader_serves_fresh_rows_while_the_recommendation_example_trains(procs, port, tmp_path):
+    token = tmp_path / "read.token"
+    token.write_text("serving-read-token")
+    server = procs.server(port, "--model", "dlrm_tiny", "--embedding-optimizer", "lazy_adam", "--embedding-lr",
+                          "0.01", "--lr", "0.003", "--read-token-file", str(token), control_port=0)
+    control = "{}:{}".format(*server.wait_for(r"control plane listening on (\S+):(\d+)", timeout=30).groups())
+    trainer = procs.start(["--server", f"127.0.0.1:{port}", "--rank", "0", "--num-trainers", "1", "--epochs", "20"],
+                          "recommendation-0", prefix=[sys.executable, str(EXAMPLES / "recommendation.py")])
+    trainer.wait_for(r"epoch 0 step 50", timeout=120)  # training, its rows being written
+    serving = procs.start(["--control", control, "--read-token-file", str(token), "--seconds", "8"], "serving",
+                          prefix=[sys.executable, str(EXAMPLES / "serving_rows.py")])
+    assert serving.wait(120) == 0, serving.tail()
+    m = re.search(r"^served (\d+) requests .*p99 (\S+) ms, .* at global steps (\d+) to (\d+)$", serving.output(), re.M)
+    assert m and int(m.group(1)) >= 20 and int(m.group(4)) > int(m.group(3)), serving.tail()
+    assert "rows changed while serving: yes" in serving.output()

@@ -70,6 +70,28 @@ SERVER_PROCESS_STATE_SERVING: ServerProcessState
 SERVER_PROCESS_STATE_LOST: ServerProcessState
 SERVER_PROCESS_STATE_MISSING: ServerProcessState
 
+class RowsRequest(_message.Message):
+    __slots__ = ("table", "ids", "dtype")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: bytes
+    dtype: str
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class RowsResponse(_message.Message):
+    __slots__ = ("step", "width", "dtype", "rows")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    width: int
+    dtype: str
+    rows: bytes
+    def __init__(self, step: _Optional[int] = ..., width: _Optional[int] = ..., dtype: _Optional[str] = ..., rows: _Optional[bytes] = ...) -> None: ...
+
 class ReadRequest(_message.Message):
     __slots__ = ("newer_than", "timeout_seconds", "dtype", "reader", "sharing")
     NEWER_THAN_FIELD_NUMBER: _ClassVar[int]

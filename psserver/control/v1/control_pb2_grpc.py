@@ -307,6 +307,11 @@ class WeightsServiceStub:
                 request_serializer=psserver_dot_v1_dot_control__pb2.ReadRequest.SerializeToString,
                 response_deserializer=psserver_dot_v1_dot_control__pb2.WeightsChunk.FromString,
                 _registered_method=True)
+        self.Rows = channel.unary_unary(
+                '/psserver.v1.WeightsService/Rows',
+                request_serializer=psserver_dot_v1_dot_control__pb2.RowsRequest.SerializeToString,
+                response_deserializer=psserver_dot_v1_dot_control__pb2.RowsResponse.FromString,
+                _registered_method=True)
 
 
 class WeightsServiceServicer:
@@ -331,6 +336,18 @@ class WeightsServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rows(self, request, context):
+        """Rows of an embedding table as the server holds them now (a lookup for
+        serving: no row is created or counted as touched). An id without a row
+        reads the table's default row, as in training. INVALID_ARGUMENT for an
+        unknown table or ids that are not unique, non-negative int64s;
+        FAILED_PRECONDITION for a model without tables, or tables spread over
+        several server processes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightsServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -338,6 +355,11 @@ def add_WeightsServiceServicer_to_server(servicer, server):
                     servicer.Read,
                     request_deserializer=psserver_dot_v1_dot_control__pb2.ReadRequest.FromString,
                     response_serializer=psserver_dot_v1_dot_control__pb2.WeightsChunk.SerializeToString,
+            ),
+            'Rows': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rows,
+                    request_deserializer=psserver_dot_v1_dot_control__pb2.RowsRequest.FromString,
+                    response_serializer=psserver_dot_v1_dot_control__pb2.RowsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -374,6 +396,33 @@ class WeightsService:
             '/psserver.v1.WeightsService/Read',
             psserver_dot_v1_dot_control__pb2.ReadRequest.SerializeToString,
             psserver_dot_v1_dot_control__pb2.WeightsChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psserver.v1.WeightsService/Rows',
+            psserver_dot_v1_dot_control__pb2.RowsRequest.SerializeToString,
+            psserver_dot_v1_dot_control__pb2.RowsResponse.FromString,
             options,
             channel_credentials,
             insecure,

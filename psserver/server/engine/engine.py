@@ -604,6 +604,17 @@ class StepEngine:
 
         return self.compute.run(copy)
 
+    def table_rows(self, table: str, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """The global step and the rows of ``ids`` in ``table`` as held now, for a reader that
+        serves lookups: nothing created or counted as a touch (``ValueError`` for bad ids;
+        ``NoVersion`` without tables on this one server process)."""
+        if self.tables is None:
+            raise NoVersion("the model has no embedding tables")
+        if self.tables.num_servers > 1:
+            raise NoVersion("the rows are spread over several server processes, whose rows cannot be read yet")
+        step = self.updater.global_step
+        return step, self.tables.lookup({table: ids})[table]
+
     def live_state(self) -> EngineState:
         """(updater's lock held, and the tables' lock) What ``copy_state`` gives, with the
         engine's own tensors instead of copies: the tensors every update writes to (the tables'
