@@ -16,7 +16,9 @@ import time
 import urllib.request
 
 from psserver.telemetry import (
+    AgeHistogram,
     CheckpointInfo,
+    ReaderStatus,
     ServerProcessStatus,
     ServerStatus,
     ShardStatus,
@@ -55,6 +57,10 @@ class RealisticTarget:
                      ServerProcessStatus(1, "ps_1", "b", "LOST", 5 * 10**5, 2 * 10**6, 1100, last_seen_s=30.0)],
             tables=[TableStatus("users", 0, 1500, 2000, 16, 3 << 20, 1600, 250, 0, 100, 90000, 85000),
                     TableStatus("users", 1, 1400, 2000, 16, 3 << 20, 1500, 200, 10, 0, 80000, 75000)],
+            readers=[ReaderStatus("rollout-0", "ipv4:10.0.0.7:40000", 1190, now - 1, 0.2, 300, sharing=8)],
+            reader_ages=AgeHistogram(counts=[0, 0, 10, 100, 280, 300, 300, 300, 300, 300, 300, 300], count=300,
+                                     total=45.0),
+            versions_copied=310, weights_bytes_sent=310 * 4 * 10**6,
         )
 
     def list_trainers(self) -> list[TrainerStatus]:
