@@ -28,7 +28,8 @@ Public names:
   BytePS's optimizer wrapper, with ``synchronize()`` and ``skip_synchronize()`` for AMP.
 - ``read(address, *, token_file, dtype, device, name)``: a ``Reader`` of a running server's
   weights that never trains (RL rollout workers, serving): ``latest()``, ``wait(newer_than,
-  timeout)``, ``subscribe()``, ``load_into(model)``; each a ``Version`` of one global step.
+  timeout)``, ``subscribe()``, ``load_into(model)``, each a ``Version`` of one global step; and
+  ``rows(table, ids)``, an embedding table's rows as held now.
 - ``UsageError``, ``ServerLost``, ``Evicted``: what the library raises.
 
 The command line: ``psserver serve``, ``psserver train`` (``--entry MODULE:FUNCTION`` runs a

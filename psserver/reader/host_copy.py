@@ -204,7 +204,12 @@ class HostCopy:
                 continue
             failures = 0
             if raw is not None:
-                self._publish(raw)
+                try:
+                    self._publish(raw)
+                except OSError as e:  # a full /dev/shm, say: the readers keep the version they have
+                    log.warning("cannot write version %d for the readers of this host to %s (%s)", raw.step,
+                                self.path, e.strerror or e)
+                    self._closed.wait(1.0)
 
     def _publish(self, raw: Raw) -> None:
         header = json.dumps({"step": raw.step, "published_at": raw.published_at, "model": raw.model,
