@@ -154,7 +154,7 @@ class Session:
             self.info = rpc.rpc_sync(rendezvous.SERVER_NAME, calls.join, args=(request,))
         except Exception as e:  # noqa: BLE001 - the server's refusal is the user's answer
             self._shutdown(graceful=False)
-            raise UsageError(f"server refused the join: {remote_message(e)}") from None
+            raise join_failure(e, f"{config.server_host}:{config.server_port}") from None
         if "error" in self.info:
             refusal = self.info["error"]
             self._shutdown(graceful=True)
@@ -427,6 +427,14 @@ def trainer_device(name: str) -> torch.device:
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     return dev
+
+
+def join_failure(e: BaseException, where: str) -> Exception:
+    """What a failed join call means: the server's refusal (a remote exception: ``UsageError``),
+    or no answer at all (the server went away mid-join: ``JoinLost``, which ``--reconnect`` waits out)."""
+    if re.search(r"On WorkerInfo", str(e)):
+        return UsageError(f"server refused the join: {remote_message(e)}")
+    return JoinLost(f"the join call to {where} failed: {remote_message(e)}")
 
 
 def remote_message(e: BaseException) -> str:
