@@ -10,6 +10,11 @@ parameter first, each onto the fragment holding the fewest elements so far, whic
 fragment within one parameter of an equal share and spreads the layers of a deep model over all
 of them (the paper's strided fragments do the same by depth).
 
+With several server processes each fragment is cut again by the partition plan
+(``psserver.common.partition``): server s's part of fragment f is group f of the pieces server
+s holds, so every server steps whole pieces of its own, each fragment spans every server, and a
+fragment's sync is one call to each of them at once.
+
 No RPC here: the groups and the schedule, testable on their own.
 """
 
@@ -19,6 +24,8 @@ import heapq
 from collections.abc import Sequence
 
 import torch
+
+from psserver.common.partition import PartitionPlan
 
 
 def fragment_groups(sizes: Sequence[int], count: int) -> list[list[int]]:
@@ -64,3 +71,19 @@ def unpack_into(flat: torch.Tensor, params: Sequence[torch.Tensor], keep: float 
             else:
                 p.copy_(value)
             offset += p.numel()
+
+
+def server_pieces(params: Sequence[torch.Tensor], plan: PartitionPlan | None, server: int) -> list[torch.Tensor]:
+    """What ``server`` holds of ``params``, as views that share their storage (writing into
+    them writes into the parameters): the plan's pieces of it, in its order; without a plan
+    (one server process) every parameter whole. ``ValueError`` for a parameter that is not
+    contiguous, which a view of it could not write back into."""
+    if plan is None:
+        return [p.detach() for p in params]
+    flat = []
+    for i, p in enumerate(params):
+        if not p.is_contiguous():
+            raise ValueError(f"parameter {i} of shape {tuple(p.shape)} is not contiguous: its pieces on the "
+                             "server processes cannot be views of it")
+        flat.append(p.detach().view(-1))
+    return [flat[piece.param][piece.start:piece.stop] for piece in plan.for_server(server)]

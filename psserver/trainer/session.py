@@ -64,6 +64,33 @@ class PartitionCallError(RuntimeError):
         self.server_name = name
 
 
+class EachCall:
+    """The calls of :meth:`Session.call_each_async`, one per server process, in flight."""
+
+    def __init__(self, session: Session, futures: list) -> None:
+        self.session, self.futures = session, futures
+
+    def wait(self) -> list:
+        """Their results, server 0's first; ``PartitionCallError`` naming the first that failed
+        (once every call has answered). Server 0's notices and progress are the session's."""
+        results, failed = [], None
+        for i, fut in enumerate(self.futures):
+            try:
+                result, notices, progress = fut.wait()
+            except RuntimeError as e:
+                failed = failed or (i, e)
+                continue
+            if i == 0:
+                self.session.progress = progress
+                self.session._told(notices)
+            results.append(result)
+        if failed is not None:
+            i, e = failed
+            name = self.session.servers[i]
+            raise PartitionCallError(i, name, f"server {i} ({name}): {remote_message(e)}")
+        return results
+
+
 def join_rpc_group(name: str, rpc_id: int, options: object, server: str) -> None:
     """This process into the server's RPC group (``JoinLost``: the group or the server went away
     meanwhile; ``UsageError``: the agents' devices do not fit, e.g. a server whose device map
@@ -235,23 +262,13 @@ class Session:
     def call_each(self, op: str, args: list[tuple]) -> list:
         """``op`` on every server process at once, ``args[i]`` for server i; their results in
         order. When any failed (after all have answered), ``PartitionCallError`` naming it."""
-        futures = [rpc.rpc_async(name, calls.call, args=(self.name, op, a, self.report if i == 0 else None))
-                   for i, (name, a) in enumerate(zip(self.servers, args, strict=True))]
-        results, failed = [], None
-        for i, fut in enumerate(futures):
-            try:
-                result, notices, progress = fut.wait()
-            except RuntimeError as e:
-                failed = failed or (i, e)
-                continue
-            if i == 0:
-                self.progress = progress
-                self._told(notices)
-            results.append(result)
-        if failed is not None:
-            i, e = failed
-            raise PartitionCallError(i, self.servers[i], f"server {i} ({self.servers[i]}): {remote_message(e)}")
-        return results
+        return self.call_each_async(op, args).wait()
+
+    def call_each_async(self, op: str, args: list[tuple]) -> EachCall:
+        """:meth:`call_each` without waiting (a streaming fragment's parts): its ``wait()``
+        gives the results or raises as :meth:`call_each` would."""
+        return EachCall(self, [rpc.rpc_async(name, calls.call, args=(self.name, op, a, self.report if i == 0 else None))
+                               for i, (name, a) in enumerate(zip(self.servers, args, strict=True))])
 
     def _heartbeat(self) -> None:
         interval = float(self.info["heartbeat_interval"])

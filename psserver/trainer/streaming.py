@@ -9,18 +9,22 @@ ones that moved meanwhile: ``local <- alpha * local + (1 - alpha) * global`` (ta
 waited for and replaces them, as whole-model DiLoCo does); they become its anchor. With tau < H/F
 one exchange at most is in flight, so a trainer's calls reach the server in order, each ending
 the call before it, as every step protocol's do; and the peak bytes on the wire are 1/F of
-a whole sync's. Why fragments are whole parameters and how they are made:
+a whole sync's. With several server processes a fragment's sync is one call to each, all in
+flight at once, each carrying the fragment's part that server holds. Why fragments are whole
+parameters (or whole pieces of the partition plan) and how they are made:
 ``psserver.common.fragments``; the server's half: ``DiLoCoServer.exchange_fragment``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
 
-from psserver.common.fragments import fragment_groups, fragment_offsets, pack, unpack_into
+from psserver.common.fragments import fragment_groups, fragment_offsets, pack, server_pieces, unpack_into
+from psserver.common.messages import QuantizedFlat
 from psserver.common.quantize import ErrorFeedback, nbytes
 from psserver.common.tensors import unflatten_into
 from psserver.errors import UsageError
@@ -40,9 +44,6 @@ class StreamingWindows:
         which imports this module)."""
         self.half = half
         channel = half.channel
-        if len(channel.servers) > 1:
-            raise UsageError(f"--fragments: a server of one process (this one has {len(channel.servers)}, which take "
-                             "each window whole, split by partition)")
         if channel.info.get("dynamic_local_steps"):
             raise UsageError("--fragments: not with the server's --dynamic-local-steps")
         self.count = count
@@ -50,13 +51,17 @@ class StreamingWindows:
         self.mix = DEFAULT_MIX if mix is None else float(mix)
         self.offsets: list[int] = []
         self.set_local_steps(half.local_steps)
+        self.servers = len(channel.servers)
         try:
-            self.groups = fragment_groups([p.numel() for p in half.params], count)
+            # Each server's part of every fragment: a group of the pieces it holds (one server:
+            # its parameters whole), the same groups its server half makes of them.
+            self.groups = [fragment_groups([t.numel() for t in server_pieces(half.params, half.plan, s)], count)
+                           for s in range(self.servers)]
         except ValueError as e:
-            raise UsageError(f"--fragments: {e}") from None
-        self.params = [[half.params[i] for i in group] for group in self.groups]
-        self.anchor: list[torch.Tensor] = []
-        """Each fragment's global weights as last received (fp32, flat)."""
+            where = f" on each of {self.servers} server processes" if self.servers > 1 else ""
+            raise UsageError(f"--fragments{where}: {e}") from None
+        self.anchor: list[list[torch.Tensor]] = []
+        """Each fragment's global weights as last received (fp32, flat), one per server process."""
         self.steps = [0] * count
         """Inner steps since each fragment last went out."""
         self.seconds = [0.0] * count
@@ -65,8 +70,14 @@ class StreamingWindows:
         self.taken = 0
         """Inner steps taken since the session opened (the schedule's clock)."""
         self.pending: tuple[int, Any, int] | None = None
-        """The fragment in flight: (index, future of its reply, the step at which it is merged)."""
-        self._feedback: dict[int, ErrorFeedback] = {}
+        """The fragment in flight: (index, future of its replies, the step at which it is merged)."""
+        self._feedback: dict[tuple[int, int], ErrorFeedback] = {}
+
+    def parts(self, f: int) -> list[list[torch.Tensor]]:
+        """Fragment ``f``'s tensors on each server process, views into the replica's parameters."""
+        return [[pieces[i] for i in self.groups[s][f]]
+                for s, pieces in enumerate(server_pieces(self.half.params, self.half.plan, s)
+                                           for s in range(self.servers))]
 
     def set_local_steps(self, h: int) -> None:
         """H, and each fragment's place in the window (``UsageError``: F and tau do not fit in it)."""
@@ -80,7 +91,7 @@ class StreamingWindows:
 
     def open(self) -> None:
         """The replica holds the global weights: every fragment's anchor."""
-        self.anchor = [pack(params) for params in self.params]
+        self.anchor = [[pack(part) for part in self.parts(f)] for f in range(self.count)]
 
     def inner_step_done(self, samples: int, seconds: float) -> None:
         self.taken += 1
@@ -113,14 +124,18 @@ class StreamingWindows:
 
     def _send(self, f: int, flushing: bool = False) -> None:
         half = self.half
+        sent: list[object] = []
+        squares = 0.0
         with torch.no_grad():
-            delta = self.anchor[f] - pack(self.params[f])
-        if half.bits is not None:
-            sent: object = self._feedback.setdefault(f, ErrorFeedback(half.bits)).compress(delta)
-            half.sync_bytes = nbytes(sent)
-        else:
-            sent = delta.to(half.wire_dtype)
-            half.sync_bytes = sent.numel() * sent.element_size()
+            for s, part in enumerate(self.parts(f)):
+                delta = self.anchor[f][s] - pack(part)
+                squares += float(delta.square().sum())
+                if half.bits is not None:
+                    sent.append(self._feedback.setdefault((f, s), ErrorFeedback(half.bits)).compress(delta))
+                else:
+                    sent.append(delta.to(half.wire_dtype))
+        half.sync_bytes = sum(nbytes(t) if isinstance(t, QuantizedFlat) else t.numel() * t.element_size()
+                              for t in sent)
         if not half.syncs:
             log.info("diloco: streaming %d fragments, one every %d inner steps, each merged %d steps after it is "
                      "sent%s; %d bytes of pseudo-gradient the first", self.count, half.local_steps // self.count,
@@ -131,7 +146,15 @@ class StreamingWindows:
         window = {"steps": self.steps[f], "seconds": float(self.seconds[f]), "base": half.base_steps}
         done = self.samples if f == 0 else 0
         buffers = half.owed_buffers() if f == 0 else None
-        future = half.channel.call_async("exchange_fragment", f, self.count, sent, number, done, window, buffers)
+        # The window's samples and the buffers go to server 0, as a whole-model sync's do.
+        # Several servers each clip their part by the whole fragment's norm, as one would the fragment.
+        norm = math.sqrt(squares) if self.servers > 1 else None
+        args = [(f, self.count, part, number, done if s == 0 else None, window, buffers if s == 0 else None, norm)
+                for s, part in enumerate(sent)]
+        if norm is None:
+            args = [a[:-1] for a in args]
+        future = half.channel.call_each_async("exchange_fragment", args) if self.servers > 1 \
+            else _Listed(half.channel.call_async("exchange_fragment", *args[0]))
         self.pending = (f, future, self.taken + self.overlap)
         self.steps[f], self.seconds[f] = 0, 0.0
         if f == 0:
@@ -142,14 +165,27 @@ class StreamingWindows:
         assert self.pending is not None
         f, future, _ = self.pending
         self.pending = None
-        reply, told = future.wait()
-        values = reply[0].float()
+        replies = future.wait()
         keep = 0.0 if replace or self.overlap == 0 else self.mix
-        unpack_into(values, self.params[f], keep)
+        anchor = []
+        for (reply, _), part in zip(replies, self.parts(f), strict=True):
+            values = reply[0].float()
+            unpack_into(values, part, keep)
+            anchor.append(values.to(self.half.device))
+        reply, told = replies[0]
         if f == 0 and len(reply) > 1 and self.half.buffers and not keep:
             # Mixed after an overlap, the replica keeps its own: the server's are of before the
             # overlap's forwards (running statistics, counts), which loading would undo.
             unflatten_into(reply[1], self.half.buffers)
-        self.anchor[f] = values.to(self.anchor[f].device)
+        self.anchor[f] = anchor
         self.half.outer_step = int(told["outer_step"])
 
+
+class _Listed:
+    """One server's reply future as the list of replies ``call_each_async`` gives."""
+
+    def __init__(self, future: Any) -> None:
+        self.future = future
+
+    def wait(self) -> list:
+        return [self.future.wait()]

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from psserver.common.fragments import fragment_groups, fragment_offsets, pack, unpack_into
+from psserver.common.fragments import fragment_groups, fragment_offsets, pack, server_pieces, unpack_into
+from psserver.common.partition import make_plan
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 4])
@@ -39,3 +40,17 @@ def test_unpack_mixes_the_values_into_the_parameters_in_order():
     assert torch.equal(pack(params), torch.arange(7.0))
     with pytest.raises(ValueError, match="6 values for parameters of 7"):
         unpack_into(torch.zeros(6), params)
+
+
+def test_a_servers_pieces_are_views_that_write_into_the_parameters():
+    params = [torch.zeros(3, 4), torch.zeros(5)]
+    plan = make_plan([12, 5], 2, split_above=4)
+    for server in (0, 1):
+        pieces = server_pieces(params, plan, server)
+        assert [t.numel() for t in pieces] == [p.numel for p in plan.for_server(server)]
+        unpack_into(torch.full((sum(t.numel() for t in pieces),), float(server + 1)), pieces)
+    fills = [torch.full((n,), float(s + 1)) for s, n in enumerate(plan.elements_per_server())]
+    assert all(torch.equal(p, want) for p, want in zip(params, plan.gather(fills, params), strict=True))
+    assert server_pieces(params, None, 0)[1].data_ptr() == params[1].data_ptr()
+    with pytest.raises(ValueError, match="not contiguous"):
+        server_pieces([torch.zeros(4, 3).t()], make_plan([12], 2, split_above=4), 0)

@@ -26,17 +26,23 @@ class Done:
 
 
 class Channel:
-    """The ``Channel`` a trainer half sees, calling the server half in-process."""
+    """The ``Channel`` a trainer half sees, calling the server half in-process (``others``: the
+    halves of server processes 1, 2, ..., of a model partitioned over them all)."""
 
-    def __init__(self, half: DiLoCoServer, name: str, rank: int, config: TrainerConfig) -> None:
+    def __init__(self, half: DiLoCoServer, name: str, rank: int, config: TrainerConfig,
+                 others: tuple[DiLoCoServer, ...] = ()) -> None:
         self.name, self.config, self.half = name, config, half
+        self.halves = [half, *others]
         self.steps_before = 0
         self.bucket_cap_mb = 25.0
-        self.servers = ["s"]
+        self.servers = [f"s{i}" for i in range(len(self.halves))]
         self.device = torch.device("cpu")
         self.wire_dtype = WIRE_DTYPES["fp32"]
-        half.engine.trainer_joined(name)
+        for h in self.halves:
+            h.engine.trainer_joined(name)
         self.info: dict[str, Any] = {"model": "mlp", **half.join_info(name, join_request(rank, name))}
+        if others:
+            self.info.update(servers=self.servers, plan=half.engine.plan.to_dict())
         give_replica(self, "mlp")
 
     def call(self, op: str, *args: Any) -> Any:
@@ -46,10 +52,20 @@ class Channel:
     def call_async(self, op: str, *args: Any) -> Done:
         return Done(self.call(op, *args))
 
+    def call_each(self, op: str, args: list[tuple]) -> list:
+        assert op in self.half.ops and len(args) == len(self.halves)
+        return [getattr(h, op)(self.name, *a) for h, a in zip(self.halves, args, strict=True)]
 
-def diloco_engine(outer: OptimizerConfig, k: int = 1, mode: str = "sync", dynamic: bool = False) -> StepEngine:
+    def call_each_async(self, op: str, args: list[tuple]) -> Done:
+        return Done(self.call_each(op, args))
+
+
+def diloco_engine(outer: OptimizerConfig, k: int = 1, mode: str = "sync", dynamic: bool = False,
+                  servers: int = 1, rank: int = 0) -> StepEngine:
+    """The engine of server process ``rank`` of ``servers`` (each builds the same ``mlp``)."""
     cfg = ServerConfig(model="mlp", devices=["cpu"], update="diloco", outer=mode, sync_trainers=k, optimizer=outer,
-                       dynamic_local_steps=dynamic)
+                       dynamic_local_steps=dynamic, num_servers=servers, server_rank=rank,
+                       coordinator="127.0.0.1:1" if rank else None)
     return StepEngine(cfg, resolve_devices(cfg.devices))
 
 

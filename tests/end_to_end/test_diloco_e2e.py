@@ -82,21 +82,29 @@ def test_streaming_fragments_each_make_their_own_rounds_and_carry_only_their_byt
 
 
 @pytest.mark.timeout(240)
-def test_two_server_processes_each_take_their_partition_of_every_window(procs, port):
+@pytest.mark.parametrize(("args", "outer_steps"), [
+    (("--compress", "int8"), STEPS // H),
+    (("--fragments", "2", "--fragment-overlap", "1"), 9),
+], ids=["whole-int8", "fragments"])
+def test_two_server_processes_each_take_their_partition_of_every_window(procs, port, args, outer_steps):
     """--num-servers 2, outer sync: each window's pseudo-gradient is split by partition as
-    pushpull's gradient is (here quantized to int8, each piece on its own); every round is one
-    outer step, and both trainers end on the same global weights (the last round's reply), so
-    they score the same."""
+    pushpull's gradient is (here quantized to int8, each piece on its own), or each streaming
+    fragment is, its part on each server (9 rounds: as on one server); every round is one outer
+    step, and both trainers end on the same global weights (the last round's
+    reply), so they score the same."""
     servers = start_servers(procs, port, 2, "--model", "mlp", "--update", "diloco", "--sync-trainers", "2")
     trainers = [procs.trainer(port, r, "--num-trainers", "2", "--max-steps", str(STEPS), "--local-steps", str(H),
-                              "--compress", "int8") for r in (0, 1)]
+                              *args) for r in (0, 1)]
     for t in trainers:
         assert t.wait(120) == 0, t.tail()
-        assert re.search(r"diloco: \d+ bytes of pseudo-gradient a sync \(int8; 3\.\dx fewer than fp32\)", t.output()), \
-            t.tail()
+        if "int8" in args:
+            assert re.search(r"diloco: \d+ bytes of pseudo-gradient a sync \(int8; 3\.\dx fewer than fp32\)",
+                             t.output()), t.tail()
+        else:
+            assert "diloco: streaming 2 fragments" in t.output(), t.tail()
     assert metric(trainers[0], "accuracy") == metric(trainers[1], "accuracy")
     assert procs.stop(servers[0]) == 0
-    assert f"psserver stopped at global step {STEPS // H}" in servers[0].output(), servers[0].tail()
+    assert f"psserver stopped at global step {outer_steps}" in servers[0].output(), servers[0].tail()
 
 
 @pytest.mark.timeout(240)

@@ -64,6 +64,40 @@ def test_one_trainer_under_outer_sgd_lr1_is_its_inner_loop_with_each_fragment_mi
         engine.close()
 
 
+def test_fragments_over_two_server_processes_are_the_inner_loop_under_outer_sgd_lr1_and_each_holds_its_part():
+    """Two server processes, the model partitioned over them: each fragment's sync is one call
+    to each, its part of the fragment (a group of the pieces that server holds). Under outer
+    SGD at lr 1 and no overlap a lone trainer is its inner loop, each server's outer steps are
+    the fragments' sends, and each holds its pieces of the replica's weights. (Outer async: a
+    sync round of several servers is decided by server 0 over RPC, which the e2e tests run.)"""
+    h, count, steps = 8, 2, 20
+    engines = [diloco_engine(OptimizerConfig(name="sgd", lr=1.0), mode="async", servers=2, rank=r) for r in (0, 1)]
+    try:
+        config = TrainerConfig(local_steps=h, inner_optimizer="adamw", inner_lr=1e-2, fragments=count,
+                               fragment_overlap=0)
+        halves = [DiLoCoServer(e) for e in engines]
+        half = DiLoCoTrainer(Channel(halves[0], "t", 0, config, others=(halves[1],)))
+        half.open()
+        assert all(half.stream.groups[s] for s in (0, 1))
+        local = copy.deepcopy(half.model)
+        inner = torch.optim.AdamW(local.parameters(), lr=1e-2, weight_decay=0.0)
+        for t, (x, y) in enumerate(batches(steps), start=1):
+            half.step(x, y)
+            half.after_step()
+            inner.zero_grad()
+            half.loss_fn(local(x), y).backward()
+            inner.step()
+            assert (flat(half.params) - flat(local.parameters())).abs().max() <= 1e-6, f"step {t}"
+        half.flush()  # fragment 0's 4 steps since its send at 16 (fragment 1 went at 20)
+        sends = sum(1 for t in range(1, steps + 1) for o in fragment_offsets(h, count) if t % h == o) + 1
+        assert [e.global_step for e in engines] == [sends, sends] and half.syncs == sends
+        for server, e in enumerate(engines):
+            assert torch.equal(server_weights(e), e.plan.split(list(half.params))[server])
+    finally:
+        for e in engines:
+            e.close()
+
+
 def test_a_fragment_sync_moves_only_its_fragment_and_a_flush_hands_in_every_fragment():
     h, count = 4, 2
     engine = diloco_engine(OptimizerConfig(name="sgd", lr=0.5))

@@ -77,22 +77,26 @@ class DiLoCoServer(PushPullServer):
         return params, {"local_steps": steps, "outer_step": self.engine.global_step}
 
     def exchange_fragment(self, trainer: str, index: object, count: object, grads: object, number: object,
-                          done: int | None = None, window: dict | None = None, buffers: torch.Tensor | None = None):
+                          done: int | None = None, window: dict | None = None, buffers: torch.Tensor | None = None,
+                          norm: float | None = None):
         """Streaming DiLoCo (``train --fragments F``): the pseudo-gradient of fragment ``index``
-        of ``count`` (``psserver.common.fragments``), one flat buffer of its parameters in the
-        wire dtype or quantized, stepped by the outer optimizer as a gradient that leaves the
-        other parameters out (sync: in a round of K, each parameter averaged over the
-        pseudo-gradients that carry it). Numbered as a window of ``exchange``; ``done``: the
-        samples the fragment's window trained on (fragment 0 carries the window's; others 0),
-        ``buffers`` go up with fragment 0. Returns ``(the fragment's new global weights [, the
-        model's buffers with fragment 0], {"outer_step": ...})``."""
+        of ``count`` (``psserver.common.fragments``), one flat buffer of its parameters (with
+        several server processes: of the pieces this one holds) in the wire dtype or quantized,
+        stepped by the outer optimizer as a gradient that leaves the other parameters out (sync:
+        in a round of K, each parameter averaged over the pseudo-gradients that carry it).
+        Numbered as a window of ``exchange``; ``done``: the samples the fragment's window trained
+        on (fragment 0 carries the window's; others 0), ``buffers`` go up with fragment 0;
+        ``norm``: the whole fragment's, when this is one server process's part of it
+        (``--max-grad-norm`` clips the fragment as one). Returns ``(the fragment's new global
+        weights [, the model's buffers with fragment 0], {"outer_step": ...})``."""
         engine = self.engine
-        if engine.config.num_servers > 1 or engine.tables is not None:
-            raise ValueError("--fragments: a model on one server process, without embedding tables")
+        if engine.tables is not None:
+            raise ValueError("--fragments: a model without embedding tables")
         if self.planner is not None:
             raise ValueError("--fragments: not with the server's --dynamic-local-steps (each fragment keeps its "
                              "place in the window)")
         params = self._fragment(trainer, index, count)
+        norm = self._norm(norm)
         self._number(number)
         self._samples(done)
         self._window(trainer, window)
@@ -111,7 +115,7 @@ class DiLoCoServer(PushPullServer):
 
         def push() -> None:
             if apply:
-                engine.submit(trainer, grads_of, None, buffers)
+                engine.submit(trainer, grads_of, norm, buffers)
 
         def pull():
             engine.open_step(trainer, 0)
@@ -137,6 +141,12 @@ class DiLoCoServer(PushPullServer):
                 self._groups.clear()
             groups = self._groups[count] = fragment_groups([p.numel() for p in self.engine.params], count)
         return groups[index]
+
+    @staticmethod
+    def _norm(norm: object) -> float | None:
+        if norm is not None and (isinstance(norm, bool) or not isinstance(norm, (int, float))):
+            raise ValueError(f"a fragment's norm is a number, got {norm!r}")
+        return None if norm is None else float(norm)
 
     @staticmethod
     def _fragment_values(grads: object, numel: int) -> tuple[torch.Tensor, int]:

@@ -57,6 +57,10 @@ class Channel(Protocol):
         """Call ``op`` without waiting: a future whose ``wait()`` raises as :meth:`call` would."""
         ...
 
+    def call_each_async(self, op: str, args: list[tuple]) -> Any:
+        """:meth:`call_each` without waiting: a future whose ``wait()`` gives the list."""
+        ...
+
 
 class TrainerHalf(ABC):
     """The trainer's side of a protocol: one step at a time, on the trainer's thread."""
