@@ -31,6 +31,9 @@ Setups (``--setups``, comma-separated):
   hand, then the server process (``benchmarks.harness.faults``); the result records what the
   server applied (its status: outer steps, samples, each trainer's windows) and what the logs
   say of the faults;
+- ``-outer<lr>-m<momentum>`` last (DiLoCo): the outer optimizer at that lr and momentum,
+  Nesterov where the momentum is above 0 (async: delayed Nesterov), plain SGD at 0 (``-outer1-m0``:
+  the pseudo-gradients averaged into the global weights, Local SGD); else the server's default;
 - a ``-straggler`` suffix holds the last trainer to ``--straggler-share`` of a core (a CPU
   cgroup quota, ``benchmarks.harness.throttle``); its measured step rate against the others' is
   in the result.
@@ -78,7 +81,7 @@ SETUPS = ("ddp-4", "pushpull-async-4", "diloco-sync-H10", "diloco-sync-H50", "di
           "diloco-sync-H100-int8", "diloco-sync-H100-int4", "diloco-async-H100-straggler", "diloco-sync-H100-straggler")
 QUICK_SETUPS = ("ddp-4", "pushpull-async-4", "diloco-sync-H8")
 _SETUP = re.compile(r"^(ddp-(\d+)|pushpull-async-(\d+)|diloco-(sync|async)-H(\d+)(-F(\d+))?(-(bf16|int8|int4))?)"
-                    r"(-straggler|-faults)?$")
+                    r"(-straggler|-faults)?(-outer(\d+(?:\.\d+)?)-m(\d+(?:\.\d+)?))?$")
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,8 @@ class Setup:
     """Streaming DiLoCo's fragments (``--fragments``; None: the whole model each sync)."""
     faults: bool = False
     """A trainer and the server process SIGKILLed during the run (``benchmarks.harness.faults``)."""
+    outer_opt: tuple[float, float] | None = None
+    """DiLoCo's outer optimizer's (lr, momentum) (``-outer<lr>-m<momentum>``; None: the server's default)."""
 
 
 def parse_setup(name: str) -> Setup:
@@ -101,14 +106,15 @@ def parse_setup(name: str) -> Setup:
     if m is None:
         raise ValueError(f"unknown setup {name!r}: ddp-4, pushpull-async-4, diloco-sync-H<h>, diloco-async-H<h> "
                          "(then -F<fragments>, then -bf16, -int8 or -int4), each with an optional -straggler "
-                         "(DiLoCo: or -faults)")
+                         "(DiLoCo: or -faults), DiLoCo's then -outer<lr>-m<momentum>")
     straggler, faults = m.group(10) == "-straggler", m.group(10) == "-faults"
+    outer_opt = (float(m.group(12)), float(m.group(13))) if m.group(11) else None
     if m.group(2) or m.group(3):
-        if faults:
-            raise ValueError(f"{name}: -faults is for a DiLoCo setup")
+        if faults or outer_opt:
+            raise ValueError(f"{name}: {'-faults' if faults else '-outer'} is for a DiLoCo setup")
         return Setup(name.strip(), "ddp" if m.group(2) else "pushpull", straggler=straggler)
     return Setup(name.strip(), "diloco", m.group(4), int(m.group(5)), straggler, m.group(9),
-                 int(m.group(7)) if m.group(7) else None, faults)
+                 int(m.group(7)) if m.group(7) else None, faults, outer_opt)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -187,6 +193,12 @@ def server_args(setup: Setup, args: argparse.Namespace, host: str, ckpt: Path) -
                                                           "--state-dir", str(ckpt.parent / "state")]
         out[out.index("--trainer-timeout") + 1] = "10"
     out += ["--update", "diloco", "--outer", setup.outer, "--sync-trainers", str(args.trainers)]
+    if setup.outer_opt is not None:  # Nesterov SGD (async: delayed Nesterov) at this lr and momentum
+        lr, momentum = setup.outer_opt
+        name = "delayed_nesterov" if momentum and setup.outer == "async" else "sgd"
+        out += ["--optimizer", name, "--lr", f"{lr:g}", "--momentum", f"{momentum:g}"]
+        if name == "sgd" and momentum:
+            out += ["--optimizer-args", '{"nesterov": true}']
     return out + (["--dynamic-local-steps"] if setup.outer == "async" and not setup.fragments else [])
 
 
@@ -567,7 +579,9 @@ def markdown(result: dict) -> str:
     other = "".join(f", {k} {v}" for k, v in cfg.get("steps_of", {}).items())
     lines += [f"Every trainer took {cfg['steps']} steps of {cfg['batch_size']} samples{other}; "
               f"AdamW lr {cfg['lr']:g} "
-              "(DDP's, pushpull's server, DiLoCo's inner); DiLoCo's outer optimizer is the server's default.", ""]
+              "(DDP's, pushpull's server, DiLoCo's inner); DiLoCo's outer optimizer is the server's default "
+              "(Nesterov SGD lr 0.7 momentum 0.9; async: delayed Nesterov) unless the setup's -outer names another.",
+              ""]
     return "\n".join(lines)
 
 

@@ -4,6 +4,7 @@ are the study's; its quick run is in docs/benchmarks.md)."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +23,16 @@ def test_setups_are_parsed_by_name():
     assert diloco.parse_setup("diloco-sync-H50-faults").faults
     with pytest.raises(ValueError, match="-faults is for a DiLoCo setup"):
         diloco.parse_setup("ddp-4-faults")
+    local_sgd = diloco.parse_setup("diloco-sync-H50-F4-outer1-m0")
+    assert (local_sgd.fragments, local_sgd.outer_opt) == (4, (1.0, 0.0))
+    served = diloco.server_args(local_sgd, diloco.parse_args([]), "10.0.0.1", Path("/x"))
+    assert served[served.index("--optimizer"):] == ["--optimizer", "sgd", "--lr", "1", "--momentum", "0"]
+    served = diloco.server_args(diloco.parse_setup("diloco-sync-H50-outer0.5-m0.9"), diloco.parse_args([]),
+                                "10.0.0.1", Path("/x"))
+    assert served[served.index("--optimizer"):] == ["--optimizer", "sgd", "--lr", "0.5", "--momentum", "0.9",
+                                                    "--optimizer-args", '{"nesterov": true}']
+    with pytest.raises(ValueError, match="-outer is for a DiLoCo setup"):
+        diloco.parse_setup("ddp-4-outer1-m0")
     assert diloco.parse_args(["--fault-at", "30,90"]).fault_at == (30.0, 90.0)
     for bad in ("90,30", "30", "a,b"):
         with pytest.raises(SystemExit):
