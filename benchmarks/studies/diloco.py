@@ -493,7 +493,25 @@ def summarize(runs: list[dict], target: float | None) -> dict:
                                                           else None),
                             "ddp_to_its_loss": ddp_to_its_loss(r, ddp),
                             "step_rates": r["step_rates"], "load": r.get("load")}
-    return {"target_loss": target, "ddp_samples": ddp["samples"] if ddp else None, "setups": rows}
+    return {"target_loss": target, "ddp_samples": ddp["samples"] if ddp else None, "setups": rows,
+            "stragglers": stragglers(runs)}
+
+
+def stragglers(runs: list[dict]) -> dict:
+    """Each straggler setup against the same setup of equal trainers: the time each took to the
+    higher of their two final losses (a target both reached) and the straggler's over the
+    equal trainers' (async keeps going without it; sync waits for it)."""
+    by_name = {r["setup"]: r for r in runs if r["snapshots"]}
+    out = {}
+    for name, r in by_name.items():
+        equal = by_name.get(name.replace("-straggler", ""))
+        if "-straggler" not in name or equal is None:
+            continue
+        target = max(r["snapshots"][-1]["loss"], equal["snapshots"][-1]["loss"])
+        mine, theirs = time_to(r["snapshots"], target, "seconds"), time_to(equal["snapshots"], target, "seconds")
+        out[name] = {"equal": equal["setup"], "target_loss": target, "seconds": mine, "equal_seconds": theirs,
+                     "ratio": mine / max(theirs, 1e-9) if mine is not None and theirs is not None else None}
+    return out
 
 
 def ddp_to_its_loss(r: dict, ddp: dict | None) -> float | None:
@@ -516,7 +534,14 @@ def rerun_into(earlier: dict, rerun: dict) -> dict:
                          f"configuration ({', '.join(differ)})")
     new = {r["setup"]: r for r in rerun["runs"]}
     runs = [new.pop(r["setup"], r) for r in earlier["runs"]] + list(new.values())
-    steps_of = {**earlier["config"].get("steps_of", {}), **rerun["config"].get("steps_of", {})}
+    # Each setup run again took the steps of its rerun: its own --steps-of, else the rerun's --steps.
+    steps_of = dict(earlier["config"].get("steps_of", {}))
+    for r in rerun["runs"]:
+        took = rerun["config"].get("steps_of", {}).get(r["setup"], rerun["config"]["steps"])
+        if took == earlier["config"]["steps"]:
+            steps_of.pop(r["setup"], None)
+        else:
+            steps_of[r["setup"]] = took
     reruns = [*earlier.get("reruns", []), {k: rerun[k] for k in ("command", "time", "wall_s", "load_before")}]
     failed = {k: v for k, v in earlier.get("failed", {}).items() if k not in {r["setup"] for r in rerun["runs"]}}
     return {**earlier, "config": {**earlier["config"], "steps_of": steps_of}, "runs": runs, "reruns": reruns,
@@ -562,6 +587,10 @@ def markdown(result: dict) -> str:
                                "sooner than pushpull",
                                "bytes sent per sample", "fewer bytes than pushpull", "steps/s of each trainer",
                                "load average"], rows), ""]
+    for name, row in summary["stragglers"].items():
+        lines += [f"**{name}** against {row['equal']} (four equal trainers): to a held-out loss of "
+                  f"{row['target_loss']:.3f} (the higher of their final losses) in {_f(row['seconds'], '{:.0f}')} s "
+                  f"against {_f(row['equal_seconds'], '{:.0f}')} s: {_f(row['ratio'], '{:.2f}x')} the time.", ""]
     for name, why in result.get("failed", {}).items():
         lines += [f"**{name} failed**: `{why.strip().splitlines()[0][:300]}`", ""]
     for run in result["runs"]:

@@ -125,7 +125,7 @@ def test_a_straggler_is_stopped_once_the_others_are_done_and_everyone_at_the_tim
 
 def test_a_rerun_replaces_its_setups_runs_in_the_earlier_result_and_refuses_another_configuration():
     config = {"trainers": 4, "batch_size": 8, "lr": 1e-3, "rate": 100.0, "train_samples": 10, "eval_samples": 4,
-              "snapshot_s": 20.0, "straggler_share": 0.1, "steps_of": {"ddp-4": 200}}
+              "snapshot_s": 20.0, "straggler_share": 0.1, "steps": 600, "steps_of": {"ddp-4": 200}}
     earlier = {"command": "first", "config": config, "runs": [_run("ddp-4", 3.0), _run("diloco-sync-H50", 2.0)]}
     rerun = {"command": "again", "time": "t", "wall_s": 60.0, "load_before": 0.5,
              "config": {**config, "steps_of": {"ddp-4": 300}}, "runs": [_run("ddp-4", 2.5)]}
@@ -134,8 +134,20 @@ def test_a_rerun_replaces_its_setups_runs_in_the_earlier_result_and_refuses_anot
                                                                                   ("diloco-sync-H50", 2.0)]
     assert merged["command"] == "first" and [r["command"] for r in merged["reruns"]] == ["again"]
     assert merged["config"]["steps_of"] == {"ddp-4": 300}
+    # Run again without --steps-of: it took the rerun's --steps, the earlier result's (600).
+    again = diloco.rerun_into(earlier, {**rerun, "config": {**config, "steps_of": {}}})
+    assert again["config"]["steps_of"] == {}
     with pytest.raises(SystemExit, match=r"ran another configuration \(rate\)"):
         diloco.rerun_into(earlier, {**rerun, "config": {**config, "rate": 50.0}})
+
+
+def test_a_straggler_is_timed_against_its_equal_trainers_to_the_higher_of_their_final_losses():
+    equal = _run("diloco-async-H100", 2.0, seconds=10.0)
+    slow = _run("diloco-async-H100-straggler", 2.5, seconds=4.0)
+    row = diloco.stragglers([equal, slow, _run("diloco-sync-H50-straggler", 3.0)])
+    assert list(row) == ["diloco-async-H100-straggler"]  # the sync one has no equal run
+    assert row["diloco-async-H100-straggler"]["target_loss"] == 2.5
+    assert row["diloco-async-H100-straggler"]["ratio"] == pytest.approx(4.0 / (10.0 * 2.5 / 3.0))  # equal: 2.5 at 8.3 s
 
 
 def test_a_stopped_trainers_rate_comes_from_its_progress_lines(tmp_path):
