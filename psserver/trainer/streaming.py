@@ -146,27 +146,42 @@ class StreamingWindows:
         window = {"steps": self.steps[f], "seconds": float(self.seconds[f]), "base": half.base_steps}
         done = self.samples if f == 0 else 0
         buffers = half.owed_buffers() if f == 0 else None
-        # The window's samples and the buffers go to server 0, as a whole-model sync's do.
         # Several servers each clip their part by the whole fragment's norm, as one would the fragment.
         norm = math.sqrt(squares) if self.servers > 1 else None
-        args = [(f, self.count, part, number, done if s == 0 else None, window, buffers if s == 0 else None, norm)
-                for s, part in enumerate(sent)]
-        if norm is None:
-            args = [a[:-1] for a in args]
-        future = half.channel.call_each_async("exchange_fragment", args) if self.servers > 1 \
-            else _Listed(half.channel.call_async("exchange_fragment", *args[0]))
+        # What a lost reply leaves owed: the trainer's next process image sends it again, under its number.
+        half.sending = {"fragment": f, "count": self.count, "flat": [[t] for t in sent], "number": number,
+                         "done": done, "window": window, "buffers": buffers, "norm": norm}
+        future = self._call(f, sent, number, done, window, buffers, norm)
         self.pending = (f, future, self.taken + self.overlap)
         self.steps[f], self.seconds[f] = 0, 0.0
         if f == 0:
             self.samples = 0
         half.syncs += 1
 
+    def _call(self, f: int, sent: list, number: int, done: int, window: dict, buffers: torch.Tensor | None,
+              norm: float | None) -> Any:
+        """Fragment ``f``'s sync, one call to each server process with its part, all in flight at
+        once (the window's samples and the buffers to server 0, as a whole-model sync's): a
+        future of their replies."""
+        args = [(f, self.count, part, number, done if s == 0 else None, window, buffers if s == 0 else None, norm)
+                for s, part in enumerate(sent)]
+        if norm is None:
+            args = [a[:-1] for a in args]
+        channel = self.half.channel
+        return channel.call_each_async("exchange_fragment", args) if self.servers > 1 \
+            else _Listed(channel.call_async("exchange_fragment", *args[0]))
+
     def _merge(self, replace: bool = False) -> None:
         assert self.pending is not None
         f, future, _ = self.pending
         self.pending = None
         replies = future.wait()
-        keep = 0.0 if replace or self.overlap == 0 else self.mix
+        self.half.sending = None
+        self._land(f, replies, 0.0 if replace or self.overlap == 0 else self.mix)
+
+    def _land(self, f: int, replies: list, keep: float) -> None:
+        """Fragment ``f``'s global weights from its replies into the replica (``keep``: the share
+        of the local values kept) and its anchor; with fragment 0 replaced, the buffers."""
         anchor = []
         for (reply, _), part in zip(replies, self.parts(f), strict=True):
             values = reply[0].float()
@@ -179,6 +194,19 @@ class StreamingWindows:
             unflatten_into(reply[1], self.half.buffers)
         self.anchor[f] = anchor
         self.half.outer_step = int(told["outer_step"])
+
+    def send_again(self, owed: dict) -> bool:
+        """A fragment's sync an earlier process image of this trainer sent without its answer
+        (``owed``: as :meth:`_send` left it, decoded), sent again under its number: applied if
+        the server had not, once if it had; its reply's global weights replace the fragment's.
+        False when this trainer streams another fragment count (the window is then lost)."""
+        if owed["count"] != self.count or len(owed["flat"]) != self.servers:
+            return False
+        f = int(owed["fragment"])
+        replies = self._call(f, [server[0] for server in owed["flat"]], int(owed["number"]), owed["done"],
+                             dict(owed["window"]), owed["buffers"], owed["norm"]).wait()
+        self._land(f, replies, 0.0)
+        return True
 
 
 class _Listed:

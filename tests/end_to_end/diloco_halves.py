@@ -3,6 +3,7 @@ windows and of streaming DiLoCo's fragments share."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -30,17 +31,18 @@ class Channel:
     halves of server processes 1, 2, ..., of a model partitioned over them all)."""
 
     def __init__(self, half: DiLoCoServer, name: str, rank: int, config: TrainerConfig,
-                 others: tuple[DiLoCoServer, ...] = ()) -> None:
+                 others: tuple[DiLoCoServer, ...] = (), steps_before: int = 0) -> None:
         self.name, self.config, self.half = name, config, half
         self.halves = [half, *others]
-        self.steps_before = 0
+        self.steps_before = steps_before
         self.bucket_cap_mb = 25.0
         self.servers = [f"s{i}" for i in range(len(self.halves))]
         self.device = torch.device("cpu")
         self.wire_dtype = WIRE_DTYPES["fp32"]
         for h in self.halves:
             h.engine.trainer_joined(name)
-        self.info: dict[str, Any] = {"model": "mlp", **half.join_info(name, join_request(rank, name))}
+        request = dataclasses.replace(join_request(rank, name), steps=steps_before)
+        self.info: dict[str, Any] = {"model": "mlp", **half.join_info(name, request)}
         if others:
             self.info.update(servers=self.servers, plan=half.engine.plan.to_dict())
         give_replica(self, "mlp")

@@ -13,6 +13,7 @@ from psserver.common.fragments import fragment_groups, fragment_offsets
 from psserver.config import OptimizerConfig, TrainerConfig
 from psserver.errors import UsageError
 from psserver.server.steps.diloco import DiLoCoServer
+from psserver.trainer.rejoin import save_owed, take_owed
 from psserver.trainer.steps.diloco import DiLoCoTrainer
 from tests.end_to_end.diloco_halves import Channel, batches, diloco_engine, server_weights
 
@@ -96,6 +97,61 @@ def test_fragments_over_two_server_processes_are_the_inner_loop_under_outer_sgd_
     finally:
         for e in engines:
             e.close()
+
+
+class LostReply:
+    """A fragment sync whose reply never came: the server ran the call (``applied``) or never saw it."""
+
+    def __init__(self, channel: Channel, applied: bool) -> None:
+        if applied:
+            channel.call("exchange_fragment", *channel.lost_args)
+
+    def wait(self) -> None:
+        raise RuntimeError("the server process went away")
+
+
+@pytest.mark.parametrize("applied", [True, False], ids=["applied-before", "never-arrived"])
+def test_a_fragment_sync_whose_reply_was_lost_is_sent_again_by_the_next_process_image_and_applied_once(
+        applied, tmp_path, monkeypatch):
+    """Fragment 1 goes out at inner step 2 (H = 4, F = 2, tau 1) and its reply is lost; the
+    trainer's next process image (its owed window through the file of its user's only) sends it
+    again under its number: applied once whether the dead call had reached the server or not,
+    and its reply is the fragment's global weights in the new replica."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    engine = diloco_engine(OptimizerConfig(name="sgd", lr=1.0), mode="async")
+    try:
+        config = TrainerConfig(local_steps=4, inner_optimizer="adamw", inner_lr=1e-2, fragments=2, fragment_overlap=1)
+        server = DiLoCoServer(engine)
+        channel = Channel(server, "t_1", 0, config)
+        half = DiLoCoTrainer(channel)
+        half.open()
+        first, second = batches(3)[:2], batches(3)[2]
+        for x, y in first:
+            half.step(x, y)
+        real = channel.call_async
+
+        def lose(op, *args):
+            channel.lost_args = args
+            return LostReply(channel, applied)
+
+        channel.call_async = lose
+        half.after_step()  # step 2: fragment 1 goes out
+        half.step(*second)
+        with pytest.raises(RuntimeError, match="went away"):
+            half.after_step()  # step 3: its merge finds the reply lost
+        channel.call_async = real
+        owed = take_owed(save_owed(half.owed_window()))
+        assert owed["fragment"] == 1 and engine.global_step == (1 if applied else 0)
+        server.trainer_gone("t_1", evicted=True)
+        again = DiLoCoTrainer(Channel(server, "t_2", 0, config, steps_before=3))
+        again.send_again(owed)
+        assert engine.global_step == 1  # once, either way
+        part = again.stream.parts(1)[0]
+        values = torch.cat([t.reshape(-1) for t in part])
+        server_values = torch.cat([engine.params[i].detach().reshape(-1) for i in again.stream.groups[0][1]])
+        assert torch.equal(values, server_values) and torch.equal(again.stream.anchor[1][0], server_values)
+    finally:
+        engine.close()
 
 
 def test_a_fragment_sync_moves_only_its_fragment_and_a_flush_hands_in_every_fragment():

@@ -164,10 +164,10 @@ class DiLoCoTrainer(PushPullTrainer):
         self.seq += self.window_steps  # numbered by the inner steps at the window's end: sent twice, applied once
         window = {"steps": self.window_steps, "seconds": float(self.window_seconds), "base": self.base_steps}
         buffers = self.owed_buffers()
-        self._sending = {"flat": flat, "number": self.seq, "done": self.window_samples, "window": window,
+        self.sending = {"flat": flat, "number": self.seq, "done": self.window_samples, "window": window,
                          "buffers": buffers, "norm": norm}
         self._land(self._call(flat, 0, self.window_samples, window, buffers=buffers, norm=norm))
-        self._sending = None
+        self.sending = None
         self.syncs += 1
         self.window_steps = self.window_samples = 0
         self.window_seconds = 0.0
@@ -204,16 +204,16 @@ class DiLoCoTrainer(PushPullTrainer):
                     a.copy_(p)
         self._since = time.monotonic()  # the next window's first inner step is timed from here
 
-    _sending: dict | None = None
+    sending: dict | None = None
     """The window of the sync in flight: what a failed one carried, for :meth:`owed_window`."""
 
     def owed_window(self) -> dict | None:
         """The window a failed sync carried (the server may have applied it or not), as plain
         types and tensors, for the trainer's next process image to send again under its number
-        (:meth:`send_again`); None: none in flight (streaming's fragments are not sent again)."""
-        if self._sending is None:
+        (:meth:`send_again`); None: none in flight. Streaming: the fragment's sync in flight."""
+        if self.sending is None:
             return None
-        w = self._sending
+        w = self.sending
         flat = [[{"data": t.data, "scales": t.scales, "bits": t.bits, "numel": t.numel, "block": t.block}
                  if isinstance(t, QuantizedFlat) else t.detach().cpu() for t in server] for server in w["flat"]]
         return {**w, "flat": flat, "buffers": None if w["buffers"] is None else w["buffers"].cpu()}
@@ -221,16 +221,25 @@ class DiLoCoTrainer(PushPullTrainer):
     def send_again(self, owed: dict) -> None:
         """A window an earlier process image of this trainer handed in without its answer, sent
         again under its number: applied if the server had not, once if it had; the reply's
-        global weights become the replica's."""
+        global weights become the replica's (streaming: the fragment's)."""
         if not self.anchor:
             self.open()
         flat = [[QuantizedFlat(**t) if isinstance(t, dict) else t.to(self.device) for t in server]
                 for server in owed["flat"]]
+        if "fragment" in owed:
+            if self.stream is None or not self.stream.send_again({**owed, "flat": flat}):
+                log.warning("diloco: the fragment sync owed from before this trainer rejoined is lost: it streams "
+                            "%s now, %d fragments then", self.stream.count if self.stream else "no fragments",
+                            owed["count"])
+                return
+            log.info("diloco: sent again fragment %d's window (number %d) whose sync failed before this trainer "
+                     "rejoined", owed["fragment"], owed["number"])
+            return
         number, self.seq = self.seq, int(owed["number"])
-        self._sending = {**owed, "flat": flat}
+        self.sending = {**owed, "flat": flat}
         self._land(self._call(flat, 0, int(owed["done"]), dict(owed["window"]), buffers=owed["buffers"],
                               norm=owed["norm"]))
-        self._sending = None
+        self.sending = None
         self.seq = max(number, self.seq)
         log.info("diloco: sent again the window (inner steps up to %d) whose sync failed before this trainer "
                  "rejoined", int(owed["number"]))
