@@ -63,7 +63,9 @@ class ParameterServer:
         self.endpoint = Endpoint(config, self.engine, self.halves, after_call=self.policy.maybe_save)
         self.view = ServerView(config, self.engine, self.endpoint, self.policy, self.request_shutdown)
         self.view.memory = self.memory
-        self.versions = Versions(self.engine.model_version, lambda: self.engine.global_step,
+        # (several processes: server 0's group puts each version together from every process's part)
+        self.versions = Versions(lambda: self.group.model_version() if self.group is not None
+                                 else self.engine.model_version(), lambda: self.engine.global_step,
                                  config.control.publish_interval, lambda: self.engine.model_ref or "",
                                  self.engine.table_rows)
         """Versions of the model for readers of the weights (the control plane's ``WeightsService``)."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+import time
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ import torch
 from psserver.control.client import ControlClient
 from psserver.models import build_model
 from psserver.reader.reader import Reader
-from tests.procs import run, slow_steps, wait_until
+from tests.procs import run, slow_steps, start_servers, wait_until
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -75,3 +77,54 @@ def test_readers_follow_training_and_pull_writes_one_version(procs, port, tmp_pa
     wrong = run(["--log-level", "ERROR", "pull", "--address", address, "--out", str(tmp_path / "x.pt")], timeout=60)
     assert wrong.returncode == 2 and wrong.stderr.strip().count("\n") == 0
     assert "missing bearer token" in wrong.stderr
+
+
+LR = 2.0 ** -6
+"""Every update adds exactly LR to every parameter (a step's gradient is -1 everywhere, SGD),
+so a version of step s holds s * LR in every element, exactly in fp32."""
+
+STEADY_TRAINER = f"""
+import sys
+import torch
+import psserver
+from torch import nn
+
+model = nn.Linear(64, 64)
+with torch.no_grad():
+    for p in model.parameters():
+        p.zero_()
+with psserver.connect(sys.argv[1], rank=0, num_trainers=1) as ps:
+    model = ps.replica(model, optimizer=torch.optim.SGD(model.parameters(), lr={LR!r}))
+    for _ in range(int(sys.argv[2])):
+        (-sum(p.sum() for p in model.parameters())).backward()
+        ps.step(samples=1)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_reader_of_two_server_processes_never_holds_parts_of_two_steps(procs, port, tmp_path):
+    """Two server processes, synchronous updates, a model cut across both (each holds pieces of
+    the weight): a reader polling every 10 ms through 1,000 updates gets versions whose every
+    element is its step's value, step * LR (a torn read would hold the other process's pieces
+    one step apart), with the steps it reports never going back."""
+    updates = 1000
+    servers = start_servers(procs, port, 2, "--update", "sync", "--sync-trainers", "1", "--publish-interval", "0",
+                            control=True)
+    address = "{}:{}".format(*servers[0].wait_for(LISTENING.pattern, timeout=30).groups())
+    script = tmp_path / "steady.py"
+    script.write_text(STEADY_TRAINER)
+    trainer = procs.start([str(script), f"127.0.0.1:{port}", str(updates)], "steady",
+                          prefix=[sys.executable])
+    reads, steps = 0, [-1]
+    with Reader(address, name="checker") as reader:
+        while steps[-1] < updates:
+            version = reader.wait(steps[-1], timeout=60)  # the first waits for the trainer's model
+            assert version is not None, trainer.tail()
+            reads += 1
+            for key, t in version.state.items():
+                assert torch.equal(t, torch.full_like(t, version.step * LR)), \
+                    f"{key} of step {version.step} holds values of another step: {t.unique()[:4].tolist()}"
+            steps.append(version.step)
+            time.sleep(0.01)
+    assert trainer.wait(60) == 0, trainer.tail()
+    assert steps == sorted(set(steps)) and reads > 50, steps

@@ -30,6 +30,7 @@ from psserver.server.engine.held_model import HeldModel
 from psserver.server.engine.journal import GradientSequences
 from psserver.server.engine.lr_schedule import LRSchedule
 from psserver.server.engine.shard import Shard
+from psserver.server.engine.step_copies import StepCopies
 from psserver.server.engine.sync_updates import FollowerSyncUpdater, SyncUpdater
 from psserver.server.engine.updates import AsyncUpdater, Grads, OnStep, SSPUpdater, TrainerProgress, Updater
 from psserver.server.sparse.tables import SparseTables
@@ -147,6 +148,9 @@ class StepEngine:
         if cfg.update == "diloco" and isinstance(self.updater, SyncUpdater):
             self.updater.mean_per_parameter = True  # a round of streaming DiLoCo may mix fragments
         self.updater.journal = self.sequences
+        self.step_copies = StepCopies(self)
+        """This process's part copied at an exact step (a version of a model over several processes)."""
+        self.updater.applied_hook = self.step_copies.applied
         if self.spec is None:
             return
         model = build_model(self.spec, seed=cfg.seed, embedding_dim=cfg.embedding.dim)
@@ -588,8 +592,8 @@ class StepEngine:
         ``NoVersion`` without a model, or for one spread over several server processes."""
         if self.layout is None:
             raise NoVersion("the server holds no model yet (the first trainer brings it)", later=True)
-        if self.plan is not None:
-            raise NoVersion("the model is spread over several server processes, whose versions cannot be read yet")
+        if self.plan is not None:  # server 0's group puts one together from every process's part
+            raise NoVersion("the model is spread over several server processes: server 0 reads their parts")
 
         def copy() -> tuple[int, dict[str, torch.Tensor]]:
             with self.updater.lock:

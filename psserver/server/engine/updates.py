@@ -93,6 +93,8 @@ class Updater:
         self.shards = shards
         self.on_step = on_step
         self.global_step = 0
+        self.applied_hook: Callable[[int], None] | None = None
+        """Called with each step as it is applied, the lock held (``psserver.server.engine.step_copies``)."""
         self._param_shard = {p: s for s in shards for p in s.params}
         self._clocks = threading.Condition()
         self._joined: set[str] = set()  # live, no step tried yet: they bound nobody
@@ -122,6 +124,8 @@ class Updater:
         """(lock held) After the update: every tensor holds it, ``global_step`` counts it."""
         if self.journal is not None:
             self.journal.commit()
+        if self.applied_hook is not None:
+            self.applied_hook(self.global_step)
 
     def _schedule_lr(self) -> None:
         """(lock held) Before the update at ``global_step``: the schedule's learning rate into

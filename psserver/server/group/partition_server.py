@@ -56,6 +56,9 @@ from psserver.utils.memory import configure_host_allocator, freeze_long_lived
 
 log = logging.getLogger(__name__)
 
+PART_WAIT_MAX_S = 30.0
+"""The longest a part of a version waits for its step."""
+
 WATCH_S = 1.0
 MISSED_TO_LOSE = 3
 """Unanswered pings of server 0 in a row after which this server gives up on it."""
@@ -100,7 +103,8 @@ class Roster:
 class PartitionServer:
     """One partition server; ``peer_ops`` are what server 0 calls."""
 
-    peer_ops = ("trainer_joined", "trainer_gone", "status", "save", "load", "shutdown", "sync_round", "adopt")
+    peer_ops = ("trainer_joined", "trainer_gone", "status", "save", "load", "shutdown", "sync_round", "adopt",
+                "part_at")
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
@@ -259,6 +263,14 @@ class PartitionServer:
         tables = self.engine.tables
         return {"updates": self.engine.global_step, "bytes": sum(s.num_bytes for s in self.engine.shards),
                 "tables": [dataclasses.asdict(t) for t in tables.status()] if tables is not None else []}
+
+    def part_at(self, step: int, timeout: float) -> tuple[torch.Tensor, None] | None:
+        """This partition's pieces as one flat buffer at global step ``step``, for a reader's
+        version (``psserver.server.engine.step_copies``); None when past it or not reached in time."""
+        if isinstance(step, bool) or not isinstance(step, int) or not isinstance(timeout, int | float):
+            raise ValueError("part_at(step: int, timeout: float)")
+        part = self.engine.step_copies.at(step, min(float(timeout), PART_WAIT_MAX_S))
+        return None if part is None else (part[0], None)
 
     def save(self, step: int, run: str) -> str:
         return self.policy.save_partition(step, run)

@@ -34,7 +34,9 @@ import torch.distributed.rpc as rpc
 from psserver.common import rendezvous
 from psserver.common.messages import JoinRequest, ServerHello
 from psserver.common.partition import make_plan
+from psserver.common.tensors import unflatten_into
 from psserver.config import ServerConfig
+from psserver.errors import NoVersion
 from psserver.models.layout import PARAMETER, ModelLayout
 from psserver.server.group import peers
 from psserver.telemetry import ServerProcessStatus, TableStatus
@@ -57,6 +59,10 @@ STOPPING_GRACE_S = 2.0
 go: a job-wide SIGTERM (``scancel``, a deleted pod set) reaches every process at about the same
 moment, and which of them asks first is chance."""
 """How long server 0 waits for a partition of a checkpoint to be written."""
+VERSION_TRIES = 6
+"""Steps tried for a reader's version before it is refused (a process past the step asked)."""
+PART_WAIT_S = 10.0
+"""How long each process waits for the step of a version's part."""
 
 
 @dataclass
@@ -343,6 +349,57 @@ class ServerGroup:
             if isinstance(result, BaseException):
                 raise RuntimeError(f"server {peer.rank} did not write its partition of checkpoint step {step}: "
                                    f"{_first_line(result)}")
+
+    # ---- versions for readers -------------------------------------------------------------------
+
+    def model_version(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """A version of the whole model for readers (``psserver.server.versions``): every
+        process's part copied at one global step (``psserver.server.engine.step_copies``), the
+        parameters put together by the plan, the buffers server 0's. ``NoVersion`` when the
+        processes share no step: updates applied as they arrive, a process missing, or no
+        common step found in ``VERSION_TRIES``."""
+        engine = self.engine
+        if engine.layout is None or engine.plan is None:
+            raise NoVersion("the server holds no model yet (the first trainer brings it)", later=True)
+        if not self.config.rounds:
+            raise NoVersion("reading the weights of a model spread over several server processes needs synchronous "
+                            "updates (--update sync, or --update diloco --outer sync): applied as they arrive, "
+                            "the processes hold no common step")
+        with self.lock:
+            missing = [p.rank for p in self.peers.values() if p.state != "SERVING"]
+            live = sorted((p for p in self.peers.values() if p.state == "SERVING"), key=lambda p: p.rank)
+        if missing or len(live) != self.config.num_servers - 1:
+            raise NoVersion(f"server process(es) {', '.join(map(str, missing)) or 'not yet registered'} missing: no "
+                            "whole version until they are back", later=True)
+        for attempt in range(VERSION_TRIES):
+            # The step now (every process is at it or about to be), then, if one had passed
+            # it meanwhile, the next step: each copies its part as it applies it.
+            step = engine.global_step + (attempt >= VERSION_TRIES // 2)
+            own = engine.step_copies.at(step, PART_WAIT_S)
+            if own is None:
+                continue
+            answers = self._call_all(live, "part_at", (step, PART_WAIT_S), PART_WAIT_S + PING_TIMEOUT_S)
+            for peer, answer in answers:
+                if isinstance(answer, BaseException):
+                    raise NoVersion(f"server {peer.rank} did not give its part of step {step}: "
+                                    f"{_first_line(answer)}", later=True)
+            if all(answer is not None for _, answer in answers):
+                return step, self._whole(own, [answer[0] for _, answer in answers])
+        raise NoVersion(f"no step common to the {self.config.num_servers} server processes in {VERSION_TRIES} tries",
+                        later=True)
+
+    def _whole(self, own: tuple[torch.Tensor, torch.Tensor | None], others: list[torch.Tensor]) -> dict:
+        """The model's ``state_dict`` from every process's parameters (server 0's first) and server 0's buffers."""
+        engine = self.engine
+        layout, plan = engine.layout, engine.plan
+        params = iter(plan.gather([own[0], *others], [torch.empty(e.shape, device="meta") for e in layout.parameters]))
+        buffers = [torch.empty(e.shape, dtype=getattr(torch, e.dtype)) for e in layout.buffers]
+        if buffers and own[1] is not None:
+            unflatten_into(own[1], buffers)
+        held = iter(buffers)
+        values = [next(params).to(getattr(torch, e.dtype)) if e.kind == PARAMETER else next(held)
+                  for e in layout.entries]
+        return layout.state_dict(values)
 
     # ---- watching ------------------------------------------------------------------------------
 
