@@ -37,7 +37,8 @@ class Encoded:
     """One version's bytes in one dtype: each tensor's ``(key, dtype name, shape, nbytes)``."""
 
     metas: list[tuple[str, str, tuple[int, ...], int]]
-    data: bytes
+    data: bytearray
+    """Never written again once made (readers of the version share it)."""
     crc32: int
 
 
@@ -61,15 +62,22 @@ class Version:
 
 
 def encode(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> Encoded:
-    metas, parts = [], []
+    """Every tensor's bytes, in ``state``'s order, copied once into one buffer (by torch, which
+    lets go of the GIL the server's RPC threads need), floating ones cast to ``dtype`` first."""
+    metas, tensors = [], []
     for key, t in state.items():
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
-        t = t.contiguous()
-        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        metas.append((key, str(t.dtype).removeprefix("torch."), tuple(t.shape), len(raw)))
-        parts.append(raw)
-    data = b"".join(parts)
+        metas.append((key, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size()))
+        tensors.append(t)
+    data = bytearray(sum(m[3] for m in metas))
+    if data:
+        out = torch.frombuffer(data, dtype=torch.uint8)
+        at = 0
+        for t, (_, _, _, n) in zip(tensors, metas, strict=True):
+            if n:
+                out[at:at + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+                at += n
     return Encoded(metas, data, zlib.crc32(data))
 
 
