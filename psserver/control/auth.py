@@ -44,7 +44,8 @@ HEALTH_PREFIX = "/grpc.health.v1.Health/"
 ADMIN_METHODS = frozenset({f"/{SERVICE_NAME}/Checkpoint", f"/{SERVICE_NAME}/Shutdown"})
 # Successful reads are polled (scripts, ``status --watch``): log them at DEBUG only.
 QUIET_METHODS = frozenset({f"/{SERVICE_NAME}/GetStatus", f"/{SERVICE_NAME}/ListTrainers",
-                           f"/{WEIGHTS_SERVICE_NAME}/Read", f"/{WEIGHTS_SERVICE_NAME}/Rows"})
+                           f"/{WEIGHTS_SERVICE_NAME}/Read", f"/{WEIGHTS_SERVICE_NAME}/Rows",
+                           f"/{WEIGHTS_SERVICE_NAME}/RowsSince"})
 WEIGHTS_PREFIX = f"/{WEIGHTS_SERVICE_NAME}/"
 
 # gRPC metadata values are printable ASCII, and its default limit on all of a call's metadata

@@ -49,6 +49,10 @@ class WeightsSource(Protocol):
         """The global step and ``table``'s rows of ``ids`` (an int64 tensor) as held now;
         ``ValueError`` for bad ids or table, ``NoVersion`` when there are none to read."""
 
+    def rows_since(self, table: str, since: int) -> Any:
+        """``table``'s delta since its clock ``since`` (``psserver.server.sparse.table.RowChanges``);
+        ``ValueError`` for an unknown table, ``NoVersion`` when there are none to read."""
+
 
 class WeightsService(pb_grpc.WeightsServiceServicer):
     """At most ``max_reads`` reads at once (each may wait for a version): RESOURCE_EXHAUSTED
@@ -130,6 +134,41 @@ class WeightsService(pb_grpc.WeightsServiceServicer):
         return pb.RowsResponse(step=step, width=rows.shape[1] if rows.dim() == 2 else 0,
                                dtype=str(dtype).removeprefix("torch."),
                                rows=rows.reshape(-1).view(torch.uint8).numpy().tobytes() if rows.numel() else b"")
+
+
+    def RowsSince(self, request: pb.RowsSinceRequest, context: grpc.ServicerContext) -> Iterator[pb.RowsDelta]:
+        import torch
+
+        if request.dtype not in READ_DTYPES:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"dtype must be one of {', '.join(READ_DTYPES[1:])} "
+                                                            f"(or empty), got {request.dtype[:40]!r}")
+        if request.since < -1:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"since is a table's clock, or -1: got {request.since}")
+        try:
+            changes = self._source.rows_since(request.table, request.since)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except NoVersion as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no rows to read: {e}")
+        dtype = getattr(torch, request.dtype or "float32")
+        rows = changes.rows.to(dtype).contiguous()
+        width = int(rows.shape[1]) if rows.dim() == 2 else 0
+        ids_per = CHUNK_BYTES // 8
+        gone = [_le_bytes(changes.gone[i:i + ids_per]) for i in range(0, changes.gone.numel(), ids_per)] or [b""]
+        yield pb.RowsDelta(step=changes.step, full=changes.full, width=width, dtype=str(dtype).removeprefix("torch."),
+                           gone=gone[0])
+        for chunk in gone[1:]:
+            yield pb.RowsDelta(gone=chunk)
+        per = max(1, CHUNK_BYTES // (width * dtype.itemsize + 8))
+        for start in range(0, changes.ids.numel(), per):
+            yield pb.RowsDelta(ids=_le_bytes(changes.ids[start:start + per]), rows=_le_bytes(rows[start:start + per]))
+
+
+def _le_bytes(t: Any) -> bytes:
+    """A tensor's bytes as they lie (little-endian on the machines torch runs on)."""
+    import torch
+
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 def add_to_server(service: WeightsService, server: Any) -> None:

@@ -70,6 +70,33 @@ class RowsRead:
     """``[len(ids), width]``, row i for ``ids[i]``."""
 
 
+@dataclass(frozen=True)
+class RowsDelta:
+    """What a reader holding table rows as of the table's clock ``since`` needs to hold them as
+    of ``step`` (:meth:`Reader.rows_since`): drop ``gone`` (``full``: drop everything), then set
+    the rows of ``ids`` to ``rows``."""
+
+    step: int
+    """The table's clock of this delta: ask the next one from it."""
+    full: bool
+    """Every row is here: whatever the reader held goes first."""
+    gone: torch.Tensor
+    """Ids whose rows were dropped (evicted, expired): they read the table's default row again."""
+    ids: torch.Tensor
+    rows: torch.Tensor
+    """``[len(ids), width]``, in the reader's dtype on its device."""
+
+    def apply_to(self, held: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """``held`` (id -> row, as an earlier delta left it) brought up to this delta; returned."""
+        if self.full:
+            held.clear()
+        for i in self.gone.tolist():
+            held.pop(i, None)
+        for i, row in zip(self.ids.tolist(), self.rows, strict=True):
+            held[i] = row
+        return held
+
+
 def resolve_read_token(token: str | None = None, token_file: Path | str | None = None) -> str | None:
     """``token``, else the file's, else ``$PSSERVER_READ_TOKEN``, else None (a server without one)."""
     if token is not None:
@@ -186,6 +213,32 @@ class Reader:
         values = torch.frombuffer(bytearray(answer.rows), dtype=dtype) if answer.rows else torch.zeros(0, dtype=dtype)
         return RowsRead(int(answer.step), values.reshape(unique.numel(), answer.width)[inverse].to(self.device))
 
+    def rows_since(self, table: str, since: int = -1) -> RowsDelta:
+        """What changed in embedding table ``table`` since its clock ``since`` (a delta's
+        ``step``; -1: every row): the ids dropped and the rows written since, for a reader that
+        keeps its own copy of the rows fresh without reading them all again."""
+        if isinstance(since, bool) or not isinstance(since, int) or since < -1:
+            raise UsageError(f"rows_since: since is a table's clock (a delta's step) or -1, got {since!r}")
+        request = pb.RowsSinceRequest(table=table, since=since, dtype=self.dtype, reader=self.name)
+        try:
+            messages = list(self._stub.RowsSince(request, timeout=self.timeout, metadata=self._metadata))
+        except grpc.RpcError as e:
+            raise self._error(e) from None
+        if not messages:
+            raise UsageError(f"{self.address} answered no delta of table {table!r}")
+        first = messages[0]
+        dtype = getattr(torch, first.dtype, None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise UsageError(f"{self.address} sent rows of dtype {first.dtype!r}")
+        gone = _int64s(b"".join(m.gone for m in messages), self.address)
+        ids = _int64s(b"".join(m.ids for m in messages), self.address)
+        data = b"".join(m.rows for m in messages)
+        if len(data) != ids.numel() * first.width * dtype.itemsize:
+            raise UsageError(f"{self.address} sent {len(data)} bytes of rows for {ids.numel()} ids of {first.width}")
+        rows = torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.zeros(0, dtype=dtype)
+        return RowsDelta(int(first.step), bool(first.full), gone, ids,
+                         rows.reshape(ids.numel(), first.width).to(self.device))
+
     # ---- the wire -----------------------------------------------------------------------
 
     def _error(self, e: grpc.RpcError) -> Exception:
@@ -258,6 +311,12 @@ class Reader:
             state[key] = t.reshape(shape).to(self.device)
             at += nbytes
         return Version(raw.step, state, raw.published_at, time.time() + raw.clock, raw.model)
+
+
+def _int64s(data: bytes, address: str) -> torch.Tensor:
+    if len(data) % 8:
+        raise UsageError(f"{address} sent ids that are not int64s ({len(data)} bytes)")
+    return torch.frombuffer(bytearray(data), dtype=torch.int64) if data else torch.zeros(0, dtype=torch.int64)
 
 
 def _dtype_name(dtype: str | torch.dtype | None) -> str:

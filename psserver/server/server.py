@@ -67,7 +67,7 @@ class ParameterServer:
         self.versions = Versions(lambda: self.group.model_version() if self.group is not None
                                  else self.engine.model_version(), lambda: self.engine.global_step,
                                  config.control.publish_interval, lambda: self.engine.model_ref or "",
-                                 self.engine.table_rows)
+                                 self.engine.table_rows, self.engine.table_changes)
         """Versions of the model for readers of the weights (the control plane's ``WeightsService``)."""
         self.view.versions = self.versions
         self.engine.listeners += [self.policy.note_step, self.view.on_step, self.versions.on_step]

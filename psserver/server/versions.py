@@ -20,6 +20,7 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -88,9 +89,11 @@ class Versions:
 
     def __init__(self, copy: Callable[[], tuple[int, dict[str, torch.Tensor]]], applied: Callable[[], int],
                  publish_interval: float = 0.25, model: Callable[[], str] = lambda: "",
-                 rows: Callable[[str, torch.Tensor], tuple[int, torch.Tensor]] | None = None) -> None:
+                 rows: Callable[[str, torch.Tensor], tuple[int, torch.Tensor]] | None = None,
+                 changes: Callable[[str, int], Any] | None = None) -> None:
         self._copy = copy
         self._rows = rows
+        self._changes = changes
         self._applied = applied
         self.publish_interval = publish_interval
         self._model = model
@@ -203,6 +206,16 @@ class Versions:
         with self._cond:
             self.lookups += 1
         return step, rows
+
+    def rows_since(self, table: str, since: int) -> Any:
+        """``table``'s delta for a reader that holds its rows as of the table's clock ``since``
+        (``psserver.server.sparse.table.RowChanges``)."""
+        if self._changes is None:
+            raise NoVersion("this server serves no embedding rows")
+        changes = self._changes(table, since)
+        with self._cond:
+            self.lookups += 1
+        return changes
 
     def age_histogram(self) -> AgeHistogram:
         with self._cond:

@@ -184,3 +184,39 @@ def test_row_lookups_come_back_per_id_in_order_with_repeats(target, trained):
             reader.rows("items", [1])
     with serve(target, trained) as server, Reader(server.address, dtype="bfloat16") as half:
         assert half.rows("users", [2]).values.dtype == torch.bfloat16
+
+
+def test_row_deltas_over_grpc_keep_a_readers_copy_equal_to_the_table_in_chunks(target):
+    """A table of 5,000 rows of 64 (over a MiB: several messages): the first delta is every
+    row, the next only what was stepped or dropped since; the reader's copy equals the table's."""
+    from psserver.server.sparse.table import EmbeddingTable, TableSpec
+
+    table = EmbeddingTable(TableSpec("items", dim=64, max_rows=5000), initial_capacity=5000)
+    table.lookup(torch.arange(5000))
+    table.end_step()
+
+    def changes(name: str, since: int):
+        if name != "items":
+            raise ValueError(f"no table {name!r}")
+        return table.changes_since(since)
+
+    versions = Versions(lambda: (0, {}), lambda: 0, 0.0, changes=changes)
+    with ControlServer(target, ControlConfig(port=0), grace=0.5, weights=versions).start() as server, \
+            Reader(server.address) as reader:
+        first = reader.rows_since("items")
+        assert first.full and first.ids.numel() == 5000
+        held = first.apply_to({})
+        table.apply(torch.tensor([7, 4000]), torch.ones(2, 64))
+        table.lookup(torch.tensor([9000]))  # past max_rows: the least recently used go (to 95 % of it)
+        table.end_step()
+        delta = reader.rows_since("items", first.step)
+        gone = set(delta.gone.tolist())
+        assert not delta.full and set(delta.ids.tolist()) == {7, 4000, 9000} - gone and len(gone) == 251
+        delta.apply_to(held)
+        live = (table.ids >= 0).nonzero().squeeze(1)
+        assert held.keys() == set(table.ids[live].tolist())
+        assert all(torch.equal(held[int(i)], table.weights[s]) for i, s in zip(table.ids[live], live, strict=True))
+        with pytest.raises(UsageError, match="INVALID_ARGUMENT: no table 'users'"):
+            reader.rows_since("users")
+        with pytest.raises(UsageError, match="since is a table's clock"):
+            reader.rows_since("items", -2)

@@ -70,6 +70,36 @@ SERVER_PROCESS_STATE_SERVING: ServerProcessState
 SERVER_PROCESS_STATE_LOST: ServerProcessState
 SERVER_PROCESS_STATE_MISSING: ServerProcessState
 
+class RowsSinceRequest(_message.Message):
+    __slots__ = ("table", "since", "dtype", "reader")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    READER_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    since: int
+    dtype: str
+    reader: str
+    def __init__(self, table: _Optional[str] = ..., since: _Optional[int] = ..., dtype: _Optional[str] = ..., reader: _Optional[str] = ...) -> None: ...
+
+class RowsDelta(_message.Message):
+    __slots__ = ("step", "full", "width", "dtype", "gone", "ids", "rows")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    GONE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    full: bool
+    width: int
+    dtype: str
+    gone: bytes
+    ids: bytes
+    rows: bytes
+    def __init__(self, step: _Optional[int] = ..., full: _Optional[bool] = ..., width: _Optional[int] = ..., dtype: _Optional[str] = ..., gone: _Optional[bytes] = ..., ids: _Optional[bytes] = ..., rows: _Optional[bytes] = ...) -> None: ...
+
 class RowsRequest(_message.Message):
     __slots__ = ("table", "ids", "dtype")
     TABLE_FIELD_NUMBER: _ClassVar[int]

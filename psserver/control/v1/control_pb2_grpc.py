@@ -312,6 +312,11 @@ class WeightsServiceStub:
                 request_serializer=psserver_dot_v1_dot_control__pb2.RowsRequest.SerializeToString,
                 response_deserializer=psserver_dot_v1_dot_control__pb2.RowsResponse.FromString,
                 _registered_method=True)
+        self.RowsSince = channel.unary_stream(
+                '/psserver.v1.WeightsService/RowsSince',
+                request_serializer=psserver_dot_v1_dot_control__pb2.RowsSinceRequest.SerializeToString,
+                response_deserializer=psserver_dot_v1_dot_control__pb2.RowsDelta.FromString,
+                _registered_method=True)
 
 
 class WeightsServiceServicer:
@@ -330,7 +335,8 @@ class WeightsServiceServicer:
         `data` chunks, in the header's order. With newer_than, waits (at most
         timeout_seconds) for a version of a later step: DEADLINE_EXCEEDED when
         none came. FAILED_PRECONDITION while the server holds no model, or for a
-        model spread over several server processes.
+        model spread over several server processes whose updates are not
+        synchronous.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -348,6 +354,20 @@ class WeightsServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RowsSince(self, request, context):
+        """What a reader holding a table's rows as of the table's clock `since` needs
+        to hold them as now: the ids dropped since (they read the default row
+        again), then the rows written since (created or stepped). The first
+        message carries the clock, `full` and `gone`; the rows follow in chunks.
+        `full`: every row is in this delta, the reader drops what it held first
+        (asked from -1, from before the server's log of dropped rows, or from
+        before the server process restarted). INVALID_ARGUMENT for an unknown
+        table; FAILED_PRECONDITION as for Rows.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightsServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -360,6 +380,11 @@ def add_WeightsServiceServicer_to_server(servicer, server):
                     servicer.Rows,
                     request_deserializer=psserver_dot_v1_dot_control__pb2.RowsRequest.FromString,
                     response_serializer=psserver_dot_v1_dot_control__pb2.RowsResponse.SerializeToString,
+            ),
+            'RowsSince': grpc.unary_stream_rpc_method_handler(
+                    servicer.RowsSince,
+                    request_deserializer=psserver_dot_v1_dot_control__pb2.RowsSinceRequest.FromString,
+                    response_serializer=psserver_dot_v1_dot_control__pb2.RowsDelta.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -423,6 +448,33 @@ class WeightsService:
             '/psserver.v1.WeightsService/Rows',
             psserver_dot_v1_dot_control__pb2.RowsRequest.SerializeToString,
             psserver_dot_v1_dot_control__pb2.RowsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RowsSince(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/psserver.v1.WeightsService/RowsSince',
+            psserver_dot_v1_dot_control__pb2.RowsSinceRequest.SerializeToString,
+            psserver_dot_v1_dot_control__pb2.RowsDelta.FromString,
             options,
             channel_credentials,
             insecure,

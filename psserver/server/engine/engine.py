@@ -33,6 +33,7 @@ from psserver.server.engine.shard import Shard
 from psserver.server.engine.step_copies import StepCopies
 from psserver.server.engine.sync_updates import FollowerSyncUpdater, SyncUpdater
 from psserver.server.engine.updates import AsyncUpdater, Grads, OnStep, SSPUpdater, TrainerProgress, Updater
+from psserver.server.sparse.table import RowChanges
 from psserver.server.sparse.tables import SparseTables
 
 log = logging.getLogger(__name__)
@@ -618,6 +619,15 @@ class StepEngine:
             raise NoVersion("the rows are spread over several server processes, whose rows cannot be read yet")
         step = self.updater.global_step
         return step, self.tables.lookup({table: ids})[table]
+
+    def table_changes(self, table: str, since: int) -> RowChanges:
+        """A reader's delta of ``table``: the rows written and the ids dropped after the table's
+        clock ``since`` (``psserver.server.sparse.table.EmbeddingTable.changes_since``)."""
+        if self.tables is None:
+            raise NoVersion("the model has no embedding tables")
+        if self.tables.num_servers > 1:
+            raise NoVersion("the rows are spread over several server processes, whose rows cannot be read yet")
+        return self.tables.changes_since(table, since)
 
     def live_state(self) -> EngineState:
         """(updater's lock held, and the tables' lock) What ``copy_state`` gives, with the

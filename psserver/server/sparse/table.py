@@ -12,6 +12,7 @@ memory per id.
 
 from __future__ import annotations
 
+import collections
 import logging
 from dataclasses import dataclass
 
@@ -73,6 +74,23 @@ class TableCounters:
     updates: int = 0
 
 
+MAX_DROPS_KEPT = 1 << 20
+"""Dropped ids kept for readers' deltas (8 MB); a reader further behind starts over."""
+
+
+@dataclass(frozen=True)
+class RowChanges:
+    """A reader's delta of one table (:meth:`EmbeddingTable.changes_since`)."""
+
+    step: int
+    """The table's clock now: the next delta is asked from it."""
+    full: bool
+    """Every row is here: the reader drops what it held first."""
+    ids: torch.Tensor
+    rows: torch.Tensor
+    gone: torch.Tensor
+
+
 class EmbeddingTable:
     """The rows of one table held by one server."""
 
@@ -87,6 +105,9 @@ class EmbeddingTable:
         self.weights = torch.zeros(cap, spec.dim)
         self.last_step = torch.zeros(cap, dtype=torch.int64)
         self.hits = torch.zeros(cap, dtype=torch.int64)
+        self.changed = torch.zeros(cap, dtype=torch.int64)
+        """The clock at which each slot's row was last written (created or stepped), for readers'
+        deltas (:meth:`changes_since`); kept in this process only (a restore marks every row)."""
         self.state = self._new_state(cap)
         self._free: list[int] = list(range(cap - 1, -1, -1))
         self.sketch = torch.zeros(_SKETCH_DEPTH, spec.sketch_width, dtype=torch.int32) if spec.admit_after > 1 \
@@ -98,6 +119,12 @@ class EmbeddingTable:
         """Times the slot tensors were replaced by larger ones (their set of tensors changed)."""
         self.counters = TableCounters()
         self.default = torch.zeros(spec.dim)
+        self._dropped: collections.deque[tuple[int, torch.Tensor]] = collections.deque()
+        """(clock, ids) of the rows dropped (evicted, expired) since ``_dropped_from``."""
+        self._dropped_ids = 0
+        self._dropped_from = -1
+        """The clock after which every dropped row is in ``_dropped``: a reader's delta from before
+        it starts over (``full``)."""
 
     # ---- reads and writes ---------------------------------------------------------------
 
@@ -152,6 +179,7 @@ class EmbeddingTable:
             m_hat = m[slots] / (1 - b1 ** steps)
             v_hat = v[slots] / (1 - b2 ** steps)
             self.weights[slots] -= lr * m_hat / (v_hat.sqrt() + self.EPS)
+        self.changed[slots] = self.step + 1
         self.counters.updates += int(slots.numel())
 
     def end_step(self) -> None:
@@ -178,6 +206,19 @@ class EmbeddingTable:
         return self.ids.numel() * per_slot + self.index.nbytes() + (self.sketch.numel() * 4 if self.sketch is not None
                                                                      else 0)
 
+    def changes_since(self, since: int) -> RowChanges:
+        """What a reader holding the rows as of clock ``since`` (-1: none) needs to hold them as
+        now: the rows written after it (created or stepped) and the ids dropped after it (they
+        read the default row again; one dropped and created again is in both: drop first). From
+        before what the drop log keeps, or before a restore, every row (``full``: start over)."""
+        full = since < 0 or since < self._dropped_from
+        if full:
+            since = -1
+        chosen = (self.ids >= 0) & (self.changed > since)
+        gone = [ids for step, ids in self._dropped if step > since] if not full else []
+        return RowChanges(self.step, full, self.ids[chosen].clone(), self.weights[chosen].clone(),
+                          torch.cat(gone) if gone else torch.zeros(0, dtype=torch.int64))
+
     def initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Each id's initial row, N(0, init_std) from a hash of (seed, id, column): the same on
         every server and every time the row is created."""
@@ -189,6 +230,7 @@ class EmbeddingTable:
             self._evict(max(overflow, self.num_rows + ids.numel() - int(0.95 * self.spec.max_rows)))
         slots = self._take_slots(ids.numel())
         self.weights[slots] = self.initial_rows(ids)
+        self.changed[slots] = self.step + 1
         self.last_step[slots] = self.step
         self.hits[slots] = 0
         for t in self.state.values():
@@ -211,6 +253,12 @@ class EmbeddingTable:
         self.counters.evicted += n
 
     def _drop(self, slots: torch.Tensor) -> None:
+        self._dropped.append((self.step + 1, self.ids[slots].clone()))
+        self._dropped_ids += int(slots.numel())
+        while self._dropped_ids > MAX_DROPS_KEPT and len(self._dropped) > 1:
+            step, ids = self._dropped.popleft()
+            self._dropped_ids -= ids.numel()
+            self._dropped_from = step
         self.index.remove(self.ids[slots])
         self.ids[slots] = -1  # the slot is free from here (see from_live_state)
         self._free.extend(slots.tolist())
@@ -230,6 +278,7 @@ class EmbeddingTable:
         self.ids = torch.cat([self.ids, torch.full((extra,), -1, dtype=torch.int64)])
         self.weights = torch.cat([self.weights, torch.zeros(extra, self.spec.dim)])
         self.last_step = torch.cat([self.last_step, torch.zeros(extra, dtype=torch.int64)])
+        self.changed = torch.cat([self.changed, torch.zeros(extra, dtype=torch.int64)])
         self.hits = torch.cat([self.hits, torch.zeros(extra, dtype=torch.int64)])
         grown = self._new_state(extra)
         self.state = {k: torch.cat([v, grown[k]]) for k, v in self.state.items()}
@@ -296,6 +345,10 @@ class EmbeddingTable:
         self.__dict__.update(fresh.__dict__)
         self.step = int(state["step"])
         self.clock[0] = self.step
+        # What readers held of the rows before is not known here: every row counts as written
+        # now, and a delta from before now starts over.
+        self.changed[self.ids >= 0] = self.step
+        self._dropped_from = self.step
         if state.get("sketch") is not None:
             self.sketch = state["sketch"].clone()
         self.counters = TableCounters(**state.get("counters", {}))

@@ -22,7 +22,7 @@ import torch
 from psserver.common.partition import owner
 from psserver.config import EmbeddingConfig
 from psserver.models import TableDef
-from psserver.server.sparse.table import EmbeddingTable, TableSpec
+from psserver.server.sparse.table import EmbeddingTable, RowChanges, TableSpec
 from psserver.telemetry import TableStatus
 from psserver.utils.hashing import mix64
 
@@ -119,6 +119,15 @@ class SparseTables:
         ids = self.check_ids(request)
         with self._lock:
             return {name: self.tables[name].lookup(t, train=False) for name, t in ids.items()}
+
+    def changes_since(self, name: str, since: int) -> RowChanges:
+        """A reader's delta of table ``name`` (``EmbeddingTable.changes_since``; ``ValueError``
+        for an unknown table)."""
+        table = self.tables.get(name)
+        if table is None:
+            raise ValueError(f"no table {name[:80]!r}; tables: {', '.join(sorted(self.tables))}")
+        with self._lock:
+            return table.changes_since(since)
 
     def row_grads(self, trainer: str, grads: object) -> dict[RowGrads, torch.Tensor]:
         """The row gradients of ``trainer``'s open step, keyed for its gradient dict (``ValueError``

@@ -131,3 +131,42 @@ def test_a_checkpoint_restores_rows_and_optimizer_state_bit_for_bit(optimizer):
         table.lookup(ids)
         table.apply(ids, torch.ones(40, 4))
     assert torch.equal(u.lookup(ids, train=False), t.lookup(ids, train=False))
+
+
+def _held(table: EmbeddingTable) -> dict[int, torch.Tensor]:
+    live = (table.ids >= 0).nonzero().squeeze(1)
+    return {int(i): w for i, w in zip(table.ids[live].tolist(), table.weights[live], strict=True)}
+
+
+def test_a_readers_deltas_bring_its_copy_to_the_table_rows_written_and_dropped_since_only():
+    table = EmbeddingTable(TableSpec("t", dim=4, max_rows=8, eviction="lru"), initial_capacity=8)
+    table.lookup(torch.arange(6))
+    table.end_step()
+    first = table.changes_since(-1)
+    assert first.full and sorted(first.ids.tolist()) == list(range(6)) and first.gone.numel() == 0
+    held = {int(i): r.clone() for i, r in zip(first.ids.tolist(), first.rows, strict=True)}
+    table.apply(torch.tensor([1, 4]), torch.ones(2, 4))
+    table.end_step()
+    table.lookup(torch.arange(6, 11))  # 11 ids for 8 rows: the least recently used go
+    table.end_step()
+    delta = table.changes_since(first.step)
+    assert not delta.full and delta.step == first.step + 2
+    written, gone = set(delta.ids.tolist()), set(delta.gone.tolist())
+    assert {1, 4} <= written | gone and written >= set(range(6, 11)) - gone  # stepped, created
+    assert not {0, 2, 3, 5} & written  # rows neither stepped nor created again are not sent again
+    for i in delta.gone.tolist():
+        held.pop(i, None)
+    held.update({int(i): r for i, r in zip(delta.ids.tolist(), delta.rows, strict=True)})
+    assert held.keys() == _held(table).keys() and all(torch.equal(held[i], r) for i, r in _held(table).items())
+    assert table.changes_since(delta.step).ids.numel() == 0  # nothing written since
+
+
+def test_after_a_restore_a_delta_from_before_it_starts_over():
+    table = EmbeddingTable(TableSpec("t", dim=2, max_rows=100))
+    table.lookup(torch.arange(3))
+    table.end_step()
+    before = table.changes_since(-1).step
+    again = EmbeddingTable(table.spec)
+    again.load_state_dict(table.state_dict())
+    assert again.changes_since(before - 1).full
+    assert not again.changes_since(before).full and again.changes_since(before).ids.numel() == 0
