@@ -3,9 +3,12 @@
     python -m benchmarks diloco                                   # every setup, byte_lm on pysource
     python -m benchmarks diloco --quick --results-dir /tmp/diloco # 3 setups, 24 steps each: ~4 min
     python -m benchmarks diloco --setups ddp-4,diloco-sync-H100 --steps 400 --steps-of ddp-4=200
+    python -m benchmarks diloco --model mnist_cnn --setups ddp-4,diloco-sync-H50 --steps 300 --batch-size 32
 
 Results go to ``--results-dir`` (default ``benchmarks/results/diloco``): JSON, a Markdown table
-and a PNG of held-out loss against samples and against wall time.
+and a PNG of held-out loss against samples and against wall time (``diloco.*`` for byte_lm,
+``diloco-mnist_cnn.*`` for ``--model mnist_cnn``, trained on 8,000 of ``--data-dir``'s MNIST
+images and held out on the others).
 
 Hosts: one server and ``--trainers`` trainers (default 4), each a network namespace behind its
 own link to one switch (``benchmarks.harness.multihost``), every link held to ``--rate`` Mbit/s
@@ -76,6 +79,9 @@ DEFAULT_RESULTS = measure.RESULTS / "diloco"
 SERVER_PORT = 29500
 DDP_PORT = 29600
 CONTROL_PORT = 50051
+MODELS = ("byte_lm", "mnist_cnn")
+MNIST_TRAIN_SPLIT = 8000
+"""Of ../shared/data/mnist's one split of 10,000 images, those that train; the rest are held out."""
 SETUPS = ("ddp-4", "pushpull-async-4", "diloco-sync-H10", "diloco-sync-H50", "diloco-sync-H100", "diloco-sync-H500",
           "diloco-async-H10", "diloco-async-H50", "diloco-async-H100", "diloco-async-H500",
           "diloco-sync-H100-int8", "diloco-sync-H100-int4", "diloco-async-H100-straggler", "diloco-sync-H100-straggler")
@@ -125,6 +131,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps-of", default="", metavar="SETUP=N,...", help="other steps for some setups")
     p.add_argument("--time-limit", type=float, help="seconds of training of one setup at most (then its trainers "
                    "are stopped)")
+    p.add_argument("--model", choices=MODELS, default="byte_lm", help="byte_lm on pysource (the language model of "
+                   "the claims), or mnist_cnn on MNIST from --data-dir")
+    p.add_argument("--data-dir", type=Path, default=measure.ROOT.parent / "shared" / "data" / "mnist",
+                   help="MNIST's IDX files (--model mnist_cnn; default ../shared/data/mnist)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW's: DDP's, pushpull's server, DiLoCo's inner")
     p.add_argument("--train-samples", type=int, default=32768)
@@ -175,13 +185,15 @@ def steps(setup: Setup, args: argparse.Namespace) -> int:
 
 
 def data_args(setup: Setup, args: argparse.Namespace) -> list[str]:
-    return ["--model", "byte_lm", "--dataset", "pysource", "--train-samples", str(args.train_samples),
+    data = ["--dataset", "pysource", "--train-samples", str(args.train_samples)] if args.model == "byte_lm" else \
+        ["--dataset", "mnist", "--data-dir", str(args.data_dir), "--train-split", str(MNIST_TRAIN_SPLIT)]
+    return ["--model", args.model, *data,
             "--eval-samples", "16", "--batch-size", str(args.batch_size), "--max-steps", str(steps(setup, args)),
             "--epochs", "1000", "--no-progress"]
 
 
 def server_args(setup: Setup, args: argparse.Namespace, host: str, ckpt: Path) -> list[str]:
-    out = ["serve", "--host", host, "--port", str(SERVER_PORT), "--model", "byte_lm", "--no-control",
+    out = ["serve", "--host", host, "--port", str(SERVER_PORT), "--model", args.model, "--no-control",
            "--compute-threads", "1", "--checkpoint-dir", str(ckpt), "--checkpoint-interval", str(args.snapshot_s),
            "--keep-checkpoints", "100000", "--trainer-timeout", "60", "--rpc-timeout", "600"]
     # --rpc-timeout: a sync round waits on the server for a straggler's window (minutes at a tenth
@@ -380,23 +392,36 @@ def snapshots(setup: Setup, ckpt: Path, start: float, args: argparse.Namespace) 
     """Held-out loss of every snapshot, with its samples and its seconds since ``start``."""
     import torch
 
-    from psserver.data.text import load_pysource
-    from psserver.models import build_model
-    from psserver.models.losses import next_token_cross_entropy
+    from psserver.models import build_model, get_model_spec
+    from psserver.models.losses import get_loss
 
     torch.set_num_threads(os.cpu_count() or 1)
-    _, held = load_pysource(128, 1, args.eval_samples)
-    x, y = held.tensors
+    x, y = held_out(args)
+    loss_fn = get_loss(get_model_spec(args.model).loss)
     rows = []
     for when, samples, state in _states(setup, ckpt, args):
-        model = build_model("byte_lm")
+        model = build_model(args.model)
         model.load_state_dict(state)
         model.eval()
         with torch.no_grad():
-            losses = [float(next_token_cross_entropy(model(x[i:i + 32]), y[i:i + 32])) * len(x[i:i + 32])
+            losses = [float(loss_fn(model(x[i:i + 32]), y[i:i + 32])) * len(x[i:i + 32])
                       for i in range(0, len(x), 32)]
         rows.append({"seconds": when - start, "samples": samples, "loss": sum(losses) / len(x)})
     return sorted(rows, key=lambda r: r["samples"])
+
+
+def held_out(args: argparse.Namespace) -> tuple:
+    """``--eval-samples`` held-out inputs and targets of the model's dataset."""
+    if args.model == "byte_lm":
+        from psserver.data.text import load_pysource
+
+        _, held = load_pysource(128, 1, args.eval_samples)
+    else:
+        from psserver.data.idx import load_mnist
+
+        _, held = load_mnist(args.data_dir, train_split=MNIST_TRAIN_SPLIT)
+    x, y = held.tensors
+    return x[:args.eval_samples], y[:args.eval_samples]
 
 
 def _states(setup: Setup, ckpt: Path, args: argparse.Namespace):
@@ -411,7 +436,7 @@ def _states(setup: Setup, ckpt: Path, args: argparse.Namespace):
 
         for step, path in complete_checkpoints(ckpt):
             marker = json.loads((path / MARKER).read_text())
-            model = build_model("byte_lm")
+            model = build_model(args.model)
             state = {"app": AppState(model, torch.optim.AdamW(model.parameters()))}
             dcp.load(state, checkpoint_id=str(path))
             yield marker["time"], step * args.batch_size * args.trainers, model.state_dict()
@@ -527,7 +552,8 @@ def ddp_to_its_loss(r: dict, ddp: dict | None) -> float | None:
 def rerun_into(earlier: dict, rerun: dict) -> dict:
     """``earlier`` with its runs of ``rerun``'s setups replaced (in their places), the rerun's
     command, time and load kept beside them; refused where the two ran other configurations."""
-    keys = ("trainers", "batch_size", "lr", "rate", "train_samples", "eval_samples", "snapshot_s", "straggler_share")
+    keys = ("trainers", "batch_size", "lr", "rate", "train_samples", "eval_samples", "snapshot_s", "straggler_share",
+            "model")
     differ = [k for k in keys if earlier["config"].get(k) != rerun["config"].get(k)]
     if differ:
         raise SystemExit(f"python -m benchmarks diloco: --rerun-into: {earlier['command']!r} ran another "
@@ -558,7 +584,9 @@ def markdown(result: dict) -> str:
     cfg = result["config"]
     summary = summarize(result["runs"], cfg.get("target_loss"))
     rtt = f"{4 * cfg['delay_ms']:g} ms RTT" if cfg["delay_ms"] else "no added delay"
-    lines = [f"## Over slow links: byte_lm on pysource, {cfg['trainers']} trainers, links of {cfg['rate']:g} Mbit/s, "
+    model = cfg.get("model", "byte_lm")
+    data = "pysource" if model == "byte_lm" else "MNIST"
+    lines = [f"## Over slow links: {model} on {data}, {cfg['trainers']} trainers, links of {cfg['rate']:g} Mbit/s, "
              f"{rtt}", "", f"`{result['command']}` ({result['time']}, "
              f"{result['wall_s'] / 60:.1f} min; {result['cpus']} cores, load average before {result['load_before']})",
              "", f"Target held-out loss: {_f(summary['target_loss'], '{:.3f}')} nats a byte.", ""]
@@ -657,7 +685,8 @@ def main(argv: list[str] | None = None) -> int:
     earlier = json.loads(args.rerun_into.read_text()) if args.rerun_into else None
     command = "python -m benchmarks diloco " + " ".join(argv if argv is not None else sys.argv[1:])
     stem = (args.rerun_into.with_suffix("") if args.rerun_into else
-            args.results_dir / ("diloco-quick" if args.quick else "diloco"))
+            args.results_dir / ("diloco" + ("" if args.model == "byte_lm" else f"-{args.model}")
+                                + ("-quick" if args.quick else "")))
     runs: list[dict] = []
     failed: dict[str, str] = {}
 
