@@ -30,6 +30,7 @@ from psserver.cli.control import CheckpointCommand, StatusCommand, StopCommand
 from psserver.cli.demo import DemoCommand
 from psserver.cli.export import ExportCommand
 from psserver.cli.pull import PullCommand
+from psserver.cli.relay import RelayCommand
 from psserver.cli.serve import ServeCommand
 from psserver.cli.train import TrainCommand
 from psserver.errors import ServerLost, UsageError
@@ -46,6 +47,7 @@ VERBS: tuple[type[SubCommand], ...] = (
     StopCommand,
     ExportCommand,
     PullCommand,
+    RelayCommand,
     DemoCommand,
     BenchCommand,
 )

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import threading
 import time
-import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from psserver.common.versions import Encoded, Version, encode
 from psserver.errors import NoVersion
 from psserver.telemetry import AgeHistogram, ReaderStatus
 
@@ -32,54 +32,7 @@ READERS_KEPT_S = 600.0
 MAX_READERS = 1024
 """Readers kept by name: a stranger naming itself anew on every call cannot grow the table."""
 
-
-@dataclass(frozen=True)
-class Encoded:
-    """One version's bytes in one dtype: each tensor's ``(key, dtype name, shape, nbytes)``."""
-
-    metas: list[tuple[str, str, tuple[int, ...], int]]
-    data: bytearray
-    """Never written again once made (readers of the version share it)."""
-    crc32: int
-
-
-@dataclass
-class Version:
-    step: int
-    published_at: float
-    """When the server applied ``step`` (Unix seconds; the copy's time when not known)."""
-    state: dict[str, torch.Tensor]
-    _encoded: dict[str, Encoded] = field(default_factory=dict, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def encoded(self, dtype: str) -> Encoded:
-        """The bytes of every tensor in ``state``'s order, floating ones in ``dtype`` (one of
-        ``READ_DTYPES``; ``""``: as held): made once per dtype (readers of one version share them)."""
-        with self._lock:
-            done = self._encoded.get(dtype)
-            if done is None:
-                done = self._encoded[dtype] = encode(self.state, getattr(torch, dtype) if dtype else None)
-            return done
-
-
-def encode(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> Encoded:
-    """Every tensor's bytes, in ``state``'s order, copied once into one buffer (by torch, which
-    lets go of the GIL the server's RPC threads need), floating ones cast to ``dtype`` first."""
-    metas, tensors = [], []
-    for key, t in state.items():
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        metas.append((key, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size()))
-        tensors.append(t)
-    data = bytearray(sum(m[3] for m in metas))
-    if data:
-        out = torch.frombuffer(data, dtype=torch.uint8)
-        at = 0
-        for t, (_, _, _, n) in zip(tensors, metas, strict=True):
-            if n:
-                out[at:at + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
-                at += n
-    return Encoded(metas, data, zlib.crc32(data))
+__all__ = ["Encoded", "Version", "Versions", "encode"]
 
 
 class Versions:

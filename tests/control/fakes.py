@@ -7,8 +7,12 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+from torch import nn
+
 from psserver.config.control import ControlConfig
 from psserver.control.server import ControlServer
+from psserver.server.versions import Versions
 from psserver.telemetry import (
     CheckpointInfo,
     RateMeter,
@@ -129,3 +133,49 @@ class FakeTarget:
 def serve(target: FakeTarget, **config) -> ControlServer:
     """A started ControlServer on a free loopback port; stop() it (or use ``with``)."""
     return ControlServer(target, ControlConfig(port=0, **config), grace=0.5).start()
+
+
+class Trained:
+    """A linear model whose every value is its global step, stepped by a thread under one lock
+    (as the server's update lock): a read that mixes two steps cannot hide."""
+
+    def __init__(self) -> None:
+        self.model = nn.Linear(300, 200)
+        self.model.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+        self.lock = threading.Lock()
+        self.step = 0
+        self.table = torch.arange(40, dtype=torch.float32).reshape(10, 4)  # row i: 4i .. 4i+3
+        self.versions = Versions(self.copy, lambda: self.step, 0.0, lambda: "linear", self.rows)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def copy(self):
+        with self.lock:
+            return self.step, {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def rows(self, table: str, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
+        if table != "users":
+            raise ValueError(f"no embedding table {table!r} (tables: users)")
+        if torch.unique(ids).numel() != ids.numel():
+            raise ValueError("ids of table 'users' must be unique in a request")
+        return self.step, self.table[ids.clamp(max=9)]
+
+    def train_one(self) -> None:
+        with self.lock, torch.no_grad():
+            self.step += 1
+            for t in self.model.state_dict().values():
+                t.fill_(self.step)
+        self.versions.on_step(self.step, 1)
+
+    def start(self) -> None:
+        def run():
+            while not self._stop.wait(0.002):
+                self.train_one()
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()

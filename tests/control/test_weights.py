@@ -4,7 +4,6 @@ weights and nothing else."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,55 +19,9 @@ from psserver.errors import NoVersion, UsageError
 from psserver.reader.reader import Reader
 from psserver.server.versions import Versions
 
-from .fakes import TOKEN, FakeTarget
+from .fakes import TOKEN, FakeTarget, Trained
 
 READ_TOKEN = "reader-only-token"
-
-
-class Trained:
-    """A linear model whose every value is its global step, stepped by a thread under one lock
-    (as the server's update lock): a read that mixes two steps cannot hide."""
-
-    def __init__(self) -> None:
-        self.model = nn.Linear(300, 200)
-        self.model.register_buffer("seen", torch.zeros((), dtype=torch.int64))
-        self.lock = threading.Lock()
-        self.step = 0
-        self.table = torch.arange(40, dtype=torch.float32).reshape(10, 4)  # row i: 4i .. 4i+3
-        self.versions = Versions(self.copy, lambda: self.step, 0.0, lambda: "linear", self.rows)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def copy(self):
-        with self.lock:
-            return self.step, {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-
-    def rows(self, table: str, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
-        if table != "users":
-            raise ValueError(f"no embedding table {table!r} (tables: users)")
-        if torch.unique(ids).numel() != ids.numel():
-            raise ValueError("ids of table 'users' must be unique in a request")
-        return self.step, self.table[ids.clamp(max=9)]
-
-    def train_one(self) -> None:
-        with self.lock, torch.no_grad():
-            self.step += 1
-            for t in self.model.state_dict().values():
-                t.fill_(self.step)
-        self.versions.on_step(self.step, 1)
-
-    def start(self) -> None:
-        def run():
-            while not self._stop.wait(0.002):
-                self.train_one()
-
-        self._thread = threading.Thread(target=run, daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
 
 
 @pytest.fixture

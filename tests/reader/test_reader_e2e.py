@@ -71,6 +71,14 @@ def test_readers_follow_training_and_pull_writes_one_version(procs, port, tmp_pa
     finally:
         for r in sharing:
             r.close()
+    # psserver relay: its readers get the server's versions through it (this one open to them).
+    relay = procs.start(["relay", "--upstream", address, "--port", "0", "--upstream-token-file", str(read_file),
+                         "--name", "relay-1"], "relay")
+    relayed = "{}:{}".format(*relay.wait_for(r"relaying the weights of \S+ on (\S+):(\d+)", timeout=60).groups())
+    with Reader(relayed, name="behind-relay") as reader:
+        version = reader.wait(steps[-1], timeout=30)
+        assert version is not None and version.step > steps[-1] and set(version.state) == set(model.state_dict())
+    assert procs.stop(relay) == 0, relay.tail()
     refused = run(["--log-level", "ERROR", "status", "--address", address, "--auth-token-file", str(read_file)],
                   timeout=60)
     assert refused.returncode == 2 and "UNAUTHENTICATED" in refused.stderr

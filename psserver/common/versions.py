@@ -1,0 +1,60 @@
+"""A version of the model as readers are sent it: the tensors of one step, encoded once per dtype
+(each tensor's bytes in one buffer and their CRC-32), however many read it. The server's versions
+(``psserver.server.versions``) and a relay's (``psserver.reader.relay``) are these."""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One version's bytes in one dtype: each tensor's ``(key, dtype name, shape, nbytes)``."""
+
+    metas: list[tuple[str, str, tuple[int, ...], int]]
+    data: bytearray
+    """Never written again once made (readers of the version share it)."""
+    crc32: int
+
+
+@dataclass
+class Version:
+    step: int
+    published_at: float
+    """When the server applied ``step`` (Unix seconds; the copy's time when not known)."""
+    state: dict[str, torch.Tensor]
+    _encoded: dict[str, Encoded] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def encoded(self, dtype: str) -> Encoded:
+        """The bytes of every tensor in ``state``'s order, floating ones in ``dtype`` (one of
+        ``READ_DTYPES``; ``""``: as held): made once per dtype (readers of one version share them)."""
+        with self._lock:
+            done = self._encoded.get(dtype)
+            if done is None:
+                done = self._encoded[dtype] = encode(self.state, getattr(torch, dtype) if dtype else None)
+            return done
+
+
+def encode(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> Encoded:
+    """Every tensor's bytes, in ``state``'s order, copied once into one buffer (by torch, which
+    lets go of the GIL the server's RPC threads need), floating ones cast to ``dtype`` first."""
+    metas, tensors = [], []
+    for key, t in state.items():
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        metas.append((key, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size()))
+        tensors.append(t)
+    data = bytearray(sum(m[3] for m in metas))
+    if data:
+        out = torch.frombuffer(data, dtype=torch.uint8)
+        at = 0
+        for t, (_, _, _, n) in zip(tensors, metas, strict=True):
+            if n:
+                out[at:at + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+                at += n
+    return Encoded(metas, data, zlib.crc32(data))
