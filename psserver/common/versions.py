@@ -21,23 +21,57 @@ class Encoded:
     crc32: int
 
 
+@dataclass(frozen=True)
+class Packed:
+    """A snapshot copied straight into one buffer (``pack``): ``state``'s tensors are views of
+    ``data``, in order, so the bytes a reader is sent as held need no copy of their own."""
+
+    metas: list[tuple[str, str, tuple[int, ...], int]]
+    data: bytearray
+
+
 @dataclass
 class Version:
     step: int
     published_at: float
     """When the server applied ``step`` (Unix seconds; the copy's time when not known)."""
     state: dict[str, torch.Tensor]
+    packed: Packed | None = None
+    """``state``'s bytes, where the snapshot was packed (its tensors are views of them)."""
     _encoded: dict[str, Encoded] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def encoded(self, dtype: str) -> Encoded:
         """The bytes of every tensor in ``state``'s order, floating ones in ``dtype`` (one of
-        ``READ_DTYPES``; ``""``: as held): made once per dtype (readers of one version share them)."""
+        ``READ_DTYPES``; ``""``: as held): made once per dtype (readers of one version share them);
+        a packed snapshot's own bytes where every floating tensor is held in ``dtype`` already."""
         with self._lock:
             done = self._encoded.get(dtype)
             if done is None:
-                done = self._encoded[dtype] = encode(self.state, getattr(torch, dtype) if dtype else None)
+                if self.packed is not None and all(not t.is_floating_point() or not dtype
+                                                   or t.dtype == getattr(torch, dtype) for t in self.state.values()):
+                    done = Encoded(self.packed.metas, self.packed.data, zlib.crc32(self.packed.data))
+                else:
+                    done = encode(self.state, getattr(torch, dtype) if dtype else None)
+                self._encoded[dtype] = done
             return done
+
+
+def pack(values: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Packed]:
+    """``values`` (on any device) copied once, into one CPU buffer: the copies, views of it, and
+    the buffer with each one's ``(key, dtype name, shape, nbytes)``."""
+    metas = [(k, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size())
+             for k, t in values.items()]
+    data = bytearray(sum(m[3] for m in metas))
+    out, at = {}, 0
+    for (key, _, shape, n), t in zip(metas, values.values(), strict=True):
+        view = torch.frombuffer(data, dtype=t.dtype, count=t.numel(), offset=at) if n else \
+            torch.empty(t.numel(), dtype=t.dtype)
+        view = view.view(shape)
+        view.copy_(t.detach())
+        out[key] = view
+        at += n
+    return out, Packed(metas, data)
 
 
 def encode(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> Encoded:

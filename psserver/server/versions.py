@@ -38,9 +38,10 @@ __all__ = ["Encoded", "Version", "Versions", "encode"]
 class Versions:
     """The newest version and the readers of this server. ``copy`` takes a version: the global
     step and the model's CPU ``state_dict`` at it, under the update lock (``NoVersion`` when
-    there is no model to read); ``applied`` the global step applied now."""
+    there is no model to read), and optionally its ``Packed`` bytes; ``applied`` the global
+    step applied now."""
 
-    def __init__(self, copy: Callable[[], tuple[int, dict[str, torch.Tensor]]], applied: Callable[[], int],
+    def __init__(self, copy: Callable[[], tuple], applied: Callable[[], int],
                  publish_interval: float = 0.25, model: Callable[[], str] = lambda: "",
                  rows: Callable[[str, torch.Tensor], tuple[int, torch.Tensor]] | None = None,
                  changes: Callable[[str, int], Any] | None = None) -> None:
@@ -121,10 +122,10 @@ class Versions:
             latest = self._latest
             due = time.monotonic() - self._copied_at >= self.publish_interval
             if latest is None or (due and self._applied() > latest.step):
-                step, state = self._copy()
+                step, state, *packed = self._copy()  # (a packed snapshot: its tensors are views of its bytes)
                 with self._cond:
                     published = self._applied_at.get(step, time.time())
-                latest = self._latest = Version(step, published, state)
+                latest = self._latest = Version(step, published, state, packed[0] if packed else None)
                 self._copied_at = time.monotonic()
                 self.copies += 1
             return latest

@@ -19,6 +19,7 @@ from torch import nn
 
 from psserver.common.partition import PartitionModule, PartitionPlan, make_plan, plan_for_model
 from psserver.common.tensors import persistent_buffers
+from psserver.common.versions import Packed, pack
 from psserver.config import OptimizerConfig, ServerConfig
 from psserver.errors import NoVersion
 from psserver.models import ModelSpec, build_model, get_model_spec, split_stages
@@ -587,7 +588,7 @@ class StepEngine:
 
         return self.compute.run(copy)
 
-    def model_version(self) -> tuple[int, dict[str, torch.Tensor]]:
+    def model_version(self) -> tuple[int, dict[str, torch.Tensor], Packed | None]:
         """The global step and the model's ``state_dict`` (its own keys, parameters and buffers)
         copied to the CPU at that step: what a reader of the weights gets (``versions``).
         ``NoVersion`` without a model, or for one spread over several server processes."""
@@ -596,16 +597,20 @@ class StepEngine:
         if self.plan is not None:  # server 0's group puts one together from every process's part
             raise NoVersion("the model is spread over several server processes: server 0 reads their parts")
 
-        def copy() -> tuple[int, dict[str, torch.Tensor]]:
+        def copy() -> tuple[int, dict[str, torch.Tensor], Packed | None]:
+            # Copied once, into one buffer (pack): the bytes a reader is sent as held need no
+            # copy of their own (a model with aliases is sent its aliases' bytes too: those encode).
             with self.updater.lock:
-                state: dict[str, torch.Tensor] = {}
+                held: dict[str, torch.Tensor] = {}
                 for shard, keys in zip(self.shards, self.state_keys or [{}] * len(self.shards), strict=True):
                     with shard.lock:
                         shard.after_updates()
                         for key, value in shard.module.state_dict().items():
-                            state[keys.get(key, key)] = value.detach().to("cpu", copy=True)
+                            held[keys.get(key, key)] = value
+                state, packed = pack({e.key: held[e.key] for e in self.layout.entries})
                 step = self.updater.global_step
-            return step, self.layout.state_dict([state[e.key] for e in self.layout.entries])
+            whole = self.layout.state_dict([state[e.key] for e in self.layout.entries])
+            return step, whole, packed if len(whole) == len(state) else None
 
         return self.compute.run(copy)
 
