@@ -143,7 +143,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--delay-ms", type=float, default=5.0, help="one-way delay on each side of every link")
     p.add_argument("--snapshot-s", type=float, help="seconds between the server's snapshots (default 20; quick 4)")
     p.add_argument("--straggler-share", type=float, default=0.1, help="of a core, for the last trainer")
-    p.add_argument("--target-loss", type=float)
+    p.add_argument("--target-loss", type=float, help="the held-out loss to time (default: DDP's final one, else the "
+                   "highest final loss of the setups without a straggler); with --render, the result is compared "
+                   "at it and records it")
     p.add_argument("--fault-at", default="60,150", metavar="TRAINER_S,SERVER_S",
                    help="-faults setups: seconds after the start at which trainer 1, then the server process, is "
                         "SIGKILLed (default 60,150)")
@@ -554,7 +556,9 @@ def rerun_into(earlier: dict, rerun: dict) -> dict:
     command, time and load kept beside them; refused where the two ran other configurations."""
     keys = ("trainers", "batch_size", "lr", "rate", "train_samples", "eval_samples", "snapshot_s", "straggler_share",
             "model")
-    differ = [k for k in keys if earlier["config"].get(k) != rerun["config"].get(k)]
+    # (a result from before --model was one of byte_lm)
+    differ = [k for k in keys if earlier["config"].get(k, "byte_lm" if k == "model" else None)
+              != rerun["config"].get(k, "byte_lm" if k == "model" else None)]
     if differ:
         raise SystemExit(f"python -m benchmarks diloco: --rerun-into: {earlier['command']!r} ran another "
                          f"configuration ({', '.join(differ)})")
@@ -671,6 +675,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.render:
         result = json.loads(args.render.read_text())
+        if args.target_loss is not None:  # the runs compared at another target, recorded with them
+            result["config"]["target_loss"] = args.target_loss
         result["summary"] = summarize(result["runs"], result["config"].get("target_loss"))
         stem = args.render.with_suffix("")
         sys.stdout.write(report.write_result(stem, result, "diloco", markdown))

@@ -137,6 +137,10 @@ def test_a_rerun_replaces_its_setups_runs_in_the_earlier_result_and_refuses_anot
     # Run again without --steps-of: it took the rerun's --steps, the earlier result's (600).
     again = diloco.rerun_into(earlier, {**rerun, "config": {**config, "steps_of": {}}})
     assert again["config"]["steps_of"] == {}
+    # A result from before --model was byte_lm's: a rerun of byte_lm goes into it, of mnist_cnn not.
+    assert diloco.rerun_into(earlier, {**rerun, "config": {**config, "model": "byte_lm"}})["runs"]
+    with pytest.raises(SystemExit, match=r"ran another configuration \(model\)"):
+        diloco.rerun_into(earlier, {**rerun, "config": {**config, "model": "mnist_cnn"}})
     with pytest.raises(SystemExit, match=r"ran another configuration \(rate\)"):
         diloco.rerun_into(earlier, {**rerun, "config": {**config, "rate": 50.0}})
 
