@@ -4,9 +4,11 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import zlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -16,8 +18,9 @@ class Encoded:
     """One version's bytes in one dtype: each tensor's ``(key, dtype name, shape, nbytes)``."""
 
     metas: list[tuple[str, str, tuple[int, ...], int]]
-    data: bytearray
-    """Never written again once made (readers of the version share it)."""
+    data: Any
+    """Bytes-like (a ``bytearray``, or a packed snapshot's buffer); never written again once made
+    (readers of the version share it)."""
     crc32: int
 
 
@@ -27,7 +30,8 @@ class Packed:
     ``data``, in order, so the bytes a reader is sent as held need no copy of their own."""
 
     metas: list[tuple[str, str, tuple[int, ...], int]]
-    data: bytearray
+    data: Any
+    """A buffer (bytes-like: ``memoryview``, ``zlib.crc32`` and ``len`` take it)."""
 
 
 @dataclass
@@ -57,21 +61,28 @@ class Version:
             return done
 
 
+def packed_views(specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[dict[str, torch.Tensor], Packed]:
+    """One buffer for tensors of ``specs`` (key, dtype, shape), in order, and a view of it for
+    each: filled by the caller (``copy_``), the buffer is their bytes. Allocated without being
+    written (no pass over it before the copy): outside the update lock, the copy alone in it."""
+    metas = [(k, str(d).removeprefix("torch."), tuple(shape), math.prod(shape) * d.itemsize) for k, d, shape in specs]
+    data = torch.empty(sum(m[3] for m in metas), dtype=torch.uint8).numpy()
+    out, at = {}, 0
+    for (key, _, shape, n), (_, dtype, _) in zip(metas, specs, strict=True):
+        count = math.prod(shape)
+        view = torch.frombuffer(data, dtype=dtype, count=count, offset=at) if n else torch.empty(count, dtype=dtype)
+        out[key] = view.view(shape)
+        at += n
+    return out, Packed(metas, data)
+
+
 def pack(values: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Packed]:
     """``values`` (on any device) copied once, into one CPU buffer: the copies, views of it, and
     the buffer with each one's ``(key, dtype name, shape, nbytes)``."""
-    metas = [(k, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size())
-             for k, t in values.items()]
-    data = bytearray(sum(m[3] for m in metas))
-    out, at = {}, 0
-    for (key, _, shape, n), t in zip(metas, values.values(), strict=True):
-        view = torch.frombuffer(data, dtype=t.dtype, count=t.numel(), offset=at) if n else \
-            torch.empty(t.numel(), dtype=t.dtype)
-        view = view.view(shape)
-        view.copy_(t.detach())
-        out[key] = view
-        at += n
-    return out, Packed(metas, data)
+    out, packed = packed_views([(k, t.dtype, tuple(t.shape)) for k, t in values.items()])
+    for key, t in values.items():
+        out[key].copy_(t.detach())
+    return out, packed
 
 
 def encode(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> Encoded:

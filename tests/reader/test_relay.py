@@ -63,9 +63,10 @@ def test_a_chain_of_relays_feeds_eight_readers_while_the_server_sends_each_versi
         for r in readers:
             r.close()
         assert not errors, errors
-        # The server's only reader is relay A: each version it sent went to A, once.
+        # The server's only reader is relay A: each version it sent went to A, once (one more
+        # may be on its way: sent whole, not yet in the relay's hands).
         seen = trained.versions.readers()
-        assert [r.name for r in seen] == ["relay-a"] and seen[0].reads == a.fetched
+        assert [r.name for r in seen] == ["relay-a"] and a.fetched <= seen[0].reads <= a.fetched + 1
         assert b.fetched <= a.served and a.served >= 15 and b.served >= 6 * 15
         with Reader(b.address) as reader:  # rows are not cached: read through to the server
             assert torch.equal(reader.rows("users", [3, 1]).values, trained.table[[3, 1]])

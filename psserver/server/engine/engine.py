@@ -19,7 +19,7 @@ from torch import nn
 
 from psserver.common.partition import PartitionModule, PartitionPlan, make_plan, plan_for_model
 from psserver.common.tensors import persistent_buffers
-from psserver.common.versions import Packed, pack
+from psserver.common.versions import Packed, packed_views
 from psserver.config import OptimizerConfig, ServerConfig
 from psserver.errors import NoVersion
 from psserver.models import ModelSpec, build_model, get_model_spec, split_stages
@@ -598,18 +598,21 @@ class StepEngine:
             raise NoVersion("the model is spread over several server processes: server 0 reads their parts")
 
         def copy() -> tuple[int, dict[str, torch.Tensor], Packed | None]:
-            # Copied once, into one buffer (pack): the bytes a reader is sent as held need no
-            # copy of their own (a model with aliases is sent its aliases' bytes too: those encode).
+            # Copied once, into one buffer allocated before the lock: the bytes a reader is sent
+            # as held need no copy of their own (a model with aliases is sent its aliases' bytes
+            # too: those encode).
+            entries = self.layout.entries
+            state, packed = packed_views([(e.key, getattr(torch, e.dtype), tuple(e.shape)) for e in entries])
             with self.updater.lock:
-                held: dict[str, torch.Tensor] = {}
                 for shard, keys in zip(self.shards, self.state_keys or [{}] * len(self.shards), strict=True):
                     with shard.lock:
                         shard.after_updates()
                         for key, value in shard.module.state_dict().items():
-                            held[keys.get(key, key)] = value
-                state, packed = pack({e.key: held[e.key] for e in self.layout.entries})
+                            target = state.get(keys.get(key, key))
+                            if target is not None:
+                                target.copy_(value.detach())
                 step = self.updater.global_step
-            whole = self.layout.state_dict([state[e.key] for e in self.layout.entries])
+            whole = self.layout.state_dict([state[e.key] for e in entries])
             return step, whole, packed if len(whole) == len(state) else None
 
         return self.compute.run(copy)
