@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import signal
-import threading
 
 from psserver.cli.args import finite_float, path_arg
 from psserver.cli.base import SubCommand
@@ -54,11 +53,15 @@ class RelayCommand(SubCommand):
             raise UsageError(f"--port must be in 0..65535, got {args.port}")
         if not 0 < args.timeout <= 3600:
             raise UsageError(f"--timeout must be between 0 and 3600 seconds, got {args.timeout:g}")
-        stop = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
-        with Relay(args.upstream, host=args.host, port=args.port, upstream_token_file=args.upstream_token_file,
-                   read_token_file=args.read_token_file, tls_ca=args.tls_ca, name=args.name,
-                   timeout=args.timeout):
-            stop.wait()
+        # Blocked before any thread starts (every thread inherits the mask), taken by sigwait:
+        # no handler runs inside a lock the main thread holds.
+        signals = {signal.SIGTERM, signal.SIGINT}
+        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+        try:
+            with Relay(args.upstream, host=args.host, port=args.port, upstream_token_file=args.upstream_token_file,
+                       read_token_file=args.read_token_file, tls_ca=args.tls_ca, name=args.name,
+                       timeout=args.timeout):
+                signal.sigwait(signals)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
         return 0

@@ -92,9 +92,9 @@ class Relay:
             self._closed = True
             self._cond.notify_all()
         if self._server is not None:
-            self._server.stop(grace=1.0).wait()
-        if self._thread is not None:
-            self._thread.join(timeout=self._reader.timeout + 5)
+            self._server.stop(grace=1.0).wait(timeout=5.0)
+        if self._thread is not None:  # its wait for a version ends within RETRY_S * 2 (daemon past that)
+            self._thread.join(timeout=RETRY_S * 2 + 3.0)
         self._reader.close()
 
     def __enter__(self) -> Relay:

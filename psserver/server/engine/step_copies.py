@@ -14,12 +14,9 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from psserver.server.engine.engine import StepEngine
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +29,8 @@ pieces in the plan's order), and the model's buffers flat where this process hol
 
 
 class StepCopies:
-    def __init__(self, engine: StepEngine) -> None:
+    def __init__(self, engine: Any) -> None:
+        """``engine``: the ``StepEngine`` it copies from (its updater, shards, buffers, compute thread)."""
         self.engine = engine
         self._wanted: dict[int, Future] = {}
 
