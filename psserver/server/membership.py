@@ -380,8 +380,10 @@ class Membership:
                 continue
             # Registered with RPC but not a psserver member: a join killed before it called
             # join(), or a leave that failed half-way. Give it time to finish, then clean up.
+            # A server process restarted with --resume loads its checkpoint between its RPC join
+            # and its registration: it gets longer than a trainer.
             first = self._strangers.setdefault(name, now)
-            if now - first > max(self.timeout, 5.0):
+            if now - first > max(self.timeout, 30.0 if name.startswith(f"{SERVER_NAME}_") else 5.0):
                 overdue[name] = wid
         self._evict_strangers(overdue, in_agent, now)
         self._release_token(rpc_store, token, now)
