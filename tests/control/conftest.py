@@ -10,7 +10,7 @@ import pytest
 from psserver.config.control import TOKEN_ENV
 from psserver.control.server import ControlServer
 
-from .fakes import TOKEN, FakeTarget, serve
+from .fakes import TOKEN, FakeTarget, Trained, serve
 
 
 @pytest.fixture(autouse=True)
@@ -48,3 +48,11 @@ def auth_server(target: FakeTarget, token_file: Path) -> Iterator[ControlServer]
     s = serve(target, auth_token_file=token_file)
     yield s
     s.stop()
+
+
+@pytest.fixture
+def trained() -> Iterator[Trained]:
+    """A linear model stepped by a thread, with versions readers can read (``fakes.Trained``)."""
+    t = Trained()
+    yield t
+    t.stop()

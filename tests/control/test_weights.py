@@ -4,7 +4,6 @@ weights and nothing else."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -22,13 +21,6 @@ from psserver.server.versions import Versions
 from .fakes import TOKEN, FakeTarget, Trained
 
 READ_TOKEN = "reader-only-token"
-
-
-@pytest.fixture
-def trained() -> Iterator[Trained]:
-    t = Trained()
-    yield t
-    t.stop()
 
 
 def latest(server: ControlServer, **options):

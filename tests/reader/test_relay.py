@@ -5,8 +5,6 @@ through; the relay's read token guards it as the server's does."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,21 +14,6 @@ from psserver.control.server import ControlServer
 from psserver.errors import UsageError
 from psserver.reader.reader import Reader
 from psserver.reader.relay import Relay
-from tests.control.fakes import FakeTarget, Trained
-
-
-@pytest.fixture
-def target(tmp_path: Path) -> Iterator[FakeTarget]:
-    t = FakeTarget(checkpoint_dir=tmp_path)
-    yield t
-    t.close()
-
-
-@pytest.fixture
-def trained() -> Iterator[Trained]:
-    t = Trained()
-    yield t
-    t.stop()
 
 
 def follow(reader: Reader, versions: int, errors: list[str]) -> None:
