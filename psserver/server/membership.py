@@ -132,6 +132,16 @@ class Membership:
         eviction on its next call). A member of another rank that is only slow to answer is left
         alone: its heartbeats decide.
         """
+        holder = self.make_room(rank, f"a trainer asked for rank {rank}")
+        if holder is None:
+            return ADMITTED
+        log.warning("refused a join of rank %d: its holder %s is alive", rank, holder)
+        return f"rank {rank} is already taken by live trainer {holder}"
+
+    def make_room(self, rank: int | None, why: str) -> str | None:
+        """Ping every trainer before a join; evict those whose pipe is broken (a joiner's
+        ``init_rpc`` would fail on them with ECONNREFUSED) and the holder of ``rank`` unless it
+        answers. The live holder of ``rank``, if any (None for a server process's join)."""
         with self.lock:
             ranks = {name: m.status.rank for name, m in self.members.items()}
         holder = None
@@ -139,13 +149,10 @@ class Membership:
             if state == ALIVE:
                 holder = name if ranks[name] == rank else holder
             elif state == DEAD or ranks[name] == rank:
-                self.evict(name, _eviction_reason(state, detail, f"a trainer asked for rank {rank}"))
+                self.evict(name, _eviction_reason(state, detail, why))
             else:
                 log.warning("trainer %s did not answer a ping within %s: a join may wait for it", name, detail)
-        if holder is None:
-            return ADMITTED
-        log.warning("refused a join of rank %d: its holder %s is alive", rank, holder)
-        return f"rank {rank} is already taken by live trainer {holder}"
+        return holder
 
     def _evict_unless_alive(self, name: str, rank: int, joiner: str) -> bool:
         """Ping ``name``, the holder of the rank ``joiner`` asks for; evict it unless it answers
@@ -379,11 +386,13 @@ class Membership:
                 self._answered.discard(name)
                 continue
             # Registered with RPC but not a psserver member: a join killed before it called
-            # join(), or a leave that failed half-way. Give it time to finish, then clean up.
-            # A server process restarted with --resume loads its checkpoint between its RPC join
-            # and its registration: it gets longer than a trainer.
+            # join(), or a leave that failed half-way. Give it time to finish, then clean up
+            # (one that answers pings gets up to STRANGER_LIMIT_S: _evict_strangers).
             first = self._strangers.setdefault(name, now)
-            if now - first > max(self.timeout, 30.0 if name.startswith(f"{SERVER_NAME}_") else 5.0):
+            if token == _token_of(name, "join"):  # inside its init_rpc: the token's own grace decides
+                self._strangers[name] = now
+                continue
+            if now - first > max(self.timeout, 5.0):
                 overdue[name] = wid
         self._evict_strangers(overdue, in_agent, now)
         self._release_token(rpc_store, token, now)
@@ -425,6 +434,11 @@ class Membership:
         rpc_store.compare_set(TOKEN_KEY, token, b"")
         rpc_store.set(holder, "Done")  # wakes joiners waiting on the holder's key
         self._token_seen = None
+
+
+def _token_of(name: str, what: str) -> bytes:
+    """The membership token a worker's ``init_rpc`` (``join``) or ``shutdown`` (``leave``) holds."""
+    return f"Token_for_{name}_{what}".encode()
 
 
 def _eviction_reason(state: str, detail: str, why: str) -> str:

@@ -101,7 +101,7 @@ def test_rollout_workers_act_with_fresh_versions_while_two_trainers_train(procs,
     for w in workers:  # connected and waiting before any training: they see the policy from its first steps
         w.wait_for(r"waiting for the first version", timeout=120)
     trainers = [procs.start(["trainer", "--server", f"127.0.0.1:{port}", "--rank", str(r), "--num-trainers", "2",
-                             "--steps", "60"], f"trainer-{r}", prefix=script) for r in range(2)]
+                             "--steps", "150"], f"trainer-{r}", prefix=script) for r in range(2)]
     for t in trainers:
         assert t.wait(180) == 0, t.tail()
     for w, proc in enumerate(workers):

@@ -112,6 +112,31 @@ def test_a_worker_only_the_store_lists_is_evicted_after_the_grace_without_a_ping
     assert group.pinged == [] and group.evicted == [("t_1", 1)]
 
 
+def test_a_worker_inside_its_init_rpc_is_no_stranger_while_its_join_holds_the_token(group):
+    # a server process restarted on a loaded host: the store lists it, the agent does not yet
+    group.agent.workers.pop("t_1")
+    group.agent.store.set(membership_module.TOKEN_KEY, b"Token_for_t_1_join")
+    _age(group, "t_1", TIMEOUT + 1)
+    group._janitor()
+    assert group.evicted == [] and group._strangers["t_1"] > time.monotonic() - 1  # its grace starts again
+    group.agent.store.set(membership_module.TOKEN_KEY, b"")  # the token's own grace freed it: it died
+    _age(group, "t_1", TIMEOUT + 1)
+    group._janitor()
+    assert group.evicted == [("t_1", 1)]
+
+
+def test_room_for_a_join_evicts_the_dead_trainers_and_keeps_the_live(group, monkeypatch):
+    # init_rpc calls every member: one that exited (ECONNREFUSED) fails a server process's join
+    for name, rank in (("t_1", 0), ("t_2", 1), ("t_3", 2)):
+        group.members[name] = Member(TrainerStatus(rank, name, "h", 0.0, 0.0), rank + 1, "chained")
+    group.answers.update(t_1=ALIVE, t_2=DEAD, t_3=ALIVE)
+    gone = []
+    monkeypatch.setattr(group, "evict", lambda name, reason: gone.append((name, reason)))
+    assert group.make_room(None, "server process 1 asked to join") is None
+    assert [n for n, _ in gone] == ["t_2"] and "server process 1 asked to join" in gone[0][1]
+    assert group.make_room(2, "a trainer asked for rank 2") == "t_3"  # the live holder of the rank
+
+
 def test_members_and_peers_are_never_strangers(group):
     group.agent.workers["psserver_1"] = 2
     group.agent.store.set(ALL_WORKERS_KEY, "psserver-0,t_1-1,psserver_1-2,")

@@ -153,6 +153,8 @@ class ServerGroup:
             if self._ping(peer):
                 return f"server {rank} is already running ({peer.name} on {peer.host}, pid {peer.pid})"
             self._lose(peer, "it did not answer when a new server process asked for its rank")
+        if self.membership is not None:  # its init_rpc calls every member: none may be dead
+            self.membership.make_room(None, f"server process {rank} asked to join")
         return rendezvous.ADMITTED
 
     def register(self, hello: ServerHello) -> dict[str, Any]:
