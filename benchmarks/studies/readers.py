@@ -43,8 +43,9 @@ import json, sys, time
 import psserver
 address, name, dtype, share, start, end = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1", \
     float(sys.argv[5]), float(sys.argv[6])
+files = sys.argv[7] == "1"
 ages, steps = [], []
-with psserver.read(address, name=name, dtype=dtype or None, share=share, timeout=10) as reader:
+with psserver.read(address, name=name, dtype=dtype or None, share=share, timeout=10, server_files=files) as reader:
     version = reader.latest()
     time.sleep(max(0.0, start - time.time()))
     while time.time() < end:
@@ -91,10 +92,23 @@ def _status(address: str) -> dict:
             "bytes": s.weights_bytes_sent, "time": time.time(), "params": s.num_params}
 
 
+def _cpu(roles: dict[str, list[int]]) -> dict[str, float]:
+    """CPU seconds so far of each role's processes, summed (a process gone counts 0)."""
+    return {role: sum(measure.proc_cpu_seconds(pid) or 0.0 for pid in pids) for role, pids in roles.items()}
+
+
+def _cpu_per_s(before: dict, after: dict) -> dict[str, float]:
+    """Cores each role kept busy between two statuses that carry ``_cpu`` readings."""
+    took = after["time"] - before["time"]
+    return {role: (after["cpu"][role] - before["cpu"][role]) / took for role in before["cpu"]}
+
+
 def _readers_window(children: measure.Children, address: str, n: int, window: float, dtype: str,
-                    share: bool, round_no: int, rows: int = 0) -> tuple[dict, dict, list[dict]]:
+                    share: bool, round_no: int, rows: int = 0, roles: dict[str, list[int]] | None = None,
+                    server_files: bool = True) -> tuple[dict, dict, list[dict]]:
     """``n`` readers read through one window (``rows``: serving readers, looking up that many
-    ids a request): the status at its ends and each reader's report."""
+    ids a request): the status at its ends (with the CPU seconds of ``roles`` and of the
+    readers) and each reader's report."""
     start = time.time() + 10.0 + STARTUP_PER_READER_S * n
     end = start + window
     if rows:
@@ -102,11 +116,13 @@ def _readers_window(children: measure.Children, address: str, n: int, window: fl
                                 f"serving-r{round_no}-{i}") for i in range(n)]
     else:
         procs = [children.start([sys.executable, "-c", _READER, address, f"reader-{i}", dtype, "1" if share else "0",
-                                 str(start), str(end)], f"reader-r{round_no}-{i}") for i in range(n)]
+                                 str(start), str(end), "1" if server_files else "0"], f"reader-r{round_no}-{i}")
+                 for i in range(n)]
+    roles = {**(roles or {}), "readers": [p.pid for p in procs]}
     time.sleep(max(0.0, start - time.time()))
-    before = _status(address)
+    before = {**_status(address), "cpu": _cpu(roles)}
     time.sleep(max(0.0, end - time.time()))
-    after = _status(address)
+    after = {**_status(address), "cpu": _cpu(roles)}
     reports = []
     for p in procs:
         code = p.wait(60 + window)
@@ -117,10 +133,10 @@ def _readers_window(children: measure.Children, address: str, n: int, window: fl
     return before, after, reports
 
 
-def _alone_window(address: str, window: float) -> tuple[dict, dict]:
-    before = _status(address)
+def _alone_window(address: str, window: float, roles: dict[str, list[int]]) -> tuple[dict, dict]:
+    before = {**_status(address), "cpu": _cpu(roles)}
     time.sleep(window)
-    return before, _status(address)
+    return before, {**_status(address), "cpu": _cpu(roles)}
 
 
 def _rate(before: dict, after: dict) -> float:
@@ -136,12 +152,13 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict:
                                                       "--model", args.model, "--publish-interval",
                                                       str(args.publish_interval)), "server")
         server.wait_for(r"serving \S+ on", timeout=180)
+        roles = {"server": [server.pid], "trainers": []}
         for rank in range(2):
-            children.start(measure.psserver_argv(
+            roles["trainers"].append(children.start(measure.psserver_argv(
                 "train", "--server", f"127.0.0.1:{port}", "--rank", str(rank), "--num-trainers", "2", "--epochs",
                 "1000000", "--max-steps", "100000000", "--batch-size", str(args.batch_size), "--dataset",
                 "synthetic_clicks" if args.rows else "synthetic",
-                "--no-progress"), f"trainer-{rank}")
+                "--no-progress"), f"trainer-{rank}").pid)
         deadline = time.monotonic() + 180
         while _status(address)["step"] < 20:  # past the first steps' warm-up
             if time.monotonic() > deadline:
@@ -152,14 +169,16 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict:
             got: dict = {}
             for kind in (("alone", "readers") if r % 2 == 0 else ("readers", "alone")):
                 if kind == "alone":
-                    before, after = _alone_window(address, args.window)
-                    got["alone"] = {"samples_per_s": _rate(before, after)}
+                    before, after = _alone_window(address, args.window, roles)
+                    got["alone"] = {"samples_per_s": _rate(before, after), "cores_busy": _cpu_per_s(before, after)}
                 else:
                     before, after, reports = _readers_window(children, address, args.readers, args.window,
-                                                             args.dtype, args.share, r, args.rows)
+                                                             args.dtype, args.share, r, args.rows, roles,
+                                                             not args.no_server_files)
                     copies = after["copies"] - before["copies"]
                     got["readers"] = {
                         "samples_per_s": _rate(before, after), "versions_copied": copies,
+                        "cores_busy": _cpu_per_s(before, after),
                         "bytes_sent": after["bytes"] - before["bytes"],
                         "ages": [a for rep in reports for a in rep["ages"]],
                         "reads": [len(rep["ages"]) for rep in reports],
@@ -169,7 +188,9 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict:
             ages = got["readers"]["ages"]
             print(f"round {r + 1}: training with {args.readers} readers {got['ratio']:.3f}x alone; "
                   f"{'lookup latency' if args.rows else 'version age'} p99 "
-                  f"{measure.percentile(ages, 0.99) or float('nan'):.3f}s over {len(ages)} reads", flush=True)
+                  f"{measure.percentile(ages, 0.99) or float('nan'):.3f}s over {len(ages)} reads; cores busy alone "
+                  f"{_cores(got['alone']['cores_busy'])}, with readers {_cores(got['readers']['cores_busy'])}",
+                  flush=True)
         model_bytes = _status(address)["params"] * (2 if args.dtype in ("bfloat16", "float16") else 4)
     finally:
         children.stop_all()
@@ -179,6 +200,7 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict:
     load = os.getloadavg()
     return {
         "model": args.model, "readers": args.readers, "share": args.share, "dtype": args.dtype or "float32",
+        "server_files": not args.no_server_files,
         "publish_interval_s": args.publish_interval, "rows": args.rows,
         "lookups_per_s": (sum(len(r["readers"]["ages"]) for r in rounds) / (args.window * args.rounds)
                           if args.rows else None),
@@ -188,10 +210,20 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict:
         "throughput_ratios": [r["ratio"] for r in rounds],
         "age_p50_s": measure.percentile(ages, 0.5), "age_p99_s": measure.percentile(ages, 0.99),
         "reads": len(ages), "versions_copied": copies,
+        "cores_busy_alone": _median_cores(rounds, "alone"), "cores_busy_with_readers": _median_cores(rounds, "readers"),
         "copies_sent_per_version": sent / copies / model_bytes if copies and model_bytes else None,
         "model_bytes": model_bytes, "rounds_raw": [{**r, "readers": {**r["readers"], "ages": None}} for r in rounds],
         "command": "python -m benchmarks readers " + " ".join(args.argv),
     }
+
+
+def _cores(busy: dict[str, float]) -> str:
+    return " ".join(f"{role} {cores:.2f}" for role, cores in busy.items())
+
+
+def _median_cores(rounds: list[dict], kind: str) -> dict[str, float]:
+    roles = rounds[0][kind]["cores_busy"]
+    return {role: statistics.median(r[kind]["cores_busy"][role] for r in rounds) for role in roles}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--publish-interval", type=float, default=0.25, help="the server's --publish-interval")
     p.add_argument("--rows", type=int, default=0, metavar="IDS",
                    help="serving readers instead: row lookups of IDS ids of one table each (a model with tables)")
+    p.add_argument("--no-server-files", action="store_true",
+                   help="readers take every version's bytes from the server, never its file in shared memory "
+                        "(as readers on other hosts do)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -214,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--readers and --rounds must be at least 1, --window positive")
     with tempfile.TemporaryDirectory(prefix="psserver-readers-bench-") as logs:
         result = run(args, Path(logs))
-    stem = args.out / f"{args.model}-{args.readers}{'-shared' if args.share else ''}{'-rows' if args.rows else ''}"
+    stem = args.out / (f"{args.model}-{args.readers}{'-shared' if args.share else ''}{'-rows' if args.rows else ''}"
+                       f"{'-bytes' if args.no_server_files else ''}")
     sys.stdout.write(write_result(stem, result, "readers", markdown))
     return 0
 
@@ -224,16 +260,26 @@ def markdown(result: dict) -> str:
     if result.get("rows"):
         return _rows_markdown(result)
     copies = result["copies_sent_per_version"]
-    rows = [[result["model"], str(result["readers"]), "yes" if result["share"] else "no", result["dtype"],
+    rows = [[result["model"], str(result["readers"]), "yes" if result["share"] else "no",
+             "the server's file" if result.get("server_files") else "bytes", result["dtype"],
              f"{result['throughput_ratio']:.3f}", " ".join(f"{x:.3f}" for x in result["throughput_ratios"]),
              f"{result['age_p50_s']:.3f}", f"{result['age_p99_s']:.3f}", str(result["reads"]),
              "-" if copies is None else f"{copies:.2f}"]]
     return "\n".join([
         f"# Readers of the weights while 2 trainers train ({result['rounds']} paired rounds of "
         f"{result['window_s']:g} s, {result['cores']} cores, load {result['load_average'][0]:.1f})", "",
-        md_table(["model", "readers", "shared copy", "dtype", "training with readers / alone (median)",
+        md_table(["model", "readers", "shared copy", "a version crosses as", "dtype",
+                  "training with readers / alone (median)",
                   "per round", "version age p50 (s)", "p99 (s)", "reads", "model copies sent per version"], rows),
-        "", f"Command: `{result.get('command') or 'python -m benchmarks readers'}`"]) + "\n"
+        *_cores_lines(result), "", f"Command: `{result.get('command') or 'python -m benchmarks readers'}`"]) + "\n"
+
+
+def _cores_lines(result: dict) -> list[str]:
+    """Where the cores went (median of the rounds; absent from runs before it was measured)."""
+    if "cores_busy_alone" not in result:
+        return []
+    return ["", f"Cores kept busy (CPU seconds a second, median of the rounds): training alone: "
+                f"{_cores(result['cores_busy_alone'])}; with the readers: {_cores(result['cores_busy_with_readers'])}."]
 
 
 def _rows_markdown(result: dict) -> str:

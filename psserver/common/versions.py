@@ -1,9 +1,10 @@
 """A version of the model as readers are sent it: the tensors of one step, encoded once per dtype
-(each tensor's bytes in one buffer and their CRC-32), however many read it. The server's versions
+(each tensor's bytes in one buffer, and their CRC-32 when first sent), however many read it. The server's versions
 (``psserver.server.versions``) and a relay's (``psserver.reader.relay``) are these."""
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import zlib
@@ -21,7 +22,12 @@ class Encoded:
     data: Any
     """Bytes-like (a ``bytearray``, or a packed snapshot's buffer); never written again once made
     (readers of the version share it)."""
-    crc32: int
+
+    @functools.cached_property
+    def crc32(self) -> int:
+        """Of ``data``: computed once, when a reader is first sent the bytes (a reader handed the
+        server's file on its own host needs none)."""
+        return zlib.crc32(self.data)
 
 
 @dataclass(frozen=True)
@@ -54,7 +60,7 @@ class Version:
             if done is None:
                 if self.packed is not None and all(not t.is_floating_point() or not dtype
                                                    or t.dtype == getattr(torch, dtype) for t in self.state.values()):
-                    done = Encoded(self.packed.metas, self.packed.data, zlib.crc32(self.packed.data))
+                    done = Encoded(self.packed.metas, self.packed.data)
                 else:
                     done = encode(self.state, getattr(torch, dtype) if dtype else None)
                 self._encoded[dtype] = done
@@ -102,4 +108,4 @@ def encode(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> Encoded
             if n:
                 out[at:at + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
                 at += n
-    return Encoded(metas, data, zlib.crc32(data))
+    return Encoded(metas, data)

@@ -1,10 +1,11 @@
 """``psserver.v1.WeightsService``: whole versions of the model for readers that never train.
 
 A read streams one version: its header (the step, each tensor's key, dtype and shape, the
-CRC-32 of all the bytes), then the bytes in chunks well under gRPC's 4 MiB message limit. The
-version is whatever the server's :class:`WeightsSource` gives (``psserver.server.versions``: a
-copy taken at one global step), so a reader never holds tensors of two steps; the bytes are
-encoded once per version and dtype, however many read them.
+CRC-32 of all the bytes), then the bytes in chunks well under gRPC's 4 MiB message limit; or,
+to a reader on the server's host and user (``ReadRequest.host``), the name of a file in shared
+memory that holds them. The version is whatever the server's :class:`WeightsSource` gives
+(``psserver.server.versions``: a copy taken at one global step), so a reader never holds
+tensors of two steps; the bytes are encoded once per version and dtype, however many read them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ CHUNK_BYTES = 1 << 20
 DEFAULT_TIMEOUT_S = 30.0
 MAX_TIMEOUT_S = 3600.0
 MAX_NAME = 100
+MAX_HOST = 200
 
 
 class WeightsSource(Protocol):
@@ -44,6 +46,10 @@ class WeightsSource(Protocol):
 
     def model_name(self) -> str:
         """The model's name, for the header."""
+
+    # Optional: ``local_path(version, dtype, reader_host) -> str | None``, the file of the version
+    # for a reader on this host and user (``psserver.server.versions.Versions``); without it,
+    # every reader is sent the bytes (a relay).
 
     def rows(self, table: str, ids: Any) -> tuple[int, Any]:
         """The global step and ``table``'s rows of ``ids`` (an int64 tensor) as held now;
@@ -99,17 +105,22 @@ class WeightsService(pb_grpc.WeightsServiceServicer):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                           f"no version past step {newer_than} within {timeout:g}s" if newer_than is not None
                           else "the server is stopping")
+        local = getattr(self._source, "local_path", None)
+        path = local(version, request.dtype, request.host[:MAX_HOST]) if local is not None and request.host else None
         encoded = version.encoded(request.dtype)
         yield pb.WeightsChunk(header=pb.VersionHeader(
-            step=version.step, published_at=version.published_at, nbytes=len(encoded.data), crc32=encoded.crc32,
-            model=self._source.model_name(), server_time=time.time(),
-            tensors=[pb.TensorMeta(key=k, dtype=d, shape=list(shape), nbytes=n) for k, d, shape, n in encoded.metas]))
-        data = memoryview(encoded.data)
-        for start in range(0, len(data), CHUNK_BYTES):
-            yield pb.WeightsChunk(data=bytes(data[start:start + CHUNK_BYTES]))
+            step=version.step, published_at=version.published_at, nbytes=len(encoded.data),
+            crc32=0 if path else encoded.crc32, model=self._source.model_name(), server_time=time.time(),
+            tensors=[pb.TensorMeta(key=k, dtype=d, shape=list(shape), nbytes=n) for k, d, shape, n in encoded.metas],
+            path=path or ""))
+        if not path:
+            data = memoryview(encoded.data)
+            for start in range(0, len(data), CHUNK_BYTES):
+                yield pb.WeightsChunk(data=bytes(data[start:start + CHUNK_BYTES]))
         peer = context.peer()
         name = "".join(c for c in request.reader[:MAX_NAME] if c.isprintable()) or peer
-        self._source.read_done(name, peer, version, max(1, min(request.sharing, 1 << 20)), len(encoded.data))
+        self._source.read_done(name, peer, version, max(1, min(request.sharing, 1 << 20)),
+                               0 if path else len(encoded.data))
 
 
     def Rows(self, request: pb.RowsRequest, context: grpc.ServicerContext) -> pb.RowsResponse:

@@ -4,7 +4,9 @@ Readers made with ``share=True`` keep a private directory of their user in share
 (``/dev/shm/psserver-readers-<uid>/<server and dtype>/``, 0700): each one's thread waits for
 the directory's lock, and the one holding it fetches every new version from the server and
 writes it as a file of its own (``v-<step>``: written under a temporary name, then renamed, so
-a file is whole or absent, never half of one version and half of another). Every reader reads
+a file is whole or absent, never half of one version and half of another); a server on this
+host and user hands over its own file of the version instead, which the fetcher links in
+(``psserver.common.version_files``): no copy of the bytes at all. Every reader reads
 the newest file; a file being replaced stays readable by whoever opened it. The server sends
 each version to the host once, whatever the number of readers on it. When the fetcher's
 process ends or dies, the kernel drops its lock and another reader's thread takes over.
@@ -16,25 +18,19 @@ Nothing in the directory is trusted unless this user owns it and nobody else can
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import hashlib
-import json
 import logging
-import mmap
 import os
 import secrets
-import stat
-import struct
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from psserver.common import version_files
 from psserver.errors import ServerUnavailable, UsageError
 from psserver.reader.raw import Raw
-from psserver.utils.private_paths import DIR_FLAGS, not_private, unsafe_parent
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +42,6 @@ LOCK_RETRY_S = 0.2
 FETCH_WAIT_S = 1.0
 """How long one fetch waits for a newer version before the fetcher asks again (and notices a close)."""
 PREFIX = "v-"
-_LENGTH = struct.Struct("<Q")
 
 
 class DirectoryWatch:
@@ -92,41 +87,17 @@ class DirectoryWatch:
             self.fd = None
 
 
-def root() -> Path:
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    return base / f"psserver-readers-{os.geteuid()}"
-
-
-def _private_dir(path: Path) -> int:
-    """A descriptor of ``path``, made 0700 when missing; ``UsageError`` unless it is this user's alone."""
-    for directory in (path.parent, path):
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(directory, 0o700)
-        why = unsafe_parent(directory)
-        if why is not None:
-            raise UsageError(f"readers' shared copy: {directory} is not safe: {why}")
-    try:
-        fd = os.open(path, DIR_FLAGS)
-    except OSError as e:
-        raise UsageError(f"readers' shared copy: cannot open {path} ({e.strerror or e})") from None
-    why = not_private(os.fstat(fd), unreadable=True)
-    if why is not None:
-        os.close(fd)
-        raise UsageError(f"readers' shared copy: {path} {why}: remove it")
-    return fd
-
-
 class HostCopy:
     """The shared copy of one server's versions in one dtype; ``fetch(newer_than, timeout)``
     gets one from the server (None: none came)."""
 
     def __init__(self, address: str, dtype: str, fetch: Callable[[int | None, float], Raw | None]) -> None:
         key = hashlib.sha256(f"{address}|{dtype}".encode()).hexdigest()[:20]
-        self.path = root() / key
+        self.path = version_files.root() / key
         self._fetch = fetch
         self._me = f"reader-{os.getpid()}-{secrets.token_hex(4)}"
         for attempt in range(3):
-            self._dir = _private_dir(self.path)
+            self._dir = version_files.private_dir(self.path, "readers' shared copy")
             try:  # the last reader of the host may have removed the directory meanwhile
                 os.close(os.open(self._me, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o600, dir_fd=self._dir))
                 break
@@ -149,7 +120,7 @@ class HostCopy:
         with contextlib.suppress(OSError):
             os.unlink(self._me, dir_fd=self._dir)
         try:
-            if not any(n.startswith("reader-") and _alive(_pid(n.split("-")[1])) for n in os.listdir(self._dir)):
+            if not any(n.startswith("reader-") and _alive_in(n.split("-")[1]) for n in self._listdir()):
                 self._remove_if_unused()
         finally:
             os.close(self._dir)
@@ -161,9 +132,9 @@ class HostCopy:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 return  # a reader came and fetches: the copy is its
-            if any(n.startswith("reader-") for n in os.listdir(self._dir)):
+            if any(n.startswith("reader-") for n in self._listdir()):
                 return
-            for name in os.listdir(self._dir):
+            for name in self._listdir():
                 with contextlib.suppress(OSError):
                     os.unlink(name, dir_fd=self._dir)
             with contextlib.suppress(OSError):
@@ -212,15 +183,13 @@ class HostCopy:
                     self._closed.wait(1.0)
 
     def _publish(self, raw: Raw) -> None:
-        header = json.dumps({"step": raw.step, "published_at": raw.published_at, "model": raw.model,
-                             "crc32": raw.crc32, "clock": raw.clock, "metas": raw.metas}).encode()
         tmp = f".{PREFIX}{raw.step}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600, dir_fd=self._dir)
+        if raw.path is not None:  # the server's own file (it is on this host): linked, not copied
+            os.link(raw.path, tmp, dst_dir_fd=self._dir, follow_symlinks=False)
+        else:
+            version_files.write(self._dir, tmp, version_files.header_bytes(
+                raw.step, raw.published_at, raw.model, raw.crc32, raw.clock, raw.metas), raw.data)
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(_LENGTH.pack(len(header)))
-                f.write(header)
-                f.write(raw.data)
             os.rename(tmp, f"{PREFIX}{raw.step:020d}", src_dir_fd=self._dir, dst_dir_fd=self._dir)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -229,15 +198,25 @@ class HostCopy:
         for old in self._versions()[:-KEPT]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(old, dir_fd=self._dir)
-        for name in os.listdir(self._dir):  # what a fetcher that died mid-write left
-            if name.endswith(".tmp") and not _alive(_pid(name.split(".")[-2])):
+        for name in self._listdir():  # what a fetcher that died mid-write left
+            if name.endswith(".tmp") and not _alive_in(name.split(".")[-2]):
                 with contextlib.suppress(OSError):
                     os.unlink(name, dir_fd=self._dir)
 
     # ---- every reader ---------------------------------------------------------------------
 
+    def _listdir(self) -> list[str]:
+        """The directory's names, through a descriptor of this call's own: ``os.listdir`` of a
+        shared descriptor moves its one offset, and the fetcher's thread and the reader's, listing
+        at once, each saw part of the names (a version fetched twice, an old one never removed)."""
+        fd = os.open(".", version_files.DIR_FLAGS, dir_fd=self._dir)
+        try:
+            return os.listdir(fd)
+        finally:
+            os.close(fd)
+
     def _versions(self) -> list[str]:
-        return sorted(n for n in os.listdir(self._dir) if n.startswith(PREFIX))
+        return sorted(n for n in self._listdir() if n.startswith(PREFIX))
 
     def newest_step(self) -> int | None:
         names = self._versions()
@@ -246,10 +225,10 @@ class HostCopy:
     def sharing(self) -> int:
         """The readers on this host that share the copy (their processes alive)."""
         alive = 0
-        for name in os.listdir(self._dir):
+        for name in self._listdir():
             if not name.startswith("reader-"):
                 continue
-            if _alive(_pid(name.split("-")[1])):
+            if _alive_in(name.split("-")[1]):
                 alive += 1
             else:
                 with contextlib.suppress(OSError):
@@ -273,44 +252,10 @@ class HostCopy:
 
     def _load(self, name: str) -> Raw | None:
         """The version in file ``name`` (None: replaced and gone before it was opened)."""
-        try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir)
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise UsageError(f"readers' shared copy: {self.path / name} is a symbolic link") from None
-            raise
-        try:
-            st = os.fstat(fd)
-            why = "is not a regular file" if not stat.S_ISREG(st.st_mode) else not_private(st)
-            if why is not None:
-                raise UsageError(f"readers' shared copy: {self.path / name} {why}")
-            # Mapped, not read: the file is never written again (a new version is a new file),
-            # so the version's tensors are views of the one copy in memory.
-            mapped = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ | mmap.PROT_WRITE, flags=mmap.MAP_PRIVATE)
-        finally:
-            os.close(fd)
-        (length,) = _LENGTH.unpack_from(mapped, 0)
-        header = json.loads(mapped[_LENGTH.size:_LENGTH.size + length])
-        data = memoryview(mapped)[_LENGTH.size + length:]
-        metas = [(k, d, tuple(shape), int(n)) for k, d, shape, n in header["metas"]]
-        return Raw(int(header["step"]), float(header["published_at"]), header["model"], int(header["crc32"]),
-                   metas, data, float(header["clock"]))
+        found = version_files.load(self._dir, name, self.path / name, "readers' shared copy")
+        return None if found is None else Raw.of_file(*found)
 
 
-def _pid(text: str) -> int:
-    """The process id a name carries (0, never alive, for one that carries none)."""
-    return int(text) if text.isdigit() else 0
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's: alive, never ours to remove
-        return True
-    return True
+def _alive_in(text: str) -> bool:
+    """Whether the process whose id ``text`` is (part of a file's name) is alive."""
+    return version_files.alive(version_files.pid_of(text))

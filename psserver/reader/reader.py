@@ -27,6 +27,7 @@ import grpc
 import torch
 from torch import nn
 
+from psserver.common import version_files
 from psserver.config.common import read_token_file
 from psserver.config.control import READ_DTYPES, READ_TOKEN_ENV
 from psserver.control.auth import check_token
@@ -36,6 +37,7 @@ from psserver.control.v1 import control_pb2_grpc as pb_grpc
 from psserver.errors import ServerUnavailable, UsageError
 from psserver.reader.host_copy import HostCopy
 from psserver.reader.raw import Raw
+from psserver.utils.private_paths import DIR_FLAGS, not_private, unsafe_parent
 
 log = logging.getLogger(__name__)
 
@@ -114,11 +116,14 @@ class Reader:
     (``"bfloat16"`` halves the bytes; None: as the server holds them); ``device``: where the
     versions' tensors are put; ``name``: what ``psserver status`` lists it as; ``share``: the
     readers of this user on this host that share read one copy, which one of them fetches
-    (``psserver.reader.host_copy``): the server sends each version to the host once."""
+    (``psserver.reader.host_copy``): the server sends each version to the host once;
+    ``server_files``: from a server on this host, run by this user, take its own file of each
+    version in shared memory instead of its bytes (no copy; False: the bytes, as from elsewhere)."""
 
     def __init__(self, address: str | None = None, *, token: str | None = None, token_file: Path | str | None = None,
                  tls_ca: Path | str | bytes | None = None, name: str = "", dtype: str | torch.dtype | None = None,
-                 device: str | torch.device = "cpu", timeout: float = 30.0, share: bool = False) -> None:
+                 device: str | torch.device = "cpu", timeout: float = 30.0, share: bool = False,
+                 server_files: bool = True) -> None:
         self.address = address or default_address()
         self.dtype = _dtype_name(dtype)
         self.device = torch.device(device)
@@ -129,6 +134,9 @@ class Reader:
         options = [("grpc.max_receive_message_length", MAX_MESSAGE)]
         self._channel = open_channel(self.address, tls_ca, options)
         self._stub = pb_grpc.WeightsServiceStub(self._channel)
+        self._host_id = version_files.host_id() if server_files else ""
+        """Sent with each read: a server on this host and user answers with its file of the
+        version (``psserver.common.version_files``); emptied once such a file proves unusable."""
         self._host: HostCopy | None = None
         if share:
             self._host = HostCopy(self.address, self.dtype, self._fetch)
@@ -255,18 +263,22 @@ class Reader:
         """A version from the server (None: none past ``newer_than`` within ``timeout`` s)."""
         sharing = self._host.sharing() if self._host is not None else 1
         request = pb.ReadRequest(timeout_seconds=max(timeout, 1e-3), dtype=self.dtype, reader=self.name,
-                                 sharing=sharing)
+                                 sharing=sharing, host=self._host_id)
         if newer_than is not None:
             request.newer_than = newer_than
         try:
-            chunks = self._stub.Read(request, timeout=timeout + 30.0, metadata=self._metadata)
-            return self._assemble(chunks)
+            raw = self._assemble(self._stub.Read(request, timeout=timeout + 30.0, metadata=self._metadata))
+            if raw is None:  # the server's file went before this reader opened it: the bytes then
+                request.host = ""
+                raw = self._assemble(self._stub.Read(request, timeout=timeout + 30.0, metadata=self._metadata))
+            return raw
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and newer_than is not None:
                 return None
             raise self._error(e) from None
 
-    def _assemble(self, chunks: Iterator[pb.WeightsChunk]) -> Raw:
+    def _assemble(self, chunks: Iterator[pb.WeightsChunk]) -> Raw | None:
+        """The version ``chunks`` carry (None: the server named its file, gone before it was opened)."""
         header: pb.VersionHeader | None = None
         buf = bytearray()
         offset = 0
@@ -275,7 +287,7 @@ class Reader:
                 if header is not None:
                     raise UsageError(f"{self.address} sent a second header in one version")
                 header = chunk.header
-                buf = bytearray(header.nbytes)
+                buf = bytearray(0 if header.path else header.nbytes)
                 clock = header.server_time - time.time()  # the server's clock minus this one's
                 continue
             if header is None:
@@ -285,6 +297,8 @@ class Reader:
                 raise UsageError(f"{self.address} sent more bytes than its header said ({header.nbytes})")
             buf[offset:offset + len(data)] = data
             offset += len(data)
+        if header is not None and header.path:
+            return self._server_file(header)
         if header is None or offset != len(buf):
             raise UsageError(f"{self.address} ended a version half sent ({offset} of "
                              f"{header.nbytes if header else '?'} bytes)")
@@ -292,6 +306,39 @@ class Reader:
             raise UsageError(f"version {header.step} from {self.address} does not match its checksum")
         metas = [(m.key, m.dtype, tuple(int(d) for d in m.shape), int(m.nbytes)) for m in header.tensors]
         return Raw(header.step, header.published_at, header.model, header.crc32, metas, buf, clock)
+
+    def _server_file(self, header: pb.VersionHeader) -> Raw | None:
+        """The version in the file the server named (it is on this host, run by this user),
+        mapped: checked as the host's copy is (this user's alone, under this user's directory of
+        version files, whole, of the step the header says). A file that is not there, in a
+        directory that is not, tells that the server's shared memory is not this reader's (a
+        container of its own): this reader asks for the bytes from then on."""
+        path = Path(header.path)
+        what = f"the version file {self.address} named"
+        if path.parent.parent != version_files.root() or path.name in ("", ".", ".."):
+            raise UsageError(f"{what} is not in this user's directory of version files: {path}")
+        try:
+            fd = os.open(path.parent, DIR_FLAGS)
+        except FileNotFoundError:
+            log.info("the server at %s is on this host, but its version files are not: reading its bytes",
+                     self.address)
+            self._host_id = ""
+            return None
+        except OSError as e:
+            raise UsageError(f"{what}: cannot open {path.parent} ({e.strerror or e})") from None
+        try:
+            why = not_private(os.fstat(fd), unreadable=True) or unsafe_parent(path.parent)
+            if why is not None:
+                raise UsageError(f"{what}: {path.parent} {why}")
+            found = version_files.load(fd, path.name, path, what)
+        finally:
+            os.close(fd)
+        if found is None:
+            return None
+        raw = Raw.of_file(*found, path=str(path))
+        if raw.step != header.step:
+            raise UsageError(f"{what}: {path} holds step {raw.step}, not {header.step}")
+        return raw
 
     def _version(self, raw: Raw) -> Version:
         """The tensors of ``raw``, checked against what its header says of them, on ``device``."""

@@ -6,7 +6,8 @@ for one newer than the newest copy and a step has been applied since (at most on
 ``publish_interval``), never while no reader asks: training pays one copy of the model per
 version, whatever the number of readers, and readers never hold the live state for the length
 of a transfer. Each version is encoded once per dtype asked for (the bytes and their CRC-32),
-and every reader of it is sent those bytes.
+and every reader of it is sent those bytes; a reader on this host, run by this user, is handed
+a file of them in shared memory instead (``psserver.server.version_files``).
 
 Readers are kept by name for ``psserver status`` and the metrics: the step each read last and
 how old it was when the reader had all of it. Rows of embedding tables are not in versions: a
@@ -25,6 +26,7 @@ import torch
 
 from psserver.common.versions import Encoded, Version, encode
 from psserver.errors import NoVersion
+from psserver.server.version_files import VersionFiles
 from psserver.telemetry import AgeHistogram, ReaderStatus
 
 READERS_KEPT_S = 600.0
@@ -65,6 +67,8 @@ class Versions:
         self._applied_at: dict[int, float] = {}  # the last few steps' wall-clock times
         self._readers: dict[str, ReaderStatus] = {}
         self._closed = False
+        self.files = VersionFiles()
+        """Versions as files, for readers on this host and user (``psserver.server.version_files``)."""
 
     def on_step(self, step: int, samples: int) -> None:  # noqa: ARG002 - an engine listener
         """A step was applied: waiting readers may take it."""
@@ -78,6 +82,14 @@ class Versions:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        self.files.close()
+
+    def local_path(self, version: Version, dtype: str, reader_host: str) -> str | None:
+        """The file of ``version`` in ``dtype`` for a reader on ``reader_host`` when that is this
+        host and user (none past ``close``); else None: it is sent the bytes."""
+        if self._closed:
+            return None
+        return self.files.path_for(version, dtype, reader_host, self._model())
 
     def read(self, newer_than: int | None, timeout: float) -> Version | None:
         """The newest version (of a step past ``newer_than``, waiting up to ``timeout`` s for

@@ -15,7 +15,14 @@ RESULT = {"model": "mnist_cnn", "readers": 8, "share": True, "dtype": "float32",
 
 def test_the_versions_table_says_freshness_cost_and_copies():
     md = readers.markdown(RESULT)
-    assert "| mnist_cnn | 8 | yes | float32 | 0.920 | 0.900 0.940 | 0.070 | 0.175 | 1200 | 1.00 |" in md
+    assert "| mnist_cnn | 8 | yes | bytes | float32 | 0.920 | 0.900 0.940 | 0.070 | 0.175 | 1200 | 1.00 |" in md
+    assert "Cores kept busy" not in md  # a run from before they were measured
+    busy = {"cores_busy_alone": {"server": 0.9, "trainers": 1.05, "readers": 0.0},
+            "cores_busy_with_readers": {"server": 0.88, "trainers": 1.0, "readers": 0.07}}
+    md = readers.markdown({**RESULT, **busy, "server_files": True})
+    assert "| mnist_cnn | 8 | yes | the server's file | float32 |" in md
+    assert "training alone: server 0.90 trainers 1.05 readers 0.00; with the readers: server 0.88 trainers 1.00 " \
+           "readers 0.07." in md
 
 
 def test_the_row_lookups_table():

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from psserver.common import version_files
 from psserver.errors import UsageError
 from psserver.reader import host_copy
 from psserver.reader.host_copy import HostCopy
@@ -42,7 +43,7 @@ class Server:
 
 @pytest.fixture(autouse=True)
 def private_root(tmp_path, monkeypatch):
-    monkeypatch.setattr(host_copy, "root", lambda: tmp_path / "readers")
+    monkeypatch.setattr(version_files, "root", lambda: tmp_path / "readers")
 
 
 def values(raw: Raw) -> set[float]:
@@ -65,7 +66,7 @@ def test_one_reader_fetches_for_all_and_each_version_once():
         assert copies[0].sharing() == 4
         deadline = time.monotonic() + 5  # the fetcher removes the oldest just after the newest is in
         while len([n for n in os.listdir(copies[0].path) if n.startswith("v-")]) > host_copy.KEPT:
-            assert time.monotonic() < deadline, os.listdir(copies[0].path)
+            assert time.monotonic() < deadline, sorted(n for n in os.listdir(copies[0].path) if n.startswith("v-"))
             time.sleep(0.01)
     finally:
         for c in copies:
@@ -110,4 +111,35 @@ def test_a_shared_directory_of_another_mode_is_refused(tmp_path):
     key_dir.mkdir(mode=0o755)
     os.chmod(key_dir, 0o777)
     with pytest.raises(UsageError, match="readers' shared copy"):
-        host_copy._private_dir(key_dir)
+        version_files.private_dir(key_dir, "readers' shared copy")
+
+
+def test_the_servers_own_file_is_linked_in_not_copied(tmp_path):
+    """A server on this host hands its file of the version: every reader of the host reads that
+    very file (one inode), and it outlives the server's removal of it."""
+    server_dir = version_files.root() / "server-1-abc"
+    dir_fd = version_files.private_dir(server_dir, "test")
+
+    def fetch(newer_than: int | None, timeout: float) -> Raw | None:
+        raw = Server.fetch(server, newer_than, timeout)
+        if raw is None:
+            return None
+        name = f"v-{raw.step}"
+        version_files.write(dir_fd, name, version_files.header_bytes(raw.step, raw.published_at, raw.model, 0, 0.0,
+                                                                     raw.metas), raw.data)
+        return Raw.of_file(*version_files.load(dir_fd, name, server_dir / name, "test"), path=str(server_dir / name))
+
+    server = Server()
+    copies = [HostCopy("h:3", "", fetch) for _ in range(3)]
+    try:
+        server.train()
+        got = [c.read(0, 5.0) for c in copies]
+        assert [r.step for r in got] == [1] * 3 and all(values(r) == {1.0} for r in got)
+        linked = os.stat(copies[0].path / f"{host_copy.PREFIX}{1:020d}")
+        assert linked.st_ino == os.stat(server_dir / "v-1").st_ino and linked.st_nlink == 2
+        os.unlink(server_dir / "v-1")
+        assert values(copies[1].read(None, 1.0)) == {1.0}
+    finally:
+        for c in copies:
+            c.close()
+        os.close(dir_fd)

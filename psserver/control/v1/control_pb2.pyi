@@ -123,18 +123,20 @@ class RowsResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., width: _Optional[int] = ..., dtype: _Optional[str] = ..., rows: _Optional[bytes] = ...) -> None: ...
 
 class ReadRequest(_message.Message):
-    __slots__ = ("newer_than", "timeout_seconds", "dtype", "reader", "sharing")
+    __slots__ = ("newer_than", "timeout_seconds", "dtype", "reader", "sharing", "host")
     NEWER_THAN_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     READER_FIELD_NUMBER: _ClassVar[int]
     SHARING_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
     newer_than: int
     timeout_seconds: float
     dtype: str
     reader: str
     sharing: int
-    def __init__(self, newer_than: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., dtype: _Optional[str] = ..., reader: _Optional[str] = ..., sharing: _Optional[int] = ...) -> None: ...
+    host: str
+    def __init__(self, newer_than: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., dtype: _Optional[str] = ..., reader: _Optional[str] = ..., sharing: _Optional[int] = ..., host: _Optional[str] = ...) -> None: ...
 
 class TensorMeta(_message.Message):
     __slots__ = ("key", "dtype", "shape", "nbytes")
@@ -149,7 +151,7 @@ class TensorMeta(_message.Message):
     def __init__(self, key: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class VersionHeader(_message.Message):
-    __slots__ = ("step", "published_at", "tensors", "nbytes", "crc32", "model", "server_time")
+    __slots__ = ("step", "published_at", "tensors", "nbytes", "crc32", "model", "server_time", "path")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PUBLISHED_AT_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +159,7 @@ class VersionHeader(_message.Message):
     CRC32_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
     step: int
     published_at: float
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
@@ -164,7 +167,8 @@ class VersionHeader(_message.Message):
     crc32: int
     model: str
     server_time: float
-    def __init__(self, step: _Optional[int] = ..., published_at: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., nbytes: _Optional[int] = ..., crc32: _Optional[int] = ..., model: _Optional[str] = ..., server_time: _Optional[float] = ...) -> None: ...
+    path: str
+    def __init__(self, step: _Optional[int] = ..., published_at: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., nbytes: _Optional[int] = ..., crc32: _Optional[int] = ..., model: _Optional[str] = ..., server_time: _Optional[float] = ..., path: _Optional[str] = ...) -> None: ...
 
 class WeightsChunk(_message.Message):
     __slots__ = ("header", "data")
