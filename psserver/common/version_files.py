@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import mmap
 import os
 import stat
 import struct
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -74,9 +76,12 @@ def parse_header(mapped: Any) -> tuple[dict, int]:
 
 def load(dir_fd: int, name: str, shown: Path, what: str) -> tuple[dict, memoryview] | None:
     """The header and the bytes of version file ``name`` in the directory ``dir_fd`` (``shown``
-    in errors, as ``what``'s), mapped, not read: the file is never written again (a new version
-    is a new file), so the version's tensors are views of the one copy in memory. None when it
-    is gone; ``UsageError`` unless it is a regular file of this user's alone, whole."""
+    in errors, as ``what``'s), mapped, not read, so the version's tensors are views of the one
+    copy in memory. A shared ``flock`` of the file is held as long as they live: a server writes
+    another version into a file of its own only when nobody holds one (it holds the exclusive
+    lock while it writes), so a mapped version never changes. The caller checks the header's
+    step (a file written again since it was named holds a newer one). None when it is gone;
+    ``UsageError`` unless it is a regular file of this user's alone, whole."""
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -90,11 +95,15 @@ def load(dir_fd: int, name: str, shown: Path, what: str) -> tuple[dict, memoryvi
         why = "is not a regular file" if not stat.S_ISREG(st.st_mode) else not_private(st)
         if why is not None:
             raise UsageError(f"{what}: {shown} {why}")
-        if st.st_size == 0:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # held while mapped: the server writes no file a reader holds
+        size = os.fstat(fd).st_size  # a server that used the file again may have written another size
+        if size == 0:
             raise UsageError(f"{what}: {shown} is empty")
-        mapped = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ | mmap.PROT_WRITE, flags=mmap.MAP_PRIVATE)
-    finally:
+        mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ | mmap.PROT_WRITE, flags=mmap.MAP_PRIVATE)
+    except BaseException:
         os.close(fd)
+        raise
+    weakref.finalize(mapped, os.close, fd)  # the lock goes with the last view of the version
     try:
         header, start = parse_header(mapped)
         nbytes = sum(int(m[3]) for m in header["metas"])
@@ -107,7 +116,8 @@ def load(dir_fd: int, name: str, shown: Path, what: str) -> tuple[dict, memoryvi
 
 def write(dir_fd: int, name: str, header: bytes, data: Any) -> None:
     """``header`` and ``data`` into a new file ``name`` (0600) of the directory ``dir_fd``; a
-    file half written is removed (``OSError``: a full ``/dev/shm``, say)."""
+    file half written is removed (``OSError``: a full ``/dev/shm``, say). Written before anyone
+    knows its name: no lock needed."""
     fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
     try:
         with os.fdopen(fd, "wb") as f:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import threading
 import zlib
 from dataclasses import dataclass, field
@@ -67,12 +68,47 @@ class Version:
             return done
 
 
+class BufferPool:
+    """Buffers of versions, used again once nothing holds them. glibc maps every buffer over
+    32 MiB afresh, so each version of a large model in new memory paid the kernel's page faults
+    and zeroing, as much again as the copy itself. A buffer is free when the pool's is the only
+    reference left to it: a version's tensors, its bytes being sent and a view of them each hold
+    one (CPython counts them; elsewhere the pool only allocates)."""
+
+    FREE_REFS = 3
+    """``sys.getrefcount`` of a buffer nothing else holds: the pool's list, the loop's name, the call."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._buffers: list[Any] = []
+        self._lock = threading.Lock()
+        self._counted = sys.implementation.name == "cpython" and getattr(sys, "_is_gil_enabled", lambda: True)()
+        self.reused = 0
+
+    def take(self, nbytes: int) -> Any:
+        """A buffer of ``nbytes`` (uninitialised: a free one, else a new one)."""
+        with self._lock:
+            if self._counted:
+                for buf in self._buffers:
+                    if buf.nbytes == nbytes and sys.getrefcount(buf) == self.FREE_REFS:
+                        self.reused += 1
+                        return buf
+            buf = torch.empty(nbytes, dtype=torch.uint8).numpy()
+            self._buffers.append(buf)
+            del self._buffers[:-self.keep]  # the oldest are forgotten: freed when their holders let go
+            return buf
+
+
+POOL = BufferPool()
+
+
 def packed_views(specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[dict[str, torch.Tensor], Packed]:
     """One buffer for tensors of ``specs`` (key, dtype, shape), in order, and a view of it for
     each: filled by the caller (``copy_``), the buffer is their bytes. Allocated without being
-    written (no pass over it before the copy): outside the update lock, the copy alone in it."""
+    written (no pass over it before the copy): outside the update lock, the copy alone in it;
+    a buffer of an earlier version that nothing holds any more where there is one (``POOL``)."""
     metas = [(k, str(d).removeprefix("torch."), tuple(shape), math.prod(shape) * d.itemsize) for k, d, shape in specs]
-    data = torch.empty(sum(m[3] for m in metas), dtype=torch.uint8).numpy()
+    data = POOL.take(sum(m[3] for m in metas))
     out, at = {}, 0
     for (key, _, shape, n), (_, dtype, _) in zip(metas, specs, strict=True):
         count = math.prod(shape)

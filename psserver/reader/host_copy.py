@@ -253,7 +253,12 @@ class HostCopy:
     def _load(self, name: str) -> Raw | None:
         """The version in file ``name`` (None: replaced and gone before it was opened)."""
         found = version_files.load(self._dir, name, self.path / name, "readers' shared copy")
-        return None if found is None else Raw.of_file(*found)
+        if found is None:
+            return None
+        raw = Raw.of_file(*found)
+        # The server's file, linked in, holds the step of its name: the server writes a file again
+        # only once no name of this copy links it; a name removed meanwhile is a newer file's.
+        return raw if raw.step == int(name[len(PREFIX):]) else None
 
 
 def _alive_in(text: str) -> bool:

@@ -41,6 +41,8 @@ from psserver.utils.private_paths import DIR_FLAGS, not_private, unsafe_parent
 
 log = logging.getLogger(__name__)
 
+FILE_TRIES = 2
+"""Reads of one version through the server's file (on its host) before its bytes are asked for."""
 MAX_MESSAGE = 16 << 20
 """Largest message taken from the server (its chunks are 1 MiB; a header lists every tensor)."""
 
@@ -267,11 +269,14 @@ class Reader:
         if newer_than is not None:
             request.newer_than = newer_than
         try:
-            raw = self._assemble(self._stub.Read(request, timeout=timeout + 30.0, metadata=self._metadata))
-            if raw is None:  # the server's file went before this reader opened it: the bytes then
-                request.host = ""
+            for attempt in range(FILE_TRIES + 1):
                 raw = self._assemble(self._stub.Read(request, timeout=timeout + 30.0, metadata=self._metadata))
-            return raw
+                if raw is not None:
+                    return raw
+                # The server's file went, or was written again, before this reader opened it: ask
+                # again (the bytes at the last try, or once its files proved out of reach).
+                request.host = self._host_id if attempt + 1 < FILE_TRIES else ""
+            raise UsageError(f"{self.address} named files of versions this reader could not open")
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and newer_than is not None:
                 return None
@@ -336,9 +341,7 @@ class Reader:
         if found is None:
             return None
         raw = Raw.of_file(*found, path=str(path))
-        if raw.step != header.step:
-            raise UsageError(f"{what}: {path} holds step {raw.step}, not {header.step}")
-        return raw
+        return raw if raw.step == header.step else None  # written again since it was named: ask again
 
     def _version(self, raw: Raw) -> Version:
         """The tensors of ``raw``, checked against what its header says of them, on ``device``."""

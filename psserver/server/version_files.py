@@ -6,19 +6,23 @@ name of a file that holds them instead: written once per version and dtype, what
 of such readers, into this process's own directory under the user's private directory of
 version files. The readers of a host share one copy through it with no copy of their own (their
 fetcher links the file into their copy), and a reader by itself maps it. Files of the two newest
-versions are kept (a reader may be opening the older one); a reader that opened a file keeps it
-however long it holds the version. A server whose files cannot be written (a full or missing
-``/dev/shm``) sends the bytes.
+versions are named (a reader may be opening the older one); a reader that opened a file keeps it
+however long it holds the version, under a shared ``flock``. Older files are written again with
+newer versions once no reader holds them (no shared lock) or links them (no name in a readers'
+copy): their pages are in memory already. A server whose files cannot be written (a full or
+missing ``/dev/shm``) sends the bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import secrets
 import shutil
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from psserver.common import version_files
@@ -29,7 +33,17 @@ log = logging.getLogger(__name__)
 
 KEPT_STEPS = 2
 """Versions whose files are kept: the newest and the one before, which a reader may be opening."""
+SPARE_FILES = 2
+"""Files of older versions kept to be written again (a new file's pages cost the kernel's page
+faults and zeroing, as much as the copy into them)."""
 PREFIX = "server-"
+
+
+@dataclass
+class _File:
+    name: str
+    fd: int
+    """Open for writing as long as the server may write it again."""
 
 
 class VersionFiles:
@@ -39,10 +53,14 @@ class VersionFiles:
         self._lock = threading.Lock()
         self._dir: int | None = None
         self.path: Path | None = None
-        self._files: dict[tuple[int, str], str] = {}
+        self._files: dict[tuple[int, str], _File] = {}
+        self._spare: list[_File] = []
+        """Files of older versions, written again once no reader holds or links them."""
         self._failed = False
         self.written = 0
-        """Files written (one per version and dtype asked for)."""
+        """Versions written (one per version and dtype asked for)."""
+        self.reused = 0
+        """Of them, into a file of an older version (its pages in memory already: no page faults)."""
 
     def path_for(self, version: Version, dtype: str, reader_host: str, model: str) -> str | None:
         """The file of ``version`` in ``dtype`` for a reader on ``reader_host``: None unless that
@@ -50,33 +68,80 @@ class VersionFiles:
         if not reader_host or reader_host != self.host or self._failed:
             return None
         with self._lock:
-            name = self._files.get((version.step, dtype))
-            if name is None:
+            found = self._files.get((version.step, dtype))
+            if found is None:
                 try:
-                    name = self._write(version, dtype, model)
+                    found = self._write(version, dtype, model)
                 except (OSError, UsageError) as e:
                     self._failed = True
                     log.warning("cannot write versions for the readers of this host to shared memory (%s): they "
                                 "are sent the bytes", getattr(e, "strerror", None) or e)
                     return None
             assert self.path is not None
-            return str(self.path / name)
+            return str(self.path / found.name)
 
-    def _write(self, version: Version, dtype: str, model: str) -> str:
+    def _write(self, version: Version, dtype: str, model: str) -> _File:
         if self._dir is None:
             self._open()
         assert self._dir is not None
         encoded = version.encoded(dtype)
+        header = version_files.header_bytes(version.step, version.published_at, model, 0, 0.0, encoded.metas)
         name = f"v-{version.step:020d}-{dtype or 'held'}"
-        version_files.write(self._dir, name, version_files.header_bytes(
-            version.step, version.published_at, model, 0, 0.0, encoded.metas), encoded.data)
-        self._files[(version.step, dtype)] = name
+        file = self._free(len(header) + len(encoded.data))
+        if file is None:
+            fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=self._dir)
+            file = _File(name, fd)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            _write_all(file.fd, header, encoded.data)
+            if file.name != name:  # an older version's file: its new name once it holds this one
+                os.rename(file.name, name, src_dir_fd=self._dir, dst_dir_fd=self._dir)
+                file.name = name
+                self.reused += 1
+        except BaseException:
+            self._drop(file)
+            raise
+        finally:
+            with contextlib.suppress(OSError):
+                fcntl.flock(file.fd, fcntl.LOCK_UN)
+        self._files[(version.step, dtype)] = file
         self.written += 1
         steps = sorted({step for step, _ in self._files})
         for key in [k for k in self._files if k[0] not in steps[-KEPT_STEPS:]]:
-            with contextlib.suppress(OSError):
-                os.unlink(self._files.pop(key), dir_fd=self._dir)
-        return name
+            self._spare.append(self._files.pop(key))
+        while len(self._spare) > SPARE_FILES:
+            self._drop(self._spare.pop(0))
+        return file
+
+    def _free(self, size: int) -> _File | None:
+        """A spare file nobody holds (no reader's shared lock) or links (no name of a readers'
+        copy): held under the exclusive lock, sized ``size``; None when there is none."""
+        assert self._dir is not None
+        for file in sorted(self._spare, key=lambda f: os.fstat(f.fd).st_size != size):
+            try:
+                fcntl.flock(file.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            if os.fstat(file.fd).st_nlink != 1:
+                fcntl.flock(file.fd, fcntl.LOCK_UN)
+                continue
+            self._spare.remove(file)
+            # Renamed out of the way first: a reader that opens the old name from now on finds
+            # nothing; one that opened it before waits for the lock, then sees a newer step.
+            tmp = f".w-{secrets.token_hex(4)}"
+            os.rename(file.name, tmp, src_dir_fd=self._dir, dst_dir_fd=self._dir)
+            file.name = tmp
+            if os.fstat(file.fd).st_size != size:
+                os.ftruncate(file.fd, size)
+            return file
+        return None
+
+    def _drop(self, file: _File) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(file.name, dir_fd=self._dir)
+        with contextlib.suppress(OSError):
+            os.close(file.fd)
 
     def _open(self) -> None:
         root = self._base or version_files.root()
@@ -92,10 +157,10 @@ class VersionFiles:
         with self._lock:
             if self._dir is None:
                 return
-            for name in self._files.values():
-                with contextlib.suppress(OSError):
-                    os.unlink(name, dir_fd=self._dir)
+            for file in [*self._files.values(), *self._spare]:
+                self._drop(file)
             self._files.clear()
+            self._spare.clear()
             os.close(self._dir)
             self._dir = None
             assert self.path is not None
@@ -103,3 +168,12 @@ class VersionFiles:
                 os.rmdir(self.path)
             with contextlib.suppress(OSError):
                 os.rmdir(self.path.parent)  # the user's directory, when no reader's copy is in it
+
+
+def _write_all(fd: int, header: bytes, data: object) -> None:
+    """``header`` then ``data`` from the start of ``fd``."""
+    at = 0
+    for part in (memoryview(header), memoryview(data).cast("B")):
+        while part:
+            n = os.pwrite(fd, part, at)
+            part, at = part[n:], at + n

@@ -14,7 +14,7 @@ import torch
 
 from psserver.common import version_files
 from psserver.common.versions import Version, pack
-from psserver.server.version_files import VersionFiles
+from psserver.server.version_files import SPARE_FILES, VersionFiles
 from psserver.utils.private_paths import DIR_FLAGS
 
 
@@ -55,10 +55,31 @@ def test_a_reader_elsewhere_or_of_another_user_gets_none(files):
     assert files.written == 0 and files.path is None  # nothing made for them
 
 
-def test_the_two_newest_versions_are_kept(files):
+def test_the_two_newest_versions_are_named_and_older_files_written_again(files):
     for step in range(1, 6):
         files.path_for(version(step), "", files.host, "toy")
-    assert sorted(os.listdir(files.path)) == [f"v-{s:020d}-held" for s in (4, 5)]
+    names = sorted(os.listdir(files.path))
+    assert [f"v-{s:020d}-held" for s in (4, 5)] == names[-2:] and len(names) <= 2 + SPARE_FILES
+    assert files.written == 5 and files.reused == 2  # steps 4 and 5 went into the pages of 1 and 2
+
+
+def test_a_file_a_reader_holds_or_links_is_not_written_again(files, tmp_path):
+    held = files.path_for(version(1), "", files.host, "toy")
+    directory = os.open(os.path.dirname(held), DIR_FLAGS)
+    try:
+        header, data = version_files.load(directory, os.path.basename(held), held, "test")  # a reader maps it
+    finally:
+        os.close(directory)
+    linked = files.path_for(version(2), "", files.host, "toy")
+    os.link(linked, tmp_path / "a-readers-copy")  # a readers' copy links it
+    for step in (3, 4, 5):
+        files.path_for(version(step), "", files.host, "toy")
+    assert files.reused == 0  # every version into a new file
+    assert bytes(data) == bytes(version(1).encoded("").data) and header["step"] == 1  # what the reader holds
+    del data
+    os.unlink(tmp_path / "a-readers-copy")
+    files.path_for(version(6), "", files.host, "toy")
+    assert files.reused == 1
 
 
 def test_close_removes_the_files_and_a_dead_servers_are_swept(files, tmp_path):

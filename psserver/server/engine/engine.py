@@ -615,7 +615,9 @@ class StepEngine:
             whole = self.layout.state_dict([state[e.key] for e in entries])
             return step, whole, packed if len(whole) == len(state) else None
 
-        return self.compute.run(copy)
+        # One intra-op thread: a team's threads spin after each of the model's copies, on the
+        # cores the trainers need (a resnet18 version cost the server twice the CPU with two).
+        return self.compute.run_with(1, copy)
 
     def table_rows(self, table: str, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
         """The global step and the rows of ``ids`` in ``table`` as held now, for a reader that
