@@ -139,6 +139,7 @@ class Reader:
         self._host_id = version_files.host_id() if server_files else ""
         """Sent with each read: a server on this host and user answers with its file of the
         version (``psserver.common.version_files``); emptied once such a file proves unusable."""
+        self._known: tuple[list, list] | None = None  # the last layout of versions, checked
         self._host: HostCopy | None = None
         if share:
             self._host = HostCopy(self.address, self.dtype, self._fetch)
@@ -345,22 +346,37 @@ class Reader:
 
     def _version(self, raw: Raw) -> Version:
         """The tensors of ``raw``, checked against what its header says of them, on ``device``."""
+        layout = self._layout(raw.metas)
+        end = layout[-1][3] + layout[-1][4] if layout else 0
+        if end > len(raw.data):
+            raise UsageError(f"{self.address} sent {len(raw.data)} bytes for tensors of {end}")
+        cpu = self.device.type == "cpu"
         state: dict[str, torch.Tensor] = {}
-        at = 0
-        for key, name, shape, nbytes in raw.metas:
+        for key, dtype, shape, at, nbytes in layout:
+            t = torch.frombuffer(raw.data, dtype=dtype, count=nbytes // dtype.itemsize, offset=at).view(shape) \
+                if nbytes else torch.empty(shape, dtype=dtype)
+            state[key] = t if cpu else t.to(self.device)
+        return Version(raw.step, state, raw.published_at, time.time() + raw.clock, raw.model)
+
+    def _layout(self, metas: list) -> list[tuple[str, torch.dtype, tuple[int, ...], int, int]]:
+        """Each tensor's key, dtype, shape, offset and bytes, checked once per layout (a version
+        of a model has the one of the last)."""
+        if self._known is not None and self._known[0] == metas:
+            return self._known[1]
+        layout, at = [], 0
+        for key, name, shape, nbytes in metas:
             dtype = getattr(torch, name, None)
             if not isinstance(dtype, torch.dtype) or any(d < 0 for d in shape):
                 raise UsageError(f"{self.address} described {key!r} as {name} {shape}")
             numel = 1
             for d in shape:
                 numel *= d
-            if numel * dtype.itemsize != nbytes or at + nbytes > len(raw.data):
+            if numel * dtype.itemsize != nbytes:
                 raise UsageError(f"{self.address} gave {key!r} {nbytes} bytes for {name} {shape}")
-            t = torch.frombuffer(raw.data, dtype=dtype, count=numel, offset=at) if numel else \
-                torch.empty(0, dtype=dtype)
-            state[key] = t.reshape(shape).to(self.device)
+            layout.append((key, dtype, tuple(shape), at, nbytes))
             at += nbytes
-        return Version(raw.step, state, raw.published_at, time.time() + raw.clock, raw.model)
+        self._known = (metas, layout)
+        return layout
 
 
 def _int64s(data: bytes, address: str) -> torch.Tensor:
