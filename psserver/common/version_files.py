@@ -3,8 +3,10 @@
 A version file is an 8-byte little-endian length, a JSON header of that length (the step,
 when it was applied, the model's name, the CRC-32 of the bytes or 0 when not computed, the
 writer's clock against the server's, each tensor's key, dtype, shape and bytes), then the
-tensors' bytes. It is written whole under a name of its own and never written again, so a
-reader that maps it holds one version.
+tensors' bytes. It is written whole before anyone is given its name; a server may write a later
+version into it again, but only while no reader holds it (readers hold a shared ``flock`` as long
+as they map it, the server the exclusive one while it writes: :func:`load`), so a reader that
+maps it holds one version.
 
 Two writers: the reader that fetches for the readers of its host (``psserver.reader.host_copy``)
 and a server whose readers are on its own host and user (``psserver.server.version_files``),
@@ -31,9 +33,6 @@ from typing import Any
 
 from psserver.errors import UsageError
 from psserver.utils.private_paths import DIR_FLAGS, not_private, unsafe_parent
-
-__all__ = ["DIR_FLAGS", "LENGTH", "alive", "header_bytes", "host_id", "load", "parse_header", "pid_of",
-           "private_dir", "root", "write"]
 
 LENGTH = struct.Struct("<Q")
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
@@ -129,17 +128,23 @@ def write(dir_fd: int, name: str, header: bytes, data: Any) -> None:
         raise
 
 
-def private_dir(path: Path, what: str) -> int:
-    """A descriptor of ``path`` (under :func:`root`), made 0700 when missing; ``UsageError``
-    unless it is this user's alone. ``what`` names it in the error."""
+def private_dir(path: Path, what: str, *, create: bool = True) -> int:
+    """A descriptor of ``path`` (under :func:`root`), made 0700 when missing (``create``; else
+    ``FileNotFoundError``); ``UsageError`` unless it is this user's alone. ``what`` names it in
+    the error."""
     for directory in (path.parent, path):
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(directory, 0o700)
+        if create:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(directory, 0o700)
         why = unsafe_parent(directory)
         if why is not None:
             raise UsageError(f"{what}: {directory} is not safe: {why}")
     try:
         fd = os.open(path, DIR_FLAGS)
+    except FileNotFoundError:
+        if create:
+            raise UsageError(f"{what}: cannot open {path} (it went as it was made)") from None
+        raise
     except OSError as e:
         raise UsageError(f"{what}: cannot open {path} ({e.strerror or e})") from None
     why = not_private(os.fstat(fd), unreadable=True)

@@ -31,6 +31,7 @@ from pathlib import Path
 from psserver.common import version_files
 from psserver.errors import ServerUnavailable, UsageError
 from psserver.reader.raw import Raw
+from psserver.utils.private_paths import DIR_FLAGS
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +210,7 @@ class HostCopy:
         """The directory's names, through a descriptor of this call's own: ``os.listdir`` of a
         shared descriptor moves its one offset, and the fetcher's thread and the reader's, listing
         at once, each saw part of the names (a version fetched twice, an old one never removed)."""
-        fd = os.open(".", version_files.DIR_FLAGS, dir_fd=self._dir)
+        fd = os.open(".", DIR_FLAGS, dir_fd=self._dir)
         try:
             return os.listdir(fd)
         finally:

@@ -37,7 +37,6 @@ from psserver.control.v1 import control_pb2_grpc as pb_grpc
 from psserver.errors import ServerUnavailable, UsageError
 from psserver.reader.host_copy import HostCopy
 from psserver.reader.raw import Raw
-from psserver.utils.private_paths import DIR_FLAGS, not_private, unsafe_parent
 
 log = logging.getLogger(__name__)
 
@@ -324,18 +323,13 @@ class Reader:
         if path.parent.parent != version_files.root() or path.name in ("", ".", ".."):
             raise UsageError(f"{what} is not in this user's directory of version files: {path}")
         try:
-            fd = os.open(path.parent, DIR_FLAGS)
+            fd = version_files.private_dir(path.parent, what, create=False)
         except FileNotFoundError:
             log.info("the server at %s is on this host, but its version files are not: reading its bytes",
                      self.address)
             self._host_id = ""
             return None
-        except OSError as e:
-            raise UsageError(f"{what}: cannot open {path.parent} ({e.strerror or e})") from None
         try:
-            why = not_private(os.fstat(fd), unreadable=True) or unsafe_parent(path.parent)
-            if why is not None:
-                raise UsageError(f"{what}: {path.parent} {why}")
             found = version_files.load(fd, path.name, path, what)
         finally:
             os.close(fd)
