@@ -43,7 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"python -m benchmarks: unknown study {argv[0]!r}; choose from {', '.join(STUDIES)}\n")
         return 2
     module = importlib.import_module(STUDIES[argv[0]][0])
-    return module.main(argv[1:]) or 0
+    from benchmarks.harness.paired import exit_on_sigterm
+
+    with exit_on_sigterm():  # every study: its ``finally`` stops what it started (a killed one leaves it running)
+        return module.main(argv[1:]) or 0
 
 
 if __name__ == "__main__":

@@ -154,6 +154,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds of one setup at most")
     p.add_argument("--render", type=Path, metavar="RESULT.json", help="run nothing: write the summary, the "
                    "Markdown and the plot of an earlier result again")
+    p.add_argument("--plot-setups", metavar="SETUP,...", help="with --render: the setups the plot draws (default "
+                   "all; the table has every one); recorded with the result")
     p.add_argument("--rerun-into", type=Path, metavar="RESULT.json",
                    help="an earlier result whose runs of these setups this run replaces (one disturbed, or "
                         "stopped too early); the result is written again with them, each run's command kept")
@@ -180,6 +182,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ---- command lines ---------------------------------------------------------------------------
+
+
+def _why(error: str) -> str:
+    """A failure's first line and, where a process's output follows, that output's last line (its error)."""
+    lines = [x.strip() for x in error.strip().splitlines() if x.strip()]
+    return " ".join(lines[:1] + lines[-1:] if len(lines) > 1 else lines)
 
 
 def steps(setup: Setup, args: argparse.Namespace) -> int:
@@ -233,8 +241,13 @@ def trainer_args(setup: Setup, args: argparse.Namespace, rank: int, server: str,
 
 def ddp_args(setup: Setup, args: argparse.Namespace, ckpt: Path) -> list[str]:
     every = max(1, steps(setup, args) // 12)
+    # Each rank's share of the host's cores, as psserver's trainers take theirs: every namespace
+    # says LOCAL_WORLD_SIZE=1, so the default would give each rank all the cores (OpenMP teams of
+    # four ranks spinning on two cores: steps 10x slower than the compute).
+    threads = max(1, (os.cpu_count() or 1) // args.trainers)
     return ["train", "--mode", "ddp", *data_args(setup, args), "--optimizer", "adamw", "--lr", str(args.lr),
-            "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(every), "--keep-checkpoints", "100000"]
+            "--compute-threads", str(threads), "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(every),
+            "--keep-checkpoints", "100000"]
 
 
 def ddp_env(rank: int, world: int, master: str) -> dict[str, str]:
@@ -594,9 +607,11 @@ def markdown(result: dict) -> str:
              f"{rtt}", "", f"`{result['command']}` ({result['time']}, "
              f"{result['wall_s'] / 60:.1f} min; {result['cpus']} cores, load average before {result['load_before']})",
              "", f"Target held-out loss: {_f(summary['target_loss'], '{:.3f}')} nats a byte.", ""]
+    kept = {run.get("command") for run in result["runs"]}
     for again in result.get("reruns", []):
+        gone = "" if again["command"] in kept else " Every run of it was replaced by a later run."
         lines += [f"Run again: `{again['command']}` ({again['time']}, {again['wall_s'] / 60:.1f} min, load average "
-                  f"before {again['load_before']}).", ""]
+                  f"before {again['load_before']}).{gone}", ""]
     if cfg.get("delay_note"):
         lines += [f"Delay: {cfg['delay_note']} (asked: {cfg.get('delay_asked_ms', 0):g} ms each way).", ""]
     def times(x: dict | None) -> str:
@@ -624,7 +639,7 @@ def markdown(result: dict) -> str:
                   f"{row['target_loss']:.3f} (the higher of their final losses) in {_f(row['seconds'], '{:.0f}')} s "
                   f"against {_f(row['equal_seconds'], '{:.0f}')} s: {_f(row['ratio'], '{:.2f}x')} the time.", ""]
     for name, why in result.get("failed", {}).items():
-        lines += [f"**{name} failed**: `{why.strip().splitlines()[0][:300]}`", ""]
+        lines += [f"**{name} failed**: `{_why(why)[:300]}`", ""]
     for run in result["runs"]:
         f = run.get("faults")
         if f:
@@ -641,7 +656,8 @@ def markdown(result: dict) -> str:
     lines += [f"Every trainer took {cfg['steps']} steps of {cfg['batch_size']} samples{other}; "
               f"AdamW lr {cfg['lr']:g} "
               "(DDP's, pushpull's server, DiLoCo's inner); DiLoCo's outer optimizer is the server's default "
-              "(Nesterov SGD lr 0.7 momentum 0.9; async: delayed Nesterov) unless the setup's -outer names another.",
+              "(Nesterov SGD lr 0.7 momentum 0.9; async: delayed Nesterov) unless the setup's -outer names another. "
+              "Each DDP rank and each trainer ran its share of the cores in torch threads.",
               ""]
     return "\n".join(lines)
 
@@ -653,10 +669,17 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (by_samples, by_time) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for run in result["runs"]:
-        rows = run["snapshots"]
-        by_samples.plot([r["samples"] for r in rows], [r["loss"] for r in rows], marker=".", label=run["setup"])
-        by_time.plot([r["seconds"] for r in rows], [r["loss"] for r in rows], marker=".", label=run["setup"])
+    shown = result["config"].get("plot_setups")
+    runs = [r for r in result["runs"] if shown is None or r["setup"] in shown]
+    colours = iter(plt.get_cmap("tab20" if len(runs) > 10 else "tab10").colors)
+    for run in runs:
+        rows, kind = run["snapshots"], parse_setup(run["setup"])
+        # DDP, the reference, in black; pushpull in grey; async DiLoCo dashed
+        style = {"color": "black", "linewidth": 2.2} if kind.kind == "ddp" else \
+            {"color": "grey"} if kind.kind == "pushpull" else \
+            {"color": next(colours), "linestyle": "--" if kind.outer == "async" else "-"}
+        for ax, x in ((by_samples, "samples"), (by_time, "seconds")):
+            ax.plot([r[x] for r in rows], [r["loss"] for r in rows], marker=".", label=run["setup"], **style)
     target = result["summary"]["target_loss"]
     for ax, xlabel in ((by_samples, "samples seen (all trainers)"), (by_time, "seconds since the trainers started")):
         if target:
@@ -677,6 +700,14 @@ def main(argv: list[str] | None = None) -> int:
         result = json.loads(args.render.read_text())
         if args.target_loss is not None:  # the runs compared at another target, recorded with them
             result["config"]["target_loss"] = args.target_loss
+        if args.plot_setups is not None:
+            names = [n for n in args.plot_setups.split(",") if n]
+            unknown = sorted(set(names) - {r["setup"] for r in result["runs"]})
+            if unknown:
+                sys.stderr.write(f"python -m benchmarks diloco: --plot-setups: no run of {', '.join(unknown)} in "
+                                 f"{args.render}\n")
+                return 2
+            result["config"]["plot_setups"] = names
         result["summary"] = summarize(result["runs"], result["config"].get("target_loss"))
         stem = args.render.with_suffix("")
         sys.stdout.write(report.write_result(stem, result, "diloco", markdown))
@@ -717,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 run = run_setup(setup, args, Path(tmp) / setup.name)
             except (RuntimeError, OSError) as e:
-                log.error("setup %s failed: %s", setup.name, str(e).splitlines()[0] if str(e) else type(e).__name__)
+                log.error("setup %s failed: %s", setup.name, _why(str(e)) or type(e).__name__)
                 failed[setup.name] = str(e)[-2000:]
                 write()
                 continue

@@ -3,6 +3,7 @@ are the study's; its quick run is in docs/benchmarks.md)."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -39,6 +40,23 @@ def test_setups_are_parsed_by_name():
             diloco.parse_args(["--fault-at", bad])
     args = diloco.parse_args(["--quick"])
     assert [s.name for s in args.setups] == list(diloco.QUICK_SETUPS) and args.steps == 24
+
+
+def test_ddp_ranks_take_their_share_of_the_cores_as_the_trainers_do(monkeypatch):
+    # Each rank's namespace says LOCAL_WORLD_SIZE=1: without --compute-threads every rank took
+    # all the cores and four OpenMP teams spun on two (DDP's steps 10x slower than its compute).
+    monkeypatch.setattr(diloco.os, "cpu_count", lambda: 8)
+    argv = diloco.ddp_args(diloco.parse_setup("ddp-4"), diloco.parse_args(["--trainers", "4"]), Path("/x"))
+    assert argv[argv.index("--compute-threads") + 1] == "2"
+    monkeypatch.setattr(diloco.os, "cpu_count", lambda: 2)
+    argv = diloco.ddp_args(diloco.parse_setup("ddp-4"), diloco.parse_args(["--trainers", "4"]), Path("/x"))
+    assert argv[argv.index("--compute-threads") + 1] == "1"
+
+
+def test_a_failure_is_summed_up_by_its_first_line_and_the_processs_last():
+    why = "ddp-4: rank0 exited with 2:\nstarting\npsserver train: error: --dataset pysource: 131072 asked\n"
+    assert diloco._why(why) == "ddp-4: rank0 exited with 2: psserver train: error: --dataset pysource: 131072 asked"
+    assert diloco._why("setup timed out") == "setup timed out"
 
 
 def test_time_to_target_is_linear_between_snapshots_and_none_when_never_reached():
@@ -160,3 +178,15 @@ def test_a_stopped_trainers_rate_comes_from_its_progress_lines(tmp_path):
         "2026-11-28 21:52:00,000 INFO psserver.trainer.steps.diloco: diloco: 7478016 bytes of pseudo-gradient\n"
         "2026-11-28 21:52:09,891 INFO psserver.utils.progress: trainer 3: step 26/600 loss 2.2704 16 samples/s\n")
     assert diloco.step_rates([tmp_path / "trainer3.json"]) == [pytest.approx(0.5)]
+
+
+def test_a_render_draws_the_named_setups_records_them_and_refuses_one_it_never_ran(tmp_path, capsys):
+    result = tmp_path / "diloco.json"
+    result.write_text((Path(diloco.DEFAULT_RESULTS) / "diloco.json").read_text())
+    assert diloco.main(["--render", str(result), "--plot-setups", "ddp-4,diloco-sync-H50"]) == 0
+    assert json.loads(result.read_text())["config"]["plot_setups"] == ["ddp-4", "diloco-sync-H50"]
+    assert (tmp_path / "diloco.png").stat().st_size > 0 and (tmp_path / "diloco.md").exists()
+    before = result.read_text()
+    assert diloco.main(["--render", str(result), "--plot-setups", "ddp-4,ddp-5"]) == 2
+    assert "no run of ddp-5" in capsys.readouterr().err
+    assert result.read_text() == before
