@@ -108,6 +108,18 @@ def test_with_ddp_the_target_is_its_final_loss_and_each_setup_is_compared_to_it_
     assert summary["setups"]["pushpull-async-4"]["fewer_bytes_than_pushpull"] is None
 
 
+def test_a_run_a_few_short_batches_short_of_ddps_samples_is_compared_by_its_final_loss():
+    # 3,000 steps of 4 trainers x 8: DDP counts 96,000; the server counted 95,992 (an epoch's
+    # short last batches). Within one step of every trainer the final loss stands; further, none.
+    runs = [_run("ddp-4", 1.38, samples=96000), _run("diloco-sync-H50", 1.40, samples=95992),
+            _run("diloco-sync-H10", 1.39, samples=95000)]
+    rows = diloco.summarize(runs, None, step_samples=32)["setups"]
+    assert rows["diloco-sync-H50"]["loss_at_ddp_samples"] == 1.40
+    assert rows["diloco-sync-H50"]["vs_ddp_loss"] == pytest.approx(1.40 / 1.38 - 1)
+    assert rows["diloco-sync-H10"]["loss_at_ddp_samples"] is None
+    assert diloco.summarize(runs, None)["setups"]["diloco-sync-H50"]["loss_at_ddp_samples"] is None
+
+
 def test_steps_of_overrides_a_named_setups_steps_and_refuses_others():
     args = diloco.parse_args(["--setups", "ddp-4,diloco-sync-H50", "--steps", "600", "--steps-of", "ddp-4=200"])
     assert [diloco.steps(s, args) for s in args.setups] == [200, 600]
