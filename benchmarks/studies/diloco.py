@@ -195,10 +195,12 @@ def steps(setup: Setup, args: argparse.Namespace) -> int:
 
 
 def data_args(setup: Setup, args: argparse.Namespace) -> list[str]:
-    data = ["--dataset", "pysource", "--train-samples", str(args.train_samples)] if args.model == "byte_lm" else \
+    # The trainers' own final evaluation: a few samples (the study evaluates the snapshots); MNIST's
+    # is its held-out split (--train-split), which --eval-samples does not size.
+    data = ["--dataset", "pysource", "--train-samples", str(args.train_samples), "--eval-samples", "16"] \
+        if args.model == "byte_lm" else \
         ["--dataset", "mnist", "--data-dir", str(args.data_dir), "--train-split", str(MNIST_TRAIN_SPLIT)]
-    return ["--model", args.model, *data,
-            "--eval-samples", "16", "--batch-size", str(args.batch_size), "--max-steps", str(steps(setup, args)),
+    return ["--model", args.model, *data, "--batch-size", str(args.batch_size), "--max-steps", str(steps(setup, args)),
             "--epochs", "1000", "--no-progress"]
 
 
