@@ -497,13 +497,13 @@ def loss_at(rows: list[dict], samples: float) -> float | None:
     return rows[-1]["loss"] if rows and rows[-1]["samples"] == samples else None
 
 
-def summarize(runs: list[dict], target: float | None, step_samples: int = 0) -> dict:
+def summarize(runs: list[dict], target: float | None) -> dict:
     """Per setup: its final loss, time and samples to ``target`` (default: DDP's final loss, else
     the highest final loss without a straggler), its loss at DDP's samples, and how many times
     sooner than DDP and pushpull it reached the target ("at least" where one of them never did:
-    then its seconds trained stand for its time to target). A run that ended at most
-    ``step_samples`` (one step of every trainer) short of DDP's samples is compared by its final
-    loss: the server counts an epoch's last, short batches as they were, DDP each step as full."""
+    then its seconds trained stand for its time to target). A run that took all of DDP's steps of
+    DDP's batches is compared by its final loss: its server counted each epoch's short last batch
+    as it was (95,992 samples where DDP, counting full batches, says 96,000)."""
     finals = {r["setup"]: r["snapshots"][-1]["loss"] for r in runs if r["snapshots"]}
     ddp = next((r for r in runs if r["setup"].startswith("ddp-") and r["snapshots"]), None)
     pushpull = next((r for r in runs if r["setup"].startswith("pushpull-") and r["snapshots"]), None)
@@ -524,8 +524,7 @@ def summarize(runs: list[dict], target: float | None, step_samples: int = 0) -> 
     rows = {}
     for r in runs:
         equal = loss_at(r["snapshots"], ddp["samples"]) if ddp and r["snapshots"] else None
-        if equal is None and ddp and r["snapshots"] and not r.get("stopped") \
-                and 0 <= ddp["samples"] - r["snapshots"][-1]["samples"] <= step_samples:
+        if equal is None and ddp and r["snapshots"] and not r.get("stopped") and r["samples"] == ddp["samples"]:
             equal = r["snapshots"][-1]["loss"]
         rows[r["setup"]] = {"final_loss": finals.get(r["setup"]), "trained_s": r["trained_s"],
                             "samples": r["samples"], "stopped": r.get("stopped") or [],
@@ -606,7 +605,7 @@ def markdown(result: dict) -> str:
     """The result's table, its summary made again from its runs (``python -m benchmarks tables``
     renders a committed result with this code, not with the summary stored beside it)."""
     cfg = result["config"]
-    summary = summarize(result["runs"], cfg.get("target_loss"), cfg["batch_size"] * cfg["trainers"])
+    summary = summarize(result["runs"], cfg.get("target_loss"))
     rtt = f"{4 * cfg['delay_ms']:g} ms RTT" if cfg["delay_ms"] else "no added delay"
     model = cfg.get("model", "byte_lm")
     data = "pysource" if model == "byte_lm" else "MNIST"
@@ -715,8 +714,7 @@ def main(argv: list[str] | None = None) -> int:
                                  f"{args.render}\n")
                 return 2
             result["config"]["plot_setups"] = names
-        cfg = result["config"]
-        result["summary"] = summarize(result["runs"], cfg.get("target_loss"), cfg["batch_size"] * cfg["trainers"])
+        result["summary"] = summarize(result["runs"], result["config"].get("target_loss"))
         stem = args.render.with_suffix("")
         sys.stdout.write(report.write_result(stem, result, "diloco", markdown))
         plot(result, stem.with_suffix(".png"))
@@ -745,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
                   "failed": failed}
         if earlier is not None:
             result = rerun_into(earlier, result)
-        result["summary"] = summarize(result["runs"], args.target_loss, args.batch_size * args.trainers)
+        result["summary"] = summarize(result["runs"], args.target_loss)
         report.write_result(stem, result, "diloco", markdown)
         return result
 

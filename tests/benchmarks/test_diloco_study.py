@@ -108,16 +108,20 @@ def test_with_ddp_the_target_is_its_final_loss_and_each_setup_is_compared_to_it_
     assert summary["setups"]["pushpull-async-4"]["fewer_bytes_than_pushpull"] is None
 
 
-def test_a_run_a_few_short_batches_short_of_ddps_samples_is_compared_by_its_final_loss():
-    # 3,000 steps of 4 trainers x 8: DDP counts 96,000; the server counted 95,992 (an epoch's
-    # short last batches). Within one step of every trainer the final loss stands; further, none.
-    runs = [_run("ddp-4", 1.38, samples=96000), _run("diloco-sync-H50", 1.40, samples=95992),
-            _run("diloco-sync-H10", 1.39, samples=95000)]
-    rows = diloco.summarize(runs, None, step_samples=32)["setups"]
+def test_a_run_of_ddps_steps_and_batches_is_compared_by_its_final_loss():
+    # 3,000 steps of 4 trainers x 8: DDP counts 96,000 samples; the server counted 95,992 (each
+    # epoch's short last batch as it was). A run stopped early, or of other steps, is not compared.
+    def run(name: str, final: float, counted: int, samples: int = 96000, stopped: list | None = None) -> dict:
+        r = _run(name, final, samples=counted)
+        return {**r, "samples": samples, "stopped": stopped or []}
+
+    runs = [_run("ddp-4", 1.38, samples=96000), run("diloco-sync-H50", 1.40, 95992),
+            run("diloco-sync-H10", 1.39, 95000, samples=95040), run("diloco-async-H50", 1.5, 95000, stopped=[3])]
+    rows = diloco.summarize(runs, None)["setups"]
     assert rows["diloco-sync-H50"]["loss_at_ddp_samples"] == 1.40
     assert rows["diloco-sync-H50"]["vs_ddp_loss"] == pytest.approx(1.40 / 1.38 - 1)
     assert rows["diloco-sync-H10"]["loss_at_ddp_samples"] is None
-    assert diloco.summarize(runs, None)["setups"]["diloco-sync-H50"]["loss_at_ddp_samples"] is None
+    assert rows["diloco-async-H50"]["loss_at_ddp_samples"] is None
 
 
 def test_steps_of_overrides_a_named_setups_steps_and_refuses_others():
