@@ -80,6 +80,7 @@ SERVER_PORT = 29500
 DDP_PORT = 29600
 CONTROL_PORT = 50051
 MODELS = ("byte_lm", "mnist_cnn")
+UNITS = {"byte_lm": "nats a byte", "mnist_cnn": "nats an image"}
 MNIST_TRAIN_SPLIT = 8000
 """Of ../shared/data/mnist's one split of 10,000 images, those that train; the rest are held out."""
 SETUPS = ("ddp-4", "pushpull-async-4", "diloco-sync-H10", "diloco-sync-H50", "diloco-sync-H100", "diloco-sync-H500",
@@ -612,7 +613,7 @@ def markdown(result: dict) -> str:
     lines = [f"## Over slow links: {model} on {data}, {cfg['trainers']} trainers, links of {cfg['rate']:g} Mbit/s, "
              f"{rtt}", "", f"`{result['command']}` ({result['time']}, "
              f"{result['wall_s'] / 60:.1f} min; {result['cpus']} cores, load average before {result['load_before']})",
-             "", f"Target held-out loss: {_f(summary['target_loss'], '{:.3f}')} nats a byte.", ""]
+             "", f"Target held-out loss: {_f(summary['target_loss'], '{:.3f}')} {UNITS[model]}.", ""]
     kept = {run.get("command") for run in result["runs"]}
     for again in result.get("reruns", []):
         gone = "" if again["command"] in kept else " Every run of it was replaced by a later run."
@@ -677,6 +678,7 @@ def plot(result: dict, path: Path) -> None:
     fig, (by_samples, by_time) = plt.subplots(1, 2, figsize=(12, 4.5))
     shown = result["config"].get("plot_setups")
     runs = [r for r in result["runs"] if shown is None or r["setup"] in shown]
+    model = result["config"].get("model", "byte_lm")
     colours = iter(plt.get_cmap("tab20" if len(runs) > 10 else "tab10").colors)
     for run in runs:
         rows, kind = run["snapshots"], parse_setup(run["setup"])
@@ -691,7 +693,9 @@ def plot(result: dict, path: Path) -> None:
         if target:
             ax.axhline(target, color="grey", linestyle=":", linewidth=1)
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("held-out loss (nats a byte)")
+        ax.set_ylabel(f"held-out loss ({UNITS[model]})")
+        if model == "mnist_cnn":  # its losses span two orders of magnitude
+            ax.set_yscale("log")
         ax.grid(alpha=0.3)
     by_time.legend(fontsize=7)
     fig.tight_layout()
