@@ -161,6 +161,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="an earlier result whose runs of these setups this run replaces (one disturbed, or "
                         "stopped too early); the result is written again with them, each run's command kept")
     args = p.parse_args(argv)
+    if args.plot_setups is not None and args.render is None:
+        p.error("--plot-setups is for --render (a run plots every setup it runs)")
     args.setups = [parse_setup(s) for s in (args.setups.split(",") if args.setups else
                                             QUICK_SETUPS if args.quick else SETUPS)]
     args.steps = args.steps or (24 if args.quick else 600)
@@ -759,7 +761,8 @@ def main(argv: list[str] | None = None) -> int:
                 run = run_setup(setup, args, Path(tmp) / setup.name)
             except (RuntimeError, OSError) as e:
                 log.error("setup %s failed: %s", setup.name, _why(str(e)) or type(e).__name__)
-                failed[setup.name] = str(e)[-2000:]
+                why = str(e)
+                failed[setup.name] = why if len(why) <= 2000 else why.splitlines()[0] + "\n...\n" + why[-2000:]
                 write()
                 continue
             run["load"] = [round(load, 2), round(os.getloadavg()[0], 2)]

@@ -206,3 +206,5 @@ def test_a_render_draws_the_named_setups_records_them_and_refuses_one_it_never_r
     assert diloco.main(["--render", str(result), "--plot-setups", "ddp-4,ddp-5"]) == 2
     assert "no run of ddp-5" in capsys.readouterr().err
     assert result.read_text() == before
+    with pytest.raises(SystemExit):
+        diloco.parse_args(["--plot-setups", "ddp-4"])
