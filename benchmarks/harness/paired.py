@@ -409,7 +409,13 @@ def exit_on_sigterm():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    stopping = []
+
     def stop(signum, frame) -> None:  # noqa: ARG001
+        if stopping:  # a second SIGTERM would cut the cleanup the first one started short
+            log.warning("SIGTERM again: already stopping")
+            return
+        stopping.append(signum)
         log.warning("SIGTERM: stopping the runs and cleaning up")
         sys.exit(128 + signum)
 

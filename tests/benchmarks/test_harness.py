@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -362,3 +363,17 @@ def test_server_half_times_an_exchange_without_rpc(caplog):
         with pytest.raises(SystemExit) as e:
             server_half.main(bad)
         assert e.value.code == 2
+
+
+def test_sigterm_exits_once_and_a_second_one_leaves_the_cleanup_to_finish():
+    before, cleaned = signal.getsignal(signal.SIGTERM), []
+    with pytest.raises(SystemExit) as stopped:
+        with paired.exit_on_sigterm():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(10)  # not reached: the handler raises as the signal lands
+            finally:
+                os.kill(os.getpid(), signal.SIGTERM)  # `timeout` and a user both signalling: ignored here
+                cleaned.append("namespaces removed")
+    assert stopped.value.code == 128 + signal.SIGTERM and cleaned == ["namespaces removed"]
+    assert signal.getsignal(signal.SIGTERM) is before
