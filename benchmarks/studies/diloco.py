@@ -72,6 +72,7 @@ from pathlib import Path
 
 from benchmarks.harness import measure, multihost, report, throttle
 from benchmarks.harness.faults import fault_counts, inject_faults
+from psserver.utils.cpus import share, usable_cpus
 
 log = logging.getLogger(__name__)
 
@@ -246,10 +247,10 @@ def trainer_args(setup: Setup, args: argparse.Namespace, rank: int, server: str,
 
 def ddp_args(setup: Setup, args: argparse.Namespace, ckpt: Path) -> list[str]:
     every = max(1, steps(setup, args) // 12)
-    # Each rank's share of the host's cores, as psserver's trainers take theirs: every namespace
+    # Each rank's share of the host's cores, as psserver's trainers take theirs (``share``): every namespace
     # says LOCAL_WORLD_SIZE=1, so the default would give each rank all the cores (OpenMP teams of
     # four ranks spinning on two cores: steps 10x slower than the compute).
-    threads = max(1, (os.cpu_count() or 1) // args.trainers)
+    threads = share(usable_cpus(), args.trainers)
     return ["train", "--mode", "ddp", *data_args(setup, args), "--optimizer", "adamw", "--lr", str(args.lr),
             "--compute-threads", str(threads), "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(every),
             "--keep-checkpoints", "100000"]

@@ -45,10 +45,10 @@ def test_setups_are_parsed_by_name():
 def test_ddp_ranks_take_their_share_of_the_cores_as_the_trainers_do(monkeypatch):
     # Each rank's namespace says LOCAL_WORLD_SIZE=1: without --compute-threads every rank took
     # all the cores and four OpenMP teams spun on two (DDP's steps 10x slower than its compute).
-    monkeypatch.setattr(diloco.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(diloco, "usable_cpus", lambda: 8)
     argv = diloco.ddp_args(diloco.parse_setup("ddp-4"), diloco.parse_args(["--trainers", "4"]), Path("/x"))
     assert argv[argv.index("--compute-threads") + 1] == "2"
-    monkeypatch.setattr(diloco.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(diloco, "usable_cpus", lambda: 2)
     argv = diloco.ddp_args(diloco.parse_setup("ddp-4"), diloco.parse_args(["--trainers", "4"]), Path("/x"))
     assert argv[argv.index("--compute-threads") + 1] == "1"
 
