@@ -25,7 +25,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from psserver.utils import ports
 from tests import forked
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,20 +49,21 @@ NOT_INHERITED = (
 )
 
 
-_HANDED_OUT: set[int] = set()
+def _worker_ports() -> range:
+    """This xdist worker's share of the fixed ports: two workers never pick the same one."""
+    span = ports.fixed_ports()
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    index = int(worker) if worker.isdigit() else 0
+    share = len(span) // max(1, workers)
+    return span[index * share:(index + 1) * share]
 
 
 def free_port() -> int:
-    """A loopback port nobody listens on, never one this process handed out before: the kernel
-    can give the same free port to two binds in a row (a CI run's Slurm job got one port for
-    its RPC store and its control plane)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+    """A loopback port nobody listens on, outside the kernel's ephemeral range (an outgoing
+    connection took the ephemeral port a CI run's Slurm job had picked for its metrics), from
+    this worker's share, never one this process handed out before."""
+    return ports.free_port(ports=_worker_ports())
 
 
 def env(**overrides: str | None) -> dict[str, str]:

@@ -17,21 +17,17 @@ import pytest
 from tests import forked, procs
 
 
-def test_free_ports_are_free_and_never_handed_out_twice(monkeypatch):
-    # the kernel picking the same port for two binds in a row, as it did in a CI run
-    picks = iter([41000, 41000, 41001])
-    real_socket = socket.socket
-
-    class Repeating(real_socket):
-        def getsockname(self):
-            return ("127.0.0.1", next(picks))
-
-    monkeypatch.setattr(procs, "_HANDED_OUT", set())
-    monkeypatch.setattr(procs.socket, "socket", Repeating)
-    assert (procs.free_port(), procs.free_port()) == (41000, 41001)
-    monkeypatch.undo()
+def test_each_worker_picks_ports_from_its_own_share(monkeypatch):
+    shares = []
+    for worker in ("gw0", "gw1"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        shares.append(procs._worker_ports())
+    assert len(shares[0]) > 1000 and not set(shares[0]) & set(shares[1])
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
     port = procs.free_port()
-    with real_socket() as s:
+    assert port in shares[1]
+    with socket.socket() as s:
         s.bind(("127.0.0.1", port))  # free indeed
 
 

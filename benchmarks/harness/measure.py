@@ -11,7 +11,6 @@ import itertools
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -21,6 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from psserver.utils.ports import free_port  # noqa: F401 (the harness's, for its studies)
+
 ROOT = Path(__file__).resolve().parents[2]
 """The repository checkout the harness runs in (its children import psserver and benchmarks from it)."""
 RESULTS = ROOT / "benchmarks" / "results"
@@ -28,12 +29,6 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 # ---- child processes ------------------------------------------------------------------------
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -13,7 +13,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ from psserver.config.common import DataConfig
 from psserver.config.protocols import COMPUTE_MODES
 from psserver.config.server import ServerConfig
 from psserver.errors import UsageError
+from psserver.utils.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +37,6 @@ DEMO_EPOCHS = 2
 """The demo's own defaults: a small job that shows learning in a minute (not a trainer's)."""
 DEMO_DATA = ("dataset", "data_dir", "train_split")
 """The data flags the demo takes, each ``DataConfig``'s (``psserver.cli.builder``)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _pump(proc: subprocess.Popen, prefix: str, lines: list[str]) -> None:
@@ -79,7 +73,7 @@ class DemoCommand(SubCommand):
             check_model_name(args.model)
             TrainerConfig(rank=0, num_trainers=args.trainers, epochs=args.epochs, compute=args.compute,
                           data=build(DataConfig, args), progress=False)
-        port = _free_port()
+        port = free_port()
         exe = [sys.executable, "-m", "psserver"]
         # A join token of the demo's own, as a real job has one (psserver.common.rendezvous.namespace).
         env = dict(os.environ, PYTHONUNBUFFERED="1", PSSERVER_JOIN_TOKEN=secrets.token_hex(16))
