@@ -34,9 +34,14 @@ class RelayCommand(SubCommand):
         parser.add_argument("--upstream-token-file", type=path_arg, default=None,
                             help=f"file holding the token this relay reads its upstream with (else ${READ_TOKEN_ENV})")
         parser.add_argument("--read-token-file", type=path_arg, default=None,
-                            help="file holding the token readers of this relay must show (default: none, open)")
+                            help="file holding the token readers of this relay must show (default: none, open; "
+                                 "required beyond loopback when the upstream needs a token, unless --open)")
+        parser.add_argument("--open", action="store_true",
+                            help="serve readers beyond loopback without a token though the upstream needs one")
         parser.add_argument("--tls-ca", type=path_arg, default=None,
                             help="PEM CA certificate that signed the upstream's: connect to it with TLS")
+        parser.add_argument("--tls-cert", type=path_arg, default=None, help="PEM certificate: serve readers TLS")
+        parser.add_argument("--tls-key", type=path_arg, default=None, help="PEM private key of --tls-cert")
         parser.add_argument("--timeout", type=finite_float, default=30.0,
                             help="seconds to wait for the upstream at each call (default 30)")
         parser.add_argument("--name", default="psserver-relay", help="what the upstream's status lists this relay as")
@@ -59,8 +64,8 @@ class RelayCommand(SubCommand):
         signal.pthread_sigmask(signal.SIG_BLOCK, signals)
         try:
             with Relay(args.upstream, host=args.host, port=args.port, upstream_token_file=args.upstream_token_file,
-                       read_token_file=args.read_token_file, tls_ca=args.tls_ca, name=args.name,
-                       timeout=args.timeout):
+                       read_token_file=args.read_token_file, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                       tls_key=args.tls_key, open=args.open, name=args.name, timeout=args.timeout):
                 signal.sigwait(signals)
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)

@@ -55,10 +55,10 @@ def host_id() -> str:
 
 
 def header_bytes(step: int, published_at: float, model: str, crc32: int, clock: float,
-                 metas: list[tuple[str, str, tuple[int, ...], int]]) -> bytes:
+                 metas: list[tuple[str, str, tuple[int, ...], int]], history: str = "") -> bytes:
     """What goes before the tensors' bytes in a version file."""
     header = json.dumps({"step": step, "published_at": published_at, "model": model, "crc32": crc32,
-                         "clock": clock, "metas": metas}).encode()
+                         "clock": clock, "metas": metas, "history": history}).encode()
     return LENGTH.pack(len(header)) + header
 
 

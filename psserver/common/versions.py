@@ -49,6 +49,8 @@ class Version:
     state: dict[str, torch.Tensor]
     packed: Packed | None = None
     """``state``'s bytes, where the snapshot was packed (its tensors are views of them)."""
+    history: str = ""
+    """The server's line of versions (``VersionHeader.history``): steps only grow within one."""
     _encoded: dict[str, Encoded] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

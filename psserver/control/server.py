@@ -33,7 +33,7 @@ from psserver.telemetry import ControlTarget
 log = logging.getLogger(__name__)
 
 HEALTH_SERVICES = ("", SERVICE_NAME)
-_LOOPBACK = {"127.0.0.1", "::1", "localhost", "[::1]"}
+LOOPBACK = {"127.0.0.1", "::1", "localhost", "[::1]"}
 
 
 def check_tls_files(cert: Path, key: Path | None) -> None:
@@ -165,7 +165,7 @@ class ControlServer:
             "" if self.weights is None else ", weights for readers" + (" with their token" if read_token else ""),
             ", reflection" if cfg.reflection else "",
         )
-        if cfg.host not in _LOOPBACK:
+        if cfg.host not in LOOPBACK:
             if not token:
                 log.warning(
                     "control plane on %s has no token: anyone who can reach it can read its status%s",

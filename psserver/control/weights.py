@@ -10,6 +10,7 @@ tensors of two steps; the bytes are encoded once per version and dtype, however 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -31,13 +32,61 @@ DEFAULT_TIMEOUT_S = 30.0
 MAX_TIMEOUT_S = 3600.0
 MAX_NAME = 100
 MAX_HOST = 200
+MAX_HISTORY = 64
+STALL_S = 60.0
+"""A read whose sends make no progress for this long is cancelled: a reader that stopped reading
+(its flow-control window full) would hold a read's slot, a worker and its version for ever."""
+
+
+class StallGuard:
+    """Cancels the calls it watches once none of their messages went out for ``STALL_S``."""
+
+    def __init__(self) -> None:
+        self._due: dict[int, tuple[float, grpc.ServicerContext]] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, key: int, context: grpc.ServicerContext) -> None:
+        with self._lock:
+            self._due[key] = (time.monotonic() + STALL_S, context)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="psserver-read-stalls", daemon=True)
+                self._thread.start()
+
+    def progress(self, key: int) -> None:
+        with self._lock:
+            if key in self._due:
+                self._due[key] = (time.monotonic() + STALL_S, self._due[key][1])
+
+    def done(self, key: int) -> None:
+        with self._lock:
+            self._due.pop(key, None)
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _run(self) -> None:
+        while not self._closed.wait(min(1.0, STALL_S / 4)):
+            now = time.monotonic()
+            with self._lock:
+                if not self._due:  # no read in flight: the next one starts the thread again
+                    self._thread = None
+                    return
+                stalled = [(k, c) for k, (due, c) in self._due.items() if due <= now]
+                for key, _ in stalled:
+                    del self._due[key]
+            for _, context in stalled:
+                log.warning("a read of the weights by %s sent nothing for %gs: cancelled", context.peer(), STALL_S)
+                context.cancel()
 
 
 class WeightsSource(Protocol):
     """What the service reads from (``psserver.server.versions.Versions``)."""
 
-    def read(self, newer_than: int | None, timeout: float) -> Any:
-        """The newest version (past ``newer_than``, waited for up to ``timeout`` s), or None;
+    def read(self, newer_than: int | None, timeout: float, history: str = "") -> Any:
+        """The newest version (past ``newer_than``, waited for up to ``timeout`` s; any, at once,
+        when ``newer_than`` is a step of another ``history`` than the source's), or None;
         ``NoVersion`` when none can be read."""
 
     def read_done(self, name: str, peer: str, version: Any, sharing: int = 1, nbytes: int = 0) -> float:
@@ -61,27 +110,45 @@ class WeightsSource(Protocol):
 
 
 class WeightsService(pb_grpc.WeightsServiceServicer):
-    """At most ``max_reads`` reads at once (each may wait for a version): RESOURCE_EXHAUSTED
-    past them, so that readers never take the workers of the status calls."""
+    """At most ``max_reads`` calls at once (a read may wait for a version, a row read copies rows):
+    RESOURCE_EXHAUSTED past them, so that readers never take the workers of the status calls; of
+    them, at most ``FULL_DELTAS`` deltas of every row of a table (each a copy of the table)."""
+
+    FULL_DELTAS = 2
 
     def __init__(self, source: WeightsSource, max_reads: int = 32) -> None:
         self._source = source
         self._slots = threading.BoundedSemaphore(max_reads)
+        self._full = threading.BoundedSemaphore(self.FULL_DELTAS)
         self.max_reads = max_reads
+        self._stalls = StallGuard()
+        self._count = threading.Lock()
+        self.in_flight = 0
+        """Calls holding a slot now."""
+
+    @contextlib.contextmanager
+    def _slot(self, context: grpc.ServicerContext) -> Iterator[None]:
+        if not self._slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"too many reads in flight ({self.max_reads})")
+        with self._count:
+            self.in_flight += 1
+        try:
+            yield
+        finally:
+            with self._count:
+                self.in_flight -= 1
+            self._slots.release()
 
     def close(self) -> None:
         """The server stops: waiting reads end (the source's ``close``)."""
+        self._stalls.close()
         close = getattr(self._source, "close", None)
         if close is not None:
             close()
 
     def Read(self, request: pb.ReadRequest, context: grpc.ServicerContext) -> Iterator[pb.WeightsChunk]:
-        if not self._slots.acquire(blocking=False):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"too many reads in flight ({self.max_reads})")
-        try:
+        with self._slot(context):
             yield from self._read(request, context)
-        finally:
-            self._slots.release()
 
     def _read(self, request: pb.ReadRequest, context: grpc.ServicerContext) -> Iterator[pb.WeightsChunk]:
         timeout = request.timeout_seconds or DEFAULT_TIMEOUT_S
@@ -98,7 +165,7 @@ class WeightsService(pb_grpc.WeightsServiceServicer):
         if deadline is not None:
             timeout = min(timeout, max(0.0, deadline))
         try:
-            version = self._source.read(newer_than, timeout)
+            version = self._source.read(newer_than, timeout, request.history[:MAX_HISTORY])
         except NoVersion as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no version to read: {e}")
         if version is None:
@@ -108,15 +175,25 @@ class WeightsService(pb_grpc.WeightsServiceServicer):
         local = getattr(self._source, "local_path", None)
         path = local(version, request.dtype, request.host[:MAX_HOST]) if local is not None and request.host else None
         encoded = version.encoded(request.dtype)
+        key = id(context)
+        self._stalls.watch(key, context)
+        try:
+            yield from self._send(request, context, version, encoded, path, key)
+        finally:
+            self._stalls.done(key)
+
+    def _send(self, request: pb.ReadRequest, context: grpc.ServicerContext, version: Any, encoded: Any,
+              path: str | None, key: int) -> Iterator[pb.WeightsChunk]:
         yield pb.WeightsChunk(header=pb.VersionHeader(
             step=version.step, published_at=version.published_at, nbytes=len(encoded.data),
             crc32=0 if path else encoded.crc32, model=self._source.model_name(), server_time=time.time(),
             tensors=[pb.TensorMeta(key=k, dtype=d, shape=list(shape), nbytes=n) for k, d, shape, n in encoded.metas],
-            path=path or ""))
+            path=path or "", history=version.history))
         if not path:
             data = memoryview(encoded.data)
             for start in range(0, len(data), CHUNK_BYTES):
                 yield pb.WeightsChunk(data=bytes(data[start:start + CHUNK_BYTES]))
+                self._stalls.progress(key)  # resumed: the last chunk went out
         peer = context.peer()
         name = "".join(c for c in request.reader[:MAX_NAME] if c.isprintable()) or peer
         self._source.read_done(name, peer, version, max(1, min(request.sharing, 1 << 20)),
@@ -124,6 +201,10 @@ class WeightsService(pb_grpc.WeightsServiceServicer):
 
 
     def Rows(self, request: pb.RowsRequest, context: grpc.ServicerContext) -> pb.RowsResponse:
+        with self._slot(context):
+            return self._rows(request, context)
+
+    def _rows(self, request: pb.RowsRequest, context: grpc.ServicerContext) -> pb.RowsResponse:
         import torch
 
         if request.dtype not in READ_DTYPES:
@@ -148,6 +229,20 @@ class WeightsService(pb_grpc.WeightsServiceServicer):
 
 
     def RowsSince(self, request: pb.RowsSinceRequest, context: grpc.ServicerContext) -> Iterator[pb.RowsDelta]:
+        with self._slot(context):
+            if request.since >= 0:
+                yield from self._rows_since(request, context)
+                return
+            wait = context.time_remaining()
+            if not self._full.acquire(timeout=DEFAULT_TIMEOUT_S if wait is None else max(0.0, wait)):
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"too many reads of every row at once ({self.FULL_DELTAS}): ask again")
+            try:
+                yield from self._rows_since(request, context)
+            finally:
+                self._full.release()
+
+    def _rows_since(self, request: pb.RowsSinceRequest, context: grpc.ServicerContext) -> Iterator[pb.RowsDelta]:
         import torch
 
         if request.dtype not in READ_DTYPES:

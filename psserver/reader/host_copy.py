@@ -3,8 +3,12 @@
 Readers made with ``share=True`` keep a private directory of their user in shared memory
 (``/dev/shm/psserver-readers-<uid>/<server and dtype>/``, 0700): each one's thread waits for
 the directory's lock, and the one holding it fetches every new version from the server and
-writes it as a file of its own (``v-<step>``: written under a temporary name, then renamed, so
-a file is whole or absent, never half of one version and half of another); a server on this
+writes it as a file of its own (``v-<step>-<history>-<fetcher pid>``: written under a temporary
+name, then renamed, so a file is whole or absent, never half of one version and half of
+another). Readers take only the files of a fetcher that lives: a copy left by readers of an
+earlier run, or of a server since started again, is never served as the newest; a fetcher
+that takes over first fetches the server's newest, and one that meets a new history (the
+server started again) removes the older history's files before it publishes. A server on this
 host and user hands over its own file of the version instead, which the fetcher links in
 (``psserver.common.version_files``): no copy of the bytes at all. Every reader reads
 the newest file; a file being replaced stays readable by whoever opened it. The server sends
@@ -43,6 +47,14 @@ LOCK_RETRY_S = 0.2
 FETCH_WAIT_S = 1.0
 """How long one fetch waits for a newer version before the fetcher asks again (and notices a close)."""
 PREFIX = "v-"
+
+
+def parse_name(name: str) -> tuple[int, str, int] | None:
+    """The step, history and fetcher's pid a version file's name holds (None: not one)."""
+    parts = name[len(PREFIX):].split("-") if name.startswith(PREFIX) else []
+    if len(parts) != 3 or not parts[0].isdigit() or not parts[2].isdigit():
+        return None
+    return int(parts[0]), parts[1], int(parts[2])
 
 
 class DirectoryWatch:
@@ -89,12 +101,11 @@ class DirectoryWatch:
 
 
 class HostCopy:
-    """The shared copy of one server's versions in one dtype; ``fetch(newer_than, timeout)``
-    gets one from the server (None: none came)."""
+    """The shared copy of one server's versions in one dtype; ``fetch(newer_than, timeout,
+    history)`` gets one from the server (None: none came)."""
 
-    def __init__(self, address: str, dtype: str, fetch: Callable[[int | None, float], Raw | None]) -> None:
-        key = hashlib.sha256(f"{address}|{dtype}".encode()).hexdigest()[:20]
-        self.path = version_files.root() / key
+    def __init__(self, address: str, dtype: str, fetch: Callable[[int | None, float, str], Raw | None]) -> None:
+        self.path = version_files.root() / self.key(address, dtype)
         self._fetch = fetch
         self._me = f"reader-{os.getpid()}-{secrets.token_hex(4)}"
         for attempt in range(3):
@@ -112,6 +123,11 @@ class HostCopy:
         """Whether this process's thread holds the lock: it fetches for the host."""
         self._thread = threading.Thread(target=self._serve, name="psserver-host-copy", daemon=True)
         self._thread.start()
+
+    @staticmethod
+    def key(address: str, dtype: str) -> str:
+        """The directory of the copy of ``address``'s versions in ``dtype``."""
+        return hashlib.sha256(f"{address}|{dtype}".encode()).hexdigest()[:20]
 
     def close(self) -> None:
         """Stop; the last reader of the host removes the copy (under the lock: no fetcher writes)."""
@@ -164,10 +180,12 @@ class HostCopy:
 
     def _fetch_while_open(self) -> None:
         failures = 0
+        self._remove_versions(keep=None)  # an earlier fetcher's: this one fetches the newest first
         while not self._closed.is_set():
             try:
-                newest = self.newest_step()
-                raw = self._fetch(-1 if newest is None else newest, FETCH_WAIT_S)  # -1: waits for a model too
+                newest = self._newest()
+                step, history = (-1, "") if newest is None else newest[:2]
+                raw = self._fetch(step, FETCH_WAIT_S, history)  # -1: waits for a model too
             except (ServerUnavailable, UsageError) as e:
                 failures += 1
                 if failures in (1, 10) or failures % 100 == 0:
@@ -184,21 +202,23 @@ class HostCopy:
                     self._closed.wait(1.0)
 
     def _publish(self, raw: Raw) -> None:
+        newest = self._newest()
+        if newest is not None and newest[1] != raw.history:  # the server started again: its steps anew
+            self._remove_versions(keep=None)
         tmp = f".{PREFIX}{raw.step}.{os.getpid()}.tmp"
         if raw.path is not None:  # the server's own file (it is on this host): linked, not copied
             os.link(raw.path, tmp, dst_dir_fd=self._dir, follow_symlinks=False)
         else:
             version_files.write(self._dir, tmp, version_files.header_bytes(
-                raw.step, raw.published_at, raw.model, raw.crc32, raw.clock, raw.metas), raw.data)
+                raw.step, raw.published_at, raw.model, raw.crc32, raw.clock, raw.metas, raw.history), raw.data)
         try:
-            os.rename(tmp, f"{PREFIX}{raw.step:020d}", src_dir_fd=self._dir, dst_dir_fd=self._dir)
+            os.rename(tmp, f"{PREFIX}{raw.step:020d}-{raw.history}-{os.getpid()}", src_dir_fd=self._dir,
+                      dst_dir_fd=self._dir)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=self._dir)
             raise
-        for old in self._versions()[:-KEPT]:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(old, dir_fd=self._dir)
+        self._remove_versions(keep=KEPT)
         for name in self._listdir():  # what a fetcher that died mid-write left
             if name.endswith(".tmp") and not _alive_in(name.split(".")[-2]):
                 with contextlib.suppress(OSError):
@@ -217,11 +237,23 @@ class HostCopy:
             os.close(fd)
 
     def _versions(self) -> list[str]:
-        return sorted(n for n in self._listdir() if n.startswith(PREFIX))
+        """The names of the versions whose fetcher lives, oldest first (one history: a fetcher
+        removes the files of another before it publishes)."""
+        named = [(parse_name(n), n) for n in self._listdir() if n.startswith(PREFIX)]
+        return [n for parsed, n in sorted(x for x in named if x[0] is not None) if version_files.alive(parsed[2])]
 
-    def newest_step(self) -> int | None:
+    def _newest(self) -> tuple[int, str, int] | None:
         names = self._versions()
-        return int(names[-1][len(PREFIX):]) if names else None
+        return parse_name(names[-1]) if names else None
+
+    def _remove_versions(self, keep: int | None) -> None:
+        """(The fetcher) every version file but this fetcher's newest ``keep`` (None: all of them)."""
+        own = [n for n in self._versions() if parse_name(n)[2] == os.getpid()]  # type: ignore[index]
+        kept = set(own[-keep:]) if keep else set()
+        for name in self._listdir():
+            if name.startswith(PREFIX) and name not in kept:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=self._dir)
 
     def sharing(self) -> int:
         """The readers on this host that share the copy (their processes alive)."""
@@ -236,15 +268,21 @@ class HostCopy:
                     os.unlink(name, dir_fd=self._dir)
         return max(alive, 1)
 
-    def read(self, newer_than: int | None, timeout: float) -> Raw | None:
-        """The newest version in the copy (past ``newer_than``, waiting up to ``timeout`` s)."""
+    def read(self, newer_than: int | None, timeout: float, history: str = "") -> Raw | None:
+        """The newest version in the copy (past ``newer_than``, or of another ``history`` than
+        its, waiting up to ``timeout`` s)."""
         deadline = time.monotonic() + timeout
         while True:
             names = self._versions()  # after the watch was armed: no rename falls between
-            if names and (newer_than is None or int(names[-1][len(PREFIX):]) > newer_than):
+            newest = parse_name(names[-1]) if names else None
+            if newest is not None and (newer_than is None or newest[0] > newer_than
+                                       or (history and newest[1] != history)):
                 raw = self._load(names[-1])
                 if raw is not None:
                     return raw
+                if names[-1] in self._listdir():  # not gone: it holds another version than its name's
+                    raise UsageError(f"readers' shared copy: {self.path / names[-1]} does not hold the version "
+                                     "its name says")
                 continue  # replaced while it was opened: the newer one is there
             left = deadline - time.monotonic()
             if left <= 0:
@@ -259,7 +297,8 @@ class HostCopy:
         raw = Raw.of_file(*found)
         # The server's file, linked in, holds the step of its name: the server writes a file again
         # only once no name of this copy links it; a name removed meanwhile is a newer file's.
-        return raw if raw.step == int(name[len(PREFIX):]) else None
+        step, history, _ = parse_name(name)  # type: ignore[misc]
+        return raw if (raw.step, raw.history) == (step, history) else None
 
 
 def _alive_in(text: str) -> bool:

@@ -21,10 +21,12 @@ class Raw:
     """The server's clock minus the receiver's, when the header came."""
     path: str | None = None
     """The server's own file of the version (a server on this host): a host copy links it in."""
+    history: str = ""
+    """The server's line of versions (``VersionHeader.history``): steps only grow within one."""
 
     @classmethod
     def of_file(cls, header: dict, data: memoryview, path: str | None = None) -> Raw:
         """A version file's (``psserver.common.version_files``); ``path``: the server's own file."""
         metas = [(k, d, tuple(shape), int(n)) for k, d, shape, n in header["metas"]]
         return cls(int(header["step"]), float(header["published_at"]), header["model"], int(header["crc32"]),
-                   metas, data, float(header["clock"]), path)
+                   metas, data, float(header["clock"]), path, str(header.get("history", "")))

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import threading
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -44,6 +47,10 @@ FILE_TRIES = 2
 """Reads of one version through the server's file (on its host) before its bytes are asked for."""
 MAX_MESSAGE = 16 << 20
 """Largest message taken from the server (its chunks are 1 MiB; a header lists every tensor)."""
+STALL_S = 60.0
+"""A read given up when nothing came for this long, past its wait for a version: a transfer has
+no deadline of its own (a large model over a slow link takes what it takes), a stalled one does."""
+HISTORY = re.compile(r"[0-9a-f]{0,32}")
 
 
 @dataclass
@@ -57,6 +64,10 @@ class Version:
     received_at: float
     """When this reader had all of it (Unix seconds, on the server's clock as the header told it)."""
     model: str
+    history: str = ""
+    """The server's line of versions: steps only grow within one. A server started again (or
+    gone back to an older checkpoint) starts another, and may serve a step again with other
+    weights: :meth:`Reader.wait` and :meth:`Reader.subscribe` hand its newest over at once."""
 
     @property
     def age(self) -> float:
@@ -132,6 +143,8 @@ class Reader:
         self.timeout = timeout
         token = resolve_read_token(token, token_file)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.has_token = bool(token)
+        """Whether it reads with a token (a relay serves such weights beyond loopback only with one)."""
         options = [("grpc.max_receive_message_length", MAX_MESSAGE)]
         self._channel = open_channel(self.address, tls_ca, options)
         self._stub = pb_grpc.WeightsServiceStub(self._channel)
@@ -139,6 +152,7 @@ class Reader:
         """Sent with each read: a server on this host and user answers with its file of the
         version (``psserver.common.version_files``); emptied once such a file proves unusable."""
         self._known: tuple[list, list] | None = None  # the last layout of versions, checked
+        self._history = ""  # of the last version read: a step to wait past is one of it
         self._host: HostCopy | None = None
         if share:
             self._host = HostCopy(self.address, self.dtype, self._fetch)
@@ -160,26 +174,43 @@ class Reader:
     def latest(self) -> Version:
         """The newest version."""
         version = self._read(None, self.timeout)
-        assert version is not None
+        if version is None:  # the host's copy had none in time: its fetcher got none from the server
+            raise ServerUnavailable(f"no version of {self.address} came within {self.timeout:g}s to the readers "
+                                    "of this host")
         return version
 
     def wait(self, newer_than: int, timeout: float | None = None) -> Version | None:
         """The newest version of a step past ``newer_than``, waiting up to ``timeout`` s (default:
-        the reader's) for one; None when none came."""
+        the reader's) for one; None when none came. A server that started another history since
+        this reader's last version (restarted) hands its newest over at once, whatever its step."""
         return self._read(int(newer_than), self.timeout if timeout is None else timeout)
 
     def subscribe(self, timeout: float | None = None) -> Iterator[Version]:
         """Each new version, the newest one each time: a reader slower than training skips the
-        versions it could not keep up with. Ends when none came for ``timeout`` s (None: never)."""
+        versions it could not keep up with. Ends when none came for ``timeout`` s (None: never);
+        a server out of reach after the first version (restarting) is asked again every second."""
         version = self.latest()
         yield version
+        since, down = time.monotonic(), False
         while True:
-            newer = self.wait(version.step, self.timeout if timeout is None else timeout)
+            wait = self.timeout if timeout is None else max(0.0, timeout - (time.monotonic() - since))
+            try:
+                newer = self.wait(version.step, wait)
+            except ServerUnavailable as e:
+                if not down:
+                    log.warning("%s; asking again every second", e)
+                    down = True
+                newer = None
+                time.sleep(1.0)
+            else:
+                if down:
+                    log.info("the weights of %s answer again", self.address)
+                    down = False
             if newer is None:
-                if timeout is not None:
+                if timeout is not None and time.monotonic() - since >= timeout:
                     return
                 continue
-            version = newer
+            version, since = newer, time.monotonic()
             yield version
 
     def load_into(self, model: nn.Module, version: Version | None = None, *, strict: bool = True) -> Version:
@@ -258,40 +289,60 @@ class Reader:
         return UsageError(f"reading the weights of {self.address}: {code.name}: {details}")
 
     def _read(self, newer_than: int | None, timeout: float) -> Version | None:
-        raw = self._fetch(newer_than, timeout) if self._host is None else self._host.read(newer_than, timeout)
-        return None if raw is None else self._version(raw)
+        history = self._history if newer_than is not None else ""
+        raw = self._fetch(newer_than, timeout, history) if self._host is None else \
+            self._host.read(newer_than, timeout, history)
+        if raw is None:
+            return None
+        if raw.history != self._history and self._history:
+            log.info("the versions of %s are of another history from step %d (the server started again): "
+                     "steps may come again with other weights", self.address, raw.step)
+        self._history = raw.history
+        return self._version(raw)
 
-    def _fetch(self, newer_than: int | None, timeout: float) -> Raw | None:
-        """A version from the server (None: none past ``newer_than`` within ``timeout`` s)."""
+    def _fetch(self, newer_than: int | None, timeout: float, history: str = "") -> Raw | None:
+        """A version from the server (None: none past ``newer_than`` of ``history`` within
+        ``timeout`` s). No deadline covers the transfer: the server ends its own wait, and a
+        read that receives nothing for ``STALL_S`` is given up."""
         sharing = self._host.sharing() if self._host is not None else 1
         request = pb.ReadRequest(timeout_seconds=max(timeout, 1e-3), dtype=self.dtype, reader=self.name,
-                                 sharing=sharing, host=self._host_id)
+                                 sharing=sharing, host=self._host_id, history=history)
         if newer_than is not None:
             request.newer_than = newer_than
-        try:
-            for attempt in range(FILE_TRIES + 1):
-                raw = self._assemble(self._stub.Read(request, timeout=timeout + 30.0, metadata=self._metadata))
-                if raw is not None:
-                    return raw
-                # The server's file went, or was written again, before this reader opened it: ask
-                # again (the bytes at the last try, or once its files proved out of reach).
-                request.host = self._host_id if attempt + 1 < FILE_TRIES else ""
-            raise UsageError(f"{self.address} named files of versions this reader could not open")
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and newer_than is not None:
-                return None
-            raise self._error(e) from None
+        for attempt in range(FILE_TRIES + 1):
+            call = self._stub.Read(request, metadata=self._metadata)
+            watchdog = _Watchdog(call, first=timeout + STALL_S, stall=STALL_S)
+            try:
+                raw = self._assemble(call, watchdog.progress)
+            except grpc.RpcError as e:
+                if watchdog.fired:
+                    raise ServerUnavailable(f"reading the weights of {self.address}: nothing came for "
+                                            f"{watchdog.waited:g}s") from None
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and newer_than is not None:
+                    return None  # the server's answer: no version past newer_than in time
+                raise self._error(e) from None
+            finally:
+                watchdog.stop()
+            if raw is not None:
+                return raw
+            # The server's file went, or was written again, before this reader opened it: ask
+            # again (the bytes at the last try, or once its files proved out of reach).
+            request.host = self._host_id if attempt + 1 < FILE_TRIES else ""
+        raise UsageError(f"{self.address} named files of versions this reader could not open")
 
-    def _assemble(self, chunks: Iterator[pb.WeightsChunk]) -> Raw | None:
+    def _assemble(self, chunks: Iterator[pb.WeightsChunk], progress: Callable[[], None] = lambda: None) -> Raw | None:
         """The version ``chunks`` carry (None: the server named its file, gone before it was opened)."""
         header: pb.VersionHeader | None = None
         buf = bytearray()
         offset = 0
         for chunk in chunks:
+            progress()
             if chunk.HasField("header"):
                 if header is not None:
                     raise UsageError(f"{self.address} sent a second header in one version")
                 header = chunk.header
+                if not HISTORY.fullmatch(header.history):
+                    raise UsageError(f"{self.address} named a history that is not one: {header.history[:40]!r}")
                 buf = bytearray(0 if header.path else header.nbytes)
                 clock = header.server_time - time.time()  # the server's clock minus this one's
                 continue
@@ -310,7 +361,8 @@ class Reader:
         if zlib.crc32(buf) != header.crc32:
             raise UsageError(f"version {header.step} from {self.address} does not match its checksum")
         metas = [(m.key, m.dtype, tuple(int(d) for d in m.shape), int(m.nbytes)) for m in header.tensors]
-        return Raw(header.step, header.published_at, header.model, header.crc32, metas, buf, clock)
+        return Raw(header.step, header.published_at, header.model, header.crc32, metas, buf, clock,
+                   history=header.history)
 
     def _server_file(self, header: pb.VersionHeader) -> Raw | None:
         """The version in the file the server named (it is on this host, run by this user),
@@ -336,7 +388,8 @@ class Reader:
         if found is None:
             return None
         raw = Raw.of_file(*found, path=str(path))
-        return raw if raw.step == header.step else None  # written again since it was named: ask again
+        # Written again since it was named: ask again.
+        return raw if (raw.step, raw.history) == (header.step, header.history) else None
 
     def _version(self, raw: Raw) -> Version:
         """The tensors of ``raw``, checked against what its header says of them, on ``device``."""
@@ -350,7 +403,7 @@ class Reader:
             t = torch.frombuffer(raw.data, dtype=dtype, count=nbytes // dtype.itemsize, offset=at).view(shape) \
                 if nbytes else torch.empty(shape, dtype=dtype)
             state[key] = t if cpu else t.to(self.device)
-        return Version(raw.step, state, raw.published_at, time.time() + raw.clock, raw.model)
+        return Version(raw.step, state, raw.published_at, time.time() + raw.clock, raw.model, raw.history)
 
     def _layout(self, metas: list) -> list[tuple[str, torch.dtype, tuple[int, ...], int, int]]:
         """Each tensor's key, dtype, shape, offset and bytes, checked once per layout (a version
@@ -371,6 +424,40 @@ class Reader:
             at += nbytes
         self._known = (metas, layout)
         return layout
+
+
+class _Watchdog:
+    """Cancels a streaming call that receives nothing for ``stall`` s (its first message:
+    ``first`` s, the server's wait for a version included)."""
+
+    def __init__(self, call: Any, first: float, stall: float) -> None:
+        self._call, self.stall = call, stall
+        self.waited = first
+        self._due = time.monotonic() + first
+        self._cond = threading.Condition()
+        self._done = False
+        self.fired = False
+        self._thread = threading.Thread(target=self._run, name="psserver-read-watchdog", daemon=True)
+        self._thread.start()
+
+    def progress(self) -> None:
+        self._due = time.monotonic() + self.stall
+        self.waited = self.stall
+
+    def stop(self) -> None:
+        with self._cond:
+            self._done = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._done:
+                left = self._due - time.monotonic()
+                if left <= 0:
+                    self.fired = True
+                    self._call.cancel()
+                    return
+                self._cond.wait(left)
 
 
 def _int64s(data: bytes, address: str) -> torch.Tensor:

@@ -23,7 +23,7 @@ import grpc
 
 from psserver.common.versions import Version
 from psserver.control.auth import AuthInterceptor, CallLogInterceptor
-from psserver.control.server import format_address
+from psserver.control.server import LOOPBACK, check_tls_files, format_address
 from psserver.control.weights import WeightsService
 from psserver.control.weights import add_to_server as add_weights_to_server
 from psserver.errors import NoVersion, ServerUnavailable, UsageError
@@ -38,19 +38,33 @@ RETRY_S = 1.0
 class Relay:
     """Versions of ``upstream`` (the server's control plane, or another relay) served on
     ``host:port`` (0: a free port, in :attr:`port` once started) to readers that hold
-    ``read_token`` (None: open, as a server without one); ``upstream_token``: the token this
-    relay reads its upstream with."""
+    ``read_token`` (given, or read from ``read_token_file``; neither: open, as a server without
+    one); ``upstream_token``: the token this relay reads its upstream with (else
+    ``$PSSERVER_READ_TOKEN``). Weights that need a token upstream are served beyond loopback
+    only with a token of this relay's, or ``open=True``; ``tls_cert``/``tls_key``: serve TLS."""
 
     def __init__(self, upstream: str | None = None, *, host: str = "127.0.0.1", port: int = 0,
                  upstream_token: str | None = None, upstream_token_file: Path | str | None = None,
                  read_token: str | None = None, read_token_file: Path | str | None = None,
-                 tls_ca: Path | str | bytes | None = None, name: str = "relay", max_reads: int = 32,
-                 timeout: float = 30.0) -> None:
+                 tls_ca: Path | str | bytes | None = None, tls_cert: Path | str | None = None,
+                 tls_key: Path | str | None = None, open: bool = False, name: str = "relay",  # noqa: A002
+                 max_reads: int = 32, timeout: float = 30.0) -> None:
+        if (tls_cert is None) != (tls_key is None):
+            raise UsageError("--tls-cert and --tls-key go together")
+        self._tls = None if tls_cert is None else (Path(tls_cert), Path(tls_key))  # type: ignore[arg-type]
+        if self._tls is not None:
+            check_tls_files(*self._tls)
+        self._read_token = resolve_read_token(read_token, read_token_file) \
+            if read_token is not None or read_token_file is not None else None
         self._reader = Reader(upstream, token=upstream_token, token_file=upstream_token_file, tls_ca=tls_ca,
                               name=name, timeout=timeout)
         self.upstream = self._reader.address
         self.host, self.port = host, port
-        self._read_token = resolve_read_token(read_token, read_token_file)
+        if self._reader.has_token and self._read_token is None and host not in LOOPBACK and not open:
+            self._reader.close()
+            raise UsageError(f"the weights of {self.upstream} need a token, and this relay would serve them "
+                             f"to anyone who reaches {host}: give its readers a token (--read-token-file), or pass "
+                             "--open to mean it")
         self.max_reads = max_reads
         self._cond = threading.Condition()
         self._latest: Version | None = None
@@ -74,17 +88,26 @@ class Relay:
                              options=[("grpc.so_reuseport", 0)])
         add_weights_to_server(WeightsService(self, self.max_reads), server)
         try:
-            port = server.add_insecure_port(format_address(self.host, self.port))
+            bind = format_address(self.host, self.port)
+            if self._tls is not None:
+                cert, key = self._tls
+                creds = grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])
+                port = server.add_secure_port(bind, creds)
+            else:
+                port = server.add_insecure_port(bind)
         except RuntimeError as e:
-            raise UsageError(f"relay: cannot listen on {self.address} ({e})") from None
+            raise UsageError(f"cannot listen on {self.address} ({e})") from None
         if not port:
-            raise UsageError(f"relay: cannot listen on {self.address} (in use?)")
+            raise UsageError(f"cannot listen on {self.address} (in use?)")
         self.port = port
         server.start()
         self._server = server
         self._thread = threading.Thread(target=self._follow, name="psserver-relay-follow", daemon=True)
         self._thread.start()
-        log.info("relaying the weights of %s on %s", self.upstream, self.address)
+        log.info("relaying the weights of %s on %s (%s, %s)", self.upstream, self.address,
+                 "TLS" if self._tls else "plaintext", "readers' token required" if self._read_token else "open")
+        if self.host not in LOOPBACK and self._read_token is not None and self._tls is None:
+            log.warning("relay on %s without TLS: its readers' token and the weights travel in clear text", self.host)
         return self
 
     def close(self) -> None:
@@ -125,7 +148,8 @@ class Relay:
             # The upstream's clock minus this one's: published_at on this relay's clock.
             offset = version.received_at - time.time()
             with self._cond:
-                self._latest = Version(version.step, version.published_at - offset, version.state)
+                self._latest = Version(version.step, version.published_at - offset, version.state,
+                                       history=version.history)
                 self._model = version.model
                 self.fetched += 1
                 self._cond.notify_all()
@@ -133,11 +157,12 @@ class Relay:
 
     # ---- what WeightsService reads (psserver.control.weights.WeightsSource) ------------------
 
-    def read(self, newer_than: int | None, timeout: float) -> Version | None:
+    def read(self, newer_than: int | None, timeout: float, history: str = "") -> Version | None:
         deadline = time.monotonic() + timeout
         floor = -1 if newer_than is None else newer_than
         with self._cond:
-            while not self._closed and (self._latest is None or self._latest.step <= floor):
+            while not self._closed and (self._latest is None or (
+                    self._latest.step <= floor and not (history and history != self._latest.history))):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     if self._latest is None and newer_than is None:

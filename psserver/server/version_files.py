@@ -85,7 +85,8 @@ class VersionFiles:
             self._open()
         assert self._dir is not None
         encoded = version.encoded(dtype)
-        header = version_files.header_bytes(version.step, version.published_at, model, 0, 0.0, encoded.metas)
+        header = version_files.header_bytes(version.step, version.published_at, model, 0, 0.0, encoded.metas,
+                                            version.history)
         name = f"v-{version.step:020d}-{dtype or 'held'}"
         file = self._free(len(header) + len(encoded.data))
         if file is None:

@@ -16,6 +16,7 @@ reader that serves looks them up as they are held (``rows``).
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -69,6 +70,10 @@ class Versions:
         self._closed = False
         self.files = VersionFiles()
         """Versions as files, for readers on this host and user (``psserver.server.version_files``)."""
+        self.history = secrets.token_hex(8)
+        """This process's line of versions: a server started again (from shared memory, or from an
+        older checkpoint) may serve a step again with other weights, so readers are told that
+        its versions are of another history, and take its newest whatever their last step."""
 
     def on_step(self, step: int, samples: int) -> None:  # noqa: ARG002 - an engine listener
         """A step was applied: waiting readers may take it."""
@@ -91,11 +96,12 @@ class Versions:
             return None
         return self.files.path_for(version, dtype, reader_host, self._model())
 
-    def read(self, newer_than: int | None, timeout: float) -> Version | None:
+    def read(self, newer_than: int | None, timeout: float, history: str = "") -> Version | None:
         """The newest version (of a step past ``newer_than``, waiting up to ``timeout`` s for
-        one); None when none came in time or the server is stopping."""
+        one; at once when ``newer_than`` is of another ``history``); None when none came in time
+        or the server is stopping."""
         deadline = time.monotonic() + timeout
-        floor = -1 if newer_than is None else newer_than
+        floor = -1 if newer_than is None or (history and history != self.history) else newer_than
         while True:
             try:
                 version = self._fresh()
@@ -137,7 +143,8 @@ class Versions:
                 step, state, *packed = self._copy()  # (a packed snapshot: its tensors are views of its bytes)
                 with self._cond:
                     published = self._applied_at.get(step, time.time())
-                latest = self._latest = Version(step, published, state, packed[0] if packed else None)
+                latest = self._latest = Version(step, published, state, packed[0] if packed else None,
+                                                history=self.history)
                 self._copied_at = time.monotonic()
                 self.copies += 1
             return latest

@@ -39,6 +39,11 @@ class LocalSGD:
     def _hook(self, _optimizer: torch.optim.Optimizer, _args: tuple, _kwargs: dict) -> None:
         self._on_step()
 
+    @property
+    def active(self) -> bool:
+        """Whether its steps are still counted (not removed)."""
+        return self._handle is not None
+
     def remove(self) -> None:
         """Stop counting this optimizer's steps (its windows are then ``ps.sync()``'s)."""
         if self._handle is not None:

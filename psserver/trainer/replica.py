@@ -95,6 +95,7 @@ class Replica:
         self._counter = SampleCounter()
         self._hooks: list[Any] = []
         self._wrapper: Any = None  # the last DistributedOptimizer made over this replica (its hooks count passes)
+        self._inner_hooks: list[LocalSGD] = []  # local_sgd's, on the user's inner optimizers
 
     def open(self) -> None:
         """Load the server's values into the replica, and count its forwards from now on."""
@@ -169,7 +170,12 @@ class Replica:
         :meth:`step` counts them). Under :meth:`local_sgd` each H-th inner step calls it."""
         half = self._diloco("sync")
         n = self._counter.take() if samples is None else sample_count(samples)
-        if half.window_steps == 0:  # a loop of its own: the window counts as one step
+        if half.window_steps == 0 and any(hook.active for hook in self._inner_hooks):
+            # The inner optimizer's steps make the windows and none came since the last sync (a
+            # flush right after local_sgd's own): nothing to hand in. Sent, its zero
+            # pseudo-gradient would be one of a sync round's K and an outer step of its own.
+            pass
+        elif half.window_steps == 0:  # a loop of its own: the window counts as one step
             half.inner_step_done(n)
             self._ps._count_step(n, loss)
         else:
@@ -199,7 +205,9 @@ class Replica:
                 self._ps._call(half.advance)
             self._ps.leave_on_signal()
 
-        return LocalSGD(optimizer, stepped)
+        hook = LocalSGD(optimizer, stepped)
+        self._inner_hooks.append(hook)
+        return hook
 
     @property
     def local_steps(self) -> int:

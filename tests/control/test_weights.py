@@ -4,6 +4,7 @@ weights and nothing else."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import grpc
@@ -165,3 +166,56 @@ def test_row_deltas_over_grpc_keep_a_readers_copy_equal_to_the_table_in_chunks(t
             reader.rows_since("users")
         with pytest.raises(UsageError, match="since is a table's clock"):
             reader.rows_since("items", -2)
+
+
+def test_a_reader_that_stops_reading_is_cancelled_and_frees_its_slot(target, monkeypatch):
+    """A reader that takes the header of a 64 MiB version and reads no further fills its flow-
+    control window: the server's send stalls, and past STALL_S the read is cancelled, so the one
+    read slot is free again (else: RESOURCE_EXHAUSTED for every reader, for ever)."""
+    from psserver.control import weights as weights_module
+    from psserver.control.v1 import control_pb2 as pb
+    from psserver.control.v1 import control_pb2_grpc as pb_grpc
+
+    monkeypatch.setattr(weights_module, "STALL_S", 1.0)
+    big = Versions(lambda: (1, {"w": torch.zeros(16 << 20)}), lambda: 1, 0.0)
+    with ControlServer(target, ControlConfig(port=0), grace=0.5, weights=big, max_reads=1).start() as server, \
+            grpc.insecure_channel(server.address) as channel:
+        stalled = pb_grpc.WeightsServiceStub(channel).Read(pb.ReadRequest())
+        assert next(stalled).header.step == 1  # and nothing more is read
+        with Reader(server.address, timeout=10) as reader:
+            for _ in range(100):  # the slot is free once the server gave the stalled read up
+                try:
+                    version = reader.latest()
+                    break
+                except UsageError as e:
+                    assert "RESOURCE_EXHAUSTED" in str(e)
+                    time.sleep(0.1)
+            else:
+                pytest.fail("the stalled read still holds the only slot after 10 s")
+        assert version.step == 1 and version.state["w"].numel() == 16 << 20
+        with pytest.raises(grpc.RpcError) as e:
+            for _ in stalled:
+                pass
+        assert e.value.code() == grpc.StatusCode.CANCELLED
+
+
+def test_row_reads_take_the_read_slots_too(target, trained):
+    """Row lookups and deltas copy rows: they are reads, bounded as reads are, so readers never
+    take the workers of the status calls."""
+    from psserver.control.v1 import control_pb2 as pb
+    from psserver.control.v1 import control_pb2_grpc as pb_grpc
+
+    trained.train_one()
+    with ControlServer(target, ControlConfig(port=0), grace=0.5, weights=trained.versions, max_reads=1).start() \
+            as server, grpc.insecure_channel(server.address) as channel, Reader(server.address) as reader:
+        assert reader.rows("users", [1]).step == 1  # the slot is free
+        waiting = pb_grpc.WeightsServiceStub(channel).Read(pb.ReadRequest(newer_than=5, timeout_seconds=30))
+        deadline = time.monotonic() + 10
+        while server.weights.in_flight == 0:  # until the server has the read, waiting for step 6
+            assert not waiting.done() and time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(UsageError, match="RESOURCE_EXHAUSTED"):
+            reader.rows("users", [1])
+        with pytest.raises(UsageError, match="RESOURCE_EXHAUSTED"):
+            reader.rows_since("users")
+        waiting.cancel()

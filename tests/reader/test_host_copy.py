@@ -5,6 +5,7 @@ user could have written is never read."""
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 import time
 
@@ -23,6 +24,7 @@ class Server:
 
     def __init__(self) -> None:
         self.step = 0
+        self.history = "aa"
         self.fetches = 0
         self.changed = threading.Condition()
 
@@ -31,14 +33,21 @@ class Server:
             self.step += 1
             self.changed.notify_all()
 
-    def fetch(self, newer_than: int | None, timeout: float) -> Raw | None:
+    def restart(self, step: int, history: str) -> None:
+        """Started again (from an older checkpoint): at ``step``, under another history."""
         with self.changed:
-            if not self.changed.wait_for(lambda: newer_than is None or self.step > newer_than, timeout):
+            self.step, self.history = step, history
+            self.changed.notify_all()
+
+    def fetch(self, newer_than: int | None, timeout: float, history: str = "") -> Raw | None:
+        with self.changed:
+            if not self.changed.wait_for(lambda: newer_than is None or self.step > newer_than
+                                         or (history and history != self.history), timeout):
                 return None
-            step = self.step
+            step, of = self.step, self.history
             self.fetches += 1
         data = bytearray(torch.full((6,), float(step)).numpy().tobytes())
-        return Raw(step, time.time(), "toy", 0, [("w", "float32", (2, 3), 24)], data, 0.0)
+        return Raw(step, time.time(), "toy", 0, [("w", "float32", (2, 3), 24)], data, 0.0, history=of)
 
 
 @pytest.fixture(autouse=True)
@@ -120,13 +129,13 @@ def test_the_servers_own_file_is_linked_in_not_copied(tmp_path):
     server_dir = version_files.root() / "server-1-abc"
     dir_fd = version_files.private_dir(server_dir, "test")
 
-    def fetch(newer_than: int | None, timeout: float) -> Raw | None:
-        raw = Server.fetch(server, newer_than, timeout)
+    def fetch(newer_than: int | None, timeout: float, history: str = "") -> Raw | None:
+        raw = Server.fetch(server, newer_than, timeout, history)
         if raw is None:
             return None
         name = f"v-{raw.step}"
         version_files.write(dir_fd, name, version_files.header_bytes(raw.step, raw.published_at, raw.model, 0, 0.0,
-                                                                     raw.metas), raw.data)
+                                                                     raw.metas, raw.history), raw.data)
         return Raw.of_file(*version_files.load(dir_fd, name, server_dir / name, "test"), path=str(server_dir / name))
 
     server = Server()
@@ -135,7 +144,7 @@ def test_the_servers_own_file_is_linked_in_not_copied(tmp_path):
         server.train()
         got = [c.read(0, 5.0) for c in copies]
         assert [r.step for r in got] == [1] * 3 and all(values(r) == {1.0} for r in got)
-        linked = os.stat(copies[0].path / f"{host_copy.PREFIX}{1:020d}")
+        linked = os.stat(copies[0].path / f"{host_copy.PREFIX}{1:020d}-aa-{os.getpid()}")
         assert linked.st_ino == os.stat(server_dir / "v-1").st_ino and linked.st_nlink == 2
         os.unlink(server_dir / "v-1")
         assert values(copies[1].read(None, 1.0)) == {1.0}
@@ -143,3 +152,47 @@ def test_the_servers_own_file_is_linked_in_not_copied(tmp_path):
         for c in copies:
             c.close()
         os.close(dir_fd)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_copy_left_by_the_readers_of_an_earlier_run_is_never_the_newest():
+    """Readers of an earlier run on the same address were killed at step 1234, leaving their
+    copy; the server now runs at step 5: a new reader's newest is 5, and the old file goes."""
+    server = Server()
+    server.step = 5
+    path = version_files.root() / HostCopy.key("h:4", "")
+    dir_fd = version_files.private_dir(path, "test")
+    stale = f"{host_copy.PREFIX}{1234:020d}-ff-{_dead_pid()}"
+    data = bytearray(torch.full((6,), 1234.0).numpy().tobytes())
+    version_files.write(dir_fd, stale, version_files.header_bytes(1234, 0.0, "toy", 0, 0.0,
+                                                                  [("w", "float32", (2, 3), 24)], "ff"), data)
+    os.close(dir_fd)
+    copy = HostCopy("h:4", "", server.fetch)
+    try:
+        assert copy.read(None, 5.0).step == 5
+        assert stale not in os.listdir(copy.path)
+    finally:
+        copy.close()
+
+
+def test_a_server_started_again_at_a_lower_step_is_followed():
+    """The server went back to step 2 of a checkpoint (another history): readers waiting past
+    step 3 of the old history take step 2 of the new one at once, never the old step 3."""
+    server = Server()
+    copies = [HostCopy("h:5", "", server.fetch) for _ in range(2)]
+    try:
+        for _ in range(3):
+            server.train()
+        assert [c.read(2, 5.0).step for c in copies] == [3, 3]
+        server.restart(2, "bb")
+        got = [c.read(3, 5.0, history="aa") for c in copies]
+        assert [(r.step, r.history) for r in got] == [(2, "bb")] * 2 and all(values(r) == {2.0} for r in got)
+        assert not [n for n in os.listdir(copies[0].path) if n.startswith(host_copy.PREFIX) and "-aa-" in n]
+    finally:
+        for c in copies:
+            c.close()

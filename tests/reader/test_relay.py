@@ -11,7 +11,7 @@ import torch
 
 from psserver.config.control import ControlConfig
 from psserver.control.server import ControlServer
-from psserver.errors import UsageError
+from psserver.errors import ServerUnavailable, UsageError
 from psserver.reader.reader import Reader
 from psserver.reader.relay import Relay
 
@@ -66,3 +66,30 @@ def test_a_relays_read_token_guards_it_and_it_waits_out_an_upstream_not_there_ye
         with Reader(relay.address, token_file=token, timeout=2) as reader, \
                 pytest.raises(UsageError, match=r"FAILED_PRECONDITION: .*the relay has no version"):
             reader.latest()
+
+
+def test_a_relay_serves_its_readers_tls_with_a_token_of_its_own(target, trained, tmp_path):
+    """A relay of a guarded upstream, with its own readers' token over TLS: its readers need the
+    certificate and its token; the upstream's token opens nothing on it."""
+    from tests.control.test_security import make_certificate
+
+    cert, key = make_certificate(tmp_path)
+    trained.train_one()
+    config = ControlConfig(port=0, read_token_file=_token(tmp_path / "upstream.token", "upstream-readers"))
+    with ControlServer(target, config, grace=0.5, weights=trained.versions).start() as server, \
+            Relay(server.address, upstream_token="upstream-readers", read_token="relay-readers", tls_cert=cert,
+                  tls_key=key) as relay:
+        with Reader(relay.address, token="relay-readers", tls_ca=cert, timeout=10) as reader:
+            assert reader.latest().step == 1
+        with Reader(relay.address, token="upstream-readers", tls_ca=cert, timeout=10) as other, \
+                pytest.raises(UsageError, match="UNAUTHENTICATED"):
+            other.latest()
+        with Reader(relay.address, token="relay-readers", timeout=3) as plaintext, \
+                pytest.raises(ServerUnavailable):
+            plaintext.latest()
+
+
+def _token(path, text):
+    path.write_text(text + "\n")
+    path.chmod(0o600)
+    return path

@@ -107,13 +107,13 @@ def through_wrapper(ps, out: str, accumulate: int = 1) -> None:
     _save(model, out, steps=ps.steps, lr=opt.param_groups[0]["lr"], samples=ps.samples)
 
 
-def through_local_sgd(ps, out: str, every: int = 5, explicit: bool = False) -> None:
+def through_local_sgd(ps, out: str, every: int = 5, explicit: bool = False, hooked: bool | None = None) -> None:
     """DiLoCo against a server of ``--update diloco``: the loop's own Adam at ``LR`` is the inner
-    optimizer, and every ``every`` of its steps sync, through ``ps.local_sgd`` or, ``explicit``,
-    the loop's own ``ps.sync()``."""
+    optimizer, and every ``every`` of its steps sync, through ``ps.local_sgd`` (``hooked``, by
+    default when not ``explicit``) and/or the loop's own ``ps.sync()`` (``explicit``)."""
     model = ps.replica(tiny_net())
     inner = optim.Adam(model.parameters(), lr=LR)
-    if not explicit:
+    if (not explicit) if hooked is None else hooked:
         ps.local_sgd(inner, every=every)
     outer = []
     for i, (x, y) in enumerate(batches(), start=1):

@@ -61,19 +61,22 @@ def test_twenty_adam_steps_equal_a_local_loop(procs, port, tmp_path, loop):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("explicit", [False, True], ids=["local_sgd", "sync"])
-def test_diloco_of_one_trainer_under_outer_sgd_lr1_equals_its_inner_loop(procs, port, tmp_path, explicit):
+@pytest.mark.parametrize(("explicit", "hooked"), [(False, True), (True, False), (True, True)],
+                         ids=["local_sgd", "sync", "local_sgd-then-sync"])
+def test_diloco_of_one_trainer_under_outer_sgd_lr1_equals_its_inner_loop(procs, port, tmp_path, explicit, hooked):
     """A server of --update diloco whose outer step is SGD at lr 1: the loop's own Adam, synced
     every 5 of its steps (ps.local_sgd, or the loop's own ps.sync()), ends where a plain local
-    Adam loop does, to 1e-6; each window is one outer step."""
+    Adam loop does, to 1e-6; each window is one outer step. A ps.sync() right after local_sgd's
+    own hands in nothing (no zero pseudo-gradient, no outer step of its own)."""
     procs.server(port, "--update", "diloco", "--sync-trainers", "1", "--optimizer", "sgd", "--lr", "1")
     out = tmp_path / "state.pt"
-    t = entry(procs, port, "through_local_sgd", args={"out": str(out), "every": 5, "explicit": explicit})
+    t = entry(procs, port, "through_local_sgd",
+              args={"out": str(out), "every": 5, "explicit": explicit, "hooked": hooked})
     assert t.wait(120) == 0, t.tail()
     assert same(torch.load(out), loops.local_adam()) < 1e-6
     counters = json.loads(t.output().strip().splitlines()[-1])
     assert counters["global_step"] == loops.STEPS // 5 and counters["samples"] == loops.STEPS * loops.BATCH
-    assert counters["steps"] == (loops.STEPS // 5 if explicit else loops.STEPS), counters
+    assert counters["steps"] == (loops.STEPS if hooked else loops.STEPS // 5), counters
     assert counters["outer"] == ([1, 2, 3, 4] if explicit else []), counters
 
 

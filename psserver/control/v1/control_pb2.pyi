@@ -123,20 +123,22 @@ class RowsResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., width: _Optional[int] = ..., dtype: _Optional[str] = ..., rows: _Optional[bytes] = ...) -> None: ...
 
 class ReadRequest(_message.Message):
-    __slots__ = ("newer_than", "timeout_seconds", "dtype", "reader", "sharing", "host")
+    __slots__ = ("newer_than", "timeout_seconds", "dtype", "reader", "sharing", "host", "history")
     NEWER_THAN_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     READER_FIELD_NUMBER: _ClassVar[int]
     SHARING_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
     newer_than: int
     timeout_seconds: float
     dtype: str
     reader: str
     sharing: int
     host: str
-    def __init__(self, newer_than: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., dtype: _Optional[str] = ..., reader: _Optional[str] = ..., sharing: _Optional[int] = ..., host: _Optional[str] = ...) -> None: ...
+    history: str
+    def __init__(self, newer_than: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., dtype: _Optional[str] = ..., reader: _Optional[str] = ..., sharing: _Optional[int] = ..., host: _Optional[str] = ..., history: _Optional[str] = ...) -> None: ...
 
 class TensorMeta(_message.Message):
     __slots__ = ("key", "dtype", "shape", "nbytes")
@@ -151,7 +153,7 @@ class TensorMeta(_message.Message):
     def __init__(self, key: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class VersionHeader(_message.Message):
-    __slots__ = ("step", "published_at", "tensors", "nbytes", "crc32", "model", "server_time", "path")
+    __slots__ = ("step", "published_at", "tensors", "nbytes", "crc32", "model", "server_time", "path", "history")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PUBLISHED_AT_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +162,7 @@ class VersionHeader(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
     step: int
     published_at: float
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
@@ -168,7 +171,8 @@ class VersionHeader(_message.Message):
     model: str
     server_time: float
     path: str
-    def __init__(self, step: _Optional[int] = ..., published_at: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., nbytes: _Optional[int] = ..., crc32: _Optional[int] = ..., model: _Optional[str] = ..., server_time: _Optional[float] = ..., path: _Optional[str] = ...) -> None: ...
+    history: str
+    def __init__(self, step: _Optional[int] = ..., published_at: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., nbytes: _Optional[int] = ..., crc32: _Optional[int] = ..., model: _Optional[str] = ..., server_time: _Optional[float] = ..., path: _Optional[str] = ..., history: _Optional[str] = ...) -> None: ...
 
 class WeightsChunk(_message.Message):
     __slots__ = ("header", "data")

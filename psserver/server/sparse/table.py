@@ -216,7 +216,8 @@ class EmbeddingTable:
             since = -1
         chosen = (self.ids >= 0) & (self.changed > since)
         gone = [ids for step, ids in self._dropped if step > since] if not full else []
-        return RowChanges(self.step, full, self.ids[chosen].clone(), self.weights[chosen].clone(),
+        # A boolean mask's indexing copies: the rows taken under the lock, once.
+        return RowChanges(self.step, full, self.ids[chosen], self.weights[chosen],
                           torch.cat(gone) if gone else torch.zeros(0, dtype=torch.int64))
 
     def initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
