@@ -9,6 +9,7 @@ import math
 import sys
 import threading
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,22 +78,27 @@ class BufferPool:
     reference left to it: a version's tensors, its bytes being sent and a view of them each hold
     one (CPython counts them; elsewhere the pool only allocates)."""
 
-    FREE_REFS = 3
-    """``sys.getrefcount`` of a buffer nothing else holds: the pool's list, the loop's name, the call."""
-
     def __init__(self, keep: int = 2) -> None:
         self.keep = keep
-        self._buffers: list[Any] = []
         self._lock = threading.Lock()
         self._counted = sys.implementation.name == "cpython" and getattr(sys, "_is_gil_enabled", lambda: True)()
+        # What ``sys.getrefcount`` says, in ``_counts``, of a buffer only the pool holds: measured
+        # here, not assumed (interpreters differ: 3.14 borrows references that 3.11 counts).
+        self._buffers: list[Any] = [torch.empty(1, dtype=torch.uint8).numpy()]  # held by the list alone
+        self.free_refs = next(self._counts())[1]
+        self._buffers = []
         self.reused = 0
+
+    def _counts(self) -> Iterator[tuple[Any, int]]:
+        for buf in self._buffers:
+            yield buf, sys.getrefcount(buf)
 
     def take(self, nbytes: int) -> Any:
         """A buffer of ``nbytes`` (uninitialised: a free one, else a new one)."""
         with self._lock:
             if self._counted:
-                for buf in self._buffers:
-                    if buf.nbytes == nbytes and sys.getrefcount(buf) == self.FREE_REFS:
+                for buf, refs in self._counts():
+                    if buf.nbytes == nbytes and refs == self.free_refs:
                         self.reused += 1
                         return buf
             buf = torch.empty(nbytes, dtype=torch.uint8).numpy()
