@@ -189,6 +189,22 @@ def test_the_server_refuses_a_call_that_ends_parts_without_its_number(engine):
         half.part("t", 1, "parts")
 
 
+def test_a_bad_sample_count_changes_nothing_and_the_next_step_goes_through(engine):
+    """A step's samples go into the journal and the checkpoints: a float, NaN, a negative or a
+    count past 2**40 is refused before any part of the step is taken, and the trainer's next,
+    good step is applied as if the bad one never came."""
+    half = PushPullServer(engine)
+    half.join_info("t", join_request())
+    half.exchange("t", None, 16)
+    grads = [torch.ones(engine.num_params)]
+    for bad in (2**63, float("nan"), -1, 1.5, True):
+        with pytest.raises(ValueError, match=r"samples must be an int in \[0, 2\*\*40\]"):
+            half.exchange("t", grads, bad)
+        assert engine.global_step == 0
+    half.exchange("t", grads, 16)
+    assert engine.global_step == 1
+
+
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_an_overlapped_trainer_computes_on_the_reply_before_the_last(engine, device):
     """--overlap on: step t (t >= 2) computes on the parameters of step t-1's reply, while

@@ -46,6 +46,18 @@ class ShuttingDown(RuntimeError):
     """A new step was refused because the server is draining."""
 
 
+MAX_SAMPLES = 2**40
+"""The most samples one step may say it trained (a trainer's count; counters stay exact ints)."""
+
+
+def check_samples(value: object, what: str = "a step's samples") -> int:
+    """``value``, or ``ValueError`` unless it is an int in [0, ``MAX_SAMPLES``]: the counts go into
+    the shared-memory journal and the checkpoints, which a float, NaN or 2**63 would break."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SAMPLES:
+        raise ValueError(f"{what} must be an int in [0, 2**40], got {value!r}"[:200])
+    return value
+
+
 def model_keys(model: nn.Module, part: nn.Module) -> dict[str, str]:
     """``part``'s state_dict keys -> ``model``'s, for a part (a stage) that shares its tensors."""
     by_tensor: dict[int, str] = {}
@@ -481,6 +493,7 @@ class StepEngine:
         """A step of ``samples`` starts (on the current weights: its clock ticks, the global
         step it reads is recorded unless ``read`` is False: a gradient that arrives with no step
         open here was computed elsewhere); ``ShuttingDown`` while the server drains."""
+        check_samples(samples)
         with self._cond:
             if self._draining:
                 raise ShuttingDown("psserver is shutting down")

@@ -52,9 +52,12 @@ class GradientGuard:
     def check(self, trainer: str, grads: Grads, norm: float | None = None) -> Grads | None:
         """``grads`` as they may be applied (scaled when above ``max_norm``), or None: not
         finite, drop the step. ``norm``: the whole step's gradient norm, when ``grads`` is only
-        this server's partition of it (every server then decides the same way)."""
-        if norm is None:
-            norm = total_norm(list(grads.values()))
+        this server's partition of it (every server then decides the same way); a partition
+        that is not finite itself is dropped whatever the norm said (a trainer's word alone
+        never lets NaN into the model)."""
+        local = total_norm(list(grads.values()))
+        if norm is None or not math.isfinite(local):
+            norm = local
         if not math.isfinite(norm):
             with self._lock:
                 c = self._counts.setdefault(trainer, GuardCounts())

@@ -22,6 +22,7 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 
 from psserver.common import torch_rpc
+from psserver.server.engine.engine import check_samples
 from psserver.server.steps.base import register
 from psserver.server.steps.plain import PlainServer
 from psserver.server.steps.trainer_compute import TrainerComputeServer
@@ -41,6 +42,7 @@ class PullServer(TrainerComputeServer, PlainServer):
         with the model's buffers, last, the server's. ``buffers``: the trainer's after its last
         step's forward (they reach the server one call after that step's gradient, and count from
         the next update on)."""
+        check_samples(samples)
         flat = self.check_buffers(buffers)
         if flat is not None:
             self.engine.buffers.receive(trainer, flat)

@@ -30,6 +30,7 @@ import threading
 import torch
 
 from psserver.config.ps import OVERLAP_MODES
+from psserver.server.engine.engine import check_samples
 from psserver.server.engine.gradient_parts import GradientParts
 from psserver.server.steps.base import register
 from psserver.server.steps.trainer_compute import TrainerComputeServer
@@ -38,8 +39,6 @@ log = logging.getLogger(__name__)
 
 MAX_NUMBER = 2**62
 """The largest gradient number taken: the server's state in memory records numbers as int64."""
-MAX_SAMPLES = 2**40
-"""The most samples one step may say it trained: their running sum stays an int64 for ages."""
 
 
 
@@ -125,8 +124,8 @@ class PushPullServer(TrainerComputeServer):
     @staticmethod
     def _samples(done: object) -> None:
         """``ValueError`` unless ``done`` is None or a step's samples (an int in [0, 2**40])."""
-        if done is not None and (isinstance(done, bool) or not isinstance(done, int) or not 0 <= done <= MAX_SAMPLES):
-            raise ValueError(f"a step's samples must be an int in [0, 2**40], got {done!r}")
+        if done is not None:
+            check_samples(done)
 
     @staticmethod
     def _part_list(parts: object) -> list:
@@ -160,6 +159,7 @@ class PushPullServer(TrainerComputeServer):
         if norm is not None and not isinstance(norm, float):
             raise ValueError(f"gradient norm must be a float, got {type(norm).__name__}")
         self._samples(done)
+        self._samples(samples)  # before any part of the step is taken: a bad count changes nothing
         if number is not None:
             self._number(number)
         if rest is not None:

@@ -82,6 +82,17 @@ def test_a_non_finite_gradient_is_refused_and_counted_in_a_row(bad):
     assert guard.counts("t").nonfinite == 3  # kept for status
 
 
+def test_a_finite_norm_said_for_a_non_finite_gradient_lets_nothing_in():
+    """The whole step's norm comes from the trainer (several servers): a partition with NaN in
+    it is dropped whatever norm it came with."""
+    model = nn.Linear(8, 4)
+    guard = GradientGuard(max_norm=None, max_nonfinite=3)
+    poisoned = _grads(model)
+    next(iter(poisoned.values()))[0, 0] = float("nan")
+    assert guard.check("t", poisoned, norm=1.0) is None
+    assert guard.counts("t").nonfinite == 1
+
+
 def _shard() -> Shard:
     s = Shard(0, nn.Linear(4, 2), torch.device("cpu"))
     s.init_optimizer(OptimizerConfig(name="sgd", lr=0.1))
