@@ -48,6 +48,10 @@ class GradientSequences:
         self.applied: dict[int, int] = {}
         """Rank -> the number of its last gradient applied (a sync round's, once the round is)."""
         self._pending: Applied = []
+        self._departed: dict[str, tuple[int, int]] = {}
+        """Trainer -> (rank, number) of a gradient it left behind in a sync round still open (a
+        gone trainer's gradient stays in its round): recorded as applied when the round is, so
+        that the trainer, rejoined, does not have it applied again."""
         self.durable: DurableJournal | None = None
 
     def joined(self, trainer: str, rank: int, steps: int) -> None:
@@ -60,8 +64,9 @@ class GradientSequences:
 
     def gone(self, trainer: str) -> None:
         with self._lock:
-            self._ranks.pop(trainer, None)
-            self._sent.pop(trainer, None)
+            rank, number = self._ranks.pop(trainer, None), self._sent.pop(trainer, None)
+            if rank is not None and number is not None and number > self.applied.get(rank, 0):
+                self._departed[trainer] = (rank, number)  # in a round still open, or dropped
 
     def applied_before(self, trainer: str, number: int) -> bool:
         """Whether ``trainer``'s gradient ``number`` was applied already (it sends it again after
@@ -77,8 +82,14 @@ class GradientSequences:
 
     def begin(self, global_step: int, samples: int, trainers: list[str]) -> None:
         with self._lock:
-            self._pending = [(self._ranks[t], self._sent[t]) for t in trainers
-                             if t in self._ranks and t in self._sent]
+            self._pending = []
+            for t in trainers:
+                left = self._departed.pop(t, None)  # a gradient it left in this round, if it is back since
+                now = (self._ranks[t], self._sent[t]) if t in self._ranks and t in self._sent else None
+                if now is not None and (left is None or now[1] >= left[1]):
+                    self._pending.append(now)
+                elif left is not None:
+                    self._pending.append(left)
         if self.durable is not None:
             self.durable.begin(global_step, samples, self._pending)
 

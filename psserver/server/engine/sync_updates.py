@@ -129,6 +129,13 @@ class SyncUpdater(Updater):
             self._cond.notify_all()
         self._report(applied)
 
+    def departure(self, trainer: str) -> tuple[int, bool]:
+        """What the other server processes need to know of ``trainer``'s leaving: the rounds
+        closed by now, and whether its last gradient is in the round still open (a gone
+        trainer's gradient stays in its round)."""
+        with self._cond:
+            return self._round, trainer in self._contributors
+
     def submit(self, trainer: str, grads: Grads | None, samples: int) -> None:
         with self._cond:
             if trainer in self._contributors:
@@ -222,6 +229,10 @@ class FollowerSyncUpdater(Updater):
     are applied in their order, each once all its gradients are here. A trainer that is gone
     before its gradient arrived (it died between its calls to two servers) is left out of the
     round here: the one case where partitions can differ by a step.
+
+    Server 0's word that a trainer left and its rounds' decisions come by separate calls, in
+    either order: a gone trainer's gradient is kept until every round that may hold it is
+    decided (server 0 says which: :meth:`leaving`), and dropped only if none named it.
     """
 
     mode = "sync"
@@ -232,6 +243,8 @@ class FollowerSyncUpdater(Updater):
         self._pending: dict[str, tuple[Grads | None, int]] = {}  # trainer -> its gradient, not applied yet
         self._decided: dict[int, list[str]] = {}  # round -> contributors, not applied yet
         self._next = 1  # the round to apply next
+        self._leaving: dict[str, int | None] = {}  # server 0's word of a departure, until trainer_gone
+        self._drop_after: dict[str, int] = {}  # gone trainer -> the last round that may hold its gradient
 
     @property
     def lock(self):
@@ -269,8 +282,24 @@ class FollowerSyncUpdater(Updater):
             applied = self._apply_ready()
         self._report(applied)
 
+    def leaving(self, trainer: str, rounds_closed: int, in_open_round: bool) -> None:
+        """Server 0's word, before :meth:`trainer_gone`: when ``trainer`` left it had closed
+        ``rounds_closed`` rounds, and its last gradient was in the round still open or not."""
+        with self._cond:
+            self._leaving[trainer] = None if in_open_round else rounds_closed
+
+    def _settle(self) -> None:
+        """(lock held) Drop the gradients of gone trainers that no round will take: every round
+        up to the last that may hold one is decided here, and none named it."""
+        for trainer, last in list(self._drop_after.items()):
+            if all(r in self._decided for r in range(self._next, last + 1)):
+                if not any(trainer in names for names in self._decided.values()):
+                    self._pending.pop(trainer, None)
+                del self._drop_after[trainer]
+
     def _apply_ready(self) -> list[tuple[int, int]]:
         """(lock held) Apply every decided round whose gradients are all here, in order."""
+        self._settle()
         applied = []
         while self._next in self._decided:
             names = [n for n in self._decided[self._next] if n in self._pending or n in self._progress or
@@ -319,7 +348,14 @@ class FollowerSyncUpdater(Updater):
     def trainer_gone(self, trainer: str) -> None:
         super().trainer_gone(trainer)
         with self._cond:
-            self._pending.pop(trainer, None)
+            if trainer not in self._leaving:  # not server 0's word (a checkpoint loaded): nothing of it counts
+                self._pending.pop(trainer, None)
+                self._drop_after.pop(trainer, None)
+            else:
+                last = self._leaving.pop(trainer)
+                if last is not None:
+                    self._drop_after[trainer] = last
+                # else: its gradient is in server 0's open round, which will name it
             applied = self._apply_ready()  # a round that waited for its gradient goes without it
             self._cond.notify_all()
         self._report(applied)

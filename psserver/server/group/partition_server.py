@@ -251,9 +251,17 @@ class PartitionServer:
         """Server 0 took the model from the first trainer: this server's pieces of it."""
         self.engine.adopt_partition(ModelLayout.from_dict(layout), pieces, reference, args or {})
 
-    def trainer_gone(self, name: str) -> None:
+    def trainer_gone(self, name: str, rounds_closed: int | None = None, in_open_round: bool = False) -> None:
+        """``name`` left; server 0 says (sync) how many rounds it had closed then, and whether the
+        trainer's last gradient is in the round still open."""
+        if rounds_closed is not None and (isinstance(rounds_closed, bool) or not isinstance(rounds_closed, int)
+                                          or not isinstance(in_open_round, bool)):
+            raise ValueError("trainer_gone(name: str, rounds_closed: int, in_open_round: bool)")
         member = self.roster.remove(name)
         if member is not None:
+            updater = self.engine.updater
+            if rounds_closed is not None and isinstance(updater, FollowerSyncUpdater):
+                self.engine.compute.run(updater.leaving, name, rounds_closed, in_open_round)
             self.halves[member.protocol].trainer_gone(name, True)
             self.engine.trainer_gone(name)
 

@@ -326,11 +326,16 @@ class ServerGroup:
             raise RuntimeError(f"server {peer.rank} ({peer.name}) did not take the trainer: {_first_line(error)}")
 
     def trainer_gone(self, name: str) -> None:
+        """Tell the other processes ``name`` left (after this process's engine forgot it), with
+        what a follower of sync rounds needs to keep or drop its gradient: this reaches it by
+        another call than the rounds' decisions, in either order (``FollowerSyncUpdater``)."""
+        departure = getattr(self.engine.updater, "departure", None)
+        rounds, in_round = departure(name) if departure is not None else (None, False)
         with self.lock:
             live = [p for p in self.peers.values() if p.state == "SERVING"]
         for peer in live:  # not waited for: a dead peer must not hold up membership
             try:
-                fut = rpc.rpc_async(peer.name, peers.server_call, args=("trainer_gone", (name,)),
+                fut = rpc.rpc_async(peer.name, peers.server_call, args=("trainer_gone", (name, rounds, in_round)),
                                     timeout=self.config.rpc_timeout)
                 fut.add_done_callback(lambda f, p=peer: _log_failure(f, p, f"forgetting {name}"))
             except RuntimeError as e:

@@ -595,3 +595,57 @@ def test_the_optimizer_warm_up_imports_what_the_first_optimizer_needs_in_the_bac
     thread.join(120)
     assert not thread.is_alive()
     assert "torch._dynamo" in sys.modules  # what a first optimizer's param group imports
+
+
+@pytest.mark.parametrize("order", ["decision first", "departure first"])
+@pytest.mark.parametrize("trainers", [2, 3], ids=["round closes as it leaves", "round open as it leaves"])
+def test_a_follower_keeps_the_gradient_of_a_trainer_that_left_for_the_round_that_holds_it(order, trainers):
+    """Server 0 keeps a gone trainer's gradient in its round; its word of the departure and the
+    round's decision reach a follower by separate calls, in either order: the follower applies
+    the same round, with the same gradients, and stays at server 0's step and weights."""
+    leader_shard, shard = make_shard(), make_shard()
+    leader_steps, steps = [], []
+    leader = SyncUpdater([leader_shard], lambda s, n: leader_steps.append((s, n)), k=2)
+    follower = make_updater("sync", [shard], lambda s, n: steps.append((s, n)), 2, follower=True)
+    decided = []
+    leader.round_listeners.append(lambda r, names: decided.append((r, names)))
+    names = ["a", "b", "c"][:trainers]
+    for t in names:
+        leader.trainer_joined(t)
+        follower.trainer_joined(t)
+    leader.submit("a", grads(leader_shard, 1.0), 4)
+    follower.submit("a", grads(shard, 1.0), 4)
+    leader.trainer_gone("a")  # its last call answered, it leaves before its round closed
+    word = leader.departure("a")
+
+    def depart():
+        follower.leaving("a", *word)
+        follower.trainer_gone("a")
+
+    if trainers == 3:  # b's gradient closes round 1, which holds a's
+        leader.submit("b", grads(leader_shard, 3.0), 4)
+        follower.submit("b", grads(shard, 3.0), 4)
+    assert len(decided) == 1
+    if order == "departure first":
+        depart()
+        follower.decide(*decided[0])
+    else:
+        follower.decide(*decided[0])
+        depart()
+    assert steps == leader_steps and leader.global_step == follower.global_step == 1
+    assert torch.equal(shard.params[0], leader_shard.params[0])
+
+
+def test_a_follower_drops_a_gradient_server_0_never_had_once_the_trainer_left():
+    leader = SyncUpdater([make_shard()], lambda s, n: None, k=2)
+    follower = make_updater("sync", [make_shard()], lambda s, n: None, 2, follower=True)
+    for t in ("a", "b"):
+        leader.trainer_joined(t)
+        follower.trainer_joined(t)
+    follower.submit("a", grads(follower.shards[0], 1.0), 4)  # it died before its call to server 0
+    leader.trainer_gone("a")
+    follower.leaving("a", *leader.departure("a"))
+    follower.trainer_gone("a")
+    follower.submit("b", grads(follower.shards[0], 1.0), 4)
+    follower.decide(1, ["b"])
+    assert follower.global_step == 1 and "a" not in follower._pending
