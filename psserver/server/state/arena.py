@@ -123,6 +123,7 @@ class Arena:
         self._mm = mm
         self._bytes = torch.frombuffer(mm, dtype=torch.uint8)
         self.generation = generation
+        self._in_flight: list[tuple[int, int]] = []  # the ranks' numbers of the update begun, not ended
 
     # ---- making and opening ------------------------------------------------------------------
 
@@ -214,10 +215,15 @@ class Arena:
         _FIELDS.pack_into(self._mm, 0, MAGIC, j.generation, j.begin, j.end, j.global_step, j.samples, j.next_step,
                           j.next_samples)
 
-    def ranks(self) -> dict[int, int]:
-        """Rank -> the number of its last gradient in an update (begun or whole)."""
+    def ranks(self, torn: bool) -> dict[int, int]:
+        """Rank -> the number of its last gradient applied. A number of the update in flight is
+        written negated before the update's begin mark and positive before its end mark: when
+        the writer died, it counts as applied if the update is ``torn`` (begun: it counts as
+        applied), else the update never began and the one before it is the rank's last (a
+        trainer sends again only the gradient in flight, so nothing older is asked of it)."""
         values = struct.unpack_from(f"<{MAX_RANKS}q", self._mm, _RANKS_AT)
-        return {rank: n for rank, n in enumerate(values) if n}
+        ranks = {rank: (-n if torn else -n - 1) if n < 0 else n for rank, n in enumerate(values)}
+        return {rank: n for rank, n in ranks.items() if n}
 
     def write_ranks(self, ranks: dict[int, int]) -> None:
         for rank, n in ranks.items():
@@ -228,13 +234,19 @@ class Arena:
             struct.pack_into("<q", self._mm, _RANKS_AT + 8 * rank, number)
 
     def begin(self, seq: int, global_step: int, samples: int, applied: list[tuple[int, int]]) -> None:
-        """An update is about to be applied in place: what it will be, then the mark that opens it."""
+        """An update is about to be applied in place: what it will be (its gradients' numbers
+        negated: in flight), then the mark that opens it."""
         struct.pack_into("<qq", self._mm, 48, global_step, samples)
         for rank, number in applied:
-            self.set_rank(rank, number)
+            self.set_rank(rank, -number)
+        self._in_flight = list(applied)
         struct.pack_into("<q", self._mm, 16, seq)
 
     def end(self, seq: int, global_step: int, samples: int) -> None:
-        """That update is whole: its step and samples, then the mark that closes it."""
+        """That update is whole: its gradients' numbers, its step and samples, then the mark
+        that closes it."""
+        for rank, number in self._in_flight:
+            self.set_rank(rank, number)
+        self._in_flight = []
         struct.pack_into("<qq", self._mm, 32, global_step, samples)
         struct.pack_into("<q", self._mm, 24, seq)

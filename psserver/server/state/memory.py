@@ -204,7 +204,7 @@ class MemoryState:
                  state.get("run"), self.dir, journal.generation, step, samples)
         self.arena, self._slots = arena, slots  # kept mapped until the next generation replaces it
         self._seq = journal.begin
-        self.ranks = arena.ranks()
+        self.ranks = arena.ranks(journal.torn)
         return state, self.dir
 
     def _load(self) -> tuple[dict, Arena, list[Slot], Journal] | None:

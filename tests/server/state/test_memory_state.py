@@ -78,16 +78,30 @@ def test_the_arena_holds_the_tensors_themselves(tmp_path):
     assert torch.equal(again.view(slots[0]), p.detach()) and torch.equal(again.view(slots[1]), buf)
     assert again.view(slots[2]).item() == 7
     assert again.journal() == Journal(1, 0, 0, 3, 24) and not again.journal().torn
+    arena.set_rank(0, 3)  # rank 0's gradient 3 applied before
     arena.begin(1, 4, 32, [(0, 4), (5, 2)])
-    assert again.journal().torn and again.ranks() == {0: 4, 5: 2}
+    assert again.journal().torn and again.ranks(torn=True) == {0: 4, 5: 2}  # died while it applied: it counts
     arena.end(1, 4, 32)
-    assert again.journal() == Journal(1, 1, 1, 4, 32, 4, 32)
+    assert again.journal() == Journal(1, 1, 1, 4, 32, 4, 32) and again.ranks(torn=False) == {0: 4, 5: 2}
     (tmp_path / "junk.bin").write_bytes(b"\0" * 32768)
     with pytest.raises(ArenaError, match="not a psserver state file"):
         Arena.open(tmp_path / "junk.bin")
     (tmp_path / "short.bin").write_bytes(b"PSSTATE1")
     with pytest.raises(ArenaError, match="shorter than its header"):
         Arena.open(tmp_path / "short.bin")
+
+
+def test_a_gradient_whose_update_never_began_is_not_counted_as_applied(tmp_path):
+    """The writer died after it wrote an update's gradient numbers, before its begin mark: the
+    update is not torn (nothing of it was applied), so its gradients count as not applied, and
+    the one in flight, sent again, lands; once begun (torn), it counts as applied."""
+    arena, _ = Arena.create(tmp_path / "a.bin", [torch.zeros(3)], Journal(1, 0, 0, 3, 24))
+    arena.begin(1, 4, 8, [(0, 4)])
+    arena.end(1, 4, 8)
+    arena.set_rank(0, -5)  # the next update's number, written; its begin mark never came
+    again = Arena.open(tmp_path / "a.bin")
+    assert not again.journal().torn and again.ranks(torn=False) == {0: 4}
+    assert again.ranks(torn=True) == {0: 5}
 
 
 @pytest.mark.parametrize("update", ["async", "sync"])
@@ -316,7 +330,7 @@ def test_a_gradient_sent_again_after_a_restart_is_applied_once(state_dir):
         engine.trainer_gone("trainer_0_2")
         engine.trainer_joined("trainer_0_3")
         engine.sequences.joined("trainer_0_3", 0, 0)  # a fresh trainer of rank 0: its numbers start again
-        assert engine.sequences.applied == {} and second.memory.arena.ranks() == {}
+        assert engine.sequences.applied == {} and second.memory.arena.ranks(torn=False) == {}
         assert engine.take_gradient("trainer_0_3", 1, 8)
     finally:
         engine.close()
