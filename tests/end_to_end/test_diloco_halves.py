@@ -45,6 +45,27 @@ def test_one_trainer_with_outer_sgd_lr1_equals_a_local_loop_of_its_inner_optimiz
         engine.close()
 
 
+def test_a_frozen_parameter_is_left_out_of_the_outer_step():
+    """A parameter the trainer froze (requires_grad False) has no pseudo-gradient, as a torch
+    optimizer sees no .grad for it: the outer optimizer's weight decay leaves it as it was."""
+    engine = diloco_engine(OptimizerConfig(name="sgd", lr=1.0, weight_decay=0.5))
+    try:
+        half = DiLoCoTrainer(Channel(DiLoCoServer(engine), "t", 0, TrainerConfig(local_steps=2)))
+        half.open()
+        frozen = half.params[0]
+        frozen.requires_grad_(False)
+        before = server_weights(engine).clone()
+        for x, y in batches(4):
+            half.step(x, y)
+            half.after_step()
+        after, n = server_weights(engine), frozen.numel()
+        assert engine.global_step == 2
+        assert torch.equal(after[:n], before[:n])
+        assert not torch.equal(after[n:], before[n:])  # the others did move (decayed and stepped)
+    finally:
+        engine.close()
+
+
 def test_pseudo_gradient_is_anchor_minus_local_weights():
     """Local weights 2 above the anchor give -2: a gradient's sign (the server steps against it)."""
     engine = diloco_engine(OptimizerConfig(name="sgd", lr=1.0))

@@ -179,10 +179,15 @@ class DiLoCoTrainer(PushPullTrainer):
         to server 0; ``norm``: the whole pseudo-gradient's, for several); their replies, server 0's first."""
         number = self.seq if flat is not None else None
         servers = len(self.channel.servers)
+        # Frozen parameters have no pseudo-gradient, as a torch optimizer sees no .grad for them:
+        # a zero one would let the outer optimizer's weight decay shrink them (one server
+        # process: indices in the model's order).
+        frozen = [i for i, p in enumerate(self.params) if not p.requires_grad] if flat is not None else []
         args = []
         for i in range(servers):
             args.append((None if flat is None else flat[i], samples, norm, None, buffers if i == 0 else None,
-                         done if i == 0 else None, number, None, None, window))
+                         done if i == 0 else None, number, None, frozen if servers == 1 and frozen else None,
+                         window))
         if servers == 1:
             return [self.channel.call("exchange", *args[0])]
         return self.channel.call_each("exchange", args)
