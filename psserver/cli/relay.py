@@ -34,8 +34,8 @@ class RelayCommand(SubCommand):
         parser.add_argument("--upstream-token-file", type=path_arg, default=None,
                             help=f"file holding the token this relay reads its upstream with (else ${READ_TOKEN_ENV})")
         parser.add_argument("--read-token-file", type=path_arg, default=None,
-                            help="file holding the token readers of this relay must show (default: none, open; "
-                                 "required beyond loopback when the upstream needs a token, unless --open)")
+                            help=f"file holding the token readers of this relay must show (else ${READ_TOKEN_ENV}; "
+                                 "none: open, refused beyond loopback when the upstream needs a token, unless --open)")
         parser.add_argument("--open", action="store_true",
                             help="serve readers beyond loopback without a token though the upstream needs one")
         parser.add_argument("--tls-ca", type=path_arg, default=None,

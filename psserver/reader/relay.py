@@ -38,9 +38,9 @@ RETRY_S = 1.0
 class Relay:
     """Versions of ``upstream`` (the server's control plane, or another relay) served on
     ``host:port`` (0: a free port, in :attr:`port` once started) to readers that hold
-    ``read_token`` (given, or read from ``read_token_file``; neither: open, as a server without
-    one); ``upstream_token``: the token this relay reads its upstream with (else
-    ``$PSSERVER_READ_TOKEN``). Weights that need a token upstream are served beyond loopback
+    ``read_token`` (given, or read from ``read_token_file``, else ``$PSSERVER_READ_TOKEN``; none:
+    open, as a server without one); ``upstream_token``: the token this relay reads its upstream
+    with (else ``$PSSERVER_READ_TOKEN`` too). Weights that need a token upstream are served beyond loopback
     only with a token of this relay's, or ``open=True``; ``tls_cert``/``tls_key``: serve TLS."""
 
     def __init__(self, upstream: str | None = None, *, host: str = "127.0.0.1", port: int = 0,
@@ -54,8 +54,7 @@ class Relay:
         self._tls = None if tls_cert is None else (Path(tls_cert), Path(tls_key))  # type: ignore[arg-type]
         if self._tls is not None:
             check_tls_files(*self._tls)
-        self._read_token = resolve_read_token(read_token, read_token_file) \
-            if read_token is not None or read_token_file is not None else None
+        self._read_token = resolve_read_token(read_token, read_token_file)
         self._reader = Reader(upstream, token=upstream_token, token_file=upstream_token_file, tls_ca=tls_ca,
                               name=name, timeout=timeout)
         self.upstream = self._reader.address

@@ -80,6 +80,7 @@ class ParameterServer:
             self.group = ServerGroup(config, self.engine, self.policy, self._set_state)
             self.group.resume_step = resumed if found is None else None
             self.group.from_memory = found is not None
+            self.group.on_rollback = self.versions.new_history
             self.policy.before_write = self.group.save_partitions
             self.endpoint.group = self.group
             self.view.group = self.group

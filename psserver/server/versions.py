@@ -83,6 +83,15 @@ class Versions:
                 del self._applied_at[min(self._applied_at)]
             self._cond.notify_all()
 
+    def new_history(self) -> None:
+        """The model went back to a checkpoint in this process: its steps come again with other
+        weights, under another history, and no version of before is served again."""
+        with self._cond:  # (not the copying lock: a copy in flight may wait for the caller's locks)
+            self.history = secrets.token_hex(8)
+            self._latest = None
+            self._copied_at = 0.0
+            self._cond.notify_all()
+
     def close(self) -> None:
         with self._cond:
             self._closed = True
@@ -139,14 +148,19 @@ class Versions:
         with self._copying:  # one reader copies, the others take its copy
             latest = self._latest
             due = time.monotonic() - self._copied_at >= self.publish_interval
-            if latest is None or (due and self._applied() > latest.step):
+            while latest is None or (due and self._applied() > latest.step):
+                history = self.history
                 step, state, *packed = self._copy()  # (a packed snapshot: its tensors are views of its bytes)
                 with self._cond:
+                    if history != self.history:  # gone back to a checkpoint while it copied: copy again
+                        latest = None
+                        continue
                     published = self._applied_at.get(step, time.time())
-                latest = self._latest = Version(step, published, state, packed[0] if packed else None,
-                                                history=self.history)
+                    latest = self._latest = Version(step, published, state, packed[0] if packed else None,
+                                                    history=history)
                 self._copied_at = time.monotonic()
                 self.copies += 1
+                break
             return latest
 
     # ---- who reads ---------------------------------------------------------------------

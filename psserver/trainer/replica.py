@@ -173,8 +173,9 @@ class Replica:
         if half.window_steps == 0 and any(hook.active for hook in self._inner_hooks):
             # The inner optimizer's steps make the windows and none came since the last sync (a
             # flush right after local_sgd's own): nothing to hand in. Sent, its zero
-            # pseudo-gradient would be one of a sync round's K and an outer step of its own.
-            pass
+            # pseudo-gradient would be one of a sync round's K and an outer step of its own. Its
+            # samples (forwards since, or samples=) count with the next window.
+            half.add_samples(n)
         elif half.window_steps == 0:  # a loop of its own: the window counts as one step
             half.inner_step_done(n)
             self._ps._count_step(n, loss)

@@ -76,3 +76,13 @@ def test_a_relay_beyond_loopback_of_a_guarded_upstream_needs_a_token_of_its_own(
         Relay("127.0.0.1:1", upstream_token="upstream-secret", host="0.0.0.0")
     Relay("127.0.0.1:1", upstream_token="upstream-secret", host="0.0.0.0", open=True).close()  # meant: allowed
     Relay("127.0.0.1:1", upstream_token="upstream-secret", read_token="readers-secret", host="0.0.0.0").close()
+
+
+def test_a_relay_takes_its_readers_token_from_the_environment_too(monkeypatch):
+    """``$PSSERVER_READ_TOKEN`` set for the upstream guards the relay's readers too: never open."""
+    monkeypatch.setenv("PSSERVER_READ_TOKEN", "from-the-environment")
+    relay = Relay("127.0.0.1:1", host="0.0.0.0")  # the upstream's token and its readers': the variable's
+    try:
+        assert relay._read_token == "from-the-environment"
+    finally:
+        relay.close()

@@ -61,6 +61,23 @@ def test_wait_for_a_newer_step_with_a_timeout():
     assert newer is not None and newer.step == 1
 
 
+def test_going_back_to_a_checkpoint_starts_a_new_history_and_serves_no_version_of_before():
+    model = Model()
+    versions = versions_of(model)
+    model.train(5, versions)
+    before = versions.read(None, 1.0)
+    with model.lock:  # every server went back to the checkpoint of step 2
+        model.step = 2
+        for t in model.state.values():
+            t.fill_(2)
+    versions.new_history()
+    assert versions.history != before.history
+    t0 = time.monotonic()
+    again = versions.read(before.step, 5.0, before.history)  # a reader waiting past step 5 of before
+    assert again.step == 2 and again.history == versions.history and time.monotonic() - t0 < 1
+    assert float(again.state["w"].max()) == 2 and versions.read(None, 1.0).step == 2
+
+
 def test_at_most_one_copy_per_interval_and_every_version_is_one_step():
     model = Model()
     versions = versions_of(model, interval=0.05)

@@ -20,6 +20,9 @@ from typing import Protocol
 
 log = logging.getLogger(__name__)
 
+MAX_DEPARTED = 1024
+"""Gradients of gone trainers kept for rounds still open (names are never used again)."""
+
 Applied = list[tuple[int, int]]
 """(rank, number of its gradient) of each gradient in one update."""
 
@@ -59,6 +62,9 @@ class GradientSequences:
         whose numbers start again)."""
         with self._lock:
             self._ranks[trainer] = rank
+            if steps == 0:  # a fresh trainer on this rank: a gradient another left here is not its number
+                for name in [n for n, (r, _) in self._departed.items() if r == rank]:
+                    del self._departed[name]
             if steps == 0 and self.applied.pop(rank, None) is not None and self.durable is not None:
                 self.durable.forget_rank(rank)
 
@@ -67,6 +73,8 @@ class GradientSequences:
             rank, number = self._ranks.pop(trainer, None), self._sent.pop(trainer, None)
             if rank is not None and number is not None and number > self.applied.get(rank, 0):
                 self._departed[trainer] = (rank, number)  # in a round still open, or dropped
+                if len(self._departed) > MAX_DEPARTED:  # of rounds that never closed: the oldest go
+                    del self._departed[next(iter(self._departed))]
 
     def applied_before(self, trainer: str, number: int) -> bool:
         """Whether ``trainer``'s gradient ``number`` was applied already (it sends it again after

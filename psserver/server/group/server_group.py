@@ -100,6 +100,8 @@ class ServerGroup:
         """Removes a dead process from the RPC group (``Membership.evict_worker``)."""
         self.resume_step: int | None = None
         """The checkpoint server 0 started from: every server loads its partition of it."""
+        self.on_rollback: Callable[[], None] | None = None
+        """Called once every server went back to a checkpoint (readers' versions start a new history)."""
         self.from_memory = False
         """Server 0 continues from its state in memory: the others continue from theirs, or all go
         back to a checkpoint when one has none."""
@@ -260,6 +262,8 @@ class ServerGroup:
         self.from_memory = False
         step = self.policy.reload_latest()
         self.resume_step = step
+        if self.on_rollback is not None:
+            self.on_rollback()
         if step is None:
             log.warning("no complete checkpoint to go back to: server %d starts from the initial parameters while the "
                         "others keep theirs (give the servers --checkpoint-dir to restore a consistent state)",

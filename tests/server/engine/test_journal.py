@@ -38,3 +38,26 @@ def test_a_trainer_gone_after_its_gradient_was_applied_leaves_nothing_behind():
     updater.submit("a", grads(shard, 1.0), 4)
     sequences.gone("a")
     assert sequences.applied == {0: 1} and sequences._departed == {}
+
+
+def test_a_fresh_trainer_on_the_rank_of_one_that_left_a_gradient_in_an_open_round_keeps_its_own_numbers():
+    """The gradient left in the round is of the trainer gone; a fresh trainer on its rank
+    (numbers from 1 again) must not find its steps counted as applied when the round closes."""
+    shard = make_shard()
+    updater = SyncUpdater([shard], lambda s, n: None, k=4)
+    sequences = GradientSequences()
+    updater.journal = sequences
+    for rank, t in enumerate(("a", "b", "c", "d")):
+        sequences.joined(t, rank, 0)
+        updater.trainer_joined(t)
+    assert not sequences.applied_before("b", 8)
+    updater.submit("b", grads(shard, 1.0), 4)
+    sequences.gone("b")  # killed, its gradient 8 in the open round
+    updater.trainer_gone("b")
+    sequences.joined("b2", 1, 0)  # a fresh trainer takes rank 1
+    updater.trainer_joined("b2")
+    for t in ("a", "c", "d"):  # the round closes: b's gradient and these three
+        assert not sequences.applied_before(t, 1)
+        updater.submit(t, grads(shard, 1.0), 4)
+    assert updater.global_step == 1 and sequences.applied.get(1, 0) < 2
+    assert not sequences.applied_before("b2", 2)
