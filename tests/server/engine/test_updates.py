@@ -546,18 +546,25 @@ def test_sync_staleness_is_zero_when_every_trainer_is_in_the_round():
         assert (p.clock, p.done, p.staleness, p.max_staleness) == (entered_at + 3, entered_at + 3, 0, 0)
 
 
-def test_a_follower_applies_the_rounds_server_0_decides_in_their_order():
-    """Several server processes, sync: server 0's rounds, whatever order gradients and
-    decisions arrive in here; a round waits for its gradients, never for a trainer that is gone."""
+def leader_and_follower(trainers):
+    """Server 0's sync updater (K=2) and a follower's, both told of ``trainers``: the updaters,
+    their shards, the (step, samples) each applied, and the rounds server 0 decided."""
     leader_shard, shard = make_shard(), make_shard()
     leader_steps, steps = [], []
     leader = SyncUpdater([leader_shard], lambda s, n: leader_steps.append((s, n)), k=2)
     follower = make_updater("sync", [shard], lambda s, n: steps.append((s, n)), 2, follower=True)
     decided = []
     leader.round_listeners.append(lambda r, names: decided.append((r, names)))
-    for t in ("a", "b", "c"):
+    for t in trainers:
         leader.trainer_joined(t)
         follower.trainer_joined(t)
+    return leader, follower, leader_shard, shard, leader_steps, steps, decided
+
+
+def test_a_follower_applies_the_rounds_server_0_decides_in_their_order():
+    """Several server processes, sync: server 0's rounds, whatever order gradients and
+    decisions arrive in here; a round waits for its gradients, never for a trainer that is gone."""
+    leader, follower, leader_shard, shard, _, steps, decided = leader_and_follower("abc")
     # Server 0: c and a make round 1; b waits for round 2.
     for t, v in (("c", 3.0), ("a", 1.0), ("b", 5.0)):
         leader.submit(t, grads(leader_shard, v), 4)
@@ -603,16 +610,7 @@ def test_a_follower_keeps_the_gradient_of_a_trainer_that_left_for_the_round_that
     """Server 0 keeps a gone trainer's gradient in its round; its word of the departure and the
     round's decision reach a follower by separate calls, in either order: the follower applies
     the same round, with the same gradients, and stays at server 0's step and weights."""
-    leader_shard, shard = make_shard(), make_shard()
-    leader_steps, steps = [], []
-    leader = SyncUpdater([leader_shard], lambda s, n: leader_steps.append((s, n)), k=2)
-    follower = make_updater("sync", [shard], lambda s, n: steps.append((s, n)), 2, follower=True)
-    decided = []
-    leader.round_listeners.append(lambda r, names: decided.append((r, names)))
-    names = ["a", "b", "c"][:trainers]
-    for t in names:
-        leader.trainer_joined(t)
-        follower.trainer_joined(t)
+    leader, follower, leader_shard, shard, leader_steps, steps, decided = leader_and_follower("abc"[:trainers])
     leader.submit("a", grads(leader_shard, 1.0), 4)
     follower.submit("a", grads(shard, 1.0), 4)
     leader.trainer_gone("a")  # its last call answered, it leaves before its round closed
@@ -637,15 +635,11 @@ def test_a_follower_keeps_the_gradient_of_a_trainer_that_left_for_the_round_that
 
 
 def test_a_follower_drops_a_gradient_server_0_never_had_once_the_trainer_left():
-    leader = SyncUpdater([make_shard()], lambda s, n: None, k=2)
-    follower = make_updater("sync", [make_shard()], lambda s, n: None, 2, follower=True)
-    for t in ("a", "b"):
-        leader.trainer_joined(t)
-        follower.trainer_joined(t)
-    follower.submit("a", grads(follower.shards[0], 1.0), 4)  # it died before its call to server 0
+    leader, follower, _, shard, _, _, _ = leader_and_follower("ab")
+    follower.submit("a", grads(shard, 1.0), 4)  # it died before its call to server 0
     leader.trainer_gone("a")
     follower.leaving("a", *leader.departure("a"))
     follower.trainer_gone("a")
-    follower.submit("b", grads(follower.shards[0], 1.0), 4)
+    follower.submit("b", grads(shard, 1.0), 4)
     follower.decide(1, ["b"])
     assert follower.global_step == 1 and "a" not in follower._pending
